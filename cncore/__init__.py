@@ -1,0 +1,28 @@
+"""cncore: growable hash embedding tables, framework-neutral.
+
+A store maps any int64 key to a float32 row (plus optimizer state and access metadata) and
+grows as new keys arrive. Hot paths run in C without the GIL; arrays come in through DLPack
+or the buffer protocol and go out as NumPy arrays (DLPack-exportable, zero-copy).
+
+>>> import numpy as np, cncore
+>>> store = cncore.EmbeddingStore(dim=4, optimizer=cncore.SGD(lr=0.1))
+>>> out, ctx = store.pooled_lookup(np.array([10, 2**40, -3]), lengths=np.array([2, 1]))
+>>> out.shape, len(store)
+((2, 4), 3)
+"""
+from cncore import _core
+from cncore.config import (SGD, Adagrad, Adam, Constant, Normal, RowWiseAdagrad, StoreConfig, TruncatedNormal,
+                           Uniform)
+from cncore.grouped import LookupContext, grouped_apply_gradients, grouped_pooled_lookup
+from cncore.store import EmbeddingStore, TableBatch
+from cncore.threads import get_num_threads, has_openmp, set_num_threads, traced_bytes
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "EmbeddingStore", "StoreConfig", "TableBatch", "LookupContext",
+    "Uniform", "Normal", "TruncatedNormal", "Constant",
+    "SGD", "Adagrad", "RowWiseAdagrad", "Adam",
+    "grouped_pooled_lookup", "grouped_apply_gradients",
+    "set_num_threads", "get_num_threads", "has_openmp", "traced_bytes",
+]

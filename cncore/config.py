@@ -1,0 +1,230 @@
+"""Configuration of a store: frozen dataclasses, validated on construction.
+
+>>> from cncore import StoreConfig, Normal, RowWiseAdagrad
+>>> cfg = StoreConfig(dim=8, initializer=Normal(std=0.01), optimizer=RowWiseAdagrad(lr=0.1), seed=7)
+>>> cfg.state_floats
+1
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Tuple, Union
+
+__all__ = [
+    "Uniform", "Normal", "TruncatedNormal", "Constant", "Initializer",
+    "SGD", "Adagrad", "RowWiseAdagrad", "Adam", "Optimizer",
+    "StoreConfig",
+]
+
+
+def _finite(name: str, value: float) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+# --- initialisers: a new row's value is a pure function of (seed, key, column) ---------------
+
+@dataclass(frozen=True)
+class Uniform:
+    """U(low, high), as torch.nn.init.uniform_."""
+    low: float = -0.05
+    high: float = 0.05
+    kind = 0
+
+    def __post_init__(self):
+        if not _finite("Uniform.low", self.low) < _finite("Uniform.high", self.high):
+            raise ValueError(f"Uniform needs low < high, got low={self.low}, high={self.high}")
+
+    def params(self) -> Tuple[float, float, float, float]:
+        return (self.low, self.high, 0.0, 0.0)
+
+
+@dataclass(frozen=True)
+class Normal:
+    """N(mean, std^2), as torch.nn.init.normal_."""
+    mean: float = 0.0
+    std: float = 1.0
+    kind = 1
+
+    def __post_init__(self):
+        _finite("Normal.mean", self.mean)
+        if not _finite("Normal.std", self.std) > 0:
+            raise ValueError(f"Normal.std must be > 0, got {self.std}")
+
+    def params(self):
+        return (self.mean, self.std, 0.0, 0.0)
+
+
+@dataclass(frozen=True)
+class TruncatedNormal:
+    """N(mean, std^2) redrawn until inside [low, high] (absolute bounds), as
+    torch.nn.init.trunc_normal_."""
+    mean: float = 0.0
+    std: float = 1.0
+    low: float = -2.0
+    high: float = 2.0
+    kind = 2
+
+    def __post_init__(self):
+        _finite("TruncatedNormal.mean", self.mean)
+        if not _finite("TruncatedNormal.std", self.std) > 0:
+            raise ValueError(f"TruncatedNormal.std must be > 0, got {self.std}")
+        lo, hi = _finite("TruncatedNormal.low", self.low), _finite("TruncatedNormal.high", self.high)
+        if not lo < hi:
+            raise ValueError(f"TruncatedNormal needs low < high, got low={lo}, high={hi}")
+        # Rejection sampling needs the interval to hold real probability mass.
+        if (hi - self.mean) / self.std < -4 or (lo - self.mean) / self.std > 4 or (hi - lo) / self.std < 0.05:
+            raise ValueError("TruncatedNormal: [low, high] must overlap mean +- 4 std and be at least 0.05 std wide")
+
+    def params(self):
+        return (self.mean, self.std, self.low, self.high)
+
+
+@dataclass(frozen=True)
+class Constant:
+    """Every value of a new row is `value` (torch.nn.init.constant_)."""
+    value: float = 0.0
+    kind = 3
+
+    def __post_init__(self):
+        _finite("Constant.value", self.value)
+
+    def params(self):
+        return (self.value, 0.0, 0.0, 0.0)
+
+
+Initializer = Union[Uniform, Normal, TruncatedNormal, Constant]
+
+
+# --- optimizers: the per-row state the rows carry, and the fused update ----------------------
+
+@dataclass(frozen=True)
+class SGD:
+    """w -= lr * g. No per-row state."""
+    lr: float = 0.01
+    kind = 1
+    eps = 0.0
+    betas = (0.0, 0.0)
+    initial_state = 0.0
+
+    def __post_init__(self):
+        if not _finite("SGD.lr", self.lr) >= 0:
+            raise ValueError(f"SGD.lr must be >= 0, got {self.lr}")
+
+
+@dataclass(frozen=True)
+class Adagrad:
+    """torch.optim.Adagrad (lr_decay=0, weight_decay=0): one state float per value."""
+    lr: float = 0.01
+    eps: float = 1e-10
+    initial_accumulator_value: float = 0.0
+    kind = 2
+    betas = (0.0, 0.0)
+
+    def __post_init__(self):
+        if not _finite("Adagrad.lr", self.lr) >= 0:
+            raise ValueError(f"Adagrad.lr must be >= 0, got {self.lr}")
+        if not _finite("Adagrad.eps", self.eps) >= 0:
+            raise ValueError(f"Adagrad.eps must be >= 0, got {self.eps}")
+        if not _finite("Adagrad.initial_accumulator_value", self.initial_accumulator_value) >= 0:
+            raise ValueError("Adagrad.initial_accumulator_value must be >= 0")
+
+    @property
+    def initial_state(self):
+        return self.initial_accumulator_value
+
+
+@dataclass(frozen=True)
+class RowWiseAdagrad:
+    """FBGEMM's EXACT_ROWWISE_ADAGRAD: one state float per row,
+    s += mean(g^2); w -= lr / (sqrt(s) + eps) * g."""
+    lr: float = 0.01
+    eps: float = 1e-8
+    initial_accumulator_value: float = 0.0
+    kind = 3
+    betas = (0.0, 0.0)
+
+    def __post_init__(self):
+        if not _finite("RowWiseAdagrad.lr", self.lr) >= 0:
+            raise ValueError(f"RowWiseAdagrad.lr must be >= 0, got {self.lr}")
+        if not _finite("RowWiseAdagrad.eps", self.eps) >= 0:
+            raise ValueError(f"RowWiseAdagrad.eps must be >= 0, got {self.eps}")
+        if not _finite("RowWiseAdagrad.initial_accumulator_value", self.initial_accumulator_value) >= 0:
+            raise ValueError("RowWiseAdagrad.initial_accumulator_value must be >= 0")
+
+    @property
+    def initial_state(self):
+        return self.initial_accumulator_value
+
+
+@dataclass(frozen=True)
+class Adam:
+    """torch.optim.Adam's formula applied lazily (only rows with a gradient move; the bias
+    correction uses the store's step). Two state vectors per row (m, v)."""
+    lr: float = 0.001
+    betas: Tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    kind = 4
+    initial_state = 0.0
+
+    def __post_init__(self):
+        if not _finite("Adam.lr", self.lr) >= 0:
+            raise ValueError(f"Adam.lr must be >= 0, got {self.lr}")
+        if not _finite("Adam.eps", self.eps) >= 0:
+            raise ValueError(f"Adam.eps must be >= 0, got {self.eps}")
+        if len(self.betas) != 2 or not all(0.0 <= _finite("Adam.betas", b) < 1.0 for b in self.betas):
+            raise ValueError(f"Adam.betas must be two numbers in [0, 1), got {self.betas!r}")
+
+
+Optimizer = Union[SGD, Adagrad, RowWiseAdagrad, Adam]
+
+_STATE_FLOATS = {None: lambda d: 0, SGD: lambda d: 0, Adagrad: lambda d: d, RowWiseAdagrad: lambda d: 1,
+                 Adam: lambda d: 2 * d}
+
+SUPPORTED_DTYPES = ("float32",)
+PLANNED_DTYPES = ("float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """Everything that defines a store.
+
+    dim: row width. dtype: storage dtype ("float32"; float16/bfloat16 are planned).
+    initializer: how a new key's row is drawn; seed: the table seed of that draw.
+    capacity: rows to allocate up front (a hint: the store grows past it).
+    max_load_factor: the index grows when size / buckets would exceed it (0.1 .. 0.9).
+    optimizer: the fused optimizer whose per-row state the rows carry, or None.
+    """
+    dim: int
+    dtype: str = "float32"
+    initializer: Initializer = field(default_factory=Uniform)
+    seed: int = 0
+    capacity: int = 1024
+    max_load_factor: float = 0.7
+    optimizer: Optional[Optimizer] = None
+
+    def __post_init__(self):
+        if not isinstance(self.dim, int) or isinstance(self.dim, bool) or not 1 <= self.dim <= 65536:
+            raise ValueError(f"dim must be an int in [1, 65536], got {self.dim!r}")
+        if self.dtype not in SUPPORTED_DTYPES:
+            planned = " (planned, not yet supported)" if self.dtype in PLANNED_DTYPES else ""
+            raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}{planned}")
+        if not isinstance(self.initializer, (Uniform, Normal, TruncatedNormal, Constant)):
+            raise TypeError("initializer must be Uniform, Normal, TruncatedNormal or Constant, "
+                            f"got {type(self.initializer).__name__}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**64:
+            raise ValueError(f"seed must be an int in [0, 2**64), got {self.seed!r}")
+        if not isinstance(self.capacity, int) or isinstance(self.capacity, bool) or self.capacity < 0:
+            raise ValueError(f"capacity must be an int >= 0, got {self.capacity!r}")
+        if not isinstance(self.max_load_factor, (int, float)) or not 0.1 <= self.max_load_factor <= 0.9:
+            raise ValueError(f"max_load_factor must be in [0.1, 0.9], got {self.max_load_factor!r}")
+        if self.optimizer is not None and type(self.optimizer) not in _STATE_FLOATS:
+            raise TypeError("optimizer must be None, SGD, Adagrad, RowWiseAdagrad or Adam, "
+                            f"got {type(self.optimizer).__name__}")
+
+    @property
+    def state_floats(self) -> int:
+        """Optimizer-state floats stored after each row's embedding."""
+        return _STATE_FLOATS[type(self.optimizer) if self.optimizer is not None else None](self.dim)

@@ -1,0 +1,232 @@
+"""Pooled lookups and their backward over several stores in one core call.
+
+A DLRM batch has 26 sparse features; calling the core once per table pays the call overhead
+26 times. `grouped_pooled_lookup` resolves, inserts and pools every feature in one nogil
+section and writes each feature's pooled rows into its column block of one (B, sum of dims)
+output, the layout of TorchRec's KeyedTensor. `grouped_apply_gradients` is its backward.
+
+>>> import numpy as np
+>>> from cncore import EmbeddingStore, Constant, SGD, grouped_pooled_lookup, grouped_apply_gradients
+>>> a = EmbeddingStore(dim=2, initializer=Constant(1.0), optimizer=SGD(lr=0.5))
+>>> b = EmbeddingStore(dim=3, initializer=Constant(2.0), optimizer=SGD(lr=0.5))
+>>> out, ctxs = grouped_pooled_lookup([a, b], [np.array([1, 2]), np.array([7])],
+...                                   lengths=[np.array([2]), np.array([1])])
+>>> out.tolist()
+[[2.0, 2.0, 2.0, 2.0, 2.0]]
+>>> grouped_apply_gradients(ctxs, np.ones((1, 5), dtype=np.float32))
+>>> a.lookup(np.array([1])).tolist(), b.lookup(np.array([7])).tolist()
+([[0.5, 0.5]], [[1.5, 1.5, 1.5]])
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import numpy as np
+
+from cncore import _core
+from cncore._interchange import as_float_rows, as_floats, as_keys, as_offsets, as_output
+
+__all__ = ["LookupContext", "grouped_pooled_lookup", "grouped_apply_gradients", "check_context"]
+
+MODES = {"sum": 0, "mean": 1, "max": 2}
+
+
+@dataclass(frozen=True)
+class LookupContext:
+    """What the backward of one pooled lookup needs (kept by autograd between the passes)."""
+    store: object
+    keys: np.ndarray
+    slots: np.ndarray
+    offsets: np.ndarray
+    weights: Optional[np.ndarray]
+    mode: int
+    argmax: Optional[np.ndarray]
+    erase_epoch: int
+    columns: slice  # this lookup's column block in the grouped output
+    n_new: int      # rows this lookup inserted
+
+    @property
+    def n_bags(self) -> int:
+        return len(self.offsets) - 1
+
+
+def check_context(ctx, store) -> None:
+    if not isinstance(ctx, LookupContext):
+        raise TypeError(f"ctx must be the LookupContext returned by pooled_lookup, got {type(ctx).__name__}")
+    if ctx.store is not store:
+        raise ValueError("ctx comes from a lookup on another store")
+    if ctx.erase_epoch != store._table.erase_epoch:
+        raise RuntimeError("keys were erased (or the store cleared) since this lookup; its rows may be "
+                           "gone, so its gradient cannot be applied")
+
+
+def _per_feature(value, n: int, name: str) -> list:
+    if value is None:
+        return [None] * n
+    if not isinstance(value, (list, tuple)) or len(value) != n:
+        raise ValueError(f"{name}: expected a list with one entry per store ({n})")
+    return list(value)
+
+
+def grouped_pooled_lookup(stores: Sequence, keys: Sequence, offsets: Optional[Sequence] = None, *,
+                          lengths: Optional[Sequence] = None, modes="sum", per_sample_weights=None,
+                          insert_missing: bool = True, out=None):
+    """Pooled lookup of F features at once; feature f looks up keys[f] in stores[f].
+
+    All features have the same number of bags B (the batch size). Returns ``(out, ctxs)``:
+    out is (B, sum of dims), feature f in columns [sum of earlier dims, + its dim);
+    ctxs[f] is feature f's LookupContext. `modes` is one mode or one per feature. A store may
+    appear several times (features sharing a table). Bad input raises before any store
+    changes.
+    """
+    from cncore.store import EmbeddingStore
+
+    n = len(stores)
+    if n == 0:
+        raise ValueError("stores: at least one store is needed")
+    for f, s in enumerate(stores):
+        if not isinstance(s, EmbeddingStore):
+            raise TypeError(f"stores[{f}]: expected an EmbeddingStore, got {type(s).__name__}")
+    keys = _per_feature(keys, n, "keys")
+    offsets = _per_feature(offsets, n, "offsets")
+    lengths = _per_feature(lengths, n, "lengths")
+    weights = _per_feature(per_sample_weights, n, "per_sample_weights")
+    if isinstance(modes, str):
+        modes = [modes] * n
+    modes = _per_feature(modes, n, "modes")
+
+    key_arrays, offset_arrays, weight_arrays, mode_codes = [], [], [], []
+    n_bags = None
+    for f in range(n):
+        k = as_keys(keys[f], f"keys[{f}]")
+        if (offsets[f] is None) == (lengths[f] is None):
+            raise ValueError(f"feature {f}: give exactly one of offsets (B+1) or lengths (B)")
+        if offsets[f] is not None:
+            o = as_offsets(offsets[f], f"offsets[{f}]")
+            if len(o) == 0:
+                raise ValueError(f"offsets[{f}]: needs B+1 >= 1 entries (the last is len(keys))")
+        else:
+            ln = as_offsets(lengths[f], f"lengths[{f}]")
+            o = np.zeros(len(ln) + 1, dtype=np.int64)
+            np.cumsum(ln, out=o[1:])
+            if ln.size and ln.min() < 0:
+                raise ValueError(f"lengths[{f}]: must be >= 0")
+        if n_bags is None:
+            n_bags = len(o) - 1
+        elif len(o) - 1 != n_bags:
+            raise ValueError(f"feature {f}: has {len(o) - 1} bags, feature 0 has {n_bags}; all features share B")
+        mode = modes[f]
+        if mode not in MODES:
+            raise ValueError(f"modes[{f}]: expected 'sum', 'mean' or 'max', got {mode!r}")
+        w = None
+        if weights[f] is not None:
+            if mode == "max":
+                raise ValueError(f"per_sample_weights[{f}]: weights apply to 'sum' and 'mean' pooling, not 'max'")
+            w = as_floats(weights[f], f"per_sample_weights[{f}]", (len(k),))
+        key_arrays.append(k)
+        offset_arrays.append(o)
+        weight_arrays.append(w)
+        mode_codes.append(MODES[mode])
+
+    dims = [s.dim for s in stores]
+    total = int(sum(dims))
+    if out is None:
+        out = np.empty((n_bags, total), dtype=np.float32)
+    else:
+        out = as_output(out, "out", (n_bags, total))
+    starts = np.concatenate([[0], np.cumsum(dims)]).astype(int)
+    outs = [out[:, starts[f]:starts[f + 1]] for f in range(n)]
+    results = _core.grouped_forward([s._table for s in stores], key_arrays, offset_arrays, weight_arrays,
+                                    mode_codes, outs, bool(insert_missing), bool(insert_missing))
+    ctxs = [LookupContext(stores[f], key_arrays[f], results[f][0], offset_arrays[f], weight_arrays[f],
+                          mode_codes[f], results[f][1], stores[f]._table.erase_epoch,
+                          slice(int(starts[f]), int(starts[f + 1])), results[f][2])
+            for f in range(n)]
+    return out, ctxs
+
+
+def _merge(ctxs: List[LookupContext], grads: List[np.ndarray]):
+    """One lookup equivalent to several lookups of one store (features sharing a table), so
+    that each row gets one update with its summed gradient, as a fused TBE does. Mean pooling
+    becomes weights of 1/len; max keeps its own argmax and cannot be merged."""
+    slots, offsets, weights, blocks = [], [np.zeros(1, dtype=np.int64)], [], []
+    base = 0
+    for ctx, g in zip(ctxs, grads):
+        lens = np.diff(ctx.offsets)
+        w = ctx.weights if ctx.weights is not None else np.ones(len(ctx.keys), dtype=np.float32)
+        if ctx.mode == MODES["mean"]:
+            w = w / np.repeat(np.maximum(lens, 1), lens).astype(np.float32)
+        slots.append(ctx.slots)
+        offsets.append(ctx.offsets[1:] + base)
+        weights.append(w.astype(np.float32, copy=False))
+        blocks.append(g)
+        base += len(ctx.keys)
+    return (np.concatenate(slots), np.concatenate(offsets), np.concatenate(weights),
+            np.ascontiguousarray(np.concatenate(blocks, axis=0)))
+
+
+def _optim_tuple(store, lr):
+    opt = store.config.optimizer
+    if opt is None:
+        raise RuntimeError("this store has no optimizer (StoreConfig.optimizer=None); use accumulate_gradients")
+    rate = opt.lr if lr is None else lr
+    if not isinstance(rate, (int, float)) or not np.isfinite(rate) or rate < 0:
+        raise ValueError(f"lr must be a finite number >= 0, got {lr!r}")
+    return (opt.kind, float(rate), float(opt.eps), float(opt.betas[0]), float(opt.betas[1]))
+
+
+def grouped_apply_gradients(ctxs: Sequence[LookupContext], grad_output, *, lr=None, stores=None) -> None:
+    """Fused backward of `grouped_pooled_lookup`: grad_output is (B, sum of dims), the
+    gradient of its `out`. Each store's rows are updated by its own optimizer; `lr` is one
+    learning rate for all or one per context (None: each optimizer's own). A store used by
+    several features gets one update per row with the summed gradient (except with max
+    pooling, where its features are applied one after another)."""
+    ctxs = list(ctxs)
+    if not ctxs:
+        return
+    for f, ctx in enumerate(ctxs):
+        check_context(ctx, ctx.store if stores is None else stores[f])
+    n_bags = ctxs[0].n_bags
+    total = max(ctx.columns.stop for ctx in ctxs)
+    grad = as_float_rows(grad_output, "grad_output", (n_bags, total))
+    lrs = lr if isinstance(lr, (list, tuple)) else [lr] * len(ctxs)
+    if len(lrs) != len(ctxs):
+        raise ValueError("lr: expected one value or one per context")
+    optims = [_optim_tuple(ctx.store, rate) for ctx, rate in zip(ctxs, lrs)]
+
+    by_store = {}
+    for f, ctx in enumerate(ctxs):
+        by_store.setdefault(id(ctx.store), []).append(f)
+    tables, slots, offsets, weights, modes, argmaxes, grads, opt_list = [], [], [], [], [], [], [], []
+    sequential = []
+    for members in by_store.values():
+        first = ctxs[members[0]]
+        blocks = [grad[:, ctxs[f].columns] for f in members]
+        if len(members) == 1:
+            tables.append(first.store._table)
+            slots.append(first.slots)
+            offsets.append(first.offsets)
+            weights.append(first.weights)
+            modes.append(first.mode)
+            argmaxes.append(first.argmax)
+            grads.append(blocks[0])
+            opt_list.append(optims[members[0]])
+        elif any(ctxs[f].mode == MODES["max"] for f in members):
+            sequential.extend(members)
+        else:
+            s, o, w, g = _merge([ctxs[f] for f in members], blocks)
+            tables.append(first.store._table)
+            slots.append(s)
+            offsets.append(o)
+            weights.append(w)
+            modes.append(MODES["sum"])
+            argmaxes.append(None)
+            grads.append(g)
+            opt_list.append(optims[members[0]])
+    if tables:
+        _core.grouped_backward(tables, slots, offsets, weights, modes, argmaxes, grads, opt_list)
+    for f in sequential:
+        ctx = ctxs[f]
+        _core.grouped_backward([ctx.store._table], [ctx.slots], [ctx.offsets], [ctx.weights], [ctx.mode],
+                               [ctx.argmax], [grad[:, ctx.columns]], [optims[f]])

@@ -1,0 +1,331 @@
+"""`EmbeddingStore`: a growable table from int64 keys to float32 rows with optimizer state.
+
+Batch verbs (HierarchicalKV's vocabulary), all over 1-D key arrays:
+
+========================  ===================================================================
+``find(keys)``            ``(slots, found)``; slots are stable row addresses, -1 where absent
+``contains(keys)``        ``found``
+``find_or_insert(keys)``  ``(slots, found)``; absent keys get a new, initialised row
+``insert_or_assign``      write rows for keys, inserting the absent ones
+``assign``                write rows for keys that exist; others are left out
+``erase(keys)``           remove keys; ``erased`` mask
+``lookup(keys)``          rows (zeros where absent); inserts nothing
+``read(keys)``            rows, optimizer state, access counts, last steps and ``found``
+``export`` / ``iter_export``  everything, whole or in cursor batches
+``load``                  import keys with rows, state and metadata (insert or overwrite)
+``clear`` / ``reserve``   drop every row (keep memory) / allocate room up front
+========================  ===================================================================
+
+Duplicate keys in one batch: ``find_or_insert`` inserts one row and returns its slot for
+every occurrence (``found`` is False for all of them, as the key was absent before the call);
+``insert_or_assign``, ``assign`` and ``load`` write in order, so the last occurrence wins.
+
+Thread safety: any number of threads may read at once (``find``, ``contains``, ``lookup``,
+``read``, ``export``, ``pooled_lookup(insert_missing=False)``); a call that writes
+(inserts, erases, assigns, training lookups, gradient updates) waits for the readers and runs
+alone. Every call is atomic with respect to the others; a sequence of calls is not.
+
+>>> import numpy as np
+>>> from cncore import EmbeddingStore, StoreConfig, Constant
+>>> store = EmbeddingStore(StoreConfig(dim=2, initializer=Constant(0.5)))
+>>> slots, found = store.find_or_insert(np.array([7, -1, 7]))
+>>> found.tolist(), len(store)
+([False, False, False], 2)
+>>> store.lookup(np.array([7, 8])).tolist()
+[[0.5, 0.5], [0.0, 0.0]]
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import numpy as np
+
+from cncore import _core
+from cncore._interchange import as_float_rows, as_floats, as_keys, as_offsets, to_numpy
+from cncore.config import StoreConfig
+
+__all__ = ["EmbeddingStore", "TableBatch"]
+
+
+@dataclass(frozen=True)
+class TableBatch:
+    """Rows of a store with everything attached to them.
+
+    keys (N,) int64; rows (N, dim) float32; optimizer_state (N, state_floats) float32;
+    counts, last_steps (N,) uint32; found (N,) bool (all True in an export);
+    next_cursor: where an export continues (None when it is finished).
+    """
+    keys: np.ndarray
+    rows: np.ndarray
+    optimizer_state: np.ndarray
+    counts: np.ndarray
+    last_steps: np.ndarray
+    found: np.ndarray
+    next_cursor: Optional[tuple] = None
+
+
+def _u32(obj, name: str, n: int) -> Optional[np.ndarray]:
+    if obj is None:
+        return None
+    arr = to_numpy(obj, name)
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"{name}: expected an integer array, got {arr.dtype}")
+    if arr.shape != (n,):
+        raise ValueError(f"{name}: expected shape ({n},), got {arr.shape}")
+    if arr.size and (arr.min() < 0 or arr.max() > 2**32 - 1):
+        raise ValueError(f"{name}: values must be in [0, 2**32 - 1]")
+    return np.ascontiguousarray(arr, dtype=np.uint32)
+
+
+class EmbeddingStore:
+    """A growable embedding table. See the module docstring for the verbs.
+
+    >>> import numpy as np
+    >>> from cncore import EmbeddingStore
+    >>> store = EmbeddingStore(dim=4, seed=1)
+    >>> a = store.lookup(np.array([2**63 - 1]), insert_missing=True)
+    >>> b = EmbeddingStore(dim=4, seed=1).lookup(np.array([2**63 - 1]), insert_missing=True)
+    >>> bool((a == b).all()), len(store)
+    (True, 1)
+    """
+
+    def __init__(self, config: Optional[StoreConfig] = None, **config_fields):
+        if config is None:
+            config = StoreConfig(**config_fields)
+        elif config_fields:
+            raise TypeError("pass either a StoreConfig or its fields as keywords, not both")
+        elif not isinstance(config, StoreConfig):
+            raise TypeError(f"config must be a cncore.StoreConfig, got {type(config).__name__}")
+        self._config = config
+        opt = config.optimizer
+        init = config.initializer
+        self._table = _core.Table(
+            config.dim, opt.kind if opt is not None else 0, float(opt.initial_state) if opt is not None else 0.0,
+            init.kind, config.seed, *init.params(), float(config.max_load_factor), config.capacity)
+
+    # --- sizes ---------------------------------------------------------------------------
+
+    @property
+    def config(self) -> StoreConfig:
+        return self._config
+
+    @property
+    def dim(self) -> int:
+        return self._config.dim
+
+    def __len__(self) -> int:
+        return self._table.size
+
+    @property
+    def capacity(self) -> int:
+        """Rows the store holds before its index must grow."""
+        return self._table.capacity
+
+    @property
+    def load_factor(self) -> float:
+        """Keys / index buckets."""
+        return self._table.size / self._table.n_buckets
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this store has allocated (index, row pages, page table), all of them."""
+        return self._table.nbytes
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps applied so far (Adam's t); training lookups record it as a row's last step."""
+        return self._table.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        if not isinstance(value, (int, np.integer)) or not 0 <= int(value) < 2**63:
+            raise ValueError(f"step must be an int in [0, 2**63), got {value!r}")
+        self._table.step = int(value)
+
+    def __repr__(self) -> str:
+        return f"EmbeddingStore(rows={len(self)}, capacity={self.capacity}, config={self._config})"
+
+    # --- key verbs -------------------------------------------------------------------------
+
+    def find(self, keys):
+        """Slots of keys (-1 where absent) and the found mask. Inserts nothing.
+
+        >>> import numpy as np
+        >>> s = EmbeddingStore(dim=2); _ = s.find_or_insert(np.array([5]))
+        >>> slots, found = s.find(np.array([5, 6]))
+        >>> found.tolist(), int(slots[1])
+        ([True, False], -1)
+        """
+        keys = as_keys(keys)
+        slots = np.empty(len(keys), dtype=np.int64)
+        self._table.find(keys, slots)
+        return slots, slots >= 0
+
+    def contains(self, keys) -> np.ndarray:
+        """Boolean mask: which keys are present."""
+        return self.find(keys)[1]
+
+    def find_or_insert(self, keys):
+        """Slots of keys, inserting absent ones with their deterministic initial row.
+        `found` says which keys were present before the call."""
+        keys = as_keys(keys)
+        slots = np.empty(len(keys), dtype=np.int64)
+        found = np.zeros(len(keys), dtype=np.uint8)
+        self._table.find_or_insert(keys, slots, found)
+        return slots, found.view(bool)
+
+    def _upsert(self, keys, rows, optimizer_state, counts, last_steps, insert: bool) -> np.ndarray:
+        keys = as_keys(keys)
+        n = len(keys)
+        rows = as_floats(rows, "rows", (n, self.dim))
+        sf = self._config.state_floats
+        if optimizer_state is not None:
+            optimizer_state = as_floats(optimizer_state, "optimizer_state", (n, sf)) if sf else None
+        counts = _u32(counts, "counts", n)
+        last_steps = _u32(last_steps, "last_steps", n)
+        found = np.zeros(n, dtype=np.uint8)
+        self._table.upsert(keys, rows, optimizer_state, counts, last_steps, found, insert)
+        return found.view(bool)
+
+    def insert_or_assign(self, keys, rows, optimizer_state=None) -> np.ndarray:
+        """Write `rows` (N, dim) for keys, inserting absent keys. Without `optimizer_state`,
+        existing rows keep theirs and new rows start from the optimizer's initial state.
+        Returns the found mask (present before the call). Duplicates: the last one wins."""
+        return self._upsert(keys, rows, optimizer_state, None, None, insert=True)
+
+    def assign(self, keys, rows, optimizer_state=None) -> np.ndarray:
+        """Write rows for keys that are present; absent keys are left out (found is False)."""
+        return self._upsert(keys, rows, optimizer_state, None, None, insert=False)
+
+    def load(self, keys, rows, optimizer_state=None, counts=None, last_steps=None) -> np.ndarray:
+        """Import rows with their optimizer state and metadata (the inverse of `export`).
+        Inserts or overwrites; returns the found mask."""
+        return self._upsert(keys, rows, optimizer_state, counts, last_steps, insert=True)
+
+    def erase(self, keys) -> np.ndarray:
+        """Remove keys; returns a mask of the keys this call removed."""
+        keys = as_keys(keys)
+        erased = np.zeros(len(keys), dtype=np.uint8)
+        self._table.erase(keys, erased)
+        return erased.view(bool)
+
+    def clear(self) -> None:
+        """Remove every key; allocated memory is kept for reuse."""
+        self._table.clear()
+
+    def reserve(self, n_rows: int) -> None:
+        """Allocate room for `n_rows` rows in all, so that growing to it allocates nothing."""
+        if not isinstance(n_rows, (int, np.integer)) or int(n_rows) < 0:
+            raise ValueError(f"n_rows must be an int >= 0, got {n_rows!r}")
+        self._table.reserve(int(n_rows))
+
+    def lookup(self, keys, *, insert_missing: bool = False) -> np.ndarray:
+        """Rows (N, dim) of keys; absent keys read as zeros, or are inserted first when
+        `insert_missing`. Does not count as a training access."""
+        if insert_missing:
+            self.find_or_insert(keys)
+        return self.read(keys).rows
+
+    def read(self, keys) -> TableBatch:
+        """Rows, optimizer state and metadata of keys (zeros where absent)."""
+        keys = as_keys(keys)
+        n = len(keys)
+        rows = np.empty((n, self.dim), dtype=np.float32)
+        state = np.empty((n, self._config.state_floats), dtype=np.float32)
+        counts = np.empty(n, dtype=np.uint32)
+        last_steps = np.empty(n, dtype=np.uint32)
+        found = np.zeros(n, dtype=np.uint8)
+        self._table.read(keys, rows, state, counts, last_steps, found)
+        return TableBatch(keys, rows, state, counts, last_steps, found.view(bool))
+
+    # --- export ------------------------------------------------------------------------------
+
+    def export(self, cursor: Optional[tuple] = None, max_rows: Optional[int] = None) -> TableBatch:
+        """Every row (in index order), or up to `max_rows` from `cursor` on.
+
+        Continue with ``export(batch.next_cursor, max_rows)`` until ``next_cursor`` is None.
+        A store that gains or loses keys during a cursor walk raises RuntimeError at the
+        next batch rather than skipping or repeating rows.
+
+        >>> import numpy as np
+        >>> s = EmbeddingStore(dim=2); _ = s.find_or_insert(np.arange(5))
+        >>> first = s.export(max_rows=3); rest = s.export(first.next_cursor, max_rows=3)
+        >>> sorted(first.keys.tolist() + rest.keys.tolist()), rest.next_cursor
+        ([0, 1, 2, 3, 4], None)
+        """
+        if max_rows is None:
+            max_rows = len(self)
+        if not isinstance(max_rows, (int, np.integer)) or int(max_rows) < 1 and len(self):
+            raise ValueError(f"max_rows must be an int >= 1, got {max_rows!r}")
+        if cursor is None:
+            position, version = 0, self._table.version
+        else:
+            if not (isinstance(cursor, tuple) and len(cursor) == 2):
+                raise TypeError("cursor must be the next_cursor of a previous export")
+            position, version = cursor
+        nxt, keys, rows, state, counts, steps = self._table.export(int(position), int(max_rows), int(version))
+        done = nxt >= self._table.n_buckets
+        return TableBatch(keys, rows, state, counts, steps, np.ones(len(keys), dtype=bool),
+                          None if done else (nxt, version))
+
+    def iter_export(self, batch_size: int = 65536) -> Iterator[TableBatch]:
+        """Export in batches of at most `batch_size` rows."""
+        batch = self.export(None, batch_size)
+        yield batch
+        while batch.next_cursor is not None:
+            batch = self.export(batch.next_cursor, batch_size)
+            yield batch
+
+    # --- pooled lookup and training -----------------------------------------------------------
+
+    def pooled_lookup(self, keys, offsets=None, *, lengths=None, mode: str = "sum", per_sample_weights=None,
+                      insert_missing: bool = True, out=None):
+        """Pool the rows of each bag: returns ``(out, ctx)``, out of shape (B, dim).
+
+        Bags are given by `offsets` (B+1 entries, the last one len(keys): TorchRec's and
+        ``include_last_offset=True`` convention; empty bags allowed) or by `lengths` (B).
+        mode: "sum", "mean" or "max" (empty bags give zeros). per_sample_weights (N,) float32
+        scale each row (sum and mean). Training (`insert_missing=True`) inserts unseen keys
+        and records the access; evaluation (`False`) reads unseen keys as zero rows and
+        changes nothing. `ctx` is what `apply_gradients` / `accumulate_gradients` need.
+
+        >>> import numpy as np
+        >>> from cncore import EmbeddingStore, Constant
+        >>> s = EmbeddingStore(dim=2, initializer=Constant(1.0))
+        >>> out, ctx = s.pooled_lookup(np.array([1, 2, 3]), np.array([0, 2, 2, 3]))
+        >>> out.tolist()
+        [[2.0, 2.0], [0.0, 0.0], [1.0, 1.0]]
+        """
+        from cncore.grouped import grouped_pooled_lookup
+        weights = None if per_sample_weights is None else [per_sample_weights]
+        lens = None if lengths is None else [lengths]
+        offs = None if offsets is None else [offsets]
+        out, ctxs = grouped_pooled_lookup([self], [keys], offs, lengths=lens, modes=[mode],
+                                          per_sample_weights=weights, insert_missing=insert_missing, out=out)
+        return out, ctxs[0]
+
+    def apply_gradients(self, ctx, grad_output, *, lr: Optional[float] = None) -> None:
+        """Fused backward: given d(loss)/d(out) (B, dim), update every row the lookup used
+        (and its optimizer state) in place, with the configured optimizer (`lr` overrides
+        its learning rate for this step). Advances `step` by one."""
+        from cncore.grouped import grouped_apply_gradients
+        grouped_apply_gradients([ctx], grad_output, lr=lr, stores=[self])
+
+    def accumulate_gradients(self, ctx, grad_output):
+        """Non-fused backward: ``(unique_keys, grads)``, the gradient of each distinct row
+        the lookup used (first-occurrence order), for callers that update rows themselves.
+
+        >>> import numpy as np
+        >>> s = EmbeddingStore(dim=1)
+        >>> _, ctx = s.pooled_lookup(np.array([4, 4, 9]), lengths=np.array([2, 1]))
+        >>> k, g = s.accumulate_gradients(ctx, np.array([[1.0], [10.0]], dtype=np.float32))
+        >>> k.tolist(), g.ravel().tolist()
+        ([4, 9], [2.0, 10.0])
+        """
+        from cncore.grouped import check_context
+        check_context(ctx, self)
+        grad = as_float_rows(grad_output, "grad_output", (ctx.n_bags, self.dim))
+        positions, grads = _core.unique_gradients(self._table, ctx.slots, ctx.offsets, ctx.weights,
+                                                  ctx.mode, ctx.argmax, grad)
+        return ctx.keys[positions], grads

@@ -1,0 +1,495 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
+"""The extension layer: owns the C tables and turns Python calls into single nogil sections.
+
+Arguments arrive already validated and converted by the `cncore` package (dtype, shape,
+contiguity, writability); this layer checks what only the C side can check cheaply (offsets),
+takes the table's lock, runs one nogil section, and turns return codes into exceptions.
+"""
+from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
+from libc.stdlib cimport malloc, free
+from cncore._typedefs cimport key_t, slot_t, offset_t, weight_t, count_t
+from cncore._ctable cimport *
+
+import numpy as np
+
+
+def traced_bytes():
+    """Bytes currently held by every table of this process (the allocation tracer)."""
+    return cn_traced_bytes()
+
+
+def set_thread_setting(int n):
+    cn_set_thread_setting(n)
+
+
+def max_threads():
+    return cn_max_threads()
+
+
+def has_openmp():
+    return bool(cn_has_openmp())
+
+
+cdef inline void _rdlock(Table t) noexcept nogil:
+    pthread_rwlock_rdlock(&t.t.lock)
+
+
+cdef inline void _wrlock(Table t) noexcept nogil:
+    pthread_rwlock_wrlock(&t.t.lock)
+
+
+cdef inline void _unlock(Table t) noexcept nogil:
+    pthread_rwlock_unlock(&t.t.lock)
+
+
+cdef inline const weight_t* _opt_ptr(object arr):
+    """Data pointer of an optional float32 NumPy array (NULL for None)."""
+    cdef const weight_t[:, ::1] view
+    if arr is None:
+        return NULL
+    view = arr
+    return &view[0, 0] if view.shape[0] > 0 else NULL
+
+
+cdef class Table:
+    """One C table (index + arena). Use `cncore.EmbeddingStore`, not this class."""
+
+    def __cinit__(self, int64_t dim, int optimizer_kind, float state_init, int init_kind, uint64_t seed,
+                  float p0, float p1, float p2, float p3, double max_load, int64_t capacity_hint):
+        cdef cn_init init
+        cdef int rc
+        self.alive = False
+        init.kind = init_kind
+        init.seed = seed
+        init.p0 = p0
+        init.p1 = p1
+        init.p2 = p2
+        init.p3 = p3
+        cdef int64_t state_floats = cn_optim_state_floats(optimizer_kind, dim)
+        with nogil:
+            rc = cn_table_create(&self.t, dim, state_floats, state_init, init, max_load, capacity_hint)
+        if rc != CN_OK:
+            raise MemoryError(f"cannot allocate a table for capacity {capacity_hint} of dim {dim}")
+        self.alive = True
+        self.optimizer_kind = optimizer_kind
+
+    def __dealloc__(self):
+        if self.alive:
+            cn_table_destroy(&self.t)
+            self.alive = False
+
+    @property
+    def size(self):
+        return self.t.index.size
+
+    @property
+    def capacity(self):
+        return cn_table_capacity(&self.t)
+
+    @property
+    def n_buckets(self):
+        return self.t.index.n_buckets
+
+    @property
+    def row_capacity(self):
+        return cn_arena_capacity(&self.t.arena)
+
+    @property
+    def nbytes(self):
+        return self.t.nbytes
+
+    @property
+    def dim(self):
+        return self.t.dim
+
+    @property
+    def state_floats(self):
+        return self.t.state_floats
+
+    @property
+    def erase_epoch(self):
+        return self.t.erase_epoch
+
+    @property
+    def version(self):
+        return self.t.version
+
+    @property
+    def step(self):
+        return self.t.step
+
+    @step.setter
+    def step(self, int64_t value):
+        with nogil:
+            _wrlock(self)
+            self.t.step = value
+            _unlock(self)
+
+    def find(self, const key_t[::1] keys, slot_t[::1] slots):
+        cdef int64_t n = keys.shape[0]
+        with nogil:
+            _rdlock(self)
+            cn_table_find(&self.t, &keys[0] if n else NULL, n, &slots[0] if n else NULL)
+            _unlock(self)
+
+    def find_or_insert(self, const key_t[::1] keys, slot_t[::1] slots, uint8_t[::1] found):
+        cdef int64_t n = keys.shape[0], n_new = 0
+        cdef int rc = CN_OK
+        if n == 0:
+            return 0
+        with nogil:
+            _wrlock(self)
+            rc = cn_table_find_or_insert(&self.t, &keys[0], n, &slots[0], &found[0], &n_new)
+            _unlock(self)
+        if rc != CN_OK:
+            raise MemoryError(f"cannot grow the table to {self.t.index.size + n} rows; the table is unchanged")
+        return n_new
+
+    def upsert(self, const key_t[::1] keys, rows, state, counts, last_steps, uint8_t[::1] found, bint insert):
+        """Write rows (and optionally state / metadata) for keys; with insert, add missing keys
+        first. found[i] = 1 where the key existed before. Duplicates: the last one wins."""
+        cdef int64_t n = keys.shape[0], n_new = 0, i
+        cdef int rc = CN_OK
+        cdef const weight_t[:, ::1] rows_v = rows
+        cdef const weight_t* state_p = _opt_ptr(state)
+        cdef const count_t[::1] counts_v
+        cdef const count_t[::1] steps_v
+        cdef const count_t* counts_p = NULL
+        cdef const count_t* steps_p = NULL
+        if counts is not None:
+            counts_v = counts
+            counts_p = &counts_v[0] if n else NULL
+        if last_steps is not None:
+            steps_v = last_steps
+            steps_p = &steps_v[0] if n else NULL
+        if n == 0:
+            return 0
+        slots_arr = np.empty(n, dtype=np.int64)
+        cdef slot_t[::1] slots = slots_arr
+        with nogil:
+            _wrlock(self)
+            if insert:
+                rc = cn_table_find_or_insert(&self.t, &keys[0], n, &slots[0], &found[0], &n_new)
+            else:
+                cn_table_find(&self.t, &keys[0], n, &slots[0])
+                for i in range(n):
+                    found[i] = slots[i] >= 0
+            if rc == CN_OK:
+                cn_table_write_rows(&self.t, &slots[0], n, &rows_v[0, 0], self.t.dim, state_p, self.t.state_floats)
+                cn_table_write_meta(&self.t, &slots[0], n, counts_p, steps_p)
+            _unlock(self)
+        if rc != CN_OK:
+            raise MemoryError(f"cannot grow the table to {self.t.index.size + n} rows; the table is unchanged")
+        return n_new
+
+    def erase(self, const key_t[::1] keys, uint8_t[::1] erased):
+        cdef int64_t n = keys.shape[0], count = 0
+        if n == 0:
+            return 0
+        with nogil:
+            _wrlock(self)
+            count = cn_table_erase(&self.t, &keys[0], n, &erased[0])
+            _unlock(self)
+        return count
+
+    def clear(self):
+        with nogil:
+            _wrlock(self)
+            cn_table_clear(&self.t)
+            _unlock(self)
+
+    def reserve(self, int64_t total):
+        cdef int rc
+        with nogil:
+            _wrlock(self)
+            rc = cn_table_reserve(&self.t, total)
+            _unlock(self)
+        if rc != CN_OK:
+            raise MemoryError(f"cannot reserve room for {total} rows; the table is unchanged")
+
+    def read(self, const key_t[::1] keys, rows, state, counts, last_steps, uint8_t[::1] found):
+        """Rows / state / metadata of keys (zeros where absent); found[i] = key present."""
+        cdef int64_t n = keys.shape[0], i
+        if n == 0:
+            return
+        slots_arr = np.empty(n, dtype=np.int64)
+        cdef slot_t[::1] slots = slots_arr
+        cdef weight_t* rows_p = NULL
+        cdef weight_t* state_p = NULL
+        cdef count_t* counts_p = NULL
+        cdef count_t* steps_p = NULL
+        cdef weight_t[:, ::1] rv
+        cdef weight_t[:, ::1] sv
+        cdef count_t[::1] cv
+        cdef count_t[::1] lv
+        if rows is not None:
+            rv = rows
+            rows_p = &rv[0, 0]
+        if state is not None and self.t.state_floats:
+            sv = state
+            state_p = &sv[0, 0]
+        if counts is not None:
+            cv = counts
+            counts_p = &cv[0]
+        if last_steps is not None:
+            lv = last_steps
+            steps_p = &lv[0]
+        with nogil:
+            _rdlock(self)
+            cn_table_find(&self.t, &keys[0], n, &slots[0])
+            cn_table_gather(&self.t, &slots[0], n, rows_p, state_p, counts_p, steps_p)
+            _unlock(self)
+            for i in range(n):
+                found[i] = slots[i] >= 0
+
+    def export(self, int64_t cursor, int64_t max_rows, uint64_t expected_version):
+        """Up to max_rows entries from bucket `cursor` on: (next_cursor, keys, rows, state,
+        counts, last_steps). Raises RuntimeError if the table changed since the cursor began."""
+        cdef int64_t n_out = 0, next_cursor = 0
+        cdef int64_t cap = max(0, min(max_rows, self.t.index.size))
+        keys_arr = np.empty(cap, dtype=np.int64)
+        slots_arr = np.empty(cap, dtype=np.int64)
+        rows_arr = np.empty((cap, self.t.dim), dtype=np.float32)
+        state_arr = np.empty((cap, self.t.state_floats), dtype=np.float32)
+        counts_arr = np.empty(cap, dtype=np.uint32)
+        steps_arr = np.empty(cap, dtype=np.uint32)
+        cdef key_t[::1] kv = keys_arr
+        cdef slot_t[::1] sv = slots_arr
+        cdef weight_t* rows_p = <weight_t*> <size_t> rows_arr.ctypes.data
+        cdef weight_t* state_p = <weight_t*> <size_t> state_arr.ctypes.data
+        cdef count_t* counts_p = <count_t*> <size_t> counts_arr.ctypes.data
+        cdef count_t* steps_p = <count_t*> <size_t> steps_arr.ctypes.data
+        cdef bint stale = False
+        with nogil:
+            _rdlock(self)
+            if self.t.version != expected_version:
+                stale = True
+            else:
+                next_cursor = cn_table_scan(&self.t, cursor, cap, &kv[0] if cap else NULL,
+                                            &sv[0] if cap else NULL, &n_out)
+                cn_table_gather(&self.t, &sv[0] if cap else NULL, n_out, rows_p,
+                                state_p if self.t.state_floats else NULL, counts_p, steps_p)
+            _unlock(self)
+        if stale:
+            raise RuntimeError("the store changed (keys inserted or erased) since this export began; "
+                               "restart the export")
+        if n_out == 0 and cap == 0:
+            next_cursor = self.t.index.n_buckets
+        return (next_cursor, keys_arr[:n_out], rows_arr[:n_out], state_arr[:n_out],
+                counts_arr[:n_out], steps_arr[:n_out])
+
+
+cdef inline int64_t _ptr(object arr):
+    return <int64_t> arr.ctypes.data if arr is not None else 0
+
+
+def grouped_forward(list tables, list keys, list offsets, list weights, list modes, list outs,
+                    bint insert_missing, bint touch_meta):
+    """Pooled lookup for F (table, keys, offsets) triples in one nogil section.
+
+    outs[f] is a float32 (B, dim) view whose rows may be strided (a column block of one
+    shared output). Returns, per feature, (slots, argmax or None, n_new). Offsets are checked
+    for every feature before any table changes. Raises ValueError naming the first bad
+    feature, MemoryError when a table cannot grow.
+    """
+    cdef int64_t F = len(tables), f
+    cdef Table tab
+    cdef cn_table** tp = <cn_table**> malloc(max(F, 1) * sizeof(cn_table*))
+    cdef int64_t* ip = <int64_t*> malloc(max(F, 1) * 9 * sizeof(int64_t))
+    if tp == NULL or ip == NULL:
+        free(tp)
+        free(ip)
+        raise MemoryError("cannot allocate the call's scratch")
+    # ip layout per feature: keys, n_keys, offsets, n_bags, weights, mode, out, ld_out, slots/argmax set below
+    cdef int64_t* p_keys = ip
+    cdef int64_t* p_nkeys = ip + F
+    cdef int64_t* p_off = ip + 2 * F
+    cdef int64_t* p_nbags = ip + 3 * F
+    cdef int64_t* p_w = ip + 4 * F
+    cdef int64_t* p_mode = ip + 5 * F
+    cdef int64_t* p_out = ip + 6 * F
+    cdef int64_t* p_ld = ip + 7 * F
+    cdef int64_t* p_slots = ip + 8 * F
+    cdef int64_t* p_argmax = <int64_t*> malloc(max(F, 1) * sizeof(int64_t))
+    cdef int64_t* p_nnew = <int64_t*> malloc(max(F, 1) * sizeof(int64_t))
+    results = []
+    cdef int64_t bad_feature = -1, bad_pos = -1, oom_feature = -1
+    cdef int rc
+    cdef uint8_t* found_scratch = NULL
+    cdef int64_t max_keys = 0
+    try:
+        for f in range(F):
+            tab = <Table> tables[f]
+            tp[f] = &tab.t
+            k = keys[f]
+            o = offsets[f]
+            out = outs[f]
+            p_keys[f] = _ptr(k)
+            p_nkeys[f] = k.shape[0]
+            max_keys = max(max_keys, p_nkeys[f])
+            p_off[f] = _ptr(o)
+            p_nbags[f] = o.shape[0] - 1
+            p_w[f] = _ptr(weights[f])
+            p_mode[f] = modes[f]
+            p_out[f] = _ptr(out)
+            p_ld[f] = out.strides[0] // 4
+            slots = np.empty(p_nkeys[f], dtype=np.int64)
+            p_slots[f] = _ptr(slots)
+            argmax = None
+            if modes[f] == 2:
+                argmax = np.empty((p_nbags[f], tab.t.dim), dtype=np.int64)
+            p_argmax[f] = _ptr(argmax)
+            results.append([slots, argmax, 0])
+        found_scratch = <uint8_t*> malloc(max(max_keys, 1))
+        if found_scratch == NULL:
+            raise MemoryError("cannot allocate the call's scratch")
+        with nogil:
+            for f in range(F):
+                bad_pos = cn_check_offsets(<offset_t*> p_off[f], p_nbags[f], p_nkeys[f])
+                if bad_pos >= 0:
+                    bad_feature = f
+                    break
+            if bad_feature < 0:
+                for f in range(F):
+                    if insert_missing:
+                        pthread_rwlock_wrlock(&tp[f].lock)
+                        rc = cn_table_find_or_insert(tp[f], <key_t*> p_keys[f], p_nkeys[f], <slot_t*> p_slots[f],
+                                                     found_scratch, &p_nnew[f])
+                    else:
+                        pthread_rwlock_rdlock(&tp[f].lock)
+                        cn_table_find(tp[f], <key_t*> p_keys[f], p_nkeys[f], <slot_t*> p_slots[f])
+                        p_nnew[f] = 0
+                        rc = CN_OK
+                    if rc != CN_OK:
+                        pthread_rwlock_unlock(&tp[f].lock)
+                        oom_feature = f
+                        break
+                    cn_pool_forward(&tp[f].arena, tp[f].dim, <slot_t*> p_slots[f], <offset_t*> p_off[f],
+                                    p_nbags[f], <weight_t*> p_w[f], <int> p_mode[f], <weight_t*> p_out[f],
+                                    p_ld[f], <int64_t*> p_argmax[f], touch_meta, <uint32_t> tp[f].step,
+                                    cn_threads_for(p_nkeys[f] + p_nbags[f]))
+                    pthread_rwlock_unlock(&tp[f].lock)
+        if bad_feature >= 0:
+            raise ValueError(
+                f"offsets of feature {bad_feature}: must start at 0, never decrease and end at the number of "
+                f"keys ({p_nkeys[bad_feature]}); position {bad_pos} breaks this")
+        if oom_feature >= 0:
+            raise MemoryError(f"cannot grow the table of feature {oom_feature}; it is unchanged")
+        for f in range(F):
+            results[f][2] = p_nnew[f]
+        return results
+    finally:
+        free(tp)
+        free(ip)
+        free(p_argmax)
+        free(p_nnew)
+        free(found_scratch)
+
+
+def grouped_backward(list tables, list slots, list offsets, list weights, list modes, list argmaxes,
+                     list grads, list optims):
+    """Fused backward + optimizer update for F lookups in one nogil section.
+
+    grads[f] is a float32 (B, dim) view (rows may be strided). optims[f] is a tuple
+    (kind, lr, eps, beta1, beta2). Each table's step advances by one before its update.
+    A table that appears several times must have been merged by the caller.
+    """
+    cdef int64_t F = len(tables), f
+    cdef Table tab
+    cdef cn_table** tp = <cn_table**> malloc(max(F, 1) * sizeof(cn_table*))
+    cdef cn_optim* opts = <cn_optim*> malloc(max(F, 1) * sizeof(cn_optim))
+    cdef int64_t* ip = <int64_t*> malloc(max(F, 1) * 8 * sizeof(int64_t))
+    cdef int64_t oom_feature = -1
+    cdef cn_groups groups
+    cdef int rc = 0
+    if tp == NULL or opts == NULL or ip == NULL:
+        free(tp)
+        free(opts)
+        free(ip)
+        raise MemoryError("cannot allocate the call's scratch")
+    cdef int64_t* p_slots = ip
+    cdef int64_t* p_off = ip + F
+    cdef int64_t* p_nbags = ip + 2 * F
+    cdef int64_t* p_w = ip + 3 * F
+    cdef int64_t* p_mode = ip + 4 * F
+    cdef int64_t* p_argmax = ip + 5 * F
+    cdef int64_t* p_grad = ip + 6 * F
+    cdef int64_t* p_ld = ip + 7 * F
+    try:
+        for f in range(F):
+            tab = <Table> tables[f]
+            tp[f] = &tab.t
+            p_slots[f] = _ptr(slots[f])
+            p_off[f] = _ptr(offsets[f])
+            p_nbags[f] = offsets[f].shape[0] - 1
+            p_w[f] = _ptr(weights[f])
+            p_mode[f] = modes[f]
+            p_argmax[f] = _ptr(argmaxes[f])
+            p_grad[f] = _ptr(grads[f])
+            p_ld[f] = grads[f].strides[0] // 4
+            kind, lr, eps, beta1, beta2 = optims[f]
+            opts[f].kind = kind
+            opts[f].lr = lr
+            opts[f].eps = eps
+            opts[f].beta1 = beta1
+            opts[f].beta2 = beta2
+        with nogil:
+            for f in range(F):
+                rc = cn_groups_build(<slot_t*> p_slots[f], <offset_t*> p_off[f], p_nbags[f], &groups,
+                                     cn_threads_for((<offset_t*> p_off[f])[p_nbags[f]]))
+                if rc != 0:
+                    oom_feature = f
+                    break
+                pthread_rwlock_wrlock(&tp[f].lock)
+                tp[f].step += 1
+                cn_optim_set_step(&opts[f], tp[f].step)
+                rc = cn_grad_apply(&groups, &tp[f].arena, tp[f].dim, <slot_t*> p_slots[f], <offset_t*> p_off[f],
+                                   <weight_t*> p_w[f], <int> p_mode[f], <int64_t*> p_argmax[f],
+                                   <weight_t*> p_grad[f], p_ld[f], &opts[f],
+                                   cn_threads_for(groups.n_unique * 4))
+                if rc != 0:
+                    tp[f].step -= 1
+                pthread_rwlock_unlock(&tp[f].lock)
+                cn_groups_free(&groups)
+                if rc != 0:
+                    oom_feature = f
+                    break
+        if oom_feature >= 0:
+            raise MemoryError(f"out of memory in the backward of feature {oom_feature}; "
+                              f"its table is unchanged, earlier features were updated")
+    finally:
+        free(tp)
+        free(opts)
+        free(ip)
+
+
+def unique_gradients(Table table, slot_t[::1] slots, offsets, weights, int mode, argmax, grad):
+    """Non-fused backward for one lookup: (first key position of each unique row,
+    gradient rows (U, dim)), unique rows in first-occurrence order."""
+    cdef cn_groups groups
+    cdef int rc
+    cdef const offset_t[::1] off = offsets
+    cdef int64_t n_bags = off.shape[0] - 1
+    cdef int64_t dim = table.t.dim
+    cdef const weight_t* w = <const weight_t*> <size_t> _ptr(weights)
+    cdef const int64_t* am = <const int64_t*> <size_t> _ptr(argmax)
+    cdef const weight_t* g = <const weight_t*> <size_t> _ptr(grad)
+    cdef int64_t ld = grad.strides[0] // 4
+    cdef weight_t* out_p
+    with nogil:
+        rc = cn_groups_build(&slots[0] if slots.shape[0] else NULL, &off[0], n_bags, &groups,
+                             cn_threads_for(slots.shape[0]))
+    if rc != 0:
+        raise MemoryError("out of memory building the gradient groups")
+    try:
+        positions = np.empty(groups.n_unique, dtype=np.int64)
+        out = np.empty((groups.n_unique, dim), dtype=np.float32)
+        if groups.n_unique:
+            positions[:] = <int64_t[:groups.n_unique]> groups.unique_pos
+            out_p = <weight_t*> <size_t> _ptr(out)
+            with nogil:
+                cn_grad_unique(&groups, dim, &off[0], w, mode, am, g, ld, out_p,
+                               cn_threads_for(groups.n_unique * 4))
+        return positions, out
+    finally:
+        cn_groups_free(&groups)

@@ -1,0 +1,97 @@
+# Declarations of the C core (cython_src/include). No implementation here; all nogil.
+from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
+from cncore._typedefs cimport key_t, slot_t, offset_t, weight_t, count_t
+
+cdef extern from "cn_alloc.h" nogil:
+    int64_t cn_traced_bytes()
+
+cdef extern from "cn_parallel.h" nogil:
+    int cn_thread_setting
+    void cn_set_thread_setting(int n)
+    int cn_max_threads()
+    int cn_has_openmp()
+    int cn_threads_for(int64_t work)
+
+cdef extern from "cn_init.h" nogil:
+    ctypedef struct cn_init:
+        int kind
+        uint64_t seed
+        float p0, p1, p2, p3
+
+cdef extern from "cn_optim.h" nogil:
+    ctypedef struct cn_optim:
+        int kind
+        float lr, eps, beta1, beta2, bias1, bias2_sqrt
+    int64_t cn_optim_state_floats(int kind, int64_t dim)
+    void cn_optim_set_step(cn_optim *o, int64_t step)
+
+cdef extern from "cn_index.h" nogil:
+    ctypedef struct cn_index:
+        int64_t n_buckets
+        int64_t size
+
+cdef extern from "cn_arena.h" nogil:
+    ctypedef struct cn_arena:
+        int64_t n_pages
+        int64_t page_bytes
+    int64_t cn_arena_capacity(const cn_arena *a)
+
+cdef extern from "cn_grad.h" nogil:
+    ctypedef struct cn_groups:
+        int64_t n_unique
+        int64_t *unique_pos
+    int cn_groups_build(const slot_t *slots, const offset_t *offsets, int64_t n_bags, cn_groups *g, int nthreads)
+    void cn_groups_free(cn_groups *g)
+    int cn_grad_unique(const cn_groups *g, int64_t dim, const offset_t *offsets, const weight_t *weights,
+                       int mode, const int64_t *argmax, const weight_t *grad, int64_t ld_grad,
+                       weight_t *grads_out, int nthreads)
+    int cn_grad_apply(const cn_groups *g, const cn_arena *a, int64_t dim, const slot_t *slots,
+                      const offset_t *offsets, const weight_t *weights, int mode, const int64_t *argmax,
+                      const weight_t *grad, int64_t ld_grad, const cn_optim *opt, int nthreads)
+
+cdef extern from "cn_pool.h" nogil:
+    void cn_pool_forward(const cn_arena *a, int64_t dim, const slot_t *slots, const offset_t *offsets,
+                         int64_t n_bags, const weight_t *weights, int mode, weight_t *out, int64_t ld_out,
+                         int64_t *argmax, int touch_meta, uint32_t step, int nthreads)
+
+cdef extern from "cn_table.h" nogil:
+    enum:
+        CN_OK
+        CN_ENOMEM
+    ctypedef struct pthread_rwlock_t:
+        pass
+    ctypedef struct cn_table:
+        cn_index index
+        cn_arena arena
+        int64_t dim
+        int64_t state_floats
+        double max_load
+        int64_t nbytes
+        int64_t step
+        uint64_t erase_epoch
+        uint64_t version
+        pthread_rwlock_t lock
+    int cn_table_create(cn_table *t, int64_t dim, int64_t state_floats, float state_init, cn_init init,
+                        double max_load, int64_t capacity_hint)
+    void cn_table_destroy(cn_table *t)
+    int64_t cn_table_capacity(const cn_table *t)
+    int cn_table_reserve(cn_table *t, int64_t total)
+    void cn_table_find(const cn_table *t, const key_t *keys, int64_t n, slot_t *slots)
+    int cn_table_find_or_insert(cn_table *t, const key_t *keys, int64_t n, slot_t *slots, uint8_t *found,
+                                int64_t *n_new)
+    int64_t cn_table_erase(cn_table *t, const key_t *keys, int64_t n, uint8_t *erased)
+    void cn_table_clear(cn_table *t)
+    void cn_table_write_rows(cn_table *t, const slot_t *slots, int64_t n, const weight_t *rows, int64_t ld_rows,
+                             const weight_t *state, int64_t ld_state)
+    void cn_table_write_meta(cn_table *t, const slot_t *slots, int64_t n, const count_t *counts,
+                             const count_t *last_steps)
+    void cn_table_gather(const cn_table *t, const slot_t *slots, int64_t n, weight_t *rows, weight_t *state,
+                         count_t *counts, count_t *last_steps)
+    int64_t cn_table_scan(const cn_table *t, int64_t cursor, int64_t max_n, key_t *keys, slot_t *slots,
+                          int64_t *n_out)
+    int64_t cn_check_offsets(const offset_t *offsets, int64_t n_bags, int64_t n_keys)
+
+cdef extern from "<pthread.h>" nogil:
+    int pthread_rwlock_rdlock(pthread_rwlock_t *lock)
+    int pthread_rwlock_wrlock(pthread_rwlock_t *lock)
+    int pthread_rwlock_unlock(pthread_rwlock_t *lock)

@@ -1,0 +1,40 @@
+/* cn_alloc.h: every allocation of the core goes through here.
+ *
+ * Each table counts the bytes it holds (its `nbytes`), and one process-wide counter adds up
+ * all of them, so a test can prove that what a store reports is what it allocated
+ * (the pandas idea of traced allocations, without needing the GIL from worker threads).
+ */
+#ifndef CN_ALLOC_H
+#define CN_ALLOC_H
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static int64_t cn_traced_bytes_total = 0;
+
+static inline int64_t cn_traced_bytes(void) {
+    return __atomic_load_n(&cn_traced_bytes_total, __ATOMIC_RELAXED);
+}
+
+/* Cache-line aligned allocation; `*counter` (the owner's byte count) is updated on success. */
+static inline void *cn_alloc(size_t nbytes, int64_t *counter) {
+    size_t rounded = (nbytes + 63) & ~(size_t)63;
+    if (rounded == 0) rounded = 64;
+    void *p = aligned_alloc(64, rounded);
+    if (p == NULL) return NULL;
+    *counter += (int64_t)rounded;
+    __atomic_fetch_add(&cn_traced_bytes_total, (int64_t)rounded, __ATOMIC_RELAXED);
+    return p;
+}
+
+static inline void cn_free(void *p, size_t nbytes, int64_t *counter) {
+    if (p == NULL) return;
+    size_t rounded = (nbytes + 63) & ~(size_t)63;
+    if (rounded == 0) rounded = 64;
+    free(p);
+    *counter -= (int64_t)rounded;
+    __atomic_fetch_sub(&cn_traced_bytes_total, (int64_t)rounded, __ATOMIC_RELAXED);
+}
+
+#endif

@@ -1,0 +1,127 @@
+/* cn_arena.h: the row arena, paged storage for [embedding | optimizer state] rows plus
+ * per-row metadata.
+ *
+ * Rows live in fixed-size pages that are never moved or freed while the table lives, so a slot
+ * is a stable address: growth only appends pages (the page table itself may be reallocated,
+ * the pages never are). A slot maps to (page = slot >> shift, row = slot & mask).
+ *
+ * Each page holds its rows first, then one cn_meta per row (access count, last step). Metadata
+ * apart from the rows keeps a row of dim 64 exactly four cache lines.
+ *
+ * Erased slots go on a free list threaded through their own metadata (the next free slot is
+ * written over the dead row's cn_meta), so the list costs no memory.
+ */
+#ifndef CN_ARENA_H
+#define CN_ARENA_H
+
+#include <stdint.h>
+#include <string.h>
+#include "cn_alloc.h"
+
+typedef struct {
+    uint32_t count;     /* lookups in training mode, saturating at 2^32 - 1 */
+    uint32_t last_step; /* the table's step at the last training lookup */
+} cn_meta;
+
+#define CN_PAGE_TARGET_BYTES (256 * 1024)
+
+typedef struct {
+    char **pages;
+    int64_t n_pages;
+    int64_t page_table_cap;
+    int64_t page_shift; /* rows per page = 1 << page_shift */
+    int64_t page_mask;
+    int64_t row_floats; /* dim + optimizer state floats */
+    int64_t row_bytes;
+    int64_t meta_offset; /* byte offset of the cn_meta block inside a page */
+    int64_t page_bytes;
+    int64_t high_water; /* slots handed out at least once */
+    int64_t free_head;  /* first free slot, or -1 */
+    int64_t n_free;
+} cn_arena;
+
+static inline void cn_arena_init(cn_arena *a, int64_t row_floats) {
+    memset(a, 0, sizeof(*a));
+    a->row_floats = row_floats;
+    a->row_bytes = row_floats * (int64_t)sizeof(float);
+    int64_t shift = 0;
+    while (((int64_t)2 << shift) * a->row_bytes <= CN_PAGE_TARGET_BYTES) shift++;
+    a->page_shift = shift;
+    a->page_mask = ((int64_t)1 << shift) - 1;
+    int64_t rows_part = (((int64_t)1 << shift) * a->row_bytes + 63) & ~(int64_t)63;
+    a->meta_offset = rows_part;
+    a->page_bytes = rows_part + ((int64_t)1 << shift) * (int64_t)sizeof(cn_meta);
+    a->free_head = -1;
+}
+
+static inline int64_t cn_arena_rows_per_page(const cn_arena *a) { return (int64_t)1 << a->page_shift; }
+
+static inline int64_t cn_arena_capacity(const cn_arena *a) { return a->n_pages << a->page_shift; }
+
+static inline float *cn_arena_row(const cn_arena *a, int64_t slot) {
+    return (float *)(a->pages[slot >> a->page_shift] + (slot & a->page_mask) * a->row_bytes);
+}
+
+static inline cn_meta *cn_arena_meta(const cn_arena *a, int64_t slot) {
+    return (cn_meta *)(a->pages[slot >> a->page_shift] + a->meta_offset) + (slot & a->page_mask);
+}
+
+/* Slots that can be handed out without allocating. */
+static inline int64_t cn_arena_available(const cn_arena *a) {
+    return cn_arena_capacity(a) - a->high_water + a->n_free;
+}
+
+/* Make room for n_more new rows. Returns -1 on allocation failure; pages already added stay
+ * (they are capacity, not content), so the arena is valid either way. */
+static inline int cn_arena_reserve(cn_arena *a, int64_t n_more, int64_t *nbytes) {
+    while (cn_arena_available(a) < n_more) {
+        if (a->n_pages == a->page_table_cap) {
+            int64_t cap = a->page_table_cap ? a->page_table_cap * 2 : 16;
+            char **table = (char **)cn_alloc((size_t)cap * sizeof(char *), nbytes);
+            if (table == NULL) return -1;
+            if (a->n_pages) memcpy(table, a->pages, (size_t)a->n_pages * sizeof(char *));
+            cn_free(a->pages, (size_t)a->page_table_cap * sizeof(char *), nbytes);
+            a->pages = table;
+            a->page_table_cap = cap;
+        }
+        char *page = (char *)cn_alloc((size_t)a->page_bytes, nbytes);
+        if (page == NULL) return -1;
+        a->pages[a->n_pages++] = page;
+    }
+    return 0;
+}
+
+/* A slot for a new row; the caller has reserved room. */
+static inline int64_t cn_arena_take_slot(cn_arena *a) {
+    if (a->free_head >= 0) {
+        int64_t slot = a->free_head;
+        a->free_head = *(int64_t *)cn_arena_meta(a, slot);
+        a->n_free -= 1;
+        return slot;
+    }
+    return a->high_water++;
+}
+
+static inline void cn_arena_release_slot(cn_arena *a, int64_t slot) {
+    *(int64_t *)cn_arena_meta(a, slot) = a->free_head;
+    a->free_head = slot;
+    a->n_free += 1;
+}
+
+/* Forget every row but keep the pages (clear keeps capacity, like std::vector::clear). */
+static inline void cn_arena_reset(cn_arena *a) {
+    a->high_water = 0;
+    a->free_head = -1;
+    a->n_free = 0;
+}
+
+static inline void cn_arena_free(cn_arena *a, int64_t *nbytes) {
+    for (int64_t p = 0; p < a->n_pages; p++) cn_free(a->pages[p], (size_t)a->page_bytes, nbytes);
+    cn_free(a->pages, (size_t)a->page_table_cap * sizeof(char *), nbytes);
+    a->pages = NULL;
+    a->n_pages = 0;
+    a->page_table_cap = 0;
+    cn_arena_reset(a);
+}
+
+#endif

@@ -1,0 +1,167 @@
+/* cn_grad.h: backward of the pooled lookup: gradient per unique row, then (optionally) the
+ * fused optimizer update of that row in the same pass.
+ *
+ * Steps, all O(number of keys):
+ *   1. dedup: a small open-addressing map slot -> unique id, sized to the batch so it stays in
+ *      cache; unique ids follow first occurrence (deterministic).
+ *   2. group: the key positions of each unique row, in key order (a counting sort).
+ *   3. per unique row, in parallel: sum its occurrences' gradient contributions (sum / mean /
+ *      max / per-sample weights, exactly as nn.EmbeddingBag) in key order into a scratch row,
+ *      then write it out or apply the optimizer to the row in place. Each row is owned by one
+ *      thread, so there are no atomics and the result does not depend on the thread count.
+ */
+#ifndef CN_GRAD_H
+#define CN_GRAD_H
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include "cn_arena.h"
+#include "cn_index.h"
+#include "cn_optim.h"
+#include "cn_parallel.h"
+#include "cn_pool.h"
+
+typedef struct {
+    int64_t n_unique;
+    int64_t *unique_pos;   /* [n_unique] the first key position of each unique row */
+    int64_t *group_start;  /* [n_unique + 1] */
+    int64_t *group_pos;    /* [n_keys] key positions grouped by unique row, in key order */
+    int64_t *bag_of;       /* [n_keys] the bag of each key position */
+} cn_groups;
+
+static inline void cn_groups_free(cn_groups *g) {
+    free(g->unique_pos);
+    free(g->group_start);
+    free(g->group_pos);
+    free(g->bag_of);
+    memset(g, 0, sizeof(*g));
+}
+
+/* Returns 0, or -1 when out of memory (nothing is left allocated then). Keys with slot < 0
+ * (unseen in evaluation) take no gradient. */
+static inline int cn_groups_build(const int64_t *restrict slots, const int64_t *restrict offsets,
+                                  int64_t n_bags, cn_groups *g, int nthreads) {
+    const int64_t n = offsets[n_bags];
+    memset(g, 0, sizeof(*g));
+    int64_t cap = cn_pow2_at_least(2 * n + 1);
+    int64_t *map_slot = (int64_t *)malloc((size_t)cap * sizeof(int64_t));
+    int64_t *map_uid = (int64_t *)malloc((size_t)cap * sizeof(int64_t));
+    int64_t *uid_of = (int64_t *)malloc((size_t)(n ? n : 1) * sizeof(int64_t));
+    g->unique_pos = (int64_t *)malloc((size_t)(n ? n : 1) * sizeof(int64_t));
+    g->group_start = (int64_t *)malloc((size_t)(n + 2) * sizeof(int64_t));
+    g->group_pos = (int64_t *)malloc((size_t)(n ? n : 1) * sizeof(int64_t));
+    g->bag_of = (int64_t *)malloc((size_t)(n ? n : 1) * sizeof(int64_t));
+    if (!map_slot || !map_uid || !uid_of || !g->unique_pos || !g->group_start || !g->group_pos || !g->bag_of) {
+        free(map_slot);
+        free(map_uid);
+        free(uid_of);
+        cn_groups_free(g);
+        return -1;
+    }
+    memset(map_slot, 0xff, (size_t)cap * sizeof(int64_t));
+    const uint64_t mask = (uint64_t)cap - 1;
+
+    CN_PARALLEL_FOR(nthreads)
+    for (int64_t b = 0; b < n_bags; b++)
+        for (int64_t i = offsets[b]; i < offsets[b + 1]; i++) g->bag_of[i] = b;
+
+    int64_t n_unique = 0;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t s = slots[i];
+        if (s < 0) {
+            uid_of[i] = -1;
+            continue;
+        }
+        uint64_t h = cn_hash_key(s) & mask;
+        while (map_slot[h] >= 0 && map_slot[h] != s) h = (h + 1) & mask;
+        if (map_slot[h] < 0) {
+            map_slot[h] = s;
+            map_uid[h] = n_unique;
+            g->unique_pos[n_unique] = i;
+            g->group_start[n_unique + 1] = 0;
+            n_unique++;
+        }
+        uid_of[i] = map_uid[h];
+        g->group_start[map_uid[h] + 1]++;
+    }
+    g->group_start[0] = 0;
+    for (int64_t u = 0; u < n_unique; u++) g->group_start[u + 1] += g->group_start[u];
+    /* Fill positions in key order; map_uid is reused as the write cursor per unique row. */
+    int64_t *cursor = map_uid;
+    for (int64_t u = 0; u < n_unique; u++) cursor[u] = g->group_start[u];
+    for (int64_t i = 0; i < n; i++)
+        if (uid_of[i] >= 0) g->group_pos[cursor[uid_of[i]]++] = i;
+    g->n_unique = n_unique;
+    free(map_slot);
+    free(map_uid);
+    free(uid_of);
+    return 0;
+}
+
+/* Sum the gradient contributions of unique row u into acc[0:dim]. */
+static inline void cn_grad_accumulate(const cn_groups *g, int64_t u, int64_t dim,
+                                      const int64_t *restrict offsets, const float *restrict weights,
+                                      int mode, const int64_t *restrict argmax,
+                                      const float *restrict grad, int64_t ld_grad, float *restrict acc) {
+    for (int64_t d = 0; d < dim; d++) acc[d] = 0.0f;
+    for (int64_t j = g->group_start[u]; j < g->group_start[u + 1]; j++) {
+        const int64_t i = g->group_pos[j];
+        const int64_t b = g->bag_of[i];
+        const float *restrict gb = grad + b * ld_grad;
+        if (mode == CN_POOL_MAX) {
+            const int64_t *restrict am = argmax + b * dim;
+            for (int64_t d = 0; d < dim; d++) acc[d] += am[d] == i ? gb[d] : 0.0f;
+        } else {
+            float scale = weights ? weights[i] : 1.0f;
+            if (mode == CN_POOL_MEAN) scale /= (float)(offsets[b + 1] - offsets[b]);
+            for (int64_t d = 0; d < dim; d++) acc[d] += scale * gb[d];
+        }
+    }
+}
+
+/* Gradient of every unique row: grads_out[u, 0:dim] (u in first-occurrence order). */
+static inline int cn_grad_unique(const cn_groups *g, int64_t dim, const int64_t *offsets, const float *weights,
+                                 int mode, const int64_t *argmax, const float *grad, int64_t ld_grad,
+                                 float *grads_out, int nthreads) {
+    CN_PARALLEL_FOR_DYNAMIC(nthreads)
+    for (int64_t u = 0; u < g->n_unique; u++)
+        cn_grad_accumulate(g, u, dim, offsets, weights, mode, argmax, grad, ld_grad, grads_out + u * dim);
+    return 0;
+}
+
+/* Fused backward: accumulate each unique row's gradient and apply the optimizer to the row in
+ * place. Returns -1 when out of memory (before any row changed). */
+static inline int cn_grad_apply(const cn_groups *g, const cn_arena *a, int64_t dim, const int64_t *slots,
+                                const int64_t *offsets, const float *weights, int mode, const int64_t *argmax,
+                                const float *grad, int64_t ld_grad, const cn_optim *opt, int nthreads) {
+    if (g->n_unique == 0) return 0;
+    if (nthreads < 1) nthreads = 1;
+    float *scratch = (float *)malloc((size_t)nthreads * (size_t)(dim + 16) * sizeof(float));
+    if (scratch == NULL) return -1;
+    const int64_t row_bytes = a->row_bytes;
+    const int64_t n_unique = g->n_unique;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(nthreads)
+#endif
+    {
+        int tid = 0;
+#ifdef _OPENMP
+        tid = omp_get_thread_num();
+#endif
+        float *acc = scratch + (int64_t)tid * (dim + 16);
+#ifdef _OPENMP
+#pragma omp for schedule(dynamic, 64)
+#endif
+        for (int64_t u = 0; u < n_unique; u++) {
+            if (u + CN_PREFETCH_DISTANCE < n_unique)
+                cn_prefetch_write(cn_arena_row(a, slots[g->unique_pos[u + CN_PREFETCH_DISTANCE]]), row_bytes);
+            cn_grad_accumulate(g, u, dim, offsets, weights, mode, argmax, grad, ld_grad, acc);
+            cn_optim_apply(opt, cn_arena_row(a, slots[g->unique_pos[u]]), acc, dim);
+        }
+    }
+    free(scratch);
+    return 0;
+}
+
+#endif

@@ -1,0 +1,177 @@
+/* cn_index.h: the key index, a map from int64 key to int64 slot.
+ *
+ * Design
+ * ------
+ * Open addressing with linear probing over a power-of-two array of 16-byte buckets
+ * {key, slot}. Occupancy lives in the slot field (slot < 0 means empty), never in the key, so
+ * every int64 value, 0, -1, INT64_MIN and INT64_MAX included, is a valid key: no key is reserved.
+ *
+ * Keys are spread by the 64-bit MurmurHash3 finaliser, whose avalanche makes linear probing
+ * behave well even on sequential or strided IDs. Four buckets share a cache line, so a probe
+ * sequence at the default load factor (<= 0.7) usually touches one line.
+ *
+ * Erase uses backward-shift deletion (no tombstones), so lookups never slow down after many
+ * erases and the load factor is exactly size / buckets.
+ *
+ * Slots are stable: the index may rehash freely, the rows it points to (cn_arena.h) never move.
+ *
+ * Batch lookups issue a software prefetch for the bucket of the key CN_PREFETCH_DISTANCE
+ * positions ahead; on a table larger than the caches this turns one dependent cache miss per
+ * key into many misses in flight, which is what decides the speed (memory-level parallelism).
+ */
+#ifndef CN_INDEX_H
+#define CN_INDEX_H
+
+#include <stdint.h>
+#include <string.h>
+#include "cn_alloc.h"
+#include "cn_parallel.h"
+
+typedef struct {
+    int64_t key;
+    int64_t slot; /* < 0: empty */
+} cn_bucket;
+
+typedef struct {
+    cn_bucket *buckets;
+    int64_t n_buckets; /* a power of two */
+    int64_t mask;
+    int64_t size;
+} cn_index;
+
+static inline uint64_t cn_hash_key(int64_t key) {
+    uint64_t h = (uint64_t)key;
+    h ^= h >> 33;
+    h *= 0xff51afd7ed558ccdULL;
+    h ^= h >> 33;
+    h *= 0xc4ceb9fe1a85ec53ULL;
+    h ^= h >> 33;
+    return h;
+}
+
+static inline int64_t cn_pow2_at_least(int64_t n) {
+    int64_t p = 16;
+    while (p < n) p <<= 1;
+    return p;
+}
+
+/* Buckets needed so that n_keys keys stay at or under max_load. */
+static inline int64_t cn_index_buckets_for(int64_t n_keys, double max_load) {
+    double need = (double)n_keys / max_load;
+    int64_t p = 16;
+    while ((double)p < need) p <<= 1;
+    return p;
+}
+
+static inline int cn_index_init(cn_index *ix, int64_t n_buckets, int64_t *nbytes) {
+    ix->buckets = (cn_bucket *)cn_alloc((size_t)n_buckets * sizeof(cn_bucket), nbytes);
+    if (ix->buckets == NULL) return -1;
+    memset(ix->buckets, 0xff, (size_t)n_buckets * sizeof(cn_bucket)); /* slot = -1 everywhere */
+    ix->n_buckets = n_buckets;
+    ix->mask = n_buckets - 1;
+    ix->size = 0;
+    return 0;
+}
+
+static inline void cn_index_free(cn_index *ix, int64_t *nbytes) {
+    cn_free(ix->buckets, (size_t)ix->n_buckets * sizeof(cn_bucket), nbytes);
+    ix->buckets = NULL;
+    ix->n_buckets = 0;
+    ix->mask = 0;
+    ix->size = 0;
+}
+
+static inline void cn_index_prefetch(const cn_index *ix, int64_t key) {
+    __builtin_prefetch(&ix->buckets[cn_hash_key(key) & (uint64_t)ix->mask], 0, 3);
+}
+
+/* The slot of `key`, or -1. */
+static inline int64_t cn_index_find(const cn_index *ix, int64_t key) {
+    uint64_t i = cn_hash_key(key) & (uint64_t)ix->mask;
+    const cn_bucket *b = ix->buckets;
+    for (;;) {
+        int64_t s = b[i].slot;
+        if (s < 0) return -1;
+        if (b[i].key == key) return s;
+        i = (i + 1) & (uint64_t)ix->mask;
+    }
+}
+
+/* The slot of `key` if present; otherwise -1 and *empty_pos is where it would go. */
+static inline int64_t cn_index_probe(const cn_index *ix, int64_t key, int64_t *empty_pos) {
+    uint64_t i = cn_hash_key(key) & (uint64_t)ix->mask;
+    const cn_bucket *b = ix->buckets;
+    for (;;) {
+        int64_t s = b[i].slot;
+        if (s < 0) {
+            *empty_pos = (int64_t)i;
+            return -1;
+        }
+        if (b[i].key == key) return s;
+        i = (i + 1) & (uint64_t)ix->mask;
+    }
+}
+
+static inline void cn_index_put_at(cn_index *ix, int64_t pos, int64_t key, int64_t slot) {
+    ix->buckets[pos].key = key;
+    ix->buckets[pos].slot = slot;
+    ix->size += 1;
+}
+
+/* Slots of keys[0..n) (-1 where absent); read-only, safe for concurrent readers. */
+static inline void cn_index_find_batch(const cn_index *ix, const int64_t *keys, int64_t n,
+                                       int64_t *slots, int nthreads) {
+    CN_PARALLEL_FOR(nthreads)
+    for (int64_t i = 0; i < n; i++) {
+        if (i + CN_PREFETCH_DISTANCE < n) cn_index_prefetch(ix, keys[i + CN_PREFETCH_DISTANCE]);
+        slots[i] = cn_index_find(ix, keys[i]);
+    }
+}
+
+/* Remove `key`; returns its slot or -1. Backward-shift deletion keeps probe chains intact. */
+static inline int64_t cn_index_erase(cn_index *ix, int64_t key) {
+    uint64_t mask = (uint64_t)ix->mask;
+    cn_bucket *b = ix->buckets;
+    uint64_t i = cn_hash_key(key) & mask;
+    for (;;) {
+        if (b[i].slot < 0) return -1;
+        if (b[i].key == key) break;
+        i = (i + 1) & mask;
+    }
+    int64_t slot = b[i].slot;
+    uint64_t hole = i;
+    uint64_t j = i;
+    for (;;) {
+        j = (j + 1) & mask;
+        if (b[j].slot < 0) break;
+        uint64_t home = cn_hash_key(b[j].key) & mask;
+        /* b[j] may move into the hole only if its home is not in (hole, j] cyclically. */
+        int in_between = (hole <= j) ? (home > hole && home <= j) : (home > hole || home <= j);
+        if (!in_between) {
+            b[hole] = b[j];
+            hole = j;
+        }
+    }
+    b[hole].slot = -1;
+    ix->size -= 1;
+    return slot;
+}
+
+/* Move every entry into a new array of n_buckets. On allocation failure returns -1 and the
+ * index is unchanged. */
+static inline int cn_index_rehash(cn_index *ix, int64_t n_buckets, int64_t *nbytes) {
+    cn_index fresh;
+    if (cn_index_init(&fresh, n_buckets, nbytes) != 0) return -1;
+    const cn_bucket *old = ix->buckets;
+    for (int64_t i = 0; i < ix->n_buckets; i++) {
+        if (old[i].slot < 0) continue;
+        int64_t pos;
+        cn_index_probe(&fresh, old[i].key, &pos);
+        cn_index_put_at(&fresh, pos, old[i].key, old[i].slot);
+    }
+    cn_index_free(ix, nbytes);
+    *ix = fresh;
+    return 0;
+}
+
+#endif

@@ -1,0 +1,62 @@
+"""Builds the Cython core (cython_src/) into the `cncore` package.
+
+Optimisation is on (-O3), and OpenMP is used when the compiler accepts -fopenmp; without it
+the core builds and runs single-threaded. CNCORE_PORTABLE=1 drops -march=native (for wheels
+meant for other machines).
+"""
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+
+import numpy
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _compiler_accepts(flags):
+    cc = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
+    cc = cc.split()[0]
+    if shutil.which(cc) is None:
+        return False
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "probe.c")
+        with open(src, "w") as fh:
+            fh.write("#include <stdio.h>\nint main(void){int s=0;\n#pragma omp parallel for reduction(+:s)\n"
+                     "for(int i=0;i<4;i++) s+=i; printf(\"%d\", s); return 0;}\n")
+        cmd = [cc, *flags, src, "-o", os.path.join(tmp, "probe")]
+        return subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode == 0
+
+
+compile_args = ["-O3", "-std=gnu11", "-fno-strict-aliasing", "-Wno-unused-function"]
+link_args = []
+if os.environ.get("CNCORE_PORTABLE") != "1" and _compiler_accepts(["-march=native"]):
+    compile_args.append("-march=native")
+if os.environ.get("CNCORE_NO_OPENMP") != "1" and _compiler_accepts(["-fopenmp"]):
+    compile_args.append("-fopenmp")
+    link_args.append("-fopenmp")
+else:
+    print("cncore: building without OpenMP (single-threaded kernels)", file=sys.stderr)
+
+extensions = [
+    Extension(
+        "cncore._core",
+        sources=["cython_src/cncore/_core.pyx"],
+        include_dirs=["cython_src/include", numpy.get_include()],
+        extra_compile_args=compile_args,
+        extra_link_args=link_args,
+        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+    )
+]
+
+setup(
+    ext_modules=cythonize(
+        extensions,
+        include_path=["cython_src"],
+        compiler_directives={"language_level": 3},
+    ),
+)
