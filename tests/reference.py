@@ -1,0 +1,91 @@
+"""Plain references the tests compare the core against: a dict of NumPy rows, and the row
+initialiser re-derived in NumPy from its specification (not from the C code's output)."""
+from __future__ import annotations
+
+import numpy as np
+
+M64 = (1 << 64) - 1
+EDGE_KEYS = [0, -1, 1, -(2**63), 2**63 - 1, -(2**63) + 1, 2**63 - 2, 2**32, -(2**32), 2**31 - 1]
+
+
+def _mix64(z: int) -> int:
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
+    return z ^ (z >> 31)
+
+
+def _draws(seed: int, key: int, counters: np.ndarray) -> np.ndarray:
+    stream = _mix64(_mix64(key & M64) ^ ((seed * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) & M64))
+    lo, hi = np.uint32(stream & 0xFFFFFFFF), np.uint32(stream >> 32)
+    with np.errstate(over="ignore"):
+        h = (lo + counters.astype(np.uint32) * np.uint32(0x9E3779B9)) ^ hi
+        h ^= h >> np.uint32(16)
+        h *= np.uint32(0x85EBCA6B)
+        h ^= h >> np.uint32(13)
+        h *= np.uint32(0xC2B2AE35)
+        h ^= h >> np.uint32(16)
+    return h
+
+
+def uniform_row(seed: int, key: int, dim: int, low: float, high: float) -> np.ndarray:
+    """The initial row of `key`: column d is low + (high - low) * (draw(seed, key, d) >> 8) / 2^24."""
+    bits = _draws(seed, key, np.arange(dim))
+    unit = (bits >> np.uint32(8)).astype(np.float32) * np.float32(1.0 / 16777216.0)
+    return (np.float32(low) + (np.float32(high) - np.float32(low)) * unit).astype(np.float32)
+
+
+class DictStore:
+    """The reference store: a Python dict from key to (row, state, count, last_step)."""
+
+    def __init__(self, dim: int, seed: int, low: float, high: float, state_floats: int = 0, state_init: float = 0.0):
+        self.dim, self.seed, self.low, self.high = dim, seed, low, high
+        self.state_floats, self.state_init = state_floats, state_init
+        self.rows: dict[int, np.ndarray] = {}
+        self.state: dict[int, np.ndarray] = {}
+
+    def initial(self, key: int) -> np.ndarray:
+        return uniform_row(self.seed, key, self.dim, self.low, self.high)
+
+    def find_or_insert(self, keys):
+        found = [k in self.rows for k in keys]
+        for k in keys:
+            if k not in self.rows:
+                self.rows[k] = self.initial(k)
+                self.state[k] = np.full(self.state_floats, self.state_init, dtype=np.float32)
+        return np.array(found, dtype=bool)
+
+    def write(self, keys, rows, insert: bool):
+        found = np.array([k in self.rows for k in keys], dtype=bool)
+        for k, r in zip(keys, rows):
+            if k in self.rows or insert:
+                if k not in self.rows:
+                    self.state[k] = np.full(self.state_floats, self.state_init, dtype=np.float32)
+                self.rows[k] = np.array(r, dtype=np.float32)
+        return found
+
+    def erase(self, keys):
+        erased = []
+        for k in keys:
+            erased.append(k in self.rows)
+            self.rows.pop(k, None)
+            self.state.pop(k, None)
+        return np.array(erased, dtype=bool)
+
+    def lookup(self, keys) -> np.ndarray:
+        return np.array([self.rows.get(k, np.zeros(self.dim, np.float32)) for k in keys],
+                        dtype=np.float32).reshape(len(keys), self.dim)
+
+
+def pooled_reference(rows: np.ndarray, offsets: np.ndarray, mode: str, weights=None) -> np.ndarray:
+    """Pool rows (N, dim) by CSR offsets, with float64 accumulation."""
+    n_bags = len(offsets) - 1
+    out = np.zeros((n_bags, rows.shape[1]), dtype=np.float64)
+    for b in range(n_bags):
+        s, e = offsets[b], offsets[b + 1]
+        if e == s:
+            continue
+        r = rows[s:e].astype(np.float64)
+        if weights is not None:
+            r = r * np.asarray(weights[s:e], dtype=np.float64)[:, None]
+        out[b] = r.max(axis=0) if mode == "max" else r.sum(axis=0) / (e - s if mode == "mean" else 1)
+    return out
