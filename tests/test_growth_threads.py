@@ -1,0 +1,165 @@
+"""Growth never loses or changes a row; results do not depend on thread count; concurrent
+readers see consistent data; reported memory is what was allocated."""
+import gc
+import threading
+
+import numpy as np
+import pytest
+
+import cncore
+from reference import uniform_row
+
+
+@pytest.fixture
+def restore_threads():
+    yield
+    cncore.set_num_threads(None)
+
+
+def test_growth_from_capacity_one_to_a_million_rows_changes_no_row():
+    rng = np.random.default_rng(0)
+    keys = rng.choice(2**62, 1_000_000, replace=False).astype(np.int64) - 2**61
+    store = cncore.EmbeddingStore(dim=8, capacity=1, seed=9, optimizer=cncore.Adagrad())
+    probe = keys[::997]
+    first = None
+    for chunk in np.array_split(keys, 40):  # 40 growth steps in between
+        store.find_or_insert(chunk)
+        if first is None:
+            first = store.read(probe[:1])
+    assert len(store) == 1_000_000
+    got = store.read(keys)
+    assert got.found.all()
+    # Every row equals the one a fresh store gives that key alone: growth changed nothing.
+    fresh = cncore.EmbeddingStore(dim=8, seed=9, optimizer=cncore.Adagrad())
+    np.testing.assert_array_equal(got.rows, fresh.lookup(keys, insert_missing=True))
+    np.testing.assert_array_equal(store.read(probe[:1]).rows, first.rows)
+    for k in probe[:20].tolist():
+        np.testing.assert_allclose(store.lookup(np.array([k]))[0], uniform_row(9, k, 8, -0.05, 0.05), atol=1e-8)
+
+
+def test_initial_rows_independent_of_order_batching_and_threads(restore_threads):
+    keys = np.random.default_rng(1).integers(-(2**63), 2**63 - 1, 50_000, dtype=np.int64)
+    results = []
+    for threads, order, batches in [(1, slice(None), 1), (2, slice(None, None, -1), 7), (2, slice(None), 1)]:
+        cncore.set_num_threads(threads)
+        store = cncore.EmbeddingStore(dim=16, seed=4, initializer=cncore.Normal(0, 0.1))
+        for part in np.array_split(keys[order], batches):
+            store.find_or_insert(part)
+        results.append(store.lookup(keys))
+    np.testing.assert_array_equal(results[0], results[1])
+    np.testing.assert_array_equal(results[0], results[2])
+
+
+def _train(threads, mode, optimizer):
+    cncore.set_num_threads(threads)
+    rng = np.random.default_rng(2)
+    store = cncore.EmbeddingStore(dim=32, seed=3, optimizer=optimizer)
+    outs = []
+    for _ in range(3):
+        keys = (rng.zipf(1.2, 40_000) % 5000).astype(np.int64)
+        lengths = rng.multinomial(len(keys), np.ones(2000) / 2000)
+        out, ctx = store.pooled_lookup(keys, lengths=lengths, mode=mode)
+        store.apply_gradients(ctx, rng.standard_normal(out.shape).astype(np.float32))
+        outs.append(out.copy())
+    return outs, store.export()
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+@pytest.mark.parametrize("optimizer", [cncore.SGD(lr=0.1), cncore.RowWiseAdagrad(lr=0.1), cncore.Adam()],
+                         ids=["sgd", "rowwise", "adam"])
+def test_training_identical_for_one_and_two_threads(mode, optimizer, restore_threads):
+    if not cncore.has_openmp():
+        pytest.skip("built without OpenMP: one thread only")
+    outs1, exp1 = _train(1, mode, optimizer)
+    outs2, exp2 = _train(2, mode, optimizer)
+    for a, b in zip(outs1, outs2):
+        np.testing.assert_array_equal(a, b)
+    o1, o2 = np.argsort(exp1.keys), np.argsort(exp2.keys)
+    np.testing.assert_array_equal(exp1.keys[o1], exp2.keys[o2])
+    np.testing.assert_array_equal(exp1.rows[o1], exp2.rows[o2])
+    np.testing.assert_array_equal(exp1.optimizer_state[o1], exp2.optimizer_state[o2])
+    np.testing.assert_array_equal(exp1.counts[o1], exp2.counts[o2])
+
+
+def test_concurrent_readers_agree_with_a_serial_read():
+    rng = np.random.default_rng(4)
+    store = cncore.EmbeddingStore(dim=16, seed=1)
+    store.find_or_insert(np.arange(100_000))
+    queries = [rng.integers(0, 120_000, 50_000) for _ in range(8)]
+    lengths = np.full(5000, 10)
+    expected = [store.pooled_lookup(q, lengths=lengths, insert_missing=False)[0] for q in queries]
+    found = [store.contains(q) for q in queries]
+    errors = []
+
+    def reader(i):
+        try:
+            for _ in range(5):
+                out, _ = store.pooled_lookup(queries[i], lengths=lengths, insert_missing=False)
+                np.testing.assert_array_equal(out, expected[i])
+                np.testing.assert_array_equal(store.contains(queries[i]), found[i])
+        except Exception as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=reader, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert len(store) == 100_000
+
+
+def test_concurrent_writers_are_serialised():
+    store = cncore.EmbeddingStore(dim=4, capacity=1)
+    parts = np.array_split(np.arange(200_000), 8)
+    threads = [threading.Thread(target=store.find_or_insert, args=(p,)) for p in parts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(store) == 200_000
+    assert store.contains(np.arange(200_000)).all()
+
+
+def test_nbytes_is_what_the_allocator_traced():
+    gc.collect()
+    base = cncore.traced_bytes()
+    store = cncore.EmbeddingStore(dim=64, capacity=10, optimizer=cncore.RowWiseAdagrad())
+    assert cncore.traced_bytes() - base == store.nbytes > 0
+    store.find_or_insert(np.arange(300_000))
+    assert cncore.traced_bytes() - base == store.nbytes
+    row_bytes = (64 + 1) * 4
+    assert store.nbytes >= 300_000 * row_bytes
+    store.erase(np.arange(100_000))
+    store.clear()
+    assert cncore.traced_bytes() - base == store.nbytes  # clear keeps capacity
+    del store
+    gc.collect()
+    assert cncore.traced_bytes() == base
+
+
+def test_impossible_reservation_raises_memory_error_and_keeps_the_store():
+    store = cncore.EmbeddingStore(dim=4)
+    store.insert_or_assign(np.array([1, 2]), np.ones((2, 4), np.float32))
+    before = store.export()
+    with pytest.raises(MemoryError):
+        store.reserve(2**55)
+    after = store.export()
+    np.testing.assert_array_equal(before.keys, after.keys)
+    np.testing.assert_array_equal(before.rows, after.rows)
+    store.find_or_insert(np.arange(10_000))  # still usable; keys 1 and 2 were already there
+    assert len(store) == 10_000
+    np.testing.assert_array_equal(store.lookup(np.array([1, 2])), before.rows[np.argsort(before.keys)])
+
+
+def test_erased_slots_are_reused_without_touching_live_rows():
+    store = cncore.EmbeddingStore(dim=3, seed=2)
+    store.find_or_insert(np.arange(1000))
+    live = store.lookup(np.arange(500, 1000))
+    store.erase(np.arange(500))
+    cap = store.nbytes
+    store.find_or_insert(np.arange(2000, 2500))
+    assert store.nbytes == cap  # freed slots reused, no new pages
+    np.testing.assert_array_equal(store.lookup(np.arange(500, 1000)), live)
+    fresh = cncore.EmbeddingStore(dim=3, seed=2).lookup(np.arange(2000, 2500), insert_missing=True)
+    np.testing.assert_array_equal(store.lookup(np.arange(2000, 2500)), fresh)
