@@ -23,7 +23,8 @@ typedef struct {
     uint32_t last_step; /* the table's step at the last training lookup */
 } cn_meta;
 
-#define CN_PAGE_TARGET_BYTES (256 * 1024)
+/* A page's rows fill at least one 2 MiB huge page (cn_alloc.h). */
+#define CN_PAGE_TARGET_BYTES ((int64_t)2 << 20)
 
 typedef struct {
     char **pages;
@@ -45,7 +46,7 @@ static inline void cn_arena_init(cn_arena *a, int64_t row_floats) {
     a->row_floats = row_floats;
     a->row_bytes = row_floats * (int64_t)sizeof(float);
     int64_t shift = 0;
-    while (((int64_t)2 << shift) * a->row_bytes <= CN_PAGE_TARGET_BYTES) shift++;
+    while (((int64_t)1 << shift) * a->row_bytes < CN_PAGE_TARGET_BYTES) shift++;
     a->page_shift = shift;
     a->page_mask = ((int64_t)1 << shift) - 1;
     int64_t rows_part = (((int64_t)1 << shift) * a->row_bytes + 63) & ~(int64_t)63;

@@ -42,10 +42,10 @@ static inline uint32_t cn_draw32(uint64_t stream, uint32_t counter) {
 }
 
 /* [0, 1) with 24 random bits. */
-static inline float cn_unit(uint32_t bits) { return (float)(bits >> 8) * (1.0f / 16777216.0f); }
+static inline float cn_unit(uint32_t bits) { return (float)(int32_t)(bits >> 8) * (1.0f / 16777216.0f); }
 
 /* (0, 1], for the logarithm in Box-Muller. */
-static inline float cn_unit_open(uint32_t bits) { return (float)((bits >> 8) + 1) * (1.0f / 16777216.0f); }
+static inline float cn_unit_open(uint32_t bits) { return (float)(int32_t)((bits >> 8) + 1) * (1.0f / 16777216.0f); }
 
 static inline float cn_std_normal(uint64_t stream, uint32_t counter) {
     float u1 = cn_unit_open(cn_draw32(stream, 2 * counter));

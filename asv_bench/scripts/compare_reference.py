@@ -1,0 +1,217 @@
+"""One-run comparison of cncore against torch.nn.EmbeddingBag and FBGEMM's CPU TBE.
+
+Prints a Markdown table of throughputs (M IDs/s) and ratios, all measured in this run on the
+same rows: 1M rows, dim 64 and 128, batch 4096, pooling 1 and 20, uniform and Zipf IDs,
+2 threads; plus insertion of new keys, a stream that starts from an empty table, and memory
+per row.
+
+    python asv_bench/scripts/compare_reference.py            # the full table (a few minutes)
+    python asv_bench/scripts/compare_reference.py --quick    # small shapes, a smoke run
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import warnings
+
+import numpy as np
+import torch
+
+import cncore
+
+warnings.filterwarnings("ignore")
+
+
+def timed(fn, reps, warmup=2):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def make_ids(dist, n, n_rows, rng):
+    if dist == "uniform":
+        return rng.integers(0, n_rows, n)
+    # Zipf-skewed popularity (alpha 1.05), ranks scattered over the table
+    ranks = (rng.zipf(1.05, n) - 1) % n_rows
+    return (ranks * 2654435761) % n_rows
+
+
+def tbe(n_rows, dim, optim, lr, weights):
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (ComputeDevice,
+                                                                        SplitTableBatchedEmbeddingBagsCodegen)
+    kind = {"sgd": EmbOptimType.EXACT_SGD, "rowwise": EmbOptimType.EXACT_ROWWISE_ADAGRAD}[optim]
+    m = SplitTableBatchedEmbeddingBagsCodegen([(n_rows, dim, EmbeddingLocation.HOST, ComputeDevice.CPU)],
+                                              optimizer=kind, learning_rate=lr, eps=1e-8,
+                                              pooling_mode=PoolingMode.SUM)
+    with torch.no_grad():
+        m.split_embedding_weights()[0].copy_(weights)
+    return m
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small shapes, for a smoke test")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=15)
+    args = ap.parse_args()
+
+    torch.set_num_threads(args.threads)
+    cncore.set_num_threads(args.threads)
+    n_rows = 20_000 if args.quick else 1_000_000
+    batch = 256 if args.quick else 4096
+    dims = [64] if args.quick else [64, 128]
+    poolings = [20] if args.quick else [1, 20]
+    dists = ["zipf"] if args.quick else ["uniform", "zipf"]
+    reps = 3 if args.quick else args.reps
+    rng = np.random.default_rng(0)
+    # Raw IDs: arbitrary int64 values, one per dense row, so both sides hold the same rows.
+    raw_ids = rng.choice(2**62, n_rows, replace=False).astype(np.int64) * 2 - 2**62
+    lr = 0.01
+
+    rows_out = []
+    print(f"# cncore vs torch.nn.EmbeddingBag and FBGEMM TBE (CPU), {args.threads} threads, "
+          f"{n_rows:,} rows, batch {batch}")
+    for dim in dims:
+        weights = torch.from_numpy(rng.uniform(-0.05, 0.05, (n_rows, dim)).astype(np.float32))
+        stores = {}
+        for name, opt in [("sgd", cncore.SGD(lr=lr)), ("rowwise", cncore.RowWiseAdagrad(lr=lr, eps=1e-8))]:
+            s = cncore.EmbeddingStore(dim=dim, capacity=n_rows, optimizer=opt)
+            s.insert_or_assign(raw_ids, weights.numpy())
+            stores[name] = s
+        bag = torch.nn.EmbeddingBag(n_rows, dim, mode="sum", sparse=True, include_last_offset=True)
+        with torch.no_grad():
+            bag.weight.copy_(weights)
+        bag_opt = torch.optim.SGD(bag.parameters(), lr=lr)
+        tbes = {name: tbe(n_rows, dim, name, lr, weights) for name in ("sgd", "rowwise")}
+        for pooling in poolings:
+            for dist in dists:
+                n = batch * pooling
+                idx_np = make_ids(dist, n, n_rows, rng).astype(np.int64)
+                idx = torch.from_numpy(idx_np)
+                keys = raw_ids[idx_np]
+                offsets_np = np.arange(0, n + 1, pooling, dtype=np.int64)
+                offsets = torch.from_numpy(offsets_np)
+                grad_np = rng.standard_normal((batch, dim)).astype(np.float32) * 1e-3
+                grad = torch.from_numpy(grad_np)
+
+                def torch_fwd():
+                    with torch.no_grad():
+                        bag(idx, offsets)
+
+                def ours_fwd():
+                    stores["sgd"].pooled_lookup(keys, offsets_np, insert_missing=True)
+
+                def torch_step():
+                    bag_opt.zero_grad()
+                    bag(idx, offsets).backward(grad)
+                    bag_opt.step()
+
+                def tbe_step(name):
+                    def run():
+                        tbes[name](idx, offsets).backward(grad)
+                    return run
+
+                def ours_step(name):
+                    s = stores[name]
+
+                    def run():
+                        _, ctx = s.pooled_lookup(keys, offsets_np)
+                        s.apply_gradients(ctx, grad_np)
+                    return run
+
+                t = {
+                    "torch_fwd": timed(torch_fwd, reps), "ours_fwd": timed(ours_fwd, reps),
+                    "torch_step": timed(torch_step, reps),
+                    "tbe_sgd": timed(tbe_step("sgd"), reps), "ours_sgd": timed(ours_step("sgd"), reps),
+                    "tbe_rw": timed(tbe_step("rowwise"), reps), "ours_rw": timed(ours_step("rowwise"), reps),
+                }
+                m = {k: n / v / 1e6 for k, v in t.items()}
+                rows_out.append((dim, pooling, dist, m))
+        del stores, bag, tbes
+
+    print()
+    print("| dim | pooling | IDs | fwd: EB | fwd: ours | ours/EB | step: EB+sparse SGD | TBE SGD | ours SGD "
+          "| ours/EB | ours/TBE | TBE rw-Adagrad | ours rw-Adagrad | ours/TBE |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for dim, pooling, dist, m in rows_out:
+        print(f"| {dim} | {pooling} | {dist} | {m['torch_fwd']:.1f} | {m['ours_fwd']:.1f} | "
+              f"**{m['ours_fwd'] / m['torch_fwd']:.2f}x** | {m['torch_step']:.1f} | {m['tbe_sgd']:.1f} | "
+              f"{m['ours_sgd']:.1f} | **{m['ours_sgd'] / m['torch_step']:.2f}x** | "
+              f"**{m['ours_sgd'] / m['tbe_sgd']:.2f}x** | {m['tbe_rw']:.1f} | {m['ours_rw']:.1f} | "
+              f"**{m['ours_rw'] / m['tbe_rw']:.2f}x** |")
+    print("\nThroughputs in M IDs/s (median of the runs); EB = torch.nn.EmbeddingBag; forward is ours in "
+          "training mode (hash lookup, insertion check, access counting included).")
+
+    # --- inserting new keys ---------------------------------------------------------------
+    n_new = 200_000 if args.quick else 4_000_000
+    new_keys = rng.integers(-(2**63), 2**63 - 1, n_new, dtype=np.int64)
+
+    def insert_new():
+        s = cncore.EmbeddingStore(dim=64, optimizer=cncore.SGD())
+        for part in np.array_split(new_keys, 20):
+            s.find_or_insert(part)
+
+    t_insert = timed(insert_new, 3, warmup=1)
+    print(f"\nInsert new keys (find_or_insert with initialisation, dim 64, growing from empty): "
+          f"{n_new / t_insert / 1e6:.1f} M keys/s")
+
+    # --- a stream from an empty table ---------------------------------------------------------
+    steps = 10 if args.quick else 60
+    pooling, dim = 20, 64
+    space = 10**7
+    stream_raw = []
+    for _ in range(steps):
+        ranks = rng.zipf(1.05, batch * pooling) % space
+        with np.errstate(over="ignore"):  # raw 64-bit IDs: the ranks scrambled over all of int64
+            stream_raw.append((ranks.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)).view(np.int64))
+    uniq, inverse = np.unique(np.concatenate(stream_raw), return_inverse=True)
+    remapped = np.split(inverse.astype(np.int64), steps)
+    offsets_np = np.arange(0, batch * pooling + 1, pooling, dtype=np.int64)
+    offsets = torch.from_numpy(offsets_np)
+    grad_np = rng.standard_normal((batch, dim)).astype(np.float32) * 1e-3
+    grad = torch.from_numpy(grad_np)
+
+    def stream_ours():
+        s = cncore.EmbeddingStore(dim=dim, optimizer=cncore.SGD(lr=lr))
+        for ids in stream_raw:
+            _, ctx = s.pooled_lookup(ids, offsets_np)
+            s.apply_gradients(ctx, grad_np)
+        return s
+
+    def stream_torch():
+        eb = torch.nn.EmbeddingBag(len(uniq), dim, mode="sum", sparse=True, include_last_offset=True)
+        opt = torch.optim.SGD(eb.parameters(), lr=lr)
+        for ids in remapped:
+            opt.zero_grad()
+            eb(torch.from_numpy(ids), offsets).backward(grad)
+            opt.step()
+
+    t_ours = timed(stream_ours, 1, warmup=1)
+    t_torch = timed(stream_torch, 1, warmup=1)
+    total = steps * batch * pooling
+    final = stream_ours()
+    print(f"\nStream from an empty table ({steps} steps, pooling {pooling}, dim {dim}, SGD, {len(uniq):,} distinct "
+          f"IDs): ours {total / t_ours / 1e6:.1f} M IDs/s, EmbeddingBag on pre-remapped IDs (table preallocated) "
+          f"{total / t_torch / 1e6:.1f} M IDs/s: **{t_torch / t_ours:.2f}x**")
+
+    # --- memory per row --------------------------------------------------------------------------
+    print("\nMemory per row (nbytes / rows, against dim x 4 + optimizer state):")
+    for dim, opt in [(64, cncore.SGD()), (64, cncore.RowWiseAdagrad()), (128, cncore.RowWiseAdagrad())]:
+        s = cncore.EmbeddingStore(dim=dim, optimizer=opt)
+        for n_rows_m in ([20_000] if args.quick else [700_000, 1_000_000]):
+            s.find_or_insert(rng.integers(-(2**63), 2**63 - 1, n_rows_m - len(s), dtype=np.int64))
+            payload = (dim + s.config.state_floats) * 4
+            print(f"  dim {dim}, {type(opt).__name__}, {len(s):,} rows (load {s.load_factor:.2f}): "
+                  f"{s.nbytes / len(s):.0f} B/row = {s.nbytes / len(s) / payload:.3f}x of {payload} B")
+
+
+if __name__ == "__main__":
+    main()
