@@ -23,6 +23,21 @@ import cncore
 warnings.filterwarnings("ignore")
 
 
+def timed_round_robin(fns: dict, reps: int, warmup: int = 2) -> dict:
+    """Median seconds per call of each function, measured in interleaved rounds so that the
+    machine's drifting background load hits every contender alike."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    samples = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
 def timed(fn, reps, warmup=2):
     for _ in range(warmup):
         fn()
@@ -127,12 +142,11 @@ def main():
                         s.apply_gradients(ctx, grad_np)
                     return run
 
-                t = {
-                    "torch_fwd": timed(torch_fwd, reps), "ours_fwd": timed(ours_fwd, reps),
-                    "torch_step": timed(torch_step, reps),
-                    "tbe_sgd": timed(tbe_step("sgd"), reps), "ours_sgd": timed(ours_step("sgd"), reps),
-                    "tbe_rw": timed(tbe_step("rowwise"), reps), "ours_rw": timed(ours_step("rowwise"), reps),
-                }
+                t = timed_round_robin({
+                    "torch_fwd": torch_fwd, "ours_fwd": ours_fwd, "torch_step": torch_step,
+                    "tbe_sgd": tbe_step("sgd"), "ours_sgd": ours_step("sgd"),
+                    "tbe_rw": tbe_step("rowwise"), "ours_rw": ours_step("rowwise"),
+                }, reps)
                 m = {k: n / v / 1e6 for k, v in t.items()}
                 rows_out.append((dim, pooling, dist, m))
         del stores, bag, tbes
@@ -194,8 +208,8 @@ def main():
             eb(torch.from_numpy(ids), offsets).backward(grad)
             opt.step()
 
-    t_ours = timed(stream_ours, 1, warmup=1)
-    t_torch = timed(stream_torch, 1, warmup=1)
+    t_stream = timed_round_robin({"ours": stream_ours, "torch": stream_torch}, 3 if not args.quick else 1, warmup=1)
+    t_ours, t_torch = t_stream["ours"], t_stream["torch"]
     total = steps * batch * pooling
     final = stream_ours()
     print(f"\nStream from an empty table ({steps} steps, pooling {pooling}, dim {dim}, SGD, {len(uniq):,} distinct "

@@ -45,11 +45,16 @@ static inline int cn_threads_for(int64_t work) {
 #define CN_PARALLEL_FOR_DYNAMIC(nthreads)
 #endif
 
+#ifndef CN_PREFETCH_DISTANCE
 #define CN_PREFETCH_DISTANCE 16
+#endif
 
+#ifndef CN_PREFETCH_LOCALITY
+#define CN_PREFETCH_LOCALITY 3
+#endif
 static inline void cn_prefetch_read(const void *p, int64_t nbytes) {
     const char *c = (const char *)p;
-    for (int64_t off = 0; off < nbytes; off += 64) __builtin_prefetch(c + off, 0, 3);
+    for (int64_t off = 0; off < nbytes; off += 64) __builtin_prefetch(c + off, 0, CN_PREFETCH_LOCALITY);
 }
 
 static inline void cn_prefetch_write(const void *p, int64_t nbytes) {

@@ -29,48 +29,59 @@ static inline void cn_pool_forward(const cn_arena *a, int64_t dim, const int64_t
                                    const float *restrict weights, int mode, float *out, int64_t ld_out,
                                    int64_t *restrict argmax, int touch_meta, uint32_t step, int nthreads) {
     const int64_t n_keys = offsets[n_bags];
-    const int64_t row_bytes = dim * (int64_t)sizeof(float);
+    /* Arena fields in locals: the compiler must otherwise reload them after every store. */
+    char *const *const pages = a->pages;
+    const int64_t shift = a->page_shift, mask = a->page_mask, row_bytes = a->row_bytes;
+    const int64_t meta_offset = a->meta_offset;
+    const int64_t pf_bytes = dim * (int64_t)sizeof(float);
+#define CN_ROW(s) ((const float *)(pages[(s) >> shift] + ((s) & mask) * row_bytes))
+#define CN_META(s) ((cn_meta *)(pages[(s) >> shift] + meta_offset) + ((s) & mask))
     CN_PARALLEL_FOR(nthreads)
     for (int64_t b = 0; b < n_bags; b++) {
         float *restrict o = out + b * ld_out;
         const int64_t start = offsets[b], end = offsets[b + 1];
+        for (int64_t d = 0; d < dim; d++) o[d] = 0.0f;
         if (mode == CN_POOL_MAX) {
             int64_t *restrict am = argmax + b * dim;
-            for (int64_t d = 0; d < dim; d++) {
-                o[d] = 0.0f;
-                am[d] = -1;
-            }
-        } else {
-            for (int64_t d = 0; d < dim; d++) o[d] = 0.0f;
-        }
-        for (int64_t i = start; i < end; i++) {
-            int64_t ahead = i + CN_PREFETCH_DISTANCE;
-            if (ahead < n_keys && slots[ahead] >= 0) {
-                cn_prefetch_read(cn_arena_row(a, slots[ahead]), row_bytes);
-                if (touch_meta) __builtin_prefetch(cn_arena_meta(a, slots[ahead]), 1, 3);
-            }
-            const int64_t s = slots[i];
-            if (mode == CN_POOL_MAX) {
+            for (int64_t d = 0; d < dim; d++) am[d] = -1;
+            for (int64_t i = start; i < end; i++) {
+                const int64_t ahead = i + CN_PREFETCH_DISTANCE;
+                if (ahead < n_keys && slots[ahead] >= 0) cn_prefetch_read(CN_ROW(slots[ahead]), pf_bytes);
+                const int64_t s = slots[i];
                 /* The first key of the bag seeds the maximum; later keys win only when strictly
                  * greater, so ties go to the earliest key, as in torch.nn.EmbeddingBag. */
-                int64_t *restrict am = argmax + b * dim;
-                const float *restrict r = s >= 0 ? cn_arena_row(a, s) : NULL;
+                const float *restrict r = s >= 0 ? CN_ROW(s) : NULL;
                 for (int64_t d = 0; d < dim; d++) {
                     float v = r ? r[d] : 0.0f;
-                    if (i == start || v > o[d]) { o[d] = v; am[d] = i; }
+                    if (i == start || v > o[d]) {
+                        o[d] = v;
+                        am[d] = i;
+                    }
                 }
-            } else if (s >= 0) {
-                const float *restrict r = cn_arena_row(a, s);
-                const float w = weights ? weights[i] : 1.0f;
-                for (int64_t d = 0; d < dim; d++) o[d] += w * r[d];
+                if (touch_meta && s >= 0) cn_meta_touch(CN_META(s), step);
             }
-            if (touch_meta && s >= 0) cn_meta_touch(cn_arena_meta(a, s), step);
+            continue;
+        }
+        for (int64_t i = start; i < end; i++) {
+            const int64_t ahead = i + CN_PREFETCH_DISTANCE;
+            if (ahead < n_keys && slots[ahead] >= 0) {
+                cn_prefetch_read(CN_ROW(slots[ahead]), pf_bytes);
+                if (touch_meta) __builtin_prefetch(CN_META(slots[ahead]), 1, 3);
+            }
+            const int64_t s = slots[i];
+            if (s < 0) continue;
+            const float *restrict r = CN_ROW(s);
+            const float w = weights ? weights[i] : 1.0f;
+            for (int64_t d = 0; d < dim; d++) o[d] += w * r[d];
+            if (touch_meta) cn_meta_touch(CN_META(s), step);
         }
         if (mode == CN_POOL_MEAN && end > start) {
             const float inv = 1.0f / (float)(end - start);
             for (int64_t d = 0; d < dim; d++) o[d] *= inv;
         }
     }
+#undef CN_ROW
+#undef CN_META
 }
 
 #endif

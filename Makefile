@@ -1,0 +1,49 @@
+# Two commands set up a fresh clone and run something (see README):
+#   make demo    the main job (for now a NumPy training demo; cn-dlrm comes with the TorchRec issue)
+#   make test    the test suite
+# Both create .venv on first use: torch pinned to 2.13.0 (the CPU wheel), TorchRec without
+# its GPU dependency, and this project built in place.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check -q
+
+.PHONY: setup build test soak demo bench asv clean
+
+$(VENV)/.installed: setup.py setup.cfg pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip
+	$(PIP) install "torch==2.13.0" "numpy>=1.26" "Cython>=3.0" "setuptools>=68" wheel
+	$(PIP) install "fbgemm-gpu-cpu==1.8.0"
+	$(PIP) install --no-deps "torchrec==1.8.0"
+	$(PIP) install tensordict "torchmetrics==1.0.3" tqdm pyre-extensions
+	$(PIP) install "pytest>=8" pytest-xdist "hypothesis>=6.100" "jax[cpu]" "asv>=0.6"
+	$(PIP) install --no-build-isolation -e .
+	touch $@
+
+setup: $(VENV)/.installed
+
+# Rebuild the extension after editing cython_src/.
+build: setup
+	$(PIP) install --no-build-isolation -e .
+
+test: setup
+	$(PY) -m pytest -n 2 -p no:cacheprovider tests cncore --doctest-modules
+
+# Long randomised runs (thousands of hypothesis examples, growth to tens of millions of rows).
+soak: setup
+	HYPOTHESIS_PROFILE=soak $(PY) -m pytest -m soak -p no:cacheprovider tests
+
+demo: setup
+	$(PY) -m cncore.demo
+
+# The one-run comparison against torch.nn.EmbeddingBag and FBGEMM (the README's table).
+bench: setup
+	$(PY) asv_bench/scripts/compare_reference.py
+
+asv: setup
+	cd asv_bench && ../$(PY) -m asv run --python=same --quick --show-stderr
+
+clean:
+	rm -rf build $(VENV) *.egg-info cython_src/cncore/*.c cncore/*.so
