@@ -45,6 +45,8 @@ class LookupContext:
     erase_epoch: int
     columns: slice  # this lookup's column block in the grouped output
     n_new: int      # rows this lookup inserted
+    training: bool  # inserted unseen keys; its backward records the rows' accesses
+    step: int       # the store's step at the lookup (recorded as the rows' last step)
 
     @property
     def n_bags(self) -> int:
@@ -138,10 +140,11 @@ def grouped_pooled_lookup(stores: Sequence, keys: Sequence, offsets: Optional[Se
     starts = np.concatenate([[0], np.cumsum(dims)]).astype(int)
     outs = [out[:, starts[f]:starts[f + 1]] for f in range(n)]
     results = _core.grouped_forward([s._table for s in stores], key_arrays, offset_arrays, weight_arrays,
-                                    mode_codes, outs, bool(insert_missing), bool(insert_missing))
+                                    mode_codes, outs, bool(insert_missing))
     ctxs = [LookupContext(stores[f], key_arrays[f], results[f][0], offset_arrays[f], weight_arrays[f],
                           mode_codes[f], results[f][1], stores[f]._table.erase_epoch,
-                          slice(int(starts[f]), int(starts[f + 1])), results[f][2])
+                          slice(int(starts[f]), int(starts[f + 1])), results[f][2], bool(insert_missing),
+                          stores[f].step)
             for f in range(n)]
     return out, ctxs
 
@@ -181,7 +184,10 @@ def grouped_apply_gradients(ctxs: Sequence[LookupContext], grad_output, *, lr=No
     gradient of its `out`. Each store's rows are updated by its own optimizer; `lr` is one
     learning rate for all or one per context (None: each optimizer's own). A store used by
     several features gets one update per row with the summed gradient (except with max
-    pooling, where its features are applied one after another)."""
+    pooling, where its features are applied one after another).
+
+    The rows' access metadata of training lookups is recorded here: count += occurrences in
+    the batch, last_step = the store's step at the lookup."""
     ctxs = list(ctxs)
     if not ctxs:
         return
@@ -198,7 +204,7 @@ def grouped_apply_gradients(ctxs: Sequence[LookupContext], grad_output, *, lr=No
     by_store = {}
     for f, ctx in enumerate(ctxs):
         by_store.setdefault(id(ctx.store), []).append(f)
-    tables, slots, offsets, weights, modes, argmaxes, grads, opt_list = [], [], [], [], [], [], [], []
+    tables, slots, offsets, weights, modes, argmaxes, grads, opt_list, metas = [], [], [], [], [], [], [], [], []
     sequential = []
     for members in by_store.values():
         first = ctxs[members[0]]
@@ -212,7 +218,9 @@ def grouped_apply_gradients(ctxs: Sequence[LookupContext], grad_output, *, lr=No
             argmaxes.append(first.argmax)
             grads.append(blocks[0])
             opt_list.append(optims[members[0]])
-        elif any(ctxs[f].mode == MODES["max"] for f in members):
+            metas.append((first.training, first.step))
+        elif any(ctxs[f].mode == MODES["max"] for f in members) or \
+                len({(ctxs[f].training, ctxs[f].step) for f in members}) > 1:
             sequential.extend(members)
         else:
             s, o, w, g = _merge([ctxs[f] for f in members], blocks)
@@ -224,9 +232,10 @@ def grouped_apply_gradients(ctxs: Sequence[LookupContext], grad_output, *, lr=No
             argmaxes.append(None)
             grads.append(g)
             opt_list.append(optims[members[0]])
+            metas.append((first.training, first.step))
     if tables:
-        _core.grouped_backward(tables, slots, offsets, weights, modes, argmaxes, grads, opt_list)
+        _core.grouped_backward(tables, slots, offsets, weights, modes, argmaxes, grads, opt_list, metas)
     for f in sequential:
         ctx = ctxs[f]
         _core.grouped_backward([ctx.store._table], [ctx.slots], [ctx.offsets], [ctx.weights], [ctx.mode],
-                               [ctx.argmax], [grad[:, ctx.columns]], [optims[f]])
+                               [ctx.argmax], [grad[:, ctx.columns]], [optims[f]], [(ctx.training, ctx.step)])

@@ -286,9 +286,11 @@ class EmbeddingStore:
         Bags are given by `offsets` (B+1 entries, the last one len(keys): TorchRec's and
         ``include_last_offset=True`` convention; empty bags allowed) or by `lengths` (B).
         mode: "sum", "mean" or "max" (empty bags give zeros). per_sample_weights (N,) float32
-        scale each row (sum and mean). Training (`insert_missing=True`) inserts unseen keys
-        and records the access; evaluation (`False`) reads unseen keys as zero rows and
-        changes nothing. `ctx` is what `apply_gradients` / `accumulate_gradients` need.
+        scale each row (sum and mean). Training (`insert_missing=True`) inserts unseen keys;
+        evaluation (`False`) reads unseen keys as zero rows and changes nothing. `ctx` is what
+        `apply_gradients` / `accumulate_gradients` need; they also record the accesses of a
+        training lookup in the rows' metadata (count += occurrences, last step = the step of
+        this lookup), once per distinct row rather than once per ID in the forward.
 
         >>> import numpy as np
         >>> from cncore import EmbeddingStore, Constant
@@ -315,6 +317,7 @@ class EmbeddingStore:
     def accumulate_gradients(self, ctx, grad_output):
         """Non-fused backward: ``(unique_keys, grads)``, the gradient of each distinct row
         the lookup used (first-occurrence order), for callers that update rows themselves.
+        Records a training lookup's accesses, as `apply_gradients` does.
 
         >>> import numpy as np
         >>> s = EmbeddingStore(dim=1)
@@ -327,5 +330,5 @@ class EmbeddingStore:
         check_context(ctx, self)
         grad = as_float_rows(grad_output, "grad_output", (ctx.n_bags, self.dim))
         positions, grads = _core.unique_gradients(self._table, ctx.slots, ctx.offsets, ctx.weights,
-                                                  ctx.mode, ctx.argmax, grad)
+                                                  ctx.mode, ctx.argmax, grad, ctx.training, ctx.step)
         return ctx.keys[positions], grads

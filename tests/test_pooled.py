@@ -69,17 +69,37 @@ def test_evaluation_reads_unseen_as_zero_and_inserts_nothing(rng):
     np.testing.assert_array_equal(after.counts, before.counts)
 
 
-def test_training_inserts_and_counts_accesses():
-    store = cncore.EmbeddingStore(dim=2, seed=1)
+@pytest.mark.parametrize("backward", ["fused", "accumulate"])
+def test_training_inserts_and_its_backward_counts_accesses(backward):
+    store = cncore.EmbeddingStore(dim=2, seed=1, optimizer=cncore.SGD())
     store.step = 41
     keys = np.array([5, 5, 6, 5])
     out, ctx = store.pooled_lookup(keys, lengths=np.array([3, 1]))
     assert ctx.n_new == 2 and len(store) == 2
+    fresh = cncore.EmbeddingStore(dim=2, seed=1).lookup(np.array([5, 6]), insert_missing=True)
+    np.testing.assert_allclose(out[0], 2 * fresh[0] + fresh[1], rtol=1e-6)
+    assert store.read(np.array([5, 6])).counts.tolist() == [0, 0]  # recorded by the backward
+    grad = np.zeros((2, 2), np.float32)
+    if backward == "fused":
+        store.apply_gradients(ctx, grad)
+    else:
+        store.accumulate_gradients(ctx, grad)
     r = store.read(np.array([5, 6]))
     assert r.counts.tolist() == [3, 1]
     assert r.last_steps.tolist() == [41, 41]
-    fresh = cncore.EmbeddingStore(dim=2, seed=1).lookup(np.array([5, 6]), insert_missing=True)
-    np.testing.assert_allclose(out[0], 2 * fresh[0] + fresh[1], rtol=1e-6)
+    _, ctx = store.pooled_lookup(np.array([6]), lengths=np.array([1]))
+    store.apply_gradients(ctx, np.zeros((1, 2), np.float32))
+    r = store.read(np.array([5, 6]))
+    assert r.counts.tolist() == [3, 2]
+    assert r.last_steps.tolist() == [41, 42 if backward == "fused" else 41]
+
+
+def test_evaluation_backward_records_no_access():
+    store = cncore.EmbeddingStore(dim=2)
+    store.find_or_insert(np.array([1]))
+    _, ctx = store.pooled_lookup(np.array([1, 1]), lengths=np.array([2]), insert_missing=False)
+    store.accumulate_gradients(ctx, np.ones((1, 2), np.float32))
+    assert store.read(np.array([1])).counts.tolist() == [0]
 
 
 def test_max_argmax_ties_go_to_first_key():

@@ -284,7 +284,7 @@ cdef inline int64_t _ptr(object arr):
 
 
 def grouped_forward(list tables, list keys, list offsets, list weights, list modes, list outs,
-                    bint insert_missing, bint touch_meta):
+                    bint insert_missing):
     """Pooled lookup for F (table, keys, offsets) triples in one nogil section.
 
     outs[f] is a float32 (B, dim) view whose rows may be strided (a column block of one
@@ -315,8 +315,6 @@ def grouped_forward(list tables, list keys, list offsets, list weights, list mod
     results = []
     cdef int64_t bad_feature = -1, bad_pos = -1, oom_feature = -1
     cdef int rc
-    cdef uint8_t* found_scratch = NULL
-    cdef int64_t max_keys = 0
     try:
         for f in range(F):
             tab = <Table> tables[f]
@@ -326,7 +324,6 @@ def grouped_forward(list tables, list keys, list offsets, list weights, list mod
             out = outs[f]
             p_keys[f] = _ptr(k)
             p_nkeys[f] = k.shape[0]
-            max_keys = max(max_keys, p_nkeys[f])
             p_off[f] = _ptr(o)
             p_nbags[f] = o.shape[0] - 1
             p_w[f] = _ptr(weights[f])
@@ -340,9 +337,6 @@ def grouped_forward(list tables, list keys, list offsets, list weights, list mod
                 argmax = np.empty((p_nbags[f], tab.t.dim), dtype=np.int64)
             p_argmax[f] = _ptr(argmax)
             results.append([slots, argmax, 0])
-        found_scratch = <uint8_t*> malloc(max(max_keys, 1))
-        if found_scratch == NULL:
-            raise MemoryError("cannot allocate the call's scratch")
         with nogil:
             for f in range(F):
                 bad_pos = cn_check_offsets(<offset_t*> p_off[f], p_nbags[f], p_nkeys[f])
@@ -353,22 +347,16 @@ def grouped_forward(list tables, list keys, list offsets, list weights, list mod
                 for f in range(F):
                     if insert_missing:
                         pthread_rwlock_wrlock(&tp[f].lock)
-                        rc = cn_table_find_or_insert(tp[f], <key_t*> p_keys[f], p_nkeys[f], <slot_t*> p_slots[f],
-                                                     found_scratch, &p_nnew[f])
                     else:
                         pthread_rwlock_rdlock(&tp[f].lock)
-                        cn_table_find(tp[f], <key_t*> p_keys[f], p_nkeys[f], <slot_t*> p_slots[f])
-                        p_nnew[f] = 0
-                        rc = CN_OK
+                    rc = cn_table_pooled_forward(tp[f], <key_t*> p_keys[f], <offset_t*> p_off[f], p_nbags[f],
+                                                 <weight_t*> p_w[f], <int> p_mode[f], <weight_t*> p_out[f],
+                                                 p_ld[f], <int64_t*> p_argmax[f], <slot_t*> p_slots[f],
+                                                 insert_missing, &p_nnew[f])
+                    pthread_rwlock_unlock(&tp[f].lock)
                     if rc != CN_OK:
-                        pthread_rwlock_unlock(&tp[f].lock)
                         oom_feature = f
                         break
-                    cn_pool_forward(&tp[f].arena, tp[f].dim, <slot_t*> p_slots[f], <offset_t*> p_off[f],
-                                    p_nbags[f], <weight_t*> p_w[f], <int> p_mode[f], <weight_t*> p_out[f],
-                                    p_ld[f], <int64_t*> p_argmax[f], touch_meta, <uint32_t> tp[f].step,
-                                    cn_threads_for(p_nkeys[f] + p_nbags[f]))
-                    pthread_rwlock_unlock(&tp[f].lock)
         if bad_feature >= 0:
             raise ValueError(
                 f"offsets of feature {bad_feature}: must start at 0, never decrease and end at the number of "
@@ -383,22 +371,22 @@ def grouped_forward(list tables, list keys, list offsets, list weights, list mod
         free(ip)
         free(p_argmax)
         free(p_nnew)
-        free(found_scratch)
 
 
 def grouped_backward(list tables, list slots, list offsets, list weights, list modes, list argmaxes,
-                     list grads, list optims):
+                     list grads, list optims, list metas):
     """Fused backward + optimizer update for F lookups in one nogil section.
 
     grads[f] is a float32 (B, dim) view (rows may be strided). optims[f] is a tuple
-    (kind, lr, eps, beta1, beta2). Each table's step advances by one before its update.
-    A table that appears several times must have been merged by the caller.
+    (kind, lr, eps, beta1, beta2). metas[f] is (record_access, step_of_the_lookup). Each
+    table's step advances by one before its update. A table that appears several times must
+    have been merged by the caller.
     """
     cdef int64_t F = len(tables), f
     cdef Table tab
     cdef cn_table** tp = <cn_table**> malloc(max(F, 1) * sizeof(cn_table*))
     cdef cn_optim* opts = <cn_optim*> malloc(max(F, 1) * sizeof(cn_optim))
-    cdef int64_t* ip = <int64_t*> malloc(max(F, 1) * 8 * sizeof(int64_t))
+    cdef int64_t* ip = <int64_t*> malloc(max(F, 1) * 10 * sizeof(int64_t))
     cdef int64_t oom_feature = -1
     cdef cn_groups groups
     cdef int rc = 0
@@ -415,6 +403,8 @@ def grouped_backward(list tables, list slots, list offsets, list weights, list m
     cdef int64_t* p_argmax = ip + 5 * F
     cdef int64_t* p_grad = ip + 6 * F
     cdef int64_t* p_ld = ip + 7 * F
+    cdef int64_t* p_touch = ip + 8 * F
+    cdef int64_t* p_step = ip + 9 * F
     try:
         for f in range(F):
             tab = <Table> tables[f]
@@ -427,6 +417,8 @@ def grouped_backward(list tables, list slots, list offsets, list weights, list m
             p_argmax[f] = _ptr(argmaxes[f])
             p_grad[f] = _ptr(grads[f])
             p_ld[f] = grads[f].strides[0] // 4
+            p_touch[f] = bool(metas[f][0])
+            p_step[f] = metas[f][1]
             kind, lr, eps, beta1, beta2 = optims[f]
             opts[f].kind = kind
             opts[f].lr = lr
@@ -445,8 +437,8 @@ def grouped_backward(list tables, list slots, list offsets, list weights, list m
                 cn_optim_set_step(&opts[f], tp[f].step)
                 rc = cn_grad_apply(&groups, &tp[f].arena, tp[f].dim, <slot_t*> p_slots[f], <offset_t*> p_off[f],
                                    <weight_t*> p_w[f], <int> p_mode[f], <int64_t*> p_argmax[f],
-                                   <weight_t*> p_grad[f], p_ld[f], &opts[f],
-                                   cn_threads_for(groups.n_unique * 4))
+                                   <weight_t*> p_grad[f], p_ld[f], &opts[f], <int> p_touch[f],
+                                   <uint32_t> p_step[f], cn_threads_for(groups.n_unique * 4))
                 if rc != 0:
                     tp[f].step -= 1
                 pthread_rwlock_unlock(&tp[f].lock)
@@ -463,9 +455,11 @@ def grouped_backward(list tables, list slots, list offsets, list weights, list m
         free(ip)
 
 
-def unique_gradients(Table table, slot_t[::1] slots, offsets, weights, int mode, argmax, grad):
+def unique_gradients(Table table, slot_t[::1] slots, offsets, weights, int mode, argmax, grad,
+                     bint record_access, uint32_t step):
     """Non-fused backward for one lookup: (first key position of each unique row,
-    gradient rows (U, dim)), unique rows in first-occurrence order."""
+    gradient rows (U, dim)), unique rows in first-occurrence order. With record_access,
+    the rows' access metadata is updated (the table's write lock is taken)."""
     cdef cn_groups groups
     cdef int rc
     cdef const offset_t[::1] off = offsets
@@ -488,8 +482,12 @@ def unique_gradients(Table table, slot_t[::1] slots, offsets, weights, int mode,
             positions[:] = <int64_t[:groups.n_unique]> groups.unique_pos
             out_p = <weight_t*> <size_t> _ptr(out)
             with nogil:
-                cn_grad_unique(&groups, dim, &off[0], w, mode, am, g, ld, out_p,
-                               cn_threads_for(groups.n_unique * 4))
+                if record_access:
+                    pthread_rwlock_wrlock(&table.t.lock)
+                cn_grad_unique(&groups, &table.t.arena, dim, &slots[0], &off[0], w, mode, am, g, ld, out_p,
+                               record_access, step, cn_threads_for(groups.n_unique * 4))
+                if record_access:
+                    pthread_rwlock_unlock(&table.t.lock)
         return positions, out
     finally:
         cn_groups_free(&groups)

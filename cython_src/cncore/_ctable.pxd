@@ -42,17 +42,15 @@ cdef extern from "cn_grad.h" nogil:
         int64_t *unique_pos
     int cn_groups_build(const slot_t *slots, const offset_t *offsets, int64_t n_bags, cn_groups *g, int nthreads)
     void cn_groups_free(cn_groups *g)
-    int cn_grad_unique(const cn_groups *g, int64_t dim, const offset_t *offsets, const weight_t *weights,
-                       int mode, const int64_t *argmax, const weight_t *grad, int64_t ld_grad,
-                       weight_t *grads_out, int nthreads)
+    int cn_grad_unique(const cn_groups *g, const cn_arena *a, int64_t dim, const slot_t *slots,
+                       const offset_t *offsets, const weight_t *weights, int mode, const int64_t *argmax,
+                       const weight_t *grad, int64_t ld_grad, weight_t *grads_out, int touch_meta,
+                       uint32_t step, int nthreads)
     int cn_grad_apply(const cn_groups *g, const cn_arena *a, int64_t dim, const slot_t *slots,
                       const offset_t *offsets, const weight_t *weights, int mode, const int64_t *argmax,
-                      const weight_t *grad, int64_t ld_grad, const cn_optim *opt, int nthreads)
+                      const weight_t *grad, int64_t ld_grad, const cn_optim *opt, int touch_meta,
+                      uint32_t step, int nthreads)
 
-cdef extern from "cn_pool.h" nogil:
-    void cn_pool_forward(const cn_arena *a, int64_t dim, const slot_t *slots, const offset_t *offsets,
-                         int64_t n_bags, const weight_t *weights, int mode, weight_t *out, int64_t ld_out,
-                         int64_t *argmax, int touch_meta, uint32_t step, int nthreads)
 
 cdef extern from "cn_table.h" nogil:
     enum:
@@ -79,6 +77,9 @@ cdef extern from "cn_table.h" nogil:
     void cn_table_find(const cn_table *t, const key_t *keys, int64_t n, slot_t *slots)
     int cn_table_find_or_insert(cn_table *t, const key_t *keys, int64_t n, slot_t *slots, uint8_t *found,
                                 int64_t *n_new)
+    int cn_table_pooled_forward(cn_table *t, const key_t *keys, const offset_t *offsets, int64_t n_bags,
+                                const weight_t *weights, int mode, weight_t *out, int64_t ld_out, int64_t *argmax,
+                                slot_t *slots, int insert_missing, int64_t *n_new)
     int64_t cn_table_erase(cn_table *t, const key_t *keys, int64_t n, uint8_t *erased)
     void cn_table_clear(cn_table *t)
     void cn_table_write_rows(cn_table *t, const slot_t *slots, int64_t n, const weight_t *rows, int64_t ld_rows,

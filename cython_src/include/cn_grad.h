@@ -9,6 +9,11 @@
  *      max / per-sample weights, exactly as nn.EmbeddingBag) in key order into a scratch row,
  *      then write it out or apply the optimizer to the row in place. Each row is owned by one
  *      thread, so there are no atomics and the result does not depend on the thread count.
+ *
+ * The access metadata of a training lookup is recorded here too: count += occurrences,
+ * last_step = the step of the lookup. Done per distinct row by its owning thread, it is exact
+ * and costs one write per row; done in the forward it would cost one atomic per key, and a
+ * locked increment drains the store buffer under the row loads the pooling keeps in flight.
  */
 #ifndef CN_GRAD_H
 #define CN_GRAD_H
@@ -120,13 +125,25 @@ static inline void cn_grad_accumulate(const cn_groups *g, int64_t u, int64_t dim
     }
 }
 
-/* Gradient of every unique row: grads_out[u, 0:dim] (u in first-occurrence order). */
-static inline int cn_grad_unique(const cn_groups *g, int64_t dim, const int64_t *offsets, const float *weights,
-                                 int mode, const int64_t *argmax, const float *grad, int64_t ld_grad,
-                                 float *grads_out, int nthreads) {
+static inline void cn_meta_record(const cn_arena *a, int64_t slot, int64_t occurrences, uint32_t step) {
+    cn_meta *m = cn_arena_meta(a, slot);
+    uint64_t c = (uint64_t)m->count + (uint64_t)occurrences;
+    m->count = c > UINT32_MAX ? UINT32_MAX : (uint32_t)c;
+    m->last_step = step;
+}
+
+/* Gradient of every unique row: grads_out[u, 0:dim] (u in first-occurrence order). With
+ * touch_meta, records the accesses (see above). */
+static inline int cn_grad_unique(const cn_groups *g, const cn_arena *a, int64_t dim, const int64_t *slots,
+                                 const int64_t *offsets, const float *weights, int mode, const int64_t *argmax,
+                                 const float *grad, int64_t ld_grad, float *grads_out, int touch_meta,
+                                 uint32_t step, int nthreads) {
     CN_PARALLEL_FOR_DYNAMIC(nthreads)
-    for (int64_t u = 0; u < g->n_unique; u++)
+    for (int64_t u = 0; u < g->n_unique; u++) {
         cn_grad_accumulate(g, u, dim, offsets, weights, mode, argmax, grad, ld_grad, grads_out + u * dim);
+        if (touch_meta)
+            cn_meta_record(a, slots[g->unique_pos[u]], g->group_start[u + 1] - g->group_start[u], step);
+    }
     return 0;
 }
 
@@ -134,7 +151,8 @@ static inline int cn_grad_unique(const cn_groups *g, int64_t dim, const int64_t 
  * place. Returns -1 when out of memory (before any row changed). */
 static inline int cn_grad_apply(const cn_groups *g, const cn_arena *a, int64_t dim, const int64_t *slots,
                                 const int64_t *offsets, const float *weights, int mode, const int64_t *argmax,
-                                const float *grad, int64_t ld_grad, const cn_optim *opt, int nthreads) {
+                                const float *grad, int64_t ld_grad, const cn_optim *opt, int touch_meta,
+                                uint32_t step, int nthreads) {
     if (g->n_unique == 0) return 0;
     if (nthreads < 1) nthreads = 1;
     float *scratch = (float *)malloc((size_t)nthreads * (size_t)(dim + 16) * sizeof(float));
@@ -154,10 +172,15 @@ static inline int cn_grad_apply(const cn_groups *g, const cn_arena *a, int64_t d
 #pragma omp for schedule(dynamic, 64)
 #endif
         for (int64_t u = 0; u < n_unique; u++) {
-            if (u + CN_PREFETCH_DISTANCE < n_unique)
-                cn_prefetch_write(cn_arena_row(a, slots[g->unique_pos[u + CN_PREFETCH_DISTANCE]]), row_bytes);
+            if (u + CN_PREFETCH_DISTANCE < n_unique) {
+                const int64_t ahead = slots[g->unique_pos[u + CN_PREFETCH_DISTANCE]];
+                cn_prefetch_write(cn_arena_row(a, ahead), row_bytes);
+                if (touch_meta) __builtin_prefetch(cn_arena_meta(a, ahead), 1, 3);
+            }
+            const int64_t s = slots[g->unique_pos[u]];
             cn_grad_accumulate(g, u, dim, offsets, weights, mode, argmax, grad, ld_grad, acc);
-            cn_optim_apply(opt, cn_arena_row(a, slots[g->unique_pos[u]]), acc, dim);
+            cn_optim_apply(opt, cn_arena_row(a, s), acc, dim);
+            if (touch_meta) cn_meta_record(a, s, g->group_start[u + 1] - g->group_start[u], step);
         }
     }
     free(scratch);

@@ -93,20 +93,15 @@ static inline void cn_table_find(const cn_table *t, const int64_t *keys, int64_t
     cn_index_find_batch(&t->index, keys, n, slots, cn_threads_for(n));
 }
 
-/* slots[i] = the slot of keys[i], inserting (and initialising) the keys not yet present.
- * found[i] (may be NULL) = 1 if keys[i] was present before the call. Duplicate keys in one
- * batch share one new row. *n_new receives the number of rows inserted. */
-static inline int cn_table_find_or_insert(cn_table *t, const int64_t *keys, int64_t n, int64_t *slots,
-                                          uint8_t *found, int64_t *n_new) {
+/* Insert the keys whose slots[i] < 0 (after a find), initialise their rows, and fill in their
+ * slots. Duplicates share one new row. *n_new = rows inserted.
+ * All allocation happens first: on CN_ENOMEM the table is unchanged. */
+static inline int cn_table_insert_missing(cn_table *t, const int64_t *keys, int64_t n, int64_t *slots,
+                                          int64_t *n_new) {
     *n_new = 0;
-    cn_table_find(t, keys, n, slots);
     int64_t n_missing = 0;
     for (int64_t i = 0; i < n; i++) n_missing += slots[i] < 0;
-    if (found)
-        for (int64_t i = 0; i < n; i++) found[i] = slots[i] >= 0;
     if (n_missing == 0) return CN_OK;
-
-    /* Allocate everything first: a failure here leaves the table unchanged. */
     if (cn_table_reserve(t, t->index.size + n_missing) != CN_OK) return CN_ENOMEM;
     int64_t *missing = (int64_t *)malloc((size_t)n_missing * sizeof(int64_t));
     int64_t *new_pos = (int64_t *)malloc((size_t)n_missing * sizeof(int64_t));
@@ -136,10 +131,40 @@ static inline int cn_table_find_or_insert(cn_table *t, const int64_t *keys, int6
     const int nthreads = cn_threads_for(inserted * t->dim / 16);
     CN_PARALLEL_FOR(nthreads)
     for (int64_t j = 0; j < inserted; j++) cn_table_init_row(t, slots[new_pos[j]], keys[new_pos[j]]);
-    free(missing);
     free(new_pos);
+    free(missing);
     if (inserted) t->version++;
     *n_new = inserted;
+    return CN_OK;
+}
+
+/* slots[i] = the slot of keys[i], inserting (and initialising) the keys not yet present.
+ * found[i] (may be NULL) = 1 if keys[i] was present before the call. Duplicate keys in one
+ * batch share one new row. *n_new receives the number of rows inserted. */
+static inline int cn_table_find_or_insert(cn_table *t, const int64_t *keys, int64_t n, int64_t *slots,
+                                          uint8_t *found, int64_t *n_new) {
+    cn_table_find(t, keys, n, slots);
+    if (found)
+        for (int64_t i = 0; i < n; i++) found[i] = slots[i] >= 0;
+    return cn_table_insert_missing(t, keys, n, slots, n_new);
+}
+
+/* The pooled lookup of one table. slots[] receives every key's slot. Training
+ * (insert_missing) inserts absent keys first; evaluation reads absent keys (slot -1) as zero
+ * rows and changes nothing. Access counts are recorded by the backward (cn_grad.h), once per
+ * distinct row, not here once per key. */
+static inline int cn_table_pooled_forward(cn_table *t, const int64_t *keys, const int64_t *offsets, int64_t n_bags,
+                                          const float *weights, int mode, float *out, int64_t ld_out,
+                                          int64_t *argmax, int64_t *slots, int insert_missing, int64_t *n_new) {
+    const int64_t n = offsets[n_bags];
+    *n_new = 0;
+    cn_table_find(t, keys, n, slots);
+    if (insert_missing) {
+        int rc = cn_table_insert_missing(t, keys, n, slots, n_new);
+        if (rc != CN_OK) return rc;
+    }
+    cn_pool_args p = {&t->arena, t->dim, offsets, weights, mode, out, ld_out, argmax};
+    cn_pool_forward(&p, n_bags, slots, cn_threads_for(n + n_bags));
     return CN_OK;
 }
 
