@@ -76,15 +76,19 @@ def main():
     ap.add_argument("--quick", action="store_true", help="small shapes, for a smoke test")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--dims", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--poolings", type=int, nargs="+", default=[1, 20])
+    ap.add_argument("--dists", nargs="+", default=["uniform", "zipf"], choices=["uniform", "zipf"])
+    ap.add_argument("--table-only", action="store_true", help="skip insertion, stream and memory")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
     cncore.set_num_threads(args.threads)
     n_rows = 20_000 if args.quick else 1_000_000
     batch = 256 if args.quick else 4096
-    dims = [64] if args.quick else [64, 128]
-    poolings = [20] if args.quick else [1, 20]
-    dists = ["zipf"] if args.quick else ["uniform", "zipf"]
+    dims = [64] if args.quick else args.dims
+    poolings = [20] if args.quick else args.poolings
+    dists = ["zipf"] if args.quick else args.dists
     reps = 3 if args.quick else args.reps
     rng = np.random.default_rng(0)
     # Raw IDs: arbitrary int64 values, one per dense row, so both sides hold the same rows.
@@ -121,8 +125,10 @@ def main():
                     with torch.no_grad():
                         bag(idx, offsets)
 
+                fwd_out = np.empty((batch, dim), dtype=np.float32)
+
                 def ours_fwd():
-                    stores["sgd"].pooled_lookup(keys, offsets_np, insert_missing=True)
+                    stores["sgd"].pooled_lookup(keys, offsets_np, insert_missing=True, out=fwd_out)
 
                 def torch_step():
                     bag_opt.zero_grad()
@@ -163,6 +169,9 @@ def main():
               f"**{m['ours_rw'] / m['tbe_rw']:.2f}x** |")
     print("\nThroughputs in M IDs/s (median of the runs); EB = torch.nn.EmbeddingBag; forward is ours in "
           "training mode (hash lookup, insertion check, access counting included).")
+
+    if args.table_only:
+        return
 
     # --- inserting new keys ---------------------------------------------------------------
     n_new = 200_000 if args.quick else 4_000_000

@@ -388,7 +388,6 @@ def grouped_backward(list tables, list slots, list offsets, list weights, list m
     cdef cn_optim* opts = <cn_optim*> malloc(max(F, 1) * sizeof(cn_optim))
     cdef int64_t* ip = <int64_t*> malloc(max(F, 1) * 10 * sizeof(int64_t))
     cdef int64_t oom_feature = -1
-    cdef cn_groups groups
     cdef int rc = 0
     if tp == NULL or opts == NULL or ip == NULL:
         free(tp)
@@ -427,22 +426,16 @@ def grouped_backward(list tables, list slots, list offsets, list weights, list m
             opts[f].beta2 = beta2
         with nogil:
             for f in range(F):
-                rc = cn_groups_build(<slot_t*> p_slots[f], <offset_t*> p_off[f], p_nbags[f], &groups,
-                                     cn_threads_for((<offset_t*> p_off[f])[p_nbags[f]]))
-                if rc != 0:
-                    oom_feature = f
-                    break
                 pthread_rwlock_wrlock(&tp[f].lock)
                 tp[f].step += 1
                 cn_optim_set_step(&opts[f], tp[f].step)
-                rc = cn_grad_apply(&groups, &tp[f].arena, tp[f].dim, <slot_t*> p_slots[f], <offset_t*> p_off[f],
+                rc = cn_grad_apply(&tp[f].arena, tp[f].dim, <slot_t*> p_slots[f], <offset_t*> p_off[f], p_nbags[f],
                                    <weight_t*> p_w[f], <int> p_mode[f], <int64_t*> p_argmax[f],
                                    <weight_t*> p_grad[f], p_ld[f], &opts[f], <int> p_touch[f],
-                                   <uint32_t> p_step[f], cn_threads_for(groups.n_unique * 4))
+                                   <uint32_t> p_step[f], cn_threads_for((<offset_t*> p_off[f])[p_nbags[f]] * 4))
                 if rc != 0:
                     tp[f].step -= 1
                 pthread_rwlock_unlock(&tp[f].lock)
-                cn_groups_free(&groups)
                 if rc != 0:
                     oom_feature = f
                     break
@@ -470,10 +463,13 @@ def unique_gradients(Table table, slot_t[::1] slots, offsets, weights, int mode,
     cdef const weight_t* g = <const weight_t*> <size_t> _ptr(grad)
     cdef int64_t ld = grad.strides[0] // 4
     cdef weight_t* out_p
+    cdef int64_t* bag_of = NULL
     with nogil:
-        rc = cn_groups_build(&slots[0] if slots.shape[0] else NULL, &off[0], n_bags, &groups,
-                             cn_threads_for(slots.shape[0]))
+        bag_of = cn_bag_of(&off[0], n_bags, cn_threads_for(slots.shape[0]))
+        rc = -1 if bag_of == NULL else cn_groups_build(&slots[0] if slots.shape[0] else NULL, NULL,
+                                                        slots.shape[0], &groups)
     if rc != 0:
+        free(bag_of)
         raise MemoryError("out of memory building the gradient groups")
     try:
         positions = np.empty(groups.n_unique, dtype=np.int64)
@@ -484,10 +480,11 @@ def unique_gradients(Table table, slot_t[::1] slots, offsets, weights, int mode,
             with nogil:
                 if record_access:
                     pthread_rwlock_wrlock(&table.t.lock)
-                cn_grad_unique(&groups, &table.t.arena, dim, &slots[0], &off[0], w, mode, am, g, ld, out_p,
-                               record_access, step, cn_threads_for(groups.n_unique * 4))
+                cn_grad_unique(&groups, bag_of, &table.t.arena, dim, &slots[0], &off[0], w, mode, am, g, ld,
+                               out_p, record_access, step, cn_threads_for(groups.n_unique * 4))
                 if record_access:
                     pthread_rwlock_unlock(&table.t.lock)
         return positions, out
     finally:
         cn_groups_free(&groups)
+        free(bag_of)

@@ -40,17 +40,17 @@ cdef extern from "cn_grad.h" nogil:
     ctypedef struct cn_groups:
         int64_t n_unique
         int64_t *unique_pos
-    int cn_groups_build(const slot_t *slots, const offset_t *offsets, int64_t n_bags, cn_groups *g, int nthreads)
+    int cn_groups_build(const slot_t *slots, const int64_t *positions, int64_t m, cn_groups *g)
     void cn_groups_free(cn_groups *g)
-    int cn_grad_unique(const cn_groups *g, const cn_arena *a, int64_t dim, const slot_t *slots,
-                       const offset_t *offsets, const weight_t *weights, int mode, const int64_t *argmax,
-                       const weight_t *grad, int64_t ld_grad, weight_t *grads_out, int touch_meta,
-                       uint32_t step, int nthreads)
-    int cn_grad_apply(const cn_groups *g, const cn_arena *a, int64_t dim, const slot_t *slots,
-                      const offset_t *offsets, const weight_t *weights, int mode, const int64_t *argmax,
+    int64_t *cn_bag_of(const offset_t *offsets, int64_t n_bags, int nthreads)
+    void cn_grad_unique(const cn_groups *g, const int64_t *bag_of, const cn_arena *a, int64_t dim,
+                        const slot_t *slots, const offset_t *offsets, const weight_t *weights, int mode,
+                        const int64_t *argmax, const weight_t *grad, int64_t ld_grad, weight_t *grads_out,
+                        int touch_meta, uint32_t step, int nthreads)
+    int cn_grad_apply(const cn_arena *a, int64_t dim, const slot_t *slots, const offset_t *offsets,
+                      int64_t n_bags, const weight_t *weights, int mode, const int64_t *argmax,
                       const weight_t *grad, int64_t ld_grad, const cn_optim *opt, int touch_meta,
                       uint32_t step, int nthreads)
-
 
 cdef extern from "cn_table.h" nogil:
     enum:

@@ -5,10 +5,14 @@
  *   1. dedup: a small open-addressing map slot -> unique id, sized to the batch so it stays in
  *      cache; unique ids follow first occurrence (deterministic).
  *   2. group: the key positions of each unique row, in key order (a counting sort).
- *   3. per unique row, in parallel: sum its occurrences' gradient contributions (sum / mean /
- *      max / per-sample weights, exactly as nn.EmbeddingBag) in key order into a scratch row,
- *      then write it out or apply the optimizer to the row in place. Each row is owned by one
- *      thread, so there are no atomics and the result does not depend on the thread count.
+ *   3. per unique row: sum its occurrences' gradient contributions (sum / mean / max /
+ *      per-sample weights, exactly as nn.EmbeddingBag) in key order into a scratch row, then
+ *      write it out or apply the optimizer to the row in place.
+ * The fused path runs all three in parallel without a serial dedup: each thread owns the rows
+ * whose slot hashes to it, groups only the keys of its rows, and updates only those rows. A row
+ * is summed in key order whoever owns it, so there are no atomics and the result does not
+ * depend on the thread count. The non-fused path needs one global first-occurrence order, so
+ * it dedups serially and accumulates in parallel.
  *
  * The access metadata of a training lookup is recorded here too: count += occurrences,
  * last_step = the step of the lookup. Done per distinct row by its owning thread, it is exact
@@ -29,35 +33,33 @@
 
 typedef struct {
     int64_t n_unique;
-    int64_t *unique_pos;   /* [n_unique] the first key position of each unique row */
-    int64_t *group_start;  /* [n_unique + 1] */
-    int64_t *group_pos;    /* [n_keys] key positions grouped by unique row, in key order */
-    int64_t *bag_of;       /* [n_keys] the bag of each key position */
+    int64_t *unique_pos;  /* [n_unique] the first key position of each unique row */
+    int64_t *group_start; /* [n_unique + 1] */
+    int64_t *group_pos;   /* [n] key positions grouped by unique row, in key order */
 } cn_groups;
 
 static inline void cn_groups_free(cn_groups *g) {
     free(g->unique_pos);
     free(g->group_start);
     free(g->group_pos);
-    free(g->bag_of);
     memset(g, 0, sizeof(*g));
 }
 
-/* Returns 0, or -1 when out of memory (nothing is left allocated then). Keys with slot < 0
- * (unseen in evaluation) take no gradient. */
-static inline int cn_groups_build(const int64_t *restrict slots, const int64_t *restrict offsets,
-                                  int64_t n_bags, cn_groups *g, int nthreads) {
-    const int64_t n = offsets[n_bags];
+/* Group the key positions `positions[0..m)` (NULL: 0..m-1, which must be increasing) by slot.
+ * Keys with slot < 0 (unseen in evaluation) take no gradient. Returns 0, or -1 when out of
+ * memory (nothing left allocated). */
+static inline int cn_groups_build(const int64_t *restrict slots, const int64_t *restrict positions, int64_t m,
+                                  cn_groups *g) {
     memset(g, 0, sizeof(*g));
-    int64_t cap = cn_pow2_at_least(2 * n + 1);
+    const int64_t cap = cn_pow2_at_least(2 * m + 1);
+    const size_t mm = (size_t)(m ? m : 1);
     int64_t *map_slot = (int64_t *)malloc((size_t)cap * sizeof(int64_t));
     int64_t *map_uid = (int64_t *)malloc((size_t)cap * sizeof(int64_t));
-    int64_t *uid_of = (int64_t *)malloc((size_t)(n ? n : 1) * sizeof(int64_t));
-    g->unique_pos = (int64_t *)malloc((size_t)(n ? n : 1) * sizeof(int64_t));
-    g->group_start = (int64_t *)malloc((size_t)(n + 2) * sizeof(int64_t));
-    g->group_pos = (int64_t *)malloc((size_t)(n ? n : 1) * sizeof(int64_t));
-    g->bag_of = (int64_t *)malloc((size_t)(n ? n : 1) * sizeof(int64_t));
-    if (!map_slot || !map_uid || !uid_of || !g->unique_pos || !g->group_start || !g->group_pos || !g->bag_of) {
+    int64_t *uid_of = (int64_t *)malloc(mm * sizeof(int64_t));
+    g->unique_pos = (int64_t *)malloc(mm * sizeof(int64_t));
+    g->group_start = (int64_t *)malloc((mm + 2) * sizeof(int64_t));
+    g->group_pos = (int64_t *)malloc(mm * sizeof(int64_t));
+    if (!map_slot || !map_uid || !uid_of || !g->unique_pos || !g->group_start || !g->group_pos) {
         free(map_slot);
         free(map_uid);
         free(uid_of);
@@ -66,16 +68,12 @@ static inline int cn_groups_build(const int64_t *restrict slots, const int64_t *
     }
     memset(map_slot, 0xff, (size_t)cap * sizeof(int64_t));
     const uint64_t mask = (uint64_t)cap - 1;
-
-    CN_PARALLEL_FOR(nthreads)
-    for (int64_t b = 0; b < n_bags; b++)
-        for (int64_t i = offsets[b]; i < offsets[b + 1]; i++) g->bag_of[i] = b;
-
     int64_t n_unique = 0;
-    for (int64_t i = 0; i < n; i++) {
-        int64_t s = slots[i];
+    for (int64_t j = 0; j < m; j++) {
+        const int64_t i = positions ? positions[j] : j;
+        const int64_t s = slots[i];
         if (s < 0) {
-            uid_of[i] = -1;
+            uid_of[j] = -1;
             continue;
         }
         uint64_t h = cn_hash_key(s) & mask;
@@ -87,7 +85,7 @@ static inline int cn_groups_build(const int64_t *restrict slots, const int64_t *
             g->group_start[n_unique + 1] = 0;
             n_unique++;
         }
-        uid_of[i] = map_uid[h];
+        uid_of[j] = map_uid[h];
         g->group_start[map_uid[h] + 1]++;
     }
     g->group_start[0] = 0;
@@ -95,8 +93,8 @@ static inline int cn_groups_build(const int64_t *restrict slots, const int64_t *
     /* Fill positions in key order; map_uid is reused as the write cursor per unique row. */
     int64_t *cursor = map_uid;
     for (int64_t u = 0; u < n_unique; u++) cursor[u] = g->group_start[u];
-    for (int64_t i = 0; i < n; i++)
-        if (uid_of[i] >= 0) g->group_pos[cursor[uid_of[i]]++] = i;
+    for (int64_t j = 0; j < m; j++)
+        if (uid_of[j] >= 0) g->group_pos[cursor[uid_of[j]]++] = positions ? positions[j] : j;
     g->n_unique = n_unique;
     free(map_slot);
     free(map_uid);
@@ -104,15 +102,26 @@ static inline int cn_groups_build(const int64_t *restrict slots, const int64_t *
     return 0;
 }
 
+/* bag_of[i] = the bag of key position i; NULL when out of memory. */
+static inline int64_t *cn_bag_of(const int64_t *offsets, int64_t n_bags, int nthreads) {
+    const int64_t n = offsets[n_bags];
+    int64_t *bag_of = (int64_t *)malloc((size_t)(n ? n : 1) * sizeof(int64_t));
+    if (bag_of == NULL) return NULL;
+    CN_PARALLEL_FOR(nthreads)
+    for (int64_t b = 0; b < n_bags; b++)
+        for (int64_t i = offsets[b]; i < offsets[b + 1]; i++) bag_of[i] = b;
+    return bag_of;
+}
+
 /* Sum the gradient contributions of unique row u into acc[0:dim]. */
-static inline void cn_grad_accumulate(const cn_groups *g, int64_t u, int64_t dim,
+static inline void cn_grad_accumulate(const cn_groups *g, int64_t u, const int64_t *restrict bag_of, int64_t dim,
                                       const int64_t *restrict offsets, const float *restrict weights,
                                       int mode, const int64_t *restrict argmax,
                                       const float *restrict grad, int64_t ld_grad, float *restrict acc) {
     for (int64_t d = 0; d < dim; d++) acc[d] = 0.0f;
     for (int64_t j = g->group_start[u]; j < g->group_start[u + 1]; j++) {
         const int64_t i = g->group_pos[j];
-        const int64_t b = g->bag_of[i];
+        const int64_t b = bag_of[i];
         const float *restrict gb = grad + b * ld_grad;
         if (mode == CN_POOL_MAX) {
             const int64_t *restrict am = argmax + b * dim;
@@ -134,57 +143,86 @@ static inline void cn_meta_record(const cn_arena *a, int64_t slot, int64_t occur
 
 /* Gradient of every unique row: grads_out[u, 0:dim] (u in first-occurrence order). With
  * touch_meta, records the accesses (see above). */
-static inline int cn_grad_unique(const cn_groups *g, const cn_arena *a, int64_t dim, const int64_t *slots,
-                                 const int64_t *offsets, const float *weights, int mode, const int64_t *argmax,
-                                 const float *grad, int64_t ld_grad, float *grads_out, int touch_meta,
-                                 uint32_t step, int nthreads) {
+static inline void cn_grad_unique(const cn_groups *g, const int64_t *bag_of, const cn_arena *a, int64_t dim,
+                                  const int64_t *slots, const int64_t *offsets, const float *weights, int mode,
+                                  const int64_t *argmax, const float *grad, int64_t ld_grad, float *grads_out,
+                                  int touch_meta, uint32_t step, int nthreads) {
     CN_PARALLEL_FOR_DYNAMIC(nthreads)
     for (int64_t u = 0; u < g->n_unique; u++) {
-        cn_grad_accumulate(g, u, dim, offsets, weights, mode, argmax, grad, ld_grad, grads_out + u * dim);
+        cn_grad_accumulate(g, u, bag_of, dim, offsets, weights, mode, argmax, grad, ld_grad, grads_out + u * dim);
         if (touch_meta)
             cn_meta_record(a, slots[g->unique_pos[u]], g->group_start[u + 1] - g->group_start[u], step);
     }
-    return 0;
 }
 
-/* Fused backward: accumulate each unique row's gradient and apply the optimizer to the row in
- * place. Returns -1 when out of memory (before any row changed). */
-static inline int cn_grad_apply(const cn_groups *g, const cn_arena *a, int64_t dim, const int64_t *slots,
-                                const int64_t *offsets, const float *weights, int mode, const int64_t *argmax,
+/* The thread (of nt) that owns a row in the fused backward: a multiplicative hash of the
+ * slot scaled to [0, nt), so no division. */
+static inline int cn_row_owner(int64_t slot, int nt) {
+    return (int)(((uint64_t)((uint32_t)slot * 0x9E3779B9u) * (uint64_t)nt) >> 32);
+}
+
+/* Fused backward: accumulate each distinct row's gradient and apply the optimizer to the row
+ * in place (see the top of this file). Returns -1 when out of memory, before any row changed. */
+static inline int cn_grad_apply(const cn_arena *a, int64_t dim, const int64_t *slots, const int64_t *offsets,
+                                int64_t n_bags, const float *weights, int mode, const int64_t *argmax,
                                 const float *grad, int64_t ld_grad, const cn_optim *opt, int touch_meta,
                                 uint32_t step, int nthreads) {
-    if (g->n_unique == 0) return 0;
+    const int64_t n = offsets[n_bags];
+    if (n == 0) return 0;
     if (nthreads < 1) nthreads = 1;
-    float *scratch = (float *)malloc((size_t)nthreads * (size_t)(dim + 16) * sizeof(float));
-    if (scratch == NULL) return -1;
+    int64_t *bag_of = cn_bag_of(offsets, n_bags, nthreads);
+    if (bag_of == NULL) return -1;
+    int failed = 0;
     const int64_t row_bytes = a->row_bytes;
-    const int64_t n_unique = g->n_unique;
 #ifdef _OPENMP
 #pragma omp parallel num_threads(nthreads)
 #endif
     {
-        int tid = 0;
+        int tid = 0, nt = 1;
 #ifdef _OPENMP
         tid = omp_get_thread_num();
+        nt = omp_get_num_threads();
 #endif
-        float *acc = scratch + (int64_t)tid * (dim + 16);
-#ifdef _OPENMP
-#pragma omp for schedule(dynamic, 64)
-#endif
-        for (int64_t u = 0; u < n_unique; u++) {
-            if (u + CN_PREFETCH_DISTANCE < n_unique) {
-                const int64_t ahead = slots[g->unique_pos[u + CN_PREFETCH_DISTANCE]];
-                cn_prefetch_write(cn_arena_row(a, ahead), row_bytes);
-                if (touch_meta) __builtin_prefetch(cn_arena_meta(a, ahead), 1, 3);
-            }
-            const int64_t s = slots[g->unique_pos[u]];
-            cn_grad_accumulate(g, u, dim, offsets, weights, mode, argmax, grad, ld_grad, acc);
-            cn_optim_apply(opt, cn_arena_row(a, s), acc, dim);
-            if (touch_meta) cn_meta_record(a, s, g->group_start[u + 1] - g->group_start[u], step);
+        cn_groups g;
+        memset(&g, 0, sizeof(g));
+        float *acc = (float *)malloc((size_t)(dim + 16) * sizeof(float));
+        int64_t *mine = (int64_t *)malloc((size_t)n * sizeof(int64_t));
+        int ok = acc != NULL && mine != NULL;
+        if (ok) {
+            int64_t m = 0;
+            for (int64_t i = 0; i < n; i++)
+                if (slots[i] >= 0 && cn_row_owner(slots[i], nt) == tid) mine[m++] = i;
+            ok = cn_groups_build(slots, mine, m, &g) == 0;
         }
+        if (!ok) {
+#ifdef _OPENMP
+#pragma omp atomic write
+#endif
+            failed = 1;
+        }
+#ifdef _OPENMP
+#pragma omp barrier
+#endif
+        if (!failed) {
+            const int64_t n_unique = g.n_unique;
+            for (int64_t u = 0; u < n_unique; u++) {
+                if (u + CN_PREFETCH_DISTANCE < n_unique) {
+                    const int64_t ahead = slots[g.unique_pos[u + CN_PREFETCH_DISTANCE]];
+                    cn_prefetch_write(cn_arena_row(a, ahead), row_bytes);
+                    if (touch_meta) __builtin_prefetch(cn_arena_meta(a, ahead), 1, 3);
+                }
+                const int64_t s = slots[g.unique_pos[u]];
+                cn_grad_accumulate(&g, u, bag_of, dim, offsets, weights, mode, argmax, grad, ld_grad, acc);
+                cn_optim_apply(opt, cn_arena_row(a, s), acc, dim);
+                if (touch_meta) cn_meta_record(a, s, g.group_start[u + 1] - g.group_start[u], step);
+            }
+        }
+        cn_groups_free(&g);
+        free(mine);
+        free(acc);
     }
-    free(scratch);
-    return 0;
+    free(bag_of);
+    return failed ? -1 : 0;
 }
 
 #endif

@@ -118,12 +118,16 @@ static inline void cn_index_put_at(cn_index *ix, int64_t pos, int64_t key, int64
     ix->size += 1;
 }
 
+#ifndef CN_FIND_PREFETCH_DISTANCE
+#define CN_FIND_PREFETCH_DISTANCE 32
+#endif
+
 /* Slots of keys[0..n) (-1 where absent); read-only, safe for concurrent readers. */
 static inline void cn_index_find_batch(const cn_index *ix, const int64_t *keys, int64_t n,
                                        int64_t *slots, int nthreads) {
     CN_PARALLEL_FOR(nthreads)
     for (int64_t i = 0; i < n; i++) {
-        if (i + CN_PREFETCH_DISTANCE < n) cn_index_prefetch(ix, keys[i + CN_PREFETCH_DISTANCE]);
+        if (i + CN_FIND_PREFETCH_DISTANCE < n) cn_index_prefetch(ix, keys[i + CN_FIND_PREFETCH_DISTANCE]);
         slots[i] = cn_index_find(ix, keys[i]);
     }
 }
