@@ -65,9 +65,8 @@ cdef class Table:
         init.p1 = p1
         init.p2 = p2
         init.p3 = p3
-        cdef int64_t state_floats = cn_optim_state_floats(optimizer_kind, dim)
         with nogil:
-            rc = cn_table_create(&self.t, dim, state_floats, state_init, init, max_load, capacity_hint)
+            rc = cn_table_create(&self.t, dim, optimizer_kind, state_init, init, max_load, capacity_hint)
         if rc != CN_OK:
             raise MemoryError(f"cannot allocate a table for capacity {capacity_hint} of dim {dim}")
         self.alive = True

@@ -69,7 +69,7 @@ cdef extern from "cn_table.h" nogil:
         uint64_t erase_epoch
         uint64_t version
         pthread_rwlock_t lock
-    int cn_table_create(cn_table *t, int64_t dim, int64_t state_floats, float state_init, cn_init init,
+    int cn_table_create(cn_table *t, int64_t dim, int optimizer_kind, float state_init, cn_init init,
                         double max_load, int64_t capacity_hint)
     void cn_table_destroy(cn_table *t)
     int64_t cn_table_capacity(const cn_table *t)

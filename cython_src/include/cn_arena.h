@@ -5,8 +5,10 @@
  * is a stable address: growth only appends pages (the page table itself may be reallocated,
  * the pages never are). A slot maps to (page = slot >> shift, row = slot & mask).
  *
- * Each page holds its rows first, then one cn_meta per row (access count, last step). Metadata
- * apart from the rows keeps a row of dim 64 exactly four cache lines.
+ * Each page holds its rows first, then one cn_meta per row (access count, last step, and for
+ * optimizers with one state value per row, that value). Metadata apart from the rows keeps a
+ * row of dim 64 exactly four cache lines; the backward touches the metadata line anyway
+ * (access counts), so a per-row scalar state costs no extra line there.
  *
  * Erased slots go on a free list threaded through their own metadata (the next free slot is
  * written over the dead row's cn_meta), so the list costs no memory.
@@ -21,6 +23,8 @@
 typedef struct {
     uint32_t count;     /* lookups in training mode, saturating at 2^32 - 1 */
     uint32_t last_step; /* the table's step at the last training lookup */
+    float scalar_state; /* present only when the arena's meta_bytes is 16 (row-wise optimizers) */
+    uint32_t reserved;
 } cn_meta;
 
 /* A page's rows fill at least one 2 MiB huge page (cn_alloc.h). */
@@ -32,17 +36,19 @@ typedef struct {
     int64_t page_table_cap;
     int64_t page_shift; /* rows per page = 1 << page_shift */
     int64_t page_mask;
-    int64_t row_floats; /* dim + optimizer state floats */
+    int64_t row_floats; /* dim + the optimizer-state floats kept in the row */
     int64_t row_bytes;
     int64_t meta_offset; /* byte offset of the cn_meta block inside a page */
+    int64_t meta_bytes;  /* 8 (count, last step) or 16 (plus a scalar optimizer state) */
     int64_t page_bytes;
     int64_t high_water; /* slots handed out at least once */
     int64_t free_head;  /* first free slot, or -1 */
     int64_t n_free;
 } cn_arena;
 
-static inline void cn_arena_init(cn_arena *a, int64_t row_floats) {
+static inline void cn_arena_init(cn_arena *a, int64_t row_floats, int with_scalar_state) {
     memset(a, 0, sizeof(*a));
+    a->meta_bytes = with_scalar_state ? 16 : 8;
     a->row_floats = row_floats;
     a->row_bytes = row_floats * (int64_t)sizeof(float);
     int64_t shift = 0;
@@ -51,7 +57,7 @@ static inline void cn_arena_init(cn_arena *a, int64_t row_floats) {
     a->page_mask = ((int64_t)1 << shift) - 1;
     int64_t rows_part = (((int64_t)1 << shift) * a->row_bytes + 63) & ~(int64_t)63;
     a->meta_offset = rows_part;
-    a->page_bytes = rows_part + ((int64_t)1 << shift) * (int64_t)sizeof(cn_meta);
+    a->page_bytes = rows_part + ((int64_t)1 << shift) * a->meta_bytes;
     a->free_head = -1;
 }
 
@@ -64,7 +70,7 @@ static inline float *cn_arena_row(const cn_arena *a, int64_t slot) {
 }
 
 static inline cn_meta *cn_arena_meta(const cn_arena *a, int64_t slot) {
-    return (cn_meta *)(a->pages[slot >> a->page_shift] + a->meta_offset) + (slot & a->page_mask);
+    return (cn_meta *)(a->pages[slot >> a->page_shift] + a->meta_offset + (slot & a->page_mask) * a->meta_bytes);
 }
 
 /* Slots that can be handed out without allocating. */

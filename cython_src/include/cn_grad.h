@@ -50,26 +50,35 @@ static inline void cn_groups_free(cn_groups *g) {
  * memory (nothing left allocated). */
 static inline int cn_groups_build(const int64_t *restrict slots, const int64_t *restrict positions, int64_t m,
                                   cn_groups *g) {
+    /* slot -> unique id; one 16-byte entry, so a probe touches one cache line */
+    typedef struct {
+        int64_t slot;
+        int64_t uid;
+    } entry;
     memset(g, 0, sizeof(*g));
     const int64_t cap = cn_pow2_at_least(2 * m + 1);
     const size_t mm = (size_t)(m ? m : 1);
-    int64_t *map_slot = (int64_t *)malloc((size_t)cap * sizeof(int64_t));
-    int64_t *map_uid = (int64_t *)malloc((size_t)cap * sizeof(int64_t));
+    entry *map = (entry *)malloc((size_t)cap * sizeof(entry));
     int64_t *uid_of = (int64_t *)malloc(mm * sizeof(int64_t));
+    int64_t *cursor = (int64_t *)malloc(mm * sizeof(int64_t));
     g->unique_pos = (int64_t *)malloc(mm * sizeof(int64_t));
     g->group_start = (int64_t *)malloc((mm + 2) * sizeof(int64_t));
     g->group_pos = (int64_t *)malloc(mm * sizeof(int64_t));
-    if (!map_slot || !map_uid || !uid_of || !g->unique_pos || !g->group_start || !g->group_pos) {
-        free(map_slot);
-        free(map_uid);
+    if (!map || !uid_of || !cursor || !g->unique_pos || !g->group_start || !g->group_pos) {
+        free(map);
         free(uid_of);
+        free(cursor);
         cn_groups_free(g);
         return -1;
     }
-    memset(map_slot, 0xff, (size_t)cap * sizeof(int64_t));
+    for (int64_t h = 0; h < cap; h++) map[h].slot = -1;
     const uint64_t mask = (uint64_t)cap - 1;
     int64_t n_unique = 0;
     for (int64_t j = 0; j < m; j++) {
+        if (j + CN_PREFETCH_DISTANCE < m) {
+            const int64_t ahead = slots[positions ? positions[j + CN_PREFETCH_DISTANCE] : j + CN_PREFETCH_DISTANCE];
+            __builtin_prefetch(&map[cn_hash_key(ahead) & mask], 1, 3);
+        }
         const int64_t i = positions ? positions[j] : j;
         const int64_t s = slots[i];
         if (s < 0) {
@@ -77,28 +86,27 @@ static inline int cn_groups_build(const int64_t *restrict slots, const int64_t *
             continue;
         }
         uint64_t h = cn_hash_key(s) & mask;
-        while (map_slot[h] >= 0 && map_slot[h] != s) h = (h + 1) & mask;
-        if (map_slot[h] < 0) {
-            map_slot[h] = s;
-            map_uid[h] = n_unique;
+        while (map[h].slot >= 0 && map[h].slot != s) h = (h + 1) & mask;
+        if (map[h].slot < 0) {
+            map[h].slot = s;
+            map[h].uid = n_unique;
             g->unique_pos[n_unique] = i;
             g->group_start[n_unique + 1] = 0;
             n_unique++;
         }
-        uid_of[j] = map_uid[h];
-        g->group_start[map_uid[h] + 1]++;
+        uid_of[j] = map[h].uid;
+        g->group_start[map[h].uid + 1]++;
     }
     g->group_start[0] = 0;
     for (int64_t u = 0; u < n_unique; u++) g->group_start[u + 1] += g->group_start[u];
-    /* Fill positions in key order; map_uid is reused as the write cursor per unique row. */
-    int64_t *cursor = map_uid;
+    /* Fill positions in key order. */
     for (int64_t u = 0; u < n_unique; u++) cursor[u] = g->group_start[u];
     for (int64_t j = 0; j < m; j++)
         if (uid_of[j] >= 0) g->group_pos[cursor[uid_of[j]]++] = positions ? positions[j] : j;
     g->n_unique = n_unique;
-    free(map_slot);
-    free(map_uid);
+    free(map);
     free(uid_of);
+    free(cursor);
     return 0;
 }
 
@@ -174,6 +182,8 @@ static inline int cn_grad_apply(const cn_arena *a, int64_t dim, const int64_t *s
     if (bag_of == NULL) return -1;
     int failed = 0;
     const int64_t row_bytes = a->row_bytes;
+    const int state_in_meta = cn_optim_state_in_meta(opt->kind);
+    const int use_meta = touch_meta || state_in_meta;
 #ifdef _OPENMP
 #pragma omp parallel num_threads(nthreads)
 #endif
@@ -209,11 +219,13 @@ static inline int cn_grad_apply(const cn_arena *a, int64_t dim, const int64_t *s
                 if (u + CN_PREFETCH_DISTANCE < n_unique) {
                     const int64_t ahead = slots[g.unique_pos[u + CN_PREFETCH_DISTANCE]];
                     cn_prefetch_write(cn_arena_row(a, ahead), row_bytes);
-                    if (touch_meta) __builtin_prefetch(cn_arena_meta(a, ahead), 1, 3);
+                    if (use_meta) __builtin_prefetch(cn_arena_meta(a, ahead), 1, 3);
                 }
                 const int64_t s = slots[g.unique_pos[u]];
+                float *row = cn_arena_row(a, s);
+                float *state = state_in_meta ? &cn_arena_meta(a, s)->scalar_state : row + dim;
                 cn_grad_accumulate(&g, u, bag_of, dim, offsets, weights, mode, argmax, grad, ld_grad, acc);
-                cn_optim_apply(opt, cn_arena_row(a, s), acc, dim);
+                cn_optim_apply(opt, row, state, acc, dim);
                 if (touch_meta) cn_meta_record(a, s, g.group_start[u + 1] - g.group_start[u], step);
             }
         }

@@ -39,15 +39,20 @@ static inline void cn_optim_set_step(cn_optim *o, int64_t step) {
     o->bias2_sqrt = (float)sqrt(1.0 - pow((double)o->beta2, (double)step));
 }
 
-/* Apply gradient g to row w (dim floats) whose optimizer state follows it in memory. */
-static inline void cn_optim_apply(const cn_optim *o, float *restrict w, const float *restrict g, int64_t dim) {
+/* Row-wise Adagrad keeps its one float in the row's metadata (cn_arena.h); the others keep
+ * their state right after the embedding. */
+static inline int cn_optim_state_in_meta(int kind) { return kind == CN_OPT_ROWWISE_ADAGRAD; }
+
+/* Apply gradient g to row w (dim floats) with optimizer state st (cn_optim_state_floats). */
+static inline void cn_optim_apply(const cn_optim *o, float *restrict w, float *restrict st, const float *restrict g,
+                                  int64_t dim) {
     float lr = o->lr;
     switch (o->kind) {
     case CN_OPT_SGD:
         for (int64_t d = 0; d < dim; d++) w[d] -= lr * g[d];
         break;
     case CN_OPT_ADAGRAD: {
-        float *restrict s = w + dim;
+        float *restrict s = st;
         for (int64_t d = 0; d < dim; d++) {
             s[d] += g[d] * g[d];
             w[d] -= lr * g[d] / (sqrtf(s[d]) + o->eps);
@@ -63,15 +68,15 @@ static inline void cn_optim_apply(const cn_optim *o, float *restrict w, const fl
             for (int k = 0; k < 8; k++) part[k] += g[d + k] * g[d + k];
         float sq = ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7]));
         for (int64_t d = d8; d < dim; d++) sq += g[d] * g[d];
-        float s = w[dim] + sq / (float)dim;
-        w[dim] = s;
+        float s = st[0] + sq / (float)dim;
+        st[0] = s;
         float step = lr / (sqrtf(s) + o->eps);
         for (int64_t d = 0; d < dim; d++) w[d] -= step * g[d];
         break;
     }
     case CN_OPT_ADAM: {
-        float *restrict m = w + dim;
-        float *restrict v = w + 2 * dim;
+        float *restrict m = st;
+        float *restrict v = st + dim;
         float b1 = o->beta1, b2 = o->beta2;
         float step = lr / o->bias1;
         float inv_b2 = 1.0f / o->bias2_sqrt;

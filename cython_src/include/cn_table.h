@@ -28,7 +28,8 @@ typedef struct {
     cn_index index;
     cn_arena arena;
     int64_t dim;
-    int64_t state_floats;
+    int64_t state_floats; /* optimizer-state floats per row */
+    int state_in_meta;    /* 1: the (single) state float lives in the row's metadata */
     float state_init; /* initial value of every optimizer-state float of a new row */
     cn_init init;
     double max_load;
@@ -39,15 +40,16 @@ typedef struct {
     pthread_rwlock_t lock;
 } cn_table;
 
-static inline int cn_table_create(cn_table *t, int64_t dim, int64_t state_floats, float state_init,
+static inline int cn_table_create(cn_table *t, int64_t dim, int optimizer_kind, float state_init,
                                   cn_init init, double max_load, int64_t capacity_hint) {
     memset(t, 0, sizeof(*t));
     t->dim = dim;
-    t->state_floats = state_floats;
+    t->state_floats = cn_optim_state_floats(optimizer_kind, dim);
+    t->state_in_meta = cn_optim_state_in_meta(optimizer_kind);
     t->state_init = state_init;
     t->init = init;
     t->max_load = max_load;
-    cn_arena_init(&t->arena, dim + state_floats);
+    cn_arena_init(&t->arena, dim + (t->state_in_meta ? 0 : t->state_floats), t->state_in_meta);
     if (cn_index_init(&t->index, cn_index_buckets_for(capacity_hint, max_load), &t->nbytes) != 0) return CN_ENOMEM;
     if (cn_arena_reserve(&t->arena, capacity_hint, &t->nbytes) != 0) {
         cn_arena_free(&t->arena, &t->nbytes);
@@ -80,13 +82,19 @@ static inline int cn_table_reserve(cn_table *t, int64_t total) {
     return CN_OK;
 }
 
+/* The optimizer state of a row: after the embedding, or in the metadata (cn_optim.h). */
+static inline float *cn_table_state(const cn_table *t, int64_t slot) {
+    return t->state_in_meta ? &cn_arena_meta(&t->arena, slot)->scalar_state : cn_arena_row(&t->arena, slot) + t->dim;
+}
+
 static inline void cn_table_init_row(const cn_table *t, int64_t slot, int64_t key) {
     float *row = cn_arena_row(&t->arena, slot);
     cn_init_row(&t->init, key, row, t->dim);
-    for (int64_t j = 0; j < t->state_floats; j++) row[t->dim + j] = t->state_init;
     cn_meta *m = cn_arena_meta(&t->arena, slot);
     m->count = 0;
     m->last_step = 0;
+    float *st = cn_table_state(t, slot);
+    for (int64_t j = 0; j < t->state_floats; j++) st[j] = t->state_init;
 }
 
 static inline void cn_table_find(const cn_table *t, const int64_t *keys, int64_t n, int64_t *slots) {
@@ -203,7 +211,7 @@ static inline void cn_table_write_rows(cn_table *t, const int64_t *slots, int64_
         float *r = cn_arena_row(&t->arena, slots[i]);
         memcpy(r, rows + i * ld_rows, (size_t)t->dim * sizeof(float));
         if (state && t->state_floats)
-            memcpy(r + t->dim, state + i * ld_state, (size_t)t->state_floats * sizeof(float));
+            memcpy(cn_table_state(t, slots[i]), state + i * ld_state, (size_t)t->state_floats * sizeof(float));
     }
 }
 
@@ -234,7 +242,7 @@ static inline void cn_table_gather(const cn_table *t, const int64_t *slots, int6
         }
         const float *r = cn_arena_row(&t->arena, s);
         if (rows) memcpy(rows + i * dim, r, (size_t)dim * sizeof(float));
-        if (state && sf) memcpy(state + i * sf, r + dim, (size_t)sf * sizeof(float));
+        if (state && sf) memcpy(state + i * sf, cn_table_state(t, s), (size_t)sf * sizeof(float));
         const cn_meta *m = cn_arena_meta(&t->arena, s);
         if (counts) counts[i] = m->count;
         if (last_steps) last_steps[i] = m->last_step;
