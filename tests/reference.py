@@ -42,16 +42,24 @@ class DictStore:
         self.state_floats, self.state_init = state_floats, state_init
         self.rows: dict[int, np.ndarray] = {}
         self.state: dict[int, np.ndarray] = {}
+        self.counts: dict[int, int] = {}
+        self.last_steps: dict[int, int] = {}
+        self.step = 0
 
     def initial(self, key: int) -> np.ndarray:
         return uniform_row(self.seed, key, self.dim, self.low, self.high)
+
+    def _new(self, k):
+        self.state[k] = np.full(self.state_floats, self.state_init, dtype=np.float32)
+        self.counts[k] = 0
+        self.last_steps[k] = 0
 
     def find_or_insert(self, keys):
         found = [k in self.rows for k in keys]
         for k in keys:
             if k not in self.rows:
                 self.rows[k] = self.initial(k)
-                self.state[k] = np.full(self.state_floats, self.state_init, dtype=np.float32)
+                self._new(k)
         return np.array(found, dtype=bool)
 
     def write(self, keys, rows, insert: bool):
@@ -59,7 +67,7 @@ class DictStore:
         for k, r in zip(keys, rows):
             if k in self.rows or insert:
                 if k not in self.rows:
-                    self.state[k] = np.full(self.state_floats, self.state_init, dtype=np.float32)
+                    self._new(k)
                 self.rows[k] = np.array(r, dtype=np.float32)
         return found
 
@@ -67,9 +75,39 @@ class DictStore:
         erased = []
         for k in keys:
             erased.append(k in self.rows)
-            self.rows.pop(k, None)
-            self.state.pop(k, None)
+            for table in (self.rows, self.state, self.counts, self.last_steps):
+                table.pop(k, None)
         return np.array(erased, dtype=bool)
+
+    def clear(self):
+        for table in (self.rows, self.state, self.counts, self.last_steps):
+            table.clear()
+
+    def backward(self, keys, offsets, grad_out, weights):
+        """Sum pooling's backward by hand: each key's gradient is its bag's output gradient
+        times its weight, summed per distinct key (float64). Returns (grads, occurrences),
+        both in first-occurrence order."""
+        grads: dict[int, np.ndarray] = {}
+        occurrences: dict[int, int] = {}
+        for b in range(len(offsets) - 1):
+            for i in range(offsets[b], offsets[b + 1]):
+                k = keys[i]
+                w = 1.0 if weights is None else float(weights[i])
+                grads[k] = grads.get(k, np.zeros(self.dim)) + w * grad_out[b].astype(np.float64)
+                occurrences[k] = occurrences.get(k, 0) + 1
+        return grads, occurrences
+
+    def record_access(self, occurrences, lookup_step):
+        for k, n in occurrences.items():
+            self.counts[k] += n
+            self.last_steps[k] = lookup_step
+
+    def rowwise_adagrad(self, grads, lr, eps):
+        """FBGEMM's EXACT_ROWWISE_ADAGRAD on each row with a gradient; advances the step."""
+        self.step += 1
+        for k, g in grads.items():
+            self.state[k] = (self.state[k] + np.mean(g * g)).astype(np.float32)
+            self.rows[k] = (self.rows[k] - lr / (np.sqrt(self.state[k][0]) + eps) * g).astype(np.float32)
 
     def lookup(self, keys) -> np.ndarray:
         return np.array([self.rows.get(k, np.zeros(self.dim, np.float32)) for k in keys],

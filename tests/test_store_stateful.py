@@ -4,11 +4,12 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import cncore
-from reference import EDGE_KEYS, DictStore
+from reference import EDGE_KEYS, DictStore, pooled_reference
 
 DIM = 5
 SEED = 11
 LOW, HIGH = -0.5, 0.5
+LR, EPS = 0.1, 1e-8
 
 # A small pool makes hits, duplicates and re-inserts after erase common; edge keys are always in it.
 key_pool = st.one_of(st.sampled_from(EDGE_KEYS), st.integers(-40, 40),
@@ -24,7 +25,7 @@ class StoreMachine(RuleBasedStateMachine):
     @initialize(capacity=st.sampled_from([0, 1, 3, 64]),
                 load=st.sampled_from([0.3, 0.7, 0.9]))
     def setup(self, capacity, load):
-        opt = cncore.RowWiseAdagrad(lr=0.1, initial_accumulator_value=0.25)
+        opt = cncore.RowWiseAdagrad(lr=LR, eps=EPS, initial_accumulator_value=0.25)
         self.store = cncore.EmbeddingStore(dim=DIM, seed=SEED, initializer=cncore.Uniform(LOW, HIGH),
                                            capacity=capacity, max_load_factor=load, optimizer=opt)
         self.ref = DictStore(DIM, SEED, LOW, HIGH, state_floats=1, state_init=0.25)
@@ -83,8 +84,50 @@ class StoreMachine(RuleBasedStateMachine):
     def clear(self, data):
         if data.draw(st.integers(0, 9)) == 0:  # rarely, so tables get big
             self.store.clear()
-            self.ref.rows.clear()
-            self.ref.state.clear()
+            self.ref.clear()
+
+    @rule(bags=st.lists(key_batches, min_size=1, max_size=6), weighted=st.booleans(), seed=st.integers(0, 1000),
+          mode=st.sampled_from(["sum", "mean", "max"]))
+    def pooled_lookup_for_evaluation(self, bags, weighted, seed, mode):
+        keys = [k for b in bags for k in b]
+        offsets = np.concatenate([[0], np.cumsum([len(b) for b in bags])]).astype(np.int64)
+        weights = (np.random.default_rng(seed).uniform(0.5, 2, len(keys)).astype(np.float32)
+                   if weighted and mode != "max" else None)
+        out, ctx = self.store.pooled_lookup(np.array(keys, dtype=np.int64), offsets, mode=mode,
+                                            per_sample_weights=weights, insert_missing=False)
+        expected = pooled_reference(self.ref.lookup(keys), offsets, mode, weights)
+        np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
+        assert ctx.n_new == 0
+
+    @rule(bags=st.lists(key_batches, min_size=1, max_size=6), weighted=st.booleans(), seed=st.integers(0, 1000),
+          fused=st.booleans())
+    def train_step(self, bags, weighted, seed, fused):
+        """A training lookup (inserts unseen keys), then its backward: fused (row-wise Adagrad
+        in the core) or not (the reference update applied from accumulate_gradients' output)."""
+        keys = [k for b in bags for k in b]
+        offsets = np.concatenate([[0], np.cumsum([len(b) for b in bags])]).astype(np.int64)
+        rng = np.random.default_rng(seed)
+        weights = rng.uniform(0.5, 2, len(keys)).astype(np.float32) if weighted else None
+        lookup_step = self.store.step
+        out, ctx = self.store.pooled_lookup(np.array(keys, dtype=np.int64), offsets, per_sample_weights=weights)
+        self.ref.find_or_insert(keys)
+        np.testing.assert_allclose(out, pooled_reference(self.ref.lookup(keys), offsets, "sum", weights),
+                                   rtol=1e-5, atol=1e-6)
+        grad = rng.standard_normal(out.shape).astype(np.float32)
+        grads, occurrences = self.ref.backward(keys, offsets, grad, weights)
+        if fused:
+            self.store.apply_gradients(ctx, grad)
+            self.ref.rowwise_adagrad(grads, LR, EPS)
+        else:
+            ukeys, ugrads = self.store.accumulate_gradients(ctx, grad)
+            assert ukeys.tolist() == list(grads)
+            np.testing.assert_allclose(ugrads, np.array([grads[k] for k in grads]).reshape(-1, DIM),
+                                       rtol=1e-5, atol=1e-5)
+            for k, g in zip(ukeys.tolist(), ugrads):  # the caller's own update: plain SGD
+                self.ref.rows[k] = (self.ref.rows[k] - np.float32(0.5) * g).astype(np.float32)
+            self.store.assign(ukeys, np.array([self.ref.rows[k] for k in ukeys.tolist()], dtype=np.float32).reshape(-1, DIM))
+        self.ref.record_access(occurrences, lookup_step)
+        assert self.store.step == self.ref.step
 
     @rule(batch=st.integers(1, 7))
     def export_in_batches_and_load_into_a_copy(self, batch):
@@ -95,9 +138,10 @@ class StoreMachine(RuleBasedStateMachine):
         state = np.concatenate([b.optimizer_state for b in batches])
         counts = np.concatenate([b.counts for b in batches])
         steps = np.concatenate([b.last_steps for b in batches])
-        for k, r, s in zip(keys.tolist(), rows, state):
-            np.testing.assert_allclose(r, self.ref.rows[k], rtol=0, atol=1e-7)
-            np.testing.assert_array_equal(s, self.ref.state[k])
+        for k, r, s, c, ls in zip(keys.tolist(), rows, state, counts, steps):
+            np.testing.assert_allclose(r, self.ref.rows[k], rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(s, self.ref.state[k], rtol=1e-5)
+            assert (c, ls) == (self.ref.counts[k], self.ref.last_steps[k])
         copy = cncore.EmbeddingStore(self.store.config)
         copy.load(keys, rows, state, counts, steps)
         again = copy.read(keys)
@@ -114,8 +158,10 @@ class StoreMachine(RuleBasedStateMachine):
             keys = list(self.ref.rows)
             got = self.store.read(np.array(keys, dtype=np.int64))
             assert got.found.all()
-            np.testing.assert_allclose(got.rows, self.ref.lookup(keys), rtol=0, atol=1e-7)
-            np.testing.assert_array_equal(got.optimizer_state[:, 0], [self.ref.state[k][0] for k in keys])
+            np.testing.assert_allclose(got.rows, self.ref.lookup(keys), rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(got.optimizer_state[:, 0], [self.ref.state[k][0] for k in keys], rtol=1e-5)
+            assert got.counts.tolist() == [self.ref.counts[k] for k in keys]
+            assert got.last_steps.tolist() == [self.ref.last_steps[k] for k in keys]
 
 
 StoreMachine.TestCase.settings = __import__("hypothesis").settings(max_examples=60, stateful_step_count=40)
