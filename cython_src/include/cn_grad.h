@@ -169,6 +169,33 @@ static inline int cn_row_owner(int64_t slot, int nt) {
     return (int)(((uint64_t)((uint32_t)slot * 0x9E3779B9u) * (uint64_t)nt) >> 32);
 }
 
+/* SGD is linear in the gradient, so a row needs no grouping: its owner applies each
+ * occurrence's share in key order (w -= lr * scale * g_i), which skips the dedup map. The
+ * rounding differs from one update with the summed gradient only in the last bits, and is
+ * the same for every thread count (each row still sees its keys in key order). */
+static inline void cn_grad_apply_sgd_direct(const cn_arena *a, int64_t dim, const int64_t *slots,
+                                            const int64_t *mine, int64_t m, const int64_t *bag_of,
+                                            const int64_t *offsets, const float *weights, int mode,
+                                            const float *grad, int64_t ld_grad, float lr, int touch_meta,
+                                            uint32_t step) {
+    const int64_t row_bytes = dim * (int64_t)sizeof(float);
+    for (int64_t j = 0; j < m; j++) {
+        if (j + CN_PREFETCH_DISTANCE < m) {
+            const int64_t ahead = slots[mine[j + CN_PREFETCH_DISTANCE]];
+            cn_prefetch_write(cn_arena_row(a, ahead), row_bytes);
+            if (touch_meta) __builtin_prefetch(cn_arena_meta(a, ahead), 1, 3);
+        }
+        const int64_t i = mine[j], b = bag_of[i], s = slots[i];
+        float scale = weights ? weights[i] : 1.0f;
+        if (mode == CN_POOL_MEAN) scale /= (float)(offsets[b + 1] - offsets[b]);
+        const float step_size = lr * scale;
+        float *restrict w = cn_arena_row(a, s);
+        const float *restrict gb = grad + b * ld_grad;
+        for (int64_t d = 0; d < dim; d++) w[d] -= step_size * gb[d];
+        if (touch_meta) cn_meta_record(a, s, 1, step);
+    }
+}
+
 /* Fused backward: accumulate each distinct row's gradient and apply the optimizer to the row
  * in place (see the top of this file). Returns -1 when out of memory, before any row changed. */
 static inline int cn_grad_apply(const cn_arena *a, int64_t dim, const int64_t *slots, const int64_t *offsets,
@@ -197,12 +224,13 @@ static inline int cn_grad_apply(const cn_arena *a, int64_t dim, const int64_t *s
         memset(&g, 0, sizeof(g));
         float *acc = (float *)malloc((size_t)(dim + 16) * sizeof(float));
         int64_t *mine = (int64_t *)malloc((size_t)n * sizeof(int64_t));
+        const int direct = opt->kind == CN_OPT_SGD && mode != CN_POOL_MAX;
         int ok = acc != NULL && mine != NULL;
+        int64_t m = 0;
         if (ok) {
-            int64_t m = 0;
             for (int64_t i = 0; i < n; i++)
                 if (slots[i] >= 0 && cn_row_owner(slots[i], nt) == tid) mine[m++] = i;
-            ok = cn_groups_build(slots, mine, m, &g) == 0;
+            if (!direct) ok = cn_groups_build(slots, mine, m, &g) == 0;
         }
         if (!ok) {
 #ifdef _OPENMP
@@ -213,7 +241,10 @@ static inline int cn_grad_apply(const cn_arena *a, int64_t dim, const int64_t *s
 #ifdef _OPENMP
 #pragma omp barrier
 #endif
-        if (!failed) {
+        if (!failed && direct) {
+            cn_grad_apply_sgd_direct(a, dim, slots, mine, m, bag_of, offsets, weights, mode, grad, ld_grad, opt->lr,
+                                     touch_meta, step);
+        } else if (!failed) {
             const int64_t n_unique = g.n_unique;
             for (int64_t u = 0; u < n_unique; u++) {
                 if (u + CN_PREFETCH_DISTANCE < n_unique) {
