@@ -43,7 +43,7 @@ bench: setup
 	$(PY) asv_bench/scripts/compare_reference.py
 
 asv: setup
-	cd asv_bench && ../$(PY) -m asv run --python=same --quick --show-stderr
+	cd asv_bench && ../$(PY) -m asv machine --yes && ../$(PY) -m asv run --python=same --quick --show-stderr
 
 clean:
 	rm -rf build $(VENV) *.egg-info cython_src/cncore/*.c cncore/*.so

@@ -24,6 +24,14 @@ def _finite(name: str, value: float) -> float:
     return float(value)
 
 
+def _non_negative(obj, *fields: str) -> None:
+    """Each named field of the (optimizer) dataclass must be a finite number >= 0."""
+    for name in fields:
+        value = getattr(obj, name)
+        if not _finite(f"{type(obj).__name__}.{name}", value) >= 0:
+            raise ValueError(f"{type(obj).__name__}.{name} must be >= 0, got {value}")
+
+
 # --- initialisers: a new row's value is a pure function of (seed, key, column) ---------------
 
 @dataclass(frozen=True)
@@ -110,26 +118,15 @@ class SGD:
     initial_state = 0.0
 
     def __post_init__(self):
-        if not _finite("SGD.lr", self.lr) >= 0:
-            raise ValueError(f"SGD.lr must be >= 0, got {self.lr}")
+        _non_negative(self, "lr")
 
 
-@dataclass(frozen=True)
-class Adagrad:
-    """torch.optim.Adagrad (lr_decay=0, weight_decay=0): one state float per value."""
-    lr: float = 0.01
-    eps: float = 1e-10
-    initial_accumulator_value: float = 0.0
-    kind = 2
+class _AdagradFamily:
+    """What Adagrad and its row-wise form share: the checks, and the accumulator's start."""
     betas = (0.0, 0.0)
 
     def __post_init__(self):
-        if not _finite("Adagrad.lr", self.lr) >= 0:
-            raise ValueError(f"Adagrad.lr must be >= 0, got {self.lr}")
-        if not _finite("Adagrad.eps", self.eps) >= 0:
-            raise ValueError(f"Adagrad.eps must be >= 0, got {self.eps}")
-        if not _finite("Adagrad.initial_accumulator_value", self.initial_accumulator_value) >= 0:
-            raise ValueError("Adagrad.initial_accumulator_value must be >= 0")
+        _non_negative(self, "lr", "eps", "initial_accumulator_value")
 
     @property
     def initial_state(self):
@@ -137,26 +134,22 @@ class Adagrad:
 
 
 @dataclass(frozen=True)
-class RowWiseAdagrad:
+class Adagrad(_AdagradFamily):
+    """torch.optim.Adagrad (lr_decay=0, weight_decay=0): one state float per value."""
+    lr: float = 0.01
+    eps: float = 1e-10
+    initial_accumulator_value: float = 0.0
+    kind = 2
+
+
+@dataclass(frozen=True)
+class RowWiseAdagrad(_AdagradFamily):
     """FBGEMM's EXACT_ROWWISE_ADAGRAD: one state float per row,
     s += mean(g^2); w -= lr / (sqrt(s) + eps) * g."""
     lr: float = 0.01
     eps: float = 1e-8
     initial_accumulator_value: float = 0.0
     kind = 3
-    betas = (0.0, 0.0)
-
-    def __post_init__(self):
-        if not _finite("RowWiseAdagrad.lr", self.lr) >= 0:
-            raise ValueError(f"RowWiseAdagrad.lr must be >= 0, got {self.lr}")
-        if not _finite("RowWiseAdagrad.eps", self.eps) >= 0:
-            raise ValueError(f"RowWiseAdagrad.eps must be >= 0, got {self.eps}")
-        if not _finite("RowWiseAdagrad.initial_accumulator_value", self.initial_accumulator_value) >= 0:
-            raise ValueError("RowWiseAdagrad.initial_accumulator_value must be >= 0")
-
-    @property
-    def initial_state(self):
-        return self.initial_accumulator_value
 
 
 @dataclass(frozen=True)
@@ -170,10 +163,7 @@ class Adam:
     initial_state = 0.0
 
     def __post_init__(self):
-        if not _finite("Adam.lr", self.lr) >= 0:
-            raise ValueError(f"Adam.lr must be >= 0, got {self.lr}")
-        if not _finite("Adam.eps", self.eps) >= 0:
-            raise ValueError(f"Adam.eps must be >= 0, got {self.eps}")
+        _non_negative(self, "lr", "eps")
         if len(self.betas) != 2 or not all(0.0 <= _finite("Adam.betas", b) < 1.0 for b in self.betas):
             raise ValueError(f"Adam.betas must be two numbers in [0, 1), got {self.betas!r}")
 

@@ -167,8 +167,9 @@ def main():
               f"{m['ours_sgd']:.1f} | **{m['ours_sgd'] / m['torch_step']:.2f}x** | "
               f"**{m['ours_sgd'] / m['tbe_sgd']:.2f}x** | {m['tbe_rw']:.1f} | {m['ours_rw']:.1f} | "
               f"**{m['ours_rw'] / m['tbe_rw']:.2f}x** |")
-    print("\nThroughputs in M IDs/s (median of the runs); EB = torch.nn.EmbeddingBag; forward is ours in "
-          "training mode (hash lookup, insertion check, access counting included).")
+    print("\nThroughputs in M IDs/s (median of the interleaved runs); EB = torch.nn.EmbeddingBag. Our forward "
+          "is a training lookup (hash lookup and insertion check included); access counts are recorded by "
+          "the backward, inside the step columns.")
 
     if args.table_only:
         return

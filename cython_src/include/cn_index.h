@@ -6,7 +6,7 @@
  * {key, slot}. Occupancy lives in the slot field (slot < 0 means empty), never in the key, so
  * every int64 value, 0, -1, INT64_MIN and INT64_MAX included, is a valid key: no key is reserved.
  *
- * Keys are spread by the 64-bit MurmurHash3 finaliser, whose avalanche makes linear probing
+ * Keys are spread by a 64-bit finaliser (cn_mix.h), whose avalanche makes linear probing
  * behave well even on sequential or strided IDs. Four buckets share a cache line, so a probe
  * sequence at the default load factor (<= 0.7) usually touches one line.
  *
@@ -25,6 +25,7 @@
 #include <stdint.h>
 #include <string.h>
 #include "cn_alloc.h"
+#include "cn_mix.h"
 #include "cn_parallel.h"
 
 typedef struct {
@@ -39,15 +40,7 @@ typedef struct {
     int64_t size;
 } cn_index;
 
-static inline uint64_t cn_hash_key(int64_t key) {
-    uint64_t h = (uint64_t)key;
-    h ^= h >> 33;
-    h *= 0xff51afd7ed558ccdULL;
-    h ^= h >> 33;
-    h *= 0xc4ceb9fe1a85ec53ULL;
-    h ^= h >> 33;
-    return h;
-}
+static inline uint64_t cn_hash_key(int64_t key) { return cn_mix64((uint64_t)key); }
 
 static inline int64_t cn_pow2_at_least(int64_t n) {
     int64_t p = 16;

@@ -11,6 +11,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include "cn_mix.h"
 
 enum { CN_INIT_UNIFORM = 0, CN_INIT_NORMAL = 1, CN_INIT_TRUNCATED_NORMAL = 2, CN_INIT_CONSTANT = 3 };
 
@@ -20,12 +21,6 @@ typedef struct {
     float p0, p1; /* uniform: low, high; normal / truncated: mean, std; constant: value */
     float p2, p3; /* truncated normal: low, high (absolute bounds, as torch.nn.init.trunc_normal_) */
 } cn_init;
-
-static inline uint64_t cn_mix64(uint64_t z) {
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-    return z ^ (z >> 31);
-}
 
 static inline uint64_t cn_row_stream(uint64_t seed, int64_t key) {
     return cn_mix64(cn_mix64((uint64_t)key) ^ (seed * 0x9E3779B97F4A7C15ULL + 0x632BE59BD9B4E019ULL));
