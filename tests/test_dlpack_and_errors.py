@@ -184,3 +184,21 @@ def test_bad_initializer_and_optimizer_arguments():
         cncore.Adam(betas=(0.9, 1.0))
     with pytest.raises(ValueError, match="lr"):
         cncore.SGD(lr=-1.0)
+
+
+def test_readme_recipe_with_a_torchrec_keyed_jagged_tensor():
+    """The README's 'PyTorch and TorchRec users, today' snippet, run for real."""
+    kjt_module = pytest.importorskip("torchrec.sparse.jagged_tensor")
+    kjt = kjt_module.KeyedJaggedTensor.from_lengths_sync(
+        keys=["item"], values=torch.tensor([2**40, 7, 7, -5]), lengths=torch.tensor([3, 0, 1]))
+    store = cncore.EmbeddingStore(dim=4, optimizer=cncore.SGD(lr=0.5), initializer=cncore.Constant(1.0))
+    values, lengths = kjt.values(), kjt.lengths()
+    pooled = torch.empty(len(lengths), 4)
+    _, ctx = store.pooled_lookup(values, lengths=lengths, out=pooled)
+    assert pooled.tolist() == [[3.0] * 4, [0.0] * 4, [1.0] * 4]
+    pooled.requires_grad_()
+    loss = pooled.sum()
+    loss.backward()
+    store.apply_gradients(ctx, pooled.grad)
+    # key 7 appears twice in bag 0: one update with the summed gradient 2 -> 1 - 0.5 * 2 = 0
+    np.testing.assert_array_equal(store.lookup(np.array([2**40, 7, -5])), [[0.5] * 4, [0.0] * 4, [0.5] * 4])
