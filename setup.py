@@ -32,7 +32,10 @@ def _compiler_accepts(flags):
         return subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode == 0
 
 
-compile_args = ["-O3", "-std=gnu11", "-fno-strict-aliasing", "-Wno-unused-function"]
+# -fno-math-errno / -fno-trapping-math: the core reads neither errno nor the FP exception
+# flags; without them sqrtf and the branch-free selects of the initialiser cannot vectorise.
+compile_args = ["-O3", "-std=gnu11", "-fno-strict-aliasing", "-fno-math-errno", "-fno-trapping-math",
+                "-Wno-unused-function"]
 link_args = []
 if os.environ.get("CNCORE_PORTABLE") != "1" and _compiler_accepts(["-march=native"]):
     compile_args.append("-march=native")

@@ -163,3 +163,22 @@ def test_erased_slots_are_reused_without_touching_live_rows():
     np.testing.assert_array_equal(store.lookup(np.arange(500, 1000)), live)
     fresh = cncore.EmbeddingStore(dim=3, seed=2).lookup(np.arange(2000, 2500), insert_missing=True)
     np.testing.assert_array_equal(store.lookup(np.arange(2000, 2500)), fresh)
+
+
+@pytest.mark.parametrize("init,check", [
+    (cncore.Uniform(-0.2, 0.3), lambda v: v.min() >= -0.2 and v.max() < 0.3 and abs(v.mean() - 0.05) < 2e-3
+     and abs(v.std() - 0.5 / np.sqrt(12)) < 2e-3),
+    (cncore.Normal(0.5, 2.0), lambda v: abs(v.mean() - 0.5) < 0.02 and abs(v.std() - 2.0) < 0.02
+     and abs(np.mean(np.abs(v - 0.5) < 2.0) - 0.6827) < 0.005),
+    (cncore.TruncatedNormal(0.0, 1.0, -1.0, 2.0), lambda v: v.min() >= -1.0 and v.max() <= 2.0
+     and abs(v.mean() - 0.2296) < 0.01),
+    (cncore.Constant(0.25), lambda v: (v == 0.25).all()),
+])
+def test_initializers_draw_the_requested_distribution(init, check):
+    store = cncore.EmbeddingStore(dim=32, seed=8, initializer=init)
+    values = store.lookup(np.arange(20_000), insert_missing=True).ravel().astype(np.float64)
+    assert check(values)
+    # columns are not correlated with each other (each column is its own draw)
+    rows = values.reshape(20_000, 32)
+    corr = np.corrcoef(rows[:, 0], rows[:, 1])[0, 1] if not isinstance(init, cncore.Constant) else 0.0
+    assert abs(corr) < 0.05
