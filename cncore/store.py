@@ -78,6 +78,14 @@ def _u32(obj, name: str, n: int) -> Optional[np.ndarray]:
     return np.ascontiguousarray(arr, dtype=np.uint32)
 
 
+def _restore(config, keys, rows, optimizer_state, counts, last_steps, step):
+    store = EmbeddingStore(config)
+    store.reserve(len(keys))
+    store.load(keys, rows, optimizer_state if config.state_floats else None, counts, last_steps)
+    store.step = step
+    return store
+
+
 class EmbeddingStore:
     """A growable embedding table. See the module docstring for the verbs.
 
@@ -145,6 +153,13 @@ class EmbeddingStore:
 
     def __repr__(self) -> str:
         return f"EmbeddingStore(rows={len(self)}, capacity={self.capacity}, config={self._config})"
+
+    def __reduce__(self):
+        """Pickling (copy.deepcopy, torch.save of a model holding a store) carries the config,
+        every row with its optimizer state and metadata, and the step."""
+        batch = self.export()
+        return (_restore, (self._config, batch.keys, batch.rows, batch.optimizer_state, batch.counts,
+                           batch.last_steps, self.step))
 
     # --- key verbs -------------------------------------------------------------------------
 

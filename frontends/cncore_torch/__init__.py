@@ -1,0 +1,12 @@
+"""cncore_torch: the PyTorch front end of cncore (modules, autograd, fused optimizers).
+
+>>> import torch, cncore, cncore_torch
+>>> emb = cncore_torch.CNEmbedding(100, 8, optimizer=cncore.RowWiseAdagrad(lr=0.1))
+>>> emb(torch.tensor([[1, 2**50]])).shape
+torch.Size([1, 2, 8])
+"""
+from cncore_torch import _ops  # registers the cncore:: operators
+from cncore_torch.modules import CNEmbedding, CNEmbeddingBag
+from cncore_torch.optim import FusedOptimizer
+
+__all__ = ["CNEmbeddingBag", "CNEmbedding", "FusedOptimizer"]

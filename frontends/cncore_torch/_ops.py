@@ -1,0 +1,125 @@
+"""The lookup as PyTorch operators: `cncore::pooled_lookup` and its backward
+`cncore::apply_gradients`, registered with `torch.library.custom_op`.
+
+The table is hidden state (a store in the core, addressed by an integer handle), so the ops
+are opaque to `torch.compile` and `torch.fx`: the lookup stays one node and compiles without a
+graph break. The forward takes a zero-size `anchor` parameter of its module; its "gradient" is
+what the backward op returns, so autograd (and AOTAutograd's dead-code elimination) always runs
+the backward, where the rows are updated in place by the core.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Optional
+
+import numpy as np
+import torch
+
+from cncore.grouped import LookupContext
+
+_TABLES: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+_next_handle = [0]
+
+
+def register(table) -> int:
+    """A handle for `table` (an object with `.store`, `.dim`, `._backward_hook(...)`)."""
+    _next_handle[0] += 1
+    _TABLES[_next_handle[0]] = table
+    return _next_handle[0]
+
+
+def table_of(handle: int):
+    table = _TABLES.get(handle)
+    if table is None:
+        raise RuntimeError(f"cncore table handle {handle} is gone (its module was deleted)")
+    return table
+
+
+def _np(t: Optional[torch.Tensor]):
+    return None if t is None else t.detach().numpy()
+
+
+@torch.library.custom_op("cncore::pooled_lookup", mutates_args=())
+def pooled_lookup(anchor: torch.Tensor, handle: int, keys: torch.Tensor, offsets: torch.Tensor,
+                  weights: Optional[torch.Tensor], mode: int, training: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pooled rows (B, dim), plus what the backward needs: slots (N,), argmax (B, dim) for max
+    pooling (else empty), and info = [erase_epoch, step, n_new]."""
+    table = table_of(handle)
+    store = table.store
+    out, ctx = store.pooled_lookup(_np(keys), _np(offsets), mode=("sum", "mean", "max")[mode],
+                                   per_sample_weights=_np(weights), insert_missing=training)
+    argmax = torch.from_numpy(ctx.argmax) if ctx.argmax is not None else torch.empty(0, dtype=torch.int64)
+    info = torch.tensor([ctx.erase_epoch, ctx.step, ctx.n_new], dtype=torch.int64)
+    return torch.from_numpy(out), torch.from_numpy(ctx.slots), argmax, info
+
+
+@pooled_lookup.register_fake
+def _(anchor, handle, keys, offsets, weights, mode, training):
+    dim = table_of(handle).dim
+    n_bags = offsets.shape[0] - 1
+    out = offsets.new_empty((n_bags, dim), dtype=torch.float32)
+    argmax = offsets.new_empty((n_bags, dim) if mode == 2 else (0,), dtype=torch.int64)
+    return out, keys.new_empty(keys.shape, dtype=torch.int64), argmax, offsets.new_empty((3,), dtype=torch.int64)
+
+
+@torch.library.custom_op("cncore::apply_gradients", mutates_args=())
+def apply_gradients(anchor: torch.Tensor, handle: int, grad: torch.Tensor, keys: torch.Tensor,
+                    offsets: torch.Tensor, weights: Optional[torch.Tensor], slots: torch.Tensor,
+                    argmax: torch.Tensor, info: torch.Tensor, mode: int, training: bool,
+                    after: Optional[torch.Tensor]) -> torch.Tensor:
+    """Backward of pooled_lookup: hands the output gradient to the table (fused optimizer update
+    in the core, or the non-fused gradient hook). Returns the anchor's (zero) gradient.
+    `after` is only a data dependency: whatever must read the rows before they change (the
+    per-sample-weight gradient) is passed here, so no compiler can reorder the two."""
+    table = table_of(handle)
+    epoch, step, n_new = (int(v) for v in info.tolist())
+    ctx = LookupContext(table.store, _np(keys), _np(slots), _np(offsets), _np(weights), mode,
+                        _np(argmax) if mode == 2 else None, epoch, slice(0, table.dim), n_new, training, step)
+    table._backward(ctx, np.ascontiguousarray(grad.detach().numpy()))
+    return torch.zeros_like(anchor)
+
+
+@apply_gradients.register_fake
+def _(anchor, handle, grad, keys, offsets, weights, slots, argmax, info, mode, training, after):
+    return torch.empty_like(anchor)
+
+
+def _setup_context(ctx, inputs, output):
+    anchor, handle, keys, offsets, weights, mode, training = inputs
+    _, slots, argmax, info = output
+    ctx.handle, ctx.mode, ctx.training = handle, mode, training
+    ctx.weights_need_grad = weights is not None and weights.requires_grad
+    ctx.save_for_backward(anchor, keys, offsets, weights, slots, argmax, info)
+
+
+def _backward(ctx, grad_out, _grad_slots, _grad_argmax, _grad_info):
+    anchor, keys, offsets, weights, slots, argmax, info = ctx.saved_tensors
+    grad_out = grad_out.contiguous()
+    grad_weights = None
+    if ctx.weights_need_grad:
+        # d out[b] / d w_i = row_i (scaled by 1/len for mean): read the rows before they move.
+        grad_weights = per_sample_weights_grad(ctx.handle, grad_out, keys, offsets, ctx.mode)
+    grad_anchor = apply_gradients(anchor, ctx.handle, grad_out, keys, offsets, weights, slots, argmax, info,
+                                  ctx.mode, ctx.training, grad_weights)
+    return grad_anchor, None, None, None, grad_weights, None, None
+
+
+pooled_lookup.register_autograd(_backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op("cncore::per_sample_weights_grad", mutates_args=())
+def per_sample_weights_grad(handle: int, grad: torch.Tensor, keys: torch.Tensor, offsets: torch.Tensor,
+                            mode: int) -> torch.Tensor:
+    rows = torch.from_numpy(table_of(handle).store.lookup(_np(keys)))
+    lengths = offsets[1:] - offsets[:-1]
+    bag = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    g = (rows * grad[bag]).sum(dim=1)
+    if mode == 1:
+        g = g / lengths[bag].clamp(min=1).to(g.dtype)
+    return g
+
+
+@per_sample_weights_grad.register_fake
+def _(handle, grad, keys, offsets, mode):
+    return grad.new_empty(keys.shape)

@@ -1,0 +1,323 @@
+"""`CNEmbeddingBag` and `CNEmbedding`: drop-in for `torch.nn.EmbeddingBag` / `torch.nn.Embedding`
+whose IDs are any int64 and whose table grows as new IDs arrive.
+
+`num_embeddings` is only a capacity hint. In training mode a lookup inserts unseen IDs (their
+rows drawn deterministically from (seed, ID)); in eval mode unseen IDs read as zero rows and
+nothing is inserted. With `optimizer=` the rows are updated inside backward (fused, as
+TorchRec's fused tables); without it, backward hands (unique IDs, gradient rows) to the hooks
+registered with `register_gradient_hook` and keeps the last ones in `last_gradients`.
+
+>>> import torch, cncore
+>>> from cncore_torch import CNEmbeddingBag
+>>> bag = CNEmbeddingBag(1000, 4, mode="sum", optimizer=cncore.SGD(lr=0.1))
+>>> out = bag(torch.tensor([[2**40, 7], [7, 7]]))     # IDs far beyond num_embeddings
+>>> out.shape, bag.num_rows
+(torch.Size([2, 4]), 2)
+>>> out.sum().backward()                               # rows updated here, in place
+"""
+from __future__ import annotations
+
+from typing import Callable, List, Optional
+
+import numpy as np
+import torch
+from torch import nn
+
+import cncore
+from cncore_torch import _ops
+from cncore_torch.optim import FusedOptimizer
+
+__all__ = ["CNEmbeddingBag", "CNEmbedding"]
+
+_MODES = {"sum": 0, "mean": 1, "max": 2}
+_STATE_FIELDS = ("keys", "rows", "optimizer_state", "counts", "last_steps")
+
+
+def _check_unsupported(max_norm, scale_grad_by_freq, sparse, device, dtype):
+    if max_norm is not None:
+        raise ValueError("max_norm is not supported: rows are renormalised by the optimizer's update, not at "
+                         "lookup (pass max_norm=None)")
+    if scale_grad_by_freq:
+        raise ValueError("scale_grad_by_freq is not supported (pass scale_grad_by_freq=False)")
+    if sparse:
+        raise ValueError("sparse=True is not supported: there is no dense weight to get a sparse gradient; pass "
+                         "optimizer= for fused updates, or leave it None and read gradients from "
+                         "register_gradient_hook / last_gradients")
+    if device is not None and torch.device(device).type != "cpu":
+        raise ValueError(f"device={device!r} is not supported yet: only 'cpu' (meta and cncard are planned)")
+    if dtype is not None and dtype != torch.float32:
+        raise TypeError(f"dtype must be torch.float32 (or None), got {dtype}")
+
+
+class _DynamicTable(nn.Module):
+    """What both modules share: the store, the autograd anchor, optimizer and table methods."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, optimizer, initializer, seed: int,
+                 max_load_factor: float):
+        super().__init__()
+        if not isinstance(num_embeddings, int) or num_embeddings < 0:
+            raise ValueError(f"num_embeddings must be an int >= 0 (a capacity hint), got {num_embeddings!r}")
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.store = cncore.EmbeddingStore(cncore.StoreConfig(
+            dim=embedding_dim, capacity=num_embeddings, seed=seed,
+            initializer=initializer if initializer is not None else cncore.Normal(0.0, 1.0),
+            max_load_factor=max_load_factor, optimizer=optimizer))
+        self.dim = embedding_dim
+        # Zero-size parameter: carries the backward (see _ops) and the fused optimizer's lr.
+        self._anchor = nn.Parameter(torch.empty(0))
+        self._handle = _ops.register(self)
+        self.fused_optimizer = FusedOptimizer(self._anchor, optimizer, lambda: self.store) if optimizer else None
+        self._gradient_hooks: List[Callable] = []
+        self.last_gradients = None
+
+    def __getstate__(self):
+        """Pickling (torch.save of a whole model): the store pickles itself; the operator handle,
+        the optimizer object and the hooks are rebuilt or dropped."""
+        state = self.__dict__.copy()
+        state["_fused_lr"] = self.fused_optimizer.lr if self.fused_optimizer is not None else None
+        for name in ("fused_optimizer", "_handle"):
+            state.pop(name, None)
+        state["_gradient_hooks"] = []
+        return state
+
+    def __setstate__(self, state):
+        lr = state.pop("_fused_lr")
+        super().__setstate__(state)
+        self._handle = _ops.register(self)
+        optimizer = self.store.config.optimizer
+        self.fused_optimizer = FusedOptimizer(self._anchor, optimizer, lambda: self.store) if optimizer else None
+        if self.fused_optimizer is not None:
+            self.fused_optimizer.param_groups[0]["lr"] = lr
+
+    # --- backward ------------------------------------------------------------------------------
+
+    def register_gradient_hook(self, hook: Callable[[torch.Tensor, torch.Tensor], None]):
+        """Call `hook(unique_ids, grads)` in every backward (non-fused tables)."""
+        if self.fused_optimizer is not None:
+            raise RuntimeError("this table has a fused optimizer; gradients never leave the core")
+        self._gradient_hooks.append(hook)
+        return hook
+
+    def _backward(self, ctx, grad: np.ndarray) -> None:
+        if self.fused_optimizer is not None:
+            self.store.apply_gradients(ctx, grad, lr=self.fused_optimizer.lr)
+            return
+        ids, grads = self.store.accumulate_gradients(ctx, grad)
+        self.last_gradients = (torch.from_numpy(ids), torch.from_numpy(grads))
+        for hook in self._gradient_hooks:
+            hook(*self.last_gradients)
+
+    # --- the dynamic table ------------------------------------------------------------------------
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.store)
+
+    @property
+    def capacity(self) -> int:
+        return self.store.capacity
+
+    def keys(self) -> torch.Tensor:
+        """Every ID in the table (int64, in no particular order)."""
+        return torch.from_numpy(self.store.export().keys)
+
+    def export(self) -> dict:
+        """keys, rows, optimizer_state, counts and last_steps, as tensors."""
+        batch = self.store.export()
+        return {name: torch.from_numpy(np.asarray(getattr(batch, name), dtype=np.int64)
+                                       if name in ("counts", "last_steps") else getattr(batch, name))
+                for name in _STATE_FIELDS}
+
+    def insert(self, ids, rows) -> torch.Tensor:
+        """Write rows for IDs, inserting the absent ones; returns which were present."""
+        with torch.no_grad():
+            return torch.from_numpy(self.store.insert_or_assign(ids, torch.as_tensor(rows).detach()).copy())
+
+    def assign(self, ids, rows) -> torch.Tensor:
+        """Write rows for IDs that are present; returns which were."""
+        with torch.no_grad():
+            return torch.from_numpy(self.store.assign(ids, torch.as_tensor(rows).detach()).copy())
+
+    def reserve(self, n_rows: int) -> None:
+        self.store.reserve(n_rows)
+
+    # --- state ----------------------------------------------------------------------------------
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        for name, value in self.export().items():
+            destination[prefix + name] = value
+        destination[prefix + "step"] = torch.tensor(self.store.step, dtype=torch.int64)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        ours = {name: state_dict.get(prefix + name) for name in _STATE_FIELDS + ("step",)}
+        missing = [prefix + name for name, value in ours.items() if value is None]
+        if missing:
+            missing_keys.extend(missing)
+        else:
+            rows = ours["rows"]
+            if rows.dim() != 2 or rows.shape[1] != self.embedding_dim:
+                error_msgs.append(f"{prefix}rows: expected shape (N, {self.embedding_dim}), got {tuple(rows.shape)}")
+            else:
+                self.store.clear()
+                state = ours["optimizer_state"]
+                self.store.load(ours["keys"].numpy(), rows.numpy(),
+                                state.numpy() if state.numel() else None,
+                                ours["counts"].numpy(), ours["last_steps"].numpy())
+                self.store.step = int(ours["step"])
+        filtered = {k: v for k, v in state_dict.items() if k[len(prefix):] not in ours}
+        super()._load_from_state_dict(filtered, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, rows={self.num_rows}"
+
+
+def _as_ids(input, name="input") -> torch.Tensor:
+    if not isinstance(input, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of IDs, got {type(input).__name__}")
+    if input.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"{name} must hold int64 or int32 IDs, got {input.dtype}")
+    if input.device.type != "cpu":
+        raise ValueError(f"{name} is on {input.device}, this table is on cpu")
+    return input
+
+
+class CNEmbeddingBag(_DynamicTable):
+    """`torch.nn.EmbeddingBag` over a growable table (see the module docstring).
+
+    Same constructor and forward; the extra keywords are `optimizer` (a cncore optimizer config:
+    fused updates in backward), `initializer` (default N(0, 1), as nn.EmbeddingBag), `seed` and
+    `max_load_factor`. `max_norm`, `scale_grad_by_freq` and `sparse=True` are refused. Per-sample
+    weights work with "sum" and also "mean" (weighted sum / bag length).
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, max_norm: Optional[float] = None,
+                 norm_type: float = 2.0, scale_grad_by_freq: bool = False, mode: str = "mean", sparse: bool = False,
+                 _weight: Optional[torch.Tensor] = None, include_last_offset: bool = False,
+                 padding_idx: Optional[int] = None, device=None, dtype=None, *, optimizer=None, initializer=None,
+                 seed: int = 0, max_load_factor: float = 0.7):
+        _check_unsupported(max_norm, scale_grad_by_freq, sparse, device, dtype)
+        if mode not in _MODES:
+            raise ValueError(f"mode must be 'sum', 'mean' or 'max', got {mode!r}")
+        super().__init__(num_embeddings, embedding_dim, optimizer, initializer, seed, max_load_factor)
+        self.mode = mode
+        self.include_last_offset = include_last_offset
+        self.padding_idx = padding_idx
+        if _weight is not None:
+            _load_dense(self, _weight)
+
+    @classmethod
+    def from_pretrained(cls, embeddings: torch.Tensor, freeze: bool = True, **kwargs) -> "CNEmbeddingBag":
+        """Rows 0..N-1 from a dense (N, dim) matrix (as nn.EmbeddingBag.from_pretrained); with
+        freeze (the default) the module stays in eval mode: no insertions."""
+        module = cls(embeddings.shape[0], embeddings.shape[1], _weight=embeddings, **kwargs)
+        if freeze:
+            module.eval()
+        return module
+
+    def forward(self, input: torch.Tensor, offsets: Optional[torch.Tensor] = None,
+                per_sample_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return embedding_bag_lookup(self._anchor, self._handle, input, offsets, per_sample_weights, self.mode,
+                                    self.include_last_offset, self.padding_idx, self.training)
+
+
+class CNEmbedding(_DynamicTable):
+    """`torch.nn.Embedding` over a growable table: any input shape, output input.shape + (dim,).
+    Positions holding `padding_idx` read as zeros and take no gradient."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: Optional[int] = None,
+                 max_norm: Optional[float] = None, norm_type: float = 2.0, scale_grad_by_freq: bool = False,
+                 sparse: bool = False, _weight: Optional[torch.Tensor] = None, _freeze: bool = False, device=None,
+                 dtype=None, *, optimizer=None, initializer=None, seed: int = 0, max_load_factor: float = 0.7):
+        _check_unsupported(max_norm, scale_grad_by_freq, sparse, device, dtype)
+        super().__init__(num_embeddings, embedding_dim, optimizer, initializer, seed, max_load_factor)
+        self.padding_idx = padding_idx
+        if _weight is not None:
+            _load_dense(self, _weight)
+        if _freeze:
+            self.eval()
+
+    @classmethod
+    def from_pretrained(cls, embeddings: torch.Tensor, freeze: bool = True, **kwargs) -> "CNEmbedding":
+        return cls(embeddings.shape[0], embeddings.shape[1], _weight=embeddings, _freeze=freeze, **kwargs)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return embedding_lookup(self._anchor, self._handle, input, self.embedding_dim, self.padding_idx,
+                                self.training)
+
+
+@torch.fx.wrap
+def embedding_bag_lookup(anchor: torch.Tensor, handle: int, input: torch.Tensor, offsets: Optional[torch.Tensor],
+                         per_sample_weights: Optional[torch.Tensor], mode: str, include_last_offset: bool,
+                         padding_idx: Optional[int], training: bool) -> torch.Tensor:
+    """CNEmbeddingBag's forward: nn.EmbeddingBag's input conventions turned into (keys, B+1
+    offsets, weights) for the core. One node under torch.fx (`torch.fx.wrap`)."""
+    input = _as_ids(input)
+    if per_sample_weights is not None:
+        if mode == "max":
+            raise ValueError("per_sample_weights work with mode='sum' or 'mean', not 'max'")
+        if per_sample_weights.shape != input.shape:
+            raise ValueError(f"per_sample_weights must have the shape of input {tuple(input.shape)}, got "
+                             f"{tuple(per_sample_weights.shape)}")
+    if input.dim() == 2:
+        if offsets is not None:
+            raise ValueError("offsets must be None when input is 2-D (each row is a bag)")
+        n_bags, length = input.shape
+        offsets = torch.arange(n_bags + 1, dtype=torch.int64) * length
+        keys = input.reshape(-1)
+        weights = None if per_sample_weights is None else per_sample_weights.reshape(-1)
+    elif input.dim() == 1:
+        if offsets is None:
+            raise ValueError("offsets is required when input is 1-D")
+        offsets = _as_ids(offsets, "offsets")
+        if offsets.dim() != 1:
+            raise ValueError(f"offsets must be 1-D, got shape {tuple(offsets.shape)}")
+        keys, weights = input, per_sample_weights
+        if not include_last_offset:
+            offsets = torch.cat([offsets.to(torch.int64), torch.tensor([keys.numel()], dtype=torch.int64)])
+    else:
+        raise ValueError(f"input must be 1-D (with offsets) or 2-D, got shape {tuple(input.shape)}")
+    keys = keys.to(torch.int64).contiguous()
+    offsets = offsets.to(torch.int64).contiguous()
+    if weights is not None:
+        weights = weights.to(torch.float32).contiguous()
+    if padding_idx is not None:
+        keys, offsets, weights = _drop_padding(keys, offsets, weights, padding_idx)
+    out, _slots, _argmax, _info = torch.ops.cncore.pooled_lookup(anchor, handle, keys, offsets, weights,
+                                                                 _MODES[mode], training)
+    return out
+
+
+@torch.fx.wrap
+def embedding_lookup(anchor: torch.Tensor, handle: int, input: torch.Tensor, dim: int, padding_idx: Optional[int],
+                     training: bool) -> torch.Tensor:
+    """CNEmbedding's forward: each ID its own bag of one. One node under torch.fx."""
+    input = _as_ids(input)
+    keys = input.reshape(-1).to(torch.int64).contiguous()
+    offsets = torch.arange(keys.numel() + 1, dtype=torch.int64)
+    if padding_idx is not None:
+        keys, offsets, _ = _drop_padding(keys, offsets, None, padding_idx)
+    out, _slots, _argmax, _info = torch.ops.cncore.pooled_lookup(anchor, handle, keys, offsets, None,
+                                                                 _MODES["sum"], training)
+    return out.reshape(*input.shape, dim)
+
+
+def _drop_padding(keys, offsets, weights, padding_idx):
+    """Remove the padding ID from the bags (it neither adds to a bag nor counts in its mean)."""
+    keep = keys != padding_idx
+    if bool(keep.all()):
+        return keys, offsets, weights
+    lengths = offsets[1:] - offsets[:-1]
+    bag = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    kept = torch.bincount(bag[keep], minlength=len(lengths))
+    new_offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(kept, 0)])
+    return keys[keep], new_offsets, None if weights is None else weights[keep]
+
+
+def _load_dense(module: _DynamicTable, weight: torch.Tensor) -> None:
+    if weight.dim() != 2 or weight.shape[1] != module.embedding_dim:
+        raise ValueError(f"_weight must be (num_embeddings, {module.embedding_dim}), got {tuple(weight.shape)}")
+    module.insert(torch.arange(weight.shape[0]), weight.detach().to(torch.float32).contiguous())

@@ -1,0 +1,52 @@
+"""`FusedOptimizer`: the optimizer a table applies inside its backward, seen from PyTorch.
+
+It is a real `torch.optim.Optimizer` over the module's zero-size anchor parameter, so learning
+rate schedulers (`torch.optim.lr_scheduler.*`) drive it through `param_groups`; `step()` and
+`zero_grad()` do nothing (the update already happened in backward, as in TorchRec's fused
+tables). `state_dict()` carries the learning rate and the table's step.
+
+>>> import torch
+>>> from cncore_torch import CNEmbeddingBag
+>>> import cncore
+>>> bag = CNEmbeddingBag(10, 4, optimizer=cncore.SGD(lr=0.1))
+>>> sched = torch.optim.lr_scheduler.StepLR(bag.fused_optimizer, step_size=1, gamma=0.5)
+>>> bag.fused_optimizer.step(); sched.step(); bag.fused_optimizer.param_groups[0]["lr"]
+0.05
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["FusedOptimizer"]
+
+
+class FusedOptimizer(torch.optim.Optimizer):
+    def __init__(self, anchor: torch.nn.Parameter, config, store_ref):
+        self._config = config
+        self._store_ref = store_ref  # a callable returning the store (or None before materialisation)
+        super().__init__([anchor], {"lr": config.lr})
+
+    @property
+    def lr(self) -> float:
+        return float(self.param_groups[0]["lr"])
+
+    def step(self, closure=None):
+        """Nothing to do: the rows were updated in backward. Runs `closure` if given."""
+        return closure() if closure is not None else None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Nothing to do: a fused table keeps no gradient."""
+
+    def state_dict(self):
+        store = self._store_ref()
+        return {"lr": self.lr, "step": store.step if store is not None else 0,
+                "optimizer": type(self._config).__name__}
+
+    def load_state_dict(self, state_dict) -> None:
+        if state_dict.get("optimizer") != type(self._config).__name__:
+            raise ValueError(f"state_dict is for {state_dict.get('optimizer')!r}, this table uses "
+                             f"{type(self._config).__name__!r}")
+        self.param_groups[0]["lr"] = float(state_dict["lr"])
+        store = self._store_ref()
+        if store is not None:
+            store.step = int(state_dict["step"])
