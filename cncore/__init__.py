@@ -14,13 +14,13 @@ from cncore import _core
 from cncore.config import (SGD, Adagrad, Adam, Constant, Normal, RowWiseAdagrad, StoreConfig, TruncatedNormal,
                            Uniform)
 from cncore.grouped import LookupContext, grouped_apply_gradients, grouped_pooled_lookup
-from cncore.store import EmbeddingStore, TableBatch
+from cncore.store import EmbeddingStore, TableBatch, initial_rows
 from cncore.threads import get_num_threads, has_openmp, set_num_threads, traced_bytes
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "EmbeddingStore", "StoreConfig", "TableBatch", "LookupContext",
+    "EmbeddingStore", "StoreConfig", "TableBatch", "LookupContext", "initial_rows",
     "Uniform", "Normal", "TruncatedNormal", "Constant",
     "SGD", "Adagrad", "RowWiseAdagrad", "Adam",
     "grouped_pooled_lookup", "grouped_apply_gradients",

@@ -45,7 +45,24 @@ from cncore import _core
 from cncore._interchange import as_float_rows, as_floats, as_keys, as_offsets, to_numpy
 from cncore.config import StoreConfig
 
-__all__ = ["EmbeddingStore", "TableBatch"]
+__all__ = ["EmbeddingStore", "TableBatch", "initial_rows"]
+
+
+def initial_rows(config: StoreConfig, keys) -> np.ndarray:
+    """The rows a store with `config` gives `keys` when it inserts them, without a store: for
+    front ends that keep rows elsewhere (accelerator memory) and the core's index only.
+
+    >>> import numpy as np
+    >>> from cncore import EmbeddingStore, StoreConfig, initial_rows
+    >>> cfg = StoreConfig(dim=3, seed=5)
+    >>> bool((initial_rows(cfg, np.array([9])) == EmbeddingStore(cfg).lookup(np.array([9]), insert_missing=True)).all())
+    True
+    """
+    keys = as_keys(keys)
+    out = np.empty((len(keys), config.dim), dtype=np.float32)
+    if len(keys):
+        _core.init_rows(config.initializer.kind, config.seed, *config.initializer.params(), keys, out)
+    return out
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,8 @@ from libc.stdlib cimport malloc, free
 from cncore._typedefs cimport key_t, slot_t, offset_t, weight_t, count_t
 from cncore._ctable cimport *
 
+from cython.parallel cimport prange
+
 import numpy as np
 
 
@@ -28,6 +30,23 @@ def max_threads():
 
 def has_openmp():
     return bool(cn_has_openmp())
+
+
+def init_rows(int init_kind, uint64_t seed, float p0, float p1, float p2, float p3, const key_t[::1] keys,
+              weight_t[:, ::1] out):
+    """The initial rows of keys (what a store inserts for them), without storing anything."""
+    cdef cn_init init
+    cdef int64_t n = keys.shape[0], dim = out.shape[1], i
+    init.kind = init_kind
+    init.seed = seed
+    init.p0 = p0
+    init.p1 = p1
+    init.p2 = p2
+    init.p3 = p3
+    cdef int nthreads = cn_threads_for(n * dim // 16)
+    with nogil:
+        for i in prange(n, num_threads=nthreads, schedule="static"):
+            cn_init_row(&init, keys[i], &out[i, 0], dim)
 
 
 cdef inline void _rdlock(Table t) noexcept nogil:

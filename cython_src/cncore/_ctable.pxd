@@ -17,6 +17,7 @@ cdef extern from "cn_init.h" nogil:
         int kind
         uint64_t seed
         float p0, p1, p2, p3
+    void cn_init_row(const cn_init *init, int64_t key, weight_t *row, int64_t dim)
 
 cdef extern from "cn_optim.h" nogil:
     ctypedef struct cn_optim:

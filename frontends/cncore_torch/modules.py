@@ -25,15 +25,19 @@ from torch import nn
 
 import cncore
 from cncore_torch import _ops
+from cncore_torch.device_rows import DeviceRows
+from cncore_torch.devices import Placement, resolve_device
 from cncore_torch.optim import FusedOptimizer
 
 __all__ = ["CNEmbeddingBag", "CNEmbedding"]
 
 _MODES = {"sum": 0, "mean": 1, "max": 2}
 _STATE_FIELDS = ("keys", "rows", "optimizer_state", "counts", "last_steps")
+_MAX_INITIAL_ROWS = 1 << 20
 
 
 def _check_unsupported(max_norm, scale_grad_by_freq, sparse, device, dtype):
+    """Options that make no sense for a hash table are refused here, never silently ignored."""
     if max_norm is not None:
         raise ValueError("max_norm is not supported: rows are renormalised by the optimizer's update, not at "
                          "lookup (pass max_norm=None)")
@@ -43,8 +47,6 @@ def _check_unsupported(max_norm, scale_grad_by_freq, sparse, device, dtype):
         raise ValueError("sparse=True is not supported: there is no dense weight to get a sparse gradient; pass "
                          "optimizer= for fused updates, or leave it None and read gradients from "
                          "register_gradient_hook / last_gradients")
-    if device is not None and torch.device(device).type != "cpu":
-        raise ValueError(f"device={device!r} is not supported yet: only 'cpu' (meta and cncard are planned)")
     if dtype is not None and dtype != torch.float32:
         raise TypeError(f"dtype must be torch.float32 (or None), got {dtype}")
 
@@ -53,23 +55,78 @@ class _DynamicTable(nn.Module):
     """What both modules share: the store, the autograd anchor, optimizer and table methods."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, optimizer, initializer, seed: int,
-                 max_load_factor: float):
+                 max_load_factor: float, device=None):
         super().__init__()
         if not isinstance(num_embeddings, int) or num_embeddings < 0:
             raise ValueError(f"num_embeddings must be an int >= 0 (a capacity hint), got {num_embeddings!r}")
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
-        self.store = cncore.EmbeddingStore(cncore.StoreConfig(
-            dim=embedding_dim, capacity=num_embeddings, seed=seed,
-            initializer=initializer if initializer is not None else cncore.Normal(0.0, 1.0),
-            max_load_factor=max_load_factor, optimizer=optimizer))
         self.dim = embedding_dim
+        # num_embeddings is a hint: TorchRec configs often name the whole ID space (billions), so
+        # at most 2^20 rows are allocated up front and the table grows from there.
+        self.config = cncore.StoreConfig(
+            dim=embedding_dim, capacity=min(num_embeddings, _MAX_INITIAL_ROWS), seed=seed,
+            initializer=initializer if initializer is not None else cncore.Normal(0.0, 1.0),
+            max_load_factor=max_load_factor, optimizer=optimizer)
+        self.placement = resolve_device(device)
+        self.store, self.device_rows = None, None  # rows in the core, or on the accelerator
+        self._make_storage()
         # Zero-size parameter: carries the backward (see _ops) and the fused optimizer's lr.
-        self._anchor = nn.Parameter(torch.empty(0))
+        self._anchor = nn.Parameter(torch.empty(0, device=self.placement.device))
         self._handle = _ops.register(self)
-        self.fused_optimizer = FusedOptimizer(self._anchor, optimizer, lambda: self.store) if optimizer else None
+        self.fused_optimizer = FusedOptimizer(self._anchor, optimizer, lambda: self._stepper()) if optimizer else None
         self._gradient_hooks: List[Callable] = []
         self.last_gradients = None
+
+    # --- placement --------------------------------------------------------------------------------
+
+    def _make_storage(self) -> None:
+        kind = self.placement.kind
+        self.store = cncore.EmbeddingStore(self.config) if kind == "core" else None
+        self.device_rows = DeviceRows(self.config, self.placement.device) if kind == "device" else None
+
+    def _stepper(self):
+        """What carries the optimizer step: the store or the device rows (None on meta)."""
+        return self.store if self.store is not None else self.device_rows
+
+    def _require_storage(self):
+        if self.placement.kind == "meta":
+            raise RuntimeError("this table is on the meta device and holds no rows; materialise it with "
+                               "to_empty(device='cpu') or move_to('cncard')")
+
+    def move_to(self, device) -> "_DynamicTable":
+        """Move every row, its optimizer state and metadata to `device` ('cpu': the core;
+        'cncard' or an accelerator device: device tensors; 'meta': drop the rows)."""
+        target = resolve_device(device)
+        if target == self.placement:
+            return self
+        rows = self.export() if self.placement.kind != "meta" else None
+        step = self._stepper().step if self._stepper() is not None else 0
+        self.placement = target
+        self._make_storage()
+        if rows is not None and target.kind != "meta":
+            self._load_rows(rows)
+            self._stepper().step = step
+        with torch.no_grad():
+            self._anchor.data = torch.empty(0, device=target.device)
+        return self
+
+    def _apply(self, fn, recurse=True):
+        """`.to()`, `.cuda()`, `.to_empty()` and friends: follow the anchor to its new device."""
+        before = self._anchor.device
+        result = super()._apply(fn, recurse)
+        after = self._anchor.device
+        if after != before:
+            if self.placement.kind == "meta":  # to_empty(): an empty table, no rows to carry
+                self.placement = resolve_device(after)
+                self._make_storage()
+            else:
+                anchor = self._anchor
+                self.move_to(after)
+                self._anchor = anchor
+        if self.fused_optimizer is not None:
+            self.fused_optimizer.param_groups[0]["params"] = [self._anchor]
+        return result
 
     def __getstate__(self):
         """Pickling (torch.save of a whole model): the store pickles itself; the operator handle,
@@ -85,8 +142,8 @@ class _DynamicTable(nn.Module):
         lr = state.pop("_fused_lr")
         super().__setstate__(state)
         self._handle = _ops.register(self)
-        optimizer = self.store.config.optimizer
-        self.fused_optimizer = FusedOptimizer(self._anchor, optimizer, lambda: self.store) if optimizer else None
+        optimizer = self.config.optimizer
+        self.fused_optimizer = FusedOptimizer(self._anchor, optimizer, lambda: self._stepper()) if optimizer else None
         if self.fused_optimizer is not None:
             self.fused_optimizer.param_groups[0]["lr"] = lr
 
@@ -112,43 +169,76 @@ class _DynamicTable(nn.Module):
 
     @property
     def num_rows(self) -> int:
-        return len(self.store)
+        self._require_storage()
+        return len(self._stepper())
 
     @property
     def capacity(self) -> int:
-        return self.store.capacity
+        self._require_storage()
+        return (self.store if self.store is not None else self.device_rows.index).capacity
 
     def keys(self) -> torch.Tensor:
         """Every ID in the table (int64, in no particular order)."""
-        return torch.from_numpy(self.store.export().keys)
+        return self.export()["keys"]
 
     def export(self) -> dict:
-        """keys, rows, optimizer_state, counts and last_steps, as tensors."""
+        """keys, rows, optimizer_state, counts and last_steps, as CPU tensors."""
+        self._require_storage()
+        if self.device_rows is not None:
+            return self.device_rows.export()
         batch = self.store.export()
         return {name: torch.from_numpy(np.asarray(getattr(batch, name), dtype=np.int64)
                                        if name in ("counts", "last_steps") else getattr(batch, name))
                 for name in _STATE_FIELDS}
 
+    def _load_rows(self, state: dict) -> None:
+        self._require_storage()
+        keys, rows = state["keys"].cpu().numpy(), state["rows"].detach().cpu().contiguous()
+        opt_state = state["optimizer_state"].detach().cpu().contiguous()
+        counts, last_steps = state["counts"].cpu().numpy(), state["last_steps"].cpu().numpy()
+        if self.device_rows is not None:
+            self.device_rows.clear()
+            self.device_rows.load(keys, rows, opt_state if opt_state.numel() else None, counts, last_steps)
+        else:
+            self.store.clear()
+            self.store.load(keys, rows.numpy(), opt_state.numpy() if opt_state.numel() else None, counts, last_steps)
+
     def insert(self, ids, rows) -> torch.Tensor:
         """Write rows for IDs, inserting the absent ones; returns which were present."""
-        with torch.no_grad():
-            return torch.from_numpy(self.store.insert_or_assign(ids, torch.as_tensor(rows).detach()).copy())
+        return self._write(ids, rows, insert=True)
 
     def assign(self, ids, rows) -> torch.Tensor:
         """Write rows for IDs that are present; returns which were."""
-        with torch.no_grad():
-            return torch.from_numpy(self.store.assign(ids, torch.as_tensor(rows).detach()).copy())
+        return self._write(ids, rows, insert=False)
+
+    def _write(self, ids, rows, insert: bool) -> torch.Tensor:
+        self._require_storage()
+        rows = torch.as_tensor(rows).detach().cpu().contiguous()
+        if self.store is not None:
+            verb = self.store.insert_or_assign if insert else self.store.assign
+            return torch.from_numpy(verb(ids, rows).copy())
+        host = torch.as_tensor(ids).cpu().numpy().astype(np.int64)
+        found = torch.from_numpy(self.device_rows.index.contains(host))
+        take = slice(None) if insert else found.numpy()
+        if rows.shape != (len(host), self.dim):
+            raise ValueError(f"rows: expected shape ({len(host)}, {self.dim}), got {tuple(rows.shape)}")
+        at = self.device_rows.resolve(torch.from_numpy(host[take]), training=True)
+        self.device_rows.rows[at] = rows[take].to(self.device_rows.device)
+        return found
 
     def reserve(self, n_rows: int) -> None:
-        self.store.reserve(n_rows)
+        self._require_storage()
+        (self.store if self.store is not None else self.device_rows.index).reserve(n_rows)
 
     # --- state ----------------------------------------------------------------------------------
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.placement.kind == "meta":
+            return
         for name, value in self.export().items():
             destination[prefix + name] = value
-        destination[prefix + "step"] = torch.tensor(self.store.step, dtype=torch.int64)
+        destination[prefix + "step"] = torch.tensor(self._stepper().step, dtype=torch.int64)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
@@ -161,12 +251,8 @@ class _DynamicTable(nn.Module):
             if rows.dim() != 2 or rows.shape[1] != self.embedding_dim:
                 error_msgs.append(f"{prefix}rows: expected shape (N, {self.embedding_dim}), got {tuple(rows.shape)}")
             else:
-                self.store.clear()
-                state = ours["optimizer_state"]
-                self.store.load(ours["keys"].numpy(), rows.numpy(),
-                                state.numpy() if state.numel() else None,
-                                ours["counts"].numpy(), ours["last_steps"].numpy())
-                self.store.step = int(ours["step"])
+                self._load_rows(ours)
+                self._stepper().step = int(ours["step"])
         filtered = {k: v for k, v in state_dict.items() if k[len(prefix):] not in ours}
         super()._load_from_state_dict(filtered, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
@@ -180,8 +266,6 @@ def _as_ids(input, name="input") -> torch.Tensor:
         raise TypeError(f"{name} must be a torch.Tensor of IDs, got {type(input).__name__}")
     if input.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"{name} must hold int64 or int32 IDs, got {input.dtype}")
-    if input.device.type != "cpu":
-        raise ValueError(f"{name} is on {input.device}, this table is on cpu")
     return input
 
 
@@ -202,7 +286,7 @@ class CNEmbeddingBag(_DynamicTable):
         _check_unsupported(max_norm, scale_grad_by_freq, sparse, device, dtype)
         if mode not in _MODES:
             raise ValueError(f"mode must be 'sum', 'mean' or 'max', got {mode!r}")
-        super().__init__(num_embeddings, embedding_dim, optimizer, initializer, seed, max_load_factor)
+        super().__init__(num_embeddings, embedding_dim, optimizer, initializer, seed, max_load_factor, device)
         self.mode = mode
         self.include_last_offset = include_last_offset
         self.padding_idx = padding_idx
@@ -220,8 +304,9 @@ class CNEmbeddingBag(_DynamicTable):
 
     def forward(self, input: torch.Tensor, offsets: Optional[torch.Tensor] = None,
                 per_sample_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return embedding_bag_lookup(self._anchor, self._handle, input, offsets, per_sample_weights, self.mode,
-                                    self.include_last_offset, self.padding_idx, self.training)
+        return embedding_bag_lookup(self._anchor, self._handle, self.placement.kind, self.embedding_dim, input,
+                                    offsets, per_sample_weights, self.mode, self.include_last_offset,
+                                    self.padding_idx, self.training)
 
 
 class CNEmbedding(_DynamicTable):
@@ -233,7 +318,7 @@ class CNEmbedding(_DynamicTable):
                  sparse: bool = False, _weight: Optional[torch.Tensor] = None, _freeze: bool = False, device=None,
                  dtype=None, *, optimizer=None, initializer=None, seed: int = 0, max_load_factor: float = 0.7):
         _check_unsupported(max_norm, scale_grad_by_freq, sparse, device, dtype)
-        super().__init__(num_embeddings, embedding_dim, optimizer, initializer, seed, max_load_factor)
+        super().__init__(num_embeddings, embedding_dim, optimizer, initializer, seed, max_load_factor, device)
         self.padding_idx = padding_idx
         if _weight is not None:
             _load_dense(self, _weight)
@@ -245,17 +330,18 @@ class CNEmbedding(_DynamicTable):
         return cls(embeddings.shape[0], embeddings.shape[1], _weight=embeddings, _freeze=freeze, **kwargs)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return embedding_lookup(self._anchor, self._handle, input, self.embedding_dim, self.padding_idx,
-                                self.training)
+        return embedding_lookup(self._anchor, self._handle, self.placement.kind, self.embedding_dim, input,
+                                self.padding_idx, self.training)
 
 
 @torch.fx.wrap
-def embedding_bag_lookup(anchor: torch.Tensor, handle: int, input: torch.Tensor, offsets: Optional[torch.Tensor],
-                         per_sample_weights: Optional[torch.Tensor], mode: str, include_last_offset: bool,
-                         padding_idx: Optional[int], training: bool) -> torch.Tensor:
+def embedding_bag_lookup(anchor: torch.Tensor, handle: int, placement: str, dim: int, input: torch.Tensor,
+                         offsets: Optional[torch.Tensor], per_sample_weights: Optional[torch.Tensor], mode: str,
+                         include_last_offset: bool, padding_idx: Optional[int], training: bool) -> torch.Tensor:
     """CNEmbeddingBag's forward: nn.EmbeddingBag's input conventions turned into (keys, B+1
     offsets, weights) for the core. One node under torch.fx (`torch.fx.wrap`)."""
     input = _as_ids(input)
+    _check_device(placement, input=input, offsets=offsets, per_sample_weights=per_sample_weights)
     if per_sample_weights is not None:
         if mode == "max":
             raise ValueError("per_sample_weights work with mode='sum' or 'mean', not 'max'")
@@ -286,23 +372,76 @@ def embedding_bag_lookup(anchor: torch.Tensor, handle: int, input: torch.Tensor,
         weights = weights.to(torch.float32).contiguous()
     if padding_idx is not None:
         keys, offsets, weights = _drop_padding(keys, offsets, weights, padding_idx)
-    out, _slots, _argmax, _info = torch.ops.cncore.pooled_lookup(anchor, handle, keys, offsets, weights,
-                                                                 _MODES[mode], training)
-    return out
+    return _lookup(anchor, handle, placement, dim, keys, offsets, weights, _MODES[mode], training)
 
 
 @torch.fx.wrap
-def embedding_lookup(anchor: torch.Tensor, handle: int, input: torch.Tensor, dim: int, padding_idx: Optional[int],
-                     training: bool) -> torch.Tensor:
+def embedding_lookup(anchor: torch.Tensor, handle: int, placement: str, dim: int, input: torch.Tensor,
+                     padding_idx: Optional[int], training: bool) -> torch.Tensor:
     """CNEmbedding's forward: each ID its own bag of one. One node under torch.fx."""
     input = _as_ids(input)
+    _check_device(placement, input=input)
     keys = input.reshape(-1).to(torch.int64).contiguous()
     offsets = torch.arange(keys.numel() + 1, dtype=torch.int64)
     if padding_idx is not None:
         keys, offsets, _ = _drop_padding(keys, offsets, None, padding_idx)
-    out, _slots, _argmax, _info = torch.ops.cncore.pooled_lookup(anchor, handle, keys, offsets, None,
-                                                                 _MODES["sum"], training)
+    out = _lookup(anchor, handle, placement, dim, keys, offsets, None, _MODES["sum"], training)
     return out.reshape(*input.shape, dim)
+
+
+def _check_device(placement: str, **tensors) -> None:
+    if placement != "core":
+        return  # device rows take their inputs from anywhere; meta does shape inference only
+    for name, t in tensors.items():
+        if t is not None and t.device.type != "cpu":
+            raise ValueError(f"{name} is on {t.device}, but this table's rows are in the core (cpu): move "
+                             f"{name} to the CPU, or the table with move_to('cncard')")
+
+
+def _lookup(anchor, handle, placement, dim, keys, offsets, weights, mode, training):
+    if placement == "core":
+        return torch.ops.cncore.pooled_lookup(anchor, handle, keys, offsets, weights, mode, training)[0]
+    if placement == "meta":  # shape inference only
+        return torch.empty((offsets.shape[0] - 1, dim), device="meta")
+    return _device_lookup(anchor, handle, keys, offsets, weights, mode, training)
+
+
+@torch.compiler.disable  # the accelerator path: a clean graph break around PyTorch ops on device rows
+def _device_lookup(anchor, handle, keys, offsets, weights, mode, training):
+    return _DeviceLookup.apply(anchor, _ops.table_of(handle), keys, offsets, weights, mode, training)
+
+
+class _DeviceLookup(torch.autograd.Function):
+    """Lookup on device rows: the core resolves keys to rows, PyTorch pools; backward applies
+    the fused optimizer with PyTorch ops (or hands gradients to the hooks)."""
+
+    @staticmethod
+    def forward(ctx, anchor, table, keys, offsets, weights, mode, training):
+        rows = table.device_rows
+        rows_idx = rows.resolve(keys, training)
+        offsets = offsets.to(rows.device)
+        weights = None if weights is None else weights.to(rows.device)
+        ctx.table, ctx.mode, ctx.training, ctx.step = table, mode, training, rows.step
+        ctx.save_for_backward(anchor, rows_idx, offsets, weights)
+        with torch.no_grad():
+            return rows.pool(rows_idx, offsets, weights, mode)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        anchor, rows_idx, offsets, weights = ctx.saved_tensors
+        table, rows = ctx.table, ctx.table.device_rows
+        idx, grads, occurrences, grad_weights = rows.gradients(rows_idx, offsets, weights, ctx.mode,
+                                                               grad_out.contiguous())
+        if ctx.training:
+            rows.record_access(idx, occurrences, ctx.step)
+        with torch.no_grad():
+            if table.fused_optimizer is not None:
+                rows.apply(idx, grads, table.fused_optimizer.lr)
+            else:
+                table.last_gradients = (rows.slot_keys[idx.cpu()], grads)
+                for hook in table._gradient_hooks:
+                    hook(*table.last_gradients)
+        return torch.zeros_like(anchor), None, None, None, grad_weights, None, None
 
 
 def _drop_padding(keys, offsets, weights, padding_idx):
