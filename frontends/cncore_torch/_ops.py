@@ -39,10 +39,7 @@ def _np(t: Optional[torch.Tensor]):
     return None if t is None else t.detach().numpy()
 
 
-@torch.library.custom_op("cncore::pooled_lookup", mutates_args=())
-def pooled_lookup(anchor: torch.Tensor, handle: int, keys: torch.Tensor, offsets: torch.Tensor,
-                  weights: Optional[torch.Tensor], mode: int, training: bool
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def lookup_impl(handle: int, keys, offsets, weights, mode: int, training: bool):
     """Pooled rows (B, dim), plus what the backward needs: slots (N,), argmax (B, dim) for max
     pooling (else empty), and info = [erase_epoch, step, n_new]."""
     table = table_of(handle)
@@ -52,6 +49,34 @@ def pooled_lookup(anchor: torch.Tensor, handle: int, keys: torch.Tensor, offsets
     argmax = torch.from_numpy(ctx.argmax) if ctx.argmax is not None else torch.empty(0, dtype=torch.int64)
     info = torch.tensor([ctx.erase_epoch, ctx.step, ctx.n_new], dtype=torch.int64)
     return torch.from_numpy(out), torch.from_numpy(ctx.slots), argmax, info
+
+
+def apply_impl(handle: int, grad, keys, offsets, weights, slots, argmax, info, mode: int, training: bool) -> None:
+    """Hand the output gradient to the table: fused update in the core, or the gradient hooks."""
+    table = table_of(handle)
+    epoch, step, n_new = (int(v) for v in info.tolist())
+    ctx = LookupContext(table.store, _np(keys), _np(slots), _np(offsets), _np(weights), mode,
+                        _np(argmax) if mode == 2 else None, epoch, slice(0, table.dim), n_new, training, step)
+    table._backward(ctx, np.ascontiguousarray(grad.detach().numpy()))
+
+
+def weights_grad_impl(handle: int, grad, keys, offsets, mode: int):
+    """d out[b] / d w_i = row_i . grad[b] (divided by the bag length for mean)."""
+    rows = torch.from_numpy(table_of(handle).store.lookup(_np(keys)))
+    lengths = offsets[1:] - offsets[:-1]
+    bag = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    g = (rows * grad[bag]).sum(dim=1)
+    if mode == 1:
+        g = g / lengths[bag].clamp(min=1).to(g.dtype)
+    return g
+
+
+@torch.library.custom_op("cncore::pooled_lookup", mutates_args=())
+def pooled_lookup(anchor: torch.Tensor, handle: int, keys: torch.Tensor, offsets: torch.Tensor,
+                  weights: Optional[torch.Tensor], mode: int, training: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The lookup as an operator (see lookup_impl)."""
+    return lookup_impl(handle, keys, offsets, weights, mode, training)
 
 
 @pooled_lookup.register_fake
@@ -72,11 +97,7 @@ def apply_gradients(anchor: torch.Tensor, handle: int, grad: torch.Tensor, keys:
     in the core, or the non-fused gradient hook). Returns the anchor's (zero) gradient.
     `after` is only a data dependency: whatever must read the rows before they change (the
     per-sample-weight gradient) is passed here, so no compiler can reorder the two."""
-    table = table_of(handle)
-    epoch, step, n_new = (int(v) for v in info.tolist())
-    ctx = LookupContext(table.store, _np(keys), _np(slots), _np(offsets), _np(weights), mode,
-                        _np(argmax) if mode == 2 else None, epoch, slice(0, table.dim), n_new, training, step)
-    table._backward(ctx, np.ascontiguousarray(grad.detach().numpy()))
+    apply_impl(handle, grad, keys, offsets, weights, slots, argmax, info, mode, training)
     return torch.zeros_like(anchor)
 
 
@@ -111,15 +132,33 @@ pooled_lookup.register_autograd(_backward, setup_context=_setup_context)
 @torch.library.custom_op("cncore::per_sample_weights_grad", mutates_args=())
 def per_sample_weights_grad(handle: int, grad: torch.Tensor, keys: torch.Tensor, offsets: torch.Tensor,
                             mode: int) -> torch.Tensor:
-    rows = torch.from_numpy(table_of(handle).store.lookup(_np(keys)))
-    lengths = offsets[1:] - offsets[:-1]
-    bag = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
-    g = (rows * grad[bag]).sum(dim=1)
-    if mode == 1:
-        g = g / lengths[bag].clamp(min=1).to(g.dtype)
-    return g
+    return weights_grad_impl(handle, grad, keys, offsets, mode)
 
 
 @per_sample_weights_grad.register_fake
 def _(handle, grad, keys, offsets, mode):
     return grad.new_empty(keys.shape)
+
+
+class EagerLookup(torch.autograd.Function):
+    """The same lookup and backward as the operators, for eager mode: the custom-op machinery
+    costs ~100 us a call in Python, an autograd.Function a tenth of that. torch.compile and
+    torch.fx use the operators (see modules._lookup)."""
+
+    @staticmethod
+    def forward(ctx, anchor, handle, keys, offsets, weights, mode, training):
+        out, slots, argmax, info = lookup_impl(handle, keys, offsets, weights, mode, training)
+        ctx.handle, ctx.mode, ctx.training = handle, mode, training
+        ctx.save_for_backward(keys, offsets, weights, slots, argmax, info)
+        ctx.mark_non_differentiable(slots, argmax, info)
+        return out, slots, argmax, info
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_slots, _grad_argmax, _grad_info):
+        keys, offsets, weights, slots, argmax, info = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        grad_weights = None
+        if ctx.needs_input_grad[4]:
+            grad_weights = weights_grad_impl(ctx.handle, grad_out, keys, offsets, ctx.mode)  # before rows move
+        apply_impl(ctx.handle, grad_out, keys, offsets, weights, slots, argmax, info, ctx.mode, ctx.training)
+        return None, None, None, None, grad_weights, None, None

@@ -400,7 +400,9 @@ def _check_device(placement: str, **tensors) -> None:
 
 def _lookup(anchor, handle, placement, dim, keys, offsets, weights, mode, training):
     if placement == "core":
-        return torch.ops.cncore.pooled_lookup(anchor, handle, keys, offsets, weights, mode, training)[0]
+        if torch.compiler.is_compiling():  # one opaque operator in the graph
+            return torch.ops.cncore.pooled_lookup(anchor, handle, keys, offsets, weights, mode, training)[0]
+        return _ops.EagerLookup.apply(anchor, handle, keys, offsets, weights, mode, training)[0]
     if placement == "meta":  # shape inference only
         return torch.empty((offsets.shape[0] - 1, dim), device="meta")
     return _device_lookup(anchor, handle, keys, offsets, weights, mode, training)
