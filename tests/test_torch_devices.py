@@ -119,3 +119,18 @@ def test_core_table_refuses_inputs_on_another_device():
     bag.to_empty(device="cpu")
     with pytest.raises(ValueError, match="move_to"):
         bag(torch.tensor([1, 2], device="meta"), torch.tensor([0], device="meta"))
+
+
+def test_to_meta_refuses_to_drop_rows_and_to_empty_keeps_the_optimizer_wired():
+    bag = CNEmbeddingBag(10, 4, mode="sum", optimizer=cncore.SGD(lr=0.5))
+    bag(torch.tensor([[1]])).sum().backward()
+    with pytest.raises(ValueError, match="drop its 1 rows"):
+        bag.to("meta")
+    assert bag.num_rows == 1 and bag.placement.kind == "core"
+    empty = CNEmbeddingBag(10, 4, mode="sum", optimizer=cncore.SGD(lr=0.5)).to("meta")
+    assert empty.placement.kind == "meta"
+    empty.to_empty(device="cpu")
+    sched = torch.optim.lr_scheduler.StepLR(empty.fused_optimizer, step_size=1, gamma=0.1)
+    empty.fused_optimizer.step()
+    sched.step()
+    assert empty.fused_optimizer.lr == pytest.approx(0.05)

@@ -100,6 +100,9 @@ class _DynamicTable(nn.Module):
         target = resolve_device(device)
         if target == self.placement:
             return self
+        if target.kind == "meta" and self.placement.kind != "meta" and self.num_rows:
+            raise ValueError(f"moving this table to meta would drop its {self.num_rows} rows; build a new module "
+                             "with device='meta' for shape inference instead")
         rows = self.export() if self.placement.kind != "meta" else None
         step = self._stepper().step if self._stepper() is not None else 0
         self.placement = target
@@ -114,6 +117,10 @@ class _DynamicTable(nn.Module):
     def _apply(self, fn, recurse=True):
         """`.to()`, `.cuda()`, `.to_empty()` and friends: follow the anchor to its new device."""
         before = self._anchor.device
+        target = fn(torch.empty(0, device=before)).device  # where this call sends tensors
+        if target.type == "meta" and self.placement.kind != "meta" and self.num_rows:
+            raise ValueError(f"moving this table to meta would drop its {self.num_rows} rows; build a new module "
+                             "with device='meta' for shape inference instead")
         result = super()._apply(fn, recurse)
         after = self._anchor.device
         if after != before:
