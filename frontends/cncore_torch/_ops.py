@@ -15,7 +15,9 @@ from typing import Optional
 import numpy as np
 import torch
 
+from cncore import _core
 from cncore.grouped import LookupContext
+from cncore.grouped import _optim_tuple as optimizer_arguments
 
 _TABLES: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
 _next_handle = [0]
@@ -41,23 +43,38 @@ def _np(t: Optional[torch.Tensor]):
 
 def lookup_impl(handle: int, keys, offsets, weights, mode: int, training: bool):
     """Pooled rows (B, dim), plus what the backward needs: slots (N,), argmax (B, dim) for max
-    pooling (else empty), and info = [erase_epoch, step, n_new]."""
-    table = table_of(handle)
-    store = table.store
-    out, ctx = store.pooled_lookup(_np(keys), _np(offsets), mode=("sum", "mean", "max")[mode],
-                                   per_sample_weights=_np(weights), insert_missing=training)
-    argmax = torch.from_numpy(ctx.argmax) if ctx.argmax is not None else torch.empty(0, dtype=torch.int64)
-    info = torch.tensor([ctx.erase_epoch, ctx.step, ctx.n_new], dtype=torch.int64)
-    return torch.from_numpy(out), torch.from_numpy(ctx.slots), argmax, info
+    pooling (else empty), and info = [erase_epoch, step, n_new].
+
+    The modules hand over int64 keys and B+1 offsets and float32 weights, contiguous, so this
+    calls the core's grouped entry point directly (it checks the offsets in C) rather than the
+    store's general Python API: in eager mode every microsecond here is per batch."""
+    store = table_of(handle).store
+    offsets_np = _np(offsets)
+    out = np.empty((len(offsets_np) - 1, store.dim), dtype=np.float32)
+    (slots, argmax, n_new), = _core.grouped_forward([store._table], [_np(keys)], [offsets_np], [_np(weights)],
+                                                     [mode], [out], training)
+    info = torch.tensor([store._table.erase_epoch, store.step, n_new], dtype=torch.int64)
+    argmax = torch.from_numpy(argmax) if argmax is not None else torch.empty(0, dtype=torch.int64)
+    return torch.from_numpy(out), torch.from_numpy(slots), argmax, info
 
 
 def apply_impl(handle: int, grad, keys, offsets, weights, slots, argmax, info, mode: int, training: bool) -> None:
-    """Hand the output gradient to the table: fused update in the core, or the gradient hooks."""
+    """Hand the output gradient to the table: the fused update straight through the core's
+    grouped backward (one call, as in lookup_impl), or the gradient hooks."""
     table = table_of(handle)
+    store = table.store
     epoch, step, n_new = (int(v) for v in info.tolist())
-    ctx = LookupContext(table.store, _np(keys), _np(slots), _np(offsets), _np(weights), mode,
-                        _np(argmax) if mode == 2 else None, epoch, slice(0, table.dim), n_new, training, step)
-    table._backward(ctx, np.ascontiguousarray(grad.detach().numpy()))
+    grad_np = np.ascontiguousarray(grad.detach().numpy(), dtype=np.float32)
+    if table.fused_optimizer is None:
+        ctx = LookupContext(store, _np(keys), _np(slots), _np(offsets), _np(weights), mode,
+                            _np(argmax) if mode == 2 else None, epoch, slice(0, table.dim), n_new, training, step)
+        table._backward(ctx, grad_np)
+        return
+    if store._table.erase_epoch != epoch:
+        raise RuntimeError("keys were erased (or the table cleared) between this lookup and its backward")
+    _core.grouped_backward([store._table], [_np(slots)], [_np(offsets)], [_np(weights)], [mode],
+                           [_np(argmax) if mode == 2 else None], [grad_np],
+                           [optimizer_arguments(store, table.fused_optimizer.lr)], [(training, step)])
 
 
 def weights_grad_impl(handle: int, grad, keys, offsets, mode: int):
