@@ -109,20 +109,8 @@ cdef class Table:
         return self.t.index.n_buckets
 
     @property
-    def row_capacity(self):
-        return cn_arena_capacity(&self.t.arena)
-
-    @property
     def nbytes(self):
         return self.t.nbytes
-
-    @property
-    def dim(self):
-        return self.t.dim
-
-    @property
-    def state_floats(self):
-        return self.t.state_floats
 
     @property
     def erase_epoch(self):

@@ -35,7 +35,6 @@ cdef extern from "cn_arena.h" nogil:
     ctypedef struct cn_arena:
         int64_t n_pages
         int64_t page_bytes
-    int64_t cn_arena_capacity(const cn_arena *a)
 
 cdef extern from "cn_grad.h" nogil:
     ctypedef struct cn_groups:

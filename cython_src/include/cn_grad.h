@@ -222,10 +222,10 @@ static inline int cn_grad_apply(const cn_arena *a, int64_t dim, const int64_t *s
 #endif
         cn_groups g;
         memset(&g, 0, sizeof(g));
-        float *acc = (float *)malloc((size_t)(dim + 16) * sizeof(float));
-        int64_t *mine = (int64_t *)malloc((size_t)n * sizeof(int64_t));
         const int direct = opt->kind == CN_OPT_SGD && mode != CN_POOL_MAX;
-        int ok = acc != NULL && mine != NULL;
+        float *acc = direct ? NULL : (float *)malloc((size_t)(dim + 16) * sizeof(float));
+        int64_t *mine = (int64_t *)malloc((size_t)n * sizeof(int64_t));
+        int ok = (direct || acc != NULL) && mine != NULL;
         int64_t m = 0;
         if (ok) {
             for (int64_t i = 0; i < n; i++)

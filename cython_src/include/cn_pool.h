@@ -8,7 +8,6 @@
 #define CN_POOL_H
 
 #include <stdint.h>
-#include <stdlib.h>
 #include "cn_arena.h"
 #include "cn_parallel.h"
 
@@ -28,8 +27,8 @@ typedef struct {
 #define CN_ROW(s) ((const float *)(pages[(s) >> shift] + ((s) & mask) * row_bytes))
 
 /* Pool bag b; rows are prefetched CN_PREFETCH_DISTANCE keys ahead (up to key `limit`).
- * (Resolving slots inside this loop, overlapping index and row misses in one pass, measured
- * slower than a separate find pass: the probe loop's branches stall the accumulation.) */
+ * (Resolving slots inside this loop, so that index and row misses overlap in one pass,
+ * measured slower than a separate prefetched find pass: 0.5x against 0.8x of EmbeddingBag.) */
 static inline void cn_pool_bag(const cn_pool_args *p, int64_t b, const int64_t *restrict slots, int64_t limit) {
     const cn_arena *a = p->arena;
     /* Arena fields in locals: the compiler must otherwise reload them after every store. */
