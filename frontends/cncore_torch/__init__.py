@@ -9,4 +9,12 @@ from cncore_torch import _ops  # registers the cncore:: operators
 from cncore_torch.modules import CNEmbedding, CNEmbeddingBag
 from cncore_torch.optim import FusedOptimizer
 
-__all__ = ["CNEmbeddingBag", "CNEmbedding", "FusedOptimizer"]
+__all__ = ["CNEmbeddingBag", "CNEmbedding", "FusedOptimizer", "CNEmbeddingBagCollection"]
+
+
+def __getattr__(name):
+    # TorchRec is an optional dependency: imported only when its module is asked for.
+    if name == "CNEmbeddingBagCollection":
+        from cncore_torch.collection import CNEmbeddingBagCollection
+        return CNEmbeddingBagCollection
+    raise AttributeError(name)

@@ -1,0 +1,165 @@
+"""`CNEmbeddingBagCollection`: TorchRec's `EmbeddingBagCollection` over growable tables.
+
+It takes TorchRec's `EmbeddingBagConfig`s and `KeyedJaggedTensor`s and returns the same
+`KeyedTensor` (same keys, order and shapes), but IDs are raw int64 values: no modulo hashing
+into `num_embeddings` (now a capacity hint), no collisions. All tables are looked up in one
+grouped core call per batch, and the backward updates every table in one call too, with the
+fused optimizer given at construction (features sharing a table get one update per row).
+
+>>> import torch, cncore
+>>> from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
+>>> from cncore_torch import CNEmbeddingBagCollection
+>>> ebc = CNEmbeddingBagCollection(
+...     tables=[EmbeddingBagConfig(name="t_user", embedding_dim=4, num_embeddings=100, feature_names=["user"]),
+...             EmbeddingBagConfig(name="t_item", embedding_dim=8, num_embeddings=100, feature_names=["item"])],
+...     optimizer=cncore.RowWiseAdagrad(lr=0.1))
+>>> kjt = KeyedJaggedTensor.from_lengths_sync(keys=["user", "item"], values=torch.tensor([2**60, 5, 6, 7]),
+...                                          lengths=torch.tensor([1, 0, 2, 1]))
+>>> kt = ebc(kjt)
+>>> kt.keys(), kt.values().shape
+(['user', 'item'], torch.Size([2, 12]))
+>>> kt.values().sum().backward()   # rows of both tables updated here
+"""
+from __future__ import annotations
+
+import functools
+import zlib
+from typing import Dict, List, Optional
+
+import numpy as np
+import torch
+from torch import nn
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface, get_embedding_names_by_table
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
+
+import cncore
+from cncore_torch.optim import FusedOptimizer
+
+__all__ = ["CNEmbeddingBagCollection", "initializer_from_config"]
+
+_MAX_INITIAL_ROWS = 1 << 20
+_POOLING = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
+
+
+def initializer_from_config(config: EmbeddingBagConfig):
+    """The cncore initializer equal to a config's `init_fn`: TorchRec's default (uniform between
+    the config's bounds) and partials of torch.nn.init's uniform_/normal_/trunc_normal_/constant_.
+    Any other callable cannot be applied row by row as IDs arrive, and is refused."""
+    fn = config.init_fn
+    if fn is None:
+        return cncore.Uniform(config.get_weight_init_min(), config.get_weight_init_max())
+    if isinstance(fn, functools.partial) and not fn.args:
+        kw = fn.keywords
+        if fn.func is torch.nn.init.uniform_:
+            return cncore.Uniform(kw.get("a", 0.0), kw.get("b", 1.0))
+        if fn.func is torch.nn.init.normal_:
+            return cncore.Normal(kw.get("mean", 0.0), kw.get("std", 1.0))
+        if fn.func is torch.nn.init.trunc_normal_:
+            return cncore.TruncatedNormal(kw.get("mean", 0.0), kw.get("std", 1.0), kw.get("a", -2.0), kw.get("b", 2.0))
+        if fn.func is torch.nn.init.constant_:
+            return cncore.Constant(kw["val"])
+    raise ValueError(f"table {config.name!r}: init_fn {fn!r} cannot initialise rows one ID at a time; pass "
+                     f"initializers={{{config.name!r}: cncore.Uniform(...)}} (or Normal, TruncatedNormal, Constant)")
+
+
+class _GroupedLookup(torch.autograd.Function):
+    """One grouped core call forward, one grouped core call backward (fused updates)."""
+
+    @staticmethod
+    def forward(ctx, anchor, collection, keys, offsets, weights, training):
+        out, lookups = cncore.grouped_pooled_lookup(collection._feature_stores, keys, offsets, modes=collection._modes,
+                                                    per_sample_weights=weights, insert_missing=training)
+        ctx.collection, ctx.lookups = collection, lookups
+        return torch.from_numpy(out)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        collection = ctx.collection
+        grad = np.ascontiguousarray(grad_out.detach().numpy(), dtype=np.float32)
+        if collection.fused_optimizer is None:
+            raise RuntimeError("CNEmbeddingBagCollection was built without optimizer=; pass a cncore optimizer")
+        cncore.grouped_apply_gradients(ctx.lookups, grad, lr=collection.fused_optimizer.lr)
+        return None, None, None, None, None, None
+
+
+class CNEmbeddingBagCollection(EmbeddingBagCollectionInterface):
+    """TorchRec's `EmbeddingBagCollection` on dynamic tables (see the module docstring).
+
+    Args: `tables`, `is_weighted`, `device` as TorchRec (device: "cpu" only for now);
+    `optimizer`: the fused optimizer of every table (a cncore optimizer config);
+    `initializers`: {table name: cncore initializer} overriding the configs' init;
+    `capacities`: {table name: rows to allocate up front} (default min(num_embeddings, 2^20));
+    `seed`: each table's rows are drawn from (seed, table name, ID).
+    """
+
+    def __init__(self, tables: List[EmbeddingBagConfig], is_weighted: bool = False, device=None, *,
+                 optimizer=None, initializers: Optional[Dict[str, object]] = None,
+                 capacities: Optional[Dict[str, int]] = None, seed: int = 0):
+        super().__init__()
+        if device is not None and torch.device(device).type != "cpu":
+            raise ValueError(f"device={device!r}: CNEmbeddingBagCollection runs on 'cpu' for now")
+        if not tables:
+            raise ValueError("tables: at least one EmbeddingBagConfig is needed")
+        initializers, capacities = dict(initializers or {}), dict(capacities or {})
+        self._is_weighted = is_weighted
+        self._embedding_bag_configs = tables
+        self._stores: Dict[str, cncore.EmbeddingStore] = {}
+        names = set()
+        for config in tables:
+            if not isinstance(config, EmbeddingBagConfig):
+                raise TypeError(f"tables: expected EmbeddingBagConfig, got {type(config).__name__}")
+            if config.name in names:
+                raise ValueError(f"tables: duplicate table name {config.name!r}")
+            names.add(config.name)
+            if config.pooling not in _POOLING:
+                raise ValueError(f"table {config.name!r}: pooling {config.pooling} is not supported (SUM or MEAN)")
+            init = initializers.pop(config.name, None) or initializer_from_config(config)
+            table_seed = (seed * 1_000_003 + zlib.crc32(config.name.encode())) % 2**64
+            self._stores[config.name] = cncore.EmbeddingStore(cncore.StoreConfig(
+                dim=config.embedding_dim, initializer=init, seed=table_seed, optimizer=optimizer,
+                capacity=capacities.pop(config.name, min(config.num_embeddings, _MAX_INITIAL_ROWS))))
+        for leftover, what in ((initializers, "initializers"), (capacities, "capacities")):
+            if leftover:
+                raise ValueError(f"{what}: no table named {sorted(leftover)}")
+        # Feature order, names and widths exactly as TorchRec's EmbeddingBagCollection; the
+        # caller's configs are not mutated (TorchRec fills in feature_names; we read them).
+        self._feature_names = [list(c.feature_names) or [c.name] for c in tables]
+        self._embedding_names = [n for names_ in get_embedding_names_by_table(tables) for n in names_] \
+            if all(c.feature_names for c in tables) else [n for f in self._feature_names for n in f]
+        self._feature_stores = [self._stores[c.name] for c, f in zip(tables, self._feature_names) for _ in f]
+        self._modes = [_POOLING[c.pooling] for c, f in zip(tables, self._feature_names) for _ in f]
+        self._lengths_per_embedding = [c.embedding_dim for c, f in zip(tables, self._feature_names) for _ in f]
+        self._anchor = nn.Parameter(torch.empty(0))
+        self.fused_optimizer = FusedOptimizer(self._anchor, optimizer, lambda: None) if optimizer else None
+
+    def embedding_bag_configs(self) -> List[EmbeddingBagConfig]:
+        return self._embedding_bag_configs
+
+    def is_weighted(self) -> bool:
+        return self._is_weighted
+
+    @property
+    def stores(self) -> Dict[str, cncore.EmbeddingStore]:
+        """The tables by name."""
+        return self._stores
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        if not isinstance(features, KeyedJaggedTensor):
+            raise TypeError(f"features must be a KeyedJaggedTensor, got {type(features).__name__}")
+        by_key = features.to_dict()
+        keys, offsets, weights = [], [], []
+        for names in self._feature_names:
+            for name in names:
+                if name not in by_key:
+                    raise ValueError(f"features: no key {name!r} (it has {features.keys()})")
+                jt = by_key[name]
+                keys.append(jt.values().detach())
+                offsets.append(jt.offsets().detach())
+                w = jt.weights_or_none() if self._is_weighted else None
+                if self._is_weighted and w is None:
+                    raise ValueError(f"features: is_weighted=True but key {name!r} has no weights")
+                weights.append(None if w is None else w.detach().to(torch.float32))
+        values = _GroupedLookup.apply(self._anchor, self, keys, offsets, weights if self._is_weighted else None,
+                                      self.training)
+        return KeyedTensor(keys=self._embedding_names, length_per_key=self._lengths_per_embedding, values=values)
