@@ -35,6 +35,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 import cncore
 from cncore_torch.optim import FusedOptimizer
+from cncore_torch.state import is_store_entry, load_store, save_store
 
 __all__ = ["CNEmbeddingBagCollection", "initializer_from_config"]
 
@@ -131,7 +132,8 @@ class CNEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         self._modes = [_POOLING[c.pooling] for c, f in zip(tables, self._feature_names) for _ in f]
         self._lengths_per_embedding = [c.embedding_dim for c, f in zip(tables, self._feature_names) for _ in f]
         self._anchor = nn.Parameter(torch.empty(0))
-        self.fused_optimizer = FusedOptimizer(self._anchor, optimizer, lambda: None) if optimizer else None
+        first = self._stores[tables[0].name]
+        self.fused_optimizer = FusedOptimizer(self._anchor, optimizer, lambda: first) if optimizer else None
 
     def embedding_bag_configs(self) -> List[EmbeddingBagConfig]:
         return self._embedding_bag_configs
@@ -163,3 +165,27 @@ class CNEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         values = _GroupedLookup.apply(self._anchor, self, keys, offsets, weights if self._is_weighted else None,
                                       self.training)
         return KeyedTensor(keys=self._embedding_names, length_per_key=self._lengths_per_embedding, values=values)
+
+    # --- state: every table's rows, optimizer state and metadata ---------------------------------
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        for name, store in self._stores.items():
+            save_store(store, destination, f"{prefix}tables.{name}.")
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        for name, store in self._stores.items():
+            load_store(store, state_dict, f"{prefix}tables.{name}.", missing_keys, error_msgs)
+        ours = [f"{prefix}tables.{name}." for name in self._stores]
+        rest = {k: v for k, v in state_dict.items() if not any(is_store_entry(k, p) for p in ours)}
+        super()._load_from_state_dict(rest, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
+    def table_rows(self) -> Dict[str, int]:
+        """Rows in each table."""
+        return {name: len(store) for name, store in self._stores.items()}
+
+    def nbytes(self) -> int:
+        """Bytes held by all tables."""
+        return sum(store.nbytes for store in self._stores.values())

@@ -28,11 +28,12 @@ from cncore_torch import _ops
 from cncore_torch.device_rows import DeviceRows
 from cncore_torch.devices import Placement, resolve_device
 from cncore_torch.optim import FusedOptimizer
+from cncore_torch.state import FIELDS as _STATE_FIELDS
+from cncore_torch.state import export_tensors, is_store_entry
 
 __all__ = ["CNEmbeddingBag", "CNEmbedding"]
 
 _MODES = {"sum": 0, "mean": 1, "max": 2}
-_STATE_FIELDS = ("keys", "rows", "optimizer_state", "counts", "last_steps")
 _MAX_INITIAL_ROWS = 1 << 20
 
 
@@ -193,10 +194,7 @@ class _DynamicTable(nn.Module):
         self._require_storage()
         if self.device_rows is not None:
             return self.device_rows.export()
-        batch = self.store.export()
-        return {name: torch.from_numpy(np.asarray(getattr(batch, name), dtype=np.int64)
-                                       if name in ("counts", "last_steps") else getattr(batch, name))
-                for name in _STATE_FIELDS}
+        return export_tensors(self.store)
 
     def _load_rows(self, state: dict) -> None:
         self._require_storage()
@@ -249,19 +247,18 @@ class _DynamicTable(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
-        ours = {name: state_dict.get(prefix + name) for name in _STATE_FIELDS + ("step",)}
-        missing = [prefix + name for name, value in ours.items() if value is None]
+        values = {name: state_dict.get(prefix + name) for name in _STATE_FIELDS + ("step",)}
+        missing = [prefix + name for name, value in values.items() if value is None]
         if missing:
             missing_keys.extend(missing)
+        elif values["rows"].dim() != 2 or values["rows"].shape[1] != self.embedding_dim:
+            error_msgs.append(f"{prefix}rows: expected shape (N, {self.embedding_dim}), got "
+                              f"{tuple(values['rows'].shape)}")
         else:
-            rows = ours["rows"]
-            if rows.dim() != 2 or rows.shape[1] != self.embedding_dim:
-                error_msgs.append(f"{prefix}rows: expected shape (N, {self.embedding_dim}), got {tuple(rows.shape)}")
-            else:
-                self._load_rows(ours)
-                self._stepper().step = int(ours["step"])
-        filtered = {k: v for k, v in state_dict.items() if k[len(prefix):] not in ours}
-        super()._load_from_state_dict(filtered, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+            self._load_rows(values)
+            self._stepper().step = int(values["step"])
+        rest = {k: v for k, v in state_dict.items() if not is_store_entry(k, prefix)}
+        super()._load_from_state_dict(rest, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
 
     def extra_repr(self) -> str:
