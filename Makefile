@@ -1,5 +1,5 @@
 # Two commands set up a fresh clone and run something (see README):
-#   make demo    the main job (for now a NumPy training demo; cn-dlrm comes with the TorchRec issue)
+#   make dlrm    the main job: TorchRec's DLRM on dynamic tables, embedded synthetic Criteo-like data
 #   make test    the test suite
 # Both create .venv on first use: torch pinned to 2.13.0 (the CPU wheel), TorchRec without
 # its GPU dependency, and this project built in place.
@@ -9,7 +9,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: setup build test soak demo bench asv clean
+.PHONY: setup build test soak dlrm demo bench asv clean
 
 $(VENV)/.installed: setup.py setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,11 @@ test: setup
 soak: setup
 	HYPOTHESIS_PROFILE=soak $(PY) -m pytest -m soak -p no:cacheprovider tests
 
+# ARGS are passed on, e.g. make dlrm ARGS="--compare --summary-json out.json"
+dlrm: setup
+	$(VENV)/bin/cn-dlrm $(ARGS)
+
+# A NumPy-only training loop on a growing table (no PyTorch).
 demo: setup
 	$(PY) -m cncore.demo
 
