@@ -34,7 +34,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface, 
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 import cncore
-from cncore_torch.optim import FusedOptimizer
+from cncore_torch.optim import keyed_fused_optimizer
 from cncore_torch.state import is_store_entry, load_store, save_store
 
 __all__ = ["CNEmbeddingBagCollection", "initializer_from_config"]
@@ -132,8 +132,8 @@ class CNEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         self._modes = [_POOLING[c.pooling] for c, f in zip(tables, self._feature_names) for _ in f]
         self._lengths_per_embedding = [c.embedding_dim for c, f in zip(tables, self._feature_names) for _ in f]
         self._anchor = nn.Parameter(torch.empty(0))
-        first = self._stores[tables[0].name]
-        self.fused_optimizer = FusedOptimizer(self._anchor, optimizer, lambda: first) if optimizer else None
+        self.fused_optimizer = (keyed_fused_optimizer(self._anchor, optimizer, list(self._stores.values()),
+                                                      "embedding_bags.fused") if optimizer else None)
 
     def embedding_bag_configs(self) -> List[EmbeddingBagConfig]:
         return self._embedding_bag_configs

@@ -50,3 +50,42 @@ class FusedOptimizer(torch.optim.Optimizer):
         store = self._store_ref()
         if store is not None:
             store.step = int(state_dict["step"])
+
+
+def keyed_fused_optimizer(anchor: torch.nn.Parameter, config, stores, key: str):
+    """The fused optimizer of a TorchRec-style collection as a TorchRec `KeyedOptimizer`, so it
+    sits in `torchrec.optim.CombinedOptimizer` next to the dense network's optimizer (as the
+    fused optimizer of TorchRec's own fused tables does). Its state is the tables' step; the
+    rows' optimizer state lives with the rows in the model's `state_dict`. As with every
+    KeyedOptimizer, the learning rate is saved after `save_param_groups(True)` (or by the
+    scheduler's own state_dict)."""
+    from torchrec.optim.keyed import KeyedOptimizer
+
+    class KeyedFusedOptimizer(KeyedOptimizer):
+        def __init__(self):
+            super().__init__({key: anchor}, {anchor: {"step": torch.tensor(0, dtype=torch.int64)}},
+                             [{"params": [anchor], "lr": config.lr}])
+            self._stores = stores
+
+        @property
+        def lr(self) -> float:
+            return float(self.param_groups[0]["lr"])
+
+        def step(self, closure=None):
+            """Nothing to do: the rows were updated in backward. Records the tables' step."""
+            self.state[anchor]["step"] = torch.tensor(self._stores[0].step, dtype=torch.int64)
+            return closure() if closure is not None else None
+
+        def zero_grad(self, set_to_none: bool = True) -> None:
+            """Nothing to do: fused tables keep no gradient."""
+
+        def state_dict(self):
+            self.state[anchor]["step"] = torch.tensor(self._stores[0].step, dtype=torch.int64)
+            return super().state_dict()
+
+        def load_state_dict(self, state_dict) -> None:
+            super().load_state_dict(state_dict)
+            for store in self._stores:
+                store.step = int(self.state[anchor]["step"])
+
+    return KeyedFusedOptimizer()
