@@ -188,3 +188,29 @@ def test_fused_optimizer_in_torchrec_combined_optimizer_saves_and_restores_train
         np.testing.assert_array_equal(ra.optimizer_state, rb.optimizer_state)
         np.testing.assert_array_equal(ra.counts, rb.counts)
         assert sa.step == sb.step == 5
+
+
+def test_convert_a_torchrec_model_to_dynamic_tables_and_back_for_serving():
+    from cncore_torch.convert import remap_to_fixed, to_dynamic, to_fixed
+    torch.manual_seed(9)
+    model = DLRM(embedding_bag_collection=EmbeddingBagCollection(tables=configs(dim_a=8, dim_b=8, mean=False)),
+                 dense_in_features=3, dense_arch_layer_sizes=[8], over_arch_layer_sizes=[8, 1])
+    kjt = random_kjt(np.random.default_rng(10))
+    dense = torch.randn(5, 3)
+    before = model(dense, kjt)
+    to_dynamic(model, optimizer=cncore.SGD(lr=0.1))
+    ebc = model.sparse_arch.embedding_bag_collection
+    assert isinstance(ebc, CNEmbeddingBagCollection)
+    torch.testing.assert_close(model(dense, kjt), before)  # every row carried over as the row of its ID
+    # train on raw, unbounded IDs, then serve with fixed tables
+    raw = KeyedJaggedTensor.from_lengths_sync(keys=["f1", "f2", "f3"], values=torch.tensor([2**50, 3, 2**50]),
+                                              lengths=torch.tensor([1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 0, 0, 0, 0]))
+    model(dense, raw).sum().backward()
+    model.eval()
+    with torch.no_grad():
+        served_dynamic = model(dense, raw)
+    fixed, id_maps = to_fixed(ebc)
+    model.sparse_arch.embedding_bag_collection = fixed
+    with torch.no_grad():
+        served_fixed = model(dense, remap_to_fixed(raw, ebc.embedding_bag_configs(), id_maps))
+    torch.testing.assert_close(served_fixed, served_dynamic)
