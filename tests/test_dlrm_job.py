@@ -85,3 +85,12 @@ def test_trains_on_a_criteo_file(tmp_path):
     summary = run(tmp_path, "--criteo-tsv", str(path), "--steps", "4", "--batch-size", "100", "--eval-batches", "1",
                   "--eval-every", "2")
     assert summary["runs"][0]["steps"] == 4 and summary["best_attainable_auc"] is None
+
+
+def test_compare_runs_torchrec_side_by_side(tmp_path):
+    summary = run(tmp_path, "--steps", "20", "--eval-every", "20", "--eval-batches", "2", "--compare")
+    names = [r["name"] for r in summary["runs"]]
+    assert names == ["cncore (dynamic tables)", "TorchRec EBC (collision-free, remapped)",
+                     "TorchRec EBC (hashed, same memory)"]
+    for r in summary["runs"]:
+        assert 0.5 < r["auc"] < 1.0 and r["samples_per_s"] > 0

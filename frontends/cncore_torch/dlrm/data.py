@@ -93,6 +93,14 @@ class SyntheticCriteo:
                                                   lengths=torch.from_numpy(np.concatenate(lengths)))
         return Batch(torch.from_numpy(dense), kjt, torch.from_numpy(labels), torch.from_numpy(p.astype(np.float32)))
 
+    def items_by_batch(self, n_batches: int) -> List[int]:
+        """How many item indices each feature can reach within n_batches (0 .. n-1)."""
+        return [card + int(self.drift * (n_batches - 1) * card / 1000) for card in self.cardinalities]
+
+    def raw_ids(self, feature: int, n_items: int) -> np.ndarray:
+        """The raw IDs of items 0 .. n_items-1 of a feature (for collision-free baselines)."""
+        return self._raw_id(feature, np.arange(n_items))
+
     def batches(self, start: int = 0, stop: Optional[int] = None) -> Iterator[Batch]:
         i = start
         while stop is None or i < stop:

@@ -45,8 +45,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--checkpoint", metavar="PATH", help="save model and optimizers here (at every eval and the end)")
     ap.add_argument("--resume", metavar="PATH", help="continue from a checkpoint")
     ap.add_argument("--compare", action="store_true",
-                    help="also train TorchRec's EmbeddingBagCollection (IDs hashed modulo fixed tables of the same "
-                         "memory) on the same data and print both")
+                    help="also train TorchRec's EmbeddingBagCollection on the same data: on collision-free tables "
+                         "(IDs remapped to 0..N-1; synthetic data) and with IDs hashed modulo fixed tables of the "
+                         "same memory; print all runs")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
     return ap.parse_args(argv)
 
@@ -148,23 +149,49 @@ def equal_memory_rows(tables: CNEmbeddingBagCollection, dim: int) -> List[int]:
     return out
 
 
-def fixed_run(args, rows: List[int]) -> Run:
-    """TorchRec's own EmbeddingBagCollection with IDs hashed modulo each table's size."""
+def fixed_run(args, name: str, rows: List[int], remap) -> Run:
+    """TorchRec's own EmbeddingBagCollection (fixed tables of `rows`), IDs mapped by `remap`."""
     torch.manual_seed(args.seed)
     ebc = EmbeddingBagCollection(tables=table_configs(args.embedding_dim, rows))
     model = build_dlrm(ebc, args.embedding_dim)
-    sizes = torch.tensor([rows[SPARSE_KEYS.index(k)] for k in SPARSE_KEYS])
+    sparse = [p for n, p in model.named_parameters() if "embedding_bags" in n]
+    dense = [p for n, p in model.named_parameters() if "embedding_bags" not in n]
+    return Run(name, model, [torch.optim.Adagrad(dense, lr=args.dense_lr),
+                             TorchRecRowWiseAdagrad(sparse, lr=args.sparse_lr)], remap=remap)
+
+
+def hashed_run(args, rows: List[int]) -> Run:
+    """IDs hashed modulo each table's size: the usual way to fit unbounded IDs in fixed tables."""
+    sizes = torch.tensor(rows)
 
     def hashed(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
         size_per_value = torch.repeat_interleave(sizes, torch.tensor(kjt.length_per_key()))
         return KeyedJaggedTensor(keys=kjt.keys(), values=torch.remainder(kjt.values(), size_per_value),
                                  lengths=kjt.lengths())
 
-    sparse = [p for n, p in model.named_parameters() if "embedding_bags" in n]
-    dense = [p for n, p in model.named_parameters() if "embedding_bags" not in n]
-    return Run("TorchRec EBC (hashed, same memory)", model,
-               [torch.optim.Adagrad(dense, lr=args.dense_lr), TorchRecRowWiseAdagrad(sparse, lr=args.sparse_lr)],
-               remap=hashed)
+    return fixed_run(args, "TorchRec EBC (hashed, same memory)", rows, hashed)
+
+
+def collision_free_run(args, data: Data) -> Run:
+    """Every ID the run can meet remapped to 0..N-1 beforehand (synthetic data only): fixed
+    tables with no collisions, the quality dynamic tables should match."""
+    gen = data.synthetic
+    n_items = gen.items_by_batch(args.steps + args.eval_batches)
+    sorted_ids, order = [], []
+    for f, n in enumerate(n_items):
+        raw = gen.raw_ids(f, n)
+        o = np.argsort(raw)
+        sorted_ids.append(raw[o])
+        order.append(o)
+
+    def remap(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        by_key = kjt.to_dict()
+        values = [order[f][np.searchsorted(sorted_ids[f], by_key[k].values().numpy())]
+                  for f, k in enumerate(kjt.keys())]
+        return KeyedJaggedTensor(keys=kjt.keys(), values=torch.from_numpy(np.concatenate(values).astype(np.int64)),
+                                 lengths=kjt.lengths())
+
+    return fixed_run(args, "TorchRec EBC (collision-free, remapped)", n_items, remap)
 
 
 # --- training ------------------------------------------------------------------------------------
@@ -233,7 +260,9 @@ def main(argv=None) -> int:
         print(f"resumed from {args.resume} at step {start}")
     results = [train(run, data, args, start)]
     if args.compare:
-        results.append(train(fixed_run(args, equal_memory_rows(run.tables, args.embedding_dim)), data, args))
+        if data.synthetic is not None:
+            results.append(train(collision_free_run(args, data), data, args))
+        results.append(train(hashed_run(args, equal_memory_rows(run.tables, args.embedding_dim)), data, args))
     best = best_attainable(data)
     print()
     print("| run | AUC | log loss | samples/s | table rows | table MiB |")
