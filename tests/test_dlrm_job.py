@@ -91,6 +91,6 @@ def test_compare_runs_torchrec_side_by_side(tmp_path):
     summary = run(tmp_path, "--steps", "20", "--eval-every", "20", "--eval-batches", "2", "--compare")
     names = [r["name"] for r in summary["runs"]]
     assert names == ["cncore (dynamic tables)", "TorchRec EBC (collision-free, remapped)",
-                     "TorchRec EBC (hashed, same memory)"]
+                     "TorchRec DMP (fused FBGEMM, collision-free)", "TorchRec EBC (hashed, same memory)"]
     for r in summary["runs"]:
         assert 0.5 < r["auc"] < 1.0 and r["samples_per_s"] > 0

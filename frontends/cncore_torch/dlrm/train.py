@@ -45,9 +45,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--checkpoint", metavar="PATH", help="save model and optimizers here (at every eval and the end)")
     ap.add_argument("--resume", metavar="PATH", help="continue from a checkpoint")
     ap.add_argument("--compare", action="store_true",
-                    help="also train TorchRec's EmbeddingBagCollection on the same data: on collision-free tables "
-                         "(IDs remapped to 0..N-1; synthetic data) and with IDs hashed modulo fixed tables of the "
-                         "same memory; print all runs")
+                    help="also train TorchRec on the same data: its EmbeddingBagCollection on collision-free tables "
+                         "(IDs remapped to 0..N-1; synthetic data), DistributedModelParallel with fused FBGEMM "
+                         "tables (gloo, world size 1; synthetic data), and its EmbeddingBagCollection with IDs "
+                         "hashed modulo fixed tables of the same memory; print all runs")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
     return ap.parse_args(argv)
 
@@ -172,9 +173,8 @@ def hashed_run(args, rows: List[int]) -> Run:
     return fixed_run(args, "TorchRec EBC (hashed, same memory)", rows, hashed)
 
 
-def collision_free_run(args, data: Data) -> Run:
-    """Every ID the run can meet remapped to 0..N-1 beforehand (synthetic data only): fixed
-    tables with no collisions, the quality dynamic tables should match."""
+def collision_free_remap(args, data: Data):
+    """(table sizes, remap): every ID the synthetic run can meet mapped to 0..N-1 beforehand."""
     gen = data.synthetic
     n_items = gen.items_by_batch(args.steps + args.eval_batches)
     sorted_ids, order = [], []
@@ -191,7 +191,38 @@ def collision_free_run(args, data: Data) -> Run:
         return KeyedJaggedTensor(keys=kjt.keys(), values=torch.from_numpy(np.concatenate(values).astype(np.int64)),
                                  lengths=kjt.lengths())
 
-    return fixed_run(args, "TorchRec EBC (collision-free, remapped)", n_items, remap)
+    return n_items, remap
+
+
+def collision_free_run(args, data: Data) -> Run:
+    """Fixed tables with no collisions: the quality dynamic tables should match."""
+    rows, remap = collision_free_remap(args, data)
+    return fixed_run(args, "TorchRec EBC (collision-free, remapped)", rows, remap)
+
+
+def dmp_run(args, data: Data) -> Run:
+    """TorchRec's production path on CPU: DistributedModelParallel (gloo, world size 1) with
+    fused FBGEMM tables and row-wise Adagrad applied in backward; IDs remapped collision-free."""
+    import torch.distributed as dist
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    rows, remap = collision_free_remap(args, data)
+    torch.manual_seed(args.seed)
+    model = build_dlrm(EmbeddingBagCollection(tables=table_configs(args.embedding_dim, rows),
+                                              device=torch.device("meta")), args.embedding_dim)
+    apply_optimizer_in_backward(TorchRecRowWiseAdagrad, model.sparse_arch.parameters(), {"lr": args.sparse_lr})
+    dmp = DistributedModelParallel(module=model, device=torch.device("cpu"))
+    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
+                                  lambda ps: torch.optim.Adagrad(ps, lr=args.dense_lr))
+    return Run("TorchRec DMP (fused FBGEMM, collision-free)", dmp,
+               [CombinedOptimizer([dmp.fused_optimizer, dense])], remap=remap)
 
 
 # --- training ------------------------------------------------------------------------------------
@@ -262,6 +293,7 @@ def main(argv=None) -> int:
     if args.compare:
         if data.synthetic is not None:
             results.append(train(collision_free_run(args, data), data, args))
+            results.append(train(dmp_run(args, data), data, args))
         results.append(train(hashed_run(args, equal_memory_rows(run.tables, args.embedding_dim)), data, args))
     best = best_attainable(data)
     print()
