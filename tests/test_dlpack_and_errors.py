@@ -186,8 +186,9 @@ def test_bad_initializer_and_optimizer_arguments():
         cncore.SGD(lr=-1.0)
 
 
-def test_readme_recipe_with_a_torchrec_keyed_jagged_tensor():
-    """The README's 'PyTorch and TorchRec users, today' snippet, run for real."""
+def test_store_fed_by_a_torchrec_keyed_jagged_tensor_and_torch_autograd():
+    """A store used directly from PyTorch: KJT values/lengths in, output written into a tensor,
+    its gradient applied by the store."""
     kjt_module = pytest.importorskip("torchrec.sparse.jagged_tensor")
     kjt = kjt_module.KeyedJaggedTensor.from_lengths_sync(
         keys=["item"], values=torch.tensor([2**40, 7, 7, -5]), lengths=torch.tensor([3, 0, 1]))

@@ -301,12 +301,12 @@ def grouped_forward(list tables, list keys, list offsets, list weights, list mod
     cdef int64_t F = len(tables), f
     cdef Table tab
     cdef cn_table** tp = <cn_table**> malloc(max(F, 1) * sizeof(cn_table*))
-    cdef int64_t* ip = <int64_t*> malloc(max(F, 1) * 9 * sizeof(int64_t))
+    cdef int64_t* ip = <int64_t*> malloc(max(F, 1) * 11 * sizeof(int64_t))
     if tp == NULL or ip == NULL:
         free(tp)
         free(ip)
         raise MemoryError("cannot allocate the call's scratch")
-    # ip layout per feature: keys, n_keys, offsets, n_bags, weights, mode, out, ld_out, slots/argmax set below
+    # one column of ip per per-feature value (pointers are stored as int64)
     cdef int64_t* p_keys = ip
     cdef int64_t* p_nkeys = ip + F
     cdef int64_t* p_off = ip + 2 * F
@@ -316,8 +316,8 @@ def grouped_forward(list tables, list keys, list offsets, list weights, list mod
     cdef int64_t* p_out = ip + 6 * F
     cdef int64_t* p_ld = ip + 7 * F
     cdef int64_t* p_slots = ip + 8 * F
-    cdef int64_t* p_argmax = <int64_t*> malloc(max(F, 1) * sizeof(int64_t))
-    cdef int64_t* p_nnew = <int64_t*> malloc(max(F, 1) * sizeof(int64_t))
+    cdef int64_t* p_argmax = ip + 9 * F
+    cdef int64_t* p_nnew = ip + 10 * F
     results = []
     cdef int64_t bad_feature = -1, bad_pos = -1, oom_feature = -1
     cdef int rc
@@ -375,8 +375,6 @@ def grouped_forward(list tables, list keys, list offsets, list weights, list mod
     finally:
         free(tp)
         free(ip)
-        free(p_argmax)
-        free(p_nnew)
 
 
 def grouped_backward(list tables, list slots, list offsets, list weights, list modes, list argmaxes,
