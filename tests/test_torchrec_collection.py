@@ -214,3 +214,37 @@ def test_convert_a_torchrec_model_to_dynamic_tables_and_back_for_serving():
     with torch.no_grad():
         served_fixed = model(dense, remap_to_fixed(raw, ebc.embedding_bag_configs(), id_maps))
     torch.testing.assert_close(served_fixed, served_dynamic)
+
+
+def test_embedding_collection_matches_torchrec_and_trains_the_same():
+    from torchrec import EmbeddingCollection, EmbeddingConfig
+    from cncore_torch import CNEmbeddingCollection
+    from cncore_torch.convert import to_dynamic
+
+    def ec_configs():
+        return [EmbeddingConfig(name="t_shared", embedding_dim=4, num_embeddings=ROWS, feature_names=["f1", "f2"]),
+                EmbeddingConfig(name="t_other", embedding_dim=4, num_embeddings=ROWS, feature_names=["f3"])]
+
+    torch.manual_seed(11)
+    ref = EmbeddingCollection(tables=ec_configs())
+    ours = to_dynamic(torch.nn.Sequential(EmbeddingCollection(tables=ec_configs())), optimizer=cncore.Adagrad(lr=0.1))[0]
+    assert isinstance(ours, CNEmbeddingCollection)
+    for name, store in ours.stores.items():
+        store.insert_or_assign(np.arange(ROWS), ref.embeddings[name].weight.detach().numpy())
+    dense = torch.optim.Adagrad(ref.parameters(), lr=0.1, eps=cncore.Adagrad().eps)
+    rng = np.random.default_rng(12)
+    for _ in range(3):
+        kjt = random_kjt(rng)
+        a, b = ours(kjt), ref(kjt)
+        assert a.keys() == b.keys()
+        for key in b:
+            torch.testing.assert_close(a[key].values(), b[key].values())
+            assert a[key].lengths().tolist() == b[key].lengths().tolist()
+        grads = {key: torch.randn_like(b[key].values()) for key in b}
+        dense.zero_grad()
+        sum((b[k].values() * g).sum() for k, g in grads.items()).backward()
+        dense.step()
+        sum((a[k].values() * g).sum() for k, g in grads.items()).backward()
+    for name, store in ours.stores.items():
+        torch.testing.assert_close(torch.from_numpy(store.lookup(np.arange(ROWS))), ref.embeddings[name].weight.detach(),
+                                   rtol=1e-5, atol=1e-6)

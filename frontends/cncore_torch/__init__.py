@@ -9,12 +9,12 @@ from cncore_torch import _ops  # registers the cncore:: operators
 from cncore_torch.modules import CNEmbedding, CNEmbeddingBag
 from cncore_torch.optim import FusedOptimizer
 
-__all__ = ["CNEmbeddingBag", "CNEmbedding", "FusedOptimizer", "CNEmbeddingBagCollection"]
+__all__ = ["CNEmbeddingBag", "CNEmbedding", "FusedOptimizer", "CNEmbeddingBagCollection", "CNEmbeddingCollection"]
 
 
 def __getattr__(name):
     # TorchRec is an optional dependency: imported only when its module is asked for.
-    if name == "CNEmbeddingBagCollection":
-        from cncore_torch.collection import CNEmbeddingBagCollection
-        return CNEmbeddingBagCollection
+    if name in ("CNEmbeddingBagCollection", "CNEmbeddingCollection"):
+        from cncore_torch import collection
+        return getattr(collection, name)
     raise AttributeError(name)

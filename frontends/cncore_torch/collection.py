@@ -29,15 +29,16 @@ from typing import Dict, List, Optional
 import numpy as np
 import torch
 from torch import nn
-from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
-from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface, get_embedding_names_by_table
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig, PoolingType
+from torchrec.modules.embedding_modules import (EmbeddingBagCollectionInterface, EmbeddingCollectionInterface,
+                                                get_embedding_names_by_table)
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
 import cncore
 from cncore_torch.optim import keyed_fused_optimizer
 from cncore_torch.state import is_store_entry, load_store, save_store
 
-__all__ = ["CNEmbeddingBagCollection", "initializer_from_config"]
+__all__ = ["CNEmbeddingBagCollection", "CNEmbeddingCollection", "initializer_from_config"]
 
 _MAX_INITIAL_ROWS = 1 << 20
 _POOLING = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
@@ -189,3 +190,135 @@ class CNEmbeddingBagCollection(EmbeddingBagCollectionInterface):
     def nbytes(self) -> int:
         """Bytes held by all tables."""
         return sum(store.nbytes for store in self._stores.values())
+
+
+class _TableLookups(torch.autograd.Function):
+    """Unpooled lookups, one core call per table (the features of a table concatenated, so a
+    table shared by features gets one update per row with the summed gradient)."""
+
+    @staticmethod
+    def forward(ctx, anchor, collection, keys_by_table, training):
+        outs, lookups = [], []
+        for store, keys in zip(collection._table_stores, keys_by_table):
+            out, lookup = store.pooled_lookup(keys.numpy(), lengths=np.ones(len(keys), dtype=np.int64),
+                                              insert_missing=training)
+            outs.append(torch.from_numpy(out))
+            lookups.append(lookup)
+        ctx.collection, ctx.lookups = collection, lookups
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        collection = ctx.collection
+        if collection.fused_optimizer is None:
+            raise RuntimeError("CNEmbeddingCollection was built without optimizer=; pass a cncore optimizer")
+        for store, lookup, grad in zip(collection._table_stores, ctx.lookups, grads):
+            if grad is not None and len(grad):
+                store.apply_gradients(lookup, np.ascontiguousarray(grad.numpy(), dtype=np.float32),
+                                      lr=collection.fused_optimizer.lr)
+        return None, None, None, None
+
+
+class CNEmbeddingCollection(EmbeddingCollectionInterface):
+    """TorchRec's `EmbeddingCollection` (unpooled: one row per ID) over dynamic tables.
+
+    forward(KJT) -> Dict[str, JaggedTensor] with TorchRec's keys; each JaggedTensor holds the
+    (N, dim) rows of that feature's IDs and its lengths. Same extra arguments as
+    `CNEmbeddingBagCollection`.
+
+    >>> import torch, cncore
+    >>> from torchrec import EmbeddingConfig, KeyedJaggedTensor
+    >>> ec = CNEmbeddingCollection(tables=[EmbeddingConfig(name="t", embedding_dim=4, num_embeddings=10,
+    ...                                                    feature_names=["f"])], optimizer=cncore.SGD(lr=0.1))
+    >>> out = ec(KeyedJaggedTensor.from_lengths_sync(keys=["f"], values=torch.tensor([2**40, 3, 3]),
+    ...                                              lengths=torch.tensor([2, 1])))
+    >>> out["f"].values().shape, out["f"].lengths().tolist()
+    (torch.Size([3, 4]), [2, 1])
+    """
+
+    def __init__(self, tables: List[EmbeddingConfig], device=None, need_indices: bool = False, *, optimizer=None,
+                 initializers: Optional[Dict[str, object]] = None, capacities: Optional[Dict[str, int]] = None,
+                 seed: int = 0):
+        super().__init__()
+        if device is not None and torch.device(device).type != "cpu":
+            raise ValueError(f"device={device!r}: CNEmbeddingCollection runs on 'cpu' for now")
+        if not tables:
+            raise ValueError("tables: at least one EmbeddingConfig is needed")
+        dims = {c.embedding_dim for c in tables}
+        if len(dims) != 1:
+            raise ValueError(f"tables: an EmbeddingCollection needs one embedding_dim for all tables, got {sorted(dims)}")
+        initializers, capacities = dict(initializers or {}), dict(capacities or {})
+        self._configs, self._need_indices, self._dim = tables, need_indices, dims.pop()
+        self._stores: Dict[str, cncore.EmbeddingStore] = {}
+        for config in tables:
+            if not isinstance(config, EmbeddingConfig):
+                raise TypeError(f"tables: expected EmbeddingConfig, got {type(config).__name__}")
+            if config.name in self._stores:
+                raise ValueError(f"tables: duplicate table name {config.name!r}")
+            init = initializers.pop(config.name, None) or initializer_from_config(config)
+            self._stores[config.name] = cncore.EmbeddingStore(cncore.StoreConfig(
+                dim=config.embedding_dim, initializer=init, optimizer=optimizer,
+                seed=(seed * 1_000_003 + zlib.crc32(config.name.encode())) % 2**64,
+                capacity=capacities.pop(config.name, min(config.num_embeddings, _MAX_INITIAL_ROWS))))
+        for leftover, what in ((initializers, "initializers"), (capacities, "capacities")):
+            if leftover:
+                raise ValueError(f"{what}: no table named {sorted(leftover)}")
+        self._feature_names = [list(c.feature_names) or [c.name] for c in tables]
+        self._names_by_table = get_embedding_names_by_table(tables) if all(c.feature_names for c in tables) \
+            else self._feature_names
+        self._table_stores = [self._stores[c.name] for c in tables]
+        self._anchor = nn.Parameter(torch.empty(0))
+        self.fused_optimizer = (keyed_fused_optimizer(self._anchor, optimizer, list(self._stores.values()),
+                                                      "embeddings.fused") if optimizer else None)
+
+    def embedding_configs(self) -> List[EmbeddingConfig]:
+        return self._configs
+
+    def need_indices(self) -> bool:
+        return self._need_indices
+
+    def embedding_dim(self) -> int:
+        return self._dim
+
+    def embedding_names_by_table(self) -> List[List[str]]:
+        return self._names_by_table
+
+    @property
+    def stores(self) -> Dict[str, cncore.EmbeddingStore]:
+        return self._stores
+
+    def forward(self, features: KeyedJaggedTensor) -> Dict[str, JaggedTensor]:
+        if not isinstance(features, KeyedJaggedTensor):
+            raise TypeError(f"features must be a KeyedJaggedTensor, got {type(features).__name__}")
+        by_key = features.to_dict()
+        for names in self._feature_names:
+            for name in names:
+                if name not in by_key:
+                    raise ValueError(f"features: no key {name!r} (it has {features.keys()})")
+        keys_by_table = [torch.cat([by_key[n].values().detach().to(torch.int64) for n in names])
+                         for names in self._feature_names]
+        outs = _TableLookups.apply(self._anchor, self, keys_by_table, self.training)
+        result: Dict[str, JaggedTensor] = {}
+        for out, names, emb_names in zip(outs, self._feature_names, self._names_by_table):
+            start = 0
+            for name, emb_name in zip(names, emb_names):
+                jt = by_key[name]
+                n = jt.values().numel()
+                result[emb_name] = JaggedTensor(values=out[start:start + n], lengths=jt.lengths(),
+                                                weights=jt.values() if self._need_indices else None)
+                start += n
+        return result
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        for name, store in self._stores.items():
+            save_store(store, destination, f"{prefix}tables.{name}.")
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        for name, store in self._stores.items():
+            load_store(store, state_dict, f"{prefix}tables.{name}.", missing_keys, error_msgs)
+        ours = [f"{prefix}tables.{name}." for name in self._stores]
+        rest = {k: v for k, v in state_dict.items() if not any(is_store_entry(k, p) for p in ours)}
+        super()._load_from_state_dict(rest, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)

@@ -22,32 +22,36 @@ from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingCollection, EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from cncore_torch.collection import CNEmbeddingBagCollection
+from cncore_torch.collection import CNEmbeddingBagCollection, CNEmbeddingCollection
 
 __all__ = ["to_dynamic", "to_fixed", "remap_to_fixed"]
 
 
 def to_dynamic(model: nn.Module, *, optimizer, seed: int = 0) -> nn.Module:
-    """Replace every TorchRec `EmbeddingBagCollection` in `model` (in place; returned for
-    chaining) with a `CNEmbeddingBagCollection` on the same configs, carrying each existing row
-    over as the row of its ID (row i -> ID i). `optimizer` is the new tables' fused optimizer."""
-    if isinstance(model, EmbeddingBagCollection):
+    """Replace every TorchRec `EmbeddingBagCollection` / `EmbeddingCollection` in `model` (in
+    place; returned for chaining) with ours on the same configs, carrying each existing row over
+    as the row of its ID (row i -> ID i). `optimizer` is the new tables' fused optimizer."""
+    if isinstance(model, (EmbeddingBagCollection, EmbeddingCollection)):
         return _convert(model, optimizer, seed)
     for name, child in list(model.named_children()):
-        if isinstance(child, EmbeddingCollection):
-            raise NotImplementedError(f"{name}: EmbeddingCollection (unpooled) has no dynamic counterpart yet")
-        if isinstance(child, EmbeddingBagCollection):
+        if isinstance(child, (EmbeddingBagCollection, EmbeddingCollection)):
             setattr(model, name, _convert(child, optimizer, seed))
         else:
             to_dynamic(child, optimizer=optimizer, seed=seed)
     return model
 
 
-def _convert(ebc: EmbeddingBagCollection, optimizer, seed: int) -> CNEmbeddingBagCollection:
-    ours = CNEmbeddingBagCollection(tables=ebc.embedding_bag_configs(), is_weighted=ebc.is_weighted(),
-                                    optimizer=optimizer, seed=seed)
-    for name, bag in ebc.embedding_bags.items():
-        weight = bag.weight.detach().to(torch.float32).cpu().contiguous()
+def _convert(module, optimizer, seed: int):
+    if isinstance(module, EmbeddingBagCollection):
+        ours = CNEmbeddingBagCollection(tables=module.embedding_bag_configs(), is_weighted=module.is_weighted(),
+                                        optimizer=optimizer, seed=seed)
+        tables = module.embedding_bags.items()
+    else:
+        ours = CNEmbeddingCollection(tables=module.embedding_configs(), need_indices=module.need_indices(),
+                                     optimizer=optimizer, seed=seed)
+        tables = module.embeddings.items()
+    for name, table in tables:
+        weight = table.weight.detach().to(torch.float32).cpu().contiguous()
         ours.stores[name].insert_or_assign(np.arange(weight.shape[0]), weight.numpy())
     return ours
 
