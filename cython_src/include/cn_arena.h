@@ -27,8 +27,11 @@ typedef struct {
     uint32_t reserved;
 } cn_meta;
 
-/* A page's rows fill at least one 2 MiB huge page (cn_alloc.h). */
-#define CN_PAGE_TARGET_BYTES ((int64_t)2 << 20)
+/* A page's rows fill one 2 MiB huge page (cn_alloc.h), unless the table is expected to stay
+ * small: then pages are sized to its capacity hint, down to 64 KiB, so that the 26 small
+ * tables of a DLRM do not hold 2 MiB each. */
+#define CN_PAGE_MAX_BYTES ((int64_t)2 << 20)
+#define CN_PAGE_MIN_BYTES ((int64_t)64 << 10)
 
 typedef struct {
     char **pages;
@@ -46,13 +49,15 @@ typedef struct {
     int64_t n_free;
 } cn_arena;
 
-static inline void cn_arena_init(cn_arena *a, int64_t row_floats, int with_scalar_state) {
+static inline void cn_arena_init(cn_arena *a, int64_t row_floats, int with_scalar_state, int64_t capacity_hint) {
     memset(a, 0, sizeof(*a));
     a->meta_bytes = with_scalar_state ? 16 : 8;
     a->row_floats = row_floats;
     a->row_bytes = row_floats * (int64_t)sizeof(float);
+    int64_t target = capacity_hint * a->row_bytes;
+    target = target < CN_PAGE_MIN_BYTES ? CN_PAGE_MIN_BYTES : target > CN_PAGE_MAX_BYTES ? CN_PAGE_MAX_BYTES : target;
     int64_t shift = 0;
-    while (((int64_t)1 << shift) * a->row_bytes < CN_PAGE_TARGET_BYTES) shift++;
+    while (((int64_t)1 << shift) * a->row_bytes < target) shift++;
     a->page_shift = shift;
     a->page_mask = ((int64_t)1 << shift) - 1;
     int64_t rows_part = (((int64_t)1 << shift) * a->row_bytes + 63) & ~(int64_t)63;

@@ -49,7 +49,7 @@ static inline int cn_table_create(cn_table *t, int64_t dim, int optimizer_kind, 
     t->state_init = state_init;
     t->init = init;
     t->max_load = max_load;
-    cn_arena_init(&t->arena, dim + (t->state_in_meta ? 0 : t->state_floats), t->state_in_meta);
+    cn_arena_init(&t->arena, dim + (t->state_in_meta ? 0 : t->state_floats), t->state_in_meta, capacity_hint);
     if (cn_index_init(&t->index, cn_index_buckets_for(capacity_hint, max_load), &t->nbytes) != 0) return CN_ENOMEM;
     if (cn_arena_reserve(&t->arena, capacity_hint, &t->nbytes) != 0) {
         cn_arena_free(&t->arena, &t->nbytes);

@@ -93,8 +93,10 @@ def build_dlrm(ebc, dim: int) -> DLRM:
 class Run:
     """One model, its optimizers, and how its batches reach it."""
 
-    def __init__(self, name: str, model: DLRM, optimizers: List[torch.optim.Optimizer], remap=None, tables=None):
+    def __init__(self, name: str, model: DLRM, optimizers: List[torch.optim.Optimizer], remap=None, tables=None,
+                 fixed_rows: Optional[List[int]] = None, dim: int = 0):
         self.name, self.model, self.optimizers, self.remap, self.tables = name, model, optimizers, remap, tables
+        self.fixed_rows, self.dim = fixed_rows, dim
 
     def features(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
         return kjt if self.remap is None else self.remap(kjt)
@@ -123,9 +125,12 @@ class Run:
         return {"auc": float(auc.compute()), "logloss": losses / n}
 
     def table_summary(self) -> Dict[str, float]:
-        if self.tables is None:
-            return {}
-        return {"rows": float(sum(self.tables.table_rows().values())), "table_mib": self.tables.nbytes() / 2**20}
+        if self.tables is not None:
+            return {"rows": float(sum(self.tables.table_rows().values())), "table_mib": self.tables.nbytes() / 2**20}
+        if self.fixed_rows is not None:  # fixed tables: rows x (dim floats + one row-wise Adagrad float)
+            rows = sum(self.fixed_rows)
+            return {"rows": float(rows), "table_mib": rows * (self.dim + 1) * 4 / 2**20}
+        return {}
 
 
 def dynamic_run(args, data: Data) -> Run:
@@ -158,7 +163,8 @@ def fixed_run(args, name: str, rows: List[int], remap) -> Run:
     sparse = [p for n, p in model.named_parameters() if "embedding_bags" in n]
     dense = [p for n, p in model.named_parameters() if "embedding_bags" not in n]
     return Run(name, model, [torch.optim.Adagrad(dense, lr=args.dense_lr),
-                             TorchRecRowWiseAdagrad(sparse, lr=args.sparse_lr)], remap=remap)
+                             TorchRecRowWiseAdagrad(sparse, lr=args.sparse_lr)], remap=remap, fixed_rows=list(rows),
+               dim=args.embedding_dim)
 
 
 def hashed_run(args, rows: List[int]) -> Run:
@@ -222,7 +228,8 @@ def dmp_run(args, data: Data) -> Run:
     dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
                                   lambda ps: torch.optim.Adagrad(ps, lr=args.dense_lr))
     return Run("TorchRec DMP (fused FBGEMM, collision-free)", dmp,
-               [CombinedOptimizer([dmp.fused_optimizer, dense])], remap=remap)
+               [CombinedOptimizer([dmp.fused_optimizer, dense])], remap=remap, fixed_rows=list(rows),
+               dim=args.embedding_dim)
 
 
 # --- training ------------------------------------------------------------------------------------
@@ -254,7 +261,7 @@ def train(run: Run, data: Data, args, start: int = 0, log=print) -> Dict[str, fl
             metrics = run.evaluate(data.eval_set)
             history.append({"step": step, **metrics, **run.table_summary()})
             tables = run.table_summary()
-            size = f", {tables['rows']:,.0f} rows, {tables['table_mib']:.1f} MiB" if tables else ""
+            size = f", {tables['rows']:,.0f} rows, {tables['table_mib']:.1f} MiB" if run.tables is not None else ""
             bar.write(f"[{run.name}] step {step}: AUC {metrics['auc']:.4f}, log loss {metrics['logloss']:.4f}{size}")
             if args.checkpoint and run.tables is not None:
                 save_checkpoint(args.checkpoint, run, step, args)
