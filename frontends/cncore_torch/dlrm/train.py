@@ -210,7 +210,11 @@ def dmp_run(args, data: Data) -> Run:
     """TorchRec's production path on CPU: DistributedModelParallel (gloo, world size 1) with
     fused FBGEMM tables and row-wise Adagrad applied in backward; IDs remapped collision-free."""
     import torch.distributed as dist
+    from torchrec.distributed.embedding_types import EmbeddingComputeKernel
     from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+    from torchrec.distributed.sharding_plan import get_default_sharders
+    from torchrec.distributed.types import ShardingType
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
     from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
     from torchrec.optim.optimizers import in_backward_optimizer_filter
@@ -224,7 +228,14 @@ def dmp_run(args, data: Data) -> Run:
     model = build_dlrm(EmbeddingBagCollection(tables=table_configs(args.embedding_dim, rows),
                                               device=torch.device("meta")), args.embedding_dim)
     apply_optimizer_in_backward(TorchRecRowWiseAdagrad, model.sparse_arch.parameters(), {"lr": args.sparse_lr})
-    dmp = DistributedModelParallel(module=model, device=torch.device("cpu"))
+    # Left alone, the planner puts small tables on its data-parallel "dense" kernel (dense
+    # gradients); every table on FBGEMM's fused kernel is the production path we compare with.
+    fused = {f"t_{key}": ParameterConstraints(sharding_types=[ShardingType.TABLE_WISE.value],
+                                              compute_kernels=[EmbeddingComputeKernel.FUSED.value])
+             for key in SPARSE_KEYS}
+    planner = EmbeddingShardingPlanner(topology=Topology(world_size=1, compute_device="cpu"), constraints=fused)
+    plan = planner.plan(model, get_default_sharders())
+    dmp = DistributedModelParallel(module=model, device=torch.device("cpu"), plan=plan)
     dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
                                   lambda ps: torch.optim.Adagrad(ps, lr=args.dense_lr))
     return Run("TorchRec DMP (fused FBGEMM, collision-free)", dmp,
