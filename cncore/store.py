@@ -42,7 +42,7 @@ from typing import Iterator, Optional
 import numpy as np
 
 from cncore import _core
-from cncore._interchange import as_float_rows, as_floats, as_keys, as_offsets, to_numpy
+from cncore._interchange import as_float_rows, as_floats, as_keys, to_numpy
 from cncore.config import StoreConfig
 
 __all__ = ["EmbeddingStore", "TableBatch", "initial_rows"]

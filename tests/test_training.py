@@ -87,7 +87,7 @@ def rowwise_adagrad_reference(rows, state, grads_by_row, lr, eps):
 
 @pytest.mark.parametrize("mode", ["sum", "mean"])
 def test_rowwise_adagrad_matches_formula_and_fbgemm(mode):
-    fbgemm = pytest.importorskip("fbgemm_gpu")  # installed with the test extras; CI has it
+    pytest.importorskip("fbgemm_gpu")  # installed with the test extras; CI has it
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import (ComputeDevice,

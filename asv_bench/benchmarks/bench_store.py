@@ -1,5 +1,4 @@
 """Store verbs: find, find_or_insert of new keys, export."""
-import numpy as np
 
 import cncore
 

@@ -3,7 +3,7 @@ import numpy as np
 
 import cncore
 
-from .common import BATCH, N_ROWS, THREADS, bags, filled_store, raw_keys, rng
+from .common import BATCH, N_ROWS, THREADS, bags, filled_store, rng
 
 
 class PooledLookup:

@@ -233,7 +233,6 @@ def main():
     t_stream = timed_round_robin({"ours": stream_ours, "torch": stream_torch}, 3 if not args.quick else 1, warmup=1)
     t_ours, t_torch = t_stream["ours"], t_stream["torch"]
     total = steps * batch * pooling
-    final = stream_ours()
     print(f"\nStream from an empty table ({steps} steps, pooling {pooling}, dim {dim}, SGD, {len(uniq):,} distinct "
           f"IDs): ours {total / t_ours / 1e6:.1f} M IDs/s, EmbeddingBag on pre-remapped IDs (table preallocated) "
           f"{total / t_torch / 1e6:.1f} M IDs/s: **{t_torch / t_ours:.2f}x**")

@@ -65,6 +65,51 @@ def initializer_from_config(config: EmbeddingBagConfig):
                      f"initializers={{{config.name!r}: cncore.Uniform(...)}} (or Normal, TruncatedNormal, Constant)")
 
 
+def make_stores(tables, config_type, optimizer, initializers, capacities, seed: int, device,
+                what: str) -> Dict[str, cncore.EmbeddingStore]:
+    """One store per TorchRec table config (checked: type, unique names, known overrides)."""
+    if device is not None and torch.device(device).type != "cpu":
+        raise ValueError(f"device={device!r}: {what} runs on 'cpu' for now")
+    if not tables:
+        raise ValueError(f"tables: at least one {config_type.__name__} is needed")
+    initializers, capacities = dict(initializers or {}), dict(capacities or {})
+    stores: Dict[str, cncore.EmbeddingStore] = {}
+    for config in tables:
+        if not isinstance(config, config_type):
+            raise TypeError(f"tables: expected {config_type.__name__}, got {type(config).__name__}")
+        if config.name in stores:
+            raise ValueError(f"tables: duplicate table name {config.name!r}")
+        if isinstance(config, EmbeddingBagConfig) and config.pooling not in _POOLING:
+            raise ValueError(f"table {config.name!r}: pooling {config.pooling} is not supported (SUM or MEAN)")
+        init = initializers.pop(config.name, None) or initializer_from_config(config)
+        stores[config.name] = cncore.EmbeddingStore(cncore.StoreConfig(
+            dim=config.embedding_dim, initializer=init, optimizer=optimizer,
+            seed=(seed * 1_000_003 + zlib.crc32(config.name.encode())) % 2**64,
+            capacity=capacities.pop(config.name, min(config.num_embeddings, _MAX_INITIAL_ROWS))))
+    for leftover, name in ((initializers, "initializers"), (capacities, "capacities")):
+        if leftover:
+            raise ValueError(f"{name}: no table named {sorted(leftover)}")
+    return stores
+
+
+class _StoresInStateDict:
+    """Every table's rows, optimizer state and metadata in the module's state_dict."""
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        for name, store in self._stores.items():
+            save_store(store, destination, f"{prefix}tables.{name}.")
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        for name, store in self._stores.items():
+            load_store(store, state_dict, f"{prefix}tables.{name}.", missing_keys, error_msgs)
+        ours = [f"{prefix}tables.{name}." for name in self._stores]
+        rest = {k: v for k, v in state_dict.items() if not any(is_store_entry(k, p) for p in ours)}
+        super()._load_from_state_dict(rest, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
+
 class _GroupedLookup(torch.autograd.Function):
     """One grouped core call forward, one grouped core call backward (fused updates)."""
 
@@ -85,7 +130,7 @@ class _GroupedLookup(torch.autograd.Function):
         return None, None, None, None, None, None
 
 
-class CNEmbeddingBagCollection(EmbeddingBagCollectionInterface):
+class CNEmbeddingBagCollection(_StoresInStateDict, EmbeddingBagCollectionInterface):
     """TorchRec's `EmbeddingBagCollection` on dynamic tables (see the module docstring).
 
     Args: `tables`, `is_weighted`, `device` as TorchRec (device: "cpu" only for now);
@@ -99,31 +144,10 @@ class CNEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                  optimizer=None, initializers: Optional[Dict[str, object]] = None,
                  capacities: Optional[Dict[str, int]] = None, seed: int = 0):
         super().__init__()
-        if device is not None and torch.device(device).type != "cpu":
-            raise ValueError(f"device={device!r}: CNEmbeddingBagCollection runs on 'cpu' for now")
-        if not tables:
-            raise ValueError("tables: at least one EmbeddingBagConfig is needed")
-        initializers, capacities = dict(initializers or {}), dict(capacities or {})
+        self._stores = make_stores(tables, EmbeddingBagConfig, optimizer, initializers, capacities, seed, device,
+                                   "CNEmbeddingBagCollection")
         self._is_weighted = is_weighted
         self._embedding_bag_configs = tables
-        self._stores: Dict[str, cncore.EmbeddingStore] = {}
-        names = set()
-        for config in tables:
-            if not isinstance(config, EmbeddingBagConfig):
-                raise TypeError(f"tables: expected EmbeddingBagConfig, got {type(config).__name__}")
-            if config.name in names:
-                raise ValueError(f"tables: duplicate table name {config.name!r}")
-            names.add(config.name)
-            if config.pooling not in _POOLING:
-                raise ValueError(f"table {config.name!r}: pooling {config.pooling} is not supported (SUM or MEAN)")
-            init = initializers.pop(config.name, None) or initializer_from_config(config)
-            table_seed = (seed * 1_000_003 + zlib.crc32(config.name.encode())) % 2**64
-            self._stores[config.name] = cncore.EmbeddingStore(cncore.StoreConfig(
-                dim=config.embedding_dim, initializer=init, seed=table_seed, optimizer=optimizer,
-                capacity=capacities.pop(config.name, min(config.num_embeddings, _MAX_INITIAL_ROWS))))
-        for leftover, what in ((initializers, "initializers"), (capacities, "capacities")):
-            if leftover:
-                raise ValueError(f"{what}: no table named {sorted(leftover)}")
         # Feature order, names and widths exactly as TorchRec's EmbeddingBagCollection; the
         # caller's configs are not mutated (TorchRec fills in feature_names; we read them).
         self._feature_names = [list(c.feature_names) or [c.name] for c in tables]
@@ -169,22 +193,6 @@ class CNEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                                       self.training)
         return KeyedTensor(keys=self._embedding_names, length_per_key=self._lengths_per_embedding, values=values)
 
-    # --- state: every table's rows, optimizer state and metadata ---------------------------------
-
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        super()._save_to_state_dict(destination, prefix, keep_vars)
-        for name, store in self._stores.items():
-            save_store(store, destination, f"{prefix}tables.{name}.")
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
-        for name, store in self._stores.items():
-            load_store(store, state_dict, f"{prefix}tables.{name}.", missing_keys, error_msgs)
-        ours = [f"{prefix}tables.{name}." for name in self._stores]
-        rest = {k: v for k, v in state_dict.items() if not any(is_store_entry(k, p) for p in ours)}
-        super()._load_from_state_dict(rest, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
-
     def table_rows(self) -> Dict[str, int]:
         """Rows in each table."""
         return {name: len(store) for name, store in self._stores.items()}
@@ -221,7 +229,7 @@ class _TableLookups(torch.autograd.Function):
         return None, None, None, None
 
 
-class CNEmbeddingCollection(EmbeddingCollectionInterface):
+class CNEmbeddingCollection(_StoresInStateDict, EmbeddingCollectionInterface):
     """TorchRec's `EmbeddingCollection` (unpooled: one row per ID) over dynamic tables.
 
     forward(KJT) -> Dict[str, JaggedTensor] with TorchRec's keys; each JaggedTensor holds the
@@ -242,29 +250,12 @@ class CNEmbeddingCollection(EmbeddingCollectionInterface):
                  initializers: Optional[Dict[str, object]] = None, capacities: Optional[Dict[str, int]] = None,
                  seed: int = 0):
         super().__init__()
-        if device is not None and torch.device(device).type != "cpu":
-            raise ValueError(f"device={device!r}: CNEmbeddingCollection runs on 'cpu' for now")
-        if not tables:
-            raise ValueError("tables: at least one EmbeddingConfig is needed")
         dims = {c.embedding_dim for c in tables}
-        if len(dims) != 1:
+        if len(dims) > 1:
             raise ValueError(f"tables: an EmbeddingCollection needs one embedding_dim for all tables, got {sorted(dims)}")
-        initializers, capacities = dict(initializers or {}), dict(capacities or {})
+        self._stores = make_stores(tables, EmbeddingConfig, optimizer, initializers, capacities, seed, device,
+                                   "CNEmbeddingCollection")
         self._configs, self._need_indices, self._dim = tables, need_indices, dims.pop()
-        self._stores: Dict[str, cncore.EmbeddingStore] = {}
-        for config in tables:
-            if not isinstance(config, EmbeddingConfig):
-                raise TypeError(f"tables: expected EmbeddingConfig, got {type(config).__name__}")
-            if config.name in self._stores:
-                raise ValueError(f"tables: duplicate table name {config.name!r}")
-            init = initializers.pop(config.name, None) or initializer_from_config(config)
-            self._stores[config.name] = cncore.EmbeddingStore(cncore.StoreConfig(
-                dim=config.embedding_dim, initializer=init, optimizer=optimizer,
-                seed=(seed * 1_000_003 + zlib.crc32(config.name.encode())) % 2**64,
-                capacity=capacities.pop(config.name, min(config.num_embeddings, _MAX_INITIAL_ROWS))))
-        for leftover, what in ((initializers, "initializers"), (capacities, "capacities")):
-            if leftover:
-                raise ValueError(f"{what}: no table named {sorted(leftover)}")
         self._feature_names = [list(c.feature_names) or [c.name] for c in tables]
         self._names_by_table = get_embedding_names_by_table(tables) if all(c.feature_names for c in tables) \
             else self._feature_names
@@ -310,17 +301,3 @@ class CNEmbeddingCollection(EmbeddingCollectionInterface):
                                                 weights=jt.values() if self._need_indices else None)
                 start += n
         return result
-
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        super()._save_to_state_dict(destination, prefix, keep_vars)
-        for name, store in self._stores.items():
-            save_store(store, destination, f"{prefix}tables.{name}.")
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
-        for name, store in self._stores.items():
-            load_store(store, state_dict, f"{prefix}tables.{name}.", missing_keys, error_msgs)
-        ours = [f"{prefix}tables.{name}." for name in self._stores]
-        rest = {k: v for k, v in state_dict.items() if not any(is_store_entry(k, p) for p in ours)}
-        super()._load_from_state_dict(rest, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)

@@ -26,7 +26,7 @@ from torch import nn
 import cncore
 from cncore_torch import _ops
 from cncore_torch.device_rows import DeviceRows
-from cncore_torch.devices import Placement, resolve_device
+from cncore_torch.devices import resolve_device
 from cncore_torch.optim import FusedOptimizer
 from cncore_torch.state import FIELDS as _STATE_FIELDS
 from cncore_torch.state import export_tensors, is_store_entry
