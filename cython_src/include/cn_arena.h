@@ -27,9 +27,9 @@ typedef struct {
     uint32_t reserved;
 } cn_meta;
 
-/* A page's rows fill one 2 MiB huge page (cn_alloc.h), unless the table is expected to stay
- * small: then pages are sized to its capacity hint, down to 64 KiB, so that the 26 small
- * tables of a DLRM do not hold 2 MiB each. */
+/* A page's rows fill one 2 MiB huge page (cn_alloc.h), unless the table's capacity hint fits in
+ * 64 KiB: then its pages are 64 KiB, so that the many tiny tables of a DLRM do not hold 2 MiB
+ * each. */
 #define CN_PAGE_MAX_BYTES ((int64_t)2 << 20)
 #define CN_PAGE_MIN_BYTES ((int64_t)64 << 10)
 
@@ -54,8 +54,9 @@ static inline void cn_arena_init(cn_arena *a, int64_t row_floats, int with_scala
     a->meta_bytes = with_scalar_state ? 16 : 8;
     a->row_floats = row_floats;
     a->row_bytes = row_floats * (int64_t)sizeof(float);
-    int64_t target = capacity_hint * a->row_bytes;
-    target = target < CN_PAGE_MIN_BYTES ? CN_PAGE_MIN_BYTES : target > CN_PAGE_MAX_BYTES ? CN_PAGE_MAX_BYTES : target;
+    /* Either a small page, for a table whose hint fits in one, or a huge page: a table that
+     * starts mid-sized may grow large, and then its rows want huge pages (fewer TLB misses). */
+    const int64_t target = capacity_hint * a->row_bytes < CN_PAGE_MIN_BYTES ? CN_PAGE_MIN_BYTES : CN_PAGE_MAX_BYTES;
     int64_t shift = 0;
     while (((int64_t)1 << shift) * a->row_bytes < target) shift++;
     a->page_shift = shift;
