@@ -1,5 +1,4 @@
 """The table file format: exact round trips, damage refused, atomic against SIGKILL."""
-import json
 import os
 import signal
 import subprocess
@@ -10,7 +9,7 @@ import numpy as np
 import pytest
 
 import cncore
-from cncore_numpy import TableFormatError, load_table, open_table, save_table
+from cncore_numpy import TableFormatError, load_table, save_table
 from reference import EDGE_KEYS
 
 
