@@ -27,7 +27,8 @@ import numpy as np
 from cncore import _core
 from cncore._interchange import as_float_rows, as_floats, as_keys, as_offsets, as_output
 
-__all__ = ["LookupContext", "grouped_pooled_lookup", "grouped_apply_gradients", "check_context"]
+__all__ = ["LookupContext", "grouped_pooled_lookup", "grouped_apply_gradients", "check_context",
+           "check_rows_alive"]
 
 MODES = {"sum": 0, "mean": 1, "max": 2}
 
@@ -58,7 +59,12 @@ def check_context(ctx, store) -> None:
         raise TypeError(f"ctx must be the LookupContext returned by pooled_lookup, got {type(ctx).__name__}")
     if ctx.store is not store:
         raise ValueError("ctx comes from a lookup on another store")
-    if ctx.erase_epoch != store._table.erase_epoch:
+    check_rows_alive(store, ctx.erase_epoch)
+
+
+def check_rows_alive(store, erase_epoch: int) -> None:
+    """The slots a lookup resolved are still the rows it read (nothing erased since)."""
+    if erase_epoch != store._table.erase_epoch:
         raise RuntimeError("keys were erased (or the store cleared) since this lookup; its rows may be "
                            "gone, so its gradient cannot be applied")
 

@@ -32,17 +32,22 @@ def has_openmp():
     return bool(cn_has_openmp())
 
 
-def init_rows(int init_kind, uint64_t seed, float p0, float p1, float p2, float p3, const key_t[::1] keys,
-              weight_t[:, ::1] out):
-    """The initial rows of keys (what a store inserts for them), without storing anything."""
+cdef inline cn_init _make_init(int kind, uint64_t seed, float p0, float p1, float p2, float p3):
     cdef cn_init init
-    cdef int64_t n = keys.shape[0], dim = out.shape[1], i
-    init.kind = init_kind
+    init.kind = kind
     init.seed = seed
     init.p0 = p0
     init.p1 = p1
     init.p2 = p2
     init.p3 = p3
+    return init
+
+
+def init_rows(int init_kind, uint64_t seed, float p0, float p1, float p2, float p3, const key_t[::1] keys,
+              weight_t[:, ::1] out):
+    """The initial rows of keys (what a store inserts for them), without storing anything."""
+    cdef cn_init init = _make_init(init_kind, seed, p0, p1, p2, p3)
+    cdef int64_t n = keys.shape[0], dim = out.shape[1], i
     cdef int nthreads = cn_threads_for(n * dim // 16)
     with nogil:
         for i in prange(n, num_threads=nthreads, schedule="static"):
@@ -75,15 +80,9 @@ cdef class Table:
 
     def __cinit__(self, int64_t dim, int optimizer_kind, float state_init, int init_kind, uint64_t seed,
                   float p0, float p1, float p2, float p3, double max_load, int64_t capacity_hint):
-        cdef cn_init init
+        cdef cn_init init = _make_init(init_kind, seed, p0, p1, p2, p3)
         cdef int rc
         self.alive = False
-        init.kind = init_kind
-        init.seed = seed
-        init.p0 = p0
-        init.p1 = p1
-        init.p2 = p2
-        init.p3 = p3
         with nogil:
             rc = cn_table_create(&self.t, dim, optimizer_kind, state_init, init, max_load, capacity_hint)
         if rc != CN_OK:

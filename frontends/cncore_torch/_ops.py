@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from cncore import _core
-from cncore.grouped import LookupContext
+from cncore.grouped import LookupContext, check_rows_alive
 from cncore.grouped import _optim_tuple as optimizer_arguments
 
 _TABLES: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
@@ -70,8 +70,7 @@ def apply_impl(handle: int, grad, keys, offsets, weights, slots, argmax, info, m
                             _np(argmax) if mode == 2 else None, epoch, slice(0, table.dim), n_new, training, step)
         table._backward(ctx, grad_np)
         return
-    if store._table.erase_epoch != epoch:
-        raise RuntimeError("keys were erased (or the table cleared) between this lookup and its backward")
+    check_rows_alive(store, epoch)
     _core.grouped_backward([store._table], [_np(slots)], [_np(offsets)], [_np(weights)], [mode],
                            [_np(argmax) if mode == 2 else None], [grad_np],
                            [optimizer_arguments(store, table.fused_optimizer.lr)], [(training, step)])

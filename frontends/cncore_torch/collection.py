@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import zlib
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -92,6 +92,28 @@ def make_stores(tables, config_type, optimizer, initializers, capacities, seed: 
     return stores
 
 
+
+def feature_names_of(tables) -> Tuple[List[List[str]], List[List[str]]]:
+    """(feature names, embedding names) per table, exactly as TorchRec's collections name them
+    (`feature@table` for a feature read by several tables); the configs are not mutated
+    (TorchRec fills in empty feature_names with the table name; we read them that way)."""
+    features = [list(c.feature_names) or [c.name] for c in tables]
+    names = get_embedding_names_by_table(tables) if all(c.feature_names for c in tables) else features
+    return features, names
+
+
+def features_by_key(features, feature_names: List[List[str]]) -> Dict[str, JaggedTensor]:
+    """The KJT's JaggedTensor per key, every feature the tables read being present."""
+    if not isinstance(features, KeyedJaggedTensor):
+        raise TypeError(f"features must be a KeyedJaggedTensor, got {type(features).__name__}")
+    by_key = features.to_dict()
+    for names in feature_names:
+        for name in names:
+            if name not in by_key:
+                raise ValueError(f"features: no key {name!r} (it has {features.keys()})")
+    return by_key
+
+
 class _StoresInStateDict:
     """Every table's rows, optimizer state and metadata in the module's state_dict."""
 
@@ -148,11 +170,8 @@ class CNEmbeddingBagCollection(_StoresInStateDict, EmbeddingBagCollectionInterfa
                                    "CNEmbeddingBagCollection")
         self._is_weighted = is_weighted
         self._embedding_bag_configs = tables
-        # Feature order, names and widths exactly as TorchRec's EmbeddingBagCollection; the
-        # caller's configs are not mutated (TorchRec fills in feature_names; we read them).
-        self._feature_names = [list(c.feature_names) or [c.name] for c in tables]
-        self._embedding_names = [n for names_ in get_embedding_names_by_table(tables) for n in names_] \
-            if all(c.feature_names for c in tables) else [n for f in self._feature_names for n in f]
+        self._feature_names, names_by_table = feature_names_of(tables)
+        self._embedding_names = [n for names in names_by_table for n in names]
         self._feature_stores = [self._stores[c.name] for c, f in zip(tables, self._feature_names) for _ in f]
         self._modes = [_POOLING[c.pooling] for c, f in zip(tables, self._feature_names) for _ in f]
         self._lengths_per_embedding = [c.embedding_dim for c, f in zip(tables, self._feature_names) for _ in f]
@@ -172,14 +191,10 @@ class CNEmbeddingBagCollection(_StoresInStateDict, EmbeddingBagCollectionInterfa
         return self._stores
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        if not isinstance(features, KeyedJaggedTensor):
-            raise TypeError(f"features must be a KeyedJaggedTensor, got {type(features).__name__}")
-        by_key = features.to_dict()
+        by_key = features_by_key(features, self._feature_names)
         keys, offsets, weights = [], [], []
         for names in self._feature_names:
             for name in names:
-                if name not in by_key:
-                    raise ValueError(f"features: no key {name!r} (it has {features.keys()})")
                 jt = by_key[name]
                 # .numpy() is the cheapest zero-copy view of a CPU tensor (DLPack costs more
                 # per call, and there are 2 x 26 arrays a batch)
@@ -256,9 +271,7 @@ class CNEmbeddingCollection(_StoresInStateDict, EmbeddingCollectionInterface):
         self._stores = make_stores(tables, EmbeddingConfig, optimizer, initializers, capacities, seed, device,
                                    "CNEmbeddingCollection")
         self._configs, self._need_indices, self._dim = tables, need_indices, dims.pop()
-        self._feature_names = [list(c.feature_names) or [c.name] for c in tables]
-        self._names_by_table = get_embedding_names_by_table(tables) if all(c.feature_names for c in tables) \
-            else self._feature_names
+        self._feature_names, self._names_by_table = feature_names_of(tables)
         self._table_stores = [self._stores[c.name] for c in tables]
         self._anchor = nn.Parameter(torch.empty(0))
         self.fused_optimizer = (keyed_fused_optimizer(self._anchor, optimizer, list(self._stores.values()),
@@ -281,13 +294,7 @@ class CNEmbeddingCollection(_StoresInStateDict, EmbeddingCollectionInterface):
         return self._stores
 
     def forward(self, features: KeyedJaggedTensor) -> Dict[str, JaggedTensor]:
-        if not isinstance(features, KeyedJaggedTensor):
-            raise TypeError(f"features must be a KeyedJaggedTensor, got {type(features).__name__}")
-        by_key = features.to_dict()
-        for names in self._feature_names:
-            for name in names:
-                if name not in by_key:
-                    raise ValueError(f"features: no key {name!r} (it has {features.keys()})")
+        by_key = features_by_key(features, self._feature_names)
         keys_by_table = [torch.cat([by_key[n].values().detach().to(torch.int64) for n in names])
                          for names in self._feature_names]
         outs = _TableLookups.apply(self._anchor, self, keys_by_table, self.training)

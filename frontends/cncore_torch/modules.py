@@ -165,13 +165,14 @@ class _DynamicTable(nn.Module):
         return hook
 
     def _backward(self, ctx, grad: np.ndarray) -> None:
-        if self.fused_optimizer is not None:
-            self.store.apply_gradients(ctx, grad, lr=self.fused_optimizer.lr)
-            return
+        """Non-fused backward of a core lookup (the fused one goes straight to the core, _ops)."""
         ids, grads = self.store.accumulate_gradients(ctx, grad)
-        self.last_gradients = (torch.from_numpy(ids), torch.from_numpy(grads))
+        self._deliver_gradients(torch.from_numpy(ids), torch.from_numpy(grads))
+
+    def _deliver_gradients(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
+        self.last_gradients = (ids, grads)
         for hook in self._gradient_hooks:
-            hook(*self.last_gradients)
+            hook(ids, grads)
 
     # --- the dynamic table ------------------------------------------------------------------------
 
@@ -444,9 +445,7 @@ class _DeviceLookup(torch.autograd.Function):
             if table.fused_optimizer is not None:
                 rows.apply(idx, grads, table.fused_optimizer.lr)
             else:
-                table.last_gradients = (rows.slot_keys[idx.cpu()], grads)
-                for hook in table._gradient_hooks:
-                    hook(*table.last_gradients)
+                table._deliver_gradients(rows.slot_keys[idx.cpu()], grads)
         return torch.zeros_like(anchor), None, None, None, grad_weights, None, None
 
 
