@@ -95,8 +95,8 @@ def _u32(obj, name: str, n: int) -> Optional[np.ndarray]:
     return np.ascontiguousarray(arr, dtype=np.uint32)
 
 
-def _restore(config, keys, rows, optimizer_state, counts, last_steps, step):
-    store = EmbeddingStore(config)
+def _restore(config, keys, rows, optimizer_state, counts, last_steps, step, kind=None):
+    store = (kind or EmbeddingStore)(config)
     store.reserve(len(keys))
     store.load(keys, rows, optimizer_state if config.state_floats else None, counts, last_steps)
     store.step = step
@@ -176,7 +176,7 @@ class EmbeddingStore:
         every row with its optimizer state and metadata, and the step."""
         batch = self.export()
         return (_restore, (self._config, batch.keys, batch.rows, batch.optimizer_state, batch.counts,
-                           batch.last_steps, self.step))
+                           batch.last_steps, self.step, type(self)))
 
     # --- key verbs -------------------------------------------------------------------------
 

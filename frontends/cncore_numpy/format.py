@@ -33,17 +33,19 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import json
 import os
 import shutil
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, Iterator, Optional, Tuple
 
 import numpy as np
 
 import cncore
 
-__all__ = ["save_table", "open_table", "load_table", "TableFile", "TableFormatError", "FORMAT_VERSION"]
+__all__ = ["save_table", "open_table", "TableFile", "TableWriter", "TableFormatError",
+           "FORMAT_VERSION"]
 
 FORMAT = "cn-table"
 FORMAT_VERSION = 1
@@ -93,61 +95,140 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+class TableWriter:
+    """Writes a table directory in batches of rows, never holding the table in memory.
+
+    The arrays go to plain files (header first, then each batch appended, hashed as it is
+    written); `commit` fsyncs them, writes the manifest and makes the new version live with
+    an atomic rename of CURRENT. Leaving the `with` block by an exception, or a crash,
+    leaves the table as it was.
+
+    >>> import numpy as np, tempfile, os, cncore
+    >>> path = os.path.join(tempfile.mkdtemp(), "t.cnt")
+    >>> with TableWriter(path, cncore.StoreConfig(dim=2), n_rows=3, step=7) as w:
+    ...     w.write(np.array([1, 2]), np.ones((2, 2), np.float32))
+    ...     w.write(np.array([3]), np.zeros((1, 2), np.float32), counts=np.array([5]))
+    >>> open_table(path).counts.tolist(), open_table(path).step
+    ([0, 0, 5], 7)
+    """
+
+    def __init__(self, path: str, config: cncore.StoreConfig, n_rows: int, step: int = 0):
+        if not isinstance(n_rows, (int, np.integer)) or n_rows < 0:
+            raise ValueError(f"n_rows must be an int >= 0, got {n_rows!r}")
+        self.path, self.config, self.n_rows, self.step = path, config, int(n_rows), int(step)
+        os.makedirs(path, exist_ok=True)
+        current = _read_current(path, missing_ok=True)
+        self.version = f"v{int(current[1:]) + 1 if current else 1:06d}"
+        self._tmp = os.path.join(path, f".{self.version}.tmp-{os.getpid()}")
+        shutil.rmtree(self._tmp, ignore_errors=True)
+        os.makedirs(self._tmp)
+        n, sf = self.n_rows, config.state_floats
+        self._shapes = {"keys": (n,), "rows": (n, config.dim), "optimizer_state": (n, sf), "counts": (n,),
+                        "last_steps": (n,)}
+        self._files, self._hashes = {}, {}
+        for name in ARRAYS:
+            header = io.BytesIO()
+            np.lib.format.write_array_header_1_0(header, {"descr": np.lib.format.dtype_to_descr(np.dtype(ARRAYS[name])),
+                                                          "fortran_order": False, "shape": self._shapes[name]})
+            self._files[name] = open(os.path.join(self._tmp, f"{name}.npy"), "wb")
+            self._hashes[name] = hashlib.sha256()
+            self._append(name, header.getvalue())
+        self.rows_written = 0
+
+    def _append(self, name: str, data) -> None:
+        self._files[name].write(data)
+        self._hashes[name].update(data)
+
+    def write(self, keys, rows, optimizer_state=None, counts=None, last_steps=None) -> None:
+        """Append a batch: keys (k,), rows (k, dim); optimizer state (k, state floats) defaults
+        to the optimizer's initial state, counts and last steps to 0."""
+        keys = np.ascontiguousarray(keys, dtype=np.int64)
+        k = len(keys)
+        if keys.ndim != 1:
+            raise ValueError(f"keys must be 1-D, got shape {keys.shape}")
+        if self.rows_written + k > self.n_rows:
+            raise ValueError(f"more rows written ({self.rows_written + k}) than announced (n_rows={self.n_rows})")
+        sf = self.config.state_floats
+        if optimizer_state is None:
+            initial = self.config.optimizer.initial_state if sf else 0.0
+            optimizer_state = np.full((k, sf), initial, np.float32)
+        zeros = np.zeros(k, np.uint32)
+        values = {"keys": keys, "rows": rows, "optimizer_state": optimizer_state,
+                  "counts": zeros if counts is None else counts, "last_steps": zeros if last_steps is None else last_steps}
+        arrays = {}
+        for name, value in values.items():
+            arr = np.ascontiguousarray(value, dtype=ARRAYS[name])
+            if arr.shape != (k,) + self._shapes[name][1:]:
+                raise ValueError(f"{name} must have shape {(k,) + self._shapes[name][1:]}, got {arr.shape}")
+            arrays[name] = arr
+        for name, arr in arrays.items():
+            if arr.size:
+                self._append(name, memoryview(arr.reshape(-1)).cast("B"))
+        self.rows_written += k
+
+    def commit(self) -> None:
+        """Make the written rows the table's live version (atomic)."""
+        if self.rows_written != self.n_rows:
+            raise ValueError(f"{self.rows_written} rows written, {self.n_rows} announced")
+        manifest = {"format": FORMAT, "version": FORMAT_VERSION, "rows": self.n_rows, "step": self.step,
+                    "config": config_to_dict(self.config), "arrays": {}}
+        for name, fh in self._files.items():
+            fh.flush()
+            os.fsync(fh.fileno())
+            manifest["arrays"][name] = {"file": f"{name}.npy", "dtype": np.dtype(ARRAYS[name]).str,
+                                        "shape": list(self._shapes[name]), "bytes": fh.tell(),
+                                        "sha256": self._hashes[name].hexdigest()}
+            fh.close()
+        with open(os.path.join(self._tmp, "manifest.json"), "w") as fh:
+            json.dump(manifest, fh, indent=1)
+            fh.flush()
+            os.fsync(fh.fileno())
+        _fsync_dir(self._tmp)
+        path, version = self.path, self.version
+        # A save killed between this rename and the CURRENT update leaves a complete but
+        # uncommitted directory of this name: it is not the live table, so it can go.
+        shutil.rmtree(os.path.join(path, version), ignore_errors=True)
+        os.rename(self._tmp, os.path.join(path, version))
+        pointer = os.path.join(path, f".CURRENT.tmp-{os.getpid()}")
+        with open(pointer, "w") as fh:
+            fh.write(version + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        _fsync_dir(path)
+        os.replace(pointer, os.path.join(path, "CURRENT"))  # the commit point
+        _fsync_dir(path)
+        for entry in os.listdir(path):  # older versions and leftovers of interrupted saves
+            if entry not in ("CURRENT", version):
+                full = os.path.join(path, entry)
+                shutil.rmtree(full, ignore_errors=True) if os.path.isdir(full) else os.remove(full)
+
+    def abort(self) -> None:
+        """Drop what was written; the table stays as it was."""
+        for fh in self._files.values():
+            fh.close()
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+    def __enter__(self) -> "TableWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
+
+
 def save_table(store: cncore.EmbeddingStore, path: str, batch_rows: int = 1 << 18) -> None:
     """Write `store` (rows, optimizer state, metadata, config, step) to the table directory
     `path`, atomically. Rows are streamed in batches of `batch_rows`, so memory stays bounded."""
-    os.makedirs(path, exist_ok=True)
-    current = _read_current(path, missing_ok=True)
-    number = int(current[1:]) + 1 if current else 1
-    version = f"v{number:06d}"
-    tmp = os.path.join(path, f".{version}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    n, sf = len(store), store.config.state_floats
-    shapes = {"keys": (n,), "rows": (n, store.dim), "optimizer_state": (n, sf), "counts": (n,), "last_steps": (n,)}
-    files = {name: np.lib.format.open_memmap(os.path.join(tmp, f"{name}.npy"), mode="w+", dtype=ARRAYS[name],
-                                             shape=shapes[name]) for name in ARRAYS}
-    at = 0
-    for batch in store.iter_export(batch_rows):
-        k = len(batch.keys)
-        for name in ARRAYS:
-            files[name][at:at + k] = getattr(batch, name)
-        at += k
-    if at != n:
-        raise RuntimeError(f"the store changed during the save ({at} rows exported, {n} expected)")
-    manifest = {"format": FORMAT, "version": FORMAT_VERSION, "rows": n, "step": store.step,
-                "config": config_to_dict(store.config), "arrays": {}}
-    for name, arr in files.items():
-        arr.flush()
-        del arr
-        file = os.path.join(tmp, f"{name}.npy")
-        with open(file, "rb+") as fh:
-            os.fsync(fh.fileno())
-        manifest["arrays"][name] = {"file": f"{name}.npy", "dtype": np.dtype(ARRAYS[name]).str,
-                                    "shape": list(shapes[name]), "bytes": os.path.getsize(file),
-                                    "sha256": _sha256(file)}
-    files.clear()
-    with open(os.path.join(tmp, "manifest.json"), "w") as fh:
-        json.dump(manifest, fh, indent=1)
-        fh.flush()
-        os.fsync(fh.fileno())
-    _fsync_dir(tmp)
-    # A save killed between this rename and the CURRENT update leaves a complete but
-    # uncommitted directory of this name: it is not the live table, so it can go.
-    shutil.rmtree(os.path.join(path, version), ignore_errors=True)
-    os.rename(tmp, os.path.join(path, version))
-    pointer = os.path.join(path, f".CURRENT.tmp-{os.getpid()}")
-    with open(pointer, "w") as fh:
-        fh.write(version + "\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    _fsync_dir(path)
-    os.replace(pointer, os.path.join(path, "CURRENT"))  # the commit point
-    _fsync_dir(path)
-    for entry in os.listdir(path):  # older versions and leftovers of interrupted saves
-        if entry not in ("CURRENT", version):
-            full = os.path.join(path, entry)
-            shutil.rmtree(full, ignore_errors=True) if os.path.isdir(full) else os.remove(full)
+    with TableWriter(path, store.config, len(store), store.step) as writer:
+        for batch in store.iter_export(batch_rows):
+            if writer.rows_written + len(batch.keys) > writer.n_rows:
+                raise RuntimeError("the store changed during the save")
+            writer.write(batch.keys, batch.rows, batch.optimizer_state, batch.counts, batch.last_steps)
+        if writer.rows_written != writer.n_rows:
+            raise RuntimeError(f"the store changed during the save ({writer.rows_written} rows exported, "
+                               f"{writer.n_rows} expected)")
 
 
 def _read_current(path: str, missing_ok: bool = False) -> Optional[str]:
@@ -164,7 +245,13 @@ def _read_current(path: str, missing_ok: bool = False) -> Optional[str]:
 
 @dataclass
 class TableFile:
-    """A table on disk, its arrays memory-mapped read-only (plain NumPy)."""
+    """A table on disk, its arrays memory-mapped read-only (plain NumPy).
+
+    The attributes are `np.memmap`s for random access. Tools that walk the whole table use
+    `batches`, which reads with plain file reads into fresh buffers: touched pages of a
+    memory map stay in the process's resident set, so a scan through a mapped 5 GiB table
+    would show 5 GiB resident; a read batch is freed as soon as it is processed.
+    """
     path: str
     config: cncore.StoreConfig
     step: int
@@ -176,6 +263,65 @@ class TableFile:
 
     def __len__(self) -> int:
         return len(self.keys)
+
+    @property
+    def dim(self) -> int:
+        return self.config.dim
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the table's array files on disk."""
+        return sum(os.path.getsize(getattr(self, name).filename) for name in ARRAYS)
+
+    def read(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Rows [start, stop) of one array, read into a new array (not a view of the map)."""
+        mapped = getattr(self, name)
+        stop = min(stop, len(mapped))
+        out = np.empty((max(stop - start, 0),) + mapped.shape[1:], dtype=mapped.dtype)
+        if out.nbytes:
+            row_bytes = out.nbytes // len(out)
+            view = memoryview(out.reshape(-1)).cast("B")
+            with open(mapped.filename, "rb") as fh:
+                fh.seek(mapped.offset + start * row_bytes)
+                if fh.readinto(view) != out.nbytes:
+                    raise TableFormatError(f"{self.path}: {name} ends early (truncated while open?)")
+        return out
+
+    def batches(self, batch_rows: int = 1 << 18, names=tuple(ARRAYS)) -> Iterator[Tuple[int, Dict[str, np.ndarray]]]:
+        """(start, {name: rows [start, start + batch_rows)}) over the whole table, in file order."""
+        for start in range(0, len(self), batch_rows):
+            yield start, {name: self.read(name, start, start + batch_rows) for name in names}
+
+    def lookup(self, keys) -> np.ndarray:
+        """Rows (N, dim) of keys, zeros where a key is not in the table. No compiled core is
+        involved: the keys are sorted once (16 bytes per row in memory), the rows are read
+        from the memory map.
+
+        >>> import numpy as np, tempfile, os, cncore
+        >>> path = os.path.join(tempfile.mkdtemp(), "t.cnt")
+        >>> with TableWriter(path, cncore.StoreConfig(dim=2), n_rows=2) as w:
+        ...     w.write(np.array([10, -3]), np.array([[1, 2], [3, 4]], np.float32))
+        >>> open_table(path).lookup([-3, 7]).tolist()
+        [[3.0, 4.0], [0.0, 0.0]]
+        """
+        from cncore_numpy.offline import file_lookup
+        return file_lookup(self, keys)
+
+    def pooled_lookup(self, keys, offsets=None, *, lengths=None, mode: str = "sum",
+                      per_sample_weights=None) -> np.ndarray:
+        """Offline scoring: the pooled rows (B, dim) of bags of keys, as
+        `EmbeddingStore.pooled_lookup(..., insert_missing=False)` computes them (unknown keys
+        are zero rows), straight from the file.
+
+        >>> import numpy as np, tempfile, os, cncore
+        >>> path = os.path.join(tempfile.mkdtemp(), "t.cnt")
+        >>> with TableWriter(path, cncore.StoreConfig(dim=1), n_rows=2) as w:
+        ...     w.write(np.array([1, 2]), np.array([[1], [10]], np.float32))
+        >>> open_table(path).pooled_lookup([1, 2, 2, 5], lengths=[2, 0, 2], mode="mean").ravel().tolist()
+        [5.5, 0.0, 5.0]
+        """
+        from cncore_numpy.offline import file_pooled_lookup
+        return file_pooled_lookup(self, keys, offsets, lengths, mode, per_sample_weights)
 
 
 def open_table(path: str, verify: bool = True) -> TableFile:
@@ -217,18 +363,3 @@ def open_table(path: str, verify: bool = True) -> TableFile:
                                    f"says {entry['dtype']} {tuple(entry['shape'])}")
         arrays[name] = arr
     return TableFile(path, config_from_dict(manifest["config"]), int(manifest["step"]), **arrays)
-
-
-def load_table(path: str, verify: bool = True, batch_rows: int = 1 << 18) -> cncore.EmbeddingStore:
-    """A store holding everything in the table directory (streamed in batches)."""
-    table = open_table(path, verify)
-    store = cncore.EmbeddingStore(table.config)
-    store.reserve(len(table))
-    sf = table.config.state_floats
-    for start in range(0, len(table), batch_rows):
-        stop = min(start + batch_rows, len(table))
-        store.load(np.asarray(table.keys[start:stop]), np.asarray(table.rows[start:stop]),
-                   np.asarray(table.optimizer_state[start:stop]) if sf else None,
-                   np.asarray(table.counts[start:stop]), np.asarray(table.last_steps[start:stop]))
-    store.step = table.step
-    return store

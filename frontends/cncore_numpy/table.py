@@ -1,0 +1,124 @@
+"""`Table`: a dynamic embedding table for NumPy users, and its files.
+
+`Table` is cncore's `EmbeddingStore` (every verb takes and returns NumPy arrays; Python
+lists of ints work too) with what a NumPy user reaches for added: indexing, saving to and
+loading from the table file format, and pooled scoring that never inserts.
+
+>>> import numpy as np, cncore
+>>> from cncore_numpy import Table
+>>> t = Table(dim=2, initializer=cncore.Constant(0.5), optimizer=cncore.SGD(lr=1.0))
+>>> slots, found = t.find_or_insert([7, -1, 7])           # one new row per distinct key
+>>> found.tolist(), len(t)
+([False, False, False], 2)
+>>> t.contains([7, 8]).tolist()
+[True, False]
+>>> t[[7, 8]].tolist()                                     # lookup: absent keys read as zeros
+[[0.5, 0.5], [0.0, 0.0]]
+>>> t[[8]] = np.array([[1.0, 2.0]], np.float32)           # insert_or_assign
+>>> t.assign([8, 9], np.ones((2, 2), np.float32)).tolist() # only present keys are written
+[True, False]
+>>> b = t.read([8]); b.rows.tolist(), b.counts.tolist(), b.found.tolist()
+([[1.0, 1.0]], [0], [True])
+>>> t.erase([-1, 12345]).tolist()
+[True, False]
+>>> sorted(t.export().keys.tolist())
+[7, 8]
+
+Training a step with the fused optimizer (SGD, lr 1): the bag [7, 8] sums two rows;
+a gradient of 1 moves each of them by -1 and records the access.
+
+>>> out, ctx = t.pooled_lookup([7, 8], lengths=[2])
+>>> out.tolist()
+[[1.5, 1.5]]
+>>> t.apply_gradients(ctx, np.ones((1, 2), np.float32))
+>>> t[[7, 8]].tolist(), t.read([7]).counts.tolist(), t.step
+([[-0.5, -0.5], [0.0, 0.0]], [1], 1)
+"""
+from __future__ import annotations
+
+import numpy as np
+
+import cncore
+from cncore_numpy.format import open_table, save_table
+
+__all__ = ["Table", "load_table"]
+
+
+def _keys(keys):
+    return np.asarray(keys, dtype=np.int64) if isinstance(keys, (list, tuple, int)) else keys
+
+
+class Table(cncore.EmbeddingStore):
+    """An `EmbeddingStore` with NumPy indexing, files and scoring (see the module docstring)."""
+
+    # Python lists and ints become int64 arrays; arrays keep the store's strict dtype checks.
+    def find(self, keys):
+        return super().find(_keys(keys))
+
+    def find_or_insert(self, keys):
+        return super().find_or_insert(_keys(keys))
+
+    def _upsert(self, keys, *args, **kwargs):
+        return super()._upsert(_keys(keys), *args, **kwargs)
+
+    def erase(self, keys):
+        return super().erase(_keys(keys))
+
+    def read(self, keys):
+        return super().read(_keys(keys))
+
+    def pooled_lookup(self, keys, offsets=None, *, lengths=None, **kwargs):
+        as_array = lambda v: None if v is None else _keys(v)  # noqa: E731
+        return super().pooled_lookup(_keys(keys), as_array(offsets), lengths=as_array(lengths), **kwargs)
+
+    def __getitem__(self, keys) -> np.ndarray:
+        """``t[keys]``: rows (N, dim); absent keys read as zeros (nothing is inserted)."""
+        return self.lookup(keys)
+
+    def __setitem__(self, keys, rows) -> None:
+        """``t[keys] = rows``: insert or overwrite (optimizer state of existing rows is kept)."""
+        self.insert_or_assign(keys, rows)
+
+    def __delitem__(self, keys) -> None:
+        self.erase(keys)
+
+    def score(self, keys, offsets=None, *, lengths=None, mode: str = "sum", per_sample_weights=None) -> np.ndarray:
+        """Offline scoring: pooled rows (B, dim) of bags of keys; unknown keys are zero rows and
+        nothing in the table changes (no inserts, no access records).
+
+        >>> import cncore
+        >>> t = Table(dim=1, initializer=cncore.Constant(2.0)); _ = t.find_or_insert([1])
+        >>> t.score([1, 99, 1], lengths=[2, 1], mode="mean").ravel().tolist()
+        [1.0, 2.0]
+        """
+        return self.pooled_lookup(keys, offsets, lengths=lengths, mode=mode, per_sample_weights=per_sample_weights,
+                                  insert_missing=False)[0]
+
+    def save(self, path: str) -> None:
+        """Write the table to the file format (atomic; see `cncore_numpy.format`)."""
+        save_table(self, path)
+
+    @classmethod
+    def open(cls, path: str, verify: bool = True) -> "Table":
+        """`load_table` into a `Table`."""
+        return load_table(path, verify)
+
+
+def load_table(path: str, verify: bool = True, batch_rows: int = 1 << 18) -> Table:
+    """A `Table` holding everything in the table directory (read in batches).
+
+    >>> import os, tempfile
+    >>> t = Table(dim=3); _ = t.find_or_insert([-2**63, 2**63 - 1])
+    >>> path = os.path.join(tempfile.mkdtemp(), "t.cnt"); t.save(path)
+    >>> back = load_table(path)
+    >>> sorted(back.export().keys.tolist()) == [-2**63, 2**63 - 1], bool((back[[0, -2**63]] == t[[0, -2**63]]).all())
+    (True, True)
+    """
+    table = open_table(path, verify)
+    store = Table(table.config)
+    store.reserve(len(table))
+    sf = table.config.state_floats
+    for _, b in table.batches(batch_rows):
+        store.load(b["keys"], b["rows"], b["optimizer_state"] if sf else None, b["counts"], b["last_steps"])
+    store.step = table.step
+    return store
