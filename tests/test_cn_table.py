@@ -1,44 +1,88 @@
-"""cn-table inspect and prune, checked against NumPy computations on the same arrays."""
+"""cn-table's tools, each checked against a NumPy (or Python dict) computation on the same arrays."""
 import json
+import os
 
 import numpy as np
 import pytest
 
 import cncore
-from cncore_numpy import load_table, open_table, save_table
-from cncore_numpy.cli import inspect, main, prune_mask
+from cncore_numpy import TableWriter, load_table, open_table, save_table
+from cncore_numpy.cli import main
+from cncore_numpy.exchange import export_table, import_table
+from cncore_numpy.tools import diff, inspect, merge, prune_mask
+from reference import EDGE_KEYS
+
+OPTIMIZERS = [None, cncore.SGD(lr=0.1), cncore.Adagrad(lr=0.1), cncore.RowWiseAdagrad(lr=0.1),
+              cncore.Adam(lr=0.01, betas=(0.8, 0.9))]
+
+
+def trained(optimizer=cncore.RowWiseAdagrad(), dim=5, n=3000, steps=6, seed=3, key_pool=None):
+    rng = np.random.default_rng(seed)
+    store = cncore.EmbeddingStore(dim=dim, optimizer=optimizer, initializer=cncore.Normal(0, 1), seed=seed)
+    keys = rng.integers(-(2**63), 2**63 - 1, n) if key_pool is None else key_pool
+    keys = np.concatenate([np.array(EDGE_KEYS), keys])
+    for _ in range(steps):
+        batch = keys[rng.zipf(1.3, 4000) % len(keys)]
+        _, ctx = store.pooled_lookup(batch, lengths=np.ones(len(batch), dtype=np.int64))
+        if optimizer is None:
+            store.accumulate_gradients(ctx, rng.standard_normal((len(batch), dim)).astype(np.float32))
+            store.step = store.step + 1
+        else:
+            store.apply_gradients(ctx, rng.standard_normal((len(batch), dim)).astype(np.float32))
+    return store
+
+
+def as_dict(table):
+    """{key: (row, state, count, last step)} of a TableFile: the reference the tools are checked on."""
+    return {int(k): (np.asarray(table.rows[i]), np.asarray(table.optimizer_state[i]), int(table.counts[i]),
+                     int(table.last_steps[i])) for i, k in enumerate(np.asarray(table.keys))}
+
+
+def assert_tables_equal(a, b):
+    assert a.config == b.config and a.step == b.step and len(a) == len(b)
+    da, db = as_dict(a), as_dict(b)
+    assert da.keys() == db.keys()
+    for k, (row, state, count, last) in da.items():
+        np.testing.assert_array_equal(db[k][0], row)
+        np.testing.assert_array_equal(db[k][1], state)
+        assert db[k][2:] == (count, last)
 
 
 @pytest.fixture
 def table_path(tmp_path):
-    rng = np.random.default_rng(3)
-    store = cncore.EmbeddingStore(dim=5, optimizer=cncore.RowWiseAdagrad(), initializer=cncore.Normal(0, 1))
-    keys = rng.integers(-(2**63), 2**63 - 1, 3000)
-    for step in range(6):
-        batch = keys[rng.zipf(1.3, 4000) % len(keys)]
-        _, ctx = store.pooled_lookup(batch, lengths=np.ones(len(batch), dtype=np.int64))
-        store.apply_gradients(ctx, np.zeros((len(batch), 5), np.float32))
     path = str(tmp_path / "t")
-    save_table(store, path)
+    save_table(trained(), path)
     return path
 
 
 def test_inspect_matches_numpy(table_path, capsys):
     t = open_table(table_path)
-    s = inspect(t, quiet=True)
-    assert s["rows"] == len(t) and s["dim"] == 5 and s["step"] == 6
-    assert s["key_min"] == int(np.min(t.keys)) and s["key_max"] == int(np.max(t.keys))
+    s = inspect(t)
+    assert s["rows"] == len(t) and s["dim"] == 5 and s["step"] == 6 and s["optimizer"] == "RowWiseAdagrad"
+    assert s["key_min"] == -(2**63) and s["key_max"] == 2**63 - 1
     norms = np.linalg.norm(np.asarray(t.rows, dtype=np.float64), axis=1)
-    assert s["row_norm"]["counts"] == np.histogram(norms, bins=10)[0].tolist()
-    assert sum(s["access_count"]["counts"]) == len(t)
-    assert s["access_count"]["counts"][0] == int((np.asarray(t.counts) == 0).sum())
+    assert s["row_norm"]["counts"] == np.histogram(norms.astype(np.float32), bins=10)[0].tolist()
+    assert s["access_count"]["counts"] == np.histogram(np.asarray(t.counts), s["access_count"]["edges"])[0].tolist()
+    ages = t.step - np.asarray(t.last_steps, dtype=np.int64)
+    assert s["age"]["counts"] == np.histogram(ages, s["age"]["edges"])[0].tolist()
+    assert s["bytes"] == sum(os.path.getsize(getattr(t, n).filename)
+                             for n in ("keys", "rows", "optimizer_state", "counts", "last_steps"))
     assert main(["inspect", table_path, "--json", "--quiet"]) == 0
     assert json.loads(capsys.readouterr().out)["rows"] == len(t)
+    assert main(["inspect", table_path, "--quiet"]) == 0
+    assert "rows of dim 5" in capsys.readouterr().out
+
+
+def test_inspect_of_an_empty_table(tmp_path):
+    with TableWriter(str(tmp_path / "e"), cncore.StoreConfig(dim=3), 0):
+        pass
+    s = inspect(open_table(str(tmp_path / "e")))
+    assert s["rows"] == 0 and s["key_min"] is None and sum(s["access_count"]["counts"]) == 0
 
 
 @pytest.mark.parametrize("criteria", [dict(min_count=3), dict(min_step=5), dict(min_norm=2.0), dict(top_k=100),
-                                      dict(min_count=2, top_k=50)])
-def test_prune_keeps_exactly_what_numpy_says(table_path, tmp_path, criteria):
+                                      dict(min_count=2, top_k=50), dict(min_count=10**9)])
+def test_prune_keeps_exactly_what_numpy_says(table_path, tmp_path, criteria, capsys):
     t = open_table(table_path)
     keys, counts = np.asarray(t.keys), np.asarray(t.counts)
     expected = np.ones(len(t), dtype=bool)
@@ -53,18 +97,202 @@ def test_prune_keeps_exactly_what_numpy_says(table_path, tmp_path, criteria):
         ranked = sorted(idx, key=lambda i: (-int(counts[i]), int(keys[i])))[: criteria["top_k"]]
         expected[:] = False
         expected[ranked] = True
-    np.testing.assert_array_equal(prune_mask(t, quiet=True, **criteria), expected)
+    keep, failing = prune_mask(t, **criteria)
+    np.testing.assert_array_equal(keep, expected)
     out = str(tmp_path / "pruned")
     args = ["prune", table_path, out, "--quiet"] + sum(([f"--{k.replace('_', '-')}", str(v)]
                                                         for k, v in criteria.items()), [])
     assert main(args) == 0
-    pruned = load_table(out)
-    assert sorted(pruned.export().keys.tolist()) == sorted(keys[expected].tolist())
-    kept = pruned.read(keys[expected])
-    np.testing.assert_array_equal(kept.rows, np.asarray(t.rows)[expected])
-    np.testing.assert_array_equal(kept.counts, counts[expected])
+    printed = capsys.readouterr().out
+    assert f"removed {int((~expected).sum()):,} of {len(t):,} rows" in printed
+    if "min_count" in criteria:
+        assert f"count < {criteria['min_count']}: {int((counts < criteria['min_count']).sum()):,}" in printed
+    pruned = open_table(out)
+    assert pruned.config == t.config and pruned.step == t.step
+    whole = as_dict(t)
+    kept = as_dict(pruned)
+    assert sorted(kept) == sorted(keys[expected].tolist())
+    for k, (row, state, count, last) in kept.items():
+        np.testing.assert_array_equal(row, whole[k][0])
+        np.testing.assert_array_equal(state, whole[k][1])
+        assert (count, last) == whole[k][2:]
 
 
 def test_prune_needs_a_criterion(table_path, tmp_path):
     with pytest.raises(SystemExit):
         main(["prune", table_path, str(tmp_path / "x")])
+
+
+@pytest.mark.parametrize("fmt", [".npz", ".npy", ".parquet"])
+@pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=str)
+def test_export_import_round_trip_is_exact(tmp_path, fmt, optimizer):
+    if fmt == ".parquet":
+        pytest.importorskip("pyarrow")
+    src = str(tmp_path / "t")
+    save_table(trained(optimizer, dim=4, n=700), src)
+    exported = str(tmp_path / f"t{fmt}")
+    assert main(["export", src, exported, "--quiet"]) == 0
+    back = str(tmp_path / "back")
+    extra = ["--config-from", src] if fmt == ".npy" else []
+    assert main(["import", exported, back, "--quiet", "--step", "6"] + extra) == 0
+    assert_tables_equal(open_table(src), open_table(back))
+
+
+def test_exports_are_plain_columns(table_path, tmp_path):
+    t = open_table(table_path)
+    export_table(t, str(tmp_path / "t.npz"))
+    export_table(t, str(tmp_path / "t.npy"))
+    npz = np.load(str(tmp_path / "t.npz"))
+    np.testing.assert_array_equal(npz["keys"], t.keys)
+    np.testing.assert_array_equal(npz["rows"], t.rows)
+    np.testing.assert_array_equal(npz["last_steps"], t.last_steps)
+    assert int(npz["step"]) == t.step and json.loads(str(npz["config"]))["dim"] == 5
+    rec = np.load(str(tmp_path / "t.npy"))
+    np.testing.assert_array_equal(rec["key"], t.keys)
+    np.testing.assert_array_equal(rec["row"], t.rows)
+    np.testing.assert_array_equal(rec["optimizer_state"], t.optimizer_state)
+    np.testing.assert_array_equal(rec["count"], t.counts)
+
+
+def test_parquet_columns(table_path, tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet")
+    t = open_table(table_path)
+    export_table(t, str(tmp_path / "t.parquet"), batch_rows=1000)
+    pt = pq.read_table(str(tmp_path / "t.parquet"))
+    assert pt.num_rows == len(t) and pt.schema.names == ["key", "row", "optimizer_state", "count", "last_step"]
+    np.testing.assert_array_equal(pt.column("key").to_numpy(), t.keys)
+    np.testing.assert_array_equal(np.stack(pt.column("row").to_numpy(zero_copy_only=False)), t.rows)
+
+
+def test_npy_import_infers_the_config_from_the_fields(tmp_path):
+    src = str(tmp_path / "t")
+    save_table(trained(cncore.Adam(), dim=3, n=50), src)
+    export_table(open_table(src), str(tmp_path / "t.npy"))
+    import_table(str(tmp_path / "t.npy"), str(tmp_path / "back"))
+    back = open_table(str(tmp_path / "back"))
+    assert back.config.optimizer == cncore.Adam() and back.step == 0
+    np.testing.assert_array_equal(back.optimizer_state, open_table(src).optimizer_state)
+
+
+def test_import_refuses_duplicate_keys_and_unknown_formats(tmp_path, capsys):
+    np.savez(str(tmp_path / "dup.npz"), keys=np.array([1, 2, 1]), rows=np.zeros((3, 2), np.float32))
+    assert main(["import", str(tmp_path / "dup.npz"), str(tmp_path / "x"), "--quiet"]) == 2
+    assert "not unique" in capsys.readouterr().err
+    assert not (tmp_path / "x" / "CURRENT").exists()
+    assert main(["export", str(tmp_path / "nothing"), str(tmp_path / "t.csv")]) == 2
+    assert "not a table" in capsys.readouterr().err
+    save_table(trained(n=10), str(tmp_path / "t"))
+    assert main(["export", str(tmp_path / "t"), str(tmp_path / "t.csv")]) == 2
+    assert "unknown format" in capsys.readouterr().err
+
+
+def test_import_of_plain_numpy_arrays_fills_defaults(tmp_path):
+    """An .npz of just keys and rows (made by any NumPy user) becomes a table."""
+    keys = np.array(EDGE_KEYS, dtype=np.int64)
+    rows = np.arange(len(keys) * 2, dtype=np.float32).reshape(-1, 2)
+    np.savez(str(tmp_path / "plain.npz"), keys=keys, rows=rows)
+    import_table(str(tmp_path / "plain.npz"), str(tmp_path / "t"))
+    t = open_table(str(tmp_path / "t"))
+    np.testing.assert_array_equal(t.lookup(keys), rows)
+    assert t.config.optimizer is None and not np.asarray(t.counts).any()
+
+
+@pytest.mark.parametrize("policy", ["left", "right", "newer", "average"])
+def test_merge_against_a_dict(tmp_path, policy, capsys):
+    rng = np.random.default_rng(1)
+    pool = rng.integers(-(2**63), 2**63 - 1, 2000)
+    left, right = str(tmp_path / "l"), str(tmp_path / "r")
+    save_table(trained(n=0, key_pool=pool[:1200], seed=1, steps=4), left)
+    save_table(trained(n=0, key_pool=pool[800:], seed=2, steps=7), right)
+    out = str(tmp_path / "m")
+    assert main(["merge", left, right, out, "--policy", policy, "--quiet"]) == 0
+    assert "in both" in capsys.readouterr().out
+    L, R = as_dict(open_table(left)), as_dict(open_table(right))
+    expected = {**R, **L}  # left wins unless the policy says otherwise
+    for k in L.keys() & R.keys():
+        lv, rv = L[k], R[k]
+        if policy == "right" or (policy == "newer" and rv[3] > lv[3]):
+            expected[k] = rv
+        elif policy == "average":
+            expected[k] = ((lv[0] + rv[0]) * np.float32(0.5), (lv[1] + rv[1]) * np.float32(0.5),
+                           min(lv[2] + rv[2], 2**32 - 1), max(lv[3], rv[3]))
+    merged = open_table(out)
+    assert merged.step == 7 and merged.config == open_table(left).config
+    got = as_dict(merged)
+    assert got.keys() == expected.keys()
+    for k, (row, state, count, last) in expected.items():
+        np.testing.assert_array_equal(got[k][0], row)
+        np.testing.assert_array_equal(got[k][1], state)
+        assert got[k][2:] == (count, last)
+    if policy == "newer":
+        both = L.keys() & R.keys()
+        assert any(R[k][3] > L[k][3] for k in both) and any(R[k][3] <= L[k][3] for k in both)
+
+
+def test_merge_refuses_mismatched_tables(tmp_path, capsys):
+    save_table(trained(dim=5, n=10), str(tmp_path / "a"))
+    save_table(trained(dim=4, n=10), str(tmp_path / "b"))
+    save_table(trained(cncore.Adagrad(), dim=5, n=10), str(tmp_path / "c"))
+    assert main(["merge", str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "m"), "--policy", "left"]) == 2
+    assert "dim 4 differs" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="optimizer Adagrad differs"):
+        merge(open_table(str(tmp_path / "a")), open_table(str(tmp_path / "c")), str(tmp_path / "m"), "left")
+    with pytest.raises(ValueError, match="policy"):
+        merge(open_table(str(tmp_path / "a")), open_table(str(tmp_path / "a")), str(tmp_path / "m"), "oldest")
+    assert not (tmp_path / "m").exists() or not (tmp_path / "m" / "CURRENT").exists()
+
+
+def test_diff_against_numpy(tmp_path, capsys):
+    store = trained(n=500)
+    old = str(tmp_path / "old")
+    save_table(store, old)
+    keys = store.export().keys
+    rng = np.random.default_rng(5)
+    removed = keys[:40]
+    moved = keys[100:160]
+    store.erase(removed)
+    delta = rng.standard_normal((len(moved), 5)).astype(np.float32)
+    delta[:10] = 1e-7  # below the tolerance used below
+    store.assign(moved, store.lookup(moved) + delta)
+    added = np.array([11, 12, 13]) * 7919
+    store.find_or_insert(added)
+    new = str(tmp_path / "new")
+    save_table(store, new)
+    d = diff(open_table(old), open_table(new), tolerance=1e-5)
+    np.testing.assert_array_equal(d["added"], np.sort(added))
+    np.testing.assert_array_equal(d["removed"], np.sort(removed))
+    before = {int(k): r for k, r in zip(keys, open_table(old).lookup(keys))}
+    real = moved[10:]
+    order = np.argsort(real)
+    np.testing.assert_array_equal(d["changed"], real[order])
+    change = store.lookup(real[order]).astype(np.float64) - np.stack([before[int(k)] for k in real[order]])
+    np.testing.assert_allclose(d["change_l2"], np.linalg.norm(change, axis=1), rtol=1e-12)
+    np.testing.assert_allclose(d["change_max_abs"], np.abs(change).max(axis=1), rtol=1e-12)
+    assert main(["diff", old, new, "--json", "--quiet", "--out", str(tmp_path / "d.npz")]) == 0
+    assert json.loads(capsys.readouterr().out)["changed"] == len(moved)  # tolerance 0: all 60
+    np.testing.assert_array_equal(np.load(str(tmp_path / "d.npz"))["removed"], np.sort(removed))
+
+
+def test_to_fixed_serves_the_same_rows(table_path, tmp_path):
+    out = str(tmp_path / "f.npz")
+    assert main(["to-fixed", table_path, out, "--quiet"]) == 0
+    fixed = np.load(out)
+    t = open_table(table_path)
+    ids, weight = fixed["ids"], fixed["weight"]
+    np.testing.assert_array_equal(ids, np.sort(np.asarray(t.keys)))
+    assert weight.shape == (len(t) + 1, 5) and not weight[-1].any()
+    queries = np.concatenate([np.asarray(t.keys)[::7], [12345, -2]])
+    pos = np.searchsorted(ids, queries)
+    pos = np.where((pos < len(ids)) & (ids[np.minimum(pos, len(ids) - 1)] == queries), pos, len(ids))
+    np.testing.assert_array_equal(weight[pos], load_table(table_path).lookup(queries))
+
+
+def test_tools_refuse_a_damaged_table(table_path, tmp_path, capsys):
+    t = open_table(table_path)
+    with open(t.rows.filename, "r+b") as fh:
+        fh.seek(200)
+        byte = fh.read(1)
+        fh.seek(200)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    assert main(["inspect", table_path]) == 2
+    assert "SHA-256" in capsys.readouterr().err

@@ -1,140 +1,141 @@
-"""cn-table: offline tools for table directories (see cncore_numpy.format).
+"""cn-table: offline tools for table files (see `cncore_numpy.format`).
 
-    cn-table inspect TABLE                      rows, dim, dtype, bytes, key range, histograms
+    cn-table inspect TABLE [--json]            rows, dim, dtype, bytes, key range, histograms
+    cn-table export TABLE OUT.{npz,npy,parquet}
+    cn-table import SRC.{npz,npy,parquet} TABLE [--config-from TABLE2] [--step S]
     cn-table prune TABLE OUT [--min-count N] [--min-step S] [--min-norm X] [--top-k K]
+    cn-table merge LEFT RIGHT OUT --policy {left,right,newer,average}
+    cn-table diff OLD NEW [--tolerance T] [--out DIFF.npz] [--json]
+    cn-table to-fixed TABLE OUT.npz            sorted ids + dense weight (last row: zeros)
 
-Both stream through the memory-mapped arrays in batches, so tables larger than memory work.
+All of them stream through the tables in batches, so tables larger than memory work.
+Tables are checked (SHA-256) when opened; --no-verify skips it.
 """
 from __future__ import annotations
 
 import argparse
-import os
+import json
 import sys
-from typing import Iterator, List, Optional, Tuple
+from functools import partial
 
 import numpy as np
 from tqdm import tqdm
 
-import cncore
-from cncore_numpy.format import ARRAYS, TableFile, open_table, save_table
-
-BATCH = 1 << 18
+from cncore_numpy import exchange, tools
+from cncore_numpy.format import TableFormatError, open_table
 
 
-def _batches(n: int, desc: str, quiet: bool) -> Iterator[Tuple[int, int]]:
-    with tqdm(total=n, desc=desc, unit="row", disable=quiet or n < BATCH, file=sys.stderr) as bar:
-        for start in range(0, n, BATCH):
-            stop = min(start + BATCH, n)
-            yield start, stop
-            bar.update(stop - start)
+def _progress(quiet: bool, desc: str):
+    return partial(tqdm, desc=desc, unit="batch", disable=quiet, file=sys.stderr, leave=False)
 
 
-def inspect(table: TableFile, quiet: bool = False) -> dict:
-    """Summary statistics, streamed: rows, dim, dtype, bytes, key range, and histograms of row
-    norms, access counts and age (table step - last step)."""
-    n = len(table)
-    lo, hi = None, None
-    norms, counts, ages = [], [], []
-    for start, stop in _batches(n, "inspect", quiet):
-        keys = np.asarray(table.keys[start:stop])
-        lo = keys.min() if lo is None else min(lo, keys.min())
-        hi = keys.max() if hi is None else max(hi, keys.max())
-        norms.append(np.linalg.norm(np.asarray(table.rows[start:stop], dtype=np.float64), axis=1))
-        counts.append(np.asarray(table.counts[start:stop]))
-        ages.append(table.step - np.asarray(table.last_steps[start:stop], dtype=np.int64))
-    def hist(values: List[np.ndarray], bins) -> dict:
-        v = np.concatenate(values) if values else np.zeros(0)
-        h, edges = np.histogram(v, bins=bins)
-        return {"edges": edges.tolist(), "counts": h.tolist()}
-    size = sum(os.path.getsize(os.path.join(table.path, f)) for f in _files(table))
-    return {"rows": n, "dim": table.config.dim, "dtype": table.config.dtype,
-            "optimizer": type(table.config.optimizer).__name__ if table.config.optimizer else None,
-            "bytes": size, "step": table.step,
-            "key_min": int(lo) if n else None, "key_max": int(hi) if n else None,
-            "row_norm": hist(norms, 10), "access_count": hist(counts, [0, 1, 2, 5, 10, 100, 1000, 2**32]),
-            "age": hist(ages, [0, 1, 10, 100, 1000, 10**4, 10**5, 2**32])}
+def _print_summary(path: str, s: dict) -> None:
+    print(f"{path}: {s['rows']:,} rows of dim {s['dim']} ({s['dtype']}), optimizer {s['optimizer']}, "
+          f"{s['bytes']:,} bytes, step {s['step']}")
+    print(f"keys from {s['key_min']} to {s['key_max']}")
+    for name in ("row_norm", "access_count", "age"):
+        h = s[name]
+        print(f"{name}: " + ", ".join(f"[{a:g}, {b:g}): {c}" for a, b, c in zip(h["edges"][:-1], h["edges"][1:],
+                                                                                   h["counts"])))
 
 
-def _files(table: TableFile) -> List[str]:
-    version = open(os.path.join(table.path, "CURRENT")).read().strip()
-    return [os.path.join(version, f"{name}.npy") for name in ARRAYS] + [os.path.join(version, "manifest.json")]
-
-
-def prune_mask(table: TableFile, min_count: Optional[int] = None, min_step: Optional[int] = None,
-               min_norm: Optional[float] = None, top_k: Optional[int] = None, quiet: bool = False) -> np.ndarray:
-    """Which rows to keep: every given criterion must hold (count >= min_count, last step >=
-    min_step, row norm >= min_norm), then at most top_k of them by access count (ties: lower key)."""
-    n = len(table)
-    keep = np.ones(n, dtype=bool)
-    for start, stop in _batches(n, "prune", quiet):
-        k = keep[start:stop]
-        if min_count is not None:
-            k &= np.asarray(table.counts[start:stop]) >= min_count
-        if min_step is not None:
-            k &= np.asarray(table.last_steps[start:stop]) >= min_step
-        if min_norm is not None:
-            k &= np.linalg.norm(np.asarray(table.rows[start:stop], dtype=np.float64), axis=1) >= min_norm
-    if top_k is not None and keep.sum() > top_k:
-        idx = np.flatnonzero(keep)
-        order = np.lexsort((np.asarray(table.keys)[idx], -np.asarray(table.counts, dtype=np.int64)[idx]))
-        keep[:] = False
-        keep[idx[order[:top_k]]] = True
-    return keep
-
-
-def prune(table: TableFile, out: str, keep: np.ndarray) -> int:
-    """Write the kept rows (with state and metadata) as a new table at `out`; returns rows removed."""
-    store = cncore.EmbeddingStore(table.config)
-    store.reserve(int(keep.sum()))
-    sf = table.config.state_floats
-    for start, stop in _batches(len(table), "write", True):
-        k = keep[start:stop]
-        if not k.any():
-            continue
-        store.load(np.asarray(table.keys[start:stop])[k], np.asarray(table.rows[start:stop])[k],
-                   np.asarray(table.optimizer_state[start:stop])[k] if sf else None,
-                   np.asarray(table.counts[start:stop])[k], np.asarray(table.last_steps[start:stop])[k])
-    store.step = table.step
-    save_table(store, out)
-    return int(len(table) - keep.sum())
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="cn-table", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+    p = {}
+    p["inspect"] = sub.add_parser("inspect", help="summary statistics of a table")
+    p["inspect"].add_argument("table")
+    p["inspect"].add_argument("--json", action="store_true", help="print the summary as JSON")
+    p["export"] = sub.add_parser("export", help="write a table as .npz, .npy or .parquet")
+    p["export"].add_argument("table")
+    p["export"].add_argument("out")
+    p["import"] = sub.add_parser("import", help="make a table from a .npz, .npy or .parquet export")
+    p["import"].add_argument("src")
+    p["import"].add_argument("table")
+    p["import"].add_argument("--config-from", metavar="TABLE", help="take the config from this table (for .npy)")
+    p["import"].add_argument("--step", type=int)
+    p["prune"] = sub.add_parser("prune", help="drop rows by access count, age, norm, or keep the top K by count")
+    p["prune"].add_argument("table")
+    p["prune"].add_argument("out")
+    p["prune"].add_argument("--min-count", type=int)
+    p["prune"].add_argument("--min-step", type=int, help="keep rows last accessed at this step or later")
+    p["prune"].add_argument("--min-norm", type=float)
+    p["prune"].add_argument("--top-k", type=int)
+    p["merge"] = sub.add_parser("merge", help="the union of two tables of one dim")
+    p["merge"].add_argument("left")
+    p["merge"].add_argument("right")
+    p["merge"].add_argument("out")
+    p["merge"].add_argument("--policy", choices=tools.POLICIES, required=True,
+                            help="keys in both: left's, right's, the newer by last step, or the average")
+    p["diff"] = sub.add_parser("diff", help="keys added, removed and changed between two tables")
+    p["diff"].add_argument("old")
+    p["diff"].add_argument("new")
+    p["diff"].add_argument("--tolerance", type=float, default=0.0, help="ignore changes up to this (max abs)")
+    p["diff"].add_argument("--out", help="write the key lists and change sizes to this .npz")
+    p["diff"].add_argument("--json", action="store_true")
+    p["to-fixed"] = sub.add_parser("to-fixed", help="dense weight + sorted ids for a fixed serving table")
+    p["to-fixed"].add_argument("table")
+    p["to-fixed"].add_argument("out")
+    for q in p.values():
+        q.add_argument("--quiet", action="store_true", help="no progress bar")
+        q.add_argument("--no-verify", action="store_true", help="skip the SHA-256 check of the input tables")
+    return ap
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="cn-table", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="command", required=True)
-    p_inspect = sub.add_parser("inspect", help="summary statistics of a table")
-    p_inspect.add_argument("table")
-    p_inspect.add_argument("--json", action="store_true", help="print the summary as JSON")
-    p_prune = sub.add_parser("prune", help="drop rows by access count, age, norm, or keep the top K by count")
-    p_prune.add_argument("table")
-    p_prune.add_argument("out")
-    p_prune.add_argument("--min-count", type=int)
-    p_prune.add_argument("--min-step", type=int, help="keep rows last accessed at this step or later")
-    p_prune.add_argument("--min-norm", type=float)
-    p_prune.add_argument("--top-k", type=int)
-    for p in (p_inspect, p_prune):
-        p.add_argument("--quiet", action="store_true", help="no progress bar")
+    ap = _parser()
     args = ap.parse_args(argv)
-    table = open_table(args.table)
-    if args.command == "inspect":
-        summary = inspect(table, args.quiet)
+    try:
+        return _run(ap, args)
+    except (TableFormatError, ValueError, ImportError, FileNotFoundError) as exc:
+        print(f"cn-table {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    progress = _progress(args.quiet, args.command)
+    verify = not args.no_verify
+    cmd = args.command
+    if cmd == "inspect":
+        summary = tools.inspect(open_table(args.table, verify), progress)
+        print(json.dumps(summary, indent=1)) if args.json else _print_summary(args.table, summary)
+    elif cmd == "export":
+        table = open_table(args.table, verify)
+        exchange.export_table(table, args.out, progress=progress)
+        print(f"wrote {len(table):,} rows to {args.out}")
+    elif cmd == "import":
+        config = open_table(args.config_from, verify).config if args.config_from else None
+        exchange.import_table(args.src, args.table, config, args.step, progress=progress)
+        print(f"wrote {len(open_table(args.table, verify=False)):,} rows to {args.table}")
+    elif cmd == "prune":
+        if all(v is None for v in (args.min_count, args.min_step, args.min_norm, args.top_k)):
+            ap.error("prune: give at least one of --min-count, --min-step, --min-norm, --top-k")
+        table = open_table(args.table, verify)
+        keep, failing = tools.prune_mask(table, args.min_count, args.min_step, args.min_norm, args.top_k, progress)
+        removed = tools.prune(table, args.out, keep, progress)
+        why = "; ".join(f"{label}: {n:,}" for label, n in failing.items())
+        print(f"removed {removed:,} of {len(table):,} rows ({why}); kept {int(keep.sum()):,} in {args.out}")
+    elif cmd == "merge":
+        parts = tools.merge(open_table(args.left, verify), open_table(args.right, verify), args.out, args.policy,
+                            progress)
+        print(f"wrote {parts['rows']:,} rows to {args.out}: {parts['left_only']:,} only in left, "
+              f"{parts['right_only']:,} only in right, {parts['both']:,} in both (policy {args.policy})")
+    elif cmd == "diff":
+        d = tools.diff(open_table(args.old, verify), open_table(args.new, verify), args.tolerance, progress)
+        if args.out:
+            np.savez(args.out, **d)
+        summary = {"added": len(d["added"]), "removed": len(d["removed"]), "changed": len(d["changed"]),
+                   "change_l2_max": float(d["change_l2"].max()) if len(d["changed"]) else 0.0,
+                   "change_l2_mean": float(d["change_l2"].mean()) if len(d["changed"]) else 0.0}
         if args.json:
-            import json
             print(json.dumps(summary, indent=1))
         else:
-            print(f"{args.table}: {summary['rows']:,} rows of dim {summary['dim']} ({summary['dtype']}), "
-                  f"optimizer {summary['optimizer']}, {summary['bytes']:,} bytes, step {summary['step']}")
-            print(f"keys from {summary['key_min']} to {summary['key_max']}")
-            for name in ("row_norm", "access_count", "age"):
-                h = summary[name]
-                print(f"{name}: " + ", ".join(f"[{a:g}, {b:g}): {c}" for a, b, c in
-                                               zip(h["edges"][:-1], h["edges"][1:], h["counts"])))
-        return 0
-    if all(v is None for v in (args.min_count, args.min_step, args.min_norm, args.top_k)):
-        ap.error("prune: give at least one of --min-count, --min-step, --min-norm, --top-k")
-    keep = prune_mask(table, args.min_count, args.min_step, args.min_norm, args.top_k, args.quiet)
-    removed = prune(table, args.out, keep)
-    print(f"removed {removed:,} of {len(table):,} rows; kept {int(keep.sum()):,} in {args.out}")
+            print(f"{summary['added']:,} keys added, {summary['removed']:,} removed, {summary['changed']:,} changed "
+                  f"(L2 of the change: mean {summary['change_l2_mean']:.4g}, max {summary['change_l2_max']:.4g})")
+    elif cmd == "to-fixed":
+        table = open_table(args.table, verify)
+        tools.to_fixed(table, args.out, progress)
+        print(f"wrote ids ({len(table):,}) and weight ({len(table) + 1:,} x {table.dim}) to {args.out}")
     return 0
 
 

@@ -1,0 +1,263 @@
+"""The offline table tools behind `cn-table`, as functions over `TableFile`s.
+
+Every tool reads the table in batches of rows with plain file reads (see `TableFile.batches`)
+and writes through `TableWriter` or a streamed .npz, so tables larger than memory work. What
+they do keep in memory is per-row bookkeeping: keys (8 bytes a row) for merge, diff and
+to-fixed, which must match keys across tables, and a keep mask (1 byte a row) for prune.
+
+>>> import numpy as np, tempfile, os, cncore
+>>> from cncore_numpy import Table, open_table
+>>> d = tempfile.mkdtemp()
+>>> a = Table(dim=1, initializer=cncore.Constant(1.0)); _ = a.find_or_insert([1, 2])
+>>> b = Table(dim=1, initializer=cncore.Constant(3.0)); _ = b.find_or_insert([2, 3])
+>>> a.save(os.path.join(d, "a")); b.save(os.path.join(d, "b"))
+>>> merge(open_table(os.path.join(d, "a")), open_table(os.path.join(d, "b")), os.path.join(d, "m"), "average")
+{'left_only': 1, 'right_only': 1, 'both': 1, 'rows': 3}
+>>> m = open_table(os.path.join(d, "m")); m.lookup([1, 2, 3]).ravel().tolist()
+[1.0, 2.0, 3.0]
+>>> diff(open_table(os.path.join(d, "a")), m)["changed"].tolist()
+[2]
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, Optional
+
+import numpy as np
+
+from cncore_numpy.exchange import BATCH, NpzStreamWriter
+from cncore_numpy.format import TableFile, TableWriter
+
+__all__ = ["inspect", "prune_mask", "prune", "merge", "diff", "to_fixed", "POLICIES"]
+
+POLICIES = ("left", "right", "newer", "average")
+_U32_MAX = 2**32 - 1
+
+
+def _norms(rows: np.ndarray) -> np.ndarray:
+    return np.sqrt(np.einsum("ij,ij->i", rows, rows, dtype=np.float64))
+
+
+def _hist(values: np.ndarray, bins) -> dict:
+    counts, edges = np.histogram(values, bins=bins)
+    return {"edges": edges.tolist(), "counts": counts.tolist()}
+
+
+def inspect(table: TableFile, progress: Callable = iter) -> dict:
+    """Rows, dim, dtype, bytes, key range, and histograms of row norms (10 bins), access
+    counts and age (table step - last step). Keeps one float32 norm per row in memory."""
+    n = len(table)
+    lo, hi = None, None
+    norms = np.empty(n, np.float32)
+    counts = np.zeros(8, np.int64)
+    ages = np.zeros(8, np.int64)
+    count_bins = [0, 1, 2, 5, 10, 100, 1000, 10**4, 2**32]
+    age_bins = [0, 1, 10, 100, 1000, 10**4, 10**5, 10**6, 2**32]
+    for start, b in progress(table.batches(BATCH, ("keys", "rows", "counts", "last_steps"))):
+        keys = b["keys"]
+        if len(keys):
+            lo = keys.min() if lo is None else min(lo, keys.min())
+            hi = keys.max() if hi is None else max(hi, keys.max())
+        norms[start:start + len(keys)] = _norms(b["rows"])
+        counts += np.histogram(b["counts"], count_bins)[0]
+        ages += np.histogram(table.step - b["last_steps"].astype(np.int64), age_bins)[0]
+    return {"rows": n, "dim": table.dim, "dtype": table.config.dtype,
+            "optimizer": type(table.config.optimizer).__name__ if table.config.optimizer else None,
+            "bytes": table.nbytes, "step": table.step,
+            "key_min": None if lo is None else int(lo), "key_max": None if hi is None else int(hi),
+            "row_norm": _hist(norms, 10),
+            "access_count": {"edges": count_bins, "counts": counts.tolist()},
+            "age": {"edges": age_bins, "counts": ages.tolist()}}
+
+
+def prune_mask(table: TableFile, min_count: Optional[int] = None, min_step: Optional[int] = None,
+               min_norm: Optional[float] = None, top_k: Optional[int] = None, progress: Callable = iter):
+    """(keep mask, {criterion: rows failing it}). A row is kept when every given criterion
+    holds (count >= min_count, last step >= min_step, row norm >= min_norm); then at most
+    `top_k` of the kept rows by access count stay (ties: the smaller key)."""
+    n = len(table)
+    keep = np.ones(n, dtype=bool)
+    failing: Dict[str, int] = {}
+    names = ("keys", "counts", "last_steps") + (("rows",) if min_norm is not None else ())
+    for start, b in progress(table.batches(BATCH, names)):
+        tests = {}
+        if min_count is not None:
+            tests[f"count < {min_count}"] = b["counts"] >= min_count
+        if min_step is not None:
+            tests[f"last step < {min_step}"] = b["last_steps"] >= min_step
+        if min_norm is not None:
+            tests[f"norm < {min_norm:g}"] = _norms(b["rows"]) >= min_norm
+        k = keep[start:start + len(b["keys"])]
+        for label, ok in tests.items():
+            failing[label] = failing.get(label, 0) + int((~ok).sum())
+            k &= ok
+    if top_k is not None and keep.sum() > top_k:
+        idx = np.flatnonzero(keep)
+        keys = np.concatenate([b["keys"] for _, b in table.batches(BATCH, ("keys",))])[idx]
+        counts = np.concatenate([b["counts"] for _, b in table.batches(BATCH, ("counts",))])[idx]
+        order = np.lexsort((keys, -counts.astype(np.int64)))
+        keep[idx[order[top_k:]]] = False
+        failing[f"beyond the top {top_k} by count"] = len(idx) - top_k
+    return keep, failing
+
+
+def prune(table: TableFile, out: str, keep: np.ndarray, progress: Callable = iter) -> int:
+    """Write the kept rows (state and metadata too) as the table `out`; returns rows removed."""
+    with TableWriter(out, table.config, int(keep.sum()), table.step) as writer:
+        for start, b in progress(table.batches(BATCH)):
+            k = keep[start:start + len(b["keys"])]
+            writer.write(*(b[name][k] for name in ("keys", "rows", "optimizer_state", "counts", "last_steps")))
+    return int(len(table) - keep.sum())
+
+
+def _all_keys(table: TableFile) -> np.ndarray:
+    parts = [b["keys"] for _, b in table.batches(BATCH, ("keys",))]
+    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
+def _matcher(keys: np.ndarray):
+    """keys -> (hit mask, positions in `keys` of the hits), by binary search."""
+    order = np.argsort(keys, kind="stable")
+    sorted_keys = keys[order]
+
+    def match(query: np.ndarray):
+        if not len(sorted_keys):
+            return np.zeros(len(query), bool), np.zeros(0, np.int64)
+        pos = np.minimum(np.searchsorted(sorted_keys, query), len(sorted_keys) - 1)
+        hit = sorted_keys[pos] == query
+        return hit, order[pos[hit]]
+    return match
+
+
+def _gather(table: TableFile, rows: np.ndarray) -> Dict[str, np.ndarray]:
+    """Every array's entries at row numbers `rows`, read in row order from the maps."""
+    by_row = np.argsort(rows, kind="stable")
+    out = {}
+    for name in ("keys", "rows", "optimizer_state", "counts", "last_steps"):
+        mapped = getattr(table, name)
+        values = np.empty((len(rows),) + mapped.shape[1:], mapped.dtype)
+        values[by_row] = mapped[rows[by_row]]
+        out[name] = values
+    return out
+
+
+def _check_compatible(left: TableFile, right: TableFile) -> None:
+    if left.dim != right.dim:
+        raise ValueError(f"right: dim {right.dim} differs from left's {left.dim}; merge needs one dim")
+    lo, ro = left.config.optimizer, right.config.optimizer
+    if type(lo) is not type(ro):
+        raise ValueError(f"right: optimizer {type(ro).__name__} differs from left's {type(lo).__name__}; "
+                         f"their per-row states do not mix")
+
+
+def merge(left: TableFile, right: TableFile, out: str, policy: str, progress: Callable = iter) -> dict:
+    """Write the union of two tables of one dim (and one optimizer kind) to `out`.
+
+    Keys in one table keep their row, state and metadata. Keys in both follow `policy`:
+    "left" / "right": that table's row, state and metadata; "newer": the one with the larger
+    last step (left on ties); "average": the mean of both rows and both optimizer states,
+    counts added (capped at 2^32 - 1), the larger last step. The result has left's config and
+    the larger step. Returns how many keys were in each part.
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"policy: expected one of {POLICIES}, got {policy!r}")
+    _check_compatible(left, right)
+    match_right = _matcher(_all_keys(right))
+    in_left = np.zeros(len(right), bool)
+    for _, b in left.batches(BATCH, ("keys",)):
+        in_left[match_right(b["keys"])[1]] = True
+    both = int(in_left.sum())
+    n_out = len(left) + len(right) - both
+    with TableWriter(out, left.config, n_out, max(left.step, right.step)) as writer:
+        for _, b in progress(left.batches(BATCH)):
+            hit, at_right = match_right(b["keys"])
+            if hit.any() and policy != "left":
+                r = _gather(right, at_right)
+                _resolve(b, r, hit, policy)
+            writer.write(b["keys"], b["rows"], b["optimizer_state"], b["counts"], b["last_steps"])
+        for start, b in progress(right.batches(BATCH)):
+            only = ~in_left[start:start + len(b["keys"])]
+            writer.write(*(b[name][only] for name in ("keys", "rows", "optimizer_state", "counts", "last_steps")))
+    return {"left_only": len(left) - both, "right_only": len(right) - both, "both": both, "rows": n_out}
+
+
+def _resolve(b: Dict[str, np.ndarray], r: Dict[str, np.ndarray], hit: np.ndarray, policy: str) -> None:
+    """Overwrite left's entries `b` at `hit` with the policy's result given right's `r`."""
+    if policy == "right":
+        take = np.ones(len(r["keys"]), bool)
+    elif policy == "newer":
+        take = r["last_steps"] > b["last_steps"][hit]
+    else:  # average
+        for name in ("rows", "optimizer_state"):
+            b[name][hit] = (b[name][hit] + r[name]) * np.float32(0.5)
+        b["counts"][hit] = np.minimum(b["counts"][hit].astype(np.uint64) + r["counts"], _U32_MAX)
+        b["last_steps"][hit] = np.maximum(b["last_steps"][hit], r["last_steps"])
+        return
+    where = np.flatnonzero(hit)[take]
+    for name in ("rows", "optimizer_state", "counts", "last_steps"):
+        b[name][where] = r[name][take]
+
+
+def diff(old: TableFile, new: TableFile, tolerance: float = 0.0, progress: Callable = iter) -> dict:
+    """Keys added (in `new` only), removed (in `old` only) and changed (in both, with some
+    row entry differing by more than `tolerance`), each sorted; for the changed keys, the L2
+    norm and the largest absolute entry of the row's change (new - old)."""
+    if old.dim != new.dim:
+        raise ValueError(f"new: dim {new.dim} differs from old's {old.dim}")
+    match_new = _matcher(_all_keys(new))
+    in_old = np.zeros(len(new), bool)
+    removed, changed, l2, max_abs = [], [], [], []
+    for _, b in progress(old.batches(BATCH, ("keys", "rows"))):
+        hit, at_new = match_new(b["keys"])
+        removed.append(b["keys"][~hit])
+        in_old[at_new] = True
+        by_row = np.argsort(at_new, kind="stable")
+        new_rows = np.empty((len(at_new), new.dim), np.float32)
+        new_rows[by_row] = new.rows[at_new[by_row]]
+        delta = new_rows.astype(np.float64) - b["rows"][hit]
+        biggest = np.abs(delta).max(axis=1) if delta.size else np.zeros(len(delta))
+        moved = biggest > tolerance
+        changed.append(b["keys"][hit][moved])
+        l2.append(np.linalg.norm(delta[moved], axis=1))
+        max_abs.append(biggest[moved])
+    added = [b["keys"][~in_old[start:start + len(b["keys"])]] for start, b in new.batches(BATCH, ("keys",))]
+    cat = lambda parts, dtype: np.concatenate(parts) if parts else np.zeros(0, dtype)  # noqa: E731
+    changed_keys = cat(changed, np.int64)
+    order = np.argsort(changed_keys, kind="stable")
+    return {"added": np.sort(cat(added, np.int64)), "removed": np.sort(cat(removed, np.int64)),
+            "changed": changed_keys[order], "change_l2": cat(l2, np.float64)[order],
+            "change_max_abs": cat(max_abs, np.float64)[order]}
+
+
+def to_fixed(table: TableFile, out: str, progress: Callable = iter) -> None:
+    """Write `out` (.npz) for serving with a fixed table: ``ids`` (N,) int64, sorted, and
+    ``weight`` (N + 1, dim) float32 whose row i is the row of ids[i]; the last row is zeros,
+    where IDs the table never saw go (``np.searchsorted`` finds a row: see
+    `cncore_torch.convert.to_fixed`, which makes the same pair as a TorchRec collection).
+
+    >>> import numpy as np, tempfile, os
+    >>> from cncore_numpy import Table, open_table
+    >>> d = tempfile.mkdtemp(); t = Table(dim=1); t[[5, -5]] = np.array([[5.0], [-5.0]], np.float32)
+    >>> t.save(os.path.join(d, "t")); to_fixed(open_table(os.path.join(d, "t")), os.path.join(d, "f.npz"))
+    >>> f = np.load(os.path.join(d, "f.npz")); f["ids"].tolist(), f["weight"].ravel().tolist()
+    ([-5, 5], [-5.0, 5.0, 0.0])
+    """
+    keys = _all_keys(table)
+    order = np.argsort(keys, kind="stable")
+    n = len(keys)
+
+    def ids():
+        for start in range(0, n, BATCH):
+            yield keys[order[start:start + BATCH]]
+
+    def weight():
+        for start in progress(range(0, n, BATCH)):
+            rows = order[start:start + BATCH]
+            by_row = np.argsort(rows, kind="stable")
+            block = np.empty((len(rows), table.dim), np.float32)
+            block[by_row] = table.rows[rows[by_row]]
+            yield block
+        yield np.zeros((1, table.dim), np.float32)
+
+    with NpzStreamWriter(out) as npz:
+        npz.write("ids", np.int64, (n,), ids())
+        npz.write("weight", np.float32, (n + 1, table.dim), weight())
