@@ -1,0 +1,105 @@
+"""Torch checkpoints <-> table files (`cncore_numpy.format`), without loss.
+
+In a `state_dict` a dynamic table is the group of entries ``PREFIX{keys, rows,
+optimizer_state, counts, last_steps, step}`` (see `state.py`), whichever module wrote it
+(`CNEmbeddingBag`, `CNEmbedding`, the TorchRec collections, a DLRM around them). These
+functions turn every such group into a table directory named after its prefix, and back;
+the other entries (dense weights) stay torch's business.
+
+>>> import os, tempfile, torch, cncore, cncore_torch
+>>> from cncore_torch.checkpoint import checkpoint_to_tables, tables_to_checkpoint, table_configs
+>>> bag = cncore_torch.CNEmbeddingBag(10, 4, optimizer=cncore.Adagrad())
+>>> _ = bag(torch.tensor([1, 2**40]), torch.tensor([0]))
+>>> model = torch.nn.ModuleDict({"users": bag}); d = tempfile.mkdtemp()
+>>> checkpoint_to_tables(model.state_dict(), d, table_configs(model))
+['users']
+>>> restored = tables_to_checkpoint(d)
+>>> sorted(restored)[:2], torch.equal(restored["users.rows"], model.state_dict()["users.rows"])
+(['users.counts', 'users.keys'], True)
+"""
+from __future__ import annotations
+
+import os
+from typing import Dict, List, Optional
+
+import numpy as np
+import torch
+
+import cncore
+from cncore_numpy.exchange import infer_config
+from cncore_numpy.format import TableWriter, open_table
+from cncore_torch.state import FIELDS
+
+__all__ = ["checkpoint_to_tables", "tables_to_checkpoint", "table_configs", "table_prefixes"]
+
+_ROOT = "@root"  # the directory name of a table whose prefix is empty (a bare module's state_dict)
+
+
+def table_prefixes(state_dict: dict) -> List[str]:
+    """The prefixes under which `state_dict` holds a dynamic table."""
+    found = [k[: -len("rows")] for k in state_dict if k.endswith("rows")]
+    return [p for p in found if all(p + name in state_dict for name in FIELDS + ("step",))]
+
+
+def table_configs(module: torch.nn.Module) -> Dict[str, cncore.StoreConfig]:
+    """{state_dict prefix: StoreConfig} of every dynamic table in `module`: the configs the
+    state_dict itself does not carry (initializer, seed, optimizer hyperparameters)."""
+    configs = {}
+    for name, sub in module.named_modules():
+        at = f"{name}." if name else ""
+        config = getattr(sub, "config", None)
+        if isinstance(config, cncore.StoreConfig):
+            configs[at] = config
+        for table, store in (getattr(sub, "_stores", None) or {}).items():
+            configs[f"{at}tables.{table}."] = store.config
+    return configs
+
+
+def _directory_name(prefix: str) -> str:
+    return prefix[:-1] if prefix else _ROOT
+
+
+def checkpoint_to_tables(state_dict: dict, directory: str,
+                         configs: Optional[Dict[str, cncore.StoreConfig]] = None) -> List[str]:
+    """Write each table of `state_dict` to ``directory/<prefix without its last dot>``.
+    `configs` (from `table_configs(model)`) supplies each table's config; a table without
+    one gets a config inferred from its shapes (`cncore_numpy.exchange.infer_config`).
+    Returns the directory names written."""
+    written = []
+    for prefix in table_prefixes(state_dict):
+        values = {name: state_dict[prefix + name].detach().cpu() for name in FIELDS}
+        rows = values["rows"]
+        config = (configs or {}).get(prefix) or infer_config(rows.shape[1], values["optimizer_state"].shape[1])
+        if config.dim != rows.shape[1] or config.state_floats != values["optimizer_state"].shape[1]:
+            raise ValueError(f"configs[{prefix!r}]: dim {config.dim} / {config.state_floats} state floats do not match "
+                             f"the checkpoint's rows {tuple(rows.shape)} / state {tuple(values['optimizer_state'].shape)}")
+        for name in ("counts", "last_steps"):
+            v = values[name]
+            if v.numel() and (int(v.min()) < 0 or int(v.max()) > 2**32 - 1):
+                raise ValueError(f"{prefix}{name}: values outside [0, 2**32 - 1] cannot be stored")
+        name = _directory_name(prefix)
+        with TableWriter(os.path.join(directory, name), config, len(values["keys"]),
+                         int(state_dict[prefix + "step"])) as writer:
+            writer.write(*(values[f].numpy() for f in FIELDS))
+        written.append(name)
+    return written
+
+
+def tables_to_checkpoint(directory: str, verify: bool = True) -> Dict[str, torch.Tensor]:
+    """The state_dict entries of every table directory in `directory` (as the modules write
+    them: counts and last steps as int64), ready for ``model.load_state_dict(..., strict=False)``
+    or to be merged with the dense entries of a checkpoint."""
+    entries = {}
+    for name in sorted(os.listdir(directory)):
+        if not os.path.exists(os.path.join(directory, name, "CURRENT")):
+            continue
+        table = open_table(os.path.join(directory, name), verify)
+        prefix = "" if name == _ROOT else name + "."
+        for field in FIELDS:
+            values = np.concatenate([b[field] for _, b in table.batches(names=(field,))]) if len(table) else \
+                np.zeros(getattr(table, field).shape, getattr(table, field).dtype)
+            if field in ("counts", "last_steps"):
+                values = values.astype(np.int64)
+            entries[prefix + field] = torch.from_numpy(values)
+        entries[prefix + "step"] = torch.tensor(table.step, dtype=torch.int64)
+    return entries
