@@ -296,3 +296,17 @@ def test_tools_refuse_a_damaged_table(table_path, tmp_path, capsys):
         fh.write(bytes([byte[0] ^ 0xFF]))
     assert main(["inspect", table_path]) == 2
     assert "SHA-256" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fmt", [".npz", ".npy", ".parquet"])
+def test_import_refuses_a_truncated_export(table_path, tmp_path, fmt, capsys):
+    if fmt == ".parquet":
+        pytest.importorskip("pyarrow")
+    exported = str(tmp_path / f"t{fmt}")
+    export_table(open_table(table_path), exported)
+    size = os.path.getsize(exported)
+    with open(exported, "r+b") as fh:
+        fh.truncate(size - 100)
+    assert main(["import", exported, str(tmp_path / "back"), "--quiet", "--config-from", table_path]) == 2
+    assert capsys.readouterr().err.startswith("cn-table import: error:")
+    assert not (tmp_path / "back" / "CURRENT").exists()

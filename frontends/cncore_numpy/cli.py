@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import zipfile
 from functools import partial
 
 import numpy as np
@@ -87,7 +88,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     try:
         return _run(ap, args)
-    except (TableFormatError, ValueError, ImportError, FileNotFoundError) as exc:
+    except (TableFormatError, ValueError, ImportError, OSError, zipfile.BadZipFile) as exc:
         print(f"cn-table {args.command}: error: {exc}", file=sys.stderr)
         return 2
 
