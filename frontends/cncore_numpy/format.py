@@ -287,6 +287,26 @@ class TableFile:
                     raise TableFormatError(f"{self.path}: {name} ends early (truncated while open?)")
         return out
 
+    def take(self, name: str, rows: np.ndarray, chunk: int = 1 << 14) -> np.ndarray:
+        """One array's entries at row numbers `rows` (any order, repeats allowed). Reads go in
+        row order through short-lived maps of `chunk` rows each, so the pages a gather touches
+        leave the resident set when the chunk is done."""
+        mapped = getattr(self, name)
+        rows = np.asarray(rows, dtype=np.int64)
+        out = np.empty((len(rows),) + mapped.shape[1:], mapped.dtype)
+        if not len(rows) or not out.itemsize or not out.size:
+            return out
+        if rows.min() < 0 or rows.max() >= len(mapped):
+            raise IndexError(f"rows: row numbers must be in [0, {len(mapped)})")
+        order = np.argsort(rows, kind="stable")
+        for start in range(0, len(rows), chunk):
+            at = order[start:start + chunk]
+            window = np.memmap(mapped.filename, dtype=mapped.dtype, mode="r", offset=mapped.offset,
+                               shape=mapped.shape)
+            out[at] = window[rows[at]]
+            del window
+        return out
+
     def batches(self, batch_rows: int = 1 << 18, names=tuple(ARRAYS)) -> Iterator[Tuple[int, Dict[str, np.ndarray]]]:
         """(start, {name: rows [start, start + batch_rows)}) over the whole table, in file order."""
         for start in range(0, len(self), batch_rows):

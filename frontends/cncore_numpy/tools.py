@@ -129,15 +129,8 @@ def _matcher(keys: np.ndarray):
 
 
 def _gather(table: TableFile, rows: np.ndarray) -> Dict[str, np.ndarray]:
-    """Every array's entries at row numbers `rows`, read in row order from the maps."""
-    by_row = np.argsort(rows, kind="stable")
-    out = {}
-    for name in ("keys", "rows", "optimizer_state", "counts", "last_steps"):
-        mapped = getattr(table, name)
-        values = np.empty((len(rows),) + mapped.shape[1:], mapped.dtype)
-        values[by_row] = mapped[rows[by_row]]
-        out[name] = values
-    return out
+    """Every array's entries at row numbers `rows`."""
+    return {name: table.take(name, rows) for name in ("keys", "rows", "optimizer_state", "counts", "last_steps")}
 
 
 def _check_compatible(left: TableFile, right: TableFile) -> None:
@@ -210,10 +203,7 @@ def diff(old: TableFile, new: TableFile, tolerance: float = 0.0, progress: Calla
         hit, at_new = match_new(b["keys"])
         removed.append(b["keys"][~hit])
         in_old[at_new] = True
-        by_row = np.argsort(at_new, kind="stable")
-        new_rows = np.empty((len(at_new), new.dim), np.float32)
-        new_rows[by_row] = new.rows[at_new[by_row]]
-        delta = new_rows.astype(np.float64) - b["rows"][hit]
+        delta = new.take("rows", at_new).astype(np.float64) - b["rows"][hit]
         biggest = np.abs(delta).max(axis=1) if delta.size else np.zeros(len(delta))
         moved = biggest > tolerance
         changed.append(b["keys"][hit][moved])
@@ -251,11 +241,7 @@ def to_fixed(table: TableFile, out: str, progress: Callable = iter) -> None:
 
     def weight():
         for start in progress(range(0, n, BATCH)):
-            rows = order[start:start + BATCH]
-            by_row = np.argsort(rows, kind="stable")
-            block = np.empty((len(rows), table.dim), np.float32)
-            block[by_row] = table.rows[rows[by_row]]
-            yield block
+            yield table.take("rows", order[start:start + BATCH])
         yield np.zeros((1, table.dim), np.float32)
 
     with NpzStreamWriter(out) as npz:
