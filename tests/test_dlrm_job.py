@@ -47,6 +47,13 @@ def test_resume_continues_exactly(tmp_path):
     assert b["auc"] == pytest.approx(a["auc"], abs=1e-6)
     assert b["logloss"] == pytest.approx(a["logloss"], rel=1e-5)
     assert b["rows"] == a["rows"]
+    # the checkpoint's tables open as table files, for cn-table
+    from cncore_numpy import open_table
+    from cncore_torch.checkpoint import main as convert
+    assert convert(["to-tables", str(ck), str(tmp_path / "tables"), "--entry", "model"]) == 0
+    names = sorted(p.name for p in (tmp_path / "tables").iterdir())
+    assert len(names) == 26 and all(".tables." in n for n in names)
+    assert sum(len(open_table(str(tmp_path / "tables" / n))) for n in names) > 1000
 
 
 CRITEO_LINES = [

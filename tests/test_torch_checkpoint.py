@@ -103,3 +103,14 @@ def test_mismatched_config_is_refused(tmp_path):
     model = trained_model()
     with pytest.raises(ValueError, match="configs"):
         checkpoint_to_tables(model.state_dict(), str(tmp_path), {"users.": cncore.StoreConfig(dim=7)})
+
+
+def test_command_line_converts_a_saved_checkpoint(tmp_path, capsys):
+    from cncore_torch.checkpoint import main
+    model = trained_model()
+    torch.save({"model": model.state_dict(), "step": 3}, str(tmp_path / "ckpt.pt"))
+    assert main(["to-tables", str(tmp_path / "ckpt.pt"), str(tmp_path / "tables"), "--entry", "model"]) == 0
+    assert "wrote 2 tables" in capsys.readouterr().out
+    assert open_table(str(tmp_path / "tables" / "users")).config.optimizer == cncore.RowWiseAdagrad()
+    assert main(["from-tables", str(tmp_path / "tables"), str(tmp_path / "back.pt")]) == 0
+    assert_state_dicts_equal(torch.load(str(tmp_path / "back.pt")), table_entries(model.state_dict()))

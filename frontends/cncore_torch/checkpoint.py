@@ -103,3 +103,40 @@ def tables_to_checkpoint(directory: str, verify: bool = True) -> Dict[str, torch
             entries[prefix + field] = torch.from_numpy(values)
         entries[prefix + "step"] = torch.tensor(table.step, dtype=torch.int64)
     return entries
+
+
+def main(argv=None) -> int:
+    """python -m cncore_torch.checkpoint to-tables CKPT DIR [--entry model] | from-tables DIR OUT
+
+    to-tables: every dynamic table in a torch checkpoint (a state_dict, or a dict holding one
+    under --entry, as cn-dlrm's checkpoints do under "model") becomes a table directory in DIR
+    (configs inferred from the shapes: hyperparameters are not in a state_dict).
+    from-tables: the table directories in DIR become a state_dict saved with torch.save to OUT.
+    """
+    import argparse
+    ap = argparse.ArgumentParser(prog="python -m cncore_torch.checkpoint", description=main.__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+    to = sub.add_parser("to-tables")
+    to.add_argument("checkpoint")
+    to.add_argument("directory")
+    to.add_argument("--entry", help="the key of the state_dict inside the checkpoint (cn-dlrm: model)")
+    back = sub.add_parser("from-tables")
+    back.add_argument("directory")
+    back.add_argument("out")
+    args = ap.parse_args(argv)
+    if args.command == "to-tables":
+        state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
+        if args.entry:
+            state = state[args.entry]
+        names = checkpoint_to_tables(state, args.directory)
+        print(f"wrote {len(names)} tables to {args.directory}: {', '.join(names)}")
+    else:
+        entries = tables_to_checkpoint(args.directory)
+        torch.save(entries, args.out)
+        print(f"wrote {len(entries)} state_dict entries to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
