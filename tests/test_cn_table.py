@@ -310,3 +310,14 @@ def test_import_refuses_a_truncated_export(table_path, tmp_path, fmt, capsys):
     assert main(["import", exported, str(tmp_path / "back"), "--quiet", "--config-from", table_path]) == 2
     assert capsys.readouterr().err.startswith("cn-table import: error:")
     assert not (tmp_path / "back" / "CURRENT").exists()
+
+
+def test_tools_may_write_over_their_input(table_path, capsys):
+    """The old version stays until the new one commits, so `prune T T` is safe."""
+    t = open_table(table_path)
+    expected = sorted(np.asarray(t.keys)[prune_mask(t, min_count=3)[0]].tolist())
+    assert main(["prune", table_path, table_path, "--min-count", "3", "--quiet"]) == 0
+    assert sorted(open_table(table_path).keys.tolist()) == expected
+    assert main(["merge", table_path, table_path, table_path, "--policy", "average", "--quiet"]) == 0
+    assert sorted(open_table(table_path).keys.tolist()) == expected
+    assert sorted(os.listdir(table_path)) == ["CURRENT", "v000003"]
