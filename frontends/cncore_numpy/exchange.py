@@ -29,7 +29,6 @@ True
 """
 from __future__ import annotations
 
-import io
 import json
 import os
 import zipfile
@@ -39,7 +38,8 @@ from typing import Callable, Dict, Iterator, Optional
 import numpy as np
 
 import cncore
-from cncore_numpy.format import ARRAYS, TableFile, TableWriter, config_from_dict, config_to_dict
+from cncore_numpy.format import (ARRAYS, TableFile, TableWriter, config_from_dict, config_to_dict,
+                                 npy_header)
 
 __all__ = ["export_table", "import_table", "FORMATS", "NpzStreamWriter"]
 
@@ -75,13 +75,6 @@ class _AtomicFile:
         os.replace(self.tmp, self.path)
 
 
-def _npy_header(dtype: np.dtype, shape: tuple) -> bytes:
-    buf = io.BytesIO()
-    np.lib.format.write_array_header_1_0(buf, {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)),
-                                               "fortran_order": False, "shape": shape})
-    return buf.getvalue()
-
-
 class NpzStreamWriter:
     """An .npz written one array at a time, each from batches, never whole in memory.
 
@@ -99,7 +92,7 @@ class NpzStreamWriter:
 
     def write(self, name: str, dtype, shape: tuple, batches) -> None:
         with self._zip.open(name + ".npy", "w", force_zip64=True) as member:
-            member.write(_npy_header(dtype, shape))
+            member.write(npy_header(dtype, shape))
             for batch in batches:
                 arr = np.ascontiguousarray(batch, dtype=dtype)
                 if arr.size:
@@ -120,14 +113,12 @@ def _npy_member_reader(fh, name: str):
     shape, fortran, dtype = read_header(fh)
     if fortran:
         raise ValueError(f"{name}: Fortran-ordered arrays are not supported")
-    item = dtype.itemsize * int(np.prod(shape[1:], dtype=np.int64))
-
     def read(k: int) -> np.ndarray:
         out = np.empty((k,) + tuple(shape[1:]), dtype)
         if out.nbytes and fh.readinto(memoryview(out.reshape(-1)).cast("B")) != out.nbytes:
             raise ValueError(f"{name}: ends early (truncated)")
         return out
-    return dtype, tuple(shape), read, item
+    return dtype, tuple(shape), read
 
 
 # --- export ---------------------------------------------------------------------------------
@@ -161,7 +152,7 @@ def _record_dtype(dim: int, sf: int) -> np.dtype:
 def _export_npy(table, out, batch_rows, progress) -> None:
     dtype = _record_dtype(table.dim, table.config.state_floats)
     with _AtomicFile(out) as tmp, open(tmp, "wb") as fh:
-        fh.write(_npy_header(dtype, (len(table),)))
+        fh.write(npy_header(dtype, (len(table),)))
         for _, b in progress(table.batches(batch_rows)):
             rec = np.empty(len(b["keys"]), dtype)
             for name, field in _FIELDS.items():
@@ -208,11 +199,12 @@ class _Source:
     state_floats: int
     config: Optional[cncore.StoreConfig]
     step: Optional[int]
-    batches: Callable[[int], Iterator[Dict[str, np.ndarray]]]
+    batches: Callable[..., Iterator[Dict[str, np.ndarray]]]  # (batch_rows, wanted array names)
 
 
 def _npz_source(path: str) -> _Source:
-    names = set(zipfile.ZipFile(path).namelist())
+    with zipfile.ZipFile(path) as zf:
+        names = set(zf.namelist())
     missing = [n for n in ("keys", "rows") if n + ".npy" not in names]
     if missing:
         raise ValueError(f"{path}: the .npz has no {missing} array")
@@ -220,40 +212,40 @@ def _npz_source(path: str) -> _Source:
     config = config_from_dict(json.loads(str(small["config"]))) if "config.npy" in names else None
     step = int(small["step"]) if "step.npy" in names else None
     with zipfile.ZipFile(path) as zf, zf.open("rows.npy") as fh:
-        _, shape, _, _ = _npy_member_reader(fh, "rows")
+        _, shape, _ = _npy_member_reader(fh, "rows")
     sf = 0
     if "optimizer_state.npy" in names:
         with zipfile.ZipFile(path) as zf, zf.open("optimizer_state.npy") as fh:
             sf = _npy_member_reader(fh, "optimizer_state")[1][1]
 
-    def batches(batch_rows: int):
+    def batches(batch_rows: int, wanted=tuple(ARRAYS)):
         with zipfile.ZipFile(path) as zf:
             readers = {}
             for name in ARRAYS:
                 if name + ".npy" in names:
                     readers[name] = _npy_member_reader(zf.open(name + ".npy"), name)
-            for name, (_, shp, _, _) in readers.items():
+            for name, (_, shp, _) in readers.items():
                 if shp[0] != shape[0]:
                     raise ValueError(f"{path}: {name} has {shp[0]} rows, rows has {shape[0]}")
             for start in range(0, shape[0], batch_rows):
                 k = min(batch_rows, shape[0] - start)
-                yield {name: r[2](k) for name, r in readers.items()}
+                yield {name: r[2](k) for name, r in readers.items() if name in wanted}
     return _Source(shape[0], shape[1], sf, config, step, batches)
 
 
 def _npy_source(path: str) -> _Source:
     with open(path, "rb") as fh:
-        dtype, shape, _, _ = _npy_member_reader(fh, path)
+        dtype, shape, _ = _npy_member_reader(fh, path)
     if dtype.names is None or "key" not in dtype.names or "row" not in dtype.names or len(shape) != 1:
         raise ValueError(f"{path}: expected a 1-D structured array with fields key, row, ... (a cn-table export)")
     sf = dtype["optimizer_state"].shape[0] if "optimizer_state" in dtype.names else 0
 
-    def batches(batch_rows: int):
+    def batches(batch_rows: int, wanted=tuple(ARRAYS)):
         with open(path, "rb") as fh:
-            _, _, read, _ = _npy_member_reader(fh, path)
+            _, _, read = _npy_member_reader(fh, path)
             for start in range(0, shape[0], batch_rows):
-                rec = read(min(batch_rows, shape[0] - start))
-                yield {name: rec[field] for name, field in _FIELDS.items() if field in dtype.names}
+                rec = read(min(batch_rows, shape[0] - start))  # whole records: the fields interleave
+                yield {name: rec[field] for name, field in _FIELDS.items() if field in dtype.names and name in wanted}
     return _Source(shape[0], dtype["row"].shape[0], sf, None, None, batches)
 
 
@@ -268,8 +260,9 @@ def _parquet_source(path: str) -> _Source:
     sf = schema.field("optimizer_state").type.list_size if "optimizer_state" in schema.names else 0
     dim = schema.field("row").type.list_size
 
-    def batches(batch_rows: int):
-        for rb in pf.iter_batches(batch_size=batch_rows):
+    def batches(batch_rows: int, wanted=tuple(ARRAYS)):
+        columns = [_FIELDS[name] for name in wanted if _FIELDS[name] in schema.names]
+        for rb in pf.iter_batches(batch_size=batch_rows, columns=columns):
             out = {}
             for name, field in _FIELDS.items():
                 if field in rb.schema.names:
@@ -302,7 +295,7 @@ def import_table(src: str, out: str, config: Optional[cncore.StoreConfig] = None
     if config.dim != source.dim or config.state_floats != source.state_floats:
         raise ValueError(f"config: dim {config.dim} with {config.state_floats} state floats per row does not match "
                          f"{src} (dim {source.dim}, {source.state_floats} state floats)")
-    keys = np.concatenate([b["keys"] for b in source.batches(batch_rows)] or [np.zeros(0, np.int64)])
+    keys = np.concatenate([b["keys"] for b in source.batches(batch_rows, ("keys",))] or [np.zeros(0, np.int64)])
     if len(keys) != source.n_rows:
         raise ValueError(f"{src}: {len(keys)} keys, {source.n_rows} rows announced")
     unique = np.unique(keys)

@@ -87,6 +87,14 @@ def _sha256(path: str) -> str:
     return h.hexdigest()
 
 
+def npy_header(dtype, shape: tuple) -> bytes:
+    """The .npy (version 1.0) header of a C-ordered array: what comes before its raw bytes."""
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buf, {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)),
+                                               "fortran_order": False, "shape": shape})
+    return buf.getvalue()
+
+
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -127,12 +135,9 @@ class TableWriter:
                         "last_steps": (n,)}
         self._files, self._hashes = {}, {}
         for name in ARRAYS:
-            header = io.BytesIO()
-            np.lib.format.write_array_header_1_0(header, {"descr": np.lib.format.dtype_to_descr(np.dtype(ARRAYS[name])),
-                                                          "fortran_order": False, "shape": self._shapes[name]})
             self._files[name] = open(os.path.join(self._tmp, f"{name}.npy"), "wb")
             self._hashes[name] = hashlib.sha256()
-            self._append(name, header.getvalue())
+            self._append(name, npy_header(ARRAYS[name], self._shapes[name]))
         self.rows_written = 0
 
     def _append(self, name: str, data) -> None:

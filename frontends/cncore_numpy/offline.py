@@ -20,22 +20,27 @@ def key_index(table):
     """(sorted keys, their row numbers) of a TableFile, built on first use and kept."""
     index = getattr(table, "_key_index", None)
     if index is None:
-        keys = np.concatenate([b["keys"] for _, b in table.batches(names=("keys",))]) if len(table) else \
-            np.zeros(0, np.int64)
+        keys = table.read("keys", 0, len(table))
         order = np.argsort(keys, kind="stable")
-        index = (keys[order], order)
-        object.__setattr__(table, "_key_index", index)
+        index = table._key_index = (keys[order], order)
     return index
+
+
+def find_rows(table, keys: np.ndarray):
+    """(hit mask over keys, row numbers of the hits) of int64 `keys` in a TableFile."""
+    sorted_keys, order = key_index(table)
+    if not len(sorted_keys):
+        return np.zeros(len(keys), bool), np.zeros(0, np.int64)
+    pos = np.minimum(np.searchsorted(sorted_keys, keys), len(sorted_keys) - 1)
+    hit = sorted_keys[pos] == keys
+    return hit, order[pos[hit]]
 
 
 def file_lookup(table, keys) -> np.ndarray:
     keys = as_keys(np.asarray(keys) if isinstance(keys, (list, tuple)) else keys)
-    sorted_keys, order = key_index(table)
+    hit, rows = find_rows(table, keys)
     out = np.zeros((len(keys), table.dim), np.float32)
-    if len(sorted_keys) and len(keys):
-        pos = np.minimum(np.searchsorted(sorted_keys, keys), len(sorted_keys) - 1)
-        hit = sorted_keys[pos] == keys
-        out[hit] = table.take("rows", order[pos[hit]])
+    out[hit] = table.take("rows", rows)
     return out
 
 

@@ -2,8 +2,9 @@
 
 Every tool reads the table in batches of rows with plain file reads (see `TableFile.batches`)
 and writes through `TableWriter` or a streamed .npz, so tables larger than memory work. What
-they do keep in memory is per-row bookkeeping: keys (8 bytes a row) for merge, diff and
-to-fixed, which must match keys across tables, and a keep mask (1 byte a row) for prune.
+they do keep in memory is per-row bookkeeping: the sorted key index of `offline.key_index`
+(16 bytes a row) for merge, diff and to-fixed, which must match keys across tables, and a
+keep mask (1 byte a row) for prune.
 
 >>> import numpy as np, tempfile, os, cncore
 >>> from cncore_numpy import Table, open_table
@@ -26,6 +27,7 @@ import numpy as np
 
 from cncore_numpy.exchange import BATCH, NpzStreamWriter
 from cncore_numpy.format import TableFile, TableWriter
+from cncore_numpy.offline import find_rows, key_index
 
 __all__ = ["inspect", "prune_mask", "prune", "merge", "diff", "to_fixed", "POLICIES"]
 
@@ -92,8 +94,8 @@ def prune_mask(table: TableFile, min_count: Optional[int] = None, min_step: Opti
             k &= ok
     if top_k is not None and keep.sum() > top_k:
         idx = np.flatnonzero(keep)
-        keys = np.concatenate([b["keys"] for _, b in table.batches(BATCH, ("keys",))])[idx]
-        counts = np.concatenate([b["counts"] for _, b in table.batches(BATCH, ("counts",))])[idx]
+        keys = table.read("keys", 0, n)[idx]
+        counts = table.read("counts", 0, n)[idx]
         order = np.lexsort((keys, -counts.astype(np.int64)))
         keep[idx[order[top_k:]]] = False
         failing[f"beyond the top {top_k} by count"] = len(idx) - top_k
@@ -107,25 +109,6 @@ def prune(table: TableFile, out: str, keep: np.ndarray, progress: Callable = ite
             k = keep[start:start + len(b["keys"])]
             writer.write(*(b[name][k] for name in ("keys", "rows", "optimizer_state", "counts", "last_steps")))
     return int(len(table) - keep.sum())
-
-
-def _all_keys(table: TableFile) -> np.ndarray:
-    parts = [b["keys"] for _, b in table.batches(BATCH, ("keys",))]
-    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
-
-
-def _matcher(keys: np.ndarray):
-    """keys -> (hit mask, positions in `keys` of the hits), by binary search."""
-    order = np.argsort(keys, kind="stable")
-    sorted_keys = keys[order]
-
-    def match(query: np.ndarray):
-        if not len(sorted_keys):
-            return np.zeros(len(query), bool), np.zeros(0, np.int64)
-        pos = np.minimum(np.searchsorted(sorted_keys, query), len(sorted_keys) - 1)
-        hit = sorted_keys[pos] == query
-        return hit, order[pos[hit]]
-    return match
 
 
 def _gather(table: TableFile, rows: np.ndarray) -> Dict[str, np.ndarray]:
@@ -154,15 +137,14 @@ def merge(left: TableFile, right: TableFile, out: str, policy: str, progress: Ca
     if policy not in POLICIES:
         raise ValueError(f"policy: expected one of {POLICIES}, got {policy!r}")
     _check_compatible(left, right)
-    match_right = _matcher(_all_keys(right))
     in_left = np.zeros(len(right), bool)
     for _, b in left.batches(BATCH, ("keys",)):
-        in_left[match_right(b["keys"])[1]] = True
+        in_left[find_rows(right, b["keys"])[1]] = True
     both = int(in_left.sum())
     n_out = len(left) + len(right) - both
     with TableWriter(out, left.config, n_out, max(left.step, right.step)) as writer:
         for _, b in progress(left.batches(BATCH)):
-            hit, at_right = match_right(b["keys"])
+            hit, at_right = find_rows(right, b["keys"])
             if hit.any() and policy != "left":
                 r = _gather(right, at_right)
                 _resolve(b, r, hit, policy)
@@ -196,11 +178,10 @@ def diff(old: TableFile, new: TableFile, tolerance: float = 0.0, progress: Calla
     norm and the largest absolute entry of the row's change (new - old)."""
     if old.dim != new.dim:
         raise ValueError(f"new: dim {new.dim} differs from old's {old.dim}")
-    match_new = _matcher(_all_keys(new))
     in_old = np.zeros(len(new), bool)
     removed, changed, l2, max_abs = [], [], [], []
     for _, b in progress(old.batches(BATCH, ("keys", "rows"))):
-        hit, at_new = match_new(b["keys"])
+        hit, at_new = find_rows(new, b["keys"])
         removed.append(b["keys"][~hit])
         in_old[at_new] = True
         delta = new.take("rows", at_new).astype(np.float64) - b["rows"][hit]
@@ -231,13 +212,8 @@ def to_fixed(table: TableFile, out: str, progress: Callable = iter) -> None:
     >>> f = np.load(os.path.join(d, "f.npz")); f["ids"].tolist(), f["weight"].ravel().tolist()
     ([-5, 5], [-5.0, 5.0, 0.0])
     """
-    keys = _all_keys(table)
-    order = np.argsort(keys, kind="stable")
-    n = len(keys)
-
-    def ids():
-        for start in range(0, n, BATCH):
-            yield keys[order[start:start + BATCH]]
+    sorted_keys, order = key_index(table)
+    n = len(sorted_keys)
 
     def weight():
         for start in progress(range(0, n, BATCH)):
@@ -245,5 +221,5 @@ def to_fixed(table: TableFile, out: str, progress: Callable = iter) -> None:
         yield np.zeros((1, table.dim), np.float32)
 
     with NpzStreamWriter(out) as npz:
-        npz.write("ids", np.int64, (n,), ids())
+        npz.write("ids", np.int64, (n,), [sorted_keys])
         npz.write("weight", np.float32, (n + 1, table.dim), weight())

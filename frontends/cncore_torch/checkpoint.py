@@ -96,8 +96,7 @@ def tables_to_checkpoint(directory: str, verify: bool = True) -> Dict[str, torch
         table = open_table(os.path.join(directory, name), verify)
         prefix = "" if name == _ROOT else name + "."
         for field in FIELDS:
-            values = np.concatenate([b[field] for _, b in table.batches(names=(field,))]) if len(table) else \
-                np.zeros(getattr(table, field).shape, getattr(table, field).dtype)
+            values = table.read(field, 0, len(table))
             if field in ("counts", "last_steps"):
                 values = values.astype(np.int64)
             entries[prefix + field] = torch.from_numpy(values)
