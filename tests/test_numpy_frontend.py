@@ -42,6 +42,8 @@ def test_table_keeps_the_stores_input_checks():
     t = Table(dim=2)
     with pytest.raises(TypeError, match="keys"):
         t.find(np.array([1.5]))
+    with pytest.raises(TypeError, match="keys"):
+        t.find_or_insert([1.5, 2.0])  # a list of floats is refused, not truncated
     with pytest.raises(ValueError, match="rows"):
         t[[1, 2]] = np.zeros((3, 2), np.float32)
     assert len(t) == 0

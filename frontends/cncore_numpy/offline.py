@@ -37,7 +37,7 @@ def find_rows(table, keys: np.ndarray):
 
 
 def file_lookup(table, keys) -> np.ndarray:
-    keys = as_keys(np.asarray(keys) if isinstance(keys, (list, tuple)) else keys)
+    keys = as_keys(keys)
     hit, rows = find_rows(table, keys)
     out = np.zeros((len(keys), table.dim), np.float32)
     out[hit] = table.take("rows", rows)
@@ -49,11 +49,11 @@ def bag_offsets(n_keys: int, offsets, lengths) -> np.ndarray:
     if (offsets is None) == (lengths is None):
         raise ValueError("give exactly one of offsets (B+1) or lengths (B)")
     if offsets is not None:
-        o = as_offsets(np.asarray(offsets) if isinstance(offsets, (list, tuple)) else offsets, "offsets")
+        o = as_offsets(offsets, "offsets")
         if len(o) == 0 or o[0] != 0 or o[-1] != n_keys or np.any(np.diff(o) < 0):
             raise ValueError(f"offsets: expected B+1 non-decreasing entries from 0 to len(keys)={n_keys}")
         return o
-    ln = as_offsets(np.asarray(lengths) if isinstance(lengths, (list, tuple)) else lengths, "lengths")
+    ln = as_offsets(lengths, "lengths")
     if ln.size and ln.min() < 0:
         raise ValueError("lengths: must be >= 0")
     if ln.sum() != n_keys:
@@ -81,7 +81,7 @@ def pool(rows: np.ndarray, offsets: np.ndarray, mode: str, weights=None) -> np.n
 
 
 def file_pooled_lookup(table, keys, offsets, lengths, mode, per_sample_weights) -> np.ndarray:
-    keys = as_keys(np.asarray(keys) if isinstance(keys, (list, tuple)) else keys)
+    keys = as_keys(keys)
     if mode not in MODES:
         raise ValueError(f"mode: expected 'sum', 'mean' or 'max', got {mode!r}")
     o = bag_offsets(len(keys), offsets, lengths)

@@ -1,8 +1,9 @@
 """`Table`: a dynamic embedding table for NumPy users, and its files.
 
 `Table` is cncore's `EmbeddingStore` (every verb takes and returns NumPy arrays; Python
-lists of ints work too) with what a NumPy user reaches for added: indexing, saving to and
-loading from the table file format, and pooled scoring that never inserts.
+lists of ints work too, as they do for the store) with what a NumPy user reaches for
+added: indexing, saving to and loading from the table file format, and pooled scoring that
+never inserts.
 
 >>> import numpy as np, cncore
 >>> from cncore_numpy import Table
@@ -44,32 +45,8 @@ from cncore_numpy.format import open_table, save_table
 __all__ = ["Table", "load_table"]
 
 
-def _keys(keys):
-    return np.asarray(keys, dtype=np.int64) if isinstance(keys, (list, tuple, int)) else keys
-
-
 class Table(cncore.EmbeddingStore):
     """An `EmbeddingStore` with NumPy indexing, files and scoring (see the module docstring)."""
-
-    # Python lists and ints become int64 arrays; arrays keep the store's strict dtype checks.
-    def find(self, keys):
-        return super().find(_keys(keys))
-
-    def find_or_insert(self, keys):
-        return super().find_or_insert(_keys(keys))
-
-    def _upsert(self, keys, *args, **kwargs):
-        return super()._upsert(_keys(keys), *args, **kwargs)
-
-    def erase(self, keys):
-        return super().erase(_keys(keys))
-
-    def read(self, keys):
-        return super().read(_keys(keys))
-
-    def pooled_lookup(self, keys, offsets=None, *, lengths=None, **kwargs):
-        as_array = lambda v: None if v is None else _keys(v)  # noqa: E731
-        return super().pooled_lookup(_keys(keys), as_array(offsets), lengths=as_array(lengths), **kwargs)
 
     def __getitem__(self, keys) -> np.ndarray:
         """``t[keys]``: rows (N, dim); absent keys read as zeros (nothing is inserted)."""
