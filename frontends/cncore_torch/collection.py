@@ -114,8 +114,22 @@ def features_by_key(features, feature_names: List[List[str]]) -> Dict[str, Jagge
     return by_key
 
 
-class _StoresInStateDict:
-    """Every table's rows, optimizer state and metadata in the module's state_dict."""
+class _DynamicTables:
+    """What both collections share: a store per table (created by `_init_tables`), the
+    parameter autograd hangs their lookups on, the fused optimizer over them, and every
+    table's rows, optimizer state and metadata in the module's state_dict."""
+
+    def _init_tables(self, tables, config_type, optimizer, initializers, capacities, seed: int, device, owner: str,
+                     optimizer_prefix: str) -> None:
+        self._stores = make_stores(tables, config_type, optimizer, initializers, capacities, seed, device, owner)
+        self._anchor = nn.Parameter(torch.empty(0))
+        self.fused_optimizer = (keyed_fused_optimizer(self._anchor, optimizer, list(self._stores.values()),
+                                                      optimizer_prefix) if optimizer else None)
+
+    @property
+    def stores(self) -> Dict[str, cncore.EmbeddingStore]:
+        """The tables by name."""
+        return self._stores
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
@@ -152,7 +166,7 @@ class _GroupedLookup(torch.autograd.Function):
         return None, None, None, None, None, None
 
 
-class CNEmbeddingBagCollection(_StoresInStateDict, EmbeddingBagCollectionInterface):
+class CNEmbeddingBagCollection(_DynamicTables, EmbeddingBagCollectionInterface):
     """TorchRec's `EmbeddingBagCollection` on dynamic tables (see the module docstring).
 
     Args: `tables`, `is_weighted`, `device` as TorchRec (device: "cpu" only for now);
@@ -166,8 +180,8 @@ class CNEmbeddingBagCollection(_StoresInStateDict, EmbeddingBagCollectionInterfa
                  optimizer=None, initializers: Optional[Dict[str, object]] = None,
                  capacities: Optional[Dict[str, int]] = None, seed: int = 0):
         super().__init__()
-        self._stores = make_stores(tables, EmbeddingBagConfig, optimizer, initializers, capacities, seed, device,
-                                   "CNEmbeddingBagCollection")
+        self._init_tables(tables, EmbeddingBagConfig, optimizer, initializers, capacities, seed, device,
+                          "CNEmbeddingBagCollection", "embedding_bags.fused")
         self._is_weighted = is_weighted
         self._embedding_bag_configs = tables
         self._feature_names, names_by_table = feature_names_of(tables)
@@ -175,20 +189,12 @@ class CNEmbeddingBagCollection(_StoresInStateDict, EmbeddingBagCollectionInterfa
         self._feature_stores = [self._stores[c.name] for c, f in zip(tables, self._feature_names) for _ in f]
         self._modes = [_POOLING[c.pooling] for c, f in zip(tables, self._feature_names) for _ in f]
         self._lengths_per_embedding = [c.embedding_dim for c, f in zip(tables, self._feature_names) for _ in f]
-        self._anchor = nn.Parameter(torch.empty(0))
-        self.fused_optimizer = (keyed_fused_optimizer(self._anchor, optimizer, list(self._stores.values()),
-                                                      "embedding_bags.fused") if optimizer else None)
 
     def embedding_bag_configs(self) -> List[EmbeddingBagConfig]:
         return self._embedding_bag_configs
 
     def is_weighted(self) -> bool:
         return self._is_weighted
-
-    @property
-    def stores(self) -> Dict[str, cncore.EmbeddingStore]:
-        """The tables by name."""
-        return self._stores
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         by_key = features_by_key(features, self._feature_names)
@@ -244,7 +250,7 @@ class _TableLookups(torch.autograd.Function):
         return None, None, None, None
 
 
-class CNEmbeddingCollection(_StoresInStateDict, EmbeddingCollectionInterface):
+class CNEmbeddingCollection(_DynamicTables, EmbeddingCollectionInterface):
     """TorchRec's `EmbeddingCollection` (unpooled: one row per ID) over dynamic tables.
 
     forward(KJT) -> Dict[str, JaggedTensor] with TorchRec's keys; each JaggedTensor holds the
@@ -268,14 +274,11 @@ class CNEmbeddingCollection(_StoresInStateDict, EmbeddingCollectionInterface):
         dims = {c.embedding_dim for c in tables}
         if len(dims) > 1:
             raise ValueError(f"tables: an EmbeddingCollection needs one embedding_dim for all tables, got {sorted(dims)}")
-        self._stores = make_stores(tables, EmbeddingConfig, optimizer, initializers, capacities, seed, device,
-                                   "CNEmbeddingCollection")
+        self._init_tables(tables, EmbeddingConfig, optimizer, initializers, capacities, seed, device,
+                          "CNEmbeddingCollection", "embeddings.fused")
         self._configs, self._need_indices, self._dim = tables, need_indices, dims.pop()
         self._feature_names, self._names_by_table = feature_names_of(tables)
         self._table_stores = [self._stores[c.name] for c in tables]
-        self._anchor = nn.Parameter(torch.empty(0))
-        self.fused_optimizer = (keyed_fused_optimizer(self._anchor, optimizer, list(self._stores.values()),
-                                                      "embeddings.fused") if optimizer else None)
 
     def embedding_configs(self) -> List[EmbeddingConfig]:
         return self._configs
@@ -288,10 +291,6 @@ class CNEmbeddingCollection(_StoresInStateDict, EmbeddingCollectionInterface):
 
     def embedding_names_by_table(self) -> List[List[str]]:
         return self._names_by_table
-
-    @property
-    def stores(self) -> Dict[str, cncore.EmbeddingStore]:
-        return self._stores
 
     def forward(self, features: KeyedJaggedTensor) -> Dict[str, JaggedTensor]:
         by_key = features_by_key(features, self._feature_names)
