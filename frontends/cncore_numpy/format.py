@@ -3,19 +3,29 @@
     TABLE/
       CURRENT            the name of the live version directory (replaced atomically)
       v000003/
-        manifest.json    format, version, config, row count, step, and per array: dtype, shape,
-                         byte size and SHA-256
+        manifest.json    format, version, config, row count, step, and per array: file, dtype,
+                         shape, byte size and SHA-256
+        manifest.sha256  the SHA-256 of manifest.json (`sha256sum -c manifest.sha256` checks it)
         keys.npy         int64 (N,)
         rows.npy         float32 (N, dim)
         optimizer_state.npy  float32 (N, state floats)
         counts.npy       uint32 (N,)    access counts
         last_steps.npy   uint32 (N,)    step of the last training access
 
-Every array is a plain `.npy` file: NumPy reads it, memory-mapped, without this package.
-A save writes a new version directory (files fsynced), then points CURRENT at it with an
-atomic rename, then removes older versions: a crash or kill at any moment leaves CURRENT
-naming either the old table or the new one, complete. Opening checks the manifest, the sizes
-and (by default) the checksums, and refuses a damaged or truncated table saying what is wrong.
+Every array is a plain C-ordered `.npy` file: NumPy reads it, memory-mapped, without this
+package. A save writes a new version directory (files fsynced), then points CURRENT at it with
+an atomic rename, then removes older versions: a crash or kill at any moment leaves CURRENT
+naming either the old table or the new one, complete. A table directory holds nothing else:
+saving refuses a directory with other files in it, and a save removes only what saves make.
+
+Opening trusts nothing in the directory: the manifest's own checksum, every field's type and
+range, each array's .npy header, shape and dtype against the row count and the config, the
+file sizes and (by default) the arrays' checksums and the keys' uniqueness. A damaged,
+truncated or edited table is refused with `TableFormatError`, naming the file or field.
+An opened `TableFile` holds its files open, so saves that replace (and delete) its version
+do not disturb it.
+
+Format version 2 added manifest.sha256; version 1 tables (without it) still open.
 
 >>> import numpy as np, tempfile, os, cncore
 >>> from cncore_numpy import save_table, load_table, open_table
@@ -36,8 +46,10 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 from typing import Dict, Iterator, Optional, Tuple
 
 import numpy as np
@@ -48,14 +60,36 @@ __all__ = ["save_table", "open_table", "TableFile", "TableWriter", "TableFormatE
            "FORMAT_VERSION"]
 
 FORMAT = "cn-table"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: manifest.sha256 added; 1 is still read
 ARRAYS = {"keys": np.int64, "rows": np.float32, "optimizer_state": np.float32, "counts": np.uint32,
           "last_steps": np.uint32}
 _CHUNK = 1 << 22
+_U32_MAX = 2**32 - 1
+# The only entries a table directory holds: what saves make (CURRENT, versions, and the
+# temporary names of saves in flight or killed). Anything else belongs to someone else.
+_VERSION = re.compile(r"v[0-9]{6,}")
+_SAVE_MADE = re.compile(r"CURRENT|v[0-9]{6,}|\.v[0-9]{6,}\.tmp-[0-9]+|\.CURRENT\.tmp-[0-9]+")
+_MANIFEST_KEYS = ("format", "version", "rows", "step", "config", "arrays")
+_ENTRY_KEYS = ("file", "dtype", "shape", "bytes", "sha256")
+_INITIALIZERS = {c.__name__: c for c in (cncore.Uniform, cncore.Normal, cncore.TruncatedNormal, cncore.Constant)}
+_OPTIMIZERS = {c.__name__: c for c in (cncore.SGD, cncore.Adagrad, cncore.RowWiseAdagrad, cncore.Adam)}
 
 
 class TableFormatError(ValueError):
     """A table directory that cannot be read: missing, damaged, truncated or of another format."""
+
+
+def _show(value, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _error(where: str, message: str) -> TableFormatError:
+    return TableFormatError(f"{where}: {message}" if where else message)
+
+
+def _is_int(value, lo: int = 0, hi: int = 2**63) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and lo <= value < hi
 
 
 def config_to_dict(config: cncore.StoreConfig) -> dict:
@@ -66,25 +100,86 @@ def config_to_dict(config: cncore.StoreConfig) -> dict:
     return d
 
 
-def config_from_dict(d: dict) -> cncore.StoreConfig:
+def _fields_exactly(d, names, where: str, what: str) -> None:
+    """`d` must be a dict with exactly the keys `names` (the writer always writes them all)."""
+    if not isinstance(d, dict):
+        raise _error(where, f"{what} must be an object, got {_show(d)}")
+    missing, unknown = [n for n in names if n not in d], sorted(set(d) - set(names), key=str)
+    if missing or unknown:
+        raise _error(where, f"{what} must have the fields {list(names)}"
+                               + (f"; missing {missing}" if missing else "")
+                               + (f"; unknown {[_show(u, 30) for u in unknown]}" if unknown else ""))
+
+
+def _from_whitelist(d, classes: dict, what: str, where: str):
+    """Build one of `classes` (by name) from {"type": name, **fields}: only these classes, so a
+    file can never name some other callable of the package."""
+    kind = d.get("type") if isinstance(d, dict) else None
+    if not isinstance(kind, str) or kind not in classes:
+        raise _error(where, f"{what}.type must be one of {sorted(classes)}, got {_show(kind)}")
+    cls = classes[kind]
+    _fields_exactly(d, ("type",) + tuple(f.name for f in dataclasses.fields(cls)), where, what)
+    values = {k: tuple(v) if k == "betas" and isinstance(v, list) else v for k, v in d.items() if k != "type"}
+    try:
+        return cls(**values)
+    except (TypeError, ValueError) as exc:
+        raise _error(where, f"{what}: {exc}") from None
+
+
+def config_from_dict(d, where: str = "") -> cncore.StoreConfig:
+    """The StoreConfig a file describes (see `config_to_dict`); anything else, an unknown
+    initializer or optimizer type included, is a `TableFormatError` naming the field.
+
+    >>> config_from_dict(config_to_dict(cncore.StoreConfig(dim=3, optimizer=cncore.Adam()))).optimizer
+    Adam(lr=0.001, betas=(0.9, 0.999), eps=1e-08)
+    >>> try:
+    ...     config_from_dict({**config_to_dict(cncore.StoreConfig(dim=3)), "initializer": {"type": "set_num_threads"}})
+    ... except TableFormatError as exc:
+    ...     print(exc)
+    config.initializer.type must be one of ['Constant', 'Normal', 'TruncatedNormal', 'Uniform'], got 'set_num_threads'
+    """
+    _fields_exactly(d, tuple(f.name for f in dataclasses.fields(cncore.StoreConfig)), where, "config")
     d = dict(d)
-    init = dict(d["initializer"])
-    d["initializer"] = getattr(cncore, init.pop("type"))(**init)
+    d["initializer"] = _from_whitelist(d["initializer"], _INITIALIZERS, "config.initializer", where)
     if d["optimizer"] is not None:
-        opt = dict(d["optimizer"])
-        kind = getattr(cncore, opt.pop("type"))
-        if "betas" in opt:
-            opt["betas"] = tuple(opt["betas"])
-        d["optimizer"] = kind(**opt)
-    return cncore.StoreConfig(**d)
+        d["optimizer"] = _from_whitelist(d["optimizer"], _OPTIMIZERS, "config.optimizer", where)
+    try:
+        return cncore.StoreConfig(**d)
+    except (TypeError, ValueError) as exc:
+        raise _error(where, f"config: {exc}") from None
 
 
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(_CHUNK), b""):
-            h.update(chunk)
-    return h.hexdigest()
+def as_column(name: str, value, width: Optional[int] = None) -> np.ndarray:
+    """`value` as the table column `name` (dtype of `ARRAYS`), refusing casts that would change
+    it: keys must be integers within int64, counts and last steps integers in [0, 2**32 - 1],
+    rows and optimizer state real numbers. Raises ValueError naming the column.
+
+    >>> as_column("counts", [3, 4]).dtype
+    dtype('uint32')
+    >>> as_column("keys", [1.2, 1.7])
+    Traceback (most recent call last):
+    ...
+    ValueError: keys: expected integers, got float64
+    """
+    arr = np.asarray(value)
+    kinds = "iuf" if name in ("rows", "optimizer_state") else "iu"
+    if arr.dtype.kind not in kinds:
+        raise ValueError(f"{name}: expected {'real numbers' if 'f' in kinds else 'integers'}, got {arr.dtype}")
+    if name in ("counts", "last_steps") and arr.size and (arr.min() < 0 or arr.max() > _U32_MAX):
+        raise ValueError(f"{name}: values must be in [0, 2**32 - 1], got {int(arr.min())} .. {int(arr.max())}")
+    if name == "keys" and arr.dtype.kind == "u" and arr.size and arr.max() >= 2**63:
+        raise ValueError(f"keys: values must fit int64, got {int(arr.max())}")
+    return np.ascontiguousarray(arr, dtype=ARRAYS[name])
+
+
+def _sha256_fd(fd: int) -> str:
+    h, offset = hashlib.sha256(), 0
+    while True:
+        chunk = os.pread(fd, _CHUNK, offset)
+        if not chunk:
+            return h.hexdigest()
+        h.update(chunk)
+        offset += len(chunk)
 
 
 def npy_header(dtype, shape: tuple) -> bytes:
@@ -103,13 +198,30 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def _check_table_path(path: str) -> None:
+    """A table is written only to a new path, an empty directory or an existing table."""
+    if not os.path.lexists(path):
+        return
+    if not os.path.isdir(path):
+        raise TableFormatError(f"{path}: exists and is not a directory; a table path must be a new or empty "
+                               f"directory or an existing table")
+    foreign = sorted(e for e in os.listdir(path) if not _SAVE_MADE.fullmatch(e))
+    if foreign:
+        shown = ", ".join(_show(e, 40) for e in foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+        raise TableFormatError(f"{path}: not a table directory (it holds {shown}); a table path must be a new or "
+                               f"empty directory or an existing table, nothing was written")
+
+
 class TableWriter:
     """Writes a table directory in batches of rows, never holding the table in memory.
 
     The arrays go to plain files (header first, then each batch appended, hashed as it is
     written); `commit` fsyncs them, writes the manifest and makes the new version live with
     an atomic rename of CURRENT. Leaving the `with` block by an exception, or a crash,
-    leaves the table as it was.
+    leaves the table as it was (and a path the writer created is removed again).
+
+    `path` must be new, an empty directory or an existing table: a directory holding anything
+    else is refused (`TableFormatError`) before anything is written.
 
     >>> import numpy as np, tempfile, os, cncore
     >>> path = os.path.join(tempfile.mkdtemp(), "t.cnt")
@@ -121,23 +233,42 @@ class TableWriter:
     """
 
     def __init__(self, path: str, config: cncore.StoreConfig, n_rows: int, step: int = 0):
-        if not isinstance(n_rows, (int, np.integer)) or n_rows < 0:
+        if not isinstance(config, cncore.StoreConfig):
+            raise TypeError(f"config must be a cncore.StoreConfig, got {type(config).__name__}")
+        if not _is_int(int(n_rows) if isinstance(n_rows, np.integer) else n_rows):
             raise ValueError(f"n_rows must be an int >= 0, got {n_rows!r}")
+        if not _is_int(int(step) if isinstance(step, np.integer) else step):
+            raise ValueError(f"step must be an int in [0, 2**63), got {step!r}")
         self.path, self.config, self.n_rows, self.step = path, config, int(n_rows), int(step)
+        _check_table_path(path)
+        # The first directory this writer creates (if any): abort removes what it made, empty.
+        self._created = None
+        head = os.path.abspath(path)
+        while not os.path.lexists(head):
+            self._created, head = head, os.path.dirname(head)
         os.makedirs(path, exist_ok=True)
-        current = _read_current(path, missing_ok=True)
-        self.version = f"v{int(current[1:]) + 1 if current else 1:06d}"
+        # The next number after every version present, committed or not: a version directory
+        # is never rewritten, so a reader holding one is never disturbed.
+        numbers = [int(e[1:]) for e in os.listdir(path) if _VERSION.fullmatch(e)]
+        current = _read_current(path, missing_ok=True, must_parse=False)
+        if current:
+            numbers.append(int(current[1:]))
+        self.version = f"v{max(numbers, default=0) + 1:06d}"
         self._tmp = os.path.join(path, f".{self.version}.tmp-{os.getpid()}")
-        shutil.rmtree(self._tmp, ignore_errors=True)
-        os.makedirs(self._tmp)
         n, sf = self.n_rows, config.state_floats
         self._shapes = {"keys": (n,), "rows": (n, config.dim), "optimizer_state": (n, sf), "counts": (n,),
                         "last_steps": (n,)}
         self._files, self._hashes = {}, {}
-        for name in ARRAYS:
-            self._files[name] = open(os.path.join(self._tmp, f"{name}.npy"), "wb")
-            self._hashes[name] = hashlib.sha256()
-            self._append(name, npy_header(ARRAYS[name], self._shapes[name]))
+        try:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            os.makedirs(self._tmp)
+            for name in ARRAYS:
+                self._files[name] = open(os.path.join(self._tmp, f"{name}.npy"), "wb")
+                self._hashes[name] = hashlib.sha256()
+                self._append(name, npy_header(ARRAYS[name], self._shapes[name]))
+        except BaseException:
+            self.abort()
+            raise
         self.rows_written = 0
 
     def _append(self, name: str, data) -> None:
@@ -146,9 +277,10 @@ class TableWriter:
 
     def write(self, keys, rows, optimizer_state=None, counts=None, last_steps=None) -> None:
         """Append a batch: keys (k,), rows (k, dim); optimizer state (k, state floats) defaults
-        to the optimizer's initial state, counts and last steps to 0."""
-        keys = np.ascontiguousarray(keys, dtype=np.int64)
-        k = len(keys)
+        to the optimizer's initial state, counts and last steps to 0. Values that a cast would
+        change (float keys, negative counts, ...) are refused (see `as_column`)."""
+        keys = as_column("keys", keys)
+        k = len(keys) if keys.ndim else 0
         if keys.ndim != 1:
             raise ValueError(f"keys must be 1-D, got shape {keys.shape}")
         if self.rows_written + k > self.n_rows:
@@ -162,7 +294,7 @@ class TableWriter:
                   "counts": zeros if counts is None else counts, "last_steps": zeros if last_steps is None else last_steps}
         arrays = {}
         for name, value in values.items():
-            arr = np.ascontiguousarray(value, dtype=ARRAYS[name])
+            arr = as_column(name, value)
             if arr.shape != (k,) + self._shapes[name][1:]:
                 raise ValueError(f"{name} must have shape {(k,) + self._shapes[name][1:]}, got {arr.shape}")
             arrays[name] = arr
@@ -184,15 +316,15 @@ class TableWriter:
                                         "shape": list(self._shapes[name]), "bytes": fh.tell(),
                                         "sha256": self._hashes[name].hexdigest()}
             fh.close()
-        with open(os.path.join(self._tmp, "manifest.json"), "w") as fh:
-            json.dump(manifest, fh, indent=1)
-            fh.flush()
-            os.fsync(fh.fileno())
+        text = json.dumps(manifest, indent=1).encode()
+        for name, data in (("manifest.json", text),
+                           ("manifest.sha256", f"{hashlib.sha256(text).hexdigest()}  manifest.json\n".encode())):
+            with open(os.path.join(self._tmp, name), "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
         _fsync_dir(self._tmp)
         path, version = self.path, self.version
-        # A save killed between this rename and the CURRENT update leaves a complete but
-        # uncommitted directory of this name: it is not the live table, so it can go.
-        shutil.rmtree(os.path.join(path, version), ignore_errors=True)
         os.rename(self._tmp, os.path.join(path, version))
         pointer = os.path.join(path, f".CURRENT.tmp-{os.getpid()}")
         with open(pointer, "w") as fh:
@@ -202,16 +334,30 @@ class TableWriter:
         _fsync_dir(path)
         os.replace(pointer, os.path.join(path, "CURRENT"))  # the commit point
         _fsync_dir(path)
-        for entry in os.listdir(path):  # older versions and leftovers of interrupted saves
-            if entry not in ("CURRENT", version):
+        # Older versions and leftovers of interrupted saves; only names saves make (the path
+        # was checked to hold nothing else). Readers that opened an older version hold its
+        # files open, so removing it does not disturb them.
+        for entry in os.listdir(path):
+            if entry not in ("CURRENT", version) and _SAVE_MADE.fullmatch(entry):
                 full = os.path.join(path, entry)
                 shutil.rmtree(full, ignore_errors=True) if os.path.isdir(full) else os.remove(full)
 
     def abort(self) -> None:
-        """Drop what was written; the table stays as it was."""
+        """Drop what was written; the table stays as it was, and a directory the writer
+        created is removed (if it is still empty)."""
         for fh in self._files.values():
             fh.close()
         shutil.rmtree(self._tmp, ignore_errors=True)
+        if self._created:
+            head = os.path.abspath(self.path)
+            while True:
+                try:
+                    os.rmdir(head)
+                except OSError:
+                    break
+                if head == self._created:
+                    break
+                head = os.path.dirname(head)
 
     def __enter__(self) -> "TableWriter":
         return self
@@ -225,7 +371,8 @@ class TableWriter:
 
 def save_table(store: cncore.EmbeddingStore, path: str, batch_rows: int = 1 << 18) -> None:
     """Write `store` (rows, optimizer state, metadata, config, step) to the table directory
-    `path`, atomically. Rows are streamed in batches of `batch_rows`, so memory stays bounded."""
+    `path`, atomically. Rows are streamed in batches of `batch_rows`, so memory stays bounded.
+    `path` must be new, an empty directory or an existing table (see `TableWriter`)."""
     with TableWriter(path, store.config, len(store), store.step) as writer:
         for batch in store.iter_export(batch_rows):
             if writer.rows_written + len(batch.keys) > writer.n_rows:
@@ -236,16 +383,32 @@ def save_table(store: cncore.EmbeddingStore, path: str, batch_rows: int = 1 << 1
                                f"{writer.n_rows} expected)")
 
 
-def _read_current(path: str, missing_ok: bool = False) -> Optional[str]:
+def _read_current(path: str, missing_ok: bool = False, must_parse: bool = True) -> Optional[str]:
+    """The version CURRENT names (None if there is no CURRENT and `missing_ok`); a damaged
+    CURRENT raises, or gives None when not `must_parse` (a save then replaces it)."""
     pointer = os.path.join(path, "CURRENT")
-    if not os.path.exists(pointer):
+    try:
+        with open(pointer, "rb") as fh:
+            raw = fh.read(64)
+    except FileNotFoundError:
         if missing_ok:
             return None
-        raise TableFormatError(f"{path}: not a table (no CURRENT file)")
-    version = open(pointer).read().strip()
-    if not (version.startswith("v") and version[1:].isdigit()):
-        raise TableFormatError(f"{path}: CURRENT is damaged ({version[:40]!r})")
+        raise TableFormatError(f"{path}: not a table (no CURRENT file)") from None
+    except OSError as exc:
+        if not must_parse:
+            return None
+        raise TableFormatError(f"{path}: CURRENT cannot be read ({exc.strerror})") from None
+    version = raw.decode("ascii", "replace").strip()
+    if not _VERSION.fullmatch(version):
+        if not must_parse:
+            return None
+        raise TableFormatError(f"{path}: CURRENT is damaged ({version[:40]!r}; expected a version like 'v000001')")
     return version
+
+
+def _close_all(files: dict) -> None:
+    for fh in files.values():
+        fh.close()
 
 
 @dataclass
@@ -256,6 +419,10 @@ class TableFile:
     `batches`, which reads with plain file reads into fresh buffers: touched pages of a
     memory map stay in the process's resident set, so a scan through a mapped 5 GiB table
     would show 5 GiB resident; a read batch is freed as soon as it is processed.
+
+    The array files stay open for the life of the object (through `_files`), and every read
+    goes through them: a save that replaces this version and deletes its directory leaves
+    this table readable to the end.
     """
     path: str
     config: cncore.StoreConfig
@@ -265,6 +432,10 @@ class TableFile:
     optimizer_state: np.ndarray
     counts: np.ndarray
     last_steps: np.ndarray
+    _files: Dict[str, io.FileIO] = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self):
+        weakref.finalize(self, _close_all, self._files)
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -276,7 +447,13 @@ class TableFile:
     @property
     def nbytes(self) -> int:
         """Bytes of the table's array files on disk."""
-        return sum(os.path.getsize(getattr(self, name).filename) for name in ARRAYS)
+        return sum(os.fstat(self._file(name).fileno()).st_size for name in ARRAYS)
+
+    def _file(self, name: str):
+        fh = self._files.get(name)
+        if fh is None:  # a TableFile built by hand from memmaps: open their files now
+            fh = self._files[name] = open(getattr(self, name).filename, "rb", buffering=0)
+        return fh
 
     def read(self, name: str, start: int, stop: int) -> np.ndarray:
         """Rows [start, stop) of one array, read into a new array (not a view of the map)."""
@@ -285,11 +462,12 @@ class TableFile:
         out = np.empty((max(stop - start, 0),) + mapped.shape[1:], dtype=mapped.dtype)
         if out.nbytes:
             row_bytes = out.nbytes // len(out)
-            view = memoryview(out.reshape(-1)).cast("B")
-            with open(mapped.filename, "rb") as fh:
-                fh.seek(mapped.offset + start * row_bytes)
-                if fh.readinto(view) != out.nbytes:
+            view, offset, fd = memoryview(out.reshape(-1)).cast("B"), mapped.offset + start * row_bytes, self._file(name).fileno()
+            while len(view):
+                got = os.preadv(fd, [view], offset)
+                if not got:
                     raise TableFormatError(f"{self.path}: {name} ends early (truncated while open?)")
+                view, offset = view[got:], offset + got
         return out
 
     def take(self, name: str, rows: np.ndarray, chunk: int = 1 << 14) -> np.ndarray:
@@ -306,7 +484,7 @@ class TableFile:
         order = np.argsort(rows, kind="stable")
         for start in range(0, len(rows), chunk):
             at = order[start:start + chunk]
-            window = np.memmap(mapped.filename, dtype=mapped.dtype, mode="r", offset=mapped.offset,
+            window = np.memmap(self._file(name), dtype=mapped.dtype, mode="r", offset=mapped.offset,
                                shape=mapped.shape)
             out[at] = window[rows[at]]
             del window
@@ -349,42 +527,132 @@ class TableFile:
         return file_pooled_lookup(self, keys, offsets, lengths, mode, per_sample_weights)
 
 
-def open_table(path: str, verify: bool = True) -> TableFile:
-    """Open a table directory read-only; with `verify`, every array's SHA-256 is checked."""
-    version = _read_current(path)
-    directory = os.path.join(path, version)
+def _check_manifest(m, where: str) -> Tuple[int, int, cncore.StoreConfig]:
+    """(rows, step, config) of a parsed manifest, after checking every field of it: its
+    own fields, and each array entry against the row count and the config."""
+    if isinstance(m, dict) and m.get("format") != FORMAT:
+        raise _error(where, f"not a {FORMAT} table (format {_show(m.get('format'))})")
+    if isinstance(m, dict) and _is_int(m.get("version"), FORMAT_VERSION + 1, 2**63):
+        raise _error(where, f"format version {m['version']} is newer than this reader ({FORMAT_VERSION})")
+    _fields_exactly(m, _MANIFEST_KEYS, where, "the manifest")
+    if not _is_int(m["version"], 1, FORMAT_VERSION + 1):
+        raise _error(where, f"version must be an int in [1, {FORMAT_VERSION}], got {_show(m['version'])}")
+    for name in ("rows", "step"):
+        if not _is_int(m[name]):
+            raise _error(where, f"{name} must be an int in [0, 2**63), got {_show(m[name])}")
+    n, config = m["rows"], config_from_dict(m["config"], where)
+    _fields_exactly(m["arrays"], tuple(ARRAYS), where, "arrays")
+    shapes = {"keys": [n], "rows": [n, config.dim], "optimizer_state": [n, config.state_floats],
+              "counts": [n], "last_steps": [n]}
+    for name, dtype in ARRAYS.items():
+        entry, at = m["arrays"][name], f"arrays.{name}"
+        _fields_exactly(entry, _ENTRY_KEYS, where, at)
+        expected = {"file": f"{name}.npy", "dtype": np.dtype(dtype).str, "shape": shapes[name]}
+        for key, want in expected.items():
+            # type() too: JSON's true equals 1, and 5.0 equals 5
+            if entry[key] != want or type(entry[key]) is not type(want) or (
+                    key == "shape" and any(type(v) is not int for v in entry[key])):
+                why = {"shape": f" (rows={n}, config.dim={config.dim}, "
+                                f"{config.state_floats} optimizer state floats per row)"}.get(key, "")
+                raise _error(where, f"{at}.{key} must be {want!r}{why}, got {_show(entry[key])}")
+        if not _is_int(entry["bytes"]):
+            raise _error(where, f"{at}.bytes must be an int >= 0, got {_show(entry['bytes'])}")
+        if not (isinstance(entry["sha256"], str) and re.fullmatch(r"[0-9a-f]{64}", entry["sha256"])):
+            raise _error(where, f"{at}.sha256 must be 64 hex digits, got {_show(entry['sha256'])}")
+    return n, m["step"], config
+
+
+def _open_array(file: str, entry: dict, where: str, verify: bool):
+    """(file object, memmap) of one array file, checked against its manifest entry."""
     try:
-        with open(os.path.join(directory, "manifest.json")) as fh:
-            manifest = json.load(fh)
+        fh = open(file, "rb", buffering=0)
     except FileNotFoundError:
-        raise TableFormatError(f"{path}: {version}/manifest.json is missing") from None
-    except json.JSONDecodeError as exc:
-        raise TableFormatError(f"{path}: {version}/manifest.json is damaged ({exc})") from None
-    if manifest.get("format") != FORMAT:
-        raise TableFormatError(f"{path}: not a {FORMAT} table (format {manifest.get('format')!r})")
-    if manifest.get("version", 0) > FORMAT_VERSION:
-        raise TableFormatError(f"{path}: format version {manifest['version']} is newer than this reader "
-                               f"({FORMAT_VERSION})")
-    arrays: Dict[str, np.ndarray] = {}
-    for name in ARRAYS:
-        entry = manifest["arrays"].get(name)
-        if entry is None:
-            raise TableFormatError(f"{path}: the manifest lists no {name!r} array")
-        file = os.path.join(directory, entry["file"])
-        if not os.path.exists(file):
-            raise TableFormatError(f"{path}: {version}/{entry['file']} is missing")
-        size = os.path.getsize(file)
+        raise TableFormatError(f"{where} is missing") from None
+    try:
+        size = os.fstat(fh.fileno()).st_size
         if size != entry["bytes"]:
-            raise TableFormatError(f"{path}: {version}/{entry['file']} has {size} bytes, the manifest says "
-                                   f"{entry['bytes']} (truncated or overwritten)")
-        if verify and _sha256(file) != entry["sha256"]:
-            raise TableFormatError(f"{path}: {version}/{entry['file']} fails its SHA-256 check (damaged)")
+            raise TableFormatError(f"{where} has {size} bytes, the manifest says {entry['bytes']} "
+                                   f"(truncated or overwritten)")
+        head = io.BytesIO(os.pread(fh.fileno(), 1 << 16, 0))
         try:
-            arr = np.load(file, mmap_mode="r")
-        except ValueError as exc:
-            raise TableFormatError(f"{path}: {version}/{entry['file']} is not a readable .npy ({exc})") from None
-        if arr.dtype != np.dtype(entry["dtype"]) or list(arr.shape) != entry["shape"]:
-            raise TableFormatError(f"{path}: {version}/{entry['file']} holds {arr.dtype} {arr.shape}, the manifest "
-                                   f"says {entry['dtype']} {tuple(entry['shape'])}")
-        arrays[name] = arr
-    return TableFile(path, config_from_dict(manifest["config"]), int(manifest["step"]), **arrays)
+            version = np.lib.format.read_magic(head)
+            read = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}[version]
+            shape, fortran, dtype = read(head)
+        except (ValueError, KeyError, SyntaxError, TypeError) as exc:
+            raise TableFormatError(f"{where} has no readable .npy header ({str(exc)[:80]})") from None
+        if fortran:
+            # The bytes would be read as C order: rows scrambled. Tables hold C order only.
+            raise TableFormatError(f"{where} is Fortran-ordered (fortran_order: True); table arrays are C-ordered")
+        if dtype.str != entry["dtype"] or list(shape) != entry["shape"]:
+            raise TableFormatError(f"{where} holds {dtype.str} {tuple(shape)}, the manifest says {entry['dtype']} "
+                                   f"{tuple(entry['shape'])}")
+        offset = head.tell()
+        if offset + dtype.itemsize * int(np.prod(shape)) != size:
+            raise TableFormatError(f"{where} has {size} bytes, its header needs "
+                                   f"{offset + dtype.itemsize * int(np.prod(shape))} (truncated or overwritten)")
+        if verify and _sha256_fd(fh.fileno()) != entry["sha256"]:
+            raise TableFormatError(f"{where} fails its SHA-256 check (damaged)")
+        return fh, np.memmap(fh, dtype=dtype, mode="r", offset=offset, shape=tuple(shape))
+    except BaseException:
+        fh.close()
+        raise
+
+
+def _open_version(path: str, version: str, verify: bool) -> TableFile:
+    directory = os.path.join(path, version)
+    where = f"{path}: {version}/manifest.json"
+    try:
+        with open(os.path.join(directory, "manifest.json"), "rb") as fh:
+            text = fh.read()
+    except FileNotFoundError:
+        raise TableFormatError(f"{where} is missing") from None
+    try:
+        with open(os.path.join(directory, "manifest.sha256"), "rb") as fh:
+            recorded = fh.read(200).split(b" ")[0].decode("ascii", "replace")
+    except FileNotFoundError:
+        recorded = None
+    if recorded is not None and recorded != hashlib.sha256(text).hexdigest():
+        raise TableFormatError(f"{where} fails its SHA-256 check against manifest.sha256 (damaged or edited)")
+    try:
+        manifest = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise TableFormatError(f"{where} is damaged (not JSON: {str(exc)[:80]})") from None
+    n, step, config = _check_manifest(manifest, where)
+    if recorded is None and manifest["version"] >= 2:
+        raise TableFormatError(f"{path}: {version}/manifest.sha256 is missing")
+    files: Dict[str, io.FileIO] = {}
+    arrays: Dict[str, np.ndarray] = {}
+    try:
+        for name in ARRAYS:
+            files[name], arrays[name] = _open_array(os.path.join(directory, f"{name}.npy"), manifest["arrays"][name],
+                                                    f"{path}: {version}/{name}.npy", verify)
+        table = TableFile(path, config, step, **arrays, _files=files)
+    except BaseException:
+        _close_all(files)
+        raise
+    if verify and n:
+        # One row per key. Sorting a copy costs 8 bytes a row, once, at open.
+        keys = np.sort(table.read("keys", 0, n))
+        same = np.flatnonzero(keys[1:] == keys[:-1])
+        if len(same):
+            raise TableFormatError(f"{path}: {version}/keys.npy holds duplicate keys ({len(same)}, e.g. "
+                                   f"{int(keys[same[0]])}); a table holds one row per key")
+    return table
+
+
+def open_table(path: str, verify: bool = True) -> TableFile:
+    """Open a table directory read-only, every field checked (see the module docstring);
+    with `verify`, every array's SHA-256 and the keys' uniqueness too.
+
+    A save may replace the table while it is being opened: the open then starts over on the
+    new version, so it sees one complete version, never a mix.
+    """
+    for attempt in range(100):
+        version = _read_current(path)
+        try:
+            return _open_version(path, version, verify)
+        except TableFormatError:
+            # A concurrent save removed this version as we read it: open the new one.
+            if attempt == 99 or _read_current(path, missing_ok=True, must_parse=False) == version:
+                raise
+    raise AssertionError("unreachable")
