@@ -36,7 +36,7 @@ from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, Keyed
 
 import cncore
 from cncore_torch.optim import keyed_fused_optimizer
-from cncore_torch.state import is_store_entry, load_store, save_store
+from cncore_torch.state import load_tables, save_store
 
 __all__ = ["CNEmbeddingBagCollection", "CNEmbeddingCollection", "initializer_from_config"]
 
@@ -138,12 +138,21 @@ class _DynamicTables:
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
-        for name, store in self._stores.items():
-            load_store(store, state_dict, f"{prefix}tables.{name}.", missing_keys, error_msgs)
-        ours = [f"{prefix}tables.{name}." for name in self._stores]
-        rest = {k: v for k, v in state_dict.items() if not any(is_store_entry(k, p) for p in ours)}
-        super()._load_from_state_dict(rest, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
+        """All or nothing (see cncore_torch.state): every table is checked before any changes."""
+        def load_rest(rest, missing, unexpected, errors):
+            super(_DynamicTables, self)._load_from_state_dict(rest, prefix, local_metadata, strict, missing,
+                                                              unexpected, errors)
+
+        load_tables(self._tables(prefix), load_rest, state_dict, missing_keys, unexpected_keys, error_msgs)
+
+    def _tables(self, prefix: str) -> dict:
+        """The tables in a state_dict (see cncore_torch.state.TableSpec): each replaced in place,
+        so the lookups, the fused optimizer and `stores` keep pointing at it."""
+        return {f"{prefix}tables.{name}.": (store.config, store_writer(store)) for name, store in self._stores.items()}
+
+
+def store_writer(store: cncore.EmbeddingStore):
+    return lambda state: state.load_into(store)
 
 
 class _GroupedLookup(torch.autograd.Function):

@@ -143,9 +143,15 @@ class DeviceRows:
         self.rows[at] = torch.as_tensor(rows).to(self.device)
         if optimizer_state is not None and self.state.shape[1]:
             self.state[at] = torch.as_tensor(optimizer_state).to(self.device)
+        else:  # as the core's load: rows without state start from the optimizer's initial state
+            self.state[at] = self.config.optimizer.initial_state if self.config.optimizer else 0.0
         self.counts[at] = torch.as_tensor(counts, dtype=torch.int64).to(self.device)
         self.last_steps[at] = torch.as_tensor(last_steps, dtype=torch.int64).to(self.device)
         self.slot_keys[torch.from_numpy(slots + 1)] = torch.from_numpy(host)
 
     def clear(self) -> None:
         self.index.clear()
+
+    def reserve(self, n_rows: int) -> None:
+        self.index.reserve(n_rows)
+        self._grow(n_rows + 1)

@@ -28,8 +28,7 @@ from cncore_torch import _ops
 from cncore_torch.device_rows import DeviceRows
 from cncore_torch.devices import resolve_device
 from cncore_torch.optim import FusedOptimizer
-from cncore_torch.state import FIELDS as _STATE_FIELDS
-from cncore_torch.state import export_tensors, is_store_entry
+from cncore_torch.state import TableState, export_tensors, is_store_entry, load_tables
 
 __all__ = ["CNEmbeddingBag", "CNEmbedding"]
 
@@ -104,13 +103,11 @@ class _DynamicTable(nn.Module):
         if target.kind == "meta" and self.placement.kind != "meta" and self.num_rows:
             raise ValueError(f"moving this table to meta would drop its {self.num_rows} rows; build a new module "
                              "with device='meta' for shape inference instead")
-        rows = self.export() if self.placement.kind != "meta" else None
-        step = self._stepper().step if self._stepper() is not None else 0
+        rows = TableState.from_export(self.export(), self._stepper().step) if self.placement.kind != "meta" else None
         self.placement = target
         self._make_storage()
         if rows is not None and target.kind != "meta":
-            self._load_rows(rows)
-            self._stepper().step = step
+            self._replace_rows(rows)
         with torch.no_grad():
             self._anchor.data = torch.empty(0, device=target.device)
         return self
@@ -197,17 +194,11 @@ class _DynamicTable(nn.Module):
             return self.device_rows.export()
         return export_tensors(self.store)
 
-    def _load_rows(self, state: dict) -> None:
+    def _replace_rows(self, state: TableState) -> None:
+        """Every row, its optimizer state, metadata and the step replaced (in place: the store
+        object stays, so the operator handle and `module.store` references stay valid)."""
         self._require_storage()
-        keys, rows = state["keys"].cpu().numpy(), state["rows"].detach().cpu().contiguous()
-        opt_state = state["optimizer_state"].detach().cpu().contiguous()
-        counts, last_steps = state["counts"].cpu().numpy(), state["last_steps"].cpu().numpy()
-        if self.device_rows is not None:
-            self.device_rows.clear()
-            self.device_rows.load(keys, rows, opt_state if opt_state.numel() else None, counts, last_steps)
-        else:
-            self.store.clear()
-            self.store.load(keys, rows.numpy(), opt_state.numpy() if opt_state.numel() else None, counts, last_steps)
+        state.load_into(self._stepper())
 
     def insert(self, ids, rows) -> torch.Tensor:
         """Write rows for IDs, inserting the absent ones; returns which were present."""
@@ -248,19 +239,23 @@ class _DynamicTable(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
-        values = {name: state_dict.get(prefix + name) for name in _STATE_FIELDS + ("step",)}
-        missing = [prefix + name for name, value in values.items() if value is None]
-        if missing:
-            missing_keys.extend(missing)
-        elif values["rows"].dim() != 2 or values["rows"].shape[1] != self.embedding_dim:
-            error_msgs.append(f"{prefix}rows: expected shape (N, {self.embedding_dim}), got "
-                              f"{tuple(values['rows'].shape)}")
-        else:
-            self._load_rows(values)
-            self._stepper().step = int(values["step"])
-        rest = {k: v for k, v in state_dict.items() if not is_store_entry(k, prefix)}
-        super()._load_from_state_dict(rest, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
+        """All or nothing (see cncore_torch.state): the table changes only when every entry is valid."""
+        def load_rest(rest, missing, unexpected, errors):
+            super(_DynamicTable, self)._load_from_state_dict(rest, prefix, local_metadata, strict, missing,
+                                                             unexpected, errors)
+
+        if self.placement.kind == "meta":  # no rows to load into, as none were saved
+            if any(is_store_entry(k, prefix) for k in state_dict):
+                error_msgs.append(f"{prefix}: this table is on the meta device and holds no rows; materialise it "
+                                  "with to_empty(device='cpu') before loading rows")
+            load_rest({k: v for k, v in state_dict.items() if not is_store_entry(k, prefix)}, missing_keys,
+                      unexpected_keys, error_msgs)
+            return
+        load_tables(self._tables(prefix), load_rest, state_dict, missing_keys, unexpected_keys, error_msgs)
+
+    def _tables(self, prefix: str) -> dict:
+        """This module's table in a state_dict (see cncore_torch.state.TableSpec)."""
+        return {prefix: (self.config, self._replace_rows)}
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, rows={self.num_rows}"

@@ -1,9 +1,36 @@
 """A store inside a torch `state_dict`: keys, rows, optimizer state, counts, last steps, step.
 
-Shared by the modules and the TorchRec collection, so every checkpoint carries a table the
-same way.
+Shared by the modules and the TorchRec collections, so every checkpoint carries a table the
+same way. Loading is all or nothing: every table of a module is checked (and the module's other
+entries loaded) before any table changes, so a refused `load_state_dict` leaves each table
+exactly as it was. A table with an entry missing is left as it is (and the entry reported in
+`missing_keys`: torch refuses that under strict=True). Errors come out as torch reports them:
+
+>>> import torch, cncore
+>>> from cncore_torch import CNEmbeddingBag
+>>> sgd = CNEmbeddingBag(10, 4, optimizer=cncore.SGD(lr=0.1))
+>>> sgd(torch.tensor([[1, 2]])).sum().backward()
+>>> adam = CNEmbeddingBag(10, 4, optimizer=cncore.Adam(lr=0.1))
+>>> try:
+...     adam.load_state_dict(sgd.state_dict())
+... except RuntimeError as e:
+...     print(str(e).splitlines()[1].strip().split(";")[0])
+optimizer_state: holds 0 floats a row, as SGD (or no optimizer) writes
+>>> adam.num_rows                                    # refused: the table is as it was
+0
+
+To move rows to another optimizer, convert the checkpoint with `reset_optimizer_state`: rows,
+counts, last steps and step are kept, the optimizer state starts afresh.
+
+>>> adam.load_state_dict(reset_optimizer_state(sgd.state_dict(), adam))
+<All keys matched successfully>
+>>> adam.num_rows
+2
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -11,6 +38,7 @@ import torch
 import cncore
 
 FIELDS = ("keys", "rows", "optimizer_state", "counts", "last_steps")
+ENTRIES = FIELDS + ("step",)
 
 
 def export_tensors(store: cncore.EmbeddingStore) -> dict:
@@ -26,25 +54,152 @@ def save_store(store: cncore.EmbeddingStore, destination: dict, prefix: str) -> 
     destination[prefix + "step"] = torch.tensor(store.step, dtype=torch.int64)
 
 
-def load_store(store: cncore.EmbeddingStore, state_dict: dict, prefix: str, missing_keys: list,
-               error_msgs: list) -> None:
-    """Replace the store's rows with those under `prefix` in `state_dict`."""
-    values = {name: state_dict.get(prefix + name) for name in FIELDS + ("step",)}
-    missing = [prefix + name for name, value in values.items() if value is None]
+def is_store_entry(key: str, prefix: str) -> bool:
+    return key.startswith(prefix) and key[len(prefix):] in ENTRIES
+
+
+@dataclass(frozen=True)
+class TableState:
+    """One table's entries, checked: what `load` of a store (or device rows) takes."""
+    keys: np.ndarray                        # (N,) int64, unique
+    rows: np.ndarray                        # (N, dim) float32
+    optimizer_state: np.ndarray             # (N, state_floats) float32
+    counts: np.ndarray                      # (N,) int64 in [0, 2^32)
+    last_steps: np.ndarray                  # (N,) int64 in [0, 2^32)
+    step: int
+
+    @classmethod
+    def from_export(cls, tensors: dict, step: int) -> "TableState":
+        """What `export()` returned (a table moving between placements)."""
+        return cls(*(tensors[name].detach().cpu().contiguous().numpy() for name in FIELDS), step=step)
+
+    def load_into(self, target) -> None:
+        """Replace every row of `target` (an EmbeddingStore or DeviceRows) and its step."""
+        target.clear()
+        target.reserve(len(self.keys))
+        state = self.optimizer_state if self.optimizer_state.shape[1] else None
+        target.load(self.keys, self.rows, state, self.counts, self.last_steps)
+        target.step = self.step
+
+
+def _optimizers_writing(width: int, dim: int) -> str:
+    """Which optimizers leave `width` state floats a row on a table of width `dim`."""
+    names = [cls.__name__ for cls in (cncore.SGD, cncore.Adagrad, cncore.RowWiseAdagrad, cncore.Adam)
+             if cncore.StoreConfig(dim=dim, optimizer=cls(lr=0.1)).state_floats == width]
+    names = [n + " (or no optimizer)" if n == "SGD" else n for n in names]
+    return " or ".join(names) if names else "no cncore optimizer"
+
+
+def read_table(state_dict, prefix: str, dim: int, state_floats: int, missing_keys: List[str],
+               error_msgs: List[str]) -> Optional[TableState]:
+    """The checked entries of the table under `prefix`, or None with the reasons appended to
+    `missing_keys` / `error_msgs`. Checks everything the store's `load` would, and more
+    (unique keys, the optimizer), so that loading a TableState cannot fail half way."""
+    missing = [prefix + name for name in ENTRIES if prefix + name not in state_dict]
     if missing:
         missing_keys.extend(missing)
-        return
-    rows = values["rows"]
-    if rows.dim() != 2 or rows.shape[1] != store.dim:
-        error_msgs.append(f"{prefix}rows: expected shape (N, {store.dim}), got {tuple(rows.shape)}")
-        return
-    state = values["optimizer_state"].detach().cpu().contiguous()
-    store.clear()
-    store.load(values["keys"].cpu().numpy(), rows.detach().cpu().contiguous().numpy(),
-               state.numpy() if state.numel() else None, values["counts"].cpu().numpy(),
-               values["last_steps"].cpu().numpy())
-    store.step = int(values["step"])
+        return None
+    errors: List[str] = []
+
+    def tensor(name: str, dtypes: Tuple[torch.dtype, ...], shape: Tuple) -> Optional[torch.Tensor]:
+        key = prefix + name
+        value = state_dict[key]
+        if not isinstance(value, torch.Tensor):
+            errors.append(f"{key}: expected a tensor, got {type(value).__name__}")
+        elif value.is_meta:
+            errors.append(f"{key}: is a meta tensor, which holds no values (load a checkpoint of a materialised "
+                          "table)")
+        elif value.dtype not in dtypes:
+            errors.append(f"{key}: expected dtype {' or '.join(map(str, dtypes))}, got {value.dtype}")
+        elif value.dim() != len(shape) or any(want is not None and got != want for got, want in zip(value.shape, shape)):
+            errors.append(f"{key}: expected shape {_shape(shape)}, got {tuple(value.shape)}")
+        else:
+            return value.detach().cpu().contiguous()
+        return None
+
+    integers = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+    keys = tensor("keys", (torch.int64,), (None,))
+    n = None if keys is None else keys.shape[0]
+    rows = tensor("rows", (torch.float32,), (n, dim))
+    counts = tensor("counts", integers, (n,))
+    last_steps = tensor("last_steps", integers, (n,))
+    step = tensor("step", integers, ())
+    raw = state_dict[prefix + "optimizer_state"]
+    if isinstance(raw, torch.Tensor) and raw.dim() == 2 and raw.shape[1] != state_floats:
+        errors.append(f"{prefix}optimizer_state: holds {raw.shape[1]} floats a row, as "
+                      f"{_optimizers_writing(raw.shape[1], dim)} writes; this table's optimizer keeps "
+                      f"{state_floats} ({_optimizers_writing(state_floats, dim)}). To change the optimizer, "
+                      "convert the state_dict with cncore_torch.state.reset_optimizer_state(state_dict, model): "
+                      "rows are kept, the optimizer state starts afresh")
+        state = None
+    else:
+        state = tensor("optimizer_state", (torch.float32,), (n, state_floats))
+    if keys is not None and torch.unique(keys).numel() != n:
+        values, seen = torch.unique(keys, return_counts=True)
+        errors.append(f"{prefix}keys: {int((seen > 1).sum())} keys appear more than once (e.g. "
+                      f"{int(values[seen > 1][0])}); a table holds each key once")
+    for name, value in (("counts", counts), ("last_steps", last_steps)):
+        if value is not None and value.numel() and (int(value.min()) < 0 or int(value.max()) >= 2**32):
+            errors.append(f"{prefix}{name}: values must be in [0, 2**32), got [{int(value.min())}, "
+                          f"{int(value.max())}]")
+    if step is not None and int(step) < 0:
+        errors.append(f"{prefix}step: must be >= 0, got {int(step)}")
+    if errors:
+        error_msgs.extend(errors)
+        return None
+    return TableState(keys.numpy(), rows.numpy(), state.numpy(),
+                      counts.to(torch.int64).numpy(), last_steps.to(torch.int64).numpy(), int(step))
 
 
-def is_store_entry(key: str, prefix: str) -> bool:
-    return key.startswith(prefix) and key[len(prefix):] in FIELDS + ("step",)
+def _shape(shape) -> str:
+    return "(" + ", ".join("N" if s is None else str(s) for s in shape) + (",)" if len(shape) == 1 else ")")
+
+
+# What a module says about each of its tables, by state_dict prefix: its config, and the
+# function that replaces its rows (in place, so that operator handles, pending lookups and the
+# user's references to the store stay valid).
+TableSpec = Tuple[cncore.StoreConfig, Callable[[TableState], None]]
+
+
+def load_tables(tables: Dict[str, TableSpec], load_rest: Callable, state_dict, missing_keys: list,
+                unexpected_keys: list, error_msgs: list) -> None:
+    """A module's `_load_from_state_dict`: the entries that are not tables go to `load_rest`
+    (torch's own loading of the module's parameters), every table is read and checked, and only
+    when no error was found is each table replaced. Missing and unexpected keys are torch's to
+    judge (it raises for them under strict=True after loading, as it does for parameters); a
+    table with an entry missing is not loaded."""
+    errors: List[str] = []
+    rest = {k: v for k, v in state_dict.items() if not any(is_store_entry(k, p) for p in tables)}
+    load_rest(rest, missing_keys, unexpected_keys, errors)
+    states = {prefix: read_table(state_dict, prefix, config.dim, config.state_floats, missing_keys, errors)
+              for prefix, (config, _) in tables.items()}
+    if not errors:
+        for prefix, state in states.items():
+            if state is not None:
+                tables[prefix][1](state)
+    error_msgs.extend(errors)
+
+
+def reset_optimizer_state(state_dict, model: torch.nn.Module) -> dict:
+    """A copy of `state_dict` whose tables' optimizer state is the initial state of `model`'s
+    optimizers: how to load rows trained with one optimizer into tables with another (rows,
+    counts, last steps and step are kept; Adam, say, starts from zero moments at the saved step).
+
+    >>> import torch, cncore
+    >>> from cncore_torch import CNEmbedding
+    >>> old = CNEmbedding(10, 2, optimizer=cncore.Adam(lr=0.1)); _ = old(torch.tensor([3]))
+    >>> new = CNEmbedding(10, 2, optimizer=cncore.RowWiseAdagrad(lr=0.1, initial_accumulator_value=0.5))
+    >>> _ = new.load_state_dict(reset_optimizer_state(old.state_dict(), new))
+    >>> new.export()["optimizer_state"].tolist()
+    [[0.5]]
+    """
+    out = dict(state_dict)
+    for name, module in model.named_modules():
+        tables = getattr(module, "_tables", None)
+        for prefix, (config, _) in (tables(name + "." if name else "") if tables else {}).items():
+            keys = out.get(prefix + "keys")
+            if isinstance(keys, torch.Tensor) and prefix + "optimizer_state" in out:
+                opt = config.optimizer
+                out[prefix + "optimizer_state"] = torch.full((keys.shape[0], config.state_floats),
+                                                             float(opt.initial_state) if opt else 0.0)
+    return out
