@@ -9,7 +9,8 @@
     cn-table to-fixed TABLE OUT.npz            sorted ids + dense weight (last row: zeros)
 
 All of them stream through the tables in batches, so tables larger than memory work.
-Tables are checked (SHA-256) when opened; --no-verify skips it.
+Tables are checked (SHA-256, unique keys) when opened; --no-verify skips that. A refused
+command prints one line, `cn-table CMD: error: ...`, exits with status 2 and changes nothing.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import numpy as np
 from tqdm import tqdm
 
 from cncore_numpy import exchange, tools
+from cncore_numpy.exchange import NpzStreamWriter
 from cncore_numpy.format import TableFormatError, open_table
 
 
@@ -34,6 +36,7 @@ def _print_summary(path: str, s: dict) -> None:
     print(f"{path}: {s['rows']:,} rows of dim {s['dim']} ({s['dtype']}), optimizer {s['optimizer']}, "
           f"{s['bytes']:,} bytes, step {s['step']}")
     print(f"keys from {s['key_min']} to {s['key_max']}")
+    print(f"rows holding NaN: {s['nan_rows']:,}, holding an infinity: {s['inf_rows']:,}")
     for name in ("row_norm", "access_count", "age"):
         h = s[name]
         print(f"{name}: " + ", ".join(f"[{a:g}, {b:g}): {c}" for a, b, c in zip(h["edges"][:-1], h["edges"][1:],
@@ -124,15 +127,20 @@ def _run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     elif cmd == "diff":
         d = tools.diff(open_table(args.old, verify), open_table(args.new, verify), args.tolerance, progress)
         if args.out:
-            np.savez(args.out, **d)
+            with NpzStreamWriter(args.out) as npz:
+                for name, values in d.items():
+                    npz.write(name, values.dtype, values.shape, [values])
+        finite = d["change_l2"][np.isfinite(d["change_l2"])]  # to or from NaN: a change with no size
         summary = {"added": len(d["added"]), "removed": len(d["removed"]), "changed": len(d["changed"]),
-                   "change_l2_max": float(d["change_l2"].max()) if len(d["changed"]) else 0.0,
-                   "change_l2_mean": float(d["change_l2"].mean()) if len(d["changed"]) else 0.0}
+                   "changed_to_or_from_nan": int(np.isnan(d["change_l2"]).sum()),
+                   "change_l2_max": float(finite.max()) if len(finite) else 0.0,
+                   "change_l2_mean": float(finite.mean()) if len(finite) else 0.0}
         if args.json:
             print(json.dumps(summary, indent=1))
         else:
             print(f"{summary['added']:,} keys added, {summary['removed']:,} removed, {summary['changed']:,} changed "
-                  f"(L2 of the change: mean {summary['change_l2_mean']:.4g}, max {summary['change_l2_max']:.4g})")
+                  f"({summary['changed_to_or_from_nan']:,} to or from NaN; L2 of the other changes: mean "
+                  f"{summary['change_l2_mean']:.4g}, max {summary['change_l2_max']:.4g})")
     elif cmd == "to-fixed":
         table = open_table(args.table, verify)
         tools.to_fixed(table, args.out, progress)

@@ -10,11 +10,13 @@
 ``.parquet``  columns ``key`` int64, ``row`` fixed-size list of float32, ``optimizer_state``
            (same; absent without an optimizer), ``count``, ``last_step`` uint32, one row group
            per batch; config and step in the schema metadata under ``cn-table``. Needs pyarrow
-           (``pip install cncore[parquet]``).
+           (``pip install 'cn-embedding[parquet]'``).
 =========  ================================================================================
 
 Every export is written to a temporary name, fsynced and renamed, so a crash leaves no
-half-written file under the final name. Imports check that keys are unique.
+half-written file under the final name. Imports check what they read and cast nothing
+that a cast would change: keys must be unique integers, counts and last steps integers in
+[0, 2**32 - 1], no nulls; a refused import writes nothing.
 
 >>> import numpy as np, tempfile, os, cncore
 >>> from cncore_numpy import Table, open_table
@@ -38,8 +40,8 @@ from typing import Callable, Dict, Iterator, Optional
 import numpy as np
 
 import cncore
-from cncore_numpy.format import (ARRAYS, TableFile, TableWriter, config_from_dict, config_to_dict,
-                                 npy_header)
+from cncore_numpy.format import (ARRAYS, TableFile, TableFormatError, TableWriter, as_column, config_from_dict,
+                                 config_to_dict, npy_header)
 
 __all__ = ["export_table", "import_table", "FORMATS", "NpzStreamWriter"]
 
@@ -60,19 +62,22 @@ class _AtomicFile:
     """A file written under a temporary name and renamed into place on success."""
 
     def __init__(self, path: str):
+        if os.path.isdir(path):  # a directory (a table, say) is never replaced by a file
+            raise ValueError(f"{path}: is a directory; expected the name of a file to write")
         self.path, self.tmp = path, f"{path}.tmp-{os.getpid()}"
 
     def __enter__(self) -> str:
         return self.tmp
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is not None:
+        try:
+            if exc_type is None:
+                with open(self.tmp, "rb+") as fh:
+                    os.fsync(fh.fileno())
+                os.replace(self.tmp, self.path)
+        finally:
             if os.path.exists(self.tmp):
                 os.remove(self.tmp)
-            return
-        with open(self.tmp, "rb+") as fh:
-            os.fsync(fh.fileno())
-        os.replace(self.tmp, self.path)
 
 
 class NpzStreamWriter:
@@ -108,15 +113,22 @@ class NpzStreamWriter:
 
 def _npy_member_reader(fh, name: str):
     """(dtype, shape, read(k) -> next k records) of a .npy stream positioned at its start."""
-    version = np.lib.format.read_magic(fh)
-    read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-    shape, fortran, dtype = read_header(fh)
+    try:
+        version = np.lib.format.read_magic(fh)
+        read_header = {(1, 0): np.lib.format.read_array_header_1_0,
+                       (2, 0): np.lib.format.read_array_header_2_0}[version]
+        shape, fortran, dtype = read_header(fh)
+    except (ValueError, KeyError, SyntaxError, TypeError) as exc:
+        raise TableFormatError(f"{name}: not a readable .npy ({str(exc)[:80]})") from None
     if fortran:
-        raise ValueError(f"{name}: Fortran-ordered arrays are not supported")
+        raise TableFormatError(f"{name}: Fortran-ordered arrays are not supported")
+    if dtype.hasobject:
+        raise TableFormatError(f"{name}: holds Python objects ({dtype}); expected numbers")
+
     def read(k: int) -> np.ndarray:
         out = np.empty((k,) + tuple(shape[1:]), dtype)
         if out.nbytes and fh.readinto(memoryview(out.reshape(-1)).cast("B")) != out.nbytes:
-            raise ValueError(f"{name}: ends early (truncated)")
+            raise TableFormatError(f"{name}: ends early (truncated)")
         return out
     return dtype, tuple(shape), read
 
@@ -166,7 +178,7 @@ def _pyarrow():
         import pyarrow
         import pyarrow.parquet
     except ImportError:
-        raise ImportError("Parquet needs pyarrow: pip install 'cncore[parquet]' (or pyarrow)") from None
+        raise ImportError("Parquet needs pyarrow: pip install 'cn-embedding[parquet]' (or pyarrow)") from None
     return pyarrow
 
 
@@ -202,42 +214,61 @@ class _Source:
     batches: Callable[..., Iterator[Dict[str, np.ndarray]]]  # (batch_rows, wanted array names)
 
 
+def _show(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:60] + "..."
+
+
 def _npz_source(path: str) -> _Source:
     with zipfile.ZipFile(path) as zf:
         names = set(zf.namelist())
-    missing = [n for n in ("keys", "rows") if n + ".npy" not in names]
-    if missing:
-        raise ValueError(f"{path}: the .npz has no {missing} array")
-    small = np.load(path, allow_pickle=False)
-    config = config_from_dict(json.loads(str(small["config"]))) if "config.npy" in names else None
-    step = int(small["step"]) if "step.npy" in names else None
-    with zipfile.ZipFile(path) as zf, zf.open("rows.npy") as fh:
-        _, shape, _ = _npy_member_reader(fh, "rows")
-    sf = 0
-    if "optimizer_state.npy" in names:
-        with zipfile.ZipFile(path) as zf, zf.open("optimizer_state.npy") as fh:
-            sf = _npy_member_reader(fh, "optimizer_state")[1][1]
+        missing = [n for n in ("keys", "rows") if n + ".npy" not in names]
+        if missing:
+            raise TableFormatError(f"{path}: the .npz has no {missing} array")
+        shapes = {}
+        for name in ARRAYS:
+            if name + ".npy" in names:
+                with zf.open(name + ".npy") as fh:
+                    shapes[name] = _npy_member_reader(fh, f"{path}: {name}")[1]
+    n = shapes["keys"][0] if len(shapes["keys"]) == 1 else None
+    for name, shape in shapes.items():
+        ndim = 2 if name in ("rows", "optimizer_state") else 1
+        if len(shape) != ndim or shape[0] != n:
+            raise TableFormatError(f"{path}: {name} has shape {shape}; expected {ndim}-D with one entry per key "
+                                   f"(keys: {shapes['keys']})")
+    config, step = None, None
+    with np.load(path, allow_pickle=False) as small:
+        if "config.npy" in names:
+            try:
+                config = json.loads(str(small["config"]))
+            except ValueError as exc:
+                raise TableFormatError(f"{path}: config is not JSON ({str(exc)[:80]})") from None
+            config = config_from_dict(config, f"{path}: config")
+        if "step.npy" in names:
+            step = small["step"]
+            if step.shape != () or step.dtype.kind not in "iu" or not 0 <= int(step) < 2**63:
+                raise TableFormatError(f"{path}: step must be one integer in [0, 2**63), got {_show(step)}")
+            step = int(step)
+    sf = shapes["optimizer_state"][1] if "optimizer_state" in shapes else 0
 
     def batches(batch_rows: int, wanted=tuple(ARRAYS)):
         with zipfile.ZipFile(path) as zf:
-            readers = {}
-            for name in ARRAYS:
-                if name + ".npy" in names:
-                    readers[name] = _npy_member_reader(zf.open(name + ".npy"), name)
-            for name, (_, shp, _) in readers.items():
-                if shp[0] != shape[0]:
-                    raise ValueError(f"{path}: {name} has {shp[0]} rows, rows has {shape[0]}")
-            for start in range(0, shape[0], batch_rows):
-                k = min(batch_rows, shape[0] - start)
-                yield {name: r[2](k) for name, r in readers.items() if name in wanted}
-    return _Source(shape[0], shape[1], sf, config, step, batches)
+            readers = {name: _npy_member_reader(zf.open(name + ".npy"), f"{path}: {name}")[2]
+                       for name in shapes if name in wanted}
+            for start in range(0, n, batch_rows):
+                k = min(batch_rows, n - start)
+                yield {name: read(k) for name, read in readers.items()}
+    return _Source(n, shapes["rows"][1], sf, config, step, batches)
 
 
 def _npy_source(path: str) -> _Source:
     with open(path, "rb") as fh:
         dtype, shape, _ = _npy_member_reader(fh, path)
-    if dtype.names is None or "key" not in dtype.names or "row" not in dtype.names or len(shape) != 1:
-        raise ValueError(f"{path}: expected a 1-D structured array with fields key, row, ... (a cn-table export)")
+    if (dtype.names is None or "key" not in dtype.names or "row" not in dtype.names or len(shape) != 1
+            or len(dtype["row"].shape) != 1
+            or ("optimizer_state" in dtype.names and len(dtype["optimizer_state"].shape) != 1)):
+        raise TableFormatError(f"{path}: expected a 1-D structured array with fields key, row (dim,), ... "
+                               f"(a cn-table export), got {dtype} {shape}")
     sf = dtype["optimizer_state"].shape[0] if "optimizer_state" in dtype.names else 0
 
     def batches(batch_rows: int, wanted=tuple(ARRAYS)):
@@ -251,12 +282,29 @@ def _npy_source(path: str) -> _Source:
 
 def _parquet_source(path: str) -> _Source:
     pa = _pyarrow()
-    pf = pa.parquet.ParquetFile(path)
+    try:
+        pf = pa.parquet.ParquetFile(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise TableFormatError(f"{path}: not a readable Parquet file ({str(exc)[:80]})") from None
     schema = pf.schema_arrow
     for field in ("key", "row"):
         if field not in schema.names:
-            raise ValueError(f"{path}: the Parquet file has no {field!r} column")
-    meta = json.loads((schema.metadata or {}).get(b"cn-table", b"null"))
+            raise TableFormatError(f"{path}: the Parquet file has no {field!r} column")
+    for field in ("row", "optimizer_state"):
+        if field in schema.names and not pa.types.is_fixed_size_list(schema.field(field).type):
+            raise TableFormatError(f"{path}: column {field!r} must be a fixed-size list of floats, got "
+                                   f"{schema.field(field).type}")
+    try:
+        meta = json.loads((schema.metadata or {}).get(b"cn-table", b"null"))
+    except ValueError as exc:
+        raise TableFormatError(f"{path}: the cn-table metadata is not JSON ({str(exc)[:80]})") from None
+    if meta is not None:
+        if not isinstance(meta, dict) or set(meta) != {"config", "step"}:
+            raise TableFormatError(f"{path}: the cn-table metadata must hold exactly config and step")
+        if not isinstance(meta["step"], int) or isinstance(meta["step"], bool) or not 0 <= meta["step"] < 2**63:
+            raise TableFormatError(f"{path}: the cn-table metadata's step must be an int in [0, 2**63), got "
+                                   f"{_show(meta['step'])}")
+    config = config_from_dict(meta["config"], f"{path}: config") if meta else None
     sf = schema.field("optimizer_state").type.list_size if "optimizer_state" in schema.names else 0
     dim = schema.field("row").type.list_size
 
@@ -268,11 +316,15 @@ def _parquet_source(path: str) -> _Source:
                 if field in rb.schema.names:
                     col = rb.column(field)
                     width = col.type.list_size if pa.types.is_fixed_size_list(col.type) else None
-                    out[name] = (col.flatten().to_numpy(zero_copy_only=False).reshape(-1, width) if width
-                                 else col.to_numpy(zero_copy_only=False))
+                    values = col.flatten() if width else col
+                    nulls = col.null_count + (values.null_count if width else 0)
+                    if nulls:  # NumPy has no null: a cast would make one up (INT64_MIN, NaN)
+                        raise TableFormatError(f"{path}: column {field!r} holds {nulls} nulls; every entry needs "
+                                               f"a value")
+                    values = values.to_numpy(zero_copy_only=False)
+                    out[name] = values.reshape(-1, width) if width else values
             yield out
-    return _Source(pf.metadata.num_rows, dim, sf, config_from_dict(meta["config"]) if meta else None,
-                   meta["step"] if meta else None, batches)
+    return _Source(pf.metadata.num_rows, dim, sf, config, meta["step"] if meta else None, batches)
 
 
 def infer_config(dim: int, state_floats: int) -> cncore.StoreConfig:
@@ -295,14 +347,23 @@ def import_table(src: str, out: str, config: Optional[cncore.StoreConfig] = None
     if config.dim != source.dim or config.state_floats != source.state_floats:
         raise ValueError(f"config: dim {config.dim} with {config.state_floats} state floats per row does not match "
                          f"{src} (dim {source.dim}, {source.state_floats} state floats)")
-    keys = np.concatenate([b["keys"] for b in source.batches(batch_rows, ("keys",))] or [np.zeros(0, np.int64)])
+    # Every value is checked before its cast (see `as_column`): the keys in a first pass, which
+    # also counts them and checks their uniqueness, the other columns as they are written.
+    try:
+        keys = np.concatenate([as_column("keys", b["keys"]) for b in source.batches(batch_rows, ("keys",))]
+                              or [np.zeros(0, np.int64)])
+    except ValueError as exc:
+        raise TableFormatError(f"{src}: {exc}") from None
     if len(keys) != source.n_rows:
-        raise ValueError(f"{src}: {len(keys)} keys, {source.n_rows} rows announced")
-    unique = np.unique(keys)
-    if len(unique) != len(keys):
-        raise ValueError(f"{src}: keys are not unique ({len(keys) - len(unique)} duplicates); a table holds one "
-                         f"row per key")
-    del keys, unique
+        raise TableFormatError(f"{src}: {len(keys)} keys, {source.n_rows} rows announced")
+    keys.sort()
+    duplicates = int(np.count_nonzero(keys[1:] == keys[:-1]))
+    if duplicates:
+        raise TableFormatError(f"{src}: keys are not unique ({duplicates} duplicates); a table holds one row per key")
+    del keys
     with TableWriter(out, config, source.n_rows, step if step is not None else source.step or 0) as writer:
         for b in progress(source.batches(batch_rows)):
-            writer.write(b["keys"], b["rows"], b.get("optimizer_state"), b.get("counts"), b.get("last_steps"))
+            try:
+                writer.write(b["keys"], b["rows"], b.get("optimizer_state"), b.get("counts"), b.get("last_steps"))
+            except ValueError as exc:
+                raise TableFormatError(f"{src}: {exc}") from None

@@ -46,10 +46,22 @@ def _hist(values: np.ndarray, bins) -> dict:
 
 def inspect(table: TableFile, progress: Callable = iter) -> dict:
     """Rows, dim, dtype, bytes, key range, and histograms of row norms (10 bins), access
-    counts and age (table step - last step). Keeps one float32 norm per row in memory."""
+    counts and age (table step - last step). Keeps one float32 norm per row in memory.
+
+    NaN and infinite values are data: rows holding a NaN are counted in ``nan_rows``, rows
+    holding an infinity (and no NaN) in ``inf_rows``; the norm histogram covers the rest.
+
+    >>> import numpy as np, tempfile, os
+    >>> from cncore_numpy import Table, open_table
+    >>> path = os.path.join(tempfile.mkdtemp(), "t"); t = Table(dim=2)
+    >>> t[[1, 2, 3]] = np.array([[np.nan, 0], [3, 4], [np.inf, 0]], np.float32); t.save(path)
+    >>> s = inspect(open_table(path)); s["nan_rows"], s["inf_rows"], sum(s["row_norm"]["counts"])
+    (1, 1, 1)
+    """
     n = len(table)
     lo, hi = None, None
     norms = np.empty(n, np.float32)
+    nan_rows = inf_rows = 0
     counts = np.zeros(8, np.int64)
     ages = np.zeros(8, np.int64)
     count_bins = [0, 1, 2, 5, 10, 100, 1000, 10**4, 2**32]
@@ -60,13 +72,17 @@ def inspect(table: TableFile, progress: Callable = iter) -> dict:
             lo = keys.min() if lo is None else min(lo, keys.min())
             hi = keys.max() if hi is None else max(hi, keys.max())
         norms[start:start + len(keys)] = _norms(b["rows"])
+        has_nan = np.isnan(b["rows"]).any(axis=1)
+        nan_rows += int(has_nan.sum())
+        inf_rows += int((np.isinf(b["rows"]).any(axis=1) & ~has_nan).sum())
         counts += np.histogram(b["counts"], count_bins)[0]
         ages += np.histogram(table.step - b["last_steps"].astype(np.int64), age_bins)[0]
     return {"rows": n, "dim": table.dim, "dtype": table.config.dtype,
             "optimizer": type(table.config.optimizer).__name__ if table.config.optimizer else None,
             "bytes": table.nbytes, "step": table.step,
             "key_min": None if lo is None else int(lo), "key_max": None if hi is None else int(hi),
-            "row_norm": _hist(norms, 10),
+            "nan_rows": nan_rows, "inf_rows": inf_rows,
+            "row_norm": _hist(norms[np.isfinite(norms)], 10),
             "access_count": {"edges": count_bins, "counts": counts.tolist()},
             "age": {"edges": age_bins, "counts": ages.tolist()}}
 
@@ -175,7 +191,19 @@ def _resolve(b: Dict[str, np.ndarray], r: Dict[str, np.ndarray], hit: np.ndarray
 def diff(old: TableFile, new: TableFile, tolerance: float = 0.0, progress: Callable = iter) -> dict:
     """Keys added (in `new` only), removed (in `old` only) and changed (in both, with some
     row entry differing by more than `tolerance`), each sorted; for the changed keys, the L2
-    norm and the largest absolute entry of the row's change (new - old)."""
+    norm and the largest absolute entry of the row's change (new - old).
+
+    NaN is a value like any other: an entry that became NaN or stopped being NaN is a change
+    (of size NaN), an entry NaN in both tables is not; so is an infinity in both.
+
+    >>> import numpy as np, tempfile, os
+    >>> from cncore_numpy import Table, open_table
+    >>> d = tempfile.mkdtemp(); t = Table(dim=1)
+    >>> t[[1, 2, 3]] = np.array([[1], [np.nan], [np.nan]], np.float32); t.save(os.path.join(d, "old"))
+    >>> t[[1, 2]] = np.array([[np.nan], [5]], np.float32); t.save(os.path.join(d, "new"))
+    >>> diff(open_table(os.path.join(d, "old")), open_table(os.path.join(d, "new")))["changed"].tolist()
+    [1, 2]
+    """
     if old.dim != new.dim:
         raise ValueError(f"new: dim {new.dim} differs from old's {old.dim}")
     in_old = np.zeros(len(new), bool)
@@ -184,9 +212,13 @@ def diff(old: TableFile, new: TableFile, tolerance: float = 0.0, progress: Calla
         hit, at_new = find_rows(new, b["keys"])
         removed.append(b["keys"][~hit])
         in_old[at_new] = True
-        delta = new.take("rows", at_new).astype(np.float64) - b["rows"][hit]
+        before, after = b["rows"][hit], new.take("rows", at_new)
+        delta = after.astype(np.float64) - before
+        # A NaN difference: a NaN on either side (a change unless on both), or inf - inf (none).
+        with np.errstate(invalid="ignore"):
+            entry_moved = np.where(np.isnan(delta), np.isnan(before) != np.isnan(after), np.abs(delta) > tolerance)
+        moved = entry_moved.any(axis=1)
         biggest = np.abs(delta).max(axis=1) if delta.size else np.zeros(len(delta))
-        moved = biggest > tolerance
         changed.append(b["keys"][hit][moved])
         l2.append(np.linalg.norm(delta[moved], axis=1))
         max_abs.append(biggest[moved])
