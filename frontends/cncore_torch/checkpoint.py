@@ -20,6 +20,7 @@ the other entries (dense weights) stay torch's business.
 from __future__ import annotations
 
 import os
+import sys
 from typing import Dict, List, Optional
 
 import numpy as np
@@ -56,7 +57,13 @@ def table_configs(module: torch.nn.Module) -> Dict[str, cncore.StoreConfig]:
 
 
 def _directory_name(prefix: str) -> str:
-    return prefix[:-1] if prefix else _ROOT
+    """The table directory of a state_dict prefix: one plain path component, never a path
+    (state_dict keys come from a file, and a key like ``../x.rows`` must not write outside)."""
+    name = prefix[:-1] if prefix else _ROOT
+    if name in ("", ".", "..") or any(c in name for c in "/\\\0") or (prefix and name == _ROOT):
+        raise ValueError(f"state_dict prefix {prefix!r}: a table name must be one plain path component "
+                         f"(no '/', '\\', NUL, not '.', '..', empty or {_ROOT!r}); nothing was written")
+    return name
 
 
 def checkpoint_to_tables(state_dict: dict, directory: str,
@@ -64,10 +71,26 @@ def checkpoint_to_tables(state_dict: dict, directory: str,
     """Write each table of `state_dict` to ``directory/<prefix without its last dot>``.
     `configs` (from `table_configs(model)`) supplies each table's config; a table without
     one gets a config inferred from its shapes (`cncore_numpy.exchange.infer_config`).
-    Returns the directory names written."""
-    written = []
+    Returns the directory names written. Every table is checked (its name: one plain path
+    component; its shapes and value ranges) before the first is written.
+
+    >>> try:
+    ...     checkpoint_to_tables({f"../x.{f}": torch.zeros(0) for f in FIELDS + ("step",)}, "out")
+    ... except ValueError as exc:
+    ...     print(str(exc)[:72])
+    state_dict prefix '../x.': a table name must be one plain path component
+    """
+    plans = []
     for prefix in table_prefixes(state_dict):
+        table = _directory_name(prefix)
         values = {name: state_dict[prefix + name].detach().cpu() for name in FIELDS}
+        shapes = {name: tuple(v.shape) for name, v in values.items()}
+        n = shapes["keys"][0] if len(shapes["keys"]) == 1 else None
+        for name, shape in shapes.items():
+            ndim = 2 if name in ("rows", "optimizer_state") else 1
+            if len(shape) != ndim or shape[0] != n:
+                raise ValueError(f"{prefix}{name}: shape {shape}; expected {ndim}-D with one entry per key "
+                                 f"(keys: {shapes['keys']})")
         rows = values["rows"]
         config = (configs or {}).get(prefix) or infer_config(rows.shape[1], values["optimizer_state"].shape[1])
         if config.dim != rows.shape[1] or config.state_floats != values["optimizer_state"].shape[1]:
@@ -77,11 +100,12 @@ def checkpoint_to_tables(state_dict: dict, directory: str,
             v = values[name]
             if v.numel() and (int(v.min()) < 0 or int(v.max()) > 2**32 - 1):
                 raise ValueError(f"{prefix}{name}: values outside [0, 2**32 - 1] cannot be stored")
-        name = _directory_name(prefix)
-        with TableWriter(os.path.join(directory, name), config, len(values["keys"]),
-                         int(state_dict[prefix + "step"])) as writer:
+        plans.append((table, config, values, int(state_dict[prefix + "step"])))
+    written = []
+    for table, config, values, step in plans:
+        with TableWriter(os.path.join(directory, table), config, len(values["keys"]), step) as writer:
             writer.write(*(values[f].numpy() for f in FIELDS))
-        written.append(name)
+        written.append(table)
     return written
 
 
@@ -124,6 +148,14 @@ def main(argv=None) -> int:
     back.add_argument("directory")
     back.add_argument("out")
     args = ap.parse_args(argv)
+    try:
+        return _run(args)
+    except (ValueError, OSError, KeyError, RuntimeError) as exc:  # RuntimeError: torch.load's
+        print(f"python -m cncore_torch.checkpoint {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args) -> int:
     if args.command == "to-tables":
         state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
         if args.entry:

@@ -79,7 +79,17 @@ def to_fixed(collection: CNEmbeddingBagCollection) -> Tuple[EmbeddingBagCollecti
 
 def remap_to_fixed(features: KeyedJaggedTensor, collection_configs, id_maps: Dict[str, np.ndarray]
                    ) -> KeyedJaggedTensor:
-    """Raw IDs -> row indices of the fixed tables made by `to_fixed` (unknown IDs -> the zero row)."""
+    """Raw IDs -> row indices of the fixed tables made by `to_fixed` (unknown IDs -> the zero row).
+
+    >>> import torch, cncore
+    >>> from torchrec import EmbeddingBagConfig
+    >>> configs = [EmbeddingBagConfig(name="t", embedding_dim=2, num_embeddings=4, feature_names=["f"])]
+    >>> kjt = KeyedJaggedTensor(keys=["f"], values=torch.tensor([7, 3, 5]), lengths=torch.tensor([3]))
+    >>> remap_to_fixed(kjt, configs, {"t": np.array([3, 7])}).values().tolist()
+    [1, 0, 2]
+    >>> remap_to_fixed(kjt, configs, {"t": np.zeros(0, np.int64)}).values().tolist()   # an empty table
+    [0, 0, 0]
+    """
     table_of = {f: c.name for c in collection_configs for f in c.feature_names}
     by_key = features.to_dict()
     values = []
@@ -87,7 +97,8 @@ def remap_to_fixed(features: KeyedJaggedTensor, collection_configs, id_maps: Dic
         ids = by_key[key].values().numpy()
         known = id_maps[table_of[key]]
         pos = np.searchsorted(known, ids)
-        hit = (pos < len(known)) & (known[np.minimum(pos, len(known) - 1)] == ids)
+        hit = pos < len(known)  # an empty table has no IDs: everything goes to its zero row
+        hit[hit] = known[pos[hit]] == ids[hit]
         values.append(np.where(hit, pos, len(known)))
     return KeyedJaggedTensor(keys=features.keys(), values=torch.from_numpy(np.concatenate(values).astype(np.int64)),
                              lengths=features.lengths(), weights=features.weights_or_none())
