@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Optional, Tuple, Union
 
@@ -18,18 +19,32 @@ __all__ = [
 ]
 
 
+# The largest float32: rows, state and hyperparameters are float32 in the core, so a larger
+# value became inf there (and NaN rows after the first update).
+FLOAT32_MAX = 3.4028234663852886e38
+
+
 def _finite(name: str, value: float) -> float:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    """A real number (Python's or NumPy's; not a bool) that is finite as a float32."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) \
+            or abs(float(value)) > FLOAT32_MAX:
+        raise ValueError(f"{name} must be a finite number within float32's range (|x| <= 3.4e38), got {value!r}")
     return float(value)
+
+
+def _field(obj, name: str) -> float:
+    """Check a numeric field of a frozen config dataclass and store it as a Python float, so
+    NumPy scalars (`lr=np.float32(0.1)`) are accepted and the config stays JSON-able."""
+    value = _finite(f"{type(obj).__name__}.{name}", getattr(obj, name))
+    object.__setattr__(obj, name, value)
+    return value
 
 
 def _non_negative(obj, *fields: str) -> None:
     """Each named field of the (optimizer) dataclass must be a finite number >= 0."""
     for name in fields:
-        value = getattr(obj, name)
-        if not _finite(f"{type(obj).__name__}.{name}", value) >= 0:
-            raise ValueError(f"{type(obj).__name__}.{name} must be >= 0, got {value}")
+        if not _field(obj, name) >= 0:
+            raise ValueError(f"{type(obj).__name__}.{name} must be >= 0, got {getattr(obj, name)}")
 
 
 # --- initialisers: a new row's value is a pure function of (seed, key, column) ---------------
@@ -42,8 +57,9 @@ class Uniform:
     kind = 0
 
     def __post_init__(self):
-        if not _finite("Uniform.low", self.low) < _finite("Uniform.high", self.high):
+        if not _field(self, "low") < _field(self, "high"):
             raise ValueError(f"Uniform needs low < high, got low={self.low}, high={self.high}")
+        _finite("Uniform.high - Uniform.low", float(self.high) - float(self.low))
 
     def params(self) -> Tuple[float, float, float, float]:
         return (self.low, self.high, 0.0, 0.0)
@@ -57,18 +73,39 @@ class Normal:
     kind = 1
 
     def __post_init__(self):
-        _finite("Normal.mean", self.mean)
-        if not _finite("Normal.std", self.std) > 0:
+        _field(self, "mean")
+        if not _field(self, "std") > 0:
             raise ValueError(f"Normal.std must be > 0, got {self.std}")
+        # A draw is at most ~6 std from the mean (24-bit uniforms); it must stay a finite float32.
+        _finite("Normal.mean + 8 * Normal.std", abs(float(self.mean)) + 8 * float(self.std))
 
     def params(self):
         return (self.mean, self.std, 0.0, 0.0)
 
 
+def _normal_mass(a: float, b: float) -> float:
+    """P(a <= Z <= b) for a standard normal Z, computed in the tail where it is small, so that
+    intervals far from the mean keep their (tiny) mass instead of rounding to 0."""
+    if a >= 0:
+        return 0.5 * (math.erfc(a / math.sqrt(2)) - math.erfc(b / math.sqrt(2)))
+    if b <= 0:
+        return 0.5 * (math.erfc(-b / math.sqrt(2)) - math.erfc(-a / math.sqrt(2)))
+    return 1.0 - 0.5 * (math.erfc(-a / math.sqrt(2)) + math.erfc(b / math.sqrt(2)))
+
+
 @dataclass(frozen=True)
 class TruncatedNormal:
-    """N(mean, std^2) redrawn until inside [low, high] (absolute bounds), as
-    torch.nn.init.trunc_normal_."""
+    """N(mean, std^2) restricted to [low, high] (absolute bounds), as torch.nn.init.trunc_normal_.
+
+    A first normal draw is kept when it falls inside; otherwise the value is drawn by inverse
+    CDF from the truncated distribution itself (cn_init.h), so any interval with mass works,
+    also one far in a tail (rejection sampling pinned 98.9 % of TruncatedNormal(0, 1, 3.9, 3.96)
+    at `low`). Intervals whose mass underflows double precision (about 37 std from the mean)
+    are refused.
+
+    >>> TruncatedNormal(0.0, 1.0, 3.9, 3.96).high
+    3.96
+    """
     mean: float = 0.0
     std: float = 1.0
     low: float = -2.0
@@ -76,15 +113,16 @@ class TruncatedNormal:
     kind = 2
 
     def __post_init__(self):
-        _finite("TruncatedNormal.mean", self.mean)
-        if not _finite("TruncatedNormal.std", self.std) > 0:
+        mean = _field(self, "mean")
+        if not _field(self, "std") > 0:
             raise ValueError(f"TruncatedNormal.std must be > 0, got {self.std}")
-        lo, hi = _finite("TruncatedNormal.low", self.low), _finite("TruncatedNormal.high", self.high)
+        lo, hi = _field(self, "low"), _field(self, "high")
         if not lo < hi:
             raise ValueError(f"TruncatedNormal needs low < high, got low={lo}, high={hi}")
-        # Rejection sampling needs the interval to hold real probability mass.
-        if (hi - self.mean) / self.std < -4 or (lo - self.mean) / self.std > 4 or (hi - lo) / self.std < 0.05:
-            raise ValueError("TruncatedNormal: [low, high] must overlap mean +- 4 std and be at least 0.05 std wide")
+        a, b = (lo - mean) / self.std, (hi - mean) / self.std
+        if not _normal_mass(a, b) > 1e-300:
+            raise ValueError(f"TruncatedNormal: [low, high] = [{lo}, {hi}] holds no probability mass a double can "
+                             f"represent (it lies {min(abs(a), abs(b)):.0f} std from the mean); move it closer")
 
     def params(self):
         return (self.mean, self.std, self.low, self.high)
@@ -97,7 +135,7 @@ class Constant:
     kind = 3
 
     def __post_init__(self):
-        _finite("Constant.value", self.value)
+        _field(self, "value")
 
     def params(self):
         return (self.value, 0.0, 0.0, 0.0)
@@ -164,8 +202,10 @@ class Adam:
 
     def __post_init__(self):
         _non_negative(self, "lr", "eps")
-        if len(self.betas) != 2 or not all(0.0 <= _finite("Adam.betas", b) < 1.0 for b in self.betas):
+        if not isinstance(self.betas, (tuple, list)) or len(self.betas) != 2 \
+                or not all(0.0 <= _finite("Adam.betas", b) < 1.0 for b in self.betas):
             raise ValueError(f"Adam.betas must be two numbers in [0, 1), got {self.betas!r}")
+        object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
 
 
 Optimizer = Union[SGD, Adagrad, RowWiseAdagrad, Adam]

@@ -27,15 +27,21 @@ import numpy as np
 from cncore import _core
 from cncore._interchange import as_float_rows, as_floats, as_keys, as_offsets, as_output
 
-__all__ = ["LookupContext", "grouped_pooled_lookup", "grouped_apply_gradients", "check_context",
-           "check_rows_alive"]
+__all__ = ["LookupContext", "grouped_pooled_lookup", "grouped_apply_gradients", "check_context", "as_flag"]
 
 MODES = {"sum": 0, "mean": 1, "max": 2}
 
 
 @dataclass(frozen=True)
 class LookupContext:
-    """What the backward of one pooled lookup needs (kept by autograd between the passes)."""
+    """What the backward of one pooled lookup needs (kept by autograd between the passes).
+
+    It holds its own copies of the keys, offsets and weights, so the caller may reuse its
+    arrays between the lookup and the backward. The backward checks the context against the
+    store under the store's lock (the erase epoch, which is unique to the store, the offsets
+    and the slots' range), so a context that went stale (keys erased, store cleared, a module
+    moved to another device) or was forged is refused with every row unchanged; it never
+    reaches memory it should not."""
     store: object
     keys: np.ndarray
     slots: np.ndarray
@@ -54,19 +60,21 @@ class LookupContext:
         return len(self.offsets) - 1
 
 
-def check_context(ctx, store) -> None:
+def check_context(ctx, store, name: str = "ctx") -> None:
+    """ctx is a LookupContext of `store`. Whether its rows are still alive is checked by the
+    core under the store's lock, where the check cannot race an erase."""
     if not isinstance(ctx, LookupContext):
-        raise TypeError(f"ctx must be the LookupContext returned by pooled_lookup, got {type(ctx).__name__}")
+        raise TypeError(f"{name} must be the LookupContext returned by pooled_lookup, got {type(ctx).__name__}")
     if ctx.store is not store:
-        raise ValueError("ctx comes from a lookup on another store")
-    check_rows_alive(store, ctx.erase_epoch)
+        raise ValueError(f"{name} comes from a lookup on another store")
 
 
-def check_rows_alive(store, erase_epoch: int) -> None:
-    """The slots a lookup resolved are still the rows it read (nothing erased since)."""
-    if erase_epoch != store._table.erase_epoch:
-        raise RuntimeError("keys were erased (or the store cleared) since this lookup; its rows may be "
-                           "gone, so its gradient cannot be applied")
+def as_flag(value, name: str) -> bool:
+    """A bool argument: True/False (NumPy's too); anything else is refused rather than read by
+    its truth value (`insert_missing="no"` inserted)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return bool(value)
 
 
 def _per_feature(value, n: int, name: str) -> list:
@@ -90,6 +98,9 @@ def grouped_pooled_lookup(stores: Sequence, keys: Sequence, offsets: Optional[Se
     """
     from cncore.store import EmbeddingStore
 
+    insert_missing = as_flag(insert_missing, "insert_missing")
+    if not isinstance(stores, (list, tuple)):
+        raise TypeError(f"stores: expected a list of EmbeddingStore, got {type(stores).__name__}")
     n = len(stores)
     if n == 0:
         raise ValueError("stores: at least one store is needed")
@@ -107,31 +118,34 @@ def grouped_pooled_lookup(stores: Sequence, keys: Sequence, offsets: Optional[Se
     key_arrays, offset_arrays, weight_arrays, mode_codes = [], [], [], []
     n_bags = None
     for f in range(n):
-        k = as_keys(keys[f], f"keys[{f}]")
+        # Copies: the context keeps them for the backward, and the caller may reuse its arrays.
+        k = np.array(as_keys(keys[f], f"keys[{f}]"), copy=True)
         if (offsets[f] is None) == (lengths[f] is None):
             raise ValueError(f"feature {f}: give exactly one of offsets (B+1) or lengths (B)")
         if offsets[f] is not None:
-            o = as_offsets(offsets[f], f"offsets[{f}]")
+            o = np.array(as_offsets(offsets[f], f"offsets[{f}]"), copy=True)
             if len(o) == 0:
                 raise ValueError(f"offsets[{f}]: needs B+1 >= 1 entries (the last is len(keys))")
         else:
             ln = as_offsets(lengths[f], f"lengths[{f}]")
-            o = np.zeros(len(ln) + 1, dtype=np.int64)
-            np.cumsum(ln, out=o[1:])
             if ln.size and ln.min() < 0:
                 raise ValueError(f"lengths[{f}]: must be >= 0")
+            o = np.zeros(len(ln) + 1, dtype=np.int64)
+            np.cumsum(ln, out=o[1:])
+            if o[-1] != len(k):
+                raise ValueError(f"lengths[{f}]: must add up to len(keys[{f}]) = {len(k)}, they add up to {o[-1]}")
         if n_bags is None:
             n_bags = len(o) - 1
         elif len(o) - 1 != n_bags:
             raise ValueError(f"feature {f}: has {len(o) - 1} bags, feature 0 has {n_bags}; all features share B")
         mode = modes[f]
-        if mode not in MODES:
+        if not isinstance(mode, str) or mode not in MODES:
             raise ValueError(f"modes[{f}]: expected 'sum', 'mean' or 'max', got {mode!r}")
         w = None
         if weights[f] is not None:
             if mode == "max":
                 raise ValueError(f"per_sample_weights[{f}]: weights apply to 'sum' and 'mean' pooling, not 'max'")
-            w = as_floats(weights[f], f"per_sample_weights[{f}]", (len(k),))
+            w = np.array(as_floats(weights[f], f"per_sample_weights[{f}]", (len(k),)), copy=True)
         key_arrays.append(k)
         offset_arrays.append(o)
         weight_arrays.append(w)
@@ -148,8 +162,8 @@ def grouped_pooled_lookup(stores: Sequence, keys: Sequence, offsets: Optional[Se
     results = _core.grouped_forward([s._table for s in stores], key_arrays, offset_arrays, weight_arrays,
                                     mode_codes, outs, bool(insert_missing))
     ctxs = [LookupContext(stores[f], key_arrays[f], results[f][0], offset_arrays[f], weight_arrays[f],
-                          mode_codes[f], results[f][1], stores[f]._table.erase_epoch,
-                          slice(int(starts[f]), int(starts[f + 1])), results[f][2], bool(insert_missing),
+                          mode_codes[f], results[f][1], results[f][3],
+                          slice(int(starts[f]), int(starts[f + 1])), results[f][2], insert_missing,
                           stores[f].step)
             for f in range(n)]
     return out, ctxs
@@ -180,7 +194,8 @@ def _optim_tuple(store, lr):
     if opt is None:
         raise RuntimeError("this store has no optimizer (StoreConfig.optimizer=None); use accumulate_gradients")
     rate = opt.lr if lr is None else lr
-    if not isinstance(rate, (int, float)) or not np.isfinite(rate) or rate < 0:
+    if isinstance(rate, (bool, np.bool_)) or not isinstance(rate, (int, float, np.integer, np.floating)) \
+            or not np.isfinite(rate) or rate < 0 or rate > 3.4e38:
         raise ValueError(f"lr must be a finite number >= 0, got {lr!r}")
     return (opt.kind, float(rate), float(opt.eps), float(opt.betas[0]), float(opt.betas[1]))
 
@@ -194,12 +209,23 @@ def grouped_apply_gradients(ctxs: Sequence[LookupContext], grad_output, *, lr=No
 
     The rows' access metadata of training lookups is recorded here: count += occurrences in
     the batch, last_step = the store's step at the lookup."""
+    if not isinstance(ctxs, (list, tuple)):
+        raise TypeError(f"ctxs: expected a list of LookupContext, got {type(ctxs).__name__}")
     ctxs = list(ctxs)
     if not ctxs:
         return
     for f, ctx in enumerate(ctxs):
-        check_context(ctx, ctx.store if stores is None else stores[f])
+        check_context(ctx, ctx.store if stores is None else stores[f], "ctx" if stores else f"ctxs[{f}]")
     n_bags = ctxs[0].n_bags
+    for f, ctx in enumerate(ctxs):
+        # Every context, not only the first: a second lookup with more bags read past the gradient.
+        if ctx.n_bags != n_bags:
+            raise ValueError(f"ctxs[{f}]: has {ctx.n_bags} bags, ctxs[0] has {n_bags}; contexts of one grouped "
+                             "lookup share B")
+        cols = ctx.columns
+        if not (isinstance(cols, slice) and isinstance(cols.start, int) and isinstance(cols.stop, int)
+                and 0 <= cols.start and cols.stop - cols.start == ctx.store.dim):
+            raise ValueError(f"ctxs[{f}]: its columns {cols!r} do not match its store's dim {ctx.store.dim}")
     total = max(ctx.columns.stop for ctx in ctxs)
     grad = as_float_rows(grad_output, "grad_output", (n_bags, total))
     lrs = lr if isinstance(lr, (list, tuple)) else [lr] * len(ctxs)
@@ -210,7 +236,7 @@ def grouped_apply_gradients(ctxs: Sequence[LookupContext], grad_output, *, lr=No
     by_store = {}
     for f, ctx in enumerate(ctxs):
         by_store.setdefault(id(ctx.store), []).append(f)
-    tables, slots, offsets, weights, modes, argmaxes, grads, opt_list, metas = [], [], [], [], [], [], [], [], []
+    tables, slots, offsets, weights, modes, argmaxes, grads, opt_list, metas, epochs = [], [], [], [], [], [], [], [], [], []
     sequential = []
     for members in by_store.values():
         first = ctxs[members[0]]
@@ -225,6 +251,10 @@ def grouped_apply_gradients(ctxs: Sequence[LookupContext], grad_output, *, lr=No
             grads.append(blocks[0])
             opt_list.append(optims[members[0]])
             metas.append((first.training, first.step))
+            epochs.append(first.erase_epoch)
+        elif len({ctxs[f].erase_epoch for f in members}) > 1:
+            raise RuntimeError(f"ctxs {members}: lookups of one store from before and after an erase; the older "
+                               "one's rows may be gone, so nothing was updated")
         elif any(ctxs[f].mode == MODES["max"] for f in members) or \
                 len({(ctxs[f].training, ctxs[f].step) for f in members}) > 1:
             sequential.extend(members)
@@ -239,9 +269,11 @@ def grouped_apply_gradients(ctxs: Sequence[LookupContext], grad_output, *, lr=No
             grads.append(g)
             opt_list.append(optims[members[0]])
             metas.append((first.training, first.step))
+            epochs.append(first.erase_epoch)
     if tables:
-        _core.grouped_backward(tables, slots, offsets, weights, modes, argmaxes, grads, opt_list, metas)
+        _core.grouped_backward(tables, slots, offsets, weights, modes, argmaxes, grads, opt_list, metas, epochs)
     for f in sequential:
         ctx = ctxs[f]
         _core.grouped_backward([ctx.store._table], [ctx.slots], [ctx.offsets], [ctx.weights], [ctx.mode],
-                               [ctx.argmax], [grad[:, ctx.columns]], [optims[f]], [(ctx.training, ctx.step)])
+                               [ctx.argmax], [grad[:, ctx.columns]], [optims[f]], [(ctx.training, ctx.step)],
+                               [ctx.erase_epoch])

@@ -82,6 +82,13 @@ class TableBatch:
     next_cursor: Optional[tuple] = None
 
 
+def _count(value, name: str, low: int, high: int) -> int:
+    """An int argument in [low, high): Python or NumPy integers; bools and floats are refused."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or not low <= int(value) < high:
+        raise ValueError(f"{name} must be an int in [{low}, {high}), got {value!r}")
+    return int(value)
+
+
 def _u32(obj, name: str, n: int) -> Optional[np.ndarray]:
     if obj is None:
         return None
@@ -164,9 +171,7 @@ class EmbeddingStore:
 
     @step.setter
     def step(self, value: int) -> None:
-        if not isinstance(value, (int, np.integer)) or not 0 <= int(value) < 2**63:
-            raise ValueError(f"step must be an int in [0, 2**63), got {value!r}")
-        self._table.step = int(value)
+        self._table.step = _count(value, "step", 0, 2**63)
 
     def __repr__(self) -> str:
         return f"EmbeddingStore(rows={len(self)}, capacity={self.capacity}, config={self._config})"
@@ -213,7 +218,9 @@ class EmbeddingStore:
         rows = as_floats(rows, "rows", (n, self.dim))
         sf = self._config.state_floats
         if optimizer_state is not None:
-            optimizer_state = as_floats(optimizer_state, "optimizer_state", (n, sf)) if sf else None
+            # Checked even when the store keeps no state: (n, 0) (what its export gives) is
+            # accepted, anything else is a mismatch the caller should hear about, not lose.
+            optimizer_state = as_floats(optimizer_state, "optimizer_state", (n, sf))
         counts = _u32(counts, "counts", n)
         last_steps = _u32(last_steps, "last_steps", n)
         found = np.zeros(n, dtype=np.uint8)
@@ -248,14 +255,13 @@ class EmbeddingStore:
 
     def reserve(self, n_rows: int) -> None:
         """Allocate room for `n_rows` rows in all, so that growing to it allocates nothing."""
-        if not isinstance(n_rows, (int, np.integer)) or int(n_rows) < 0:
-            raise ValueError(f"n_rows must be an int >= 0, got {n_rows!r}")
-        self._table.reserve(int(n_rows))
+        self._table.reserve(_count(n_rows, "n_rows", 0, 2**63))
 
     def lookup(self, keys, *, insert_missing: bool = False) -> np.ndarray:
         """Rows (N, dim) of keys; absent keys read as zeros, or are inserted first when
         `insert_missing`. Does not count as a training access."""
-        if insert_missing:
+        from cncore.grouped import as_flag
+        if as_flag(insert_missing, "insert_missing"):
             self.find_or_insert(keys)
         return self.read(keys).rows
 
@@ -287,16 +293,16 @@ class EmbeddingStore:
         ([0, 1, 2, 3, 4], None)
         """
         if max_rows is None:
-            max_rows = len(self)
-        if not isinstance(max_rows, (int, np.integer)) or int(max_rows) < 1 and len(self):
-            raise ValueError(f"max_rows must be an int >= 1, got {max_rows!r}")
+            max_rows = max(len(self), 1)
+        max_rows = _count(max_rows, "max_rows", 1, 2**63)
         if cursor is None:
             position, version = 0, self._table.version
         else:
             if not (isinstance(cursor, tuple) and len(cursor) == 2):
-                raise TypeError("cursor must be the next_cursor of a previous export")
-            position, version = cursor
-        nxt, keys, rows, state, counts, steps = self._table.export(int(position), int(max_rows), int(version))
+                raise TypeError("cursor must be the next_cursor of a previous export (a tuple of two ints)")
+            position = _count(cursor[0], "cursor position", 0, 2**63)
+            version = _count(cursor[1], "cursor version", 0, 2**64)
+        nxt, keys, rows, state, counts, steps = self._table.export(position, max_rows, version)
         done = nxt >= self._table.n_buckets
         return TableBatch(keys, rows, state, counts, steps, np.ones(len(keys), dtype=bool),
                           None if done else (nxt, version))
@@ -361,6 +367,9 @@ class EmbeddingStore:
         from cncore.grouped import check_context
         check_context(ctx, self)
         grad = as_float_rows(grad_output, "grad_output", (ctx.n_bags, self.dim))
+        if not isinstance(ctx.keys, np.ndarray) or ctx.keys.shape != getattr(ctx.slots, "shape", None):
+            raise ValueError("ctx: its keys and slots differ in shape (a forged context)")
         positions, grads = _core.unique_gradients(self._table, ctx.slots, ctx.offsets, ctx.weights,
-                                                  ctx.mode, ctx.argmax, grad, ctx.training, ctx.step)
+                                                  ctx.mode, ctx.argmax, grad, ctx.training, ctx.step,
+                                                  ctx.erase_epoch)
         return ctx.keys[positions], grads

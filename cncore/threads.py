@@ -16,8 +16,8 @@ def set_num_threads(n) -> None:
     if n is None:
         _core.set_thread_setting(0)
         return
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ValueError(f"n must be an int >= 1 or None, got {n!r}")
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= _core.MAX_THREADS:
+        raise ValueError(f"n must be an int in [1, {_core.MAX_THREADS}] or None, got {n!r}")
     _core.set_thread_setting(n)
 
 

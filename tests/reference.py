@@ -127,3 +127,19 @@ def pooled_reference(rows: np.ndarray, offsets: np.ndarray, mode: str, weights=N
             r = r * np.asarray(weights[s:e], dtype=np.float64)[:, None]
         out[b] = r.max(axis=0) if mode == "max" else r.sum(axis=0) / (e - s if mode == "mean" else 1)
     return out
+
+
+def snapshot(store):
+    """Everything a store holds, sorted by key: (len, keys, rows, state, counts, last steps, step)."""
+    e = store.export()
+    order = np.argsort(e.keys)
+    return (len(store), e.keys[order], e.rows[order], e.optimizer_state[order], e.counts[order], e.last_steps[order],
+            store.step)
+
+
+def assert_unchanged(store, snap):
+    """The store holds exactly what `snap` (a snapshot) recorded, bit for bit."""
+    now = snapshot(store)
+    assert now[0] == snap[0] and now[6] == snap[6]
+    for a, b in zip(now[1:6], snap[1:6]):
+        np.testing.assert_array_equal(a, b)

@@ -20,8 +20,19 @@ def traced_bytes():
     return cn_traced_bytes()
 
 
+# libgomp exits the process at 32768 threads and crashes at 65536; no CPU needs more than this.
+MAX_THREADS = 1024
+
+
 def set_thread_setting(int n):
+    if not 0 <= n <= MAX_THREADS:
+        raise ValueError(f"n must be in [1, {MAX_THREADS}] (0: the default), got {n}")
     cn_set_thread_setting(n)
+
+
+def machine_bytes():
+    """Physical memory of this machine: the core refuses to allocate past it."""
+    return cn_machine_bytes()
 
 
 def max_threads():
@@ -66,6 +77,16 @@ cdef inline void _unlock(Table t) noexcept nogil:
     pthread_rwlock_unlock(&t.t.lock)
 
 
+cdef _check_len(object arr, int64_t n, int64_t width, str name):
+    """arr (if given) has n rows (and `width` columns when width >= 0): the C side writes or
+    reads n of them through a raw pointer."""
+    if arr is None:
+        return
+    if arr.shape[0] != n or (width >= 0 and (arr.ndim != 2 or arr.shape[1] != width)):
+        raise ValueError(f"{name}: expected {n} rows" + (f" of {width}" if width >= 0 else "") +
+                         f", got shape {arr.shape}")
+
+
 cdef inline const weight_t* _opt_ptr(object arr):
     """Data pointer of an optional float32 NumPy array (NULL for None)."""
     cdef const weight_t[:, ::1] view
@@ -86,7 +107,8 @@ cdef class Table:
         with nogil:
             rc = cn_table_create(&self.t, dim, optimizer_kind, state_init, init, max_load, capacity_hint)
         if rc != CN_OK:
-            raise MemoryError(f"cannot allocate a table for capacity {capacity_hint} of dim {dim}")
+            raise MemoryError(f"capacity: cannot allocate a table for {capacity_hint} rows of dim {dim} (this "
+                              f"machine has {cn_machine_bytes() / 2**30:.1f} GiB of memory)")
         self.alive = True
         self.optimizer_kind = optimizer_kind
 
@@ -132,6 +154,7 @@ cdef class Table:
 
     def find(self, const key_t[::1] keys, slot_t[::1] slots):
         cdef int64_t n = keys.shape[0]
+        _check_len(slots, n, -1, "slots")
         with nogil:
             _rdlock(self)
             cn_table_find(&self.t, &keys[0] if n else NULL, n, &slots[0] if n else NULL)
@@ -140,6 +163,8 @@ cdef class Table:
     def find_or_insert(self, const key_t[::1] keys, slot_t[::1] slots, uint8_t[::1] found):
         cdef int64_t n = keys.shape[0], n_new = 0
         cdef int rc = CN_OK
+        _check_len(slots, n, -1, "slots")
+        _check_len(found, n, -1, "found")
         if n == 0:
             return 0
         with nogil:
@@ -155,6 +180,13 @@ cdef class Table:
         first. found[i] = 1 where the key existed before. Duplicates: the last one wins."""
         cdef int64_t n = keys.shape[0], n_new = 0, i
         cdef int rc = CN_OK
+        _check_len(rows, n, self.t.dim, "rows")
+        _check_len(state, n, self.t.state_floats, "optimizer_state")
+        _check_len(counts, n, -1, "counts")
+        _check_len(last_steps, n, -1, "last_steps")
+        _check_len(found, n, -1, "found")
+        if not self.t.state_floats:
+            state = None
         cdef const weight_t[:, ::1] rows_v = rows
         cdef const weight_t* state_p = _opt_ptr(state)
         cdef const count_t[::1] counts_v
@@ -189,12 +221,16 @@ cdef class Table:
 
     def erase(self, const key_t[::1] keys, uint8_t[::1] erased):
         cdef int64_t n = keys.shape[0], count = 0
+        cdef int rc
+        _check_len(erased, n, -1, "erased")
         if n == 0:
             return 0
         with nogil:
             _wrlock(self)
-            count = cn_table_erase(&self.t, &keys[0], n, &erased[0])
+            rc = cn_table_erase(&self.t, &keys[0], n, &erased[0], &count)
             _unlock(self)
+        if rc != CN_OK:
+            raise MemoryError(f"cannot allocate room to erase {n} keys; the table is unchanged")
         return count
 
     def clear(self):
@@ -210,11 +246,17 @@ cdef class Table:
             rc = cn_table_reserve(&self.t, total)
             _unlock(self)
         if rc != CN_OK:
-            raise MemoryError(f"cannot reserve room for {total} rows; the table is unchanged")
+            raise MemoryError(f"n_rows: cannot reserve room for {total} rows (this machine has "
+                              f"{cn_machine_bytes() / 2**30:.1f} GiB of memory); the table is unchanged")
 
     def read(self, const key_t[::1] keys, rows, state, counts, last_steps, uint8_t[::1] found):
         """Rows / state / metadata of keys (zeros where absent); found[i] = key present."""
         cdef int64_t n = keys.shape[0], i
+        _check_len(rows, n, self.t.dim, "rows")
+        _check_len(state, n, self.t.state_floats, "optimizer_state")
+        _check_len(counts, n, -1, "counts")
+        _check_len(last_steps, n, -1, "last_steps")
+        _check_len(found, n, -1, "found")
         if n == 0:
             return
         slots_arr = np.empty(n, dtype=np.int64)
@@ -249,8 +291,10 @@ cdef class Table:
 
     def export(self, int64_t cursor, int64_t max_rows, uint64_t expected_version):
         """Up to max_rows entries from bucket `cursor` on: (next_cursor, keys, rows, state,
-        counts, last_steps). Raises RuntimeError if the table changed since the cursor began."""
-        cdef int64_t n_out = 0, next_cursor = 0
+        counts, last_steps). Raises RuntimeError if the table changed since the cursor began,
+        ValueError for a position outside the index (checked under the lock, with the version)."""
+        cdef int64_t n_out = 0, next_cursor = 0, n_buckets = 0
+        cdef bint out_of_range = False
         cdef int64_t cap = max(0, min(max_rows, self.t.index.size))
         keys_arr = np.empty(cap, dtype=np.int64)
         slots_arr = np.empty(cap, dtype=np.int64)
@@ -267,8 +311,11 @@ cdef class Table:
         cdef bint stale = False
         with nogil:
             _rdlock(self)
+            n_buckets = self.t.index.n_buckets
             if self.t.version != expected_version:
                 stale = True
+            elif cursor < 0 or cursor > n_buckets:
+                out_of_range = True
             else:
                 next_cursor = cn_table_scan(&self.t, cursor, cap, &kv[0] if cap else NULL,
                                             &sv[0] if cap else NULL, &n_out)
@@ -278,6 +325,9 @@ cdef class Table:
         if stale:
             raise RuntimeError("the store changed (keys inserted or erased) since this export began; "
                                "restart the export")
+        if out_of_range:
+            raise ValueError(f"cursor: position {cursor} is outside this store's index [0, {n_buckets}]; "
+                             "pass the next_cursor of a previous export")
         if n_out == 0 and cap == 0:
             next_cursor = self.t.index.n_buckets
         return (next_cursor, keys_arr[:n_out], rows_arr[:n_out], state_arr[:n_out],
@@ -288,19 +338,54 @@ cdef inline int64_t _ptr(object arr):
     return <int64_t> arr.ctypes.data if arr is not None else 0
 
 
+cdef _check_vector(object arr, object dtype, int64_t n, str name):
+    """The core reads `arr` through a raw pointer: it must be a C-contiguous 1-D `dtype` array
+    of n entries (n < 0: any length). The `cncore` package converts user input before it gets
+    here; this is what keeps a front end's (or a forged context's) arrays from reaching C
+    unchecked."""
+    if not isinstance(arr, np.ndarray) or arr.dtype != dtype or arr.ndim != 1 or not arr.flags.c_contiguous:
+        raise TypeError(f"{name}: expected a C-contiguous 1-D {np.dtype(dtype)} NumPy array")
+    if n >= 0 and arr.shape[0] != n:
+        raise ValueError(f"{name}: expected {n} entries, got {arr.shape[0]}")
+
+
+cdef _check_rows(object arr, object dtype, int64_t n_rows, int64_t dim, str name, bint writable):
+    """A 2-D (n_rows, dim) array whose rows may be strided but whose values within a row are
+    contiguous (a column block of a wider array)."""
+    if not isinstance(arr, np.ndarray) or arr.dtype != dtype or arr.ndim != 2:
+        raise TypeError(f"{name}: expected a 2-D {np.dtype(dtype)} NumPy array")
+    if arr.shape[0] != n_rows or arr.shape[1] != dim:
+        raise ValueError(f"{name}: expected shape ({n_rows}, {dim}), got {arr.shape}")
+    cdef int64_t item = arr.itemsize
+    if n_rows > 1 and (arr.strides[0] < item * dim or arr.strides[0] % item) or \
+            n_rows > 0 and dim > 1 and arr.strides[1] != item:
+        raise BufferError(f"{name}: each row must be contiguous with rows not overlapping (strides {arr.strides})")
+    if writable and not arr.flags.writeable:
+        raise BufferError(f"{name}: is read-only; the core writes its result there")
+
+
+cdef inline uint32_t _saturate_u32(object value):
+    """A step as the uint32 the rows' metadata keeps: past 2^32 - 1 it saturates (documented in
+    StoreConfig), where a cast wrapped it to small values that eviction would read as old."""
+    return <uint32_t> min(max(int(value), 0), 0xFFFFFFFF)
+
+
 def grouped_forward(list tables, list keys, list offsets, list weights, list modes, list outs,
                     bint insert_missing):
     """Pooled lookup for F (table, keys, offsets) triples in one nogil section.
 
     outs[f] is a float32 (B, dim) view whose rows may be strided (a column block of one
-    shared output). Returns, per feature, (slots, argmax or None, n_new). Offsets are checked
-    for every feature before any table changes. Raises ValueError naming the first bad
-    feature, MemoryError when a table cannot grow.
+    shared output). Returns, per feature, [slots, argmax or None, n_new, erase_epoch], the
+    epoch read under the table's lock together with the lookup (the backward checks it under
+    the lock again). Offsets are checked for every feature before any table changes. Raises
+    ValueError naming the first bad feature, MemoryError when a table cannot grow.
     """
     cdef int64_t F = len(tables), f
     cdef Table tab
+    if not (len(keys) == len(offsets) == len(weights) == len(modes) == len(outs) == F):
+        raise ValueError("grouped_forward: one keys, offsets, weights, mode and out per table")
     cdef cn_table** tp = <cn_table**> malloc(max(F, 1) * sizeof(cn_table*))
-    cdef int64_t* ip = <int64_t*> malloc(max(F, 1) * 11 * sizeof(int64_t))
+    cdef int64_t* ip = <int64_t*> malloc(max(F, 1) * 12 * sizeof(int64_t))
     if tp == NULL or ip == NULL:
         free(tp)
         free(ip)
@@ -317,6 +402,7 @@ def grouped_forward(list tables, list keys, list offsets, list weights, list mod
     cdef int64_t* p_slots = ip + 8 * F
     cdef int64_t* p_argmax = ip + 9 * F
     cdef int64_t* p_nnew = ip + 10 * F
+    cdef uint64_t* p_epoch = <uint64_t*> (ip + 11 * F)
     results = []
     cdef int64_t bad_feature = -1, bad_pos = -1, oom_feature = -1
     cdef int rc
@@ -327,6 +413,15 @@ def grouped_forward(list tables, list keys, list offsets, list weights, list mod
             k = keys[f]
             o = offsets[f]
             out = outs[f]
+            _check_vector(k, np.int64, -1, f"keys[{f}]")
+            _check_vector(o, np.int64, -1, f"offsets[{f}]")
+            if o.shape[0] < 1:
+                raise ValueError(f"offsets[{f}]: needs B+1 >= 1 entries (the last is len(keys))")
+            if weights[f] is not None:
+                _check_vector(weights[f], np.float32, k.shape[0], f"per_sample_weights[{f}]")
+            if modes[f] not in (0, 1, 2):
+                raise ValueError(f"modes[{f}]: expected 0 (sum), 1 (mean) or 2 (max), got {modes[f]!r}")
+            _check_rows(out, np.float32, o.shape[0] - 1, tab.t.dim, f"out[{f}]", True)
             p_keys[f] = _ptr(k)
             p_nkeys[f] = k.shape[0]
             p_off[f] = _ptr(o)
@@ -334,14 +429,14 @@ def grouped_forward(list tables, list keys, list offsets, list weights, list mod
             p_w[f] = _ptr(weights[f])
             p_mode[f] = modes[f]
             p_out[f] = _ptr(out)
-            p_ld[f] = out.strides[0] // 4
+            p_ld[f] = out.strides[0] // 4 if p_nbags[f] > 1 else tab.t.dim
             slots = np.empty(p_nkeys[f], dtype=np.int64)
             p_slots[f] = _ptr(slots)
             argmax = None
             if modes[f] == 2:
                 argmax = np.empty((p_nbags[f], tab.t.dim), dtype=np.int64)
             p_argmax[f] = _ptr(argmax)
-            results.append([slots, argmax, 0])
+            results.append([slots, argmax, 0, 0])
         with nogil:
             for f in range(F):
                 bad_pos = cn_check_offsets(<offset_t*> p_off[f], p_nbags[f], p_nkeys[f])
@@ -358,42 +453,83 @@ def grouped_forward(list tables, list keys, list offsets, list weights, list mod
                                                  <weight_t*> p_w[f], <int> p_mode[f], <weight_t*> p_out[f],
                                                  p_ld[f], <int64_t*> p_argmax[f], <slot_t*> p_slots[f],
                                                  insert_missing, &p_nnew[f])
+                    p_epoch[f] = tp[f].erase_epoch
                     pthread_rwlock_unlock(&tp[f].lock)
                     if rc != CN_OK:
                         oom_feature = f
                         break
         if bad_feature >= 0:
             raise ValueError(
-                f"offsets of feature {bad_feature}: must start at 0, never decrease and end at the number of "
+                f"offsets[{bad_feature}]: must start at 0, never decrease and end at the number of "
                 f"keys ({p_nkeys[bad_feature]}); position {bad_pos} breaks this")
         if oom_feature >= 0:
-            raise MemoryError(f"cannot grow the table of feature {oom_feature}; it is unchanged")
+            raise MemoryError(f"cannot grow the table of feature {oom_feature}; it is unchanged"
+                              + (f" (features 0..{oom_feature - 1} were looked up)" if oom_feature else ""))
         for f in range(F):
             results[f][2] = p_nnew[f]
+            results[f][3] = p_epoch[f]
         return results
     finally:
         free(tp)
         free(ip)
 
 
+cdef _check_backward_inputs(Table tab, object slots, object offsets, object weights, int mode, object argmax,
+                            object grad, int f):
+    """What the backward of one lookup reads through raw pointers, checked against each other
+    (shapes, dtypes, strides); the offsets' values and the slots are checked under the lock."""
+    _check_vector(slots, np.int64, -1, f"slots[{f}]")
+    _check_vector(offsets, np.int64, -1, f"offsets[{f}]")
+    if offsets.shape[0] < 1:
+        raise ValueError(f"offsets[{f}]: needs B+1 >= 1 entries")
+    cdef int64_t n_bags = offsets.shape[0] - 1
+    if weights is not None:
+        _check_vector(weights, np.float32, slots.shape[0], f"weights[{f}]")
+    if mode not in (0, 1, 2):
+        raise ValueError(f"mode of feature {f}: expected 0 (sum), 1 (mean) or 2 (max), got {mode!r}")
+    if mode == 2:
+        if not isinstance(argmax, np.ndarray) or argmax.dtype != np.int64 or not argmax.flags.c_contiguous \
+                or argmax.shape != (n_bags, tab.t.dim):
+            raise ValueError(f"argmax[{f}]: expected a C-contiguous int64 array of shape ({n_bags}, {tab.t.dim})")
+    _check_rows(grad, np.float32, n_bags, tab.t.dim, f"grad_output (feature {f})", False)
+
+
+cdef str _stale_message(int f, int rc):
+    if rc == CN_ESTALE:
+        return (f"feature {f}: keys were erased (or the store cleared) since this lookup, or the lookup was made "
+                "on another store; its rows may be gone, so its gradient cannot be applied. Nothing was updated")
+    return (f"feature {f}: the lookup context holds slots this store never handed out (a forged or damaged "
+            "context); nothing was updated")
+
+
 def grouped_backward(list tables, list slots, list offsets, list weights, list modes, list argmaxes,
-                     list grads, list optims, list metas):
+                     list grads, list optims, list metas, list epochs):
     """Fused backward + optimizer update for F lookups in one nogil section.
 
     grads[f] is a float32 (B, dim) view (rows may be strided). optims[f] is a tuple
-    (kind, lr, eps, beta1, beta2). metas[f] is (record_access, step_of_the_lookup). Each
-    table's step advances by one before its update. A table that appears several times must
-    have been merged by the caller.
+    (kind, lr, eps, beta1, beta2). metas[f] is (record_access, step_of_the_lookup). epochs[f]
+    is the erase epoch grouped_forward returned. Every table's write lock is taken (in address
+    order, so two backwards cannot deadlock), every lookup is checked against its table
+    (epoch, offsets, slots), and only then is any row updated: a stale lookup raises
+    RuntimeError with every table unchanged. Each table's step advances by one before its
+    update. A table may appear once (the caller merges features sharing a table).
     """
-    cdef int64_t F = len(tables), f
+    cdef int64_t F = len(tables), f, i
     cdef Table tab
+    if not (len(slots) == len(offsets) == len(weights) == len(modes) == len(argmaxes) == len(grads)
+            == len(optims) == len(metas) == len(epochs) == F):
+        raise ValueError("grouped_backward: one entry per table in every list")
+    if len({id(t) for t in tables}) != F:
+        raise ValueError("grouped_backward: a table appears twice; merge its lookups first")
     cdef cn_table** tp = <cn_table**> malloc(max(F, 1) * sizeof(cn_table*))
+    cdef cn_table** locked = <cn_table**> malloc(max(F, 1) * sizeof(cn_table*))
     cdef cn_optim* opts = <cn_optim*> malloc(max(F, 1) * sizeof(cn_optim))
-    cdef int64_t* ip = <int64_t*> malloc(max(F, 1) * 10 * sizeof(int64_t))
-    cdef int64_t oom_feature = -1
-    cdef int rc = 0
-    if tp == NULL or opts == NULL or ip == NULL:
+    cdef int64_t* ip = <int64_t*> malloc(max(F, 1) * 12 * sizeof(int64_t))
+    cdef int64_t oom_feature = -1, bad_feature = -1, bad_pos = -1, stale_feature = -1
+    cdef int rc = 0, stale_rc = 0
+    if tp == NULL or opts == NULL or ip == NULL or locked == NULL:
         free(tp)
+        free(locked)
         free(opts)
         free(ip)
         raise MemoryError("cannot allocate the call's scratch")
@@ -407,86 +543,128 @@ def grouped_backward(list tables, list slots, list offsets, list weights, list m
     cdef int64_t* p_ld = ip + 7 * F
     cdef int64_t* p_touch = ip + 8 * F
     cdef int64_t* p_step = ip + 9 * F
+    cdef int64_t* p_nkeys = ip + 10 * F
+    cdef uint64_t* p_epoch = <uint64_t*> (ip + 11 * F)
     try:
         for f in range(F):
             tab = <Table> tables[f]
+            _check_backward_inputs(tab, slots[f], offsets[f], weights[f], modes[f], argmaxes[f], grads[f], f)
             tp[f] = &tab.t
             p_slots[f] = _ptr(slots[f])
+            p_nkeys[f] = slots[f].shape[0]
             p_off[f] = _ptr(offsets[f])
             p_nbags[f] = offsets[f].shape[0] - 1
             p_w[f] = _ptr(weights[f])
             p_mode[f] = modes[f]
-            p_argmax[f] = _ptr(argmaxes[f])
+            p_argmax[f] = _ptr(argmaxes[f]) if modes[f] == 2 else 0
             p_grad[f] = _ptr(grads[f])
-            p_ld[f] = grads[f].strides[0] // 4
+            p_ld[f] = grads[f].strides[0] // 4 if p_nbags[f] > 1 else tab.t.dim
             p_touch[f] = bool(metas[f][0])
-            p_step[f] = metas[f][1]
+            p_step[f] = _saturate_u32(metas[f][1])
+            p_epoch[f] = epochs[f]
             kind, lr, eps, beta1, beta2 = optims[f]
             opts[f].kind = kind
             opts[f].lr = lr
             opts[f].eps = eps
             opts[f].beta1 = beta1
             opts[f].beta2 = beta2
+        # Lock order: by address, so concurrent grouped backwards never wait on each other in a cycle.
+        order = sorted((<size_t> tp[f], f) for f in range(F))
+        for i in range(F):
+            locked[i] = tp[<int64_t> order[i][1]]
         with nogil:
             for f in range(F):
-                pthread_rwlock_wrlock(&tp[f].lock)
-                tp[f].step += 1
-                cn_optim_set_step(&opts[f], tp[f].step)
-                rc = cn_grad_apply(&tp[f].arena, tp[f].dim, <slot_t*> p_slots[f], <offset_t*> p_off[f], p_nbags[f],
-                                   <weight_t*> p_w[f], <int> p_mode[f], <int64_t*> p_argmax[f],
-                                   <weight_t*> p_grad[f], p_ld[f], &opts[f], <int> p_touch[f],
-                                   <uint32_t> p_step[f], cn_threads_for((<offset_t*> p_off[f])[p_nbags[f]] * 4))
-                if rc != 0:
-                    tp[f].step -= 1
-                pthread_rwlock_unlock(&tp[f].lock)
-                if rc != 0:
-                    oom_feature = f
+                bad_pos = cn_check_offsets(<offset_t*> p_off[f], p_nbags[f], p_nkeys[f])
+                if bad_pos >= 0:
+                    bad_feature = f
                     break
+            if bad_feature < 0:
+                for i in range(F):
+                    pthread_rwlock_wrlock(&locked[i].lock)
+                for f in range(F):
+                    stale_rc = cn_table_check_slots(tp[f], p_epoch[f], <slot_t*> p_slots[f], p_nkeys[f])
+                    if stale_rc != CN_OK:
+                        stale_feature = f
+                        break
+                if stale_feature < 0:
+                    for f in range(F):
+                        tp[f].step += 1
+                        cn_optim_set_step(&opts[f], tp[f].step)
+                        rc = cn_grad_apply(&tp[f].arena, tp[f].dim, <slot_t*> p_slots[f], <offset_t*> p_off[f],
+                                           p_nbags[f], <weight_t*> p_w[f], <int> p_mode[f], <int64_t*> p_argmax[f],
+                                           <weight_t*> p_grad[f], p_ld[f], &opts[f], <int> p_touch[f],
+                                           <uint32_t> p_step[f], cn_threads_for(p_nkeys[f] * 4))
+                        if rc != 0:
+                            tp[f].step -= 1
+                            oom_feature = f
+                            break
+                for i in range(F - 1, -1, -1):
+                    pthread_rwlock_unlock(&locked[i].lock)
+        if bad_feature >= 0:
+            raise ValueError(f"offsets[{bad_feature}]: must start at 0, never decrease and end at the number of "
+                             f"slots ({p_nkeys[bad_feature]}); position {bad_pos} breaks this")
+        if stale_feature >= 0:
+            raise RuntimeError(_stale_message(stale_feature, stale_rc))
         if oom_feature >= 0:
             raise MemoryError(f"out of memory in the backward of feature {oom_feature}; "
                               f"its table is unchanged, earlier features were updated")
     finally:
         free(tp)
+        free(locked)
         free(opts)
         free(ip)
 
 
-def unique_gradients(Table table, slot_t[::1] slots, offsets, weights, int mode, argmax, grad,
-                     bint record_access, uint32_t step):
+def unique_gradients(Table table, slots, offsets, weights, int mode, argmax, grad,
+                     bint record_access, step, uint64_t erase_epoch):
     """Non-fused backward for one lookup: (first key position of each unique row,
-    gradient rows (U, dim)), unique rows in first-occurrence order. With record_access,
-    the rows' access metadata is updated (the table's write lock is taken)."""
+    gradient rows (U, dim)), unique rows in first-occurrence order. The lookup is checked
+    against the table under its lock (as in grouped_backward); with record_access, the rows'
+    access metadata is updated (the write lock is taken)."""
+    _check_backward_inputs(table, slots, offsets, weights, mode, argmax, grad, 0)
     cdef cn_groups groups
-    cdef int rc
+    cdef int rc = 0, stale_rc = 0
+    cdef const slot_t[::1] sl = slots
     cdef const offset_t[::1] off = offsets
-    cdef int64_t n_bags = off.shape[0] - 1
+    cdef int64_t n_bags = off.shape[0] - 1, n = sl.shape[0], bad_pos
     cdef int64_t dim = table.t.dim
     cdef const weight_t* w = <const weight_t*> <size_t> _ptr(weights)
-    cdef const int64_t* am = <const int64_t*> <size_t> _ptr(argmax)
+    cdef const int64_t* am = <const int64_t*> <size_t> (_ptr(argmax) if mode == 2 else 0)
     cdef const weight_t* g = <const weight_t*> <size_t> _ptr(grad)
-    cdef int64_t ld = grad.strides[0] // 4
+    cdef int64_t ld = grad.strides[0] // 4 if n_bags > 1 else dim
+    cdef uint32_t step32 = _saturate_u32(step)
     cdef weight_t* out_p
     cdef int64_t* bag_of = NULL
+    cdef const slot_t* slots_p = &sl[0] if n else NULL
     with nogil:
-        bag_of = cn_bag_of(&off[0], n_bags, cn_threads_for(slots.shape[0]))
-        rc = -1 if bag_of == NULL else cn_groups_build(&slots[0] if slots.shape[0] else NULL, NULL,
-                                                        slots.shape[0], &groups)
+        bad_pos = cn_check_offsets(&off[0], n_bags, n)
+    if bad_pos >= 0:
+        raise ValueError(f"offsets: must start at 0, never decrease and end at the number of slots ({n}); "
+                         f"position {bad_pos} breaks this")
+    with nogil:
+        bag_of = cn_bag_of(&off[0], n_bags, cn_threads_for(n))
+        rc = -1 if bag_of == NULL else cn_groups_build(slots_p, NULL, n, &groups)
     if rc != 0:
         free(bag_of)
         raise MemoryError("out of memory building the gradient groups")
     try:
         positions = np.empty(groups.n_unique, dtype=np.int64)
         out = np.empty((groups.n_unique, dim), dtype=np.float32)
+        out_p = <weight_t*> <size_t> _ptr(out)
+        with nogil:
+            if record_access:
+                pthread_rwlock_wrlock(&table.t.lock)
+            else:
+                pthread_rwlock_rdlock(&table.t.lock)
+            stale_rc = cn_table_check_slots(&table.t, erase_epoch, slots_p, n)
+            if stale_rc == CN_OK and groups.n_unique:
+                cn_grad_unique(&groups, bag_of, &table.t.arena, dim, slots_p, &off[0], w, mode, am, g, ld,
+                               out_p, record_access, step32, cn_threads_for(groups.n_unique * 4))
+            pthread_rwlock_unlock(&table.t.lock)
+        if stale_rc != CN_OK:
+            raise RuntimeError(_stale_message(0, stale_rc))
         if groups.n_unique:
             positions[:] = <int64_t[:groups.n_unique]> groups.unique_pos
-            out_p = <weight_t*> <size_t> _ptr(out)
-            with nogil:
-                if record_access:
-                    pthread_rwlock_wrlock(&table.t.lock)
-                cn_grad_unique(&groups, bag_of, &table.t.arena, dim, &slots[0], &off[0], w, mode, am, g, ld,
-                               out_p, record_access, step, cn_threads_for(groups.n_unique * 4))
-                if record_access:
-                    pthread_rwlock_unlock(&table.t.lock)
         return positions, out
     finally:
         cn_groups_free(&groups)

@@ -4,6 +4,7 @@ from cncore._typedefs cimport key_t, slot_t, offset_t, weight_t, count_t
 
 cdef extern from "cn_alloc.h" nogil:
     int64_t cn_traced_bytes()
+    double cn_machine_bytes()
 
 cdef extern from "cn_parallel.h" nogil:
     int cn_thread_setting
@@ -35,6 +36,7 @@ cdef extern from "cn_arena.h" nogil:
     ctypedef struct cn_arena:
         int64_t n_pages
         int64_t page_bytes
+        int64_t high_water
 
 cdef extern from "cn_grad.h" nogil:
     ctypedef struct cn_groups:
@@ -56,6 +58,8 @@ cdef extern from "cn_table.h" nogil:
     enum:
         CN_OK
         CN_ENOMEM
+        CN_ESTALE
+        CN_EBADSLOT
     ctypedef struct pthread_rwlock_t:
         pass
     ctypedef struct cn_table:
@@ -80,7 +84,8 @@ cdef extern from "cn_table.h" nogil:
     int cn_table_pooled_forward(cn_table *t, const key_t *keys, const offset_t *offsets, int64_t n_bags,
                                 const weight_t *weights, int mode, weight_t *out, int64_t ld_out, int64_t *argmax,
                                 slot_t *slots, int insert_missing, int64_t *n_new)
-    int64_t cn_table_erase(cn_table *t, const key_t *keys, int64_t n, uint8_t *erased)
+    int cn_table_erase(cn_table *t, const key_t *keys, int64_t n, uint8_t *erased, int64_t *count)
+    int cn_table_check_slots(const cn_table *t, uint64_t erase_epoch, const slot_t *slots, int64_t n)
     void cn_table_clear(cn_table *t)
     void cn_table_write_rows(cn_table *t, const slot_t *slots, int64_t n, const weight_t *rows, int64_t ld_rows,
                              const weight_t *state, int64_t ld_state)

@@ -10,6 +10,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 #if defined(__linux__)
 #include <sys/mman.h>
 #endif
@@ -23,6 +24,14 @@ static int64_t cn_traced_bytes_total = 0;
 
 static inline int64_t cn_traced_bytes(void) {
     return __atomic_load_n(&cn_traced_bytes_total, __ATOMIC_RELAXED);
+}
+
+/* Physical memory of this machine in bytes. A request for more than this is refused before
+ * any allocation: with overcommit, posix_memalign of a petabyte "succeeds" and the first
+ * memset of it is what kills the process. */
+static inline double cn_machine_bytes(void) {
+    long pages = sysconf(_SC_PHYS_PAGES), size = sysconf(_SC_PAGE_SIZE);
+    return pages > 0 && size > 0 ? (double)pages * (double)size : 1e30;
 }
 
 /* Cache-line aligned allocation; `*counter` (the owner's byte count) is updated on success. */

@@ -10,8 +10,14 @@
  * row of dim 64 exactly four cache lines; the backward touches the metadata line anyway
  * (access counts), so a per-row scalar state costs no extra line there.
  *
- * Erased slots go on a free list threaded through their own metadata (the next free slot is
- * written over the dead row's cn_meta), so the list costs no memory.
+ * Erased slots go on a free stack of their own (8 bytes per free slot), not on a list threaded
+ * through the dead rows' metadata. A threaded list costs no memory, but then a dead row's bytes
+ * are structure: a stale or forged slot that reaches the backward (which writes counts and
+ * last steps) overwrote the link, and the next insert followed it out of the arena (issue 9:
+ * a crash in 11 of 12 runs of a training thread racing an erasing one). With the stack, no row
+ * byte is ever structure, so a slot that passes the cheap range check (cn_arena_slot_ok) can at
+ * worst write a dead row. The stack's room is reserved before an erase changes anything, so an
+ * erase that cannot allocate leaves the table as it was.
  */
 #ifndef CN_ARENA_H
 #define CN_ARENA_H
@@ -45,8 +51,9 @@ typedef struct {
     int64_t meta_bytes;  /* 8 (count, last step) or 16 (plus a scalar optimizer state) */
     int64_t page_bytes;
     int64_t high_water; /* slots handed out at least once */
-    int64_t free_head;  /* first free slot, or -1 */
+    int64_t *free_slots; /* the free stack: [n_free] slots released by erase, reused first */
     int64_t n_free;
+    int64_t free_cap;
 } cn_arena;
 
 static inline void cn_arena_init(cn_arena *a, int64_t row_floats, int with_scalar_state, int64_t capacity_hint) {
@@ -64,7 +71,6 @@ static inline void cn_arena_init(cn_arena *a, int64_t row_floats, int with_scala
     int64_t rows_part = (((int64_t)1 << shift) * a->row_bytes + 63) & ~(int64_t)63;
     a->meta_offset = rows_part;
     a->page_bytes = rows_part + ((int64_t)1 << shift) * a->meta_bytes;
-    a->free_head = -1;
 }
 
 static inline int64_t cn_arena_rows_per_page(const cn_arena *a) { return (int64_t)1 << a->page_shift; }
@@ -84,21 +90,39 @@ static inline int64_t cn_arena_available(const cn_arena *a) {
     return cn_arena_capacity(a) - a->high_water + a->n_free;
 }
 
-/* Make room for n_more new rows. Returns -1 on allocation failure; pages already added stay
- * (they are capacity, not content), so the arena is valid either way. */
+/* A slot the arena has handed out (live, or dead and on the free stack): safe to address. */
+static inline int cn_arena_slot_ok(const cn_arena *a, int64_t slot) {
+    return slot >= 0 && slot < a->high_water;
+}
+
+/* Give back the pages beyond the first n_pages (undoing a reserve that failed later on). */
+static inline void cn_arena_trim(cn_arena *a, int64_t n_pages, int64_t *nbytes) {
+    while (a->n_pages > n_pages && ((a->n_pages - 1) << a->page_shift) >= a->high_water)
+        cn_free(a->pages[--a->n_pages], (size_t)a->page_bytes, nbytes);
+}
+
+/* Make room for n_more new rows. Returns -1 on allocation failure, with the pages this call
+ * added given back, so the arena is exactly as it was. */
 static inline int cn_arena_reserve(cn_arena *a, int64_t n_more, int64_t *nbytes) {
+    const int64_t n_pages_before = a->n_pages;
     while (cn_arena_available(a) < n_more) {
         if (a->n_pages == a->page_table_cap) {
             int64_t cap = a->page_table_cap ? a->page_table_cap * 2 : 16;
             char **table = (char **)cn_alloc((size_t)cap * sizeof(char *), nbytes);
-            if (table == NULL) return -1;
+            if (table == NULL) {
+                cn_arena_trim(a, n_pages_before, nbytes);
+                return -1;
+            }
             if (a->n_pages) memcpy(table, a->pages, (size_t)a->n_pages * sizeof(char *));
             cn_free(a->pages, (size_t)a->page_table_cap * sizeof(char *), nbytes);
             a->pages = table;
             a->page_table_cap = cap;
         }
         char *page = (char *)cn_alloc((size_t)a->page_bytes, nbytes);
-        if (page == NULL) return -1;
+        if (page == NULL) {
+            cn_arena_trim(a, n_pages_before, nbytes);
+            return -1;
+        }
         a->pages[a->n_pages++] = page;
     }
     return 0;
@@ -106,31 +130,39 @@ static inline int cn_arena_reserve(cn_arena *a, int64_t n_more, int64_t *nbytes)
 
 /* A slot for a new row; the caller has reserved room. */
 static inline int64_t cn_arena_take_slot(cn_arena *a) {
-    if (a->free_head >= 0) {
-        int64_t slot = a->free_head;
-        a->free_head = *(int64_t *)cn_arena_meta(a, slot);
-        a->n_free -= 1;
-        return slot;
-    }
+    if (a->n_free > 0) return a->free_slots[--a->n_free];
     return a->high_water++;
 }
 
-static inline void cn_arena_release_slot(cn_arena *a, int64_t slot) {
-    *(int64_t *)cn_arena_meta(a, slot) = a->free_head;
-    a->free_head = slot;
-    a->n_free += 1;
+/* Room on the free stack for n_more releases. Returns -1 (stack unchanged) when out of memory. */
+static inline int cn_arena_reserve_free(cn_arena *a, int64_t n_more, int64_t *nbytes) {
+    if (a->n_free + n_more <= a->free_cap) return 0;
+    int64_t cap = a->free_cap ? a->free_cap : 64;
+    while (cap < a->n_free + n_more) cap *= 2;
+    int64_t *stack = (int64_t *)cn_alloc((size_t)cap * sizeof(int64_t), nbytes);
+    if (stack == NULL) return -1;
+    if (a->n_free) memcpy(stack, a->free_slots, (size_t)a->n_free * sizeof(int64_t));
+    cn_free(a->free_slots, (size_t)a->free_cap * sizeof(int64_t), nbytes);
+    a->free_slots = stack;
+    a->free_cap = cap;
+    return 0;
 }
+
+/* The caller has reserved room on the free stack (cn_arena_reserve_free). */
+static inline void cn_arena_release_slot(cn_arena *a, int64_t slot) { a->free_slots[a->n_free++] = slot; }
 
 /* Forget every row but keep the pages (clear keeps capacity, like std::vector::clear). */
 static inline void cn_arena_reset(cn_arena *a) {
     a->high_water = 0;
-    a->free_head = -1;
     a->n_free = 0;
 }
 
 static inline void cn_arena_free(cn_arena *a, int64_t *nbytes) {
     for (int64_t p = 0; p < a->n_pages; p++) cn_free(a->pages[p], (size_t)a->page_bytes, nbytes);
     cn_free(a->pages, (size_t)a->page_table_cap * sizeof(char *), nbytes);
+    cn_free(a->free_slots, (size_t)a->free_cap * sizeof(int64_t), nbytes);
+    a->free_slots = NULL;
+    a->free_cap = 0;
     a->pages = NULL;
     a->n_pages = 0;
     a->page_table_cap = 0;

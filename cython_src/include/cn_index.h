@@ -48,15 +48,24 @@ static inline int64_t cn_pow2_at_least(int64_t n) {
     return p;
 }
 
-/* Buckets needed so that n_keys keys stay at or under max_load. */
+/* The most buckets an index may have: 2^56 buckets are 1 EiB, far past any machine, and the
+ * bound keeps n_buckets * sizeof(cn_bucket) and every doubling below it free of overflow. */
+#define CN_INDEX_MAX_BUCKETS ((int64_t)1 << 56)
+
+/* Buckets needed so that n_keys keys stay at or under max_load, or -1 when that is more than
+ * CN_INDEX_MAX_BUCKETS (a request no machine can hold: the caller refuses it). Without the
+ * bound, n_keys near 2^62 doubled p past INT64_MAX and looped forever holding the write lock,
+ * and n_keys near 2^59 wrapped n_buckets * 16 to 0 bytes. */
 static inline int64_t cn_index_buckets_for(int64_t n_keys, double max_load) {
     double need = (double)n_keys / max_load;
+    if (!(need <= (double)CN_INDEX_MAX_BUCKETS)) return -1;
     int64_t p = 16;
     while ((double)p < need) p <<= 1;
     return p;
 }
 
 static inline int cn_index_init(cn_index *ix, int64_t n_buckets, int64_t *nbytes) {
+    if (n_buckets < 16 || n_buckets > CN_INDEX_MAX_BUCKETS) return -1;
     ix->buckets = (cn_bucket *)cn_alloc((size_t)n_buckets * sizeof(cn_bucket), nbytes);
     if (ix->buckets == NULL) return -1;
     memset(ix->buckets, 0xff, (size_t)n_buckets * sizeof(cn_bucket)); /* slot = -1 everywhere */

@@ -79,6 +79,59 @@ static inline float cn_std_normal(uint64_t stream, uint32_t counter) {
     return sqrtf(-2.0f * cn_logf(u1)) * cn_cos2pi(u2);
 }
 
+/* The standard normal CDF and its inverse, in double (the truncated normal's slow path).
+ * The inverse is Acklam's rational approximation (relative error < 1.2e-9) refined by one
+ * Halley step against erfc where exp(x^2 / 2) cannot overflow. */
+static inline double cn_phi(double x) { return 0.5 * erfc(-x * 0.70710678118654752440); }
+
+static inline double cn_phi_inv(double p) {
+    static const double a[6] = {-3.969683028665376e+01, 2.209460984245205e+02, -2.759285104469687e+02,
+                                1.383577518672690e+02, -3.066479806614716e+01, 2.506628277459239e+00};
+    static const double b[5] = {-5.447609879822406e+01, 1.615858368580409e+02, -1.556989798598866e+02,
+                                6.680131188771972e+01, -1.328068155288572e+01};
+    static const double c[6] = {-7.784894002430293e-03, -3.223964580411365e-01, -2.400758277161838e+00,
+                                -2.549732539343734e+00, 4.374664141464968e+00, 2.938163982698783e+00};
+    static const double d[4] = {7.784695709041462e-03, 3.224671290700398e-01, 2.445134137142996e+00,
+                                3.754408661907416e+00};
+    const double p_low = 0.02425;
+    double x;
+    if (p < p_low) {
+        const double q = sqrt(-2.0 * log(p));
+        x = (((((c[0] * q + c[1]) * q + c[2]) * q + c[3]) * q + c[4]) * q + c[5]) /
+            ((((d[0] * q + d[1]) * q + d[2]) * q + d[3]) * q + 1.0);
+    } else if (p <= 1.0 - p_low) {
+        const double q = p - 0.5, r = q * q;
+        x = (((((a[0] * r + a[1]) * r + a[2]) * r + a[3]) * r + a[4]) * r + a[5]) * q /
+            (((((b[0] * r + b[1]) * r + b[2]) * r + b[3]) * r + b[4]) * r + 1.0);
+    } else {
+        const double q = sqrt(-2.0 * log1p(-p));
+        x = -(((((c[0] * q + c[1]) * q + c[2]) * q + c[3]) * q + c[4]) * q + c[5]) /
+            ((((d[0] * q + d[1]) * q + d[2]) * q + d[3]) * q + 1.0);
+    }
+    if (fabs(x) < 8.0) {
+        const double e = cn_phi(x) - p;
+        const double u = e * 2.50662827463100050242 * exp(0.5 * x * x);
+        x = x - u / (1.0 + 0.5 * x * u);
+    }
+    return x;
+}
+
+/* A standard normal restricted to [a, b], by inverse CDF from u in (0, 1). An interval above
+ * the mean is sampled as its mirror below it and negated: lower-tail probabilities keep their
+ * relative precision (Phi(-3.96) = 3.7e-5 is exact to 16 digits; 1 - Phi(3.96) is not). */
+static inline double cn_truncated_std_normal(double a, double b, double u) {
+    const int flip = a > 0.0;
+    if (flip) {
+        const double t = a;
+        a = -b;
+        b = -t;
+    }
+    const double pa = cn_phi(a), pb = cn_phi(b);
+    double x = cn_phi_inv(pa + u * (pb - pa));
+    x = x < a ? a : (x > b ? b : x);
+    return flip ? -x : x;
+}
+
 static inline void cn_init_row(const cn_init *init, int64_t key, float *restrict row, int64_t dim) {
     uint64_t s = cn_row_stream(init->seed, key);
     switch (init->kind) {
@@ -90,25 +143,25 @@ static inline void cn_init_row(const cn_init *init, int64_t key, float *restrict
     case CN_INIT_NORMAL:
         for (int64_t d = 0; d < dim; d++) row[d] = init->p0 + init->p1 * cn_std_normal(s, (uint32_t)d);
         break;
-    case CN_INIT_TRUNCATED_NORMAL:
-        /* Rejection sampling: a first draw for every column (a loop that vectorises), then
-         * redraws for the few outside [low, high]; retry k of column d uses counter
-         * d + k * dim, so a row stays a pure function of (seed, key, column). The bounds are
-         * validated to hold enough mass that 1000 tries never run out in practice. */
+    case CN_INIT_TRUNCATED_NORMAL: {
+        /* A first normal draw for every column (a loop that vectorises) is kept where it falls
+         * inside [low, high]; each column outside is drawn again from the truncated
+         * distribution itself by inverse CDF, with draw counter 2 dim + d (the normal draws use 0 .. 2 dim - 1): a mixture of "inside on the
+         * first draw" and "drawn from the truncated law" is exactly the truncated law, and a
+         * row stays a pure function of (seed, key, column). Rejection sampling, the former
+         * slow path, gave up after 1000 tries on narrow tail intervals and pinned the value at
+         * `low` (98.9 % of TruncatedNormal(0, 1, 3.9, 3.96)). */
+        const double mean = init->p0, std = init->p1;
+        const double a = ((double)init->p2 - mean) / std, b = ((double)init->p3 - mean) / std;
         for (int64_t d = 0; d < dim; d++) row[d] = init->p0 + init->p1 * cn_std_normal(s, (uint32_t)d);
         for (int64_t d = 0; d < dim; d++) {
             if (row[d] >= init->p2 && row[d] <= init->p3) continue;
-            float v = init->p2;
-            for (uint32_t attempt = 1; attempt < 1000; attempt++) {
-                float z = init->p0 + init->p1 * cn_std_normal(s, (uint32_t)d + attempt * (uint32_t)dim);
-                if (z >= init->p2 && z <= init->p3) {
-                    v = z;
-                    break;
-                }
-            }
-            row[d] = v;
+            const double u = ((double)cn_draw32(s, (uint32_t)(2 * dim + d)) + 0.5) * (1.0 / 4294967296.0);
+            float v = (float)(mean + std * cn_truncated_std_normal(a, b, u));
+            row[d] = v < init->p2 ? init->p2 : (v > init->p3 ? init->p3 : v);
         }
         break;
+    }
     default:
         for (int64_t d = 0; d < dim; d++) row[d] = init->p0;
         break;

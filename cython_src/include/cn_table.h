@@ -22,7 +22,15 @@
 #include "cn_parallel.h"
 #include "cn_pool.h"
 
-enum { CN_OK = 0, CN_ENOMEM = -1 };
+enum { CN_OK = 0, CN_ENOMEM = -1, CN_ESTALE = -2, CN_EBADSLOT = -3 };
+
+/* Process-wide stamps for erase epochs and versions. A table takes a fresh stamp whenever
+ * its epoch or version changes, so no two tables ever share a value: a lookup context made on
+ * one table (or on the same module's table before a move between devices, which builds a new
+ * one) can never pass the check on another, which equal per-table counters allowed. */
+static uint64_t cn_stamp_counter = 0;
+
+static inline uint64_t cn_next_stamp(void) { return __atomic_add_fetch(&cn_stamp_counter, 1, __ATOMIC_RELAXED); }
 
 typedef struct {
     cn_index index;
@@ -35,8 +43,8 @@ typedef struct {
     double max_load;
     int64_t nbytes;
     int64_t step;
-    uint64_t erase_epoch; /* bumped whenever a slot may have been freed: stale slots are refused */
-    uint64_t version;     /* bumped whenever the set of keys or their bucket order changes */
+    uint64_t erase_epoch; /* a fresh stamp whenever a slot may have been freed: stale slots are refused */
+    uint64_t version;     /* a fresh stamp whenever the set of keys or their bucket order changes */
     pthread_rwlock_t lock;
 } cn_table;
 
@@ -49,6 +57,11 @@ static inline int cn_table_create(cn_table *t, int64_t dim, int optimizer_kind, 
     t->state_init = state_init;
     t->init = init;
     t->max_load = max_load;
+    t->erase_epoch = cn_next_stamp();
+    t->version = cn_next_stamp();
+    if (capacity_hint < 0 || capacity_hint > CN_INDEX_MAX_BUCKETS ||
+        (double)capacity_hint * (4.0 * (double)(dim + t->state_floats) + 16.0 + 16.0 / max_load) > cn_machine_bytes())
+        return CN_ENOMEM;
     cn_arena_init(&t->arena, dim + (t->state_in_meta ? 0 : t->state_floats), t->state_in_meta, capacity_hint);
     if (cn_index_init(&t->index, cn_index_buckets_for(capacity_hint, max_load), &t->nbytes) != 0) return CN_ENOMEM;
     if (cn_arena_reserve(&t->arena, capacity_hint, &t->nbytes) != 0) {
@@ -71,14 +84,32 @@ static inline int64_t cn_table_capacity(const cn_table *t) {
     return (int64_t)(t->max_load * (double)t->index.n_buckets);
 }
 
-/* Room for `total` rows in all, allocated now. */
+/* Bytes that growing from the current size to `total` rows would allocate at most (new rows
+ * with their metadata, and a new index if the current one is too small). */
+static inline double cn_table_growth_bytes(const cn_table *t, int64_t total) {
+    double more = (double)(total - t->index.size);
+    double rows = more > 0 ? more * (double)(t->arena.row_bytes + t->arena.meta_bytes) : 0.0;
+    double index = total > cn_table_capacity(t) ? 16.0 * ((double)total / t->max_load) : 0.0;
+    return rows + index;
+}
+
+/* Room for `total` rows in all, allocated now. The rows come first and the index second, and
+ * a failed index rehash gives the new pages back: a refused reserve leaves the table exactly
+ * as it was (capacity included), where the reverse order left a grown index behind. */
 static inline int cn_table_reserve(cn_table *t, int64_t total) {
-    if (total > cn_table_capacity(t)) {
-        if (cn_index_rehash(&t->index, cn_index_buckets_for(total, t->max_load), &t->nbytes) != 0) return CN_ENOMEM;
-        t->version++;
-    }
+    if (total < 0 || total > CN_INDEX_MAX_BUCKETS || cn_table_growth_bytes(t, total) > cn_machine_bytes())
+        return CN_ENOMEM;
+    const int64_t pages_before = t->arena.n_pages;
     int64_t more = total - t->index.size;
     if (more > 0 && cn_arena_reserve(&t->arena, more, &t->nbytes) != 0) return CN_ENOMEM;
+    if (total > cn_table_capacity(t)) {
+        int64_t n_buckets = cn_index_buckets_for(total, t->max_load);
+        if (n_buckets < 0 || cn_index_rehash(&t->index, n_buckets, &t->nbytes) != 0) {
+            cn_arena_trim(&t->arena, pages_before, &t->nbytes);
+            return CN_ENOMEM;
+        }
+        t->version = cn_next_stamp();
+    }
     return CN_OK;
 }
 
@@ -110,10 +141,9 @@ static inline int cn_table_insert_missing(cn_table *t, const int64_t *keys, int6
     int64_t n_missing = 0;
     for (int64_t i = 0; i < n; i++) n_missing += slots[i] < 0;
     if (n_missing == 0) return CN_OK;
-    if (cn_table_reserve(t, t->index.size + n_missing) != CN_OK) return CN_ENOMEM;
     int64_t *missing = (int64_t *)malloc((size_t)n_missing * sizeof(int64_t));
     int64_t *new_pos = (int64_t *)malloc((size_t)n_missing * sizeof(int64_t));
-    if (missing == NULL || new_pos == NULL) {
+    if (missing == NULL || new_pos == NULL || cn_table_reserve(t, t->index.size + n_missing) != CN_OK) {
         free(missing);
         free(new_pos);
         return CN_ENOMEM;
@@ -141,7 +171,7 @@ static inline int cn_table_insert_missing(cn_table *t, const int64_t *keys, int6
     for (int64_t j = 0; j < inserted; j++) cn_table_init_row(t, slots[new_pos[j]], keys[new_pos[j]]);
     free(new_pos);
     free(missing);
-    if (inserted) t->version++;
+    if (inserted) t->version = cn_next_stamp();
     *n_new = inserted;
     return CN_OK;
 }
@@ -176,30 +206,46 @@ static inline int cn_table_pooled_forward(cn_table *t, const int64_t *keys, cons
     return CN_OK;
 }
 
-/* Remove keys; erased[i] (may be NULL) = 1 where keys[i] was removed by this call. */
-static inline int64_t cn_table_erase(cn_table *t, const int64_t *keys, int64_t n, uint8_t *erased) {
-    int64_t count = 0;
+/* Remove keys; erased[i] (may be NULL) = 1 where keys[i] was removed by this call, *count the
+ * number removed. Room on the free stack for every key is taken first: CN_ENOMEM leaves the
+ * table unchanged. */
+static inline int cn_table_erase(cn_table *t, const int64_t *keys, int64_t n, uint8_t *erased, int64_t *count) {
+    *count = 0;
+    if (cn_arena_reserve_free(&t->arena, n, &t->nbytes) != 0) return CN_ENOMEM;
     for (int64_t i = 0; i < n; i++) {
         int64_t s = cn_index_erase(&t->index, keys[i]);
         if (s >= 0) {
             cn_arena_release_slot(&t->arena, s);
-            count++;
+            (*count)++;
         }
         if (erased) erased[i] = s >= 0;
     }
-    if (count) {
-        t->erase_epoch++;
-        t->version++;
+    if (*count) {
+        t->erase_epoch = cn_next_stamp();
+        t->version = cn_next_stamp();
     }
-    return count;
+    return CN_OK;
 }
 
 static inline void cn_table_clear(cn_table *t) {
     memset(t->index.buckets, 0xff, (size_t)t->index.n_buckets * sizeof(cn_bucket));
     t->index.size = 0;
     cn_arena_reset(&t->arena);
-    t->erase_epoch++;
-    t->version++;
+    t->erase_epoch = cn_next_stamp();
+    t->version = cn_next_stamp();
+}
+
+/* Whether the slots of a lookup may still be used on this table; the caller holds the lock
+ * and keeps holding it while it uses them (a check made before taking the lock raced an
+ * erase). CN_ESTALE: keys were erased (or the table cleared) since the lookup, or the lookup
+ * was made on another table. CN_EBADSLOT: a slot this table never handed out (a forged or
+ * damaged context); -1 (a key an evaluation lookup did not find) is allowed. */
+static inline int cn_table_check_slots(const cn_table *t, uint64_t erase_epoch, const int64_t *slots, int64_t n) {
+    if (erase_epoch != t->erase_epoch) return CN_ESTALE;
+    const int64_t hw = t->arena.high_water;
+    int bad = 0;
+    for (int64_t i = 0; i < n; i++) bad |= (slots[i] < -1) | (slots[i] >= hw);
+    return bad ? CN_EBADSLOT : CN_OK;
 }
 
 /* Copy rows (dim floats each, row stride ld_rows) and, if given, optimizer state

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from cncore import _core
-from cncore.grouped import LookupContext, check_rows_alive
+from cncore.grouped import LookupContext
 from cncore.grouped import _optim_tuple as optimizer_arguments
 
 _TABLES: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
@@ -24,7 +24,8 @@ _next_handle = [0]
 
 
 def register(table) -> int:
-    """A handle for `table` (an object with `.store`, `.dim`, `._backward_hook(...)`)."""
+    """A handle for `table`: an object with `.store`, `.dim`, `.fused_optimizer` and
+    `._backward(ctx, grad)` (the non-fused gradient delivery), i.e. a module of modules.py."""
     _next_handle[0] += 1
     _TABLES[_next_handle[0]] = table
     return _next_handle[0]
@@ -43,7 +44,11 @@ def _np(t: Optional[torch.Tensor]):
 
 def lookup_impl(handle: int, keys, offsets, weights, mode: int, training: bool):
     """Pooled rows (B, dim), plus what the backward needs: slots (N,), argmax (B, dim) for max
-    pooling (else empty), and info = [erase_epoch, step, n_new].
+    pooling (else empty), and info = [erase_epoch, step, n_new]. The erase epoch is the one the
+    core read under the table's lock with the lookup; the backward checks it under the lock
+    again, together with the slots, so an erase in between (or a move of the module to another
+    device, which gives it a new table with another epoch) refuses the update instead of
+    writing freed rows.
 
     The modules hand over int64 keys and B+1 offsets and float32 weights, contiguous, so this
     calls the core's grouped entry point directly (it checks the offsets in C) rather than the
@@ -51,9 +56,10 @@ def lookup_impl(handle: int, keys, offsets, weights, mode: int, training: bool):
     store = table_of(handle).store
     offsets_np = _np(offsets)
     out = np.empty((len(offsets_np) - 1, store.dim), dtype=np.float32)
-    (slots, argmax, n_new), = _core.grouped_forward([store._table], [_np(keys)], [offsets_np], [_np(weights)],
-                                                     [mode], [out], training)
-    info = torch.tensor([store._table.erase_epoch, store.step, n_new], dtype=torch.int64)
+    (slots, argmax, n_new, epoch), = _core.grouped_forward([store._table], [_np(keys)], [offsets_np],
+                                                            [_np(weights)], [mode], [out], training)
+    # The epoch is a uint64 stamp; int64 holds it as its two's complement (undone in apply_impl).
+    info = torch.tensor([epoch - (1 << 64) if epoch >= 1 << 63 else epoch, store.step, n_new], dtype=torch.int64)
     argmax = torch.from_numpy(argmax) if argmax is not None else torch.empty(0, dtype=torch.int64)
     return torch.from_numpy(out), torch.from_numpy(slots), argmax, info
 
@@ -64,16 +70,16 @@ def apply_impl(handle: int, grad, keys, offsets, weights, slots, argmax, info, m
     table = table_of(handle)
     store = table.store
     epoch, step, n_new = (int(v) for v in info.tolist())
+    epoch &= (1 << 64) - 1
     grad_np = np.ascontiguousarray(grad.detach().numpy(), dtype=np.float32)
     if table.fused_optimizer is None:
         ctx = LookupContext(store, _np(keys), _np(slots), _np(offsets), _np(weights), mode,
                             _np(argmax) if mode == 2 else None, epoch, slice(0, table.dim), n_new, training, step)
         table._backward(ctx, grad_np)
         return
-    check_rows_alive(store, epoch)
     _core.grouped_backward([store._table], [_np(slots)], [_np(offsets)], [_np(weights)], [mode],
                            [_np(argmax) if mode == 2 else None], [grad_np],
-                           [optimizer_arguments(store, table.fused_optimizer.lr)], [(training, step)])
+                           [optimizer_arguments(store, table.fused_optimizer.lr)], [(training, step)], [epoch])
 
 
 def weights_grad_impl(handle: int, grad, keys, offsets, mode: int):
