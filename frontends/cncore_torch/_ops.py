@@ -69,6 +69,9 @@ def apply_impl(handle: int, grad, keys, offsets, weights, slots, argmax, info, m
     grouped backward (one call, as in lookup_impl), or the gradient hooks."""
     table = table_of(handle)
     store = table.store
+    if store is None:
+        raise RuntimeError("this table moved off the core (to the accelerator or meta) since this lookup; its "
+                           "gradient cannot be applied to rows that now live elsewhere. Nothing was updated")
     epoch, step, n_new = (int(v) for v in info.tolist())
     epoch &= (1 << 64) - 1
     grad_np = np.ascontiguousarray(grad.detach().numpy(), dtype=np.float32)
