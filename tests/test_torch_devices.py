@@ -114,11 +114,22 @@ def test_cncard_state_dict_round_trip(cncard_on_cpu):
         torch.testing.assert_close(value, sorted_export(card)[name])
 
 
-def test_core_table_refuses_inputs_on_another_device():
-    bag = CNEmbeddingBag(10, 4, device="meta")
+@pytest.mark.parametrize("placement", ["cpu", "cncard"])
+@pytest.mark.parametrize("argument", ["input", "offsets", "per_sample_weights"])
+def test_meta_inputs_are_refused_naming_the_argument(cncard_on_cpu, placement, argument):
+    bag = CNEmbeddingBag(10, 4, mode="sum", device="meta")
     bag.to_empty(device="cpu")
-    with pytest.raises(ValueError, match="move_to"):
-        bag(torch.tensor([1, 2], device="meta"), torch.tensor([0], device="meta"))
+    if placement == "cncard":
+        bag.move_to("cncard")
+    args = {"input": torch.tensor([1, 2]), "offsets": torch.tensor([0]), "per_sample_weights": torch.ones(2)}
+    args[argument] = args[argument].to("meta")
+    with pytest.raises(ValueError, match=f"^{argument} is a meta tensor, which holds no values: expected "
+                                         f"{argument} on the CPU"):
+        bag(**args)
+    assert bag.num_rows == 0
+    emb = CNEmbedding(10, 4)
+    with pytest.raises(ValueError, match="^input is a meta tensor"):
+        emb(torch.tensor([1], device="meta"))
 
 
 def test_to_meta_refuses_to_drop_rows_and_to_empty_keeps_the_optimizer_wired():

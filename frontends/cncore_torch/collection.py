@@ -35,6 +35,7 @@ from torchrec.modules.embedding_modules import (EmbeddingBagCollectionInterface,
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
 import cncore
+from cncore_torch.modules import check_flag, store_config
 from cncore_torch.optim import keyed_fused_optimizer
 from cncore_torch.state import load_tables, save_store
 
@@ -70,8 +71,12 @@ def make_stores(tables, config_type, optimizer, initializers, capacities, seed: 
     """One store per TorchRec table config (checked: type, unique names, known overrides)."""
     if device is not None and torch.device(device).type != "cpu":
         raise ValueError(f"device={device!r}: {what} runs on 'cpu' for now")
+    if not isinstance(tables, (list, tuple)):
+        raise TypeError(f"tables must be a list of {config_type.__name__}, got {type(tables).__name__}")
     if not tables:
         raise ValueError(f"tables: at least one {config_type.__name__} is needed")
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise ValueError(f"seed must be an int >= 0, got {seed!r}")
     initializers, capacities = dict(initializers or {}), dict(capacities or {})
     stores: Dict[str, cncore.EmbeddingStore] = {}
     for config in tables:
@@ -81,11 +86,14 @@ def make_stores(tables, config_type, optimizer, initializers, capacities, seed: 
             raise ValueError(f"tables: duplicate table name {config.name!r}")
         if isinstance(config, EmbeddingBagConfig) and config.pooling not in _POOLING:
             raise ValueError(f"table {config.name!r}: pooling {config.pooling} is not supported (SUM or MEAN)")
+        n = config.num_embeddings
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:  # TorchRec's default init reads 1/n
+            raise ValueError(f"table {config.name!r}: num_embeddings must be an int >= 1 (a capacity hint), got {n!r}")
         init = initializers.pop(config.name, None) or initializer_from_config(config)
-        stores[config.name] = cncore.EmbeddingStore(cncore.StoreConfig(
-            dim=config.embedding_dim, initializer=init, optimizer=optimizer,
+        stores[config.name] = cncore.EmbeddingStore(store_config(
+            f"table {config.name!r}: ", config.embedding_dim, initializer=init, optimizer=optimizer,
             seed=(seed * 1_000_003 + zlib.crc32(config.name.encode())) % 2**64,
-            capacity=capacities.pop(config.name, min(config.num_embeddings, _MAX_INITIAL_ROWS))))
+            capacity=capacities.pop(config.name, min(n, _MAX_INITIAL_ROWS))))
     for leftover, name in ((initializers, "initializers"), (capacities, "capacities")):
         if leftover:
             raise ValueError(f"{name}: no table named {sorted(leftover)}")
@@ -103,9 +111,31 @@ def feature_names_of(tables) -> Tuple[List[List[str]], List[List[str]]]:
 
 
 def features_by_key(features, feature_names: List[List[str]]) -> Dict[str, JaggedTensor]:
-    """The KJT's JaggedTensor per key, every feature the tables read being present."""
+    """The KJT's JaggedTensor per key, every feature the tables read being present. The KJT is
+    checked first (TorchRec's constructor checks little): CPU tensors with values, int IDs,
+    floating weights, lengths >= 0 adding up to the number of values."""
     if not isinstance(features, KeyedJaggedTensor):
         raise TypeError(f"features must be a KeyedJaggedTensor, got {type(features).__name__}")
+    values, lengths, weights = features.values(), features.lengths(), features.weights_or_none()
+    for name, t in (("values", values), ("lengths", lengths), ("weights", weights)):
+        if t is not None and t.is_meta:
+            raise ValueError(f"features: {name} is a meta tensor, which holds no values; expected a CPU tensor")
+        if t is not None and t.device.type != "cpu":
+            raise ValueError(f"features: {name} is on {t.device}; the tables are in the core, expected the CPU")
+    if values.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"features: values must be int64 or int32 IDs, got {values.dtype}")
+    if weights is not None and not weights.is_floating_point():
+        raise TypeError(f"features: weights must be floating point, got {weights.dtype}")
+    if values.dim() != 1 or (weights is not None and weights.shape != values.shape):
+        raise ValueError(f"features: values (and weights) must be 1-D and of one length, got shapes "
+                         f"{tuple(values.shape)} and {None if weights is None else tuple(weights.shape)}")
+    if lengths.numel() and int(lengths.min()) < 0:
+        raise ValueError(f"features: lengths must be >= 0, got {int(lengths.min())} (offsets must never decrease)")
+    if int(lengths.sum()) != values.numel():
+        raise ValueError(f"features: lengths add up to {int(lengths.sum())}, but values holds {values.numel()} IDs")
+    if not features.variable_stride_per_key() and lengths.numel() != len(features.keys()) * features.stride():
+        raise ValueError(f"features: {lengths.numel()} lengths for {len(features.keys())} keys of batch size "
+                         f"{features.stride()}")
     by_key = features.to_dict()
     for names in feature_names:
         for name in names:
@@ -191,6 +221,7 @@ class CNEmbeddingBagCollection(_DynamicTables, EmbeddingBagCollectionInterface):
         super().__init__()
         self._init_tables(tables, EmbeddingBagConfig, optimizer, initializers, capacities, seed, device,
                           "CNEmbeddingBagCollection", "embedding_bags.fused")
+        check_flag("is_weighted", is_weighted)
         self._is_weighted = is_weighted
         self._embedding_bag_configs = tables
         self._feature_names, names_by_table = feature_names_of(tables)
@@ -280,11 +311,12 @@ class CNEmbeddingCollection(_DynamicTables, EmbeddingCollectionInterface):
                  initializers: Optional[Dict[str, object]] = None, capacities: Optional[Dict[str, int]] = None,
                  seed: int = 0):
         super().__init__()
+        check_flag("need_indices", need_indices)
+        self._init_tables(tables, EmbeddingConfig, optimizer, initializers, capacities, seed, device,
+                          "CNEmbeddingCollection", "embeddings.fused")
         dims = {c.embedding_dim for c in tables}
         if len(dims) > 1:
             raise ValueError(f"tables: an EmbeddingCollection needs one embedding_dim for all tables, got {sorted(dims)}")
-        self._init_tables(tables, EmbeddingConfig, optimizer, initializers, capacities, seed, device,
-                          "CNEmbeddingCollection", "embeddings.fused")
         self._configs, self._need_indices, self._dim = tables, need_indices, dims.pop()
         self._feature_names, self._names_by_table = feature_names_of(tables)
         self._table_stores = [self._stores[c.name] for c in tables]

@@ -36,6 +36,26 @@ _MODES = {"sum": 0, "mean": 1, "max": 2}
 _MAX_INITIAL_ROWS = 1 << 20
 
 
+def store_config(context: str, embedding_dim, **fields) -> cncore.StoreConfig:
+    """`cncore.StoreConfig(dim=embedding_dim, **fields)`, its errors naming our arguments (the
+    core calls embedding_dim `dim`), after `context` (say, which table)."""
+    try:
+        return cncore.StoreConfig(dim=embedding_dim, **fields)
+    except (TypeError, ValueError) as exc:
+        message = str(exc)
+        raise type(exc)(context + ("embedding_" + message if message.startswith("dim ") else message)) from None
+
+
+def check_flag(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+
+
+def _check_padding_idx(padding_idx) -> None:
+    if padding_idx is not None and (not isinstance(padding_idx, int) or isinstance(padding_idx, bool)):
+        raise TypeError(f"padding_idx must be None or an int ID, got {padding_idx!r}")
+
+
 def _check_unsupported(max_norm, scale_grad_by_freq, sparse, device, dtype):
     """Options that make no sense for a hash table are refused here, never silently ignored."""
     if max_norm is not None:
@@ -57,15 +77,15 @@ class _DynamicTable(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int, optimizer, initializer, seed: int,
                  max_load_factor: float, device=None):
         super().__init__()
-        if not isinstance(num_embeddings, int) or num_embeddings < 0:
+        if not isinstance(num_embeddings, int) or isinstance(num_embeddings, bool) or num_embeddings < 0:
             raise ValueError(f"num_embeddings must be an int >= 0 (a capacity hint), got {num_embeddings!r}")
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         self.dim = embedding_dim
         # num_embeddings is a hint: TorchRec configs often name the whole ID space (billions), so
         # at most 2^20 rows are allocated up front and the table grows from there.
-        self.config = cncore.StoreConfig(
-            dim=embedding_dim, capacity=min(num_embeddings, _MAX_INITIAL_ROWS), seed=seed,
+        self.config = store_config(
+            "", embedding_dim, capacity=min(num_embeddings, _MAX_INITIAL_ROWS), seed=seed,
             initializer=initializer if initializer is not None else cncore.Normal(0.0, 1.0),
             max_load_factor=max_load_factor, optimizer=optimizer)
         self.placement = resolve_device(device)
@@ -286,6 +306,8 @@ class CNEmbeddingBag(_DynamicTable):
         _check_unsupported(max_norm, scale_grad_by_freq, sparse, device, dtype)
         if mode not in _MODES:
             raise ValueError(f"mode must be 'sum', 'mean' or 'max', got {mode!r}")
+        check_flag("include_last_offset", include_last_offset)
+        _check_padding_idx(padding_idx)
         super().__init__(num_embeddings, embedding_dim, optimizer, initializer, seed, max_load_factor, device)
         self.mode = mode
         self.include_last_offset = include_last_offset
@@ -297,6 +319,7 @@ class CNEmbeddingBag(_DynamicTable):
     def from_pretrained(cls, embeddings: torch.Tensor, freeze: bool = True, **kwargs) -> "CNEmbeddingBag":
         """Rows 0..N-1 from a dense (N, dim) matrix (as nn.EmbeddingBag.from_pretrained); with
         freeze (the default) the module stays in eval mode: no insertions."""
+        _check_dense("embeddings", embeddings)
         module = cls(embeddings.shape[0], embeddings.shape[1], _weight=embeddings, **kwargs)
         if freeze:
             module.eval()
@@ -318,6 +341,7 @@ class CNEmbedding(_DynamicTable):
                  sparse: bool = False, _weight: Optional[torch.Tensor] = None, _freeze: bool = False, device=None,
                  dtype=None, *, optimizer=None, initializer=None, seed: int = 0, max_load_factor: float = 0.7):
         _check_unsupported(max_norm, scale_grad_by_freq, sparse, device, dtype)
+        _check_padding_idx(padding_idx)
         super().__init__(num_embeddings, embedding_dim, optimizer, initializer, seed, max_load_factor, device)
         self.padding_idx = padding_idx
         if _weight is not None:
@@ -327,6 +351,7 @@ class CNEmbedding(_DynamicTable):
 
     @classmethod
     def from_pretrained(cls, embeddings: torch.Tensor, freeze: bool = True, **kwargs) -> "CNEmbedding":
+        _check_dense("embeddings", embeddings)
         return cls(embeddings.shape[0], embeddings.shape[1], _weight=embeddings, _freeze=freeze, **kwargs)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -341,6 +366,12 @@ def embedding_bag_lookup(anchor: torch.Tensor, handle: int, placement: str, dim:
     """CNEmbeddingBag's forward: nn.EmbeddingBag's input conventions turned into (keys, B+1
     offsets, weights) for the core. One node under torch.fx (`torch.fx.wrap`)."""
     input = _as_ids(input)
+    if offsets is not None:
+        offsets = _as_ids(offsets, "offsets")
+    if per_sample_weights is not None and (not isinstance(per_sample_weights, torch.Tensor)
+                                           or not per_sample_weights.is_floating_point()):
+        raise TypeError("per_sample_weights must be a floating point torch.Tensor, got "
+                        f"{getattr(per_sample_weights, 'dtype', type(per_sample_weights).__name__)}")
     _check_device(placement, input=input, offsets=offsets, per_sample_weights=per_sample_weights)
     if per_sample_weights is not None:
         if mode == "max":
@@ -358,21 +389,34 @@ def embedding_bag_lookup(anchor: torch.Tensor, handle: int, placement: str, dim:
     elif input.dim() == 1:
         if offsets is None:
             raise ValueError("offsets is required when input is 1-D")
-        offsets = _as_ids(offsets, "offsets")
         if offsets.dim() != 1:
             raise ValueError(f"offsets must be 1-D, got shape {tuple(offsets.shape)}")
         keys, weights = input, per_sample_weights
         if not include_last_offset:
-            offsets = torch.cat([offsets.to(torch.int64), torch.tensor([keys.numel()], dtype=torch.int64)])
+            offsets = torch.cat([offsets.to(torch.int64), torch.tensor([keys.numel()], dtype=torch.int64,
+                                                                       device=offsets.device)])
+        elif offsets.numel() == 0:
+            raise ValueError("offsets must hold B+1 entries with include_last_offset=True (at least [0]), got none")
     else:
         raise ValueError(f"input must be 1-D (with offsets) or 2-D, got shape {tuple(input.shape)}")
     keys = keys.to(torch.int64).contiguous()
     offsets = offsets.to(torch.int64).contiguous()
     if weights is not None:
         weights = weights.to(torch.float32).contiguous()
+    if placement == "meta":  # shape inference: no values to read
+        return _lookup(anchor, handle, placement, dim, keys, offsets, weights, _MODES[mode], training)
+    if placement == "device" or padding_idx is not None:
+        _check_offsets(offsets, keys.numel())  # the core checks its own input; PyTorch ops do not
     if padding_idx is not None:
         keys, offsets, weights = _drop_padding(keys, offsets, weights, padding_idx)
     return _lookup(anchor, handle, placement, dim, keys, offsets, weights, _MODES[mode], training)
+
+
+def _check_offsets(offsets: torch.Tensor, n_keys: int) -> None:
+    """B+1 offsets: from 0, never decreasing, to the number of IDs."""
+    if int(offsets[0]) != 0 or int(offsets[-1]) != n_keys or bool((offsets[1:] < offsets[:-1]).any()):
+        raise ValueError(f"offsets must start at 0, never decrease and stay within the {n_keys} IDs of input "
+                         f"(with include_last_offset=True, end at {n_keys}); got {offsets.tolist()[:10]}")
 
 
 @torch.fx.wrap
@@ -383,17 +427,25 @@ def embedding_lookup(anchor: torch.Tensor, handle: int, placement: str, dim: int
     _check_device(placement, input=input)
     keys = input.reshape(-1).to(torch.int64).contiguous()
     offsets = torch.arange(keys.numel() + 1, dtype=torch.int64)
-    if padding_idx is not None:
+    if padding_idx is not None and placement != "meta":
         keys, offsets, _ = _drop_padding(keys, offsets, None, padding_idx)
     out = _lookup(anchor, handle, placement, dim, keys, offsets, None, _MODES["sum"], training)
     return out.reshape(*input.shape, dim)
 
 
 def _check_device(placement: str, **tensors) -> None:
-    if placement != "core":
-        return  # device rows take their inputs from anywhere; meta does shape inference only
+    """Inputs a table can read: not meta (no values), and on the CPU for a table in the core
+    (device rows take their inputs from anywhere; a meta table does shape inference only)."""
+    if placement == "meta":
+        return
     for name, t in tensors.items():
-        if t is not None and t.device.type != "cpu":
+        if t is None:
+            continue
+        if t.is_meta:
+            raise ValueError(f"{name} is a meta tensor, which holds no values: expected {name} on the CPU"
+                             + ("" if placement == "core" else " or the table's device") + " (build the "
+                             "module with device='meta' for shape inference)")
+        if placement == "core" and t.device.type != "cpu":
             raise ValueError(f"{name} is on {t.device}, but this table's rows are in the core (cpu): move "
                              f"{name} to the CPU, or the table with move_to('cncard')")
 
@@ -456,7 +508,18 @@ def _drop_padding(keys, offsets, weights, padding_idx):
     return keys[keep], new_offsets, None if weights is None else weights[keep]
 
 
+def _check_dense(name: str, weight) -> None:
+    if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
+        raise TypeError(f"{name} must be a floating point torch.Tensor, got "
+                        f"{getattr(weight, 'dtype', type(weight).__name__)}")
+    if weight.is_meta:
+        raise ValueError(f"{name} is a meta tensor, which holds no values; expected the rows as a CPU tensor")
+    if weight.dim() != 2:
+        raise ValueError(f"{name} must be 2-D (num_embeddings, embedding_dim), got shape {tuple(weight.shape)}")
+
+
 def _load_dense(module: _DynamicTable, weight: torch.Tensor) -> None:
-    if weight.dim() != 2 or weight.shape[1] != module.embedding_dim:
+    _check_dense("_weight", weight)
+    if weight.shape[1] != module.embedding_dim:
         raise ValueError(f"_weight must be (num_embeddings, {module.embedding_dim}), got {tuple(weight.shape)}")
     module.insert(torch.arange(weight.shape[0]), weight.detach().to(torch.float32).contiguous())
