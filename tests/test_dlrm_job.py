@@ -1,6 +1,10 @@
-"""The main job (cn-dlrm): it learns, reads Criteo's text format, and resumes exactly."""
+"""The main job (cn-dlrm): it learns, reads Criteo's text format, resumes exactly, and answers
+bad options and files with one line and exit code 2."""
 import json
 import math
+import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -8,7 +12,7 @@ import torch
 
 pytest.importorskip("torchrec")
 from cncore_torch.dlrm.data import SPARSE_KEYS, SyntheticCriteo, read_criteo_tsv  # noqa: E402
-from cncore_torch.dlrm.train import main  # noqa: E402
+from cncore_torch.dlrm.train import Progress, main  # noqa: E402
 
 SMALL = ["--batch-size", "256", "--embedding-dim", "8", "--no-progress", "--threads", "2"]
 
@@ -101,3 +105,181 @@ def test_compare_runs_torchrec_side_by_side(tmp_path):
                      "TorchRec DMP (fused FBGEMM, collision-free)", "TorchRec EBC (hashed, same memory)"]
     for r in summary["runs"]:
         assert 0.5 < r["auc"] < 1.0 and r["samples_per_s"] > 0
+
+
+def criteo_file(path, n_lines, seed=0, bad=None):
+    """n_lines random Criteo lines (a learnable label); bad = {line number (1-based): text}."""
+    rng = np.random.default_rng(seed)
+    lines = []
+    for _ in range(n_lines):
+        cats = [f"{rng.integers(0, 50):08x}" if rng.random() > 0.1 else "" for _ in range(26)]
+        ints = [str(rng.integers(0, 100)) if rng.random() > 0.2 else "" for _ in range(13)]
+        lines.append("\t".join([str(int(cats[0] != "" and int(cats[0], 16) < 20)), *ints, *cats]))
+    for number, text in (bad or {}).items():
+        lines[number - 1] = text
+    path.write_text("".join(line + "\n" for line in lines))
+    return str(path)
+
+
+def test_reads_wide_hex_and_negative_integers(tmp_path):
+    line = "0\t-3" + "\t" * 13 + "\t".join(["ffffffffffffffff", "8000000000000000"] + ["1"] * 24)
+    path = tmp_path / "day.tsv"
+    path.write_text(line + "\n")
+    batch = next(read_criteo_tsv(str(path), batch_size=1))
+    assert batch.dense[0, 0].item() == 0.0  # a negative count reads as 0 (documented)
+    by_key = batch.sparse.to_dict()
+    assert by_key["cat_0"].values().tolist() == [-1]  # 2^64 - 1: 64-bit IDs wrap to int64
+    assert by_key["cat_1"].values().tolist() == [-(2**63)]
+
+
+def exit_line(capsys, *argv):
+    """Run cn-dlrm in-process; assert exit code 2 and one line on stderr, no traceback; return it."""
+    try:
+        code = main([*argv])
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    return err.strip()
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--batch-size", "-5"], "argument --batch-size: must be at least 1, got -5"),
+    (["--batch-size", "0"], "argument --batch-size: must be at least 1, got 0"),
+    (["--eval-every", "0"], "argument --eval-every: must be at least 1, got 0"),
+    (["--threads", "-1"], "argument --threads: must be at least 1, got -1"),
+    (["--steps", "ten"], "argument --steps: expected a whole number, got 'ten'"),
+    (["--sparse-lr", "-0.1"], "argument --sparse-lr: must be a positive number, got -0.1"),
+    (["--criteo-tsv", "missing.tsv"], "argument --criteo-tsv: no such file: missing.tsv"),
+    (["--resume", "missing.pt"], "argument --resume: no such file: missing.pt"),
+    (["--checkpoint", "no/such/dir/ck.pt"], "argument --checkpoint: cannot write no/such/dir/ck.pt"),
+])
+def test_bad_options_exit_2_with_one_line(capsys, tmp_path, monkeypatch, argv, expected):
+    monkeypatch.chdir(tmp_path)
+    tsv = criteo_file(tmp_path / "ok.tsv", 10)
+    assert expected in exit_line(capsys, *argv, "--criteo-tsv", tsv) if "--criteo-tsv" not in argv \
+        else expected in exit_line(capsys, *argv)
+
+
+BAD_LINES = [  # (line number, text, what the message says); batch 100, line 1-100 held out
+    (3, "1\t2\t3", "line 3: 3 tab-separated fields, a Criteo line has 40"),
+    (150, "\t".join(["1", "x7", *[""] * 12, *["a"] * 26]), "line 150: integer feature 1 is 'x7', not a whole number"),
+    (150, "\t".join(["0", *[""] * 13, "zz", *["a"] * 25]), "line 150: category 1 is 'zz', not a hex number"),
+    (150, "\t".join(["0", *[""] * 13, "1" + "0" * 16, *["a"] * 25]), "line 150: category 1 is '10000000000000000', "
+                                                                       "outside 0 .. 2^64-1"),
+    (250, "\t".join(["2", *[""] * 13, *["a"] * 26]), "line 250: the label is '2', it must be 0 or 1"),
+    (250, "\t".join(["", *[""] * 13, *["a"] * 26]), "line 250: the label is '', it must be 0 or 1"),
+]
+
+
+@pytest.mark.parametrize("number, text, expected", BAD_LINES)
+def test_a_bad_criteo_line_exits_2_naming_file_and_line(capsys, tmp_path, number, text, expected):
+    # lines past 100 are read while training (lazily): the error still ends the run with one line
+    tsv = criteo_file(tmp_path / "day.tsv", 300, bad={number: text})
+    line = exit_line(capsys, *SMALL, "--criteo-tsv", tsv, "--batch-size", "100", "--eval-batches", "1",
+                     "--steps", "3")
+    assert line == f"cn-dlrm: error: {tsv}, {expected}" or line.startswith(f"cn-dlrm: error: {tsv}, {expected}")
+
+
+def test_an_empty_or_held_out_only_file_exits_2(capsys, tmp_path):
+    empty = tmp_path / "empty.tsv"
+    empty.write_text("")
+    assert exit_line(capsys, *SMALL, "--criteo-tsv", str(empty)) == f"cn-dlrm: error: {empty}: the file is empty"
+    tsv = criteo_file(tmp_path / "day.tsv", 200)
+    line = exit_line(capsys, *SMALL, "--criteo-tsv", tsv, "--batch-size", "100", "--eval-batches", "2")
+    assert line == (f"cn-dlrm: error: {tsv}: its 200 lines are all held out for evaluation (the first --eval-batches 2 "
+                    f"x --batch-size 100 = 200 lines are); nothing is left to train on: lower --eval-batches or "
+                    f"--batch-size")
+
+
+def test_a_corrupt_gz_file_exits_2(capsys, tmp_path):
+    gz = tmp_path / "day.tsv.gz"
+    gz.write_bytes(b"not gzip at all")
+    assert exit_line(capsys, *SMALL, "--criteo-tsv", str(gz)).startswith(f"cn-dlrm: error: {gz}: cannot read it")
+
+
+def test_resume_at_or_past_steps_is_refused(capsys, tmp_path):
+    ck = tmp_path / "ck.pt"
+    run(tmp_path, "--steps", "4", "--eval-every", "4", "--eval-batches", "1", "--checkpoint", str(ck))
+    capsys.readouterr()
+    for steps in ("4", "2"):
+        line = exit_line(capsys, *SMALL, "--steps", steps, "--eval-batches", "1", "--resume", str(ck))
+        assert line == (f"cn-dlrm: error: --resume {ck} is at step 4, and --steps {steps} would train nothing "
+                        f"(--steps counts from the start of the run): pass --steps above 4")
+    line = exit_line(capsys, *SMALL, "--steps", "8", "--embedding-dim", "4", "--resume", str(ck))
+    assert line == f"cn-dlrm: error: --resume {ck} was saved with --embedding-dim 8, this run has 4"
+    junk = tmp_path / "junk.pt"
+    junk.write_bytes(b"junk")
+    assert exit_line(capsys, *SMALL, "--resume", str(junk)).startswith(
+        f"cn-dlrm: error: --resume {junk}: not a checkpoint of cn-dlrm (")
+
+
+def test_a_file_shorter_than_the_run_trains_what_it_holds_and_checkpoints(capsys, tmp_path):
+    # 100 held-out lines + 250 training lines = 3 batches of 100 (the last one 50), then the file ends
+    tsv = criteo_file(tmp_path / "day.tsv", 350)
+    ck = tmp_path / "ck.pt"
+    summary = run(tmp_path, "--criteo-tsv", tsv, "--batch-size", "100", "--eval-batches", "1", "--steps", "50",
+                  "--eval-every", "20", "--checkpoint", str(ck))
+    out = capsys.readouterr().out
+    assert f"[cncore (dynamic tables)] {tsv} ended: trained 3 steps (to step 3) of --steps 50" in out
+    ours = summary["runs"][0]
+    assert ours["steps"] == 3 and [h["step"] for h in ours["history"]] == [3]  # evaluated at the end
+    assert torch.load(ck, weights_only=False)["step"] == 3  # and checkpointed there, before any --eval-every
+    # resuming past the file's end says so
+    line = exit_line(capsys, *SMALL, "--criteo-tsv", tsv, "--batch-size", "100", "--eval-batches", "1",
+                     "--steps", "50", "--resume", str(ck))
+    assert line == f"cn-dlrm: error: {tsv}: no training lines left after step 3 (the checkpoint's); nothing to train"
+
+
+def test_small_criteo_run_allocates_little_and_reports_used_and_allocated(tmp_path):
+    tsv = criteo_file(tmp_path / "day.tsv", 1500)
+    ours = run(tmp_path, "--criteo-tsv", tsv, "--batch-size", "100", "--eval-batches", "1")["runs"][0]
+    assert 0 < ours["rows"] < 1500  # 26 features, 50 values each
+    # 1,300 rows of 8 floats + metadata, and index buckets: well under 1 MiB in use
+    assert 0 < ours["table_mib"] < 1.0 <= ours["table_mib_allocated"] * 4
+    # capacity hints of 512 rows per table, grown as needed (it was 65,536 per table: 182 MiB)
+    assert ours["table_mib"] <= ours["table_mib_allocated"] < 4.0
+
+
+def test_progress_is_a_bar_on_a_terminal_and_plain_lines_elsewhere(capsys):
+    class Terminal:
+        def __init__(self):
+            self.text = []
+
+        def isatty(self):
+            return True
+
+        def write(self, s):
+            self.text.append(s)
+
+        def flush(self):
+            pass
+
+    terminal = Terminal()
+    bar = Progress("job", total=4, start=0, stream=terminal)
+    for step in range(1, 5):
+        bar.update(step, 0.5, 1000.0)
+    bar.close()
+    assert bar.bar is not None and "\r" in "".join(terminal.text)
+    log = Progress("job", total=20, start=0)  # capsys: stderr is not a terminal
+    for step in range(1, 21):
+        log.update(step, 0.5, 1234.5)
+    err = capsys.readouterr().err
+    assert log.bar is None
+    assert err.splitlines() == [f"[job] step {s}/20: loss 0.5000, 1,234 samples/s" for s in range(2, 21, 2)]
+
+
+def test_a_short_run_logs_plain_lines_and_no_warnings(tmp_path):
+    """As in CI: stderr is a pipe. No progress-bar debris, and none of torch's or TorchRec's
+    warnings (not the user's to act on), with --compare's planner and DDP too."""
+    proc = subprocess.run([sys.executable, "-m", "cncore_torch.dlrm", "--steps", "2", "--batch-size", "64",
+                           "--eval-batches", "1", "--threads", "2", "--compare"],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "Warning" not in proc.stderr and "WARNING" not in proc.stderr, proc.stderr
+    assert "batch/s" not in proc.stderr and "\r" not in proc.stderr
+    assert re.findall(r"^\[(.*)\] step 2/2: loss \d\.\d{4}, [\d,]+ samples/s$", proc.stderr, re.M) == [
+        "cncore (dynamic tables)", "TorchRec EBC (collision-free, remapped)",
+        "TorchRec DMP (fused FBGEMM, collision-free)", "TorchRec EBC (hashed, same memory)"]
+    assert "| cncore (dynamic tables) |" in proc.stdout

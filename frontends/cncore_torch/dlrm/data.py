@@ -108,44 +108,89 @@ class SyntheticCriteo:
             i += 1
 
 
+class InputError(ValueError):
+    """Bad input data (a Criteo file, a checkpoint): `cn-dlrm` prints the message as one line and
+    exits with code 2. Raised while training too, since the file is read as the run goes."""
+
+
 def read_criteo_tsv(path: str, batch_size: int, skip_batches: int = 0) -> Iterator[Batch]:
-    """Stream a Criteo Kaggle / 1TB text file (optionally .gz): label, 13 integers, 26 hex
-    categories per line, tab-separated, empty fields allowed. Categories become raw IDs (their
-    32-bit hex value); an empty category is an empty bag; an empty integer reads as 0."""
+    r"""Stream a Criteo Kaggle / 1TB text file (optionally .gz): label (0 or 1), 13 integers, 26
+    hex categories per line, tab-separated, empty fields allowed. Categories become raw IDs (their
+    hex value, up to 64 bits; values of 2^63 and above wrap to negative int64, which are valid
+    keys); an empty category is an empty bag; an empty or negative integer reads as 0 (Criteo's
+    second column has negative values). A line that breaks these rules raises `InputError`
+    naming the file and the line.
+
+    >>> import tempfile
+    >>> with tempfile.NamedTemporaryFile("w", suffix=".tsv", delete=False) as fh:
+    ...     _ = fh.write("1\t5" + "\t" * 13 + "\t".join(["ff"] * 26) + "\n" + "2" + "\t" * 39 + "\n")
+    >>> next(read_criteo_tsv(fh.name, batch_size=1)).labels.tolist()
+    [1.0]
+    >>> list(read_criteo_tsv(fh.name, batch_size=1))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    cncore_torch.dlrm.data.InputError: ...tsv, line 2: the label is '2', it must be 0 or 1
+    """
     opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt") as fh:
-        lines: List[str] = []
-        n_batches = 0
-        for line in fh:
-            lines.append(line)
-            if len(lines) == batch_size:
-                if n_batches >= skip_batches:
-                    yield _parse(lines)
-                n_batches += 1
-                lines = []
-        if lines and n_batches >= skip_batches:
-            yield _parse(lines)
+    line_no = 0
+    try:
+        with opener(path, "rt", encoding="utf-8") as fh:
+            lines: List[str] = []
+            n_batches = 0
+            for line in fh:
+                line_no += 1
+                lines.append(line)
+                if len(lines) == batch_size:
+                    if n_batches >= skip_batches:
+                        yield _parse(lines, path, line_no - len(lines) + 1)
+                    n_batches += 1
+                    lines = []
+            if lines and n_batches >= skip_batches:
+                yield _parse(lines, path, line_no - len(lines) + 1)
+    except UnicodeDecodeError as e:
+        raise InputError(f"{path}, line {line_no + 1}: not UTF-8 text ({e.reason})") from None
+    except (OSError, EOFError) as e:  # gzip.BadGzipFile is an OSError; a cut-off .gz ends in EOFError
+        raise InputError(f"{path}: cannot read it after line {line_no}: {e}") from None
 
 
-def _parse(lines: List[str]) -> Batch:
+N_FIELDS = 1 + N_DENSE + N_SPARSE
+
+
+def _parse(lines: List[str], path: str, first_line: int) -> Batch:
     b = len(lines)
     labels = np.zeros(b, dtype=np.float32)
     dense = np.zeros((b, N_DENSE), dtype=np.float32)
     per_feature: List[List[int]] = [[] for _ in range(N_SPARSE)]
     lengths = np.zeros((N_SPARSE, b), dtype=np.int64)
     for row, line in enumerate(lines):
-        fields = line.rstrip("\n").split("\t")
-        if len(fields) != 1 + N_DENSE + N_SPARSE:
-            raise ValueError(f"a Criteo line has {1 + N_DENSE + N_SPARSE} tab-separated fields, got {len(fields)}: "
-                             f"{line[:80]!r}")
-        labels[row] = float(fields[0] or 0)
+        fields = line.rstrip("\r\n").split("\t")
+
+        def bad(what: str) -> InputError:
+            return InputError(f"{path}, line {first_line + row}: {what}")
+
+        if len(fields) != N_FIELDS:
+            raise bad(f"{len(fields)} tab-separated fields, a Criteo line has {N_FIELDS} "
+                      f"(label, {N_DENSE} integers, {N_SPARSE} hex categories)")
+        if fields[0] not in ("0", "1"):
+            raise bad(f"the label is {fields[0][:20]!r}, it must be 0 or 1")
+        labels[row] = float(fields[0])
         for j in range(N_DENSE):
             v = fields[1 + j]
-            dense[row, j] = np.log1p(max(float(v), 0.0)) if v else 0.0
+            if v:
+                try:
+                    dense[row, j] = np.log1p(max(int(v), 0))
+                except ValueError:
+                    raise bad(f"integer feature {j + 1} is {v[:20]!r}, not a whole number") from None
         for f in range(N_SPARSE):
             v = fields[1 + N_DENSE + f]
             if v:
-                per_feature[f].append(int(v, 16))
+                try:
+                    value = int(v, 16)
+                except ValueError:
+                    raise bad(f"category {f + 1} is {v[:20]!r}, not a hex number") from None
+                if not 0 <= value < 1 << 64:
+                    raise bad(f"category {f + 1} is {v[:20]!r}, outside 0 .. 2^64-1 (IDs are 64-bit)")
+                per_feature[f].append(value - (1 << 64) if value >= 1 << 63 else value)
                 lengths[f, row] = 1
     values = np.array([v for feature in per_feature for v in feature], dtype=np.int64)
     kjt = KeyedJaggedTensor.from_lengths_sync(keys=SPARSE_KEYS, values=torch.from_numpy(values),

@@ -1,16 +1,23 @@
-"""cn-dlrm: train TorchRec's DLRM on dynamic tables, with progress, throughput and AUC.
+"""The `cn-dlrm` job: TorchRec's DLRM trained on dynamic tables, with progress, throughput and AUC.
 
-    cn-dlrm                                  # the embedded synthetic Criteo-like stream
-    cn-dlrm --criteo-tsv day_0.gz            # real Criteo Kaggle / 1TB text files
-    cn-dlrm --compare                        # the same run on TorchRec's fixed tables, side by side
-    cn-dlrm --checkpoint ck.pt --resume ck.pt --summary-json out.json
+The command's options and their checks live in `cn_dlrm.cli` (no torch import, so `--help` and
+option errors answer at once); `run(args)` here trains. `main(argv)` is the command itself:
+
+>>> main(["--steps", "0"])
+Traceback (most recent call last):
+...
+SystemExit: 2
 """
 from __future__ import annotations
 
-import argparse
 import json
+import logging
 import os
+import socket
+import sys
 import time
+import warnings
+from itertools import islice
 from typing import Dict, Iterator, List, Optional
 
 import numpy as np
@@ -23,33 +30,14 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from tqdm import tqdm
 
 import cncore
+from cn_dlrm.cli import main  # noqa: F401  (the command: parse, check, then run)
 from cncore_torch.collection import CNEmbeddingBagCollection
-from cncore_torch.dlrm.data import N_DENSE, SPARSE_KEYS, Batch, SyntheticCriteo, read_criteo_tsv
+from cncore_torch.dlrm.data import N_DENSE, SPARSE_KEYS, Batch, InputError, SyntheticCriteo, read_criteo_tsv
 
-
-def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="cn-dlrm", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=800, help="training batches (default 800)")
-    ap.add_argument("--batch-size", type=int, default=2048)
-    ap.add_argument("--embedding-dim", type=int, default=16)
-    ap.add_argument("--sparse-lr", type=float, default=0.05, help="row-wise Adagrad on the tables")
-    ap.add_argument("--dense-lr", type=float, default=0.01, help="Adagrad on the dense network")
-    ap.add_argument("--eval-every", type=int, default=200)
-    ap.add_argument("--eval-batches", type=int, default=8)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=None, help="threads for torch and the core (default: all)")
-    ap.add_argument("--criteo-tsv", metavar="PATH", help="train on a Criteo text file instead of synthetic data")
-    ap.add_argument("--summary-json", metavar="PATH", help="also write the final summary as JSON")
-    ap.add_argument("--checkpoint", metavar="PATH", help="save model and optimizers here (at every eval and the end)")
-    ap.add_argument("--resume", metavar="PATH", help="continue from a checkpoint")
-    ap.add_argument("--compare", action="store_true",
-                    help="also train TorchRec on the same data: its EmbeddingBagCollection on collision-free tables "
-                         "(IDs remapped to 0..N-1; synthetic data), DistributedModelParallel with fused FBGEMM "
-                         "tables (gloo, world size 1; synthetic data), and its EmbeddingBagCollection with IDs "
-                         "hashed modulo fixed tables of the same memory; print all runs")
-    ap.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
-    return ap.parse_args(argv)
+# A Criteo file's vocabulary is unknown up front: its tables start this small (64 KiB pages)
+# and grow. Synthetic tables start at what the run can reach, at most MAX_INITIAL_ROWS.
+TSV_INITIAL_ROWS = 512
+MAX_INITIAL_ROWS = 1 << 16
 
 
 # --- data --------------------------------------------------------------------------------------
@@ -65,8 +53,16 @@ class Data:
             self.eval_set = [self.synthetic.batch(args.steps + k) for k in range(args.eval_batches)]
             self.cardinalities = self.synthetic.cardinalities
         else:
-            reader = read_criteo_tsv(args.criteo_tsv, args.batch_size)
-            self.eval_set = [b for _, b in zip(range(args.eval_batches), reader)]
+            path, held_out = args.criteo_tsv, args.eval_batches * args.batch_size
+            self.eval_set = list(islice(read_criteo_tsv(path, args.batch_size), args.eval_batches))
+            lines = sum(len(b.labels) for b in self.eval_set)
+            if lines == 0:
+                raise InputError(f"{path}: the file is empty")
+            if lines < held_out or next(read_criteo_tsv(path, args.batch_size, args.eval_batches), None) is None:
+                raise InputError(f"{path}: its {lines:,} lines are all held out for evaluation (the first "
+                                 f"--eval-batches {args.eval_batches} x --batch-size {args.batch_size} = "
+                                 f"{held_out:,} lines are); nothing is left to train on: lower --eval-batches "
+                                 f"or --batch-size")
             self.cardinalities = [10**6] * len(SPARSE_KEYS)
 
     def train(self, start: int) -> Iterator[Batch]:
@@ -75,6 +71,15 @@ class Data:
         reader = read_criteo_tsv(self.args.criteo_tsv, self.args.batch_size,
                                  skip_batches=self.args.eval_batches + start)
         return (b for _, b in zip(range(self.args.steps - start), reader))
+
+    def initial_rows(self) -> Dict[str, int]:
+        """Rows each table allocates up front: no more than the run can fill (tables grow past it)."""
+        ids_per_feature = (self.args.steps + self.args.eval_batches) * self.args.batch_size
+        if self.synthetic is not None:
+            reach = self.synthetic.items_by_batch(self.args.steps + self.args.eval_batches)
+        else:
+            reach = [TSV_INITIAL_ROWS] * len(SPARSE_KEYS)
+        return {f"t_{key}": max(1, min(n, ids_per_feature, MAX_INITIAL_ROWS)) for key, n in zip(SPARSE_KEYS, reach)}
 
 
 # --- models ------------------------------------------------------------------------------------
@@ -124,34 +129,39 @@ class Run:
         return {"auc": float(auc.compute()), "logloss": losses / n}
 
     def table_summary(self) -> Dict[str, float]:
+        """Rows, MiB in use, and MiB allocated (ours: spare capacity and partly filled pages too)."""
         if self.tables is not None:
-            return {"rows": float(sum(self.tables.table_rows().values())), "table_mib": self.tables.nbytes() / 2**20}
+            used = sum(used_bytes(store) for store in self.tables.stores.values())
+            return {"rows": float(sum(self.tables.table_rows().values())), "table_mib": used / 2**20,
+                    "table_mib_allocated": self.tables.nbytes() / 2**20}
         if self.fixed_rows is not None:  # fixed tables: rows x (dim floats + one row-wise Adagrad float)
             rows = sum(self.fixed_rows)
-            return {"rows": float(rows), "table_mib": rows * (self.dim + 1) * 4 / 2**20}
+            mib = rows * (self.dim + 1) * 4 / 2**20
+            return {"rows": float(rows), "table_mib": mib, "table_mib_allocated": mib}
         return {}
 
 
 def dynamic_run(args, data: Data) -> Run:
     ebc = CNEmbeddingBagCollection(tables=table_configs(args.embedding_dim, data.cardinalities),
                                    optimizer=cncore.RowWiseAdagrad(lr=args.sparse_lr), seed=args.seed,
-                                   capacities={f"t_{k}": min(c, 1 << 16) for k, c in zip(SPARSE_KEYS,
-                                                                                          data.cardinalities)})
+                                   capacities=data.initial_rows())
     model = build_dlrm(ebc, args.embedding_dim)
     dense = [p for n, p in model.named_parameters() if "_anchor" not in n]
     return Run("cncore (dynamic tables)", model, [torch.optim.Adagrad(dense, lr=args.dense_lr),
                                                   ebc.fused_optimizer], tables=ebc)
 
 
+def used_bytes(store: cncore.EmbeddingStore) -> int:
+    """Bytes a store of this job uses: its index buckets (16 B: key, slot) and its rows with their
+    metadata (16 B with row-wise Adagrad: count, last step, the state); capacity allocated ahead
+    of need is not counted (that is `store.nbytes - used_bytes(store)`)."""
+    return 16 * store._table.n_buckets + len(store) * (store.dim * 4 + 16)
+
+
 def equal_memory_rows(tables: CNEmbeddingBagCollection, dim: int) -> List[int]:
     """Rows of a fixed table (dim floats + one row-wise Adagrad float) in the memory each
-    dynamic table uses: its index buckets and its rows with their metadata (pages allocated
-    ahead of need are not counted: a fixed table would not need them either)."""
-    out = []
-    for store in tables.stores.values():
-        used = 16 * store._table.n_buckets + len(store) * (dim * 4 + 16)
-        out.append(max(1, used // ((dim + 1) * 4)))
-    return out
+    dynamic table uses (`used_bytes`: a fixed table would not need spare capacity either)."""
+    return [max(1, used_bytes(store) // ((dim + 1) * 4)) for store in tables.stores.values()]
 
 
 def fixed_run(args, name: str, rows: List[int], remap) -> Run:
@@ -205,13 +215,22 @@ def collision_free_run(args, data: Data) -> Run:
     return fixed_run(args, "TorchRec EBC (collision-free, remapped)", rows, remap)
 
 
+def _free_port() -> int:
+    """A port no one listens on now (a fixed one collides with other jobs on a shared machine)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def dmp_run(args, data: Data) -> Run:
     """TorchRec's production path on CPU: DistributedModelParallel (gloo, world size 1) with
     fused FBGEMM tables and row-wise Adagrad applied in backward; IDs remapped collision-free."""
     import torch.distributed as dist
     from torchrec.distributed.embedding_types import EmbeddingComputeKernel
     from torchrec.distributed.model_parallel import DistributedModelParallel
-    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
+    from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
+    from torchrec.distributed.planner.types import KernelConfig, TopologyFactory, TrainerConfig
     from torchrec.distributed.sharding_plan import get_default_sharders
     from torchrec.distributed.types import ShardingType
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
@@ -219,9 +238,8 @@ def dmp_run(args, data: Data) -> Run:
     from torchrec.optim.optimizers import in_backward_optimizer_filter
 
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        # a port of its own, not MASTER_PORT in os.environ: child processes would inherit it
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     rows, remap = collision_free_remap(args, data)
     torch.manual_seed(args.seed)
     model = build_dlrm(EmbeddingBagCollection(tables=table_configs(args.embedding_dim, rows),
@@ -232,9 +250,14 @@ def dmp_run(args, data: Data) -> Run:
     fused = {f"t_{key}": ParameterConstraints(sharding_types=[ShardingType.TABLE_WISE.value],
                                               compute_kernels=[EmbeddingComputeKernel.FUSED.value])
              for key in SPARSE_KEYS}
-    planner = EmbeddingShardingPlanner(topology=Topology(world_size=1, compute_device="cpu"), constraints=fused)
+    topology = TopologyFactory.create_topology(TrainerConfig(world_size=1), kernel_config=KernelConfig(compute_device="cpu"))
+    planner = EmbeddingShardingPlanner(topology=topology, constraints=fused,
+                                       storage_reservation=FixedPercentageStorageReservation(0.15))
     plan = planner.plan(model, get_default_sharders())
-    dmp = DistributedModelParallel(module=model, device=torch.device("cpu"), plan=plan)
+    with warnings.catch_warnings():
+        # TorchRec's own DistributedDataParallel call passes the deprecated argument; nothing to do here.
+        warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
+        dmp = DistributedModelParallel(module=model, device=torch.device("cpu"), plan=plan)
     dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
                                   lambda ps: torch.optim.Adagrad(ps, lr=args.dense_lr))
     return Run("TorchRec DMP (fused FBGEMM, collision-free)", dmp,
@@ -254,10 +277,56 @@ def save_checkpoint(path: str, run: Run, step: int, args) -> None:
     os.replace(tmp, path)  # a crash leaves the old checkpoint or the new one, never half of one
 
 
-def train(run: Run, data: Data, args, start: int = 0, log=print) -> Dict[str, float]:
+class Progress:
+    """A tqdm bar on a terminal; elsewhere (logs, CI) a plain line every tenth of the run, as a
+    bar's carriage returns would leave lines like `0batch [00:00, ?batch/s]` there."""
+
+    def __init__(self, name: str, total: int, start: int, enabled: bool = True, stream=None):
+        self.name, self.total, self.enabled = name, total, enabled
+        self.stream = stream or sys.stderr
+        self.every = max(1, total // 10)
+        self.bar = None
+        if enabled and self.stream.isatty():
+            self.bar = tqdm(total=total, initial=start, desc=name, unit="batch", file=self.stream, dynamic_ncols=True)
+
+    def update(self, step: int, loss: float, samples_per_s: float) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{loss:.4f}", samples_per_s=f"{samples_per_s:,.0f}")
+        elif self.enabled and (step % self.every == 0 or step == self.total):
+            print(f"[{self.name}] step {step}/{self.total}: loss {loss:.4f}, {samples_per_s:,.0f} samples/s",
+                  file=self.stream, flush=True)
+
+    def write(self, line: str) -> None:
+        """A line on stdout (evaluations, notes), below the bar if there is one."""
+        if self.bar is not None:
+            self.bar.write(line)
+        else:
+            print(line, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def train(run: Run, data: Data, args, start: int = 0) -> Dict[str, float]:
+    """Train `run` from step `start` to `args.steps` (or to the end of a Criteo file), evaluating
+    every `args.eval_every` steps and at the end; checkpoints (ours only) at every evaluation."""
     seen, t_train, history = 0, 0.0, []
-    bar = tqdm(total=args.steps, initial=start, desc=run.name, unit="batch", disable=args.no_progress,
-               dynamic_ncols=True)
+    progress = Progress(run.name, args.steps, start, enabled=not args.no_progress)
+
+    def evaluate(step: int) -> None:
+        metrics = run.evaluate(data.eval_set)
+        tables = run.table_summary()
+        history.append({"step": step, **metrics, **tables})
+        size = ""
+        if run.tables is not None:
+            size = (f", {tables['rows']:,.0f} rows, {tables['table_mib']:.1f} MiB used"
+                    f" / {tables['table_mib_allocated']:.1f} MiB allocated")
+        progress.write(f"[{run.name}] step {step}: AUC {metrics['auc']:.4f}, log loss {metrics['logloss']:.4f}{size}")
+        if args.checkpoint and run.tables is not None:
+            save_checkpoint(args.checkpoint, run, step, args)
+
     step = start
     for batch in data.train(start):
         t0 = time.perf_counter()
@@ -265,18 +334,19 @@ def train(run: Run, data: Data, args, start: int = 0, log=print) -> Dict[str, fl
         t_train += time.perf_counter() - t0
         seen += len(batch.labels)
         step += 1
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss:.4f}", samples_per_s=f"{seen / t_train:,.0f}")
+        progress.update(step, loss, seen / t_train)
         if step % args.eval_every == 0 or step == args.steps:
-            metrics = run.evaluate(data.eval_set)
-            history.append({"step": step, **metrics, **run.table_summary()})
-            tables = run.table_summary()
-            size = f", {tables['rows']:,.0f} rows, {tables['table_mib']:.1f} MiB" if run.tables is not None else ""
-            bar.write(f"[{run.name}] step {step}: AUC {metrics['auc']:.4f}, log loss {metrics['logloss']:.4f}{size}")
-            if args.checkpoint and run.tables is not None:
-                save_checkpoint(args.checkpoint, run, step, args)
-    bar.close()
-    final = history[-1] if history else run.evaluate(data.eval_set)
+            evaluate(step)
+    if step == start:
+        raise InputError(f"{args.criteo_tsv}: no training lines left after step {start} (the checkpoint's); "
+                         f"nothing to train")
+    if step < args.steps:  # only a Criteo file ends early
+        progress.write(f"[{run.name}] {args.criteo_tsv} ended: trained {step - start:,} steps (to step {step:,}) "
+                       f"of --steps {args.steps:,}")
+    if not history or history[-1]["step"] != step:
+        evaluate(step)
+    progress.close()
+    final = history[-1]
     return {"name": run.name, "steps": step, "samples_per_s": seen / t_train if t_train else 0.0,
             "auc": final["auc"], "logloss": final["logloss"], **run.table_summary(), "history": history}
 
@@ -290,17 +360,59 @@ def best_attainable(data: Data) -> Optional[float]:
     return float(auc.compute())
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def load_checkpoint(path: str, args) -> Dict:
+    """A checkpoint this run can continue from; `InputError` says why not."""
+    try:
+        state = torch.load(path, weights_only=False)
+        step, saved = int(state["step"]), state["args"]
+    except Exception as e:  # a damaged file or another program's: torch.load raises many kinds
+        raise InputError(f"--resume {path}: not a checkpoint of cn-dlrm ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else ''})") from None
+    if saved.get("embedding_dim") != args.embedding_dim:
+        raise InputError(f"--resume {path} was saved with --embedding-dim {saved.get('embedding_dim')}, "
+                         f"this run has {args.embedding_dim}")
+    if args.steps <= step:
+        raise InputError(f"--resume {path} is at step {step:,}, and --steps {args.steps:,} would train nothing "
+                         f"(--steps counts from the start of the run): pass --steps above {step:,}")
+    return state
+
+
+def _mute_is_fx_tracing_notice() -> None:
+    """torch logs advice for TorchRec's authors the first time anything calls
+    `torch.fx._symbolic_trace.is_fx_tracing()` (TorchRec's KeyedTensor regrouping does, each
+    forward). The notice is cached after that first call: make it with its logger muted."""
+    from torch.fx import _symbolic_trace
+    notice = getattr(_symbolic_trace, "is_fx_tracing_warning", None)
+    if notice is None:
+        return
+    logger = logging.getLogger(_symbolic_trace.__name__)
+    was_disabled, logger.disabled = logger.disabled, True
+    try:
+        notice()
+    finally:
+        logger.disabled = was_disabled
+
+
+def run(args) -> int:
+    """Run the job for parsed options (`cn_dlrm.cli.parse_args`); bad input data: one line, 2."""
+    try:
+        return _run(args)
+    except InputError as e:
+        print(f"cn-dlrm: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args) -> int:
+    _mute_is_fx_tracing_notice()
     if args.threads:
         torch.set_num_threads(args.threads)
         cncore.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
+    state = load_checkpoint(args.resume, args) if args.resume else None
     data = Data(args)
     run = dynamic_run(args, data)
     start = 0
-    if args.resume:
-        state = torch.load(args.resume, weights_only=False)
+    if state is not None:
         run.model.load_state_dict(state["model"])
         for opt, s in zip(run.optimizers, state["optimizers"]):
             opt.load_state_dict(s)
@@ -314,11 +426,11 @@ def main(argv=None) -> int:
         results.append(train(hashed_run(args, equal_memory_rows(run.tables, args.embedding_dim)), data, args))
     best = best_attainable(data)
     print()
-    print("| run | AUC | log loss | samples/s | table rows | table MiB |")
+    print("| run | AUC | log loss | samples/s | table rows | table MiB used / allocated |")
     print("|---|---|---|---|---|---|")
     for r in results:
         rows = f"{r['rows']:,.0f}" if "rows" in r else "-"
-        mib = f"{r['table_mib']:.1f}" if "table_mib" in r else "-"
+        mib = f"{r['table_mib']:.1f} / {r['table_mib_allocated']:.1f}" if "table_mib" in r else "-"
         print(f"| {r['name']} | {r['auc']:.4f} | {r['logloss']:.4f} | {r['samples_per_s']:,.0f} | {rows} | {mib} |")
     if best is not None:
         print(f"| best attainable (the hidden model's own probabilities) | {best:.4f} | | | | |")

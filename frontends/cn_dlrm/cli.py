@@ -1,0 +1,157 @@
+"""cn-dlrm: train TorchRec's DLRM on dynamic tables, with progress, throughput and AUC.
+
+    cn-dlrm                                  # the embedded synthetic Criteo-like stream
+    cn-dlrm --criteo-tsv day_0.gz            # real Criteo Kaggle / 1TB text files
+    cn-dlrm --compare                        # the same run on TorchRec's fixed tables, side by side
+    cn-dlrm --checkpoint ck.pt --resume ck.pt --summary-json out.json
+
+Evaluation: on synthetic data, the --eval-batches batches that follow the training range (drift
+and unseen IDs included); on a Criteo file, its first --eval-batches x --batch-size lines, which
+are held out (training starts on the line after them).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import List, Optional
+
+# What to run when a dependency is missing (the README's "Install" section says the same).
+TORCH_INSTALL = "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
+TORCHREC_INSTALL = ("pip install fbgemm-gpu-cpu==1.8.0 && pip install --no-deps torchrec==1.8.0 && "
+                    "pip install tensordict torchmetrics==1.0.3 tqdm pyre-extensions")
+# TorchRec's own imports: a missing one means TorchRec is not (fully) installed.
+TORCHREC_MODULES = {"torchrec", "fbgemm_gpu", "tensordict", "torchmetrics", "pyre_extensions"}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        # One line: the usage block would push the reason out of a log's last line.
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    def _get_help_string(self, action):
+        # Show defaults that are values; "(default: None)" on an optional path says nothing.
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in (action.help or ""):
+            return action.help
+        return f"{action.help} (default: %(default)s)"
+
+
+def _int_at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+    parse.__name__ = "int"
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def _input_file(text: str) -> str:
+    if not os.path.exists(text):
+        raise argparse.ArgumentTypeError(f"no such file: {text}")
+    if not os.path.isfile(text):
+        raise argparse.ArgumentTypeError(f"not a file: {text}")
+    return text
+
+
+def _output_file(text: str) -> str:
+    folder = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"cannot write {text}: no such folder {folder}")
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"cannot write {text}: it is a folder")
+    return text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog="cn-dlrm", description=__doc__, formatter_class=_Formatter)
+    ap.add_argument("--steps", type=_int_at_least(1), default=800,
+                    help="training batches, counted from the start of the run (a resumed run continues to it)")
+    ap.add_argument("--batch-size", type=_int_at_least(1), default=2048, help="samples per batch")
+    ap.add_argument("--embedding-dim", type=_int_at_least(1), default=16, help="row width of every table")
+    ap.add_argument("--sparse-lr", type=_positive_float, default=0.05, help="row-wise Adagrad on the tables")
+    ap.add_argument("--dense-lr", type=_positive_float, default=0.01, help="Adagrad on the dense network")
+    ap.add_argument("--eval-every", type=_int_at_least(1), default=200, help="evaluate every this many steps")
+    ap.add_argument("--eval-batches", type=_int_at_least(1), default=8,
+                    help="evaluation batches (on a Criteo file: its first eval-batches x batch-size lines)")
+    ap.add_argument("--seed", type=_int_at_least(0), default=0, help="data and initialisation seed")
+    ap.add_argument("--threads", type=_int_at_least(1), default=None,
+                    help="threads for torch and the core (default: all cores)")
+    ap.add_argument("--criteo-tsv", metavar="PATH", type=_input_file, default=None,
+                    help="train on a Criteo Kaggle / 1TB text file (.gz too) instead of synthetic data: label "
+                         "0/1, 13 integers (empty or negative read as 0), 26 hex categories (up to 64 bits; "
+                         "empty: no ID), tab-separated")
+    ap.add_argument("--summary-json", metavar="PATH", type=_output_file, default=None,
+                    help="also write the final summary as JSON")
+    ap.add_argument("--checkpoint", metavar="PATH", type=_output_file, default=None,
+                    help="save model and optimizers here, at every evaluation and at the end")
+    ap.add_argument("--resume", metavar="PATH", type=_input_file, default=None,
+                    help="continue from a checkpoint of this job (--steps must be above its step)")
+    ap.add_argument("--compare", action="store_true",
+                    help="also train TorchRec on the same data: its EmbeddingBagCollection on collision-free tables "
+                         "(IDs remapped to 0..N-1; synthetic data), DistributedModelParallel with fused FBGEMM "
+                         "tables (gloo, world size 1; synthetic data), and its EmbeddingBagCollection with IDs "
+                         "hashed modulo fixed tables of the same memory; print all runs")
+    ap.add_argument("--no-progress", action="store_true",
+                    help="no progress bar or progress lines, only evaluations (off a terminal, plain progress "
+                         "lines replace the bar)")
+    return ap
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    """The job's options, checked; a bad one exits with code 2 and one line naming it.
+
+    >>> parse_args(["--steps", "10"]).steps, parse_args([]).batch_size
+    (10, 2048)
+    """
+    return build_parser().parse_args(argv)
+
+
+def install_hint(missing_module: Optional[str]) -> Optional[str]:
+    """What to install when `missing_module` cannot be imported (None: not one of the job's).
+
+    >>> install_hint("torchrec").startswith("TorchRec is not installed")
+    True
+    >>> install_hint("yaml") is None
+    True
+    """
+    top = (missing_module or "").split(".")[0]
+    if top == "torch":
+        return (f"PyTorch is not installed; cn-dlrm needs it and TorchRec (CPU builds): {TORCH_INSTALL} && "
+                f"{TORCHREC_INSTALL}")
+    if top in TORCHREC_MODULES:
+        return f"TorchRec is not installed (no module {top!r}); install it with: {TORCHREC_INSTALL}"
+    return None
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """`cn-dlrm`: parse and check the options, then import torch and TorchRec and run the job."""
+    args = parse_args(argv)
+    try:
+        from cncore_torch.dlrm import train
+    except ModuleNotFoundError as e:
+        hint = install_hint(e.name)
+        if hint is None:
+            raise
+        print(f"cn-dlrm: error: {hint}", file=sys.stderr)
+        return 2
+    return train.run(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
