@@ -119,7 +119,14 @@ def _from_whitelist(d, classes: dict, what: str, where: str):
         raise _error(where, f"{what}.type must be one of {sorted(classes)}, got {_show(kind)}")
     cls = classes[kind]
     _fields_exactly(d, ("type",) + tuple(f.name for f in dataclasses.fields(cls)), where, what)
-    values = {k: tuple(v) if k == "betas" and isinstance(v, list) else v for k, v in d.items() if k != "type"}
+    values = {k: v for k, v in d.items() if k != "type"}
+    for k, v in values.items():  # numbers (betas: a list of them); the constructor checks ranges
+        if not all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                   for x in (v if k == "betas" and isinstance(v, (list, tuple)) else [v])):
+            raise _error(where, f"{what}.{k} must be {'a list of numbers' if k == 'betas' else 'a number'}, "
+                                f"got {_show(v)}")
+    if "betas" in values:
+        values["betas"] = tuple(values["betas"])
     try:
         return cls(**values)
     except (TypeError, ValueError) as exc:
@@ -140,6 +147,8 @@ def config_from_dict(d, where: str = "") -> cncore.StoreConfig:
     """
     _fields_exactly(d, tuple(f.name for f in dataclasses.fields(cncore.StoreConfig)), where, "config")
     d = dict(d)
+    if not _is_int(d["capacity"]):  # a hint, but the core allocates it: it must fit an int64
+        raise _error(where, f"config.capacity must be an int in [0, 2**63), got {_show(d['capacity'])}")
     d["initializer"] = _from_whitelist(d["initializer"], _INITIALIZERS, "config.initializer", where)
     if d["optimizer"] is not None:
         d["optimizer"] = _from_whitelist(d["optimizer"], _OPTIMIZERS, "config.optimizer", where)
@@ -462,7 +471,8 @@ class TableFile:
         out = np.empty((max(stop - start, 0),) + mapped.shape[1:], dtype=mapped.dtype)
         if out.nbytes:
             row_bytes = out.nbytes // len(out)
-            view, offset, fd = memoryview(out.reshape(-1)).cast("B"), mapped.offset + start * row_bytes, self._file(name).fileno()
+            view, offset = memoryview(out.reshape(-1)).cast("B"), mapped.offset + start * row_bytes
+            fd = self._file(name).fileno()
             while len(view):
                 got = os.preadv(fd, [view], offset)
                 if not got:
@@ -552,8 +562,11 @@ def _check_manifest(m, where: str) -> Tuple[int, int, cncore.StoreConfig]:
             # type() too: JSON's true equals 1, and 5.0 equals 5
             if entry[key] != want or type(entry[key]) is not type(want) or (
                     key == "shape" and any(type(v) is not int for v in entry[key])):
-                why = {"shape": f" (rows={n}, config.dim={config.dim}, "
-                                f"{config.state_floats} optimizer state floats per row)"}.get(key, "")
+                opt = type(config.optimizer).__name__ if config.optimizer else None
+                why = {"keys": f" (rows={n})", "rows": f" (rows={n}, config.dim={config.dim})",
+                       "optimizer_state": f" (rows={n}, config.optimizer={opt}: {config.state_floats} state floats "
+                                          f"per row of dim {config.dim})"}.get(name, f" (rows={n})")
+                why = why if key == "shape" else ""
                 raise _error(where, f"{at}.{key} must be {want!r}{why}, got {_show(entry[key])}")
         if not _is_int(entry["bytes"]):
             raise _error(where, f"{at}.bytes must be an int >= 0, got {_show(entry['bytes'])}")
@@ -568,6 +581,8 @@ def _open_array(file: str, entry: dict, where: str, verify: bool):
         fh = open(file, "rb", buffering=0)
     except FileNotFoundError:
         raise TableFormatError(f"{where} is missing") from None
+    except OSError as exc:
+        raise TableFormatError(f"{where} cannot be read ({exc.strerror})") from None
     try:
         size = os.fstat(fh.fileno()).st_size
         if size != entry["bytes"]:
@@ -606,11 +621,15 @@ def _open_version(path: str, version: str, verify: bool) -> TableFile:
             text = fh.read()
     except FileNotFoundError:
         raise TableFormatError(f"{where} is missing") from None
+    except OSError as exc:
+        raise TableFormatError(f"{where} cannot be read ({exc.strerror})") from None
     try:
         with open(os.path.join(directory, "manifest.sha256"), "rb") as fh:
             recorded = fh.read(200).split(b" ")[0].decode("ascii", "replace")
     except FileNotFoundError:
         recorded = None
+    except OSError as exc:
+        raise TableFormatError(f"{path}: {version}/manifest.sha256 cannot be read ({exc.strerror})") from None
     if recorded is not None and recorded != hashlib.sha256(text).hexdigest():
         raise TableFormatError(f"{where} fails its SHA-256 check against manifest.sha256 (damaged or edited)")
     try:
