@@ -1,5 +1,4 @@
-"""A short NumPy-only training run on a growing table (the README's first command, until the
-DLRM job lands).
+"""A short NumPy-only training run on a growing table (`make demo`): the library without PyTorch.
 
 A click model over a stream whose item IDs are raw 64-bit values, with new items appearing
 every batch: one store holds a row per item, a logistic regression reads the sum-pooled rows
