@@ -136,7 +136,11 @@ def features_by_key(features, feature_names: List[List[str]]) -> Dict[str, Jagge
     if not features.variable_stride_per_key() and lengths.numel() != len(features.keys()) * features.stride():
         raise ValueError(f"features: {lengths.numel()} lengths for {len(features.keys())} keys of batch size "
                          f"{features.stride()}")
-    by_key = features.to_dict()
+    if lengths.numel() == 0:  # an empty batch, which TorchRec's to_dict cannot split
+        empty = JaggedTensor(values=values, lengths=lengths, weights=weights)
+        by_key = {key: empty for key in features.keys()}
+    else:
+        by_key = features.to_dict()
     for names in feature_names:
         for name in names:
             if name not in by_key:

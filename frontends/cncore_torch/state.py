@@ -3,8 +3,9 @@
 Shared by the modules and the TorchRec collections, so every checkpoint carries a table the
 same way. Loading is all or nothing: every table of a module is checked (and the module's other
 entries loaded) before any table changes, so a refused `load_state_dict` leaves each table
-exactly as it was. A table with an entry missing is left as it is (and the entry reported in
-`missing_keys`: torch refuses that under strict=True). Errors come out as torch reports them:
+exactly as it was. Under strict=False a table with an entry missing is left as it is (the
+entry reported in `missing_keys`) and the complete ones load. Errors come out as torch
+reports them:
 
 >>> import torch, cncore
 >>> from cncore_torch import CNEmbeddingBag
@@ -29,6 +30,7 @@ counts, last steps and step are kept, the optimizer state starts afresh.
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -136,8 +138,8 @@ def read_table(state_dict, prefix: str, dim: int, state_floats: int, missing_key
         state = tensor("optimizer_state", (torch.float32,), (n, state_floats))
     if keys is not None and torch.unique(keys).numel() != n:
         values, seen = torch.unique(keys, return_counts=True)
-        errors.append(f"{prefix}keys: {int((seen > 1).sum())} keys appear more than once (e.g. "
-                      f"{int(values[seen > 1][0])}); a table holds each key once")
+        errors.append(f"{prefix}keys: each key must appear once, {int((seen > 1).sum())} appear more than once "
+                      f"(e.g. {int(values[seen > 1][0])})")
     for name, value in (("counts", counts), ("last_steps", last_steps)):
         if value is not None and value.numel() and (int(value.min()) < 0 or int(value.max()) >= 2**32):
             errors.append(f"{prefix}{name}: values must be in [0, 2**32), got [{int(value.min())}, "
@@ -164,20 +166,34 @@ TableSpec = Tuple[cncore.StoreConfig, Callable[[TableState], None]]
 def load_tables(tables: Dict[str, TableSpec], load_rest: Callable, state_dict, missing_keys: list,
                 unexpected_keys: list, error_msgs: list) -> None:
     """A module's `_load_from_state_dict`: the entries that are not tables go to `load_rest`
-    (torch's own loading of the module's parameters), every table is read and checked, and only
-    when no error was found is each table replaced. Missing and unexpected keys are torch's to
-    judge (it raises for them under strict=True after loading, as it does for parameters); a
-    table with an entry missing is not loaded."""
+    (torch's own loading of the module's parameters), every table is read and checked, and the
+    tables are replaced only when torch will not refuse the load for what is known by now: no
+    error, and under strict=True nothing missing or unexpected (torch raises for those only
+    after every module has loaded). A table with an entry missing is never loaded."""
     errors: List[str] = []
     rest = {k: v for k, v in state_dict.items() if not any(is_store_entry(k, p) for p in tables)}
     load_rest(rest, missing_keys, unexpected_keys, errors)
     states = {prefix: read_table(state_dict, prefix, config.dim, config.state_floats, missing_keys, errors)
               for prefix, (config, _) in tables.items()}
-    if not errors:
-        for prefix, state in states.items():
-            if state is not None:
-                tables[prefix][1](state)
     error_msgs.extend(errors)
+    if error_msgs or (_strict_load() and (missing_keys or unexpected_keys)):
+        return
+    for prefix, state in states.items():
+        if state is not None:
+            tables[prefix][1](state)
+
+
+def _strict_load() -> bool:
+    """The `strict` of the running `Module.load_state_dict`. torch hands every
+    `_load_from_state_dict` strict=True and applies the caller's `strict` only after all modules
+    have loaded, so a table that must stay as it was when the load is then refused for a
+    missing or unexpected key reads it from that call's frame. Outside such a call: True."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is torch.nn.Module.load_state_dict.__code__:
+            return bool(frame.f_locals.get("strict", True))
+        frame = frame.f_back
+    return True
 
 
 def reset_optimizer_state(state_dict, model: torch.nn.Module) -> dict:
