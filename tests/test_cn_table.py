@@ -1,6 +1,8 @@
 """cn-table's tools, each checked against a NumPy (or Python dict) computation on the same arrays."""
 import json
 import os
+import re
+import sys
 
 import numpy as np
 import pytest
@@ -9,6 +11,7 @@ import cncore
 from cncore_numpy import TableWriter, load_table, open_table, save_table
 from cncore_numpy.cli import main
 from cncore_numpy.exchange import export_table, import_table
+from cncore_numpy.format import config_to_dict
 from cncore_numpy.tools import diff, inspect, merge, prune_mask
 from reference import EDGE_KEYS
 
@@ -321,3 +324,166 @@ def test_tools_may_write_over_their_input(table_path, capsys):
     assert main(["merge", table_path, table_path, table_path, "--policy", "average", "--quiet"]) == 0
     assert sorted(open_table(table_path).keys.tolist()) == expected
     assert sorted(os.listdir(table_path)) == ["CURRENT", "v000003"]
+
+
+def tree(root) -> dict:
+    """Every file (with its bytes) and directory under `root`."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(str(root)):
+        out.update({os.path.join(dirpath, d): None for d in dirnames})
+        out.update({os.path.join(dirpath, f): open(os.path.join(dirpath, f), "rb").read() for f in filenames})
+    return out
+
+
+def refused(argv, capsys, message) -> str:
+    """cn-table refuses `argv`: exit 2, one line `cn-table CMD: error: ...` matching `message`."""
+    assert main(argv + ["--quiet"]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"cn-table {argv[0]}: error: "), captured.err
+    assert re.search(message, lines[0]), lines[0]
+    return lines[0]
+
+
+def plain_npz(path, **arrays):
+    arrays.setdefault("keys", np.array([1, 2]))
+    arrays.setdefault("rows", np.zeros((len(arrays["keys"]), 2), np.float32))
+    np.savez(path, **arrays)
+
+
+@pytest.mark.parametrize("arrays,message", [
+    (dict(keys=np.array([1.2, 1.7])), "keys: expected integers, got float64"),
+    (dict(keys=np.array([1, 2**63], np.uint64)), "keys: values must fit int64"),
+    (dict(keys=np.array([True, False])), "keys: expected integers, got bool"),
+    (dict(counts=np.array([-1, 3])), r"counts: values must be in \[0, 2\*\*32 - 1\], got -1"),
+    (dict(last_steps=np.array([2**40, 0])), r"last_steps: values must be in \[0, 2\*\*32 - 1\], got 0 \.\. 1099511627776"),
+    (dict(rows=np.array([1.0, 2.0])), r"rows has shape \(2,\); expected 2-D"),
+    (dict(keys=np.array([[1, 2]])), r"keys has shape \(1, 2\); expected 1-D"),
+    (dict(counts=np.array([1, 2, 3])), r"counts has shape \(3,\)"),
+    (dict(rows=np.array([["a", "b"], ["c", "d"]])), "rows: expected real numbers"),
+    (dict(config=np.array("{ not json")), "config is not JSON"),
+    (dict(config=np.array(json.dumps({"dim": 2, "initializer": {"type": "set_num_threads", "n": 100000}}))),
+     "config must have the fields"),
+    (dict(step=np.array(1.5)), "step must be one integer"),
+])
+def test_import_refuses_what_a_cast_would_change_and_writes_nothing(tmp_path, capsys, arrays, message):
+    """Float keys 1.2, 1.7 used to become 1, 1; counts -1 4294967295; last steps 2**40 0; 1-D
+    rows an IndexError with a traceback."""
+    src = str(tmp_path / "src.npz")
+    plain_npz(src, **arrays)
+    before = tree(tmp_path)
+    line = refused(["import", src, str(tmp_path / "t")], capsys, message)
+    assert src in line
+    assert tree(tmp_path) == before
+
+
+def test_import_refuses_a_config_type_outside_the_whitelist(tmp_path, capsys, monkeypatch):
+    """A config's `type` named any callable of cncore, which import called."""
+    calls = []
+    monkeypatch.setattr(cncore, "set_num_threads", lambda *a, **k: calls.append((a, k)))
+    config = json.loads(json.dumps(config_to_dict(cncore.StoreConfig(dim=2))))
+    config["initializer"] = {"type": "set_num_threads", "n": 100000}
+    plain_npz(str(tmp_path / "src.npz"), config=np.array(json.dumps(config)))
+    refused(["import", str(tmp_path / "src.npz"), str(tmp_path / "t")], capsys,
+            r"config\.initializer\.type must be one of \['Constant', 'Normal', 'TruncatedNormal', 'Uniform'\]")
+    assert calls == [] and not (tmp_path / "t").exists()
+
+
+def test_import_into_an_existing_table_refused_mid_write_leaves_it_whole(table_path, tmp_path, capsys):
+    before = tree(table_path)
+    plain_npz(str(tmp_path / "src.npz"), keys=np.arange(5), rows=np.zeros((5, 5), np.float32),
+              counts=np.array([1, 2, 3, 4, -5]))
+    refused(["import", str(tmp_path / "src.npz"), table_path], capsys, "counts: values must be")
+    assert tree(table_path) == before
+
+
+def parquet_with(tmp_path, column, values):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    cols = {"key": pa.array([1, 2], pa.int64()),
+            "row": pa.FixedSizeListArray.from_arrays(pa.array([0.0, 1.0, 2.0, 3.0], pa.float32()), 2),
+            "count": pa.array([0, 0], pa.int64()), "last_step": pa.array([0, 0], pa.int64())}
+    cols[column] = values
+    path = str(tmp_path / "src.parquet")
+    pq.write_table(pa.table(cols), path)
+    return path
+
+
+@pytest.mark.parametrize("column,values,message", [
+    ("key", [1, None], r"column 'key' holds 1 nulls"),
+    ("key", [1.2, 1.7], "keys: expected integers, got float64"),
+    ("count", [-1, 0], r"counts: values must be in \[0, 2\*\*32 - 1\]"),
+    ("last_step", [2**40, 0], r"last_steps: values must be in \[0, 2\*\*32 - 1\]"),
+    ("count", [None, 0], r"column 'count' holds 1 nulls"),
+    ("row", "list-with-null", r"column 'row' holds 1 nulls"),
+    ("row", "variable-list", r"column 'row' must be a fixed-size list"),
+])
+def test_import_of_parquet_refuses_nulls_and_lossy_casts(tmp_path, capsys, column, values, message):
+    """A null Parquet key used to become INT64_MIN, exit 0."""
+    pa = pytest.importorskip("pyarrow")
+    if values == "list-with-null":
+        values = pa.FixedSizeListArray.from_arrays(pa.array([0.0, None, 2.0, 3.0], pa.float32()), 2)
+    elif values == "variable-list":
+        values = pa.array([[0.0, 1.0], [2.0, 3.0]], pa.list_(pa.float32()))
+    else:
+        values = pa.array(values)
+    src = parquet_with(tmp_path, column, values)
+    before = tree(tmp_path)
+    refused(["import", src, str(tmp_path / "t")], capsys, message)
+    assert tree(tmp_path) == before
+
+
+def test_parquet_hint_names_the_distribution(table_path, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # import pyarrow now raises ImportError
+    refused(["export", table_path, str(tmp_path / "t.parquet")], capsys,
+            re.escape("Parquet needs pyarrow: pip install 'cn-embedding[parquet]'"))
+
+
+@pytest.mark.parametrize("command", ["import", "prune", "merge", "to-fixed", "export", "diff"])
+def test_no_output_replaces_or_empties_a_directory_holding_other_files(table_path, tmp_path, capsys, command):
+    """Saving into "project" used to delete everything in it but CURRENT and the version."""
+    project = tmp_path / "project"
+    (project / "src").mkdir(parents=True)
+    (project / "notes.txt").write_text("mine")
+    (tmp_path / "dir.npz").mkdir()  # a directory named as an export file
+    export_table(open_table(table_path), str(tmp_path / "t.npz"))
+    out = str(project)
+    argv = {"import": ["import", str(tmp_path / "t.npz"), out], "prune": ["prune", table_path, out, "--min-count", "2"],
+            "merge": ["merge", table_path, table_path, out, "--policy", "left"], "to-fixed": ["to-fixed", table_path, out],
+            "export": ["export", table_path, str(tmp_path / "dir.npz")],
+            "diff": ["diff", table_path, table_path, "--out", out]}
+    before = tree(tmp_path)
+    refused(argv[command], capsys, "not a table directory|is a directory")
+    assert tree(tmp_path) == before
+
+
+def test_nan_rows_are_data(tmp_path, capsys):
+    """inspect failed on any NaN row; diff did not report a row that became NaN."""
+    t = cncore.EmbeddingStore(dim=2, initializer=cncore.Constant(1.0))
+    t.find_or_insert(np.arange(6))
+    nan = np.float32("nan")
+    t.assign([1, 2, 3], np.array([[nan, 0], [nan, nan], [np.inf, 0]], np.float32))
+    old = str(tmp_path / "old")
+    save_table(t, old)
+    s = inspect(open_table(old))
+    assert (s["nan_rows"], s["inf_rows"], sum(s["row_norm"]["counts"])) == (2, 1, 3)
+    assert main(["inspect", old, "--quiet"]) == 0
+    assert "rows holding NaN: 2, holding an infinity: 1" in capsys.readouterr().out
+    # 0 becomes NaN, 1 stops being NaN, 2 stays NaN, 3 stays inf, 4 moves, 5 stays
+    t.assign([0, 1, 4], np.array([[nan, 1], [0, 0], [2, 1]], np.float32))
+    new = str(tmp_path / "new")
+    save_table(t, new)
+    d = diff(open_table(old), open_table(new))
+    assert d["changed"].tolist() == [0, 1, 4]
+    assert np.isnan(d["change_l2"][:2]).all() and d["change_l2"][2] == 1.0
+    assert main(["diff", old, new, "--json", "--quiet"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert (summary["changed"], summary["changed_to_or_from_nan"], summary["change_l2_max"]) == (3, 2, 1.0)
+
+
+def test_to_fixed_of_an_empty_table(tmp_path, capsys):
+    with TableWriter(str(tmp_path / "e"), cncore.StoreConfig(dim=3), 0):
+        pass
+    assert main(["to-fixed", str(tmp_path / "e"), str(tmp_path / "f.npz"), "--quiet"]) == 0
+    fixed = np.load(str(tmp_path / "f.npz"))
+    assert fixed["ids"].shape == (0,) and fixed["weight"].tolist() == [[0.0, 0.0, 0.0]]

@@ -213,9 +213,9 @@ def diff(old: TableFile, new: TableFile, tolerance: float = 0.0, progress: Calla
         removed.append(b["keys"][~hit])
         in_old[at_new] = True
         before, after = b["rows"][hit], new.take("rows", at_new)
-        delta = after.astype(np.float64) - before
         # A NaN difference: a NaN on either side (a change unless on both), or inf - inf (none).
         with np.errstate(invalid="ignore"):
+            delta = after.astype(np.float64) - before
             entry_moved = np.where(np.isnan(delta), np.isnan(before) != np.isnan(after), np.abs(delta) > tolerance)
         moved = entry_moved.any(axis=1)
         biggest = np.abs(delta).max(axis=1) if delta.size else np.zeros(len(delta))
