@@ -1,4 +1,6 @@
 """Torch checkpoints and table files convert into each other without loss."""
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -114,3 +116,64 @@ def test_command_line_converts_a_saved_checkpoint(tmp_path, capsys):
     assert open_table(str(tmp_path / "tables" / "users")).config.optimizer == cncore.RowWiseAdagrad()
     assert main(["from-tables", str(tmp_path / "tables"), str(tmp_path / "back.pt")]) == 0
     assert_state_dicts_equal(torch.load(str(tmp_path / "back.pt")), table_entries(model.state_dict()))
+
+
+def tree(root) -> dict:
+    """Every file (with its bytes) and directory under `root`."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(str(root)):
+        out.update({os.path.join(dirpath, d): None for d in dirnames})
+        out.update({os.path.join(dirpath, f): open(os.path.join(dirpath, f), "rb").read() for f in filenames})
+    return out
+
+
+def crafted(prefix: str, dim: int = 2) -> dict:
+    """A state_dict table group under `prefix` (as a checkpoint file may hold it)."""
+    return {prefix + "keys": torch.tensor([1, 2]), prefix + "rows": torch.zeros(2, dim),
+            prefix + "optimizer_state": torch.zeros(2, 0), prefix + "counts": torch.zeros(2, dtype=torch.int64),
+            prefix + "last_steps": torch.zeros(2, dtype=torch.int64), prefix + "step": torch.tensor(0)}
+
+
+@pytest.mark.parametrize("prefix", ["../escaped.", "../../escaped.", "ABS/path.", "a/b.", "a\\b.", "..", ".",
+                                    "x\0y.", "@root."])
+def test_checkpoint_keys_cannot_name_a_path(tmp_path, capsys, prefix):
+    """State_dict keys like ../escaped.rows or /abs/path.rows used to write outside the output directory."""
+    prefix = prefix.replace("ABS", str(tmp_path / "abs"))
+    out = tmp_path / "work" / "tables"
+    out.mkdir(parents=True)
+    state = {**crafted("good."), **crafted(prefix)}  # a good table too: nothing at all is written
+    before = tree(tmp_path)
+    with pytest.raises(ValueError, match="a table name must be one plain path component"):
+        checkpoint_to_tables(state, str(out))
+    assert tree(tmp_path) == before
+    from cncore_torch.checkpoint import main
+    torch.save(state, str(tmp_path / "ckpt.pt"))
+    before = tree(tmp_path)
+    assert main(["to-tables", str(tmp_path / "ckpt.pt"), str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("python -m cncore_torch.checkpoint to-tables: error: state_dict prefix")
+    assert tree(tmp_path) == before
+
+
+def test_checkpoint_shapes_are_checked_before_anything_is_written(tmp_path):
+    state = {**crafted("good."), **crafted("bad.")}
+    state["bad.rows"] = torch.zeros(2)  # 1-D rows used to be an IndexError
+    with pytest.raises(ValueError, match=r"bad\.rows: shape \(2,\); expected 2-D"):
+        checkpoint_to_tables(state, str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_to_fixed_and_remap_of_empty_tables():
+    """remap_to_fixed raised IndexError on a table with no rows; every ID goes to the zero row."""
+    from torchrec import EmbeddingBagConfig
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+    from cncore_torch.collection import CNEmbeddingBagCollection
+    from cncore_torch.convert import remap_to_fixed, to_fixed
+    configs = [EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=10, feature_names=["f"])]
+    collection = CNEmbeddingBagCollection(tables=configs, optimizer=cncore.SGD())
+    fixed, id_maps = to_fixed(collection)
+    assert fixed.embedding_bags["t"].weight.shape == (1, 4) and id_maps["t"].shape == (0,)
+    kjt = KeyedJaggedTensor(keys=["f"], values=torch.tensor([5, 2**40, -1]), lengths=torch.tensor([2, 1]))
+    remapped = remap_to_fixed(kjt, configs, id_maps)
+    assert remapped.values().tolist() == [0, 0, 0]
+    assert not fixed(remapped).values().any()
