@@ -7,6 +7,7 @@ import torch
 
 import cncore
 from cncore_torch import CNEmbedding, CNEmbeddingBag
+from cncore_torch.state import reset_optimizer_state
 
 N, DIM = 30, 8
 
@@ -244,3 +245,65 @@ def test_bad_input_raises_and_leaves_the_table_unchanged(call, exc):
     after = ours.export()
     for name in before:
         torch.testing.assert_close(before[name], after[name])
+
+
+def trained(optimizer, ids, seed=0):
+    """A sum bag with fused `optimizer`, after two steps on `ids` (a (B, L) tensor)."""
+    bag = CNEmbeddingBag(N, DIM, mode="sum", optimizer=optimizer, seed=seed)
+    for _ in range(2):
+        bag(ids).sum().backward()
+    return bag
+
+
+def exported(module):
+    """Everything the table holds, sorted by key, as bytes; and its step."""
+    e = module.export()
+    order = torch.argsort(e["keys"])
+    return {name: e[name][order].numpy().tobytes() for name in e} | {"step": module.store.step}
+
+
+@pytest.mark.parametrize("entry,change,message", [
+    ("keys", lambda t: t.float(), "keys: expected dtype torch.int64, got torch.float32"),
+    ("keys", lambda t: torch.cat([t[:1], t[:-1]]), "keys: each key must appear once"),
+    ("rows", lambda t: t[:-1], r"rows: expected shape \(6, 8\), got \(5, 8\)"),
+    ("optimizer_state", lambda t: t[:, :0], "optimizer_state: holds 0 floats a row, as SGD"),
+    ("counts", lambda t: t - 5, r"counts: values must be in \[0, 2\*\*32\)"),
+    ("last_steps", lambda t: t + 2**32, r"last_steps: values must be in \[0, 2\*\*32\)"),
+    ("step", lambda t: t.double(), "step: expected dtype"),
+])
+def test_a_refused_load_state_dict_leaves_the_table_exactly_as_it_was(entry, change, message):
+    bag = trained(cncore.Adam(lr=0.1), torch.tensor([[1, 2, 3]]))
+    other = trained(cncore.Adam(lr=0.1), torch.tensor([[4, 5, 6], [7, 8, 9]]), seed=1)
+    before, store = exported(bag), bag.store
+    state = other.state_dict()
+    state[entry] = change(state[entry])
+    with pytest.raises(RuntimeError, match=r"^Error\(s\) in loading state_dict for CNEmbeddingBag:\n\t" + message):
+        bag.load_state_dict(state)
+    assert exported(bag) == before
+    bag.load_state_dict(other.state_dict())  # the same module still loads, in place
+    assert bag.store is store and exported(bag) == exported(other)
+
+
+def test_an_optimizer_mismatch_is_refused_and_reset_optimizer_state_converts_the_checkpoint():
+    sgd = trained(cncore.SGD(lr=0.1), torch.tensor([[1, 2, 3]]))
+    adam = CNEmbeddingBag(N, DIM, mode="sum", optimizer=cncore.Adam(lr=0.1))
+    with pytest.raises(RuntimeError, match=r"optimizer_state: holds 0 floats a row, as SGD \(or no optimizer\) "
+                                           r"writes; this table's optimizer keeps 16 \(Adam\).*reset_optimizer_state"):
+        adam.load_state_dict(sgd.state_dict())
+    assert adam.num_rows == 0
+    adam.load_state_dict(reset_optimizer_state(sgd.state_dict(), adam))
+    got, want = adam.export(), sgd.export()
+    for name in ("keys", "rows", "counts", "last_steps"):
+        assert torch.equal(got[name], want[name]), name
+    assert torch.equal(got["optimizer_state"], torch.zeros(3, 2 * DIM)) and adam.store.step == sgd.store.step == 2
+    adam(torch.tensor([[1, 4]])).sum().backward()  # and trains on
+
+
+def test_a_lookup_made_before_a_load_cannot_apply_its_gradient_after_it():
+    bag = CNEmbeddingBag(N, DIM, mode="sum", optimizer=cncore.SGD(lr=0.1))
+    other = trained(cncore.SGD(lr=0.1), torch.tensor([[5, 6]]))
+    out = bag(torch.tensor([[1, 2]]))
+    bag.load_state_dict(other.state_dict())
+    with pytest.raises(RuntimeError, match="keys were erased .* since this lookup"):
+        out.sum().backward()
+    assert exported(bag) == exported(other)

@@ -248,3 +248,48 @@ def test_embedding_collection_matches_torchrec_and_trains_the_same():
     for name, store in ours.stores.items():
         torch.testing.assert_close(torch.from_numpy(store.lookup(np.arange(ROWS))), ref.embeddings[name].weight.detach(),
                                    rtol=1e-5, atol=1e-6)
+
+
+def collection_state(ebc):
+    """Every table's entries sorted by key, as bytes, and each step."""
+    state = ebc.state_dict()
+    out = {}
+    for name in ebc.stores:
+        p = f"tables.{name}."
+        order = torch.argsort(state[p + "keys"])
+        out |= {p + f: state[p + f][order].numpy().tobytes() for f in ("keys", "rows", "optimizer_state", "counts",
+                                                                        "last_steps")}
+        out[p + "step"] = int(state[p + "step"])
+    return out
+
+
+def trained_collection(seed):
+    ebc = CNEmbeddingBagCollection(tables=configs(), optimizer=cncore.Adam(lr=0.1))
+    ebc(random_kjt(np.random.default_rng(seed))).values().sum().backward()
+    return ebc
+
+
+def test_a_broken_second_table_leaves_every_table_as_it_was():
+    ebc, other = trained_collection(1), trained_collection(2)
+    before = collection_state(ebc)
+    state = other.state_dict()
+    state["tables.t_mean.counts"] = state["tables.t_mean.counts"].float()
+    with pytest.raises(RuntimeError, match=r"^Error\(s\) in loading state_dict for CNEmbeddingBagCollection:\n\t"
+                                           r"tables\.t_mean\.counts: expected dtype"):
+        ebc.load_state_dict(state)
+    assert collection_state(ebc) == before
+    del state["tables.t_mean.counts"]
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "tables\.t_mean\.counts"'):
+        ebc.load_state_dict(state)  # strict: refused after loading, so nothing may load
+    assert collection_state(ebc) == before
+
+
+def test_non_strict_load_replaces_the_complete_tables_and_keeps_the_others():
+    ebc, other = trained_collection(1), trained_collection(2)
+    before, want = collection_state(ebc), collection_state(other)
+    state = other.state_dict()
+    del state["tables.t_mean.rows"]
+    assert ebc.load_state_dict(state, strict=False).missing_keys == ["tables.t_mean.rows"]
+    got = collection_state(ebc)
+    for key in got:
+        assert got[key] == (before[key] if key.startswith("tables.t_mean.") else want[key]), key
