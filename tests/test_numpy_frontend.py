@@ -137,3 +137,17 @@ def test_load_table_into_a_table(tmp_path):
     t.save(str(tmp_path / "t"))
     back = load_table(str(tmp_path / "t"), batch_rows=2)
     assert isinstance(back, Table) and sorted(back.export().keys.tolist()) == [1, 2, 3]
+
+
+def test_table_save_refuses_a_directory_holding_other_files(tmp_path):
+    """Table.save("project") used to leave only CURRENT and the new version in "project"."""
+    from cncore_numpy import TableFormatError
+    (tmp_path / "src").mkdir()
+    (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / "src" / "main.py").write_text("print()")
+    t = Table(dim=2)
+    t[[1]] = np.ones((1, 2), np.float32)
+    with pytest.raises(TableFormatError, match=r"not a table directory \(it holds 'notes.txt', 'src'\)"):
+        t.save(str(tmp_path))
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["main.py", "notes.txt", "src"]
+    assert (tmp_path / "notes.txt").read_text() == "mine"
