@@ -178,6 +178,8 @@ class _DynamicTable(nn.Module):
         """Call `hook(unique_ids, grads)` in every backward (non-fused tables)."""
         if self.fused_optimizer is not None:
             raise RuntimeError("this table has a fused optimizer; gradients never leave the core")
+        if not callable(hook):
+            raise TypeError(f"hook must be callable as hook(unique_ids, grads), got {type(hook).__name__}")
         self._gradient_hooks.append(hook)
         return hook
 

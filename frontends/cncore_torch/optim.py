@@ -15,6 +15,8 @@ tables). `state_dict()` carries the learning rate and the table's step.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 __all__ = ["FusedOptimizer"]
@@ -43,13 +45,22 @@ class FusedOptimizer(torch.optim.Optimizer):
                 "optimizer": type(self._config).__name__}
 
     def load_state_dict(self, state_dict) -> None:
+        """Checked whole before anything changes: the optimizer's name, lr a finite number >= 0,
+        step an int >= 0."""
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"state_dict must be a dict (from state_dict()), got {type(state_dict).__name__}")
         if state_dict.get("optimizer") != type(self._config).__name__:
             raise ValueError(f"state_dict is for {state_dict.get('optimizer')!r}, this table uses "
                              f"{type(self._config).__name__!r}")
-        self.param_groups[0]["lr"] = float(state_dict["lr"])
+        lr, step = state_dict.get("lr"), state_dict.get("step")
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0:
+            raise ValueError(f"state_dict['lr'] must be a finite number >= 0, got {lr!r}")
+        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 2**63:
+            raise ValueError(f"state_dict['step'] must be an int in [0, 2**63), got {step!r}")
+        self.param_groups[0]["lr"] = float(lr)
         store = self._store_ref()
         if store is not None:
-            store.step = int(state_dict["step"])
+            store.step = step
 
 
 def keyed_fused_optimizer(anchor: torch.nn.Parameter, config, stores, key: str):
