@@ -545,6 +545,10 @@ def _build_pooled_cases():
     accept("pooled_lookup/out=column-block", out_column_block)
 
 
+def _same(a, b) -> bool:
+    return type(a) is type(b) and (a == b if not isinstance(a, np.ndarray) else a.tobytes() == b.tobytes())
+
+
 def _forge(ctx, **changes):
     return dataclasses.replace(ctx, **changes)
 
@@ -556,86 +560,123 @@ def _build_backward_cases():
     def acc(w, ctx, g=None):
         return w.s.accumulate_gradients(ctx, w.g if g is None else g)
 
+    def ap_ctx(w, ctx):
+        w.s.apply_gradients(ctx, w.g)
+
+    def acc_ctx(w, ctx):
+        k, g = w.s.accumulate_gradients(ctx, w.g)
+        return k.tolist(), g.tobytes()
+
     ctx_match = r"\bctx\b|context"
     # A forged context may be refused naming ctx, or the part of it that is wrong.
     ctx_part = r"\bctx|context|\b(slots|offsets|weights|argmax|mode|columns|keys|step|training)\b"
     forged_match = {"offsets-more-bags": ctx_part + r"|grad_output", "offsets-empty": ctx_part + r"|grad_output",
                     "erase_epoch-changed": ctx_part + r"|erased|cleared"}
-    forged = {
+    # Not a context at all, or a context of another store: refused.
+    not_ours = {
         "None": lambda w: None,
         "str": lambda w: "ctx",
         "tuple": lambda w: (w.ctx.slots, w.ctx.offsets),
         "other-store": lambda w: w.ctx_sgd,
         "store-replaced": lambda w: _forge(w.ctx, store=w.sgd),
-        "slots-10**12": lambda w: _forge(w.ctx, slots=np.full_like(w.ctx.slots, 10**12)),
-        "slots-2**62": lambda w: _forge(w.ctx, slots=np.full_like(w.ctx.slots, 2**62)),
-        "slots-minus-2": lambda w: _forge(w.ctx, slots=np.full_like(w.ctx.slots, -2)),
-        "slots-int64-min": lambda w: _forge(w.ctx, slots=np.full_like(w.ctx.slots, -2**63)),
-        "slots-capacity": lambda w: _forge(w.ctx, slots=np.full_like(w.ctx.slots, w.s.capacity)),
-        "slots-short": lambda w: _forge(w.ctx, slots=w.ctx.slots[:1].copy()),
-        "slots-float": lambda w: _forge(w.ctx, slots=w.ctx.slots.astype(np.float64)),
-        "slots-int32": lambda w: _forge(w.ctx, slots=w.ctx.slots.astype(np.int32)),
-        "slots-strided": lambda w: _forge(w.ctx, slots=np.repeat(w.ctx.slots, 2)[::2]),
-        "slots-None": lambda w: _forge(w.ctx, slots=None),
-        "offsets-beyond-keys": lambda w: _forge(w.ctx, offsets=np.array([0, 2, 10**9])),
-        "offsets-decreasing": lambda w: _forge(w.ctx, offsets=np.array([0, 3, 1])),
-        "offsets-negative": lambda w: _forge(w.ctx, offsets=np.array([-5, 2, 4])),
-        "offsets-more-bags": lambda w: _forge(w.ctx, offsets=np.array([0, 1, 2, 3, 4])),
-        "offsets-empty": lambda w: _forge(w.ctx, offsets=np.array([], dtype=np.int64)),
-        "offsets-float": lambda w: _forge(w.ctx, offsets=w.ctx.offsets.astype(np.float64)),
-        "offsets-int32": lambda w: _forge(w.ctx, offsets=w.ctx.offsets.astype(np.int32)),
-        "weights-short": lambda w: _forge(w.ctx, weights=np.ones(1, F32)),
-        "weights-float64": lambda w: _forge(w.ctx, weights=np.ones(4)),
-        "weights-2d": lambda w: _forge(w.ctx, weights=np.ones((4, 1), F32)),
-        "mode-7": lambda w: _forge(w.ctx, mode=7),
-        "mode--1": lambda w: _forge(w.ctx, mode=-1),
-        "mode-max-without-argmax": lambda w: _forge(w.ctx, mode=2, weights=None),
-        "mode-str": lambda w: _forge(w.ctx, mode="sum"),
-        "argmax-10**9": lambda w: _forge(w.ctx_max, argmax=np.full_like(w.ctx_max.argmax, 10**9)),
-        "argmax-minus-5": lambda w: _forge(w.ctx_max, argmax=np.full_like(w.ctx_max.argmax, -5)),
-        "argmax-wrong-shape": lambda w: _forge(w.ctx_max, argmax=np.zeros((1, 1), np.int64)),
-        "argmax-float": lambda w: _forge(w.ctx_max, argmax=w.ctx_max.argmax.astype(np.float64)),
-        "argmax-None": lambda w: _forge(w.ctx_max, argmax=None),
-        "columns-wide": lambda w: _forge(w.ctx, columns=slice(0, 100)),
-        "columns-None": lambda w: _forge(w.ctx, columns=None),
-        "erase_epoch-changed": lambda w: _forge(w.ctx, erase_epoch=w.ctx.erase_epoch + 1),
-        "step-2**40": lambda w: _forge(w.ctx, step=2**40),
-        "step--1": lambda w: _forge(w.ctx, step=-1),
-        "step-str": lambda w: _forge(w.ctx, step="3"),
-        "training-str": lambda w: _forge(w.ctx, training="yes"),
     }
-    for name, make in forged.items():
-        match = forged_match.get(name, ctx_part)
-        refuse(f"apply_gradients/ctx={name}", lambda w, make=make: ap(w, make(w)), match, STALE)
-        if not name.startswith("columns"):  # accumulate_gradients has no output columns
-            refuse(f"accumulate_gradients/ctx={name}", lambda w, make=make: acc(w, make(w)), match, STALE)
+    for name, make in not_ours.items():
+        refuse(f"apply_gradients/ctx={name}", lambda w, make=make: ap(w, make(w)), ctx_part, STALE)
+        refuse(f"accumulate_gradients/ctx={name}", lambda w, make=make: acc(w, make(w)), ctx_part, STALE)
 
-    # the context's own arrays changed in place (the caller can reach them)
-    inplace = {
-        "slots[0]=10**12": lambda c: c.slots.__setitem__(0, 10**12),
-        "slots[0]=-2": lambda c: c.slots.__setitem__(0, -2),
-        "offsets[-1]=10**9": lambda c: c.offsets.__setitem__(-1, 10**9),
-        "offsets[1]=-3": lambda c: c.offsets.__setitem__(1, -3),
+    # A forged context (dataclasses.replace of its fields): refused naming ctx (or the part of
+    # it that is wrong), or, if the core does not use the forged field, exactly the update of
+    # the genuine context (a twin world where nothing was forged).
+    forged = {
+        "slots-10**12": ("ctx", lambda w, c: dict(slots=np.full_like(c.slots, 10**12))),
+        "slots-2**62": ("ctx", lambda w, c: dict(slots=np.full_like(c.slots, 2**62))),
+        "slots-minus-2": ("ctx", lambda w, c: dict(slots=np.full_like(c.slots, -2))),
+        "slots-int64-min": ("ctx", lambda w, c: dict(slots=np.full_like(c.slots, -2**63))),
+        "slots-capacity": ("ctx", lambda w, c: dict(slots=np.full_like(c.slots, w.s.capacity))),
+        "slots-of-other-rows": ("ctx", lambda w, c: dict(slots=w.s.find(np.array([4, 5, 6, 6]))[0])),
+        "slots-short": ("ctx", lambda w, c: dict(slots=c.slots[:1].copy())),
+        "slots-float": ("ctx", lambda w, c: dict(slots=c.slots.astype(np.float64))),
+        "slots-int32": ("ctx", lambda w, c: dict(slots=c.slots.astype(np.int32))),
+        "slots-strided": ("ctx", lambda w, c: dict(slots=np.repeat(c.slots, 2)[::2])),
+        "slots-None": ("ctx", lambda w, c: dict(slots=None)),
+        "offsets-beyond-keys": ("ctx", lambda w, c: dict(offsets=np.array([0, 2, 10**9]))),
+        "offsets-decreasing": ("ctx", lambda w, c: dict(offsets=np.array([0, 3, 1]))),
+        "offsets-negative": ("ctx", lambda w, c: dict(offsets=np.array([-5, 2, 4]))),
+        "offsets-other-split": ("ctx", lambda w, c: dict(offsets=np.array([0, 1, 4]))),
+        "offsets-more-bags": ("ctx", lambda w, c: dict(offsets=np.array([0, 1, 2, 3, 4]))),
+        "offsets-empty": ("ctx", lambda w, c: dict(offsets=np.array([], dtype=np.int64))),
+        "offsets-float": ("ctx", lambda w, c: dict(offsets=c.offsets.astype(np.float64))),
+        "offsets-int32": ("ctx", lambda w, c: dict(offsets=c.offsets.astype(np.int32))),
+        "keys-replaced": ("ctx", lambda w, c: dict(keys=np.array([9, 9, 9, 9]))),
+        "weights-other-values": ("ctx", lambda w, c: dict(weights=np.full(4, 100.0, F32))),
+        "weights-None": ("ctx", lambda w, c: dict(weights=None)),
+        "weights-short": ("ctx", lambda w, c: dict(weights=np.ones(1, F32))),
+        "weights-float64": ("ctx", lambda w, c: dict(weights=np.ones(4))),
+        "weights-2d": ("ctx", lambda w, c: dict(weights=np.ones((4, 1), F32))),
+        "mode-7": ("ctx", lambda w, c: dict(mode=7)),
+        "mode--1": ("ctx", lambda w, c: dict(mode=-1)),
+        "mode-mean": ("ctx", lambda w, c: dict(mode=1)),
+        "mode-max-without-argmax": ("ctx", lambda w, c: dict(mode=2, weights=None)),
+        "mode-str": ("ctx", lambda w, c: dict(mode="sum")),
+        "mode-sum-on-max": ("ctx_max", lambda w, c: dict(mode=0)),
+        "argmax-10**9": ("ctx_max", lambda w, c: dict(argmax=np.full_like(c.argmax, 10**9))),
+        "argmax-minus-5": ("ctx_max", lambda w, c: dict(argmax=np.full_like(c.argmax, -5))),
+        "argmax-zeros": ("ctx_max", lambda w, c: dict(argmax=np.zeros_like(c.argmax))),
+        "argmax-wrong-shape": ("ctx_max", lambda w, c: dict(argmax=np.zeros((1, 1), np.int64))),
+        "argmax-float": ("ctx_max", lambda w, c: dict(argmax=c.argmax.astype(np.float64))),
+        "argmax-None": ("ctx_max", lambda w, c: dict(argmax=None)),
+        "columns-wide": ("ctx", lambda w, c: dict(columns=slice(0, 100))),
+        "columns-None": ("ctx", lambda w, c: dict(columns=None)),
+        "erase_epoch-changed": ("ctx", lambda w, c: dict(erase_epoch=c.erase_epoch + 1)),
+        "step-2**40": ("ctx", lambda w, c: dict(step=2**40)),
+        "step--1": ("ctx", lambda w, c: dict(step=-1)),
+        "step-str": ("ctx", lambda w, c: dict(step="3")),
+        "training-flipped": ("ctx", lambda w, c: dict(training=not c.training)),
+        "training-str": ("ctx", lambda w, c: dict(training="yes")),
     }
-    for name, mutate in inplace.items():
-        for verb, fn in (("apply_gradients", ap), ("accumulate_gradients", acc)):
-            def call(w, mutate=mutate, fn=fn):
-                try:
-                    mutate(w.ctx)
-                except ValueError as exc:  # read-only arrays: the forgery cannot be made
-                    raise ValueError(f"ctx: its arrays are read-only ({exc})") from None
-                fn(w, w.ctx)
-            refuse(f"{verb}/ctx.{name}-in-place", call, ctx_part, STALE)
-    for name, mutate in {"argmax[0,0]=10**9": lambda c: c.argmax.__setitem__((0, 0), 10**9),
-                         "argmax[0,0]=-5": lambda c: c.argmax.__setitem__((0, 0), -5)}.items():
-        for verb, fn in (("apply_gradients", ap), ("accumulate_gradients", acc)):
-            def call(w, mutate=mutate, fn=fn):
-                try:
-                    mutate(w.ctx_max)
-                except ValueError as exc:
-                    raise ValueError(f"ctx: its arrays are read-only ({exc})") from None
-                fn(w, w.ctx_max)
-            refuse(f"{verb}/ctx_max.{name}-in-place", call, ctx_part, STALE)
+
+    def same_as_genuine(fn, base, forge):
+        """fn(world, ctx) with a forged context must be refused, or equal the genuine call."""
+        def call(w):
+            twin = World()
+            got = fn(w, forge(w, getattr(w, base)))
+            want = fn(twin, getattr(twin, base))
+            _expect(_same(got, want), f"accumulate_gradients with the forged context gave keys {got[0]} and "
+                    f"{'the same' if got[1] == want[1] else 'other'} gradients; the genuine one keys {want[0]}"
+                    if got and want else f"the forged context gave {got!r}, the genuine one {want!r}")
+            for a, b in zip(w.stores(), twin.stores()):
+                _expect(snapshot(a) == snapshot(b), "the forged context updated other rows than the genuine one")
+        return call
+
+    for name, (base, changes) in forged.items():
+        match = forged_match.get(name, ctx_part)
+        forge = lambda w, c, changes=changes: _forge(c, **changes(w, c))
+        either(f"apply_gradients/ctx={name}", same_as_genuine(ap_ctx, base, forge), match, STALE)
+        if not name.startswith("columns"):  # accumulate_gradients has no output columns
+            either(f"accumulate_gradients/ctx={name}", same_as_genuine(acc_ctx, base, forge), match, STALE)
+
+    # The context's own arrays changed in place (the caller can reach them): refused, or
+    # exactly the genuine update (the core kept its own copy). A read-only array that cannot
+    # be changed counts as refused.
+    inplace = {
+        "slots[0]=10**12": ("ctx", lambda c: c.slots.__setitem__(0, 10**12)),
+        "slots[0]=-2": ("ctx", lambda c: c.slots.__setitem__(0, -2)),
+        "offsets[-1]=10**9": ("ctx", lambda c: c.offsets.__setitem__(-1, 10**9)),
+        "offsets[1]=-3": ("ctx", lambda c: c.offsets.__setitem__(1, -3)),
+        "weights[:]=100": ("ctx", lambda c: c.weights.__setitem__(slice(None), 100.0)),
+        "keys[:]=9": ("ctx", lambda c: c.keys.__setitem__(slice(None), 9)),
+        "argmax[0,0]=10**9": ("ctx_max", lambda c: c.argmax.__setitem__((0, 0), 10**9)),
+        "argmax[0,0]=-5": ("ctx_max", lambda c: c.argmax.__setitem__((0, 0), -5)),
+    }
+    for name, (base, mutate) in inplace.items():
+        def forge(w, c, mutate=mutate):
+            try:
+                mutate(c)
+            except ValueError as exc:  # read-only arrays: the forgery cannot be made
+                raise ValueError(f"ctx: its arrays are read-only ({exc})") from None
+            return c
+        either(f"apply_gradients/ctx.{name}-in-place", same_as_genuine(ap_ctx, base, forge), ctx_part, STALE)
+        either(f"accumulate_gradients/ctx.{name}-in-place", same_as_genuine(acc_ctx, base, forge), ctx_part, STALE)
 
     bad_grad = {
         "more-bags": lambda: np.ones((3, DIM), F32),
@@ -1012,7 +1053,9 @@ def _build_mutation_cases():
                 twin = World()
                 got = run(w, mutate, verb, use_lengths, kdtype)
                 want = run(twin, None, verb, use_lengths, kdtype)
-                _expect(got == want, f"accumulate_gradients gave {got!r}, without the mutation {want!r}")
+                _expect(got == want, f"accumulate_gradients gave keys {got[0]} and "
+                        f"{'the same' if got[1] == want[1] else 'other'} gradients; without the mutation keys {want[0]}"
+                        if got and want else "the results differ")
                 for a, b in zip(w.stores(), twin.stores()):
                     _expect(snapshot(a) == snapshot(b), "the rows differ from those of the unmutated twin")
             accept(f"mutated-after-lookup/{name}/{verb}", call)

@@ -42,11 +42,11 @@ CASES = catalogue.build()
 CASE_IDS = list(CASES)
 N_CASES = len(CASES)
 # The catalogue as built for issue 9; raise it when cases are added, never lower it.
-MIN_CASES = 1252
+MIN_CASES = 1274
 
 CHUNK = 80
-CHUNK_TIMEOUT_S = 120
-SINGLE_TIMEOUT_S = 20
+CHUNK_TIMEOUT_S = 60
+SINGLE_TIMEOUT_S = 15
 
 
 def _play(ids, timeout, env=None):
@@ -128,6 +128,8 @@ def _check(case, rec):
     assert "died" not in rec, f"{case.id}: the core crashed or hung: {rec.get('died')}"
     if rec["exc"] == "WorldError":
         pytest.fail(f"{case.id}: the test world could not be built: {rec['msg']}")
+    if rec["exc"] == "CaseFailed":
+        pytest.fail(f"{case.id}: accepted, but {rec['msg']}")
     if case.kind == "accept" or (case.kind == "either" and rec["exc"] is None):
         assert rec["exc"] is None, f"{case.id}: must be accepted, raised {rec['exc']}: {rec['msg']}"
         return
