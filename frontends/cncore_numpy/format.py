@@ -107,8 +107,8 @@ def _fields_exactly(d, names, where: str, what: str) -> None:
     missing, unknown = [n for n in names if n not in d], sorted(set(d) - set(names), key=str)
     if missing or unknown:
         raise _error(where, f"{what} must have the fields {list(names)}"
-                               + (f"; missing {missing}" if missing else "")
-                               + (f"; unknown {[_show(u, 30) for u in unknown]}" if unknown else ""))
+                     + (f"; missing {missing}" if missing else "")
+                     + (f"; unknown {[_show(u, 30) for u in unknown]}" if unknown else ""))
 
 
 def _from_whitelist(d, classes: dict, what: str, where: str):
@@ -158,7 +158,7 @@ def config_from_dict(d, where: str = "") -> cncore.StoreConfig:
         raise _error(where, f"config: {exc}") from None
 
 
-def as_column(name: str, value, width: Optional[int] = None) -> np.ndarray:
+def as_column(name: str, value) -> np.ndarray:
     """`value` as the table column `name` (dtype of `ARRAYS`), refusing casts that would change
     it: keys must be integers within int64, counts and last steps integers in [0, 2**32 - 1],
     rows and optimizer state real numbers. Raises ValueError naming the column.
