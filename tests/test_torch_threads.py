@@ -1,0 +1,108 @@
+"""Training through the torch module while another thread erases keys of the same table.
+
+One thread trains a CNEmbeddingBag with a fused optimizer on IDs 0..999 (forward, backward);
+another erases random IDs of that range through `bag.store.erase`. A backward whose lookup
+lost keys to an erase must either apply or raise the documented RuntimeError ("keys were
+erased ... since this lookup"), never crash or write into rows that now belong to other keys.
+Afterwards the table must be consistent: unique keys, len equal to their number, every key
+found, every row and optimizer state finite.
+
+The race runs in a child process (a few seconds per mode), so that a crash fails the test
+instead of killing the run; the child prints one JSON line per mode.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+SECONDS = 2.0
+MODES = ("sum", "mean", "max")
+
+CHILD = textwrap.dedent("""
+    import faulthandler, json, sys, threading, time
+    import numpy as np, torch, cncore
+    from cncore_torch import CNEmbeddingBag
+
+    faulthandler.enable()
+    torch.set_num_threads(1)
+    ERASED = "keys were erased"
+
+    def race(mode, seconds):
+        bag = CNEmbeddingBag(1000, 8, mode=mode, optimizer=cncore.Adagrad(lr=0.05), initializer=cncore.Normal(0, 0.1))
+        stop = time.monotonic() + seconds
+        counts = {"applied": 0, "refused": 0, "erased": 0, "erase_calls": 0}
+        failures = []
+
+        def train():
+            rng = np.random.default_rng(0)
+            try:
+                while time.monotonic() < stop:
+                    ids = torch.from_numpy(rng.integers(0, 1000, (64, 8)))
+                    weights = torch.rand(64, 8) if mode != "max" else None
+                    out = bag(ids, per_sample_weights=weights)
+                    try:
+                        out.square().sum().backward()
+                        counts["applied"] += 1
+                    except RuntimeError as exc:
+                        if ERASED not in str(exc) or "since this lookup" not in str(exc):
+                            raise
+                        counts["refused"] += 1
+            except BaseException as exc:
+                failures.append(f"training thread: {type(exc).__name__}: {exc}")
+
+        def erase():
+            rng = np.random.default_rng(1)
+            try:
+                while time.monotonic() < stop:
+                    counts["erased"] += int(bag.store.erase(rng.integers(0, 1000, 16)).sum())
+                    counts["erase_calls"] += 1
+                    time.sleep(0.0005)  # let the trainer run between erasures
+            except BaseException as exc:
+                failures.append(f"erasing thread: {type(exc).__name__}: {exc}")
+
+        threads = [threading.Thread(target=train), threading.Thread(target=erase)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        batch = bag.store.export()
+        keys = np.asarray(batch.keys)
+        return {"mode": mode, **counts, "failures": failures, "len": len(bag.store), "exported": len(keys),
+                "distinct": len(np.unique(keys)), "all_found": bool(bag.store.contains(keys).all()),
+                "in_range": bool(((keys >= 0) & (keys < 1000)).all()),
+                "rows_finite": bool(np.isfinite(batch.rows).all()),
+                "state_finite": bool(np.isfinite(batch.optimizer_state).all())}
+
+    for mode in sys.argv[2:]:
+        print("RESULT " + json.dumps(race(mode, float(sys.argv[1]))), flush=True)
+""")
+
+
+@pytest.fixture(scope="module")
+def results():
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(SECONDS), *MODES], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    got = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            record = json.loads(line[len("RESULT "):])
+            got[record["mode"]] = record
+    return got, proc
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_training_beside_erasure_applies_or_refuses_and_leaves_a_consistent_table(results, mode):
+    got, proc = results
+    assert mode in got, (f"the child died (status {proc.returncode}) before finishing mode {mode!r}:\n"
+                         f"{proc.stderr[-3000:]}")
+    r = got[mode]
+    assert not r["failures"], r["failures"]
+    assert r["applied"] > 0 and r["erase_calls"] > 0 and r["erased"] > 0, r  # both threads ran
+    assert r["len"] == r["exported"] == r["distinct"], r  # len counts every key, each key once
+    assert r["all_found"] and r["in_range"], r
+    assert r["rows_finite"] and r["state_finite"], r
