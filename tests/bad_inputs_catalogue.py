@@ -778,6 +778,38 @@ def _build_backward_cases():
             w.s.export(c, 2)
         refuse(f"stale-cursor/{mname}", stale_cursor, r"cursor|export", STALE)
 
+    def cursor_of_another_store(w):
+        c = w.sgd.export(max_rows=2).next_cursor
+        w.s.export(c, 2)
+    refuse("stale-cursor/of-another-store", cursor_of_another_store, r"cursor|export", STALE)
+
+    def deepcopy_ctx(w):
+        import copy
+        twin = copy.deepcopy(w.s)
+        w.stores = lambda: [w.s, w.sgd, w.plain, w.other, twin]
+        w.resnapshot()
+        twin.apply_gradients(w.ctx, w.g)
+    refuse("apply_gradients/ctx-on-a-deepcopy-of-its-store", deepcopy_ctx, ctx_match)
+
+    def after_growth(w):  # slots are stable: a context stays valid while the store grows
+        twin = World()
+        w.s.find_or_insert(np.arange(1000, 5000))
+        w.s.apply_gradients(w.ctx, w.g)
+        twin.s.apply_gradients(twin.ctx, twin.g)
+        twin.s.find_or_insert(np.arange(1000, 5000))
+        _expect(snapshot(w.s) == snapshot(twin.s), "growing the store between lookup and backward changed the update")
+    accept("apply_gradients/after-the-store-grew", after_growth)
+
+    def after_unrelated_erase(w):  # refused as stale, or exactly the update made before the erase
+        twin = World()
+        w.s.erase(np.array([6]))
+        w.resnapshot()
+        w.s.apply_gradients(w.ctx, w.g)
+        twin.s.apply_gradients(twin.ctx, twin.g)
+        twin.s.erase(np.array([6]))
+        _expect(snapshot(w.s)[:5] == snapshot(twin.s)[:5], "erasing an unrelated key changed the update")
+    either("stale-ctx/erase-an-unrelated-key/apply", after_unrelated_erase, r"ctx|context|erased|cleared", STALE)
+
 
 _DEFAULT = object()
 
@@ -833,6 +865,18 @@ def _build_grouped_cases():
         "out-wrong-width": (lambda w: gl(w, out=np.zeros((2, DIM), F32)), r"\bout\b"),
         "out-read-only": (lambda w: gl(w, out=_readonly(np.zeros((2, DIM + 3), F32))), r"\bout\b"),
         "insert_missing='no'": (lambda w: gl(w, insert_missing="no"), r"insert_missing"),
+        # one store in two features: a bad second feature must leave the first one's inserts undone
+        "same-store-offsets[1]-bad": (lambda w: gl(w, stores=[w.s, w.s], offsets=[np.array([0, 1, 2]),
+                                                                                 np.array([0, 3, 2])],
+                                                   lengths=None), r"offsets\[1\]"),
+        "same-store-keys[1]-float": (lambda w: gl(w, stores=[w.s, w.s], keys=[ka, kb.astype(float)]), r"keys\[1\]"),
+        "same-store-per_sample_weights[1]-short": (lambda w: gl(w, stores=[w.s, w.s],
+                                                                per_sample_weights=[None, np.ones(1, F32)]),
+                                                   r"per_sample_weights\[1\]"),
+        "same-store-out-read-only": (lambda w: gl(w, stores=[w.s, w.s], out=_readonly(np.zeros((2, 2 * DIM), F32))),
+                                     r"\bout\b"),
+        "three-stores-lengths[2]-bad": (lambda w: gl(w, stores=[w.s, w.sgd, w.other], keys=[ka, kb, kb],
+                                                     lengths=[L, L, np.array([2, 1])]), r"lengths\[2\]"),
     }
     for name, (call, match) in cases.items():
         refuse(f"grouped_pooled_lookup/{name}", call, match)
@@ -1071,6 +1115,8 @@ def _build_selftest_cases():
     refuse("selftest/refused-2", lambda w: w.s.find(np.array([1.0])), r"\bkeys\b")
     accept("selftest/hang", lambda w: time.sleep(3600))
     refuse("selftest/refused-3", lambda w: w.s.find(np.array([1.0])), r"\bkeys\b")
+    refuse("selftest/erases-then-raises", lambda w: (w.s.erase(np.array([1])), w.s.find(np.array([1.0]))),
+           r"\bkeys\b")
 
 
 def build() -> Dict[str, Case]:
@@ -1116,13 +1162,14 @@ def run_case(case: Case) -> dict:
             set_num_threads(None)
         except BaseException:
             pass
+    fields = ("keys", "rows", "optimizer_state", "counts", "last_steps", "len", "step", "capacity")
     try:
         now = [snapshot(st) for st in world.stores()]
-        changed = [name for name, a, b in zip(("s", "sgd", "plain", "other"), world.snaps, now) if a != b]
-        if changed:
-            rec.update(unchanged=False, detail="changed: " + ", ".join(
-                f"{name} ({', '.join(f for f, x, y in zip(('keys', 'rows', 'optimizer_state', 'counts', 'last_steps', 'len', 'step', 'capacity'), world.snaps[i], now[i]) if x != y)})"
-                for i, name in enumerate(("s", "sgd", "plain", "other")) if name in changed))
+        names = ["s", "sgd", "plain", "other"] + [f"store {i}" for i in range(4, len(now))]
+        changed = [f"{name} ({', '.join(f for f, x, y in zip(fields, a, b) if x != y)})"
+                   for name, a, b in zip(names, world.snaps, now) if a != b]
+        if changed or len(now) != len(world.snaps):
+            rec.update(unchanged=False, detail="changed: " + ", ".join(changed))
     except BaseException as exc:
         rec.update(unchanged=False, detail=f"the store cannot be exported afterwards: {type(exc).__name__}: {exc}")
     return rec
