@@ -23,6 +23,7 @@ import faulthandler
 import json
 import os
 import sys
+import traceback
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -42,6 +43,19 @@ STALE = TVB + ("RuntimeError",)
 
 class CaseFailed(AssertionError):
     """An accepted call gave a wrong result (raised by the case itself)."""
+
+
+class ForgeryImpossible(ValueError):
+    """A context's array could not be changed in place (it is read-only): as good as refused."""
+
+
+def _raised_in_cncore(exc: BaseException) -> bool:
+    """Whether the exception went through cncore's code (and not only the case's own)."""
+    if isinstance(exc, ForgeryImpossible):
+        return True
+    frames = traceback.extract_tb(exc.__traceback__)
+    return any(f"{os.sep}cncore{os.sep}" in frame.filename or frame.filename.endswith("_core.pyx")
+               for frame in frames)
 
 
 def _expect(cond: bool, what: str) -> None:
@@ -673,7 +687,7 @@ def _build_backward_cases():
             try:
                 mutate(c)
             except ValueError as exc:  # read-only arrays: the forgery cannot be made
-                raise ValueError(f"ctx: its arrays are read-only ({exc})") from None
+                raise ForgeryImpossible(f"ctx: its arrays are read-only ({exc})") from None
             return c
         either(f"apply_gradients/ctx.{name}-in-place", same_as_genuine(ap_ctx, base, forge), ctx_part, STALE)
         either(f"accumulate_gradients/ctx.{name}-in-place", same_as_genuine(acc_ctx, base, forge), ctx_part, STALE)
@@ -1156,7 +1170,8 @@ def run_case(case: Case) -> dict:
     try:
         case.call(world)
     except BaseException as exc:
-        rec.update(exc=type(exc).__name__, mro=[c.__name__ for c in type(exc).__mro__], msg=str(exc)[:2000])
+        rec.update(exc=type(exc).__name__, mro=[c.__name__ for c in type(exc).__mro__], msg=str(exc)[:2000],
+                   in_cncore=_raised_in_cncore(exc))
     finally:
         try:
             set_num_threads(None)

@@ -140,6 +140,7 @@ def _check(case, rec):
     assert rec["exc"] is not None, f"{case.id}: accepted; must raise {'/'.join(case.types)} naming {case.match!r}"
     assert set(rec["mro"]) & set(case.types), \
         f"{case.id}: raised {rec['exc']} ({rec['msg']}); must be one of {'/'.join(case.types)}"
+    assert rec["in_cncore"], f"{case.id}: {rec['exc']} ({rec['msg']}) came from the case's own code, not from cncore"
     assert re.search(case.match, rec["msg"]), \
         f"{case.id}: the message does not name the argument ({case.match!r}): {rec['exc']}: {rec['msg']}"
     assert rec["unchanged"], f"{case.id}: refused ({rec['exc']}: {rec['msg']}) but {rec['detail']}"
