@@ -268,7 +268,7 @@ class _DynamicTable(nn.Module):
 
         if self.placement.kind == "meta":  # no rows to load into, as none were saved
             if any(is_store_entry(k, prefix) for k in state_dict):
-                error_msgs.append(f"{prefix}: this table is on the meta device and holds no rows; materialise it "
+                error_msgs.append(f"{prefix}rows: this table is on the meta device and holds no rows; materialise it "
                                   "with to_empty(device='cpu') before loading rows")
             load_rest({k: v for k, v in state_dict.items() if not is_store_entry(k, prefix)}, missing_keys,
                       unexpected_keys, error_msgs)
