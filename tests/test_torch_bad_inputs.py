@@ -452,7 +452,8 @@ def build() -> dict:
         add(f"{target}.load_state_dict.from_{source}", target, _state_from(source), RuntimeError,
             STATE_ERROR.format(cls) + re.escape(p) + "optimizer_state: " + match)
     add("bag.load_state_dict.nn_embedding_bag", "bag", lambda o, x: o.load_state_dict(
-        torch.nn.EmbeddingBag(10, DIM).state_dict()), RuntimeError, 'Missing key\\(s\\).*Unexpected key\\(s\\).*"weight"')
+        torch.nn.EmbeddingBag(10, DIM).state_dict()), RuntimeError,
+        'Missing key\\(s\\).*Unexpected key\\(s\\).*"weight"')
     add("bag.load_state_dict.other_dim", "bag", lambda o, x: o.load_state_dict(
         _train(CNEmbeddingBag(50, DIM + 1, optimizer=cncore.Adam(lr=0.1)), 2).state_dict()), RuntimeError,
         STATE_ERROR.format("CNEmbeddingBag") + r"rows: expected shape \(\d+, 4\), got \(\d+, 5\)")

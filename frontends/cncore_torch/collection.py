@@ -320,7 +320,8 @@ class CNEmbeddingCollection(_DynamicTables, EmbeddingCollectionInterface):
                           "CNEmbeddingCollection", "embeddings.fused")
         dims = {c.embedding_dim for c in tables}
         if len(dims) > 1:
-            raise ValueError(f"tables: an EmbeddingCollection needs one embedding_dim for all tables, got {sorted(dims)}")
+            raise ValueError(f"tables: an EmbeddingCollection needs one embedding_dim for all tables, got "
+                             f"{sorted(dims)}")
         self._configs, self._need_indices, self._dim = tables, need_indices, dims.pop()
         self._feature_names, self._names_by_table = feature_names_of(tables)
         self._table_stores = [self._stores[c.name] for c in tables]

@@ -113,7 +113,7 @@ def read_table(state_dict, prefix: str, dim: int, state_floats: int, missing_key
                           "table)")
         elif value.dtype not in dtypes:
             errors.append(f"{key}: expected dtype {' or '.join(map(str, dtypes))}, got {value.dtype}")
-        elif value.dim() != len(shape) or any(want is not None and got != want for got, want in zip(value.shape, shape)):
+        elif value.dim() != len(shape) or any(w is not None and g != w for g, w in zip(value.shape, shape)):
             errors.append(f"{key}: expected shape {_shape(shape)}, got {tuple(value.shape)}")
         else:
             return value.detach().cpu().contiguous()
