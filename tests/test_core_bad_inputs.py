@@ -231,7 +231,7 @@ def _invalid_arguments(keys, offsets, lengths, weights, mode):
 def _reference_pool(store, keys, offsets, weights, mode):
     keys = keys.astype(np.int64)
     rows = store.lookup(keys).astype(np.float64)
-    out = np.zeros((len(offsets) - 1, DIM))
+    out = np.zeros((len(offsets) - 1, store.dim))
     w = np.ones(len(keys)) if weights is None else weights.astype(np.float64)
     for b in range(len(offsets) - 1):
         lo, hi = int(offsets[b]), int(offsets[b + 1])
@@ -353,3 +353,80 @@ def test_random_grouped_contexts_are_checked_against_every_context(core_survives
     cncore.grouped_apply_gradients(ctxs, grad)
     np.testing.assert_array_equal(b.lookup(np.arange(n_first)), np.full((n_first, 2), 0.5, F32))
     np.testing.assert_array_equal(a.lookup(np.arange(n_first)), np.full((n_first, DIM), 0.25, F32))
+
+
+@st.composite
+def grouped_inputs(draw):
+    """F features sharing B bags; at most one thing spoiled, in one feature (known exactly)."""
+    n_features = draw(st.integers(1, 3))
+    n_bags = draw(st.integers(1, 3))
+    feats = []
+    for _ in range(n_features):
+        lens = np.array(draw(st.lists(st.integers(0, 3), min_size=n_bags, max_size=n_bags)), dtype=np.int64)
+        keys = np.array(draw(st.lists(st.integers(0, 9), min_size=int(lens.sum()), max_size=int(lens.sum()))),
+                        dtype=draw(st.sampled_from([np.int64, np.int32])))
+        mode = draw(st.sampled_from(["sum", "mean", "max"]))
+        weights = None
+        if mode != "max" and draw(st.booleans()):
+            weights = np.array(draw(st.lists(st.floats(-2, 2, width=32), min_size=len(keys), max_size=len(keys))),
+                               dtype=F32)
+        by_offsets = draw(st.booleans())
+        feats.append({"keys": keys, "offsets": np.concatenate([[0], np.cumsum(lens)]) if by_offsets else None,
+                      "lengths": None if by_offsets else lens, "per_sample_weights": weights, "modes": mode})
+    spoil = draw(st.sampled_from([None, None, "keys", "offsets", "lengths", "per_sample_weights", "modes", "bags"]))
+    f = draw(st.integers(0, n_features - 1))
+    feat = feats[f]
+    if spoil == "keys":
+        feat["keys"] = draw(st.sampled_from([feat["keys"].astype(np.float64), feat["keys"].reshape(1, -1),
+                                             feat["keys"].astype(np.uint64)]))
+    elif spoil in ("offsets", "lengths"):
+        lens = np.diff(feat["offsets"]) if feat["offsets"] is not None else feat["lengths"]
+        if spoil == "offsets":
+            bad = np.concatenate([[0], np.cumsum(lens)])
+            bad[draw(st.integers(0, len(bad) - 1))] += draw(st.sampled_from([-2, 1, 2**40]))
+            feat.update(offsets=bad, lengths=None)
+        else:
+            bad = lens.copy()
+            bad[draw(st.integers(0, len(bad) - 1))] += draw(st.sampled_from([-5, -1, 1]))
+            feat.update(offsets=None, lengths=bad)
+    elif spoil == "per_sample_weights":
+        feat["per_sample_weights"] = draw(st.sampled_from([np.ones(len(feat["keys"]) + 1, F32),
+                                                           np.ones(len(feat["keys"]))]))
+        if draw(st.booleans()):
+            feat["modes"] = "max"
+    elif spoil == "modes":
+        feat["modes"] = draw(st.sampled_from(["median", "", None, 2]))
+    elif spoil == "bags":
+        if n_features == 1:
+            spoil = None
+        else:
+            feat.update(keys=np.array([1], dtype=np.int64), offsets=None, lengths=np.array([1] + [0] * n_bags),
+                        per_sample_weights=None)
+    return feats, spoil, f
+
+
+@settings(max_examples=120)
+@given(grouped_inputs(), st.sampled_from(["distinct", "shared"]))
+def test_random_grouped_lookups_name_the_bad_feature_or_pool_every_feature(core_survives, inputs, sharing):
+    feats, spoil, bad_feature = inputs
+    a = _fresh_store()
+    b = cncore.EmbeddingStore(dim=2, seed=4, initializer=cncore.Constant(-1.0))
+    b.find_or_insert(np.arange(3))
+    stores = [a if (f % 2 == 0 or sharing == "shared") else b for f in range(len(feats))]
+    call = {name: [feat[name] for feat in feats] for name in ("offsets", "lengths", "per_sample_weights", "modes")}
+    keys = [feat["keys"] for feat in feats]
+    before = (_snap(a), _snap(b))
+    if spoil is not None:
+        with pytest.raises((TypeError, ValueError, BufferError)) as info:
+            cncore.grouped_pooled_lookup(stores, keys, **call)
+        want = rf"feature {bad_feature}\b|bags" if spoil == "bags" else rf"\b{spoil}\[{bad_feature}\]"
+        assert re.search(want, str(info.value)), (want, str(info.value))
+        assert (_snap(a), _snap(b)) == before
+        return
+    out, ctxs = cncore.grouped_pooled_lookup(stores, keys, **call)
+    assert out.shape == (len(feats[0]["lengths"]) if feats[0]["lengths"] is not None
+                         else len(feats[0]["offsets"]) - 1, sum(st_.dim for st_ in stores))
+    for f, (feat, ctx) in enumerate(zip(feats, ctxs)):
+        o = feat["offsets"] if feat["offsets"] is not None else np.concatenate([[0], np.cumsum(feat["lengths"])])
+        want = _reference_pool(stores[f], feat["keys"], o, feat["per_sample_weights"], feat["modes"])
+        np.testing.assert_allclose(out[:, ctx.columns], want, rtol=1e-5, atol=1e-6)
