@@ -11,7 +11,7 @@ import cncore
 from cncore_numpy import TableWriter, load_table, open_table, save_table
 from cncore_numpy.cli import main
 from cncore_numpy.exchange import export_table, import_table
-from cncore_numpy.format import config_to_dict
+from cncore.tablefile import config_to_dict
 from cncore_numpy.tools import diff, inspect, merge, prune_mask
 from reference import EDGE_KEYS
 

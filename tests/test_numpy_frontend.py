@@ -8,7 +8,7 @@ from hypothesis import given, strategies as st
 
 import cncore
 from cncore_numpy import Table, load_table, open_table, save_table
-from cncore_numpy.offline import pool
+from cncore.tablefile_lookup import pool
 from reference import EDGE_KEYS
 
 

@@ -31,7 +31,7 @@ import pytest
 import cncore
 from cncore_numpy import TableFormatError, TableWriter, open_table
 from cncore_numpy.cli import main as cn_table
-from cncore_numpy.format import ARRAYS, config_to_dict
+from cncore.tablefile import ARRAYS, config_to_dict
 
 CONFIG = cncore.StoreConfig(dim=3, initializer=cncore.TruncatedNormal(0.0, 1.0, -1.0, 1.0), seed=11,
                             optimizer=cncore.Adam(lr=0.01, betas=(0.8, 0.9)))
@@ -247,7 +247,8 @@ def manifest_cases() -> list:
         for lie in ["../../escape.npy", "../escape.npy", "/tmp/escape.npy", "ESCAPE", "keys.npy" if name != "keys"
                     else "rows.npy", f"./{name}.npy", f"{name}.npy/", f"{name}.npy\0", f"sub/{name}.npy"]:
             cases.append(Case(f"{at}.file={lie!r}", set_field(f"{at}.file", lie), rf"{re.escape(at)}\.file"))
-        for lie in {"<i8", "<f4", "<u4", "<f8", ">" + np.dtype(dtype).str[1:], "|u1", "<i4"} - {np.dtype(dtype).str}:
+        # sorted: pytest-xdist workers must collect the same cases in the same order
+        for lie in sorted({"<i8", "<f4", "<u4", "<f8", ">" + np.dtype(dtype).str[1:], "|u1", "<i4"} - {np.dtype(dtype).str}):
             cases.append(Case(f"{at}.dtype={lie}", set_field(f"{at}.dtype", lie), rf"{re.escape(at)}\.dtype"))
         shape = template_manifest()["arrays"][name]["shape"]
         for lie in [[N + 1] + shape[1:], [N - 1] + shape[1:], shape + [1], shape[:1], [N, 0], [],

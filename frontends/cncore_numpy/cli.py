@@ -1,4 +1,4 @@
-"""cn-table: offline tools for table files (see `cncore_numpy.format`).
+"""cn-table: offline tools for table files (see `cncore.tablefile`).
 
     cn-table inspect TABLE [--json]            rows, dim, dtype, bytes, key range, histograms
     cn-table export TABLE OUT.{npz,npy,parquet}
@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from cncore_numpy import exchange, tools
 from cncore_numpy.exchange import NpzStreamWriter
-from cncore_numpy.format import TableFormatError, open_table
+from cncore.tablefile import TableFormatError, open_table
 
 
 def _progress(quiet: bool, desc: str):

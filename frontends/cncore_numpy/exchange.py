@@ -40,8 +40,8 @@ from typing import Callable, Dict, Iterator, Optional
 import numpy as np
 
 import cncore
-from cncore_numpy.format import (ARRAYS, TableFile, TableFormatError, TableWriter, as_column, config_from_dict,
-                                 config_to_dict, npy_header)
+from cncore.tablefile import (ARRAYS, TableFile, TableFormatError, TableWriter, as_column, config_from_dict,
+                              config_to_dict, infer_config, npy_header)
 
 __all__ = ["export_table", "import_table", "FORMATS", "NpzStreamWriter"]
 
@@ -325,16 +325,6 @@ def _parquet_source(path: str) -> _Source:
                     out[name] = values.reshape(-1, width) if width else values
             yield out
     return _Source(pf.metadata.num_rows, dim, sf, config, meta["step"] if meta else None, batches)
-
-
-def infer_config(dim: int, state_floats: int) -> cncore.StoreConfig:
-    """A config for rows without one: the optimizer is guessed from the state width (0: none,
-    1: row-wise Adagrad, dim: Adagrad, 2*dim: Adam), with default hyperparameters."""
-    optimizer = {0: None, 1: cncore.RowWiseAdagrad(), dim: cncore.Adagrad(), 2 * dim: cncore.Adam()}.get(state_floats)
-    if optimizer is None and state_floats:
-        raise ValueError(f"cannot infer an optimizer from {state_floats} state floats per row of dim {dim}; "
-                         f"pass config=")
-    return cncore.StoreConfig(dim=dim, optimizer=optimizer)
 
 
 def import_table(src: str, out: str, config: Optional[cncore.StoreConfig] = None, step: Optional[int] = None,

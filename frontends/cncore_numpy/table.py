@@ -40,7 +40,7 @@ from __future__ import annotations
 import numpy as np
 
 import cncore
-from cncore_numpy.format import open_table, save_table
+from cncore.tablefile import load_store, save_table
 
 __all__ = ["Table", "load_table"]
 
@@ -72,7 +72,7 @@ class Table(cncore.EmbeddingStore):
                                   insert_missing=False)[0]
 
     def save(self, path: str) -> None:
-        """Write the table to the file format (atomic; see `cncore_numpy.format`)."""
+        """Write the table to the file format (atomic; see `cncore.tablefile`)."""
         save_table(self, path)
 
     @classmethod
@@ -91,11 +91,4 @@ def load_table(path: str, verify: bool = True, batch_rows: int = 1 << 18) -> Tab
     >>> sorted(back.export().keys.tolist()) == [-2**63, 2**63 - 1], bool((back[[0, -2**63]] == t[[0, -2**63]]).all())
     (True, True)
     """
-    table = open_table(path, verify)
-    store = Table(table.config)
-    store.reserve(len(table))
-    sf = table.config.state_floats
-    for _, b in table.batches(batch_rows):
-        store.load(b["keys"], b["rows"], b["optimizer_state"] if sf else None, b["counts"], b["last_steps"])
-    store.step = table.step
-    return store
+    return load_store(path, verify, batch_rows, kind=Table)

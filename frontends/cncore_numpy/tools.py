@@ -26,8 +26,8 @@ from typing import Callable, Dict, Optional
 import numpy as np
 
 from cncore_numpy.exchange import BATCH, NpzStreamWriter
-from cncore_numpy.format import TableFile, TableWriter
-from cncore_numpy.offline import find_rows, key_index
+from cncore.tablefile import TableFile, TableWriter
+from cncore.tablefile_lookup import find_rows, key_index
 
 __all__ = ["inspect", "prune_mask", "prune", "merge", "diff", "to_fixed", "POLICIES"]
 

@@ -1,4 +1,4 @@
-"""Torch checkpoints <-> table files (`cncore_numpy.format`), without loss.
+"""Torch checkpoints <-> table files (`cncore.tablefile`), without loss.
 
 In a `state_dict` a dynamic table is the group of entries ``PREFIX{keys, rows,
 optimizer_state, counts, last_steps, step}`` (see `state.py`), whichever module wrote it
@@ -27,8 +27,7 @@ import numpy as np
 import torch
 
 import cncore
-from cncore_numpy.exchange import infer_config
-from cncore_numpy.format import TableWriter, open_table
+from cncore.tablefile import TableWriter, infer_config, open_table
 from cncore_torch.state import FIELDS
 
 __all__ = ["checkpoint_to_tables", "tables_to_checkpoint", "table_configs", "table_prefixes"]
@@ -70,7 +69,7 @@ def checkpoint_to_tables(state_dict: dict, directory: str,
                          configs: Optional[Dict[str, cncore.StoreConfig]] = None) -> List[str]:
     """Write each table of `state_dict` to ``directory/<prefix without its last dot>``.
     `configs` (from `table_configs(model)`) supplies each table's config; a table without
-    one gets a config inferred from its shapes (`cncore_numpy.exchange.infer_config`).
+    one gets a config inferred from its shapes (`cncore.tablefile.infer_config`).
     Returns the directory names written. Every table is checked (its name: one plain path
     component; its shapes and value ranges) before the first is written.
 

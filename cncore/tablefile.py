@@ -28,7 +28,7 @@ do not disturb it.
 Format version 2 added manifest.sha256; version 1 tables (without it) still open.
 
 >>> import numpy as np, tempfile, os, cncore
->>> from cncore_numpy import save_table, load_table, open_table
+>>> from cncore.tablefile import save_table, load_store, open_table
 >>> store = cncore.EmbeddingStore(dim=2, optimizer=cncore.RowWiseAdagrad())
 >>> _ = store.find_or_insert(np.array([-1, 2**63 - 1]))
 >>> path = os.path.join(tempfile.mkdtemp(), "users.cnt")
@@ -36,7 +36,7 @@ Format version 2 added manifest.sha256; version 1 tables (without it) still open
 >>> table = open_table(path)                 # memory-mapped, checked
 >>> sorted(table.keys.tolist()), table.rows.shape
 ([-1, 9223372036854775807], (2, 2))
->>> len(load_table(path))
+>>> len(load_store(path))
 2
 """
 from __future__ import annotations
@@ -56,8 +56,8 @@ import numpy as np
 
 import cncore
 
-__all__ = ["save_table", "open_table", "TableFile", "TableWriter", "TableFormatError",
-           "FORMAT_VERSION"]
+__all__ = ["save_table", "open_table", "load_store", "TableFile", "TableWriter", "TableFormatError",
+           "FORMAT_VERSION", "config_to_dict", "config_from_dict", "infer_config"]
 
 FORMAT = "cn-table"
 FORMAT_VERSION = 2  # 2: manifest.sha256 added; 1 is still read
@@ -98,6 +98,20 @@ def config_to_dict(config: cncore.StoreConfig) -> dict:
     d["optimizer"] = (None if config.optimizer is None else
                       {"type": type(config.optimizer).__name__, **dataclasses.asdict(config.optimizer)})
     return d
+
+
+def infer_config(dim: int, state_floats: int) -> cncore.StoreConfig:
+    """A config for rows without one: the optimizer is guessed from the state width (0: none,
+    1: row-wise Adagrad, dim: Adagrad, 2*dim: Adam), with default hyperparameters.
+
+    >>> infer_config(4, 8).optimizer
+    Adam(lr=0.001, betas=(0.9, 0.999), eps=1e-08)
+    """
+    optimizer = {0: None, 1: cncore.RowWiseAdagrad(), dim: cncore.Adagrad(), 2 * dim: cncore.Adam()}.get(state_floats)
+    if optimizer is None and state_floats:
+        raise ValueError(f"cannot infer an optimizer from {state_floats} state floats per row of dim {dim}; "
+                         f"pass config=")
+    return cncore.StoreConfig(dim=dim, optimizer=optimizer)
 
 
 def _fields_exactly(d, names, where: str, what: str) -> None:
@@ -392,6 +406,28 @@ def save_table(store: cncore.EmbeddingStore, path: str, batch_rows: int = 1 << 1
                                f"{writer.n_rows} expected)")
 
 
+def load_store(path: str, verify: bool = True, batch_rows: int = 1 << 18, kind=None) -> cncore.EmbeddingStore:
+    """A store (of class `kind`, an EmbeddingStore subclass; EmbeddingStore by default) holding
+    everything in the table directory, read in batches: keys, rows, optimizer state, counts,
+    last steps and the step, exactly.
+
+    >>> import numpy as np, tempfile, os
+    >>> s = cncore.EmbeddingStore(dim=3, optimizer=cncore.Adam()); _ = s.find_or_insert(np.array([-2**63, 7]))
+    >>> path = os.path.join(tempfile.mkdtemp(), "t.cnt"); save_table(s, path)
+    >>> back = load_store(path)
+    >>> sorted(back.export().keys.tolist()), back.config == s.config
+    ([-9223372036854775808, 7], True)
+    """
+    table = open_table(path, verify)
+    store = (kind or cncore.EmbeddingStore)(table.config)
+    store.reserve(len(table))
+    sf = table.config.state_floats
+    for _, b in table.batches(batch_rows):
+        store.load(b["keys"], b["rows"], b["optimizer_state"] if sf else None, b["counts"], b["last_steps"])
+    store.step = table.step
+    return store
+
+
 def _read_current(path: str, missing_ok: bool = False, must_parse: bool = True) -> Optional[str]:
     """The version CURRENT names (None if there is no CURRENT and `missing_ok`); a damaged
     CURRENT raises, or gives None when not `must_parse` (a save then replaces it)."""
@@ -517,7 +553,7 @@ class TableFile:
         >>> open_table(path).lookup([-3, 7]).tolist()
         [[3.0, 4.0], [0.0, 0.0]]
         """
-        from cncore_numpy.offline import file_lookup
+        from cncore.tablefile_lookup import file_lookup
         return file_lookup(self, keys)
 
     def pooled_lookup(self, keys, offsets=None, *, lengths=None, mode: str = "sum",
@@ -533,7 +569,7 @@ class TableFile:
         >>> open_table(path).pooled_lookup([1, 2, 2, 5], lengths=[2, 0, 2], mode="mean").ravel().tolist()
         [5.5, 0.0, 5.0]
         """
-        from cncore_numpy.offline import file_pooled_lookup
+        from cncore.tablefile_lookup import file_pooled_lookup
         return file_pooled_lookup(self, keys, offsets, lengths, mode, per_sample_weights)
 
 
