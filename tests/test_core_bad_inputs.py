@@ -75,15 +75,20 @@ def _play_chunk(ids, chunk_timeout=CHUNK_TIMEOUT_S, single_timeout=SINGLE_TIMEOU
     records, death = _play(ids, chunk_timeout, env)
     if death is None and len(records) == len(ids):
         return records
-    # The chunk died: replay every case it did not report, one per process, to find the crasher.
+    # The chunk died (maybe only at exit, in a destructor): replay its cases one per process
+    # to find the crasher.
+    running = next((cid for cid in ids if cid not in records), ids[-1])
+    any_died = False
     for cid in ids:
-        if cid in records:
-            continue
         one, one_death = _play([cid], single_timeout, env)
         if cid in one and one_death is None:
             records[cid] = one[cid]
         else:
             records[cid] = {"id": cid, "died": one_death or "the process ended without a result"}
+            any_died = True
+    if not any_died:  # alone every case survives: an earlier case corrupted what this one touched
+        records[running] = {"id": running, "died": f"{death or 'no result'} (in its chunk of {len(ids)} cases; "
+                                                   "alone it passes: an earlier case of the chunk broke the process)"}
     return records
 
 
