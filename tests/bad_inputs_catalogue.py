@@ -383,12 +383,12 @@ def _build_store_verb_cases():
     # step setter
     for name, value in {"-1": -1, "2**63": 2**63, "2**64": 2**64, "1.5": 1.5, "float-2.0": 2.0, "True": True,
                         "str": "3", "None": None, "nan": float("nan")}.items():
-        refuse(f"step={name}", lambda w, v=value: setattr(w.s, "step", v), r"\bstep\b")
+        refuse(f"step/value={name}", lambda w, v=value: setattr(w.s, "step", v), r"\bstep\b")
 
     def step_ok(w):
         w.s.step = np.int64(5)
         _expect(w.s.step == 5 and isinstance(w.s.step, int), f"step {w.s.step!r}")
-    accept("step=np.int64(5)", step_ok)
+    accept("step/value=np.int64(5)", step_ok)
 
     # set_num_threads: refused cleanly above a sane bound
     for name, value in {"0": 0, "-1": -1, "32768": 32768, "65536": 65536, "2**31": 2**31, "2**63": 2**63,
@@ -602,6 +602,7 @@ def _build_backward_cases():
     # it that is wrong), or, if the core does not use the forged field, exactly the update of
     # the genuine context (a twin world where nothing was forged).
     forged = {
+        "copy-unchanged": ("ctx", lambda w, c: {}),
         "slots-10**12": ("ctx", lambda w, c: dict(slots=np.full_like(c.slots, 10**12))),
         "slots-2**62": ("ctx", lambda w, c: dict(slots=np.full_like(c.slots, 2**62))),
         "slots-minus-2": ("ctx", lambda w, c: dict(slots=np.full_like(c.slots, -2))),

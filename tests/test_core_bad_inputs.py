@@ -42,7 +42,7 @@ CASES = catalogue.build()
 CASE_IDS = list(CASES)
 N_CASES = len(CASES)
 # The catalogue as built for issue 9; raise it when cases are added, never lower it.
-MIN_CASES = 1283
+MIN_CASES = 1285
 
 CHUNK = 80
 CHUNK_TIMEOUT_S = 60
@@ -111,7 +111,7 @@ def test_the_catalogue_does_not_shrink():
     for name in ("find", "contains", "find_or_insert", "insert_or_assign", "assign", "load", "erase", "reserve",
                  "lookup", "read", "export", "iter_export", "pooled_lookup", "apply_gradients",
                  "accumulate_gradients", "grouped_pooled_lookup", "grouped_apply_gradients", "set_num_threads",
-                 "initial_rows", "step=-1", "StoreConfig", "EmbeddingStore", "Uniform", "Normal", "TruncatedNormal",
+                 "initial_rows", "step", "StoreConfig", "EmbeddingStore", "Uniform", "Normal", "TruncatedNormal",
                  "Constant", "SGD", "Adagrad", "RowWiseAdagrad", "Adam", "stale-ctx", "stale-cursor",
                  "mutated-after-lookup"):
         assert name in prefixes, name
