@@ -250,12 +250,15 @@ def dmp_run(args, data: Data) -> Run:
     fused = {f"t_{key}": ParameterConstraints(sharding_types=[ShardingType.TABLE_WISE.value],
                                               compute_kernels=[EmbeddingComputeKernel.FUSED.value])
              for key in SPARSE_KEYS}
-    topology = TopologyFactory.create_topology(TrainerConfig(world_size=1), kernel_config=KernelConfig(compute_device="cpu"))
+    # The topology factory and a fixed storage reservation: TorchRec warns about the plain
+    # Topology(...) and its default heuristic reservation.
+    topology = TopologyFactory.create_topology(TrainerConfig(world_size=1),
+                                               kernel_config=KernelConfig(compute_device="cpu"))
     planner = EmbeddingShardingPlanner(topology=topology, constraints=fused,
                                        storage_reservation=FixedPercentageStorageReservation(0.15))
     plan = planner.plan(model, get_default_sharders())
     with warnings.catch_warnings():
-        # TorchRec's own DistributedDataParallel call passes the deprecated argument; nothing to do here.
+        # TorchRec's own DistributedDataParallel call passes the deprecated argument: not ours to change.
         warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
         dmp = DistributedModelParallel(module=model, device=torch.device("cpu"), plan=plan)
     dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
