@@ -153,7 +153,6 @@ def rows(n, d=DIM, dtype=F32):
     return np.arange(n * d, dtype=dtype).reshape(n, d) / 8
 
 
-NEW2 = np.array([100, 101], dtype=np.int64)          # keys no store of the world holds... (100: s has it)
 UNSEEN2 = np.array([900, 901], dtype=np.int64)       # keys no store holds
 
 # Wrong keys: anything but a 1-D int64 (or int32) array. Two entries where the length matters.
@@ -318,7 +317,8 @@ def _build_row_cases():
                    lambda w, verb=verb, make=make, keys=keys: getattr(w.s, verb)(keys, rows(2), make()),
                    r"optimizer_state")
         for store in ("sgd", "plain"):
-            for sname, make in {"(2,4)": lambda: np.zeros((2, DIM), F32), "(2,1)": lambda: np.ones((2, 1), F32)}.items():
+            stateless_bad = {"(2,4)": lambda: np.zeros((2, DIM), F32), "(2,1)": lambda: np.ones((2, 1), F32)}
+            for sname, make in stateless_bad.items():
                 keys = UNSEEN2 if verb != "assign" else np.array([1, 2])
                 refuse(f"{verb}/optimizer_state={sname}-to-stateless-{store}",
                        lambda w, verb=verb, make=make, keys=keys, store=store:
@@ -720,7 +720,8 @@ def _build_backward_cases():
                lambda w, make=make: w.s.apply_gradients(w.ctx_max, make()), r"grad_output")
 
     for name, lr in {"-1": -1.0, "-0.1-np": np.float64(-0.1), "nan": float("nan"), "inf": float("inf"),
-                     "1e39": 1e39, "True": True, "False": False, "str": "0.1", "complex": 0.1j, "list-with-nan": [float("nan")],
+                     "1e39": 1e39, "True": True, "False": False, "str": "0.1", "complex": 0.1j,
+                     "list-with-nan": [float("nan")],
                      "list-too-long": [0.1, 0.2], "array": np.array([0.1]), "np.float32-nan": np.float32("nan"),
                      "np.float64-1e39": np.float64(1e39)}.items():
         refuse(f"apply_gradients/lr={name}", lambda w, lr=lr: w.sgd.apply_gradients(w.ctx_sgd, w.g, lr=lr), r"\blr\b")
@@ -1008,7 +1009,8 @@ def _build_config_cases():
         refuse(f"Normal/std={name}", lambda w, s=std: Normal(std=s), r"\bstd\b")
         refuse(f"TruncatedNormal/std={name}", lambda w, s=std: TruncatedNormal(std=s), r"\bstd\b")
     refuse("TruncatedNormal/low>high", lambda w: TruncatedNormal(low=1.0, high=-1.0), r"\blow\b|\bhigh\b")
-    refuse("TruncatedNormal/interval-without-mass", lambda w: TruncatedNormal(low=100.0, high=101.0), r"\blow\b|\bhigh\b")
+    refuse("TruncatedNormal/interval-without-mass", lambda w: TruncatedNormal(low=100.0, high=101.0),
+           r"\blow\b|\bhigh\b")
 
     opt_fields = {SGD: ("lr",), Adagrad: ("lr", "eps", "initial_accumulator_value"),
                   RowWiseAdagrad: ("lr", "eps", "initial_accumulator_value"), Adam: ("lr", "eps")}
@@ -1040,7 +1042,8 @@ def _build_config_cases():
         accept(f"{name}/numpy-scalars", init_ok)
     opt_ok = {
         "SGD": (lambda: SGD(lr=np.float32(0.1)), lambda: SGD(lr=float(np.float32(0.1)))),
-        "Adagrad": (lambda: Adagrad(lr=np.float32(0.1), eps=np.float32(1e-8), initial_accumulator_value=np.float32(0.1)),
+        "Adagrad": (lambda: Adagrad(lr=np.float32(0.1), eps=np.float32(1e-8),
+                                    initial_accumulator_value=np.float32(0.1)),
                     lambda: Adagrad(lr=float(np.float32(0.1)), eps=float(np.float32(1e-8)),
                                     initial_accumulator_value=float(np.float32(0.1)))),
         "RowWiseAdagrad": (lambda: RowWiseAdagrad(lr=np.float64(0.1), eps=np.float32(1e-8)),
