@@ -19,9 +19,14 @@ __all__ = [
 ]
 
 
+# Rows a store may be asked to hold up front (the core's index bound, cn_index.h); what the
+# machine can hold is checked when the store allocates.
+MAX_CAPACITY = 2**56
+
 # The largest float32: rows, state and hyperparameters are float32 in the core, so a larger
 # value became inf there (and NaN rows after the first update).
 FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32: a std below it is 0 or denormal
 
 
 def _finite(name: str, value: float) -> float:
@@ -74,8 +79,8 @@ class Normal:
 
     def __post_init__(self):
         _field(self, "mean")
-        if not _field(self, "std") > 0:
-            raise ValueError(f"Normal.std must be > 0, got {self.std}")
+        if not _field(self, "std") >= FLOAT32_TINY:
+            raise ValueError(f"Normal.std must be >= 1.2e-38 (a float32 that is not 0), got {self.std}")
         # A draw is at most ~6 std from the mean (24-bit uniforms); it must stay a finite float32.
         _finite("Normal.mean + 8 * Normal.std", abs(float(self.mean)) + 8 * float(self.std))
 
@@ -114,8 +119,8 @@ class TruncatedNormal:
 
     def __post_init__(self):
         mean = _field(self, "mean")
-        if not _field(self, "std") > 0:
-            raise ValueError(f"TruncatedNormal.std must be > 0, got {self.std}")
+        if not _field(self, "std") >= FLOAT32_TINY:
+            raise ValueError(f"TruncatedNormal.std must be >= 1.2e-38 (a float32 that is not 0), got {self.std}")
         lo, hi = _field(self, "low"), _field(self, "high")
         if not lo < hi:
             raise ValueError(f"TruncatedNormal needs low < high, got low={lo}, high={hi}")
@@ -246,10 +251,14 @@ class StoreConfig:
                             f"got {type(self.initializer).__name__}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**64:
             raise ValueError(f"seed must be an int in [0, 2**64), got {self.seed!r}")
-        if not isinstance(self.capacity, int) or isinstance(self.capacity, bool) or self.capacity < 0:
-            raise ValueError(f"capacity must be an int >= 0, got {self.capacity!r}")
-        if not isinstance(self.max_load_factor, (int, float)) or not 0.1 <= self.max_load_factor <= 0.9:
+        if isinstance(self.capacity, bool) or not isinstance(self.capacity, numbers.Integral) \
+                or not 0 <= self.capacity <= MAX_CAPACITY:
+            raise ValueError(f"capacity must be an int in [0, 2**56], got {self.capacity!r}")
+        object.__setattr__(self, "capacity", int(self.capacity))
+        if isinstance(self.max_load_factor, bool) or not isinstance(self.max_load_factor, numbers.Real) \
+                or not 0.1 <= self.max_load_factor <= 0.9:
             raise ValueError(f"max_load_factor must be in [0.1, 0.9], got {self.max_load_factor!r}")
+        object.__setattr__(self, "max_load_factor", float(self.max_load_factor))
         if self.optimizer is not None and type(self.optimizer) not in _STATE_FLOATS:
             raise TypeError("optimizer must be None, SGD, Adagrad, RowWiseAdagrad or Adam, "
                             f"got {type(self.optimizer).__name__}")

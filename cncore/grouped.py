@@ -19,7 +19,7 @@ output, the layout of TorchRec's KeyedTensor. `grouped_apply_gradients` is its b
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
 import numpy as np
@@ -31,6 +31,17 @@ __all__ = ["LookupContext", "grouped_pooled_lookup", "grouped_apply_gradients", 
 
 MODES = {"sum": 0, "mean": 1, "max": 2}
 
+# What only a lookup puts into a context (LookupContext._seal).
+_SEAL = object()
+
+
+def _sealed(ctx: "LookupContext") -> "LookupContext":
+    for array in (ctx.keys, ctx.slots, ctx.offsets, ctx.weights, ctx.argmax):
+        if array is not None:
+            array.flags.writeable = False
+    object.__setattr__(ctx, "_seal", _SEAL)
+    return ctx
+
 
 @dataclass(frozen=True)
 class LookupContext:
@@ -41,7 +52,11 @@ class LookupContext:
     store under the store's lock (the erase epoch, which is unique to the store, the offsets
     and the slots' range), so a context that went stale (keys erased, store cleared, a module
     moved to another device) or was forged is refused with every row unchanged; it never
-    reaches memory it should not."""
+    reaches memory it should not.
+
+    A context is opaque: only a lookup makes one. Its arrays are read-only, and a copy made by
+    `dataclasses.replace`, `copy` or pickling carries no seal and is refused by the backward,
+    so a context either is what its lookup made or is not used at all."""
     store: object
     keys: np.ndarray
     slots: np.ndarray
@@ -54,6 +69,7 @@ class LookupContext:
     n_new: int      # rows this lookup inserted
     training: bool  # inserted unseen keys; its backward records the rows' accesses
     step: int       # the store's step at the lookup (recorded as the rows' last step)
+    _seal: object = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def n_bags(self) -> int:
@@ -65,6 +81,9 @@ def check_context(ctx, store, name: str = "ctx") -> None:
     core under the store's lock, where the check cannot race an erase."""
     if not isinstance(ctx, LookupContext):
         raise TypeError(f"{name} must be the LookupContext returned by pooled_lookup, got {type(ctx).__name__}")
+    if ctx._seal is not _SEAL:
+        raise ValueError(f"{name} was not made by a lookup (a replaced, copied or unpickled context); contexts "
+                         "cannot be modified: use the one pooled_lookup returned")
     if ctx.store is not store:
         raise ValueError(f"{name} comes from a lookup on another store")
 
@@ -128,8 +147,10 @@ def grouped_pooled_lookup(stores: Sequence, keys: Sequence, offsets: Optional[Se
                 raise ValueError(f"offsets[{f}]: needs B+1 >= 1 entries (the last is len(keys))")
         else:
             ln = as_offsets(lengths[f], f"lengths[{f}]")
-            if ln.size and ln.min() < 0:
-                raise ValueError(f"lengths[{f}]: must be >= 0")
+            # Each length within [0, len(keys)] first, so the cumulative sum cannot wrap around
+            # (lengths of 2**63 once added up to 4).
+            if ln.size and (ln.min() < 0 or ln.max() > len(k)):
+                raise ValueError(f"lengths[{f}]: must be in [0, len(keys[{f}])] = [0, {len(k)}]")
             o = np.zeros(len(ln) + 1, dtype=np.int64)
             np.cumsum(ln, out=o[1:])
             if o[-1] != len(k):
@@ -161,10 +182,10 @@ def grouped_pooled_lookup(stores: Sequence, keys: Sequence, offsets: Optional[Se
     outs = [out[:, starts[f]:starts[f + 1]] for f in range(n)]
     results = _core.grouped_forward([s._table for s in stores], key_arrays, offset_arrays, weight_arrays,
                                     mode_codes, outs, bool(insert_missing))
-    ctxs = [LookupContext(stores[f], key_arrays[f], results[f][0], offset_arrays[f], weight_arrays[f],
-                          mode_codes[f], results[f][1], results[f][3],
-                          slice(int(starts[f]), int(starts[f + 1])), results[f][2], insert_missing,
-                          stores[f].step)
+    ctxs = [_sealed(LookupContext(stores[f], key_arrays[f], results[f][0], offset_arrays[f], weight_arrays[f],
+                                  mode_codes[f], results[f][1], results[f][3],
+                                  slice(int(starts[f]), int(starts[f + 1])), results[f][2], insert_missing,
+                                  stores[f].step))
             for f in range(n)]
     return out, ctxs
 

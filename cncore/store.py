@@ -58,6 +58,8 @@ def initial_rows(config: StoreConfig, keys) -> np.ndarray:
     >>> bool((initial_rows(cfg, np.array([9])) == EmbeddingStore(cfg).lookup(np.array([9]), insert_missing=True)).all())
     True
     """
+    if not isinstance(config, StoreConfig):
+        raise TypeError(f"config must be a cncore.StoreConfig, got {type(config).__name__}")
     keys = as_keys(keys)
     out = np.empty((len(keys), config.dim), dtype=np.float32)
     if len(keys):
@@ -308,12 +310,16 @@ class EmbeddingStore:
                           None if done else (nxt, version))
 
     def iter_export(self, batch_size: int = 65536) -> Iterator[TableBatch]:
-        """Export in batches of at most `batch_size` rows."""
-        batch = self.export(None, batch_size)
-        yield batch
-        while batch.next_cursor is not None:
-            batch = self.export(batch.next_cursor, batch_size)
+        """Export in batches of at most `batch_size` rows (checked now, not at the first batch)."""
+        batch_size = _count(batch_size, "batch_size", 1, 2**63)
+
+        def batches():
+            batch = self.export(None, batch_size)
             yield batch
+            while batch.next_cursor is not None:
+                batch = self.export(batch.next_cursor, batch_size)
+                yield batch
+        return batches()
 
     # --- pooled lookup and training -----------------------------------------------------------
 

@@ -84,7 +84,7 @@ BAD_CALLS = [
     ("offsets", ValueError, "must start at 0", lambda s: s.pooled_lookup(np.array([7]), np.array([1, 1]))),
     ("offsets", TypeError, "int64 or int32", lambda s: s.pooled_lookup(np.array([7]), np.array([0.0, 1.0]))),
     ("lengths", ValueError, "exactly one", lambda s: s.pooled_lookup(np.array([7]))),
-    ("lengths", ValueError, "must be >= 0", lambda s: s.pooled_lookup(np.array([7, 8]), lengths=np.array([3, -1]))),
+    ("lengths", ValueError, r"must be in \[0, len\(keys\[0\]\)\]", lambda s: s.pooled_lookup(np.array([7, 8]), lengths=np.array([3, -1]))),
     ("per_sample_weights", ValueError, "shape",
      lambda s: s.pooled_lookup(np.array([7, 8]), lengths=np.array([2]), per_sample_weights=np.ones(3, np.float32))),
     ("per_sample_weights", ValueError, "not 'max'",

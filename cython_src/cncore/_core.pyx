@@ -494,6 +494,11 @@ cdef _check_backward_inputs(Table tab, object slots, object offsets, object weig
     _check_rows(grad, np.float32, n_bags, tab.t.dim, f"grad_output (feature {f})", False)
 
 
+cdef str _nonfinite_message(int f):
+    return (f"grad_output: holds NaN or inf (feature {f}); applied, it would overwrite every row it touches "
+            "for good, so nothing was updated")
+
+
 cdef str _stale_message(int f, int rc):
     if rc == CN_ESTALE:
         return (f"feature {f}: keys were erased (or the store cleared) since this lookup, or the lookup was made "
@@ -525,7 +530,7 @@ def grouped_backward(list tables, list slots, list offsets, list weights, list m
     cdef cn_table** locked = <cn_table**> malloc(max(F, 1) * sizeof(cn_table*))
     cdef cn_optim* opts = <cn_optim*> malloc(max(F, 1) * sizeof(cn_optim))
     cdef int64_t* ip = <int64_t*> malloc(max(F, 1) * 12 * sizeof(int64_t))
-    cdef int64_t oom_feature = -1, bad_feature = -1, bad_pos = -1, stale_feature = -1
+    cdef int64_t oom_feature = -1, bad_feature = -1, bad_pos = -1, stale_feature = -1, nonfinite_feature = -1
     cdef int rc = 0, stale_rc = 0
     if tp == NULL or opts == NULL or ip == NULL or locked == NULL:
         free(tp)
@@ -578,7 +583,10 @@ def grouped_backward(list tables, list slots, list offsets, list weights, list m
                 if bad_pos >= 0:
                     bad_feature = f
                     break
-            if bad_feature < 0:
+                if not cn_all_finite(<weight_t*> p_grad[f], p_nbags[f], tp[f].dim, p_ld[f]):
+                    nonfinite_feature = f
+                    break
+            if bad_feature < 0 and nonfinite_feature < 0:
                 for i in range(F):
                     pthread_rwlock_wrlock(&locked[i].lock)
                 for f in range(F):
@@ -603,6 +611,8 @@ def grouped_backward(list tables, list slots, list offsets, list weights, list m
         if bad_feature >= 0:
             raise ValueError(f"offsets[{bad_feature}]: must start at 0, never decrease and end at the number of "
                              f"slots ({p_nkeys[bad_feature]}); position {bad_pos} breaks this")
+        if nonfinite_feature >= 0:
+            raise ValueError(_nonfinite_message(nonfinite_feature))
         if stale_feature >= 0:
             raise RuntimeError(_stale_message(stale_feature, stale_rc))
         if oom_feature >= 0:
@@ -636,11 +646,15 @@ def unique_gradients(Table table, slots, offsets, weights, int mode, argmax, gra
     cdef weight_t* out_p
     cdef int64_t* bag_of = NULL
     cdef const slot_t* slots_p = &sl[0] if n else NULL
+    cdef bint finite
     with nogil:
         bad_pos = cn_check_offsets(&off[0], n_bags, n)
+        finite = cn_all_finite(g, n_bags, dim, ld)
     if bad_pos >= 0:
         raise ValueError(f"offsets: must start at 0, never decrease and end at the number of slots ({n}); "
                          f"position {bad_pos} breaks this")
+    if not finite:
+        raise ValueError(_nonfinite_message(0))
     with nogil:
         bag_of = cn_bag_of(&off[0], n_bags, cn_threads_for(n))
         rc = -1 if bag_of == NULL else cn_groups_build(slots_p, NULL, n, &groups)

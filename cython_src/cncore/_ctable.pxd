@@ -44,6 +44,7 @@ cdef extern from "cn_grad.h" nogil:
         int64_t *unique_pos
     int cn_groups_build(const slot_t *slots, const int64_t *positions, int64_t m, cn_groups *g)
     void cn_groups_free(cn_groups *g)
+    int cn_all_finite(const weight_t *g, int64_t rows, int64_t dim, int64_t ld)
     int64_t *cn_bag_of(const offset_t *offsets, int64_t n_bags, int nthreads)
     void cn_grad_unique(const cn_groups *g, const int64_t *bag_of, const cn_arena *a, int64_t dim,
                         const slot_t *slots, const offset_t *offsets, const weight_t *weights, int mode,

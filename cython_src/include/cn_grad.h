@@ -110,6 +110,20 @@ static inline int cn_groups_build(const int64_t *restrict slots, const int64_t *
     return 0;
 }
 
+/* Whether every value of the (rows, dim) gradient with row stride ld is finite: a NaN or inf
+ * gradient would overwrite every row it touches for good, so the backward refuses it before
+ * any row changes. A float is not finite exactly when its exponent bits are all ones; testing
+ * the bits is an integer OR-reduction, which vectorises (a float sum of x - x would be a serial
+ * chain of dependent adds without -ffast-math), so the pass runs at memory speed. */
+static inline int cn_all_finite(const float *g, int64_t rows, int64_t dim, int64_t ld) {
+    uint32_t bad = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        const uint32_t *restrict x = (const uint32_t *)(const void *)(g + r * ld);
+        for (int64_t d = 0; d < dim; d++) bad |= (uint32_t)((x[d] & 0x7f800000u) == 0x7f800000u);
+    }
+    return bad == 0;
+}
+
 /* bag_of[i] = the bag of key position i; NULL when out of memory. */
 static inline int64_t *cn_bag_of(const int64_t *offsets, int64_t n_bags, int nthreads) {
     const int64_t n = offsets[n_bags];

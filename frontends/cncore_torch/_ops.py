@@ -16,7 +16,6 @@ import numpy as np
 import torch
 
 from cncore import _core
-from cncore.grouped import LookupContext
 from cncore.grouped import _optim_tuple as optimizer_arguments
 
 _TABLES: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
@@ -25,7 +24,7 @@ _next_handle = [0]
 
 def register(table) -> int:
     """A handle for `table`: an object with `.store`, `.dim`, `.fused_optimizer` and
-    `._backward(ctx, grad)` (the non-fused gradient delivery), i.e. a module of modules.py."""
+    `._deliver_gradients(ids, grads)` (the non-fused gradient delivery), i.e. a module of modules.py."""
     _next_handle[0] += 1
     _TABLES[_next_handle[0]] = table
     return _next_handle[0]
@@ -76,9 +75,9 @@ def apply_impl(handle: int, grad, keys, offsets, weights, slots, argmax, info, m
     epoch &= (1 << 64) - 1
     grad_np = np.ascontiguousarray(grad.detach().numpy(), dtype=np.float32)
     if table.fused_optimizer is None:
-        ctx = LookupContext(store, _np(keys), _np(slots), _np(offsets), _np(weights), mode,
-                            _np(argmax) if mode == 2 else None, epoch, slice(0, table.dim), n_new, training, step)
-        table._backward(ctx, grad_np)
+        positions, grads = _core.unique_gradients(store._table, _np(slots), _np(offsets), _np(weights), mode,
+                                                  _np(argmax) if mode == 2 else None, grad_np, training, step, epoch)
+        table._deliver_gradients(keys[torch.from_numpy(positions)], torch.from_numpy(grads))
         return
     _core.grouped_backward([store._table], [_np(slots)], [_np(offsets)], [_np(weights)], [mode],
                            [_np(argmax) if mode == 2 else None], [grad_np],
