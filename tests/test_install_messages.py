@@ -45,9 +45,8 @@ def test_option_errors_come_before_torch():
 @pytest.mark.parametrize("block, expected", [
     (["torch"], f"cn-dlrm: error: PyTorch is not installed; cn-dlrm needs it and TorchRec (CPU builds): "
                 f"{TORCH_INSTALL} && {TORCHREC_INSTALL}"),
-    (["torchrec"], f"cn-dlrm: error: TorchRec is not installed (no module 'torchrec'); install it with: "
-                   f"{TORCHREC_INSTALL}"),
-    (["fbgemm_gpu"], f"cn-dlrm: error: TorchRec is not installed (no module 'fbgemm_gpu'); install it with: "
+    (["torchrec"], f"cn-dlrm: error: TorchRec is not installed; install TorchRec with: {TORCHREC_INSTALL}"),
+    (["fbgemm_gpu"], f"cn-dlrm: error: TorchRec's dependency 'fbgemm_gpu' is not installed; install TorchRec with: "
                      f"{TORCHREC_INSTALL}"),
 ])
 def test_a_missing_dependency_is_one_line_naming_the_pip_command(block, expected):

@@ -135,7 +135,8 @@ def install_hint(missing_module: Optional[str]) -> Optional[str]:
         return (f"PyTorch is not installed; cn-dlrm needs it and TorchRec (CPU builds): {TORCH_INSTALL} && "
                 f"{TORCHREC_INSTALL}")
     if top in TORCHREC_MODULES:
-        return f"TorchRec is not installed (no module {top!r}); install it with: {TORCHREC_INSTALL}"
+        what = "TorchRec is" if top == "torchrec" else f"TorchRec's dependency {top!r} is"
+        return f"{what} not installed; install TorchRec with: {TORCHREC_INSTALL}"
     return None
 
 
