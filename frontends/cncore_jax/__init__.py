@@ -1,1 +1,26 @@
-"""cncore_jax: growable embedding tables for JAX (work in progress, issue 14)."""
+"""cncore_jax: growable embedding tables for JAX.
+
+The rows live in cncore's tables (host memory, any int64 key); JAX code reaches them through
+ordered host callbacks that `jax.jit` keeps exactly once, in program order.
+
+- `Table`: a handle on a table (a leafless pytree: static under `jit`), saved and loaded in
+  the table file format every front end shares (`cncore.tablefile`).
+- `lookup` / `grouped_lookup`: pooled lookups (sum, mean, max, per-sample weights) returning
+  ``(out, ctx)``; a `jax.custom_vjp` gives weights their gradient.
+- `apply_gradients(ctx, grad)`: the fused optimizer update, an explicit ordered step;
+  `accumulate_gradients(ctx, grad)`: the non-fused alternative (`SparseGrad` per table).
+- `cncore_jax.modules.EmbeddingBag`: a Flax NNX module (train/eval with `model.train()` /
+  `model.eval()`); `python -m cncore_jax.dlrm`: a DLRM trained with JAX and optax.
+
+>>> import jax, jax.numpy as jnp, cncore, cncore_jax as cj
+>>> t = cj.Table(dim=2, initializer=cncore.Constant(1.0))
+>>> out, ctx = cj.lookup(t, jnp.array([1, 2, 3], jnp.int32), jnp.array([2, 1], jnp.int32))
+>>> out.tolist(), len(t)
+([[2.0, 2.0], [1.0, 1.0]], 3)
+"""
+from cncore_jax.lookup import (LookupRef, SparseGrad, accumulate_gradients, apply_gradients, discard, grouped_lookup,
+                               lookup)
+from cncore_jax.table import Table
+
+__all__ = ["Table", "lookup", "grouped_lookup", "apply_gradients", "accumulate_gradients", "discard", "LookupRef",
+           "SparseGrad"]

@@ -1,0 +1,152 @@
+"""The host side of the JAX boundary: what the ordered callbacks run, and where a lookup's
+context waits for its gradient. Imports no JAX: everything here takes and returns NumPy.
+
+A traced program cannot hold a Python object, so a lookup leaves its `cncore.LookupContext`
+list here, in a bounded registry keyed by an int32 token, and hands the token to the program
+as an array. The update (or accumulation) callback that runs after it in program order takes
+the context out again. A step abandoned between the two (an exception in the loss, a lookup
+whose gradient is never used) leaves its context behind; the registry keeps at most
+`MAX_PENDING` of them and drops the oldest, so nothing grows without bound, and a token whose
+context was dropped or already used is refused with a message that says which.
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict, deque
+from typing import List, Optional, Sequence
+
+import numpy as np
+
+import cncore
+
+MAX_PENDING = 64     # contexts waiting for their gradient, all tables together
+_HISTORY = 4096      # tokens remembered after they leave, to say why a late one is refused
+NO_CONTEXT = -1      # the token of an evaluation lookup made outside differentiation
+
+
+class Registry:
+    """Token -> contexts of one grouped lookup, oldest dropped beyond `limit`."""
+
+    def __init__(self, limit: int = MAX_PENDING):
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._pending: "OrderedDict[int, List[cncore.LookupContext]]" = OrderedDict()
+        self._gone: "OrderedDict[int, str]" = OrderedDict()
+        self._next = 0
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def _forget(self, token: int, why: str) -> None:
+        self._gone[token] = why
+        while len(self._gone) > _HISTORY:
+            self._gone.popitem(last=False)
+
+    def put(self, ctxs: List[cncore.LookupContext]) -> int:
+        with self._lock:
+            token = self._next
+            self._next = (self._next + 1) % 2**31  # int32 tokens; the registry never holds 2^31
+            self._pending[token] = ctxs
+            while len(self._pending) > self.limit:
+                old, _ = self._pending.popitem(last=False)
+                self._forget(old, f"dropped: more than {self.limit} lookups were waiting for their gradients "
+                                  "(steps abandoned between lookup and update?)")
+            return token
+
+    def get(self, token: int, tables: Sequence, pop: bool) -> List[cncore.LookupContext]:
+        token = int(token)
+        with self._lock:
+            if token == NO_CONTEXT:
+                raise ValueError("ctx: this lookup was made with training=False outside differentiation, so it "
+                                 "kept no context; an evaluation lookup has no gradient to apply")
+            ctxs = self._pending.get(token)
+            if ctxs is None:
+                why = self._gone.get(token, "unknown to this process")
+                raise ValueError(f"ctx: the context of lookup #{token} is {why}; the tables are unchanged. "
+                                 "Look up again, then apply that lookup's gradient once.")
+            if [c.store for c in ctxs] != [t.store for t in tables]:
+                raise ValueError("ctx: it belongs to a lookup of other tables")
+            if pop:
+                del self._pending[token]
+                self._forget(token, "already used: its gradient was applied or accumulated (one lookup, one "
+                                    "update)")
+            return ctxs
+
+    def discard(self, token: int) -> bool:
+        """Drop a pending context without using it; False if there was none."""
+        with self._lock:
+            ctxs = self._pending.pop(int(token), None)
+            if ctxs is not None:
+                self._forget(int(token), "discarded")
+            return ctxs is not None
+
+
+REGISTRY = Registry()
+
+
+def _trim(ids: np.ndarray, bags: np.ndarray, is_lengths: bool, weights, name: str):
+    """The IDs the bags use: IDs past the last bag (the sum of lengths, or the last offset)
+    are padding, so a jitted step can keep one shape while the number of IDs varies."""
+    used = int(bags.sum()) if is_lengths else (int(bags[-1]) if len(bags) else 0)
+    if is_lengths and bags.size and bags.min() < 0:
+        raise ValueError(f"lengths[{name}]: must be >= 0; the tables are unchanged")
+    if not 0 <= used <= len(ids):
+        what = "add up to" if is_lengths else "end at"
+        raise ValueError(f"{'lengths' if is_lengths else 'offsets'}[{name}]: {what} {used}, but only {len(ids)} "
+                         f"ids were given (ids past the last bag are padding; there must be at least as many); "
+                         "the tables are unchanged")
+    return ids[:used], (None if weights is None else weights[:used])
+
+
+def forward(tables, modes, is_lengths, training: bool, keep: bool, ids, bags, weights):
+    """Grouped pooled lookup: (out (B, sum of dims) float32, token int32).
+    `keep`: register the contexts (a training lookup, or any lookup being differentiated)."""
+    keys, lens, offs, ws = [], [], [], []
+    for f, t in enumerate(tables):
+        b = np.asarray(bags[f], dtype=np.int64)
+        k, w = _trim(np.asarray(ids[f], dtype=np.int64), b, is_lengths[f], weights[f], str(f))
+        keys.append(k)
+        ws.append(None if w is None else np.asarray(w, dtype=np.float32))
+        lens.append(b if is_lengths[f] else None)
+        offs.append(None if is_lengths[f] else b)
+    out, ctxs = cncore.grouped_pooled_lookup([t.store for t in tables], keys, offs, lengths=lens, modes=list(modes),
+                                             per_sample_weights=ws, insert_missing=training)
+    token = REGISTRY.put(ctxs) if keep else NO_CONTEXT
+    return out, np.int32(token)
+
+
+def weight_grads(tables, token, grad, padded: Sequence[Optional[int]]):
+    """d(loss)/d(per-sample weight) of each weighted feature: <grad of its bag, its row>, over
+    the bag's length for mean; zeros for padding. Reads rows, changes nothing."""
+    ctxs = REGISTRY.get(token, tables, pop=False)
+    grad = np.asarray(grad, dtype=np.float32)
+    result = []
+    for ctx, n in zip(ctxs, padded):
+        if n is None:
+            continue
+        lens = np.diff(ctx.offsets)
+        bag = np.repeat(np.arange(len(lens)), lens)
+        rows = ctx.store.read(ctx.keys).rows  # absent keys (evaluation) read as zeros, as in the forward
+        g = (grad[bag, ctx.columns] * rows).sum(axis=1)
+        if ctx.mode == 1:  # mean
+            g = g / lens[bag]
+        full = np.zeros(n, dtype=np.float32)
+        full[:len(g)] = g
+        result.append(full)
+    return tuple(result)
+
+
+def apply(tables, token, grad, lr) -> None:
+    ctxs = REGISTRY.get(token, tables, pop=False)
+    rate = None if lr is None else float(lr)
+    cncore.grouped_apply_gradients(ctxs, np.asarray(grad, dtype=np.float32), lr=rate)
+    REGISTRY.get(token, tables, pop=True)  # only once the update succeeded: a refused one may be retried
+
+
+def accumulate(tables, token, grad):
+    """Per table: (unique ids in first-occurrence order, their gradient rows)."""
+    ctxs = REGISTRY.get(token, tables, pop=False)
+    grad = np.asarray(grad, dtype=np.float32)
+    result = [ctx.store.accumulate_gradients(ctx, np.ascontiguousarray(grad[:, ctx.columns])) for ctx in ctxs]
+    REGISTRY.get(token, tables, pop=True)
+    return result
