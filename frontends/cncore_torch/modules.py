@@ -183,12 +183,8 @@ class _DynamicTable(nn.Module):
         self._gradient_hooks.append(hook)
         return hook
 
-    def _backward(self, ctx, grad: np.ndarray) -> None:
-        """Non-fused backward of a core lookup (the fused one goes straight to the core, _ops)."""
-        ids, grads = self.store.accumulate_gradients(ctx, grad)
-        self._deliver_gradients(torch.from_numpy(ids), torch.from_numpy(grads))
-
     def _deliver_gradients(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
+        """The non-fused backward: (unique IDs, gradient rows) to the hooks (from _ops, or the device path)."""
         self.last_gradients = (ids, grads)
         for hook in self._gradient_hooks:
             hook(ids, grads)
