@@ -75,6 +75,8 @@ def _play_chunk(ids, chunk_timeout=CHUNK_TIMEOUT_S, single_timeout=SINGLE_TIMEOU
     records, death = _play(ids, chunk_timeout, env)
     if death is None and len(records) == len(ids):
         return records
+    if not records and death.startswith("exited"):  # the child could not even start (an import error)
+        return {cid: {"id": cid, "died": f"the case runner could not start: {death}"} for cid in ids}
     # The chunk died (maybe only at exit, in a destructor): replay its cases one per process
     # to find the crasher.
     running = next((cid for cid in ids if cid not in records), ids[-1])
