@@ -1,6 +1,7 @@
 """Training through the torch module while another thread erases keys of the same table.
 
-One thread trains a CNEmbeddingBag with a fused optimizer on IDs 0..999 (forward, backward);
+One thread trains a CNEmbeddingBag with a fused optimizer on IDs 0..999 (forward, backward;
+also without one, the gradients going to a hook that checks them);
 another erases random IDs of that range through `bag.store.erase`. A backward whose lookup
 lost keys to an erase must either apply or raise the documented RuntimeError ("keys were
 erased ... since this lookup"), never crash or write into rows that now belong to other keys.
@@ -21,7 +22,7 @@ import textwrap
 import pytest
 
 SECONDS = 2.0
-MODES = ("sum", "mean", "max")
+MODES = ("sum", "mean", "max", "sum+hooks")  # +hooks: no fused optimizer, gradients to a hook
 
 CHILD = textwrap.dedent("""
     import faulthandler, json, sys, threading, time
@@ -32,8 +33,15 @@ CHILD = textwrap.dedent("""
     torch.set_num_threads(1)
     ERASED = "keys were erased"
 
-    def race(mode, seconds):
-        bag = CNEmbeddingBag(1000, 8, mode=mode, optimizer=cncore.Adagrad(lr=0.05), initializer=cncore.Normal(0, 0.1))
+    def race(name, seconds):
+        mode, hooks = name.split("+")[0], name.endswith("+hooks")
+        bag = CNEmbeddingBag(1000, 8, mode=mode, optimizer=None if hooks else cncore.Adagrad(lr=0.05),
+                             initializer=cncore.Normal(0, 0.1))
+        if hooks:
+            def hook(ids, grads):
+                assert ids.shape[0] == grads.shape[0] == len(set(ids.tolist())), "one gradient row per distinct ID"
+                assert bool(((ids >= 0) & (ids < 1000)).all()) and bool(torch.isfinite(grads).all())
+            bag.register_gradient_hook(hook)
         stop = time.monotonic() + seconds
         counts = {"applied": 0, "refused": 0, "erased": 0, "erase_calls": 0}
         failures = []
@@ -72,7 +80,7 @@ CHILD = textwrap.dedent("""
             t.join()
         batch = bag.store.export()
         keys = np.asarray(batch.keys)
-        return {"mode": mode, **counts, "failures": failures, "len": len(bag.store), "exported": len(keys),
+        return {"mode": name, **counts, "failures": failures, "len": len(bag.store), "exported": len(keys),
                 "distinct": len(np.unique(keys)), "all_found": bool(bag.store.contains(keys).all()),
                 "in_range": bool(((keys >= 0) & (keys < 1000)).all()),
                 "rows_finite": bool(np.isfinite(batch.rows).all()),
