@@ -22,6 +22,9 @@ crash the rest run in a new one), which prints one JSON line per case: a segfaul
 case instead of killing the run. Run the worker by hand to see the records:
 
     echo '["bag.input.float"]' | python tests/test_torch_bad_inputs.py
+
+and count them with `python -c "import sys; sys.path[:0] = ['tests']; import test_torch_bad_inputs as t;
+print(t.N_CASES)"` (412 when written; MIN_CASES keeps it from shrinking).
 """
 from __future__ import annotations
 
