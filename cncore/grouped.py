@@ -213,7 +213,8 @@ def _merge(ctxs: List[LookupContext], grads: List[np.ndarray]):
 def _optim_tuple(store, lr):
     opt = store.config.optimizer
     if opt is None:
-        raise RuntimeError("this store has no optimizer (StoreConfig.optimizer=None); use accumulate_gradients")
+        raise TypeError("apply_gradients: this store has no optimizer (StoreConfig.optimizer=None), so it has no "
+                        "fused update; use accumulate_gradients and update the rows yourself")
     rate = opt.lr if lr is None else lr
     if isinstance(rate, (bool, np.bool_)) or not isinstance(rate, (int, float, np.integer, np.floating)) \
             or not np.isfinite(rate) or rate < 0 or rate > 3.4e38:
@@ -235,18 +236,26 @@ def grouped_apply_gradients(ctxs: Sequence[LookupContext], grad_output, *, lr=No
     ctxs = list(ctxs)
     if not ctxs:
         return
+    if stores is not None and len(stores) != len(ctxs):
+        raise ValueError(f"stores: expected one store per context ({len(ctxs)}), got {len(stores)}")
     for f, ctx in enumerate(ctxs):
-        check_context(ctx, ctx.store if stores is None else stores[f], "ctx" if stores else f"ctxs[{f}]")
+        name = "ctx" if stores else f"ctxs[{f}]"
+        if not isinstance(ctx, LookupContext):
+            raise TypeError(f"{name} must be the LookupContext returned by pooled_lookup, got {type(ctx).__name__}")
+        check_context(ctx, ctx.store if stores is None else stores[f], name)
     n_bags = ctxs[0].n_bags
     for f, ctx in enumerate(ctxs):
         # Every context, not only the first: a second lookup with more bags read past the gradient.
         if ctx.n_bags != n_bags:
             raise ValueError(f"ctxs[{f}]: has {ctx.n_bags} bags, ctxs[0] has {n_bags}; contexts of one grouped "
                              "lookup share B")
-        cols = ctx.columns
-        if not (isinstance(cols, slice) and isinstance(cols.start, int) and isinstance(cols.stop, int)
-                and 0 <= cols.start and cols.stop - cols.start == ctx.store.dim):
-            raise ValueError(f"ctxs[{f}]: its columns {cols!r} do not match its store's dim {ctx.store.dim}")
+        # The contexts of one grouped lookup tile its output's columns in order; a context of
+        # another lookup (or a subset out of order) would read another feature's gradient.
+        start = ctxs[f - 1].columns.stop if f else 0
+        if ctx.columns.start != start:
+            raise ValueError(f"ctxs[{f}]: covers columns {ctx.columns.start}:{ctx.columns.stop} of its lookup's "
+                             f"output, expected {start}:{start + ctx.store.dim}; pass the contexts of one grouped "
+                             "lookup, all of them, in order")
     total = max(ctx.columns.stop for ctx in ctxs)
     grad = as_float_rows(grad_output, "grad_output", (n_bags, total))
     lrs = lr if isinstance(lr, (list, tuple)) else [lr] * len(ctxs)

@@ -165,7 +165,7 @@ def test_learning_rate_override_and_no_optimizer():
     assert store.lookup(np.array([1])).item() == -0.25
     plain = cncore.EmbeddingStore(dim=1)
     _, ctx = plain.pooled_lookup(np.array([1]), lengths=np.array([1]))
-    with pytest.raises(RuntimeError, match="no optimizer"):
+    with pytest.raises(TypeError, match="no optimizer"):
         plain.apply_gradients(ctx, np.ones((1, 1), np.float32))
 
 
