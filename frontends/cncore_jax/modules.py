@@ -73,6 +73,11 @@ class EmbeddingBag(nnx.Module):
     def apply_gradients(self, ctx, grad, *, lr=None) -> None:
         self.table.apply_gradients(ctx, grad, lr=lr)
 
+    def set_view(self, deterministic: Optional[bool] = None):
+        """For `nnx.view(model, deterministic=...)`: True is evaluation (no inserts)."""
+        if deterministic is not None:
+            self.deterministic = deterministic
+
 
 class EmbeddingBagCollection(nnx.Module):
     """Several tables looked up in one core call (as TorchRec's collection):
@@ -99,6 +104,11 @@ class EmbeddingBagCollection(nnx.Module):
 
     def apply_gradients(self, ctx, grad, *, lr=None) -> None:
         apply_gradients(ctx, grad, lr=lr)
+
+    def set_view(self, deterministic: Optional[bool] = None):
+        """For `nnx.view(model, deterministic=...)`: True is evaluation (no inserts)."""
+        if deterministic is not None:
+            self.deterministic = deterministic
 
     def split(self, out) -> Dict[str, jnp.ndarray]:
         """The pooled output as {table name: (B, dim)}."""

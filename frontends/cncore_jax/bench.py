@@ -1,0 +1,158 @@
+"""The cost of the JAX boundary: `python -m cncore_jax.bench` prints a Markdown table.
+
+For pooling 1 and 20 (B bags of that many IDs from a vocabulary already in the table), the
+median time of
+- the bare core call: `store.pooled_lookup` (eval: insert_missing=False), and a training step
+  `pooled_lookup` + `apply_gradients` (row-wise Adagrad);
+- the same through `cncore_jax` in a jitted function (ordered `io_callback`), timed to
+  `block_until_ready`: dispatch, the callback, the copies in and out;
+- the boundary alone: a jitted ordered `io_callback` that does nothing with the same IDs, and
+  (where g++ and jaxlib's FFI headers are there) an XLA FFI custom call that does nothing,
+  declared with side effects, compiled here against `jax.ffi.include_dir()`: the floor of
+  each route, i.e. what an FFI lookup handler could save at most.
+
+>>> rows = measure(n_bags=64, poolings=(1,), dim=8, repeats=3, number=2)
+>>> sorted(rows[0])[:3]
+['core_eval_ms', 'core_train_ms', 'ffi_noop_ms']
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from typing import Callable, Dict, List, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import io_callback
+
+import cncore
+import cncore_jax as cj
+
+_FFI_SOURCE = r"""
+#include "xla/ffi/api/ffi.h"
+namespace ffi = xla::ffi;
+static ffi::Error Noop(ffi::Buffer<ffi::S64> ids, ffi::ResultBuffer<ffi::F32> out) {
+  return ffi::Error::Success();
+}
+XLA_FFI_DEFINE_HANDLER_SYMBOL(cn_noop, Noop,
+    ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::S64>>().Ret<ffi::Buffer<ffi::F32>>());
+"""
+
+
+def _median_ms(fn: Callable[[], object], repeats: int, number: int) -> float:
+    fn()  # warm up (compiles)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(number):
+            fn()
+        times.append((time.perf_counter() - t0) / number)
+    return 1e3 * statistics.median(times)
+
+
+def ffi_noop() -> Optional[Callable]:
+    """A jitted no-op FFI call over int64 IDs, or None where it cannot be compiled here."""
+    if shutil.which("g++") is None:
+        return None
+    folder = tempfile.mkdtemp(prefix="cncore_jax_ffi_")
+    src, lib = os.path.join(folder, "noop.cc"), os.path.join(folder, "noop.so")
+    with open(src, "w") as fh:
+        fh.write(_FFI_SOURCE)
+    done = subprocess.run(["g++", "-O2", "-std=c++17", "-shared", "-fPIC", f"-I{jax.ffi.include_dir()}", src, "-o",
+                           lib], capture_output=True)
+    if done.returncode != 0:
+        return None
+    handler = ctypes.cdll.LoadLibrary(lib).cn_noop
+    jax.ffi.register_ffi_target("cn_noop", jax.ffi.pycapsule(handler), platform="cpu")
+
+    def call(ids, n_bags, dim):
+        return jax.ffi.ffi_call("cn_noop", jax.ShapeDtypeStruct((n_bags, dim), jnp.float32),
+                                has_side_effect=True)(ids)
+
+    return call
+
+
+def measure(n_bags: int = 4096, poolings=(1, 20), dim: int = 64, vocab: int = 100_000, repeats: int = 7,
+            number: int = 20) -> List[Dict[str, float]]:
+    jax.config.update("jax_enable_x64", True)
+    rng = np.random.default_rng(0)
+    ffi = ffi_noop()
+    rows = []
+    for pooling in poolings:
+        store = cncore.EmbeddingStore(dim=dim, optimizer=cncore.RowWiseAdagrad(lr=0.01), capacity=vocab)
+        store.find_or_insert(np.arange(vocab))
+        table = cj.Table.from_store(store)
+        keys = rng.integers(0, vocab, n_bags * pooling)
+        lengths = np.full(n_bags, pooling, dtype=np.int64)
+        grad = np.ones((n_bags, dim), np.float32)
+        ids_j, lengths_j, grad_j = jnp.asarray(keys), jnp.asarray(lengths), jnp.asarray(grad)
+
+        def core_train():
+            _, ctx = store.pooled_lookup(keys, lengths=lengths)
+            store.apply_gradients(ctx, grad)
+
+        jax_eval = jax.jit(lambda i, n: cj.lookup(table, i, n, training=False)[0])
+
+        @jax.jit
+        def jax_train(i, n, g):
+            out, ctx = cj.lookup(table, i, n)
+            cj.apply_gradients(ctx, g)
+            return out
+
+        noop = jax.jit(lambda i: io_callback(lambda x: np.zeros((n_bags, dim), np.float32),
+                                             jax.ShapeDtypeStruct((n_bags, dim), jnp.float32), i, ordered=True))
+        row = {
+            "pooling": pooling, "ids": len(keys),
+            "core_eval_ms": _median_ms(lambda: store.pooled_lookup(keys, lengths=lengths, insert_missing=False),
+                                       repeats, number),
+            "jax_eval_ms": _median_ms(lambda: jax_eval(ids_j, lengths_j).block_until_ready(), repeats, number),
+            "core_train_ms": _median_ms(core_train, repeats, number),
+            "jax_train_ms": _median_ms(lambda: jax_train(ids_j, lengths_j, grad_j).block_until_ready(), repeats,
+                                       number),
+            "callback_noop_ms": _median_ms(lambda: noop(ids_j).block_until_ready(), repeats, number),
+            "ffi_noop_ms": float("nan"),
+        }
+        if ffi is not None:
+            ffi_jit = jax.jit(lambda i: ffi(i, n_bags, dim))
+            row["ffi_noop_ms"] = _median_ms(lambda: ffi_jit(ids_j).block_until_ready(), repeats, number)
+        rows.append(row)
+    return rows
+
+
+def table(rows: List[Dict[str, float]], n_bags: int, dim: int) -> str:
+    lines = [f"B = {n_bags} bags, dim {dim}, row-wise Adagrad; median ms per call "
+             f"({os.cpu_count()} cores, {cncore.get_num_threads()} core threads)", "",
+             "| pooling | IDs | core eval | JAX eval | overhead | core train step | JAX train step | overhead "
+             "| no-op io_callback | no-op FFI call |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(
+            f"| {r['pooling']} | {r['ids']:,} | {r['core_eval_ms']:.3f} | {r['jax_eval_ms']:.3f} | "
+            f"+{r['jax_eval_ms'] - r['core_eval_ms']:.3f} ms ({r['jax_eval_ms'] / r['core_eval_ms']:.2f}x) | "
+            f"{r['core_train_ms']:.3f} | {r['jax_train_ms']:.3f} | "
+            f"+{r['jax_train_ms'] - r['core_train_ms']:.3f} ms ({r['jax_train_ms'] / r['core_train_ms']:.2f}x) | "
+            f"{r['callback_noop_ms']:.3f} | {r['ffi_noop_ms']:.3f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m cncore_jax.bench", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--bags", type=int, default=4096)
+    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--number", type=int, default=20)
+    args = ap.parse_args(argv)
+    rows = measure(args.bags, (1, 20), args.dim, repeats=args.repeats, number=args.number)
+    print(table(rows, args.bags, args.dim))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
