@@ -1,0 +1,74 @@
+"""The JAX DLRM example: its NumPy stream is cn-dlrm's stream, its AUC is torchmetrics', it
+runs end to end in one command with tiny settings, and the boundary benchmark measures."""
+import math
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+pytest.importorskip("optax")
+
+from cncore_jax import bench, dlrm  # noqa: E402
+from cncore_jax.criteo import SyntheticCriteo  # noqa: E402
+
+
+def test_the_numpy_stream_is_cn_dlrms_stream():
+    pytest.importorskip("torchrec")
+    from cncore_torch.dlrm.data import SyntheticCriteo as TorchCriteo
+    ours, theirs = SyntheticCriteo(seed=3, batch_size=64), TorchCriteo(seed=3, batch_size=64)
+    assert ours.cardinalities == theirs.cardinalities
+    assert ours.items_by_batch(50) == theirs.items_by_batch(50)
+    for index in (0, 7, 500):
+        a, b = ours.batch(index), theirs.batch(index)
+        np.testing.assert_array_equal(a.dense, b.dense.numpy())
+        np.testing.assert_array_equal(a.labels, b.labels.numpy())
+        np.testing.assert_array_equal(a.probabilities, b.probabilities.numpy())
+        np.testing.assert_array_equal(a.lengths.reshape(-1), b.sparse.lengths().numpy())
+        used = [ids[:n] for ids, n in zip(a.ids, a.lengths.sum(1))]
+        np.testing.assert_array_equal(np.concatenate(used), b.sparse.values().numpy())
+        assert all((ids[n:] == 0).all() for ids, n in zip(a.ids, a.lengths.sum(1)))
+
+
+def test_auc_counts_pairs_with_ties_as_half_and_equals_torchmetrics():
+    torchmetrics = pytest.importorskip("torchmetrics")
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(0)
+    labels = (rng.random(500) < 0.3).astype(np.float32)
+    scores = np.round(rng.random(500) + labels * 0.3, 2).astype(np.float32)  # rounded: many ties
+    metric = torchmetrics.classification.BinaryAUROC()
+    metric.update(torch.from_numpy(scores), torch.from_numpy(labels).long())
+    pos, neg = scores[labels == 1][:, None], scores[labels == 0][None, :]
+    pairs = ((pos > neg) + 0.5 * (pos == neg)).mean()  # the definition, every pair
+    assert math.isclose(dlrm.auc(scores, labels), pairs, abs_tol=1e-12)
+    # torchmetrics integrates its ROC curve in float32: equal to that precision
+    assert math.isclose(dlrm.auc(scores, labels), float(metric.compute()), abs_tol=1e-4)
+
+
+def test_the_example_runs_in_one_command_and_ends_with_its_auc(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "cncore_jax.dlrm", "--steps", "3", "--batch-size", "128",
+                           "--eval-batches", "1", "--no-progress", "--save", str(tmp_path / "tables")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    last = done.stdout.strip().splitlines()[-1]
+    assert last.startswith("AUC 0.") and 0.0 < float(last.split()[1]) < 1.0, done.stdout
+    assert len(list((tmp_path / "tables").iterdir())) == 26
+
+
+def test_bad_options_exit_2_with_one_line():
+    done = subprocess.run([sys.executable, "-m", "cncore_jax.dlrm", "--steps", "0"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and "--steps must be at least 1, got 0" in done.stderr
+
+
+def test_the_benchmark_measures_every_column():
+    rows = bench.measure(n_bags=32, poolings=(1, 20), dim=8, vocab=1000, repeats=2, number=2)
+    for row in rows:
+        for key, value in row.items():
+            if key == "ffi_noop_ms" and shutil.which("g++") is None:
+                continue  # the FFI floor needs a C++ compiler
+            assert value > 0, (key, value)
+    text = bench.table(rows, 32, 8)
+    assert text.count("\n| ") == 3 and "| 20 | 640 |" in text
