@@ -24,7 +24,7 @@ case instead of killing the run. Run the worker by hand to see the records:
     echo '["bag.input.float"]' | python tests/test_torch_bad_inputs.py
 
 and count them with `python -c "import sys; sys.path[:0] = ['tests']; import test_torch_bad_inputs as t;
-print(t.N_CASES)"` (412 when written; MIN_CASES keeps it from shrinking).
+print(t.N_CASES)"` (419 when written; MIN_CASES keeps it from shrinking).
 """
 from __future__ import annotations
 
@@ -140,7 +140,9 @@ def snapshot(obj) -> dict:
         snap["len"] = {name: len(store) for name, store in obj.stores.items()}
         ids = _kjt([0, 1, 101, 5, 7, 999], [2, 1, 2, 1], torch.ones(6) if isinstance(obj, CNEmbeddingBagCollection)
                    and obj.is_weighted() else None)
-    snap["lr"] = obj.fused_optimizer.lr if obj.fused_optimizer is not None else None
+    if obj.fused_optimizer is not None:
+        snap["lr"] = obj.fused_optimizer.lr
+        snap["optimizer"] = str(obj.fused_optimizer.state_dict())
     training = obj.training
     obj.eval()
     with torch.no_grad():
@@ -343,6 +345,20 @@ def build() -> dict:
             ("step_float", {"optimizer": "Adam", "lr": 0.1, "step": 1.5}, ValueError, r"^state_dict\['step'\]")):
         add(f"bag.fused_optimizer.load_state_dict.{what}", "bag",
             lambda o, x, state=state: o.fused_optimizer.load_state_dict(state), exc, match)
+    step_entry = r"^state_dict\['state'\]\['embedding_bags.fused'\]\['step'\] must be an int tensor"
+
+    def keyed(step=None, drop=False):
+        state = {"state": {"embedding_bags.fused": {} if drop else {"step": step}}}
+        return lambda o, x: o.fused_optimizer.load_state_dict(state)
+    for what, call, exc, match in (
+            ("list", lambda o, x: o.fused_optimizer.load_state_dict([]), TypeError, "^state_dict must be a dict"),
+            ("empty", lambda o, x: o.fused_optimizer.load_state_dict({}), ValueError, step_entry),
+            ("step_missing", keyed(drop=True), ValueError, step_entry),
+            ("step_negative", keyed(torch.tensor(-1)), ValueError, step_entry),
+            ("step_float", keyed(torch.tensor(1.5)), ValueError, step_entry),
+            ("step_str", keyed("x"), ValueError, step_entry),
+            ("step_meta", keyed(torch.tensor(1, device="meta")), ValueError, step_entry)):
+        add(f"ebc.fused_optimizer.load_state_dict.{what}", "ebc", call, exc, match)
     add("bag_hooks.register_gradient_hook.not_callable", "bag_hooks", lambda o, x: o.register_gradient_hook(5),
         TypeError, "^hook must be callable")
 
@@ -588,7 +604,7 @@ HYPOTHESIS = {"offsets": _hyp_offsets, "kjt_lengths": _hyp_kjt_lengths, "state_d
 CASES = build()
 N_CASES = len(CASES)
 # The catalogue as built for issue 9; raise it when cases are added, never lower it.
-MIN_CASES = 412
+MIN_CASES = 419
 
 
 # --- the worker: plays cases, one JSON line each ----------------------------------------------------

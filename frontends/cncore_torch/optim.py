@@ -95,8 +95,18 @@ def keyed_fused_optimizer(anchor: torch.nn.Parameter, config, stores, key: str):
             return super().state_dict()
 
         def load_state_dict(self, state_dict) -> None:
+            """The tables' step is checked before anything changes: an int tensor >= 0."""
+            if not isinstance(state_dict, dict):
+                raise TypeError(f"state_dict must be a dict (from state_dict()), got {type(state_dict).__name__}")
+            entry = state_dict.get("state")
+            entry = entry.get(key) if isinstance(entry, dict) else None
+            step = entry.get("step") if isinstance(entry, dict) else None
+            if (not isinstance(step, torch.Tensor) or step.is_meta or step.numel() != 1
+                    or step.is_floating_point() or step.dtype == torch.bool or not 0 <= int(step) < 2**63):
+                raise ValueError(f"state_dict['state'][{key!r}]['step'] must be an int tensor >= 0 (as state_dict() "
+                                 f"writes it), got {step!r}")
             super().load_state_dict(state_dict)
             for store in self._stores:
-                store.step = int(self.state[anchor]["step"])
+                store.step = int(step)
 
     return KeyedFusedOptimizer()
