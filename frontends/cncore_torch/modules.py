@@ -232,9 +232,12 @@ class _DynamicTable(nn.Module):
         if self.store is not None:
             verb = self.store.insert_or_assign if insert else self.store.assign
             return torch.from_numpy(verb(ids, rows).copy())
-        host = torch.as_tensor(ids).cpu().numpy().astype(np.int64)
-        found = torch.from_numpy(self.device_rows.index.contains(host))
+        host = torch.as_tensor(ids).cpu().numpy()
+        found = torch.from_numpy(self.device_rows.index.contains(host))  # checks the IDs as the core store does
+        host = host.astype(np.int64)
         take = slice(None) if insert else found.numpy()
+        if rows.dtype != torch.float32:  # as the core store: no silent casts
+            raise TypeError(f"rows: expected float32, got {rows.dtype}")
         if rows.shape != (len(host), self.dim):
             raise ValueError(f"rows: expected shape ({len(host)}, {self.dim}), got {tuple(rows.shape)}")
         at = self.device_rows.resolve(torch.from_numpy(host[take]), training=True)
