@@ -9,9 +9,21 @@ import jax.numpy as jnp  # noqa: E402
 
 import cncore  # noqa: E402
 import cncore_jax as cj  # noqa: E402
-from cncore_jax import _host  # noqa: E402
+from cncore_jax import _ffi, _host  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
+
+
+ROUTES = ["callback", pytest.param("ffi", marks=pytest.mark.skipif(not _ffi.available(),
+                                                                  reason="no C++ compiler for the FFI route"))]
+
+
+@pytest.fixture(params=ROUTES)
+def route(request):
+    """Each test that takes it runs through the ordered io_callback and through the FFI call."""
+    previous = cj.set_boundary(request.param)
+    yield request.param
+    cj.set_boundary(previous)
 
 
 @pytest.fixture
@@ -20,8 +32,8 @@ def events(monkeypatch):
     log = []
     forward, apply = _host.forward, _host.apply
 
-    def logged_forward(*args):
-        out, token = forward(*args)
+    def logged_forward(*args, **kwargs):
+        out, token = forward(*args, **kwargs)
         log.append(("lookup", int(token)))
         return out, token
 
@@ -41,7 +53,7 @@ def snapshot(table):
 
 
 @pytest.mark.parametrize("donate", [False, True])
-def test_once_per_step_in_program_order(events, donate):
+def test_once_per_step_in_program_order(route, events, donate):
     table = cj.Table(dim=3, optimizer=cncore.Adagrad(lr=0.1))
 
     def step(w, ids, lengths):
@@ -72,7 +84,7 @@ def test_once_per_step_in_program_order(events, donate):
     assert not set(tokens) & set(_host.REGISTRY._pending)  # every context was taken out by its update
 
 
-def test_an_unused_lookup_still_runs_once(events):
+def test_an_unused_lookup_still_runs_once(route, events):
     table = cj.Table(dim=2)
 
     @jax.jit
@@ -87,7 +99,7 @@ def test_an_unused_lookup_still_runs_once(events):
     assert sorted(table.store.export().keys.tolist()) == [1, 2, 3, 4]
 
 
-def test_a_context_is_applied_once():
+def test_a_context_is_applied_once(route):
     table = cj.Table(dim=2, optimizer=cncore.SGD(lr=1.0))
     _, ctx = cj.lookup(table, jnp.array([1]), jnp.array([1]))
     cj.apply_gradients(ctx, jnp.ones((1, 2)))
@@ -123,7 +135,7 @@ def test_an_eval_lookup_has_nothing_to_apply():
         jax.effects_barrier()
 
 
-def test_vmap_is_refused():
+def test_vmap_is_refused(route):
     table = cj.Table(dim=2)
     with pytest.raises(TypeError, match="cannot run under jax.vmap"):
         jax.vmap(lambda ids: cj.lookup(table, ids, jnp.array([2]))[0])(jnp.ones((3, 2), jnp.int64))
@@ -160,7 +172,7 @@ def test_bad_input_names_the_argument_and_changes_nothing(change, error, message
 
 @pytest.mark.parametrize("lengths,message", [(jnp.array([3]), r"lengths\[0\]: add up to 3, but only 2 ids"),
                                              (jnp.array([3, -1]), r"lengths\[0\]: must be >= 0")])
-def test_bad_lengths_found_on_the_host_change_nothing(lengths, message):
+def test_bad_lengths_found_on_the_host_change_nothing(route, lengths, message):
     table = cj.Table(dim=2)
     with pytest.raises(Exception, match=message):
         jax.jit(lambda ids, n: cj.lookup(table, ids, n)[0])(jnp.array([1, 2]), lengths).block_until_ready()

@@ -9,8 +9,21 @@ import jax.numpy as jnp  # noqa: E402
 
 import cncore  # noqa: E402
 import cncore_jax as cj  # noqa: E402
+from cncore_jax import _ffi  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
+
+ROUTES = ["callback", pytest.param("ffi", marks=pytest.mark.skipif(not _ffi.available(),
+                                                                  reason="no C++ compiler for the FFI route"))]
+
+
+@pytest.fixture(params=ROUTES)
+def route(request):
+    """Each test that takes it runs through the ordered io_callback and through the FFI call."""
+    previous = cj.set_boundary(request.param)
+    yield request.param
+    cj.set_boundary(previous)
+
 
 DIM = 4
 VOCAB = np.array([-(2**63), -7, 0, 3, 11, 2**40, 2**63 - 1], dtype=np.int64)
@@ -60,7 +73,7 @@ CASES = [("sum", False), ("sum", True), ("mean", False), ("mean", True), ("max",
 
 
 @pytest.mark.parametrize("mode,weighted", CASES)
-def test_forward_and_gradients_equal_the_dense_reference(mode, weighted):
+def test_forward_and_gradients_equal_the_dense_reference(route, mode, weighted):
     rng = np.random.default_rng(0)
     table = make_table()
     R = initial_dense(table)
@@ -118,7 +131,7 @@ def reference_update(name, opt, R, state, grad, touched, t):
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("mode,weighted", CASES)
-def test_k_fused_steps_equal_the_dense_reference(name, mode, weighted):
+def test_k_fused_steps_equal_the_dense_reference(route, name, mode, weighted):
     opt = OPTIMIZERS[name]
     table = make_table(opt)
     R = initial_dense(table)
@@ -147,7 +160,7 @@ def test_k_fused_steps_equal_the_dense_reference(name, mode, weighted):
     assert table.store.step == 4
 
 
-def test_offsets_equal_lengths_and_empty_batches():
+def test_offsets_equal_lengths_and_empty_batches(route):
     table = make_table(cncore.SGD(lr=0.1))
     ids = jnp.asarray(VOCAB[[1, 2, 2, 5]])
     a, _ = cj.lookup(table, ids, jnp.array([0, 3, 1]))
@@ -170,7 +183,7 @@ def test_int32_ids_are_widened_and_eval_inserts_nothing():
     assert len(table) == 2
 
 
-def test_grouped_lookup_writes_each_table_in_its_columns():
+def test_grouped_lookup_writes_each_table_in_its_columns(route):
     a, b = make_table(cncore.SGD(lr=1.0), seed=1), cj.Table(dim=2, optimizer=cncore.SGD(lr=1.0))
     out, ctx = cj.grouped_lookup([a, b], [jnp.array([1, 2]), jnp.array([3])], [jnp.array([2, 0]), jnp.array([0, 1])],
                                  modes=["sum", "mean"])

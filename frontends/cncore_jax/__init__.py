@@ -9,6 +9,8 @@ ordered host callbacks that `jax.jit` keeps exactly once, in program order.
   ``(out, ctx)``; a `jax.custom_vjp` gives weights their gradient.
 - `apply_gradients(ctx, grad)`: the fused optimizer update, an explicit ordered step;
   `accumulate_gradients(ctx, grad)`: the non-fused alternative (`SparseGrad` per table).
+- `set_boundary("callback" | "ffi")`: how traced code reaches the core (ordered io_callback,
+  the default, or an XLA FFI custom call compiled on first use; see `cncore_jax.lookup`).
 - `cncore_jax.modules.EmbeddingBag`: a Flax NNX module (train/eval with `model.train()` /
   `model.eval()`); `python -m cncore_jax.dlrm`: a DLRM trained with JAX and optax.
 
@@ -19,8 +21,8 @@ ordered host callbacks that `jax.jit` keeps exactly once, in program order.
 ([[2.0, 2.0], [1.0, 1.0]], 3)
 """
 from cncore_jax.lookup import (LookupRef, SparseGrad, accumulate_gradients, apply_gradients, discard, grouped_lookup,
-                               lookup)
+                               lookup, set_boundary)
 from cncore_jax.table import Table
 
 __all__ = ["Table", "lookup", "grouped_lookup", "apply_gradients", "accumulate_gradients", "discard", "LookupRef",
-           "SparseGrad"]
+           "SparseGrad", "set_boundary"]

@@ -98,9 +98,10 @@ def _trim(ids: np.ndarray, bags: np.ndarray, is_lengths: bool, weights, name: st
     return ids[:used], (None if weights is None else weights[:used])
 
 
-def forward(tables, modes, is_lengths, training: bool, keep: bool, ids, bags, weights):
+def forward(tables, modes, is_lengths, training: bool, keep: bool, ids, bags, weights, outs=None):
     """Grouped pooled lookup: (out (B, sum of dims) float32, token int32).
-    `keep`: register the contexts (a training lookup, or any lookup being differentiated)."""
+    `keep`: register the contexts (a training lookup, or any lookup being differentiated).
+    `outs`: the caller's output buffers (the FFI route): the pooled rows are written there."""
     keys, lens, offs, ws = [], [], [], []
     for f, t in enumerate(tables):
         b = np.asarray(bags[f], dtype=np.int64)
@@ -110,7 +111,8 @@ def forward(tables, modes, is_lengths, training: bool, keep: bool, ids, bags, we
         lens.append(b if is_lengths[f] else None)
         offs.append(None if is_lengths[f] else b)
     out, ctxs = cncore.grouped_pooled_lookup([t.store for t in tables], keys, offs, lengths=lens, modes=list(modes),
-                                             per_sample_weights=ws, insert_missing=training)
+                                             per_sample_weights=ws, insert_missing=training,
+                                             out=None if outs is None else outs[0])
     token = REGISTRY.put(ctxs) if keep else NO_CONTEXT
     return out, np.int32(token)
 

@@ -12,13 +12,14 @@ median time of
   each route, i.e. what an FFI lookup handler could save at most.
 
 >>> rows = measure(n_bags=64, poolings=(1,), dim=8, repeats=3, number=2)
->>> sorted(rows[0])[:3]
-['core_eval_ms', 'core_train_ms', 'ffi_noop_ms']
+>>> sorted(rows[0])[:4]
+['callback_noop_ms', 'core_eval_ms', 'core_train_ms', 'ffi_noop_ms']
 """
 from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import os
 import shutil
 import statistics
@@ -34,6 +35,7 @@ from jax.experimental import io_callback
 
 import cncore
 import cncore_jax as cj
+from cncore_jax import _ffi
 
 _FFI_SOURCE = r"""
 #include "xla/ffi/api/ffi.h"
@@ -46,17 +48,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(cn_noop, Noop,
 """
 
 
-def _median_ms(fn: Callable[[], object], repeats: int, number: int) -> float:
-    fn()  # warm up (compiles)
-    times = []
+def _medians_ms(fns: Dict[str, Callable[[], object]], repeats: int, number: int) -> Dict[str, float]:
+    """Median ms per call of each function, measured interleaved (one round of `number` calls of
+    each, `repeats` rounds), so that load from other processes falls on all of them alike."""
+    for fn in fns.values():
+        fn()  # warm up (compiles)
+    times: Dict[str, List[float]] = {name: [] for name in fns}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(number):
-            fn()
-        times.append((time.perf_counter() - t0) / number)
-    return 1e3 * statistics.median(times)
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(number):
+                fn()
+            times[name].append((time.perf_counter() - t0) / number)
+    return {name: 1e3 * statistics.median(t) for name, t in times.items()}
 
 
+@functools.lru_cache(maxsize=None)  # a target is registered once per process
 def ffi_noop() -> Optional[Callable]:
     """A jitted no-op FFI call over int64 IDs, or None where it cannot be compiled here."""
     if shutil.which("g++") is None:
@@ -98,47 +105,60 @@ def measure(n_bags: int = 4096, poolings=(1, 20), dim: int = 64, vocab: int = 10
             _, ctx = store.pooled_lookup(keys, lengths=lengths)
             store.apply_gradients(ctx, grad)
 
-        jax_eval = jax.jit(lambda i, n: cj.lookup(table, i, n, training=False)[0])
-
-        @jax.jit
-        def jax_train(i, n, g):
+        def train_step(i, n, g):
             out, ctx = cj.lookup(table, i, n)
             cj.apply_gradients(ctx, g)
             return out
 
+        cj.set_boundary("callback")
+        jax_eval = jax.jit(lambda i, n: cj.lookup(table, i, n, training=False)[0])
+        jax_train = jax.jit(train_step)
+        if _ffi.available():
+            cj.set_boundary("ffi")  # read when tracing: the functions below go through FFI
+            ffi_eval = jax.jit(lambda i, n: cj.lookup(table, i, n, training=False)[0])
+            ffi_train = jax.jit(train_step)
+            ffi_eval(ids_j, lengths_j), ffi_train(ids_j, lengths_j, grad_j)  # trace now
+            cj.set_boundary("callback")
         noop = jax.jit(lambda i: io_callback(lambda x: np.zeros((n_bags, dim), np.float32),
                                              jax.ShapeDtypeStruct((n_bags, dim), jnp.float32), i, ordered=True))
-        row = {
-            "pooling": pooling, "ids": len(keys),
-            "core_eval_ms": _median_ms(lambda: store.pooled_lookup(keys, lengths=lengths, insert_missing=False),
-                                       repeats, number),
-            "jax_eval_ms": _median_ms(lambda: jax_eval(ids_j, lengths_j).block_until_ready(), repeats, number),
-            "core_train_ms": _median_ms(core_train, repeats, number),
-            "jax_train_ms": _median_ms(lambda: jax_train(ids_j, lengths_j, grad_j).block_until_ready(), repeats,
-                                       number),
-            "callback_noop_ms": _median_ms(lambda: noop(ids_j).block_until_ready(), repeats, number),
-            "ffi_noop_ms": float("nan"),
+        fns = {
+            "core_eval_ms": lambda: store.pooled_lookup(keys, lengths=lengths, insert_missing=False),
+            "jax_eval_ms": lambda: jax_eval(ids_j, lengths_j).block_until_ready(),
+            "core_train_ms": core_train,
+            "jax_train_ms": lambda: jax_train(ids_j, lengths_j, grad_j).block_until_ready(),
+            "callback_noop_ms": lambda: noop(ids_j).block_until_ready(),
         }
+        if _ffi.available():
+            fns["ffi_eval_ms"] = lambda: ffi_eval(ids_j, lengths_j).block_until_ready()
+            fns["ffi_train_ms"] = lambda: ffi_train(ids_j, lengths_j, grad_j).block_until_ready()
         if ffi is not None:
             ffi_jit = jax.jit(lambda i: ffi(i, n_bags, dim))
-            row["ffi_noop_ms"] = _median_ms(lambda: ffi_jit(ids_j).block_until_ready(), repeats, number)
+            fns["ffi_noop_ms"] = lambda: ffi_jit(ids_j).block_until_ready()
+        row = {"pooling": pooling, "ids": len(keys), "ffi_noop_ms": float("nan"), "ffi_eval_ms": float("nan"),
+               "ffi_train_ms": float("nan"), **_medians_ms(fns, repeats, number)}
         rows.append(row)
     return rows
 
 
+def _over(ms: float, base: float) -> str:
+    return "-" if ms != ms else f"{ms:.3f} (+{ms - base:.3f}, {ms / base:.2f}x)"
+
+
 def table(rows: List[Dict[str, float]], n_bags: int, dim: int) -> str:
-    lines = [f"B = {n_bags} bags, dim {dim}, row-wise Adagrad; median ms per call "
-             f"({os.cpu_count()} cores, {cncore.get_num_threads()} core threads)", "",
-             "| pooling | IDs | core eval | JAX eval | overhead | core train step | JAX train step | overhead "
-             "| no-op io_callback | no-op FFI call |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    load = ", load average %.1f" % os.getloadavg()[0] if hasattr(os, "getloadavg") else ""
+    lines = [f"B = {n_bags} bags, dim {dim}, row-wise Adagrad; median ms per call, measured interleaved "
+             f"({os.cpu_count()} cores, {cncore.get_num_threads()} core threads{load})", "",
+             "| pooling | IDs | call | bare core | JAX, ordered io_callback (+ms, x) | JAX, FFI (+ms, x) |",
+             "|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(
-            f"| {r['pooling']} | {r['ids']:,} | {r['core_eval_ms']:.3f} | {r['jax_eval_ms']:.3f} | "
-            f"+{r['jax_eval_ms'] - r['core_eval_ms']:.3f} ms ({r['jax_eval_ms'] / r['core_eval_ms']:.2f}x) | "
-            f"{r['core_train_ms']:.3f} | {r['jax_train_ms']:.3f} | "
-            f"+{r['jax_train_ms'] - r['core_train_ms']:.3f} ms ({r['jax_train_ms'] / r['core_train_ms']:.2f}x) | "
-            f"{r['callback_noop_ms']:.3f} | {r['ffi_noop_ms']:.3f} |")
+        head = f"| {r['pooling']} | {r['ids']:,} "
+        lines.append(head + f"| eval lookup | {r['core_eval_ms']:.3f} | {_over(r['jax_eval_ms'], r['core_eval_ms'])} "
+                            f"| {_over(r['ffi_eval_ms'], r['core_eval_ms'])} |")
+        lines.append(head + f"| train step (lookup + fused update) | {r['core_train_ms']:.3f} | "
+                            f"{_over(r['jax_train_ms'], r['core_train_ms'])} | "
+                            f"{_over(r['ffi_train_ms'], r['core_train_ms'])} |")
+        lines.append(head + f"| no-op boundary (nothing but the call) | - | {r['callback_noop_ms']:.3f} | "
+                            f"{r['ffi_noop_ms']:.3f} |")
     return "\n".join(lines)
 
 
@@ -148,7 +168,10 @@ def main(argv=None) -> int:
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--number", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=None, help="core threads (default: all cores)")
     args = ap.parse_args(argv)
+    if args.threads:
+        cncore.set_num_threads(args.threads)
     rows = measure(args.bags, (1, 20), args.dim, repeats=args.repeats, number=args.number)
     print(table(rows, args.bags, args.dim))
     return 0

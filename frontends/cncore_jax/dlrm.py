@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--eval-every", type=int, default=200, help="evaluate every this many steps")
     ap.add_argument("--eval-batches", type=int, default=8, help="evaluation batches (after the training range)")
     ap.add_argument("--seed", type=int, default=0, help="data and initialisation seed")
+    ap.add_argument("--boundary", choices=("callback", "ffi"), default="callback",
+                    help="how the jitted step reaches the core: ordered io_callback, or the XLA FFI call")
     ap.add_argument("--save", metavar="DIR", default=None, help="save the tables here at the end (table files)")
     ap.add_argument("--no-progress", action="store_true", help="only evaluations, no progress lines")
     return ap
@@ -183,6 +185,7 @@ def evaluate(predict, params, batches):
 
 def run(args) -> int:
     jax.config.update("jax_enable_x64", True)  # raw IDs are arbitrary int64 values
+    cj.set_boundary(args.boundary)
     gen = SyntheticCriteo(seed=args.seed, batch_size=args.batch_size)
     eval_set = [gen.batch(args.steps + k) for k in range(args.eval_batches)]
     tables = make_tables(args, gen)

@@ -50,12 +50,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
-from cncore_jax import _host
+from cncore_jax import _ffi, _host
 from cncore_jax._checks import as_flag, as_int_array, as_mode, as_weights, per_feature
 from cncore_jax.table import Table
 
 __all__ = ["lookup", "grouped_lookup", "apply_gradients", "accumulate_gradients", "discard", "LookupRef",
-           "SparseGrad"]
+           "SparseGrad", "set_boundary"]
 
 
 @dataclass(frozen=True)
@@ -105,10 +105,30 @@ class SparseGrad(NamedTuple):
     count: jax.Array
 
 
-def _call(host_fn, result_shape, *args):
+_BOUNDARY = ["callback"]
+
+
+def set_boundary(route: str) -> str:
+    """How traced code reaches the core from now on (for functions traced after the call):
+    "callback" (default): `io_callback(ordered=True)`, JAX's ordered effect, so every call of
+    the program runs in program order; "ffi": an XLA FFI custom call declared with side effects
+    (`cncore_jax._ffi`, compiled on first use), a fraction of the fixed cost, but ordered only
+    by data (a lookup before its own update; independent calls in one program in any order).
+    Returns the previous route."""
+    if route not in ("callback", "ffi"):
+        raise ValueError(f"route: expected 'callback' or 'ffi', got {route!r}")
+    if route == "ffi" and not _ffi.available():
+        raise RuntimeError(f"route 'ffi' is unavailable here: {_ffi.unavailable_reason()}")
+    previous, _BOUNDARY[0] = _BOUNDARY[0], route
+    return previous
+
+
+def _call(host_fn, result_shape, *args, write_into: bool = False):
     try:
+        if _BOUNDARY[0] == "ffi":
+            return _ffi.call(host_fn, result_shape, *args, write_into=write_into)
         return io_callback(host_fn, result_shape, *args, ordered=True)
-    except ValueError as e:
+    except (ValueError, NotImplementedError) as e:
         if "vmap" in str(e):
             raise TypeError("cncore_jax: a lookup or update cannot run under jax.vmap: it inserts and updates "
                             "rows, effects that must happen once, in order. Call it on the whole batch (its "
@@ -119,7 +139,7 @@ def _call(host_fn, result_shape, *args):
 def _run(spec: _Spec, keep: bool, ids, bags, weights):
     shape = (jax.ShapeDtypeStruct((spec.n_bags, spec.width), jnp.float32), jax.ShapeDtypeStruct((), jnp.int32))
     fn = partial(_host.forward, spec.tables, spec.modes, spec.is_lengths, spec.training, keep)
-    return _call(fn, shape, ids, bags, weights)
+    return _call(fn, shape, ids, bags, weights, write_into=True)
 
 
 def _keep(spec: _Spec, differentiating: bool) -> bool:
