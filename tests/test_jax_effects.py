@@ -142,6 +142,17 @@ def test_vmap_is_refused(route):
     assert len(table) == 0
 
 
+def test_remat_around_a_lookup_is_refused_by_jax(route):
+    table = cj.Table(dim=2, optimizer=cncore.SGD(lr=1.0))
+
+    def loss(w):
+        out, _ = cj.lookup(table, jnp.array([1, 2]), jnp.array([2]), weights=w)
+        return out.sum()
+
+    with pytest.raises(NotImplementedError, match="Effects not supported in partial-eval of `checkpoint`/`remat`"):
+        jax.grad(jax.checkpoint(loss))(jnp.ones(2))
+
+
 BAD = [
     (dict(ids=jnp.array([1.0, 2.0])), TypeError, r"ids\[0\]: expected int32 or int64 ids, got float"),
     (dict(ids=np.array([1, 2], np.uint64)), TypeError, r"ids\[0\]: expected int32 or int64 ids, got uint64"),

@@ -34,7 +34,8 @@ def as_weights(x, name: str, n: int, mode: str):
         raise ValueError(f"{name}: per-sample weights apply to 'sum' and 'mean' pooling, not 'max'")
     dtype = _dtype_of(x)
     if dtype is None or dtype.kind != "f":
-        raise TypeError(f"{name}: expected a floating-point array, got {dtype if dtype is not None else type(x).__name__}")
+        got = dtype if dtype is not None else type(x).__name__
+        raise TypeError(f"{name}: expected a floating-point array, got {got}")
     if tuple(x.shape) != (n,):
         raise ValueError(f"{name}: expected shape ({n},), one weight per id, got {tuple(x.shape)}")
     return jnp.asarray(x, dtype=jnp.float32)

@@ -3,8 +3,12 @@
 `has_side_effect=True` (so XLA never eliminates it) over one C++ handler (`_ffi_bridge.cc`).
 
 The handler gives `fn` XLA's own buffers (NumPy views, no copies in); `fn` writes its results
-into XLA's output buffers (the pooled rows go straight there: no copy out). It skips JAX's callback machinery (and its copies),
-which is most of an `io_callback`'s fixed cost (`python -m cncore_jax.bench`).
+into XLA's output buffers (the pooled rows go straight there: no copy out). It skips JAX's
+callback machinery and its copies: most of an `io_callback`'s fixed cost, and on a 1 MB
+output the page faults of a fresh buffer (`python -m cncore_jax.bench`).
+
+Each traced call registers its host function under a new id, kept for the process (one per
+trace, not per execution).
 
 The handler is compiled on first use against jaxlib's FFI headers (`jax.ffi.include_dir()`) and
 Python's, with the C++ compiler found on PATH, into a cache directory

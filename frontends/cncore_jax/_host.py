@@ -12,7 +12,7 @@ context was dropped or already used is refused with a message that says which.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from typing import List, Optional, Sequence
 
 import numpy as np

@@ -7,11 +7,16 @@ are an input of the loss, their gradient is what the table's update needs):
     loss, (g_params, g_pooled) = jax.value_and_grad(loss_fn, argnums=(0, 1))(params, pooled)
     cj.apply_gradients(ctx, g_pooled)                            # fused update, in the core
 
-How it reaches the core: `jax.experimental.io_callback(..., ordered=True)`. An ordered
-callback runs exactly once per execution, in program order, and is never dropped, merged or
-replayed by XLA (a `pure_callback` may be any of these, which would lose or repeat inserts).
-`vmap` of an ordered effect is unsupported, so a lookup under `vmap` is refused with a
-TypeError: a batch of bags is already the batched form.
+How it reaches the core (`set_boundary`): by default `jax.experimental.io_callback(...,
+ordered=True)`. An ordered callback runs exactly once per execution, in program order, and is
+never dropped, merged or replayed by XLA (a `pure_callback` may be any of these, which would
+lose or repeat inserts). `set_boundary("ffi")` uses an XLA FFI custom call instead
+(`cncore_jax._ffi`), declared with side effects so XLA keeps it: a fraction of the fixed cost
+and no copy of the output, but ordered only by data (a lookup before its update; two
+independent calls in one program may swap). The default is the route whose ordering JAX
+guarantees; `python -m cncore_jax.bench` measures both. Under either route, `vmap` of a lookup
+or update is refused with a TypeError (a batch of bags is already the batched form), and JAX
+itself refuses `jax.checkpoint` (remat) around one, which would repeat the lookup.
 
 The lookup is a `jax.custom_vjp`: when a loss is differentiated through it, the cotangent of
 its output is the gradient of the pooled rows (exposed through `sink`, an argument whose
