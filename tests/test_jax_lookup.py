@@ -193,3 +193,25 @@ def test_grouped_lookup_writes_each_table_in_its_columns(route):
     before = b.store.lookup(np.array([3]))
     cj.apply_gradients(ctx, jnp.ones((2, DIM + 2)))
     np.testing.assert_allclose(b.store.lookup(np.array([3])), before - 1.0, rtol=1e-6)
+
+
+def test_the_non_fused_path_feeds_optax_and_equals_the_fused_update():
+    optax = pytest.importorskip("optax")
+    fused, manual = make_table(cncore.SGD(lr=0.3)), make_table(None)
+    tx = optax.sgd(0.3)
+    rng = np.random.default_rng(4)
+    for _ in range(3):
+        idx, lengths, _ = batch(rng)
+        ids, lens = jnp.asarray(VOCAB[idx]), jnp.asarray(lengths)
+        G = jnp.asarray(rng.normal(size=(len(lengths), DIM)).astype(np.float32))
+        out, ctx = cj.lookup(fused, ids, lens, mode="mean")
+        cj.apply_gradients(ctx, G)
+        out, ctx = cj.lookup(manual, ids, lens, mode="mean")
+        (g,) = jax.jit(cj.accumulate_gradients)(ctx, G)
+        n = int(g.count)
+        keys = np.asarray(g.ids[:n])
+        rows = jnp.asarray(manual.store.lookup(keys))
+        updates, _ = tx.update(g.rows[:n], tx.init(rows), rows)
+        manual.store.assign(keys, np.asarray(optax.apply_updates(rows, updates)))
+    np.testing.assert_allclose(manual.store.lookup(VOCAB), fused.store.lookup(VOCAB), rtol=1e-6, atol=1e-6)
+    assert manual.store.read(VOCAB).counts.tolist() == fused.store.read(VOCAB).counts.tolist()

@@ -294,7 +294,16 @@ def apply_gradients(ctx, grad, *, lr=None) -> None:
 
 def accumulate_gradients(ctx, grad):
     """The non-fused backward, for updating rows yourself (e.g. with optax): one `SparseGrad`
-    per table of the lookup, padded to that table's id count. Consumes the context."""
+    per table of the lookup, padded to that table's id count. Consumes the context, and
+    records the accesses of a training lookup as `apply_gradients` does.
+
+    >>> import jax.numpy as jnp, cncore, cncore_jax as cj
+    >>> t = cj.Table(dim=1)
+    >>> out, ctx = cj.lookup(t, jnp.array([4, 4, 9, 0], jnp.int32), jnp.array([2, 1], jnp.int32))
+    >>> (g,) = cj.accumulate_gradients(ctx, jnp.array([[1.0], [10.0]]))
+    >>> g.ids.tolist(), g.rows[:, 0].tolist(), int(g.count)    # 4 twice in bag 0; 0 was padding
+    ([4, 9, 0, 0], [2.0, 10.0, 0.0, 0.0], 2)
+    """
     ctx = _as_ref(ctx)
     grad = _as_grad(ctx, grad)
     shapes = tuple(SparseGrad(jax.ShapeDtypeStruct((n,), jnp.dtype(dt)), jax.ShapeDtypeStruct((n, t.dim), jnp.float32),
