@@ -15,6 +15,7 @@ from typing import Optional, Tuple, Union
 __all__ = [
     "Uniform", "Normal", "TruncatedNormal", "Constant", "Initializer",
     "SGD", "Adagrad", "RowWiseAdagrad", "Adam", "Optimizer",
+    "LRU", "LFU", "TTL", "Eviction",
     "StoreConfig",
 ]
 
@@ -218,6 +219,46 @@ Optimizer = Union[SGD, Adagrad, RowWiseAdagrad, Adam]
 _STATE_FLOATS = {None: lambda d: 0, SGD: lambda d: 0, Adagrad: lambda d: d, RowWiseAdagrad: lambda d: 1,
                  Adam: lambda d: 2 * d}
 
+# --- bounded tables: eviction and admission policies (cn_evict.h states them exactly) -------
+
+@dataclass(frozen=True)
+class LRU:
+    """Evict the least recently used rows first: score = last_step, ties by key (ascending).
+
+    >>> StoreConfig(dim=4, max_rows=1000, eviction=LRU()).headroom
+    31
+    """
+    kind = 1
+
+
+@dataclass(frozen=True)
+class LFU:
+    """Evict the least frequently used rows first: score = (count, last_step), ties by key."""
+    kind = 2
+
+
+@dataclass(frozen=True)
+class TTL:
+    """Rows not used for more than `steps` steps (store.step - last_step > steps) are expired:
+    `store.evict_expired()` sweeps them, and under pressure rows go by last_step (as LRU), so
+    expired rows, the oldest, go first.
+
+    >>> TTL(100).steps
+    100
+    """
+    steps: int
+    kind = 3
+
+    def __post_init__(self):
+        if isinstance(self.steps, bool) or not isinstance(self.steps, numbers.Integral) \
+                or not 0 <= self.steps < 2**32:
+            raise ValueError(f"TTL.steps must be an int in [0, 2**32), got {self.steps!r}")
+        object.__setattr__(self, "steps", int(self.steps))
+
+
+Eviction = Union[LRU, LFU, TTL]
+
+
 SUPPORTED_DTYPES = ("float32",)
 PLANNED_DTYPES = ("float16", "bfloat16")
 
@@ -231,6 +272,20 @@ class StoreConfig:
     capacity: rows to allocate up front (a hint: the store grows past it).
     max_load_factor: the index grows when size / buckets would exceed it (0.1 .. 0.9).
     optimizer: the fused optimizer whose per-row state the rows carry, or None.
+
+    Bounded tables (cn_evict.h has the exact policy):
+    max_rows: the row budget, or None. An insert that would take the table past it first
+    evicts, by `eviction`, the lowest-scoring rows the call does not use, down to
+    ``max_rows - headroom`` rows after the insert; a call whose own distinct keys exceed
+    max_rows is refused (ValueError, table unchanged). Evicted rows go to the callbacks of
+    ``store.on_evict`` and are counted in ``store.evicted_count``. An eviction, like an erase,
+    makes earlier lookups' contexts stale (their backward is refused).
+    eviction: LRU(), LFU() or TTL(steps); required with max_rows, allowed without it (then only
+    the explicit ``evict`` / ``evict_expired`` verbs evict). The table then keeps each row's key
+    next to its metadata (8 bytes + 1 bit per row) so eviction scans memory in order.
+    headroom: rows freed beyond the need by one round of eviction (default max(1, max_rows // 32)):
+    each round scans the table a few times, so a larger headroom pays that scan over more
+    inserts, at the price of a table that runs up to `headroom` rows below its budget.
     """
     dim: int
     dtype: str = "float32"
@@ -239,6 +294,9 @@ class StoreConfig:
     capacity: int = 1024
     max_load_factor: float = 0.7
     optimizer: Optional[Optimizer] = None
+    max_rows: Optional[int] = None
+    eviction: Optional[Eviction] = None
+    headroom: Optional[int] = None
 
     def __post_init__(self):
         if not isinstance(self.dim, int) or isinstance(self.dim, bool) or not 1 <= self.dim <= 65536:
@@ -262,6 +320,24 @@ class StoreConfig:
         if self.optimizer is not None and type(self.optimizer) not in _STATE_FLOATS:
             raise TypeError("optimizer must be None, SGD, Adagrad, RowWiseAdagrad or Adam, "
                             f"got {type(self.optimizer).__name__}")
+        if self.eviction is not None and not isinstance(self.eviction, (LRU, LFU, TTL)):
+            raise TypeError(f"eviction must be None, LRU(), LFU() or TTL(steps), got {type(self.eviction).__name__}")
+        if self.max_rows is not None:
+            if isinstance(self.max_rows, bool) or not isinstance(self.max_rows, numbers.Integral) \
+                    or not 1 <= self.max_rows <= MAX_CAPACITY:
+                raise ValueError(f"max_rows must be None or an int in [1, 2**56], got {self.max_rows!r}")
+            object.__setattr__(self, "max_rows", int(self.max_rows))
+            if self.eviction is None:
+                raise ValueError("max_rows needs an eviction policy: eviction=cncore.LRU(), LFU() or TTL(steps)")
+            if self.headroom is None:
+                object.__setattr__(self, "headroom", max(1, self.max_rows // 32))
+        if self.headroom is not None:
+            if self.max_rows is None:
+                raise ValueError("headroom applies to a row budget: set max_rows too")
+            if isinstance(self.headroom, bool) or not isinstance(self.headroom, numbers.Integral) \
+                    or not 0 <= self.headroom < self.max_rows:
+                raise ValueError(f"headroom must be an int in [0, max_rows), got {self.headroom!r}")
+            object.__setattr__(self, "headroom", int(self.headroom))
 
     @property
     def state_floats(self) -> int:

@@ -14,7 +14,19 @@ Batch verbs (HierarchicalKV's vocabulary), all over 1-D key arrays:
 ``export`` / ``iter_export``  everything, whole or in cursor batches
 ``load``                  import keys with rows, state and metadata (insert or overwrite)
 ``clear`` / ``reserve``   drop every row (keep memory) / allocate room up front
+``evict(n)``              evict the n lowest-scoring rows (bounded tables: ``eviction=``)
+``evict_expired()``       evict every row a ``TTL`` policy says has expired
+``evict_if(predicate)``   evict the rows a vectorised predicate over their metadata chooses
+``on_evict(callback)``    hand every evicted row to ``callback(TableBatch)``
 ========================  ===================================================================
+
+Bounded tables (``StoreConfig(max_rows=..., eviction=LRU() | LFU() | TTL(steps))``): an insert
+(training lookup, ``find_or_insert``, ``insert_or_assign``, ``load``) that would pass max_rows
+first evicts the lowest-scoring rows the call does not use. Evicted rows are never dropped
+silently: they are counted in ``evicted_count`` and handed, with their optimizer state and
+metadata, to the ``on_evict`` callbacks after the call's lock is released. An eviction, like
+an erase, refuses the backward of lookups made before it. ``erase`` is the caller's own
+removal: it is not an eviction (not counted, not handed on).
 
 Duplicate keys in one batch: ``find_or_insert`` inserts one row and returns its slot for
 every occurrence (``found`` is False for all of them, as the key was absent before the call);
@@ -43,7 +55,7 @@ import numpy as np
 
 from cncore import _core
 from cncore._interchange import as_float_rows, as_floats, as_keys, to_numpy
-from cncore.config import StoreConfig
+from cncore.config import TTL, StoreConfig
 
 __all__ = ["EmbeddingStore", "TableBatch", "initial_rows"]
 
@@ -134,9 +146,15 @@ class EmbeddingStore:
         self._config = config
         opt = config.optimizer
         init = config.initializer
+        ev = config.eviction
+        ttl = ev.steps if isinstance(ev, TTL) else 0
+        max_rows = config.max_rows or 0
         self._table = _core.Table(
             config.dim, opt.kind if opt is not None else 0, float(opt.initial_state) if opt is not None else 0.0,
-            init.kind, config.seed, *init.params(), float(config.max_load_factor), config.capacity)
+            init.kind, config.seed, *init.params(), float(config.max_load_factor),
+            min(config.capacity, max_rows) if max_rows else config.capacity,
+            ev.kind if ev is not None else 0, max_rows, max_rows - (config.headroom or 0), ttl)
+        self._evict_callbacks = []
 
     # --- sizes ---------------------------------------------------------------------------
 
@@ -174,6 +192,11 @@ class EmbeddingStore:
     @step.setter
     def step(self, value: int) -> None:
         self._table.step = _count(value, "step", 0, 2**63)
+
+    @property
+    def evicted_count(self) -> int:
+        """Rows evicted so far (by the budget or the evict verbs; erase does not count)."""
+        return self._table.evicted_count
 
     def __repr__(self) -> str:
         return f"EmbeddingStore(rows={len(self)}, capacity={self.capacity}, config={self._config})"
@@ -379,3 +402,79 @@ class EmbeddingStore:
                                                   ctx.mode, ctx.argmax, grad, ctx.training, ctx.step,
                                                   ctx.erase_epoch)
         return ctx.keys[positions], grads
+
+    # --- bounded tables: eviction --------------------------------------------------------------
+
+    def on_evict(self, callback) -> None:
+        """Register `callback(batch)`: it receives a `TableBatch` of every eviction's rows
+        (keys, rows, optimizer state, counts, last steps; in eviction order, lowest score
+        first), called after the evicting call has released the store's lock, in the thread
+        that made the call. Callbacks run in registration order; one that raises propagates
+        out of the call that evicted (the eviction has happened, the callbacks after it did
+        not run). Without callbacks evicted rows are dropped, and still counted.
+
+        >>> import numpy as np, cncore
+        >>> s = cncore.EmbeddingStore(dim=1, max_rows=2, eviction=cncore.LRU(), headroom=0)
+        >>> sink = []
+        >>> s.on_evict(sink.append)
+        >>> _ = s.find_or_insert(np.array([5, 3])); _ = s.find_or_insert(np.array([9]))
+        >>> sink[0].keys.tolist(), sorted(s.export().keys.tolist()), s.evicted_count
+        ([3], [5, 9], 1)
+        """
+        if not callable(callback):
+            raise TypeError(f"callback must be callable, got {type(callback).__name__}")
+        self._evict_callbacks.append(callback)
+        self._table.evict_sink = self._deliver
+
+    def _deliver(self, keys, rows, state, counts, last_steps) -> None:
+        batch = TableBatch(keys, rows, state, counts, last_steps, np.ones(len(keys), dtype=bool))
+        for callback in list(self._evict_callbacks):
+            callback(batch)
+
+    def _require_policy(self, verb: str):
+        if self._config.eviction is None:
+            raise TypeError(f"{verb}: this store has no eviction policy (StoreConfig.eviction=None)")
+
+    def evict(self, n: int) -> int:
+        """Evict the `n` lowest-scoring rows now (all of them if n >= len); returns how many.
+
+        >>> import numpy as np, cncore
+        >>> s = cncore.EmbeddingStore(dim=1, eviction=cncore.LFU())
+        >>> _ = s.find_or_insert(np.array([4, -2, 7]))
+        >>> s.evict(2), s.export().keys.tolist()
+        (2, [7])
+        """
+        self._require_policy("evict")
+        return self._table.evict(_count(n, "n", 0, 2**63))
+
+    def evict_expired(self) -> int:
+        """TTL: evict every row with ``step - last_step > ttl``; returns how many."""
+        if not isinstance(self._config.eviction, TTL):
+            raise TypeError("evict_expired: this store's eviction policy is not TTL(steps)")
+        return self._table.evict_expired()
+
+    def evict_if(self, predicate, *, batch_size: int = 65536) -> int:
+        """Evict the rows `predicate` chooses: it is called with each `TableBatch` of an export
+        (keys, rows, state, counts, last steps) and returns a bool mask over the batch; the
+        chosen keys are then evicted (handed to the on_evict callbacks, counted). The export
+        runs first and the eviction after it (HierarchicalKV's erase_if): call it between
+        steps. Returns how many rows were evicted.
+
+        >>> import numpy as np, cncore
+        >>> s = cncore.EmbeddingStore(dim=1, eviction=cncore.LRU())
+        >>> _ = s.find_or_insert(np.arange(6))
+        >>> s.evict_if(lambda b: b.keys % 2 == 1), sorted(s.export().keys.tolist())
+        (3, [0, 2, 4])
+        """
+        self._require_policy("evict_if")
+        if not callable(predicate):
+            raise TypeError(f"predicate must be callable, got {type(predicate).__name__}")
+        chosen = []
+        for batch in self.iter_export(batch_size):
+            mask = np.asarray(predicate(batch))
+            if mask.dtype != bool or mask.shape != batch.keys.shape:
+                raise ValueError(f"predicate must return a bool mask of shape {batch.keys.shape}, got "
+                                 f"{mask.dtype} {mask.shape}; nothing was evicted")
+            chosen.append(batch.keys[mask])
+        keys = np.concatenate(chosen) if chosen else np.empty(0, dtype=np.int64)
+        return self._table.evict_keys(np.ascontiguousarray(keys, dtype=np.int64))

@@ -73,6 +73,10 @@ _MANIFEST_KEYS = ("format", "version", "rows", "step", "config", "arrays")
 _ENTRY_KEYS = ("file", "dtype", "shape", "bytes", "sha256")
 _INITIALIZERS = {c.__name__: c for c in (cncore.Uniform, cncore.Normal, cncore.TruncatedNormal, cncore.Constant)}
 _OPTIMIZERS = {c.__name__: c for c in (cncore.SGD, cncore.Adagrad, cncore.RowWiseAdagrad, cncore.Adam)}
+_EVICTIONS = {c.__name__: c for c in (cncore.LRU, cncore.LFU, cncore.TTL)}
+# Config fields a file holds only when they are set (bounded tables): files of unbounded tables
+# stay what they were, and files written before these fields existed read as unbounded.
+_OPTIONAL_FIELDS = ("max_rows", "eviction", "headroom")
 
 
 class TableFormatError(ValueError):
@@ -97,6 +101,11 @@ def config_to_dict(config: cncore.StoreConfig) -> dict:
     d["initializer"] = {"type": type(config.initializer).__name__, **dataclasses.asdict(config.initializer)}
     d["optimizer"] = (None if config.optimizer is None else
                       {"type": type(config.optimizer).__name__, **dataclasses.asdict(config.optimizer)})
+    d["eviction"] = (None if config.eviction is None else
+                     {"type": type(config.eviction).__name__, **dataclasses.asdict(config.eviction)})
+    for name in _OPTIONAL_FIELDS:
+        if d[name] is None:
+            del d[name]
     return d
 
 
@@ -158,9 +167,15 @@ def config_from_dict(d, where: str = "") -> cncore.StoreConfig:
     ... except TableFormatError as exc:
     ...     print(exc)
     config.initializer.type must be one of ['Constant', 'Normal', 'TruncatedNormal', 'Uniform'], got 'set_num_threads'
+    >>> config_from_dict(config_to_dict(cncore.StoreConfig(dim=3, max_rows=100, eviction=cncore.TTL(5)))).eviction
+    TTL(steps=5)
     """
+    if isinstance(d, dict):
+        d = {**{name: None for name in _OPTIONAL_FIELDS}, **d}
     _fields_exactly(d, tuple(f.name for f in dataclasses.fields(cncore.StoreConfig)), where, "config")
     d = dict(d)
+    if d["eviction"] is not None:
+        d["eviction"] = _from_whitelist(d["eviction"], _EVICTIONS, "config.eviction", where)
     if not _is_int(d["capacity"]):  # a hint, but the core allocates it: it must fit an int64
         raise _error(where, f"config.capacity must be an int in [0, 2**63), got {_show(d['capacity'])}")
     d["initializer"] = _from_whitelist(d["initializer"], _INITIALIZERS, "config.initializer", where)

@@ -6,7 +6,7 @@ contiguity, writability); this layer checks what only the C side can check cheap
 takes the table's lock, runs one nogil section, and turns return codes into exceptions.
 """
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
-from libc.stdlib cimport malloc, free
+from libc.stdlib cimport malloc, calloc, free
 from cncore._typedefs cimport key_t, slot_t, offset_t, weight_t, count_t
 from cncore._ctable cimport *
 
@@ -96,16 +96,31 @@ cdef inline const weight_t* _opt_ptr(object arr):
     return &view[0, 0] if view.shape[0] > 0 else NULL
 
 
+cdef _raise_insert(int rc, Table tab, int64_t n):
+    if rc == CN_EFULL:
+        raise ValueError(f"the call's distinct keys exceed the table's max_rows ({tab.t.bound.max_rows}): its own rows "
+                         "cannot all be kept; the table is unchanged")
+    if rc != CN_OK:
+        raise MemoryError(f"cannot grow the table to {tab.t.index.size + n} rows; the table is unchanged")
+
+
 cdef class Table:
     """One C table (index + arena). Use `cncore.EmbeddingStore`, not this class."""
 
     def __cinit__(self, int64_t dim, int optimizer_kind, float state_init, int init_kind, uint64_t seed,
-                  float p0, float p1, float p2, float p3, double max_load, int64_t capacity_hint):
+                  float p0, float p1, float p2, float p3, double max_load, int64_t capacity_hint,
+                  int policy=0, int64_t max_rows=0, int64_t low_water=0, int64_t ttl=0):
         cdef cn_init init = _make_init(init_kind, seed, p0, p1, p2, p3)
+        cdef cn_bound bound
         cdef int rc
+        bound.policy = policy
+        bound.max_rows = max_rows
+        bound.low_water = low_water
+        bound.ttl = ttl
         self.alive = False
+        self.evict_sink = None
         with nogil:
-            rc = cn_table_create(&self.t, dim, optimizer_kind, state_init, init, max_load, capacity_hint)
+            rc = cn_table_create(&self.t, dim, optimizer_kind, state_init, init, max_load, capacity_hint, bound)
         if rc != CN_OK:
             raise MemoryError(f"capacity: cannot allocate a table for {capacity_hint} rows of dim {dim} (this "
                               f"machine has {cn_machine_bytes() / 2**30:.1f} GiB of memory)")
@@ -132,6 +147,10 @@ cdef class Table:
     @property
     def nbytes(self):
         return self.t.nbytes
+
+    @property
+    def evicted_count(self):
+        return self.t.n_evicted
 
     @property
     def erase_epoch(self):
@@ -163,17 +182,73 @@ cdef class Table:
     def find_or_insert(self, const key_t[::1] keys, slot_t[::1] slots, uint8_t[::1] found):
         cdef int64_t n = keys.shape[0], n_new = 0
         cdef int rc = CN_OK
+        cdef cn_evicted ev
+        cdef int want = self.evict_sink is not None
         _check_len(slots, n, -1, "slots")
         _check_len(found, n, -1, "found")
         if n == 0:
             return 0
         with nogil:
             _wrlock(self)
-            rc = cn_table_find_or_insert(&self.t, &keys[0], n, &slots[0], &found[0], &n_new)
+            rc = cn_table_resolve(&self.t, &keys[0], n, &slots[0], &found[0], 1, want, &ev, &n_new)
             _unlock(self)
-        if rc != CN_OK:
-            raise MemoryError(f"cannot grow the table to {self.t.index.size + n} rows; the table is unchanged")
+        self._deliver(&ev)
+        _raise_insert(rc, self, n)
         return n_new
+
+    cdef _deliver(self, cn_evicted *ev):
+        """Hand the rows a call evicted to the store's sink (outside the lock), then free them."""
+        cdef int64_t n = ev.n, dim = self.t.dim, sf = self.t.state_floats
+        if n == 0:
+            cn_evicted_free(ev)
+            return
+        try:
+            keys = np.asarray(<key_t[:n]> ev.keys).copy()
+            counts = np.asarray(<count_t[:n]> ev.counts).copy()
+            steps = np.asarray(<count_t[:n]> ev.last_steps).copy()
+            rows = np.asarray(<weight_t[:n * dim]> ev.rows).reshape(n, dim).copy() if ev.rows != NULL else None
+            state = np.empty((n, sf), dtype=np.float32)
+            if ev.state != NULL and sf:
+                state[:] = np.asarray(<weight_t[:n * sf]> ev.state).reshape(n, sf)
+        finally:
+            cn_evicted_free(ev)
+        if self.evict_sink is not None:
+            self.evict_sink(keys, rows, state, counts, steps)
+
+    def evict(self, int64_t k):
+        """Evict the k lowest-scoring rows (k <= 0: none); returns how many were evicted."""
+        return self._evict(0, k, None)
+
+    def evict_expired(self):
+        return self._evict(1, 0, None)
+
+    def evict_keys(self, const key_t[::1] keys):
+        return self._evict(2, keys.shape[0], keys)
+
+    def _evict(self, int what, int64_t k, keys):
+        cdef cn_evicted ev
+        cdef int rc = CN_OK
+        cdef int want = self.evict_sink is not None
+        cdef const key_t[::1] kv
+        cdef const key_t* kp = NULL
+        if keys is not None:
+            kv = keys
+            kp = &kv[0] if kv.shape[0] else NULL
+        ev.n = 0
+        with nogil:
+            _wrlock(self)
+            if what == 0:
+                rc = cn_table_evict(&self.t, k if k > 0 else 0, want, &ev)
+            elif what == 1:
+                rc = cn_table_evict_expired(&self.t, want, &ev)
+            else:
+                rc = cn_table_evict_keys(&self.t, kp, k, want, &ev)
+            _unlock(self)
+        n = ev.n
+        self._deliver(&ev)
+        if rc != CN_OK:
+            raise MemoryError("out of memory choosing the rows to evict; the table is unchanged")
+        return n
 
     def upsert(self, const key_t[::1] keys, rows, state, counts, last_steps, uint8_t[::1] found, bint insert):
         """Write rows (and optionally state / metadata) for keys; with insert, add missing keys
@@ -203,20 +278,17 @@ cdef class Table:
             return 0
         slots_arr = np.empty(n, dtype=np.int64)
         cdef slot_t[::1] slots = slots_arr
+        cdef cn_evicted ev
+        cdef int want = self.evict_sink is not None
         with nogil:
             _wrlock(self)
-            if insert:
-                rc = cn_table_find_or_insert(&self.t, &keys[0], n, &slots[0], &found[0], &n_new)
-            else:
-                cn_table_find(&self.t, &keys[0], n, &slots[0])
-                for i in range(n):
-                    found[i] = slots[i] >= 0
+            rc = cn_table_resolve(&self.t, &keys[0], n, &slots[0], &found[0], insert, want, &ev, &n_new)
             if rc == CN_OK:
                 cn_table_write_rows(&self.t, &slots[0], n, &rows_v[0, 0], self.t.dim, state_p, self.t.state_floats)
                 cn_table_write_meta(&self.t, &slots[0], n, counts_p, steps_p)
             _unlock(self)
-        if rc != CN_OK:
-            raise MemoryError(f"cannot grow the table to {self.t.index.size + n} rows; the table is unchanged")
+        self._deliver(&ev)
+        _raise_insert(rc, self, n)
         return n_new
 
     def erase(self, const key_t[::1] keys, uint8_t[::1] erased):
@@ -379,37 +451,63 @@ def grouped_forward(list tables, list keys, list offsets, list weights, list mod
     epoch read under the table's lock together with the lookup (the backward checks it under
     the lock again). Offsets are checked for every feature before any table changes. Raises
     ValueError naming the first bad feature, MemoryError when a table cannot grow.
+
+    Each distinct table is handled once, under one hold of its lock, with the keys of all its
+    features: find them all, make room (a bounded table evicts rows none of them uses), insert,
+    pool each feature, read the epoch. Handling a shared table per feature let the second
+    feature's eviction free rows the first had just resolved. n_new is the table's count,
+    reported on its first feature (0 on the others). Rows a table evicted go to its
+    `evict_sink` after every lock is released.
     """
-    cdef int64_t F = len(tables), f
+    cdef int64_t F = len(tables), f, u, U
     cdef Table tab
     if not (len(keys) == len(offsets) == len(weights) == len(modes) == len(outs) == F):
         raise ValueError("grouped_forward: one keys, offsets, weights, mode and out per table")
-    cdef cn_table** tp = <cn_table**> malloc(max(F, 1) * sizeof(cn_table*))
-    cdef int64_t* ip = <int64_t*> malloc(max(F, 1) * 12 * sizeof(int64_t))
-    if tp == NULL or ip == NULL:
+    # Distinct tables in order of first appearance, and each feature's place in its table's keys.
+    unit_of, members = {}, []
+    for f in range(F):
+        if not isinstance(tables[f], Table):
+            raise TypeError(f"tables[{f}]: expected a cncore._core.Table")
+        u = unit_of.setdefault(id(tables[f]), len(members))
+        if u == len(members):
+            members.append([])
+        members[u].append(f)
+    U = len(members)
+    cdef cn_table** tp = <cn_table**> malloc(max(U, 1) * sizeof(cn_table*))
+    cdef cn_evicted* evs = <cn_evicted*> calloc(max(U, 1), sizeof(cn_evicted))
+    cdef int64_t* ip = <int64_t*> malloc(max(F, 1) * 10 * sizeof(int64_t))
+    cdef int64_t* up = <int64_t*> malloc(max(U, 1) * 7 * sizeof(int64_t))
+    if tp == NULL or ip == NULL or up == NULL or evs == NULL:
         free(tp)
         free(ip)
+        free(up)
+        free(evs)
         raise MemoryError("cannot allocate the call's scratch")
     # one column of ip per per-feature value (pointers are stored as int64)
-    cdef int64_t* p_keys = ip
-    cdef int64_t* p_nkeys = ip + F
-    cdef int64_t* p_off = ip + 2 * F
-    cdef int64_t* p_nbags = ip + 3 * F
-    cdef int64_t* p_w = ip + 4 * F
-    cdef int64_t* p_mode = ip + 5 * F
-    cdef int64_t* p_out = ip + 6 * F
-    cdef int64_t* p_ld = ip + 7 * F
-    cdef int64_t* p_slots = ip + 8 * F
-    cdef int64_t* p_argmax = ip + 9 * F
-    cdef int64_t* p_nnew = ip + 10 * F
-    cdef uint64_t* p_epoch = <uint64_t*> (ip + 11 * F)
-    results = []
-    cdef int64_t bad_feature = -1, bad_pos = -1, oom_feature = -1
+    cdef int64_t* p_nkeys = ip
+    cdef int64_t* p_off = ip + F
+    cdef int64_t* p_nbags = ip + 2 * F
+    cdef int64_t* p_w = ip + 3 * F
+    cdef int64_t* p_mode = ip + 4 * F
+    cdef int64_t* p_out = ip + 5 * F
+    cdef int64_t* p_ld = ip + 6 * F
+    cdef int64_t* p_slots = ip + 7 * F
+    cdef int64_t* p_argmax = ip + 8 * F
+    cdef int64_t* p_unit = ip + 9 * F
+    # and of up per table
+    cdef int64_t* u_keys = up
+    cdef int64_t* u_n = up + U
+    cdef int64_t* u_slots = up + 2 * U
+    cdef int64_t* u_nnew = up + 3 * U
+    cdef int64_t* u_want = up + 4 * U
+    cdef int64_t* u_rc = up + 5 * U
+    cdef uint64_t* u_epoch = <uint64_t*> (up + 6 * U)
+    results = [None] * F
+    cdef int64_t bad_feature = -1, bad_pos = -1, failed = -1, g, start
     cdef int rc
     try:
         for f in range(F):
             tab = <Table> tables[f]
-            tp[f] = &tab.t
             k = keys[f]
             o = offsets[f]
             out = outs[f]
@@ -422,7 +520,6 @@ def grouped_forward(list tables, list keys, list offsets, list weights, list mod
             if modes[f] not in (0, 1, 2):
                 raise ValueError(f"modes[{f}]: expected 0 (sum), 1 (mean) or 2 (max), got {modes[f]!r}")
             _check_rows(out, np.float32, o.shape[0] - 1, tab.t.dim, f"out[{f}]", True)
-            p_keys[f] = _ptr(k)
             p_nkeys[f] = k.shape[0]
             p_off[f] = _ptr(o)
             p_nbags[f] = o.shape[0] - 1
@@ -430,13 +527,31 @@ def grouped_forward(list tables, list keys, list offsets, list weights, list mod
             p_mode[f] = modes[f]
             p_out[f] = _ptr(out)
             p_ld[f] = out.strides[0] // 4 if p_nbags[f] > 1 else tab.t.dim
-            slots = np.empty(p_nkeys[f], dtype=np.int64)
-            p_slots[f] = _ptr(slots)
-            argmax = None
-            if modes[f] == 2:
-                argmax = np.empty((p_nbags[f], tab.t.dim), dtype=np.int64)
-            p_argmax[f] = _ptr(argmax)
-            results.append([slots, argmax, 0, 0])
+            p_unit[f] = unit_of[id(tables[f])]
+        for u in range(U):
+            fs = members[u]
+            tab = <Table> tables[fs[0]]
+            tp[u] = &tab.t
+            u_want[u] = tab.evict_sink is not None
+            if len(fs) == 1:
+                unit_keys = keys[fs[0]]
+            else:
+                unit_keys = np.concatenate([keys[f] for f in fs])
+            unit_slots = np.empty(unit_keys.shape[0], dtype=np.int64)
+            u_keys[u] = _ptr(unit_keys)
+            u_n[u] = unit_keys.shape[0]
+            u_slots[u] = _ptr(unit_slots)
+            u_rc[u] = CN_OK
+            start = 0
+            for f in fs:
+                slots = unit_slots[start:start + p_nkeys[f]] if len(fs) > 1 else unit_slots
+                p_slots[f] = u_slots[u] + 8 * start
+                start += p_nkeys[f]
+                argmax = None
+                if modes[f] == 2:
+                    argmax = np.empty((p_nbags[f], tab.t.dim), dtype=np.int64)
+                p_argmax[f] = _ptr(argmax)
+                results[f] = [slots, argmax, 0, 0, unit_keys]  # unit_keys: alive until the call returns
         with nogil:
             for f in range(F):
                 bad_pos = cn_check_offsets(<offset_t*> p_off[f], p_nbags[f], p_nkeys[f])
@@ -444,34 +559,52 @@ def grouped_forward(list tables, list keys, list offsets, list weights, list mod
                     bad_feature = f
                     break
             if bad_feature < 0:
-                for f in range(F):
+                for u in range(U):
                     if insert_missing:
-                        pthread_rwlock_wrlock(&tp[f].lock)
+                        pthread_rwlock_wrlock(&tp[u].lock)
                     else:
-                        pthread_rwlock_rdlock(&tp[f].lock)
-                    rc = cn_table_pooled_forward(tp[f], <key_t*> p_keys[f], <offset_t*> p_off[f], p_nbags[f],
-                                                 <weight_t*> p_w[f], <int> p_mode[f], <weight_t*> p_out[f],
-                                                 p_ld[f], <int64_t*> p_argmax[f], <slot_t*> p_slots[f],
-                                                 insert_missing, &p_nnew[f])
-                    p_epoch[f] = tp[f].erase_epoch
-                    pthread_rwlock_unlock(&tp[f].lock)
+                        pthread_rwlock_rdlock(&tp[u].lock)
+                    rc = cn_table_resolve(tp[u], <key_t*> u_keys[u], u_n[u], <slot_t*> u_slots[u], NULL,
+                                          insert_missing, <int> u_want[u], &evs[u], &u_nnew[u])
+                    if rc == CN_OK:
+                        for f in range(F):
+                            if p_unit[f] == u:
+                                cn_table_pool(tp[u], <offset_t*> p_off[f], p_nbags[f], <weight_t*> p_w[f],
+                                              <int> p_mode[f], <weight_t*> p_out[f], p_ld[f],
+                                              <int64_t*> p_argmax[f], <slot_t*> p_slots[f])
+                    u_epoch[u] = tp[u].erase_epoch
+                    pthread_rwlock_unlock(&tp[u].lock)
                     if rc != CN_OK:
-                        oom_feature = f
+                        u_rc[u] = rc
+                        failed = u
                         break
+        # Evicted rows first: they left their tables whatever happens next.
+        for u in range(U):
+            (<Table> tables[members[u][0]])._deliver(&evs[u])
         if bad_feature >= 0:
             raise ValueError(
                 f"offsets[{bad_feature}]: must start at 0, never decrease and end at the number of "
                 f"keys ({p_nkeys[bad_feature]}); position {bad_pos} breaks this")
-        if oom_feature >= 0:
-            raise MemoryError(f"cannot grow the table of feature {oom_feature}; it is unchanged"
-                              + (f" (features 0..{oom_feature - 1} were looked up)" if oom_feature else ""))
+        if failed >= 0:
+            f = members[failed][0]
+            done = " (the tables of features before it were looked up)" if failed else ""
+            if u_rc[failed] == CN_EFULL:
+                raise ValueError(f"feature {f}: the distinct keys its table is looked up with exceed its max_rows "
+                                 f"({tp[failed].bound.max_rows}); its table is unchanged" + done)
+            raise MemoryError(f"cannot grow the table of feature {f}; it is unchanged" + done)
         for f in range(F):
-            results[f][2] = p_nnew[f]
-            results[f][3] = p_epoch[f]
+            u = p_unit[f]
+            results[f][2] = u_nnew[u] if members[u][0] == f else 0
+            results[f][3] = u_epoch[u]
+            del results[f][4]
         return results
     finally:
+        for u in range(U):
+            cn_evicted_free(&evs[u])
         free(tp)
         free(ip)
+        free(up)
+        free(evs)
 
 
 cdef _check_backward_inputs(Table tab, object slots, object offsets, object weights, int mode, object argmax,

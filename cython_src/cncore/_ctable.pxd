@@ -61,6 +61,20 @@ cdef extern from "cn_table.h" nogil:
         CN_ENOMEM
         CN_ESTALE
         CN_EBADSLOT
+        CN_EFULL
+    ctypedef struct cn_bound:
+        int policy
+        int64_t max_rows
+        int64_t low_water
+        int64_t ttl
+    ctypedef struct cn_evicted:
+        int64_t n
+        key_t *keys
+        weight_t *rows
+        weight_t *state
+        count_t *counts
+        count_t *last_steps
+    void cn_evicted_free(cn_evicted *ev)
     ctypedef struct pthread_rwlock_t:
         pass
     ctypedef struct cn_table:
@@ -73,18 +87,22 @@ cdef extern from "cn_table.h" nogil:
         int64_t step
         uint64_t erase_epoch
         uint64_t version
+        cn_bound bound
+        int64_t n_evicted
         pthread_rwlock_t lock
     int cn_table_create(cn_table *t, int64_t dim, int optimizer_kind, float state_init, cn_init init,
-                        double max_load, int64_t capacity_hint)
+                        double max_load, int64_t capacity_hint, cn_bound bound)
     void cn_table_destroy(cn_table *t)
     int64_t cn_table_capacity(const cn_table *t)
     int cn_table_reserve(cn_table *t, int64_t total)
     void cn_table_find(const cn_table *t, const key_t *keys, int64_t n, slot_t *slots)
-    int cn_table_find_or_insert(cn_table *t, const key_t *keys, int64_t n, slot_t *slots, uint8_t *found,
-                                int64_t *n_new)
-    int cn_table_pooled_forward(cn_table *t, const key_t *keys, const offset_t *offsets, int64_t n_bags,
-                                const weight_t *weights, int mode, weight_t *out, int64_t ld_out, int64_t *argmax,
-                                slot_t *slots, int insert_missing, int64_t *n_new)
+    int cn_table_resolve(cn_table *t, const key_t *keys, int64_t n, slot_t *slots, uint8_t *found, int insert,
+                         int want_rows, cn_evicted *ev, int64_t *n_new)
+    void cn_table_pool(const cn_table *t, const offset_t *offsets, int64_t n_bags, const weight_t *weights, int mode,
+                       weight_t *out, int64_t ld_out, int64_t *argmax, const slot_t *slots)
+    int cn_table_evict(cn_table *t, int64_t k, int want_rows, cn_evicted *ev)
+    int cn_table_evict_expired(cn_table *t, int want_rows, cn_evicted *ev)
+    int cn_table_evict_keys(cn_table *t, const key_t *keys, int64_t n, int want_rows, cn_evicted *ev)
     int cn_table_erase(cn_table *t, const key_t *keys, int64_t n, uint8_t *erased, int64_t *count)
     int cn_table_check_slots(const cn_table *t, uint64_t erase_epoch, const slot_t *slots, int64_t n)
     void cn_table_clear(cn_table *t)

@@ -18,6 +18,13 @@
  * byte is ever structure, so a slot that passes the cheap range check (cn_arena_slot_ok) can at
  * worst write a dead row. The stack's room is reserved before an erase changes anything, so an
  * erase that cannot allocate leaves the table as it was.
+ *
+ * A bounded table (one with a row budget, cn_evict.h) also keeps, per page after the metadata,
+ * each row's key (8 bytes) and a live bit. Eviction then scans the metadata in slot order, a
+ * sequential stream, and knows each victim's key without the index. The alternative, walking
+ * the index (16-byte buckets at load <= 0.7) and loading each live bucket's metadata, costs one
+ * random miss per row per pass (see cn_evict.h for the numbers). Unbounded tables keep no keys
+ * and no bits (key_offset = 0): they pay nothing for it.
  */
 #ifndef CN_ARENA_H
 #define CN_ARENA_H
@@ -49,6 +56,8 @@ typedef struct {
     int64_t row_bytes;
     int64_t meta_offset; /* byte offset of the cn_meta block inside a page */
     int64_t meta_bytes;  /* 8 (count, last step) or 16 (plus a scalar optimizer state) */
+    int64_t key_offset;  /* bounded tables: byte offset of the page's int64 keys, else 0 */
+    int64_t live_offset; /* bounded tables: byte offset of the page's live bits (uint64 words) */
     int64_t page_bytes;
     int64_t high_water; /* slots handed out at least once */
     int64_t *free_slots; /* the free stack: [n_free] slots released by erase, reused first */
@@ -56,7 +65,8 @@ typedef struct {
     int64_t free_cap;
 } cn_arena;
 
-static inline void cn_arena_init(cn_arena *a, int64_t row_floats, int with_scalar_state, int64_t capacity_hint) {
+static inline void cn_arena_init(cn_arena *a, int64_t row_floats, int with_scalar_state, int64_t capacity_hint,
+                                 int track_keys) {
     memset(a, 0, sizeof(*a));
     a->meta_bytes = with_scalar_state ? 16 : 8;
     a->row_floats = row_floats;
@@ -71,6 +81,12 @@ static inline void cn_arena_init(cn_arena *a, int64_t row_floats, int with_scala
     int64_t rows_part = (((int64_t)1 << shift) * a->row_bytes + 63) & ~(int64_t)63;
     a->meta_offset = rows_part;
     a->page_bytes = rows_part + ((int64_t)1 << shift) * a->meta_bytes;
+    if (track_keys) {
+        a->page_bytes = (a->page_bytes + 7) & ~(int64_t)7;
+        a->key_offset = a->page_bytes;
+        a->live_offset = a->key_offset + ((int64_t)1 << shift) * 8;
+        a->page_bytes = a->live_offset + ((((int64_t)1 << shift) + 63) / 64) * 8;
+    }
 }
 
 static inline int64_t cn_arena_rows_per_page(const cn_arena *a) { return (int64_t)1 << a->page_shift; }
@@ -83,6 +99,24 @@ static inline float *cn_arena_row(const cn_arena *a, int64_t slot) {
 
 static inline cn_meta *cn_arena_meta(const cn_arena *a, int64_t slot) {
     return (cn_meta *)(a->pages[slot >> a->page_shift] + a->meta_offset + (slot & a->page_mask) * a->meta_bytes);
+}
+
+/* Bounded tables: the key of a slot, and the word holding its live bit. */
+static inline int64_t *cn_arena_key(const cn_arena *a, int64_t slot) {
+    return (int64_t *)(a->pages[slot >> a->page_shift] + a->key_offset) + (slot & a->page_mask);
+}
+
+static inline uint64_t *cn_arena_live_word(const cn_arena *a, int64_t slot) {
+    return (uint64_t *)(a->pages[slot >> a->page_shift] + a->live_offset) + ((slot & a->page_mask) >> 6);
+}
+
+/* Set (1) or clear (0) a slot's live bit; returns the bit it had. */
+static inline int cn_arena_set_live(const cn_arena *a, int64_t slot, int live) {
+    uint64_t *w = cn_arena_live_word(a, slot);
+    const uint64_t bit = (uint64_t)1 << (slot & 63);
+    const int was = (*w & bit) != 0;
+    *w = live ? (*w | bit) : (*w & ~bit);
+    return was;
 }
 
 /* Slots that can be handed out without allocating. */
@@ -123,6 +157,7 @@ static inline int cn_arena_reserve(cn_arena *a, int64_t n_more, int64_t *nbytes)
             cn_arena_trim(a, n_pages_before, nbytes);
             return -1;
         }
+        if (a->key_offset) memset(page + a->live_offset, 0, (size_t)(a->page_bytes - a->live_offset));
         a->pages[a->n_pages++] = page;
     }
     return 0;
@@ -153,6 +188,9 @@ static inline void cn_arena_release_slot(cn_arena *a, int64_t slot) { a->free_sl
 
 /* Forget every row but keep the pages (clear keeps capacity, like std::vector::clear). */
 static inline void cn_arena_reset(cn_arena *a) {
+    if (a->key_offset)
+        for (int64_t p = 0; p < a->n_pages; p++)
+            memset(a->pages[p] + a->live_offset, 0, (size_t)(a->page_bytes - a->live_offset));
     a->high_water = 0;
     a->n_free = 0;
 }

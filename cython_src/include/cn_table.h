@@ -15,6 +15,7 @@
 #include <string.h>
 #include "cn_alloc.h"
 #include "cn_arena.h"
+#include "cn_evict.h"
 #include "cn_grad.h"
 #include "cn_index.h"
 #include "cn_init.h"
@@ -22,7 +23,37 @@
 #include "cn_parallel.h"
 #include "cn_pool.h"
 
-enum { CN_OK = 0, CN_ENOMEM = -1, CN_ESTALE = -2, CN_EBADSLOT = -3 };
+enum { CN_OK = 0, CN_ENOMEM = -1, CN_ESTALE = -2, CN_EBADSLOT = -3, CN_EFULL = -4 };
+
+/* A table's bound (cn_evict.h): policy NONE keeps no keys and never evicts; with a policy the
+ * arena keeps keys and live bits, and with max_rows > 0 inserts evict down to low_water when
+ * they would pass max_rows. */
+typedef struct {
+    int policy;
+    int64_t max_rows;
+    int64_t low_water;
+    int64_t ttl;
+} cn_bound;
+
+/* Rows a call evicted, copied out before their slots were reused (malloc'd; the caller frees
+ * them with cn_evicted_free once it has handed them on). rows/state only when asked for. */
+typedef struct {
+    int64_t n;
+    int64_t *keys;
+    float *rows;
+    float *state;
+    uint32_t *counts;
+    uint32_t *last_steps;
+} cn_evicted;
+
+static inline void cn_evicted_free(cn_evicted *ev) {
+    free(ev->keys);
+    free(ev->rows);
+    free(ev->state);
+    free(ev->counts);
+    free(ev->last_steps);
+    memset(ev, 0, sizeof(*ev));
+}
 
 /* Process-wide stamps for erase epochs and versions. A table takes a fresh stamp whenever
  * its epoch or version changes, so no two tables ever share a value: a lookup context made on
@@ -45,12 +76,15 @@ typedef struct {
     int64_t step;
     uint64_t erase_epoch; /* a fresh stamp whenever a slot may have been freed: stale slots are refused */
     uint64_t version;     /* a fresh stamp whenever the set of keys or their bucket order changes */
+    cn_bound bound;
+    int64_t n_evicted;    /* rows evicted so far (not erased: erase is the caller's own removal) */
     pthread_rwlock_t lock;
 } cn_table;
 
 static inline int cn_table_create(cn_table *t, int64_t dim, int optimizer_kind, float state_init,
-                                  cn_init init, double max_load, int64_t capacity_hint) {
+                                  cn_init init, double max_load, int64_t capacity_hint, cn_bound bound) {
     memset(t, 0, sizeof(*t));
+    t->bound = bound;
     t->dim = dim;
     t->state_floats = cn_optim_state_floats(optimizer_kind, dim);
     t->state_in_meta = cn_optim_state_in_meta(optimizer_kind);
@@ -62,7 +96,8 @@ static inline int cn_table_create(cn_table *t, int64_t dim, int optimizer_kind, 
     if (capacity_hint < 0 || capacity_hint > CN_INDEX_MAX_BUCKETS ||
         (double)capacity_hint * (4.0 * (double)(dim + t->state_floats) + 16.0 + 16.0 / max_load) > cn_machine_bytes())
         return CN_ENOMEM;
-    cn_arena_init(&t->arena, dim + (t->state_in_meta ? 0 : t->state_floats), t->state_in_meta, capacity_hint);
+    cn_arena_init(&t->arena, dim + (t->state_in_meta ? 0 : t->state_floats), t->state_in_meta, capacity_hint,
+                  bound.policy != CN_EVICT_NONE);
     if (cn_index_init(&t->index, cn_index_buckets_for(capacity_hint, max_load), &t->nbytes) != 0) return CN_ENOMEM;
     if (cn_arena_reserve(&t->arena, capacity_hint, &t->nbytes) != 0) {
         cn_arena_free(&t->arena, &t->nbytes);
@@ -162,6 +197,10 @@ static inline int cn_table_insert_missing(cn_table *t, const int64_t *keys, int6
         if (s < 0) { /* not a duplicate of a key inserted earlier in this batch */
             s = cn_arena_take_slot(&t->arena);
             cn_index_put_at(&t->index, pos, keys[i], s);
+            if (t->arena.key_offset) {
+                *cn_arena_key(&t->arena, s) = keys[i];
+                cn_arena_set_live(&t->arena, s, 1);
+            }
             new_pos[inserted++] = i;
         }
         slots[i] = s;
@@ -176,34 +215,173 @@ static inline int cn_table_insert_missing(cn_table *t, const int64_t *keys, int6
     return CN_OK;
 }
 
-/* slots[i] = the slot of keys[i], inserting (and initialising) the keys not yet present.
- * found[i] (may be NULL) = 1 if keys[i] was present before the call. Duplicate keys in one
- * batch share one new row. *n_new receives the number of rows inserted. */
-static inline int cn_table_find_or_insert(cn_table *t, const int64_t *keys, int64_t n, int64_t *slots,
-                                          uint8_t *found, int64_t *n_new) {
+/* Hand over the k rows of `victims` (live slots): copy them out into ev (rows and state only
+ * with want_rows), then remove them from the index and free their slots. All allocation comes
+ * first: CN_ENOMEM leaves the table unchanged. `reserve_total` >= 0 also reserves room for that
+ * many rows after the eviction (the inserts that follow it), before anything changes. */
+static inline int cn_table_take_victims(cn_table *t, const cn_victim *victims, int64_t k, int want_rows,
+                                        cn_evicted *ev, int64_t reserve_total) {
+    memset(ev, 0, sizeof(*ev));
+    if (k == 0) return reserve_total >= 0 ? cn_table_reserve(t, reserve_total) : CN_OK;
+    const size_t nk = (size_t)k;
+    ev->keys = (int64_t *)malloc(nk * sizeof(int64_t));
+    ev->counts = (uint32_t *)malloc(nk * sizeof(uint32_t));
+    ev->last_steps = (uint32_t *)malloc(nk * sizeof(uint32_t));
+    int ok = ev->keys && ev->counts && ev->last_steps;
+    if (ok && want_rows) {
+        ev->rows = (float *)malloc(nk * (size_t)t->dim * sizeof(float));
+        ev->state = (float *)malloc(nk * (size_t)(t->state_floats ? t->state_floats : 1) * sizeof(float));
+        ok = ev->rows && ev->state;
+    }
+    if (!ok || cn_arena_reserve_free(&t->arena, k, &t->nbytes) != 0 ||
+        (reserve_total >= 0 && cn_table_reserve(t, reserve_total) != CN_OK)) {
+        cn_evicted_free(ev);
+        return CN_ENOMEM;
+    }
+    for (int64_t j = 0; j < k; j++) {
+        const int64_t s = victims[j].slot;
+        const cn_meta *m = cn_arena_meta(&t->arena, s);
+        ev->keys[j] = *cn_arena_key(&t->arena, s);
+        ev->counts[j] = m->count;
+        ev->last_steps[j] = m->last_step;
+        if (want_rows) {
+            memcpy(ev->rows + j * t->dim, cn_arena_row(&t->arena, s), (size_t)t->dim * sizeof(float));
+            if (t->state_floats)
+                memcpy(ev->state + j * t->state_floats, cn_table_state(t, s), (size_t)t->state_floats * sizeof(float));
+        }
+        cn_index_erase(&t->index, ev->keys[j]);
+        cn_arena_release_slot(&t->arena, s);
+        cn_arena_set_live(&t->arena, s, 0);
+    }
+    ev->n = k;
+    t->n_evicted += k;
+    t->erase_epoch = cn_next_stamp();
+    t->version = cn_next_stamp();
+    return CN_OK;
+}
+
+/* Evict the k live rows (live bit set) with the lowest (score, key) (cn_evict.h). */
+static inline int cn_table_evict_lowest(cn_table *t, int64_t k, int want_rows, cn_evicted *ev, int64_t reserve_total) {
+    memset(ev, 0, sizeof(*ev));
+    cn_victim *victims = (cn_victim *)malloc((size_t)(k > 0 ? k : 1) * sizeof(cn_victim));
+    if (victims == NULL || cn_evict_select(&t->arena, t->bound.policy, k, victims) != 0) {
+        free(victims);
+        return CN_ENOMEM;
+    }
+    int rc = cn_table_take_victims(t, victims, k, want_rows, ev, reserve_total);
+    free(victims);
+    return rc;
+}
+
+/* Distinct keys among those with slots[i] < 0; -1 when out of memory. A batch-sized set. */
+static inline int64_t cn_count_distinct_missing(const int64_t *keys, const int64_t *slots, int64_t n) {
+    int64_t n_missing = 0;
+    for (int64_t i = 0; i < n; i++) n_missing += slots[i] < 0;
+    if (n_missing <= 1) return n_missing;
+    const int64_t cap = cn_pow2_at_least(2 * n_missing);
+    int64_t *set = (int64_t *)malloc((size_t)cap * sizeof(int64_t));
+    uint8_t *used = (uint8_t *)calloc((size_t)cap, 1);
+    if (set == NULL || used == NULL) {
+        free(set);
+        free(used);
+        return -1;
+    }
+    int64_t distinct = 0;
+    const uint64_t mask = (uint64_t)cap - 1;
+    for (int64_t i = 0; i < n; i++) {
+        if (slots[i] >= 0) continue;
+        uint64_t h = cn_hash_key(keys[i]) & mask;
+        while (used[h] && set[h] != keys[i]) h = (h + 1) & mask;
+        if (!used[h]) {
+            used[h] = 1;
+            set[h] = keys[i];
+            distinct++;
+        }
+    }
+    free(set);
+    free(used);
+    return distinct;
+}
+
+/* Before inserting the absent keys of a call (slots < 0 after a find) into a table with a row
+ * budget: if they would take it past max_rows, evict the lowest-scoring rows the call does not
+ * use, down to the low-water mark after the inserts (fewer when the call's own rows leave too
+ * few candidates). The call's rows are kept out of the selection by clearing their live bits
+ * for its duration. CN_EFULL: the call's distinct keys alone exceed max_rows; CN_ENOMEM; both
+ * leave the table unchanged. */
+static inline int cn_table_make_room(cn_table *t, const int64_t *keys, int64_t n, const int64_t *slots,
+                                     int want_rows, cn_evicted *ev) {
+    memset(ev, 0, sizeof(*ev));
+    if (t->bound.max_rows <= 0) return CN_OK;
+    const int64_t n_new = cn_count_distinct_missing(keys, slots, n);
+    if (n_new < 0) return CN_ENOMEM;
+    const int64_t size = t->index.size;
+    if (size + n_new <= t->bound.max_rows) return CN_OK;
+    int64_t pinned = 0;
+    for (int64_t i = 0; i < n; i++)
+        if (slots[i] >= 0) pinned += cn_arena_set_live(&t->arena, slots[i], 0);
+    int rc = CN_EFULL;
+    if (pinned + n_new <= t->bound.max_rows) {
+        int64_t k = size + n_new - t->bound.low_water;
+        if (k > size - pinned) k = size - pinned;
+        rc = cn_table_evict_lowest(t, k, want_rows, ev, size + n_new - k);
+    }
+    for (int64_t i = 0; i < n; i++)
+        if (slots[i] >= 0) cn_arena_set_live(&t->arena, slots[i], 1);
+    return rc;
+}
+
+/* slots[i] = the slot of keys[i]; with insert, the keys not yet present are inserted (and
+ * initialised), after making room in a bounded table (rows evicted into ev). found[i] (may be
+ * NULL) = 1 if keys[i] was present before the call. Duplicate keys in one batch share one new
+ * row. *n_new receives the number of rows inserted. */
+static inline int cn_table_resolve(cn_table *t, const int64_t *keys, int64_t n, int64_t *slots, uint8_t *found,
+                                   int insert, int want_rows, cn_evicted *ev, int64_t *n_new) {
+    *n_new = 0;
+    memset(ev, 0, sizeof(*ev));
     cn_table_find(t, keys, n, slots);
     if (found)
         for (int64_t i = 0; i < n; i++) found[i] = slots[i] >= 0;
+    if (!insert) return CN_OK;
+    int rc = cn_table_make_room(t, keys, n, slots, want_rows, ev);
+    if (rc != CN_OK) return rc;
     return cn_table_insert_missing(t, keys, n, slots, n_new);
 }
 
-/* The pooled lookup of one table. slots[] receives every key's slot. Training
- * (insert_missing) inserts absent keys first; evaluation reads absent keys (slot -1) as zero
- * rows and changes nothing. Access counts are recorded by the backward (cn_grad.h), once per
- * distinct row, not here once per key. */
-static inline int cn_table_pooled_forward(cn_table *t, const int64_t *keys, const int64_t *offsets, int64_t n_bags,
-                                          const float *weights, int mode, float *out, int64_t ld_out,
-                                          int64_t *argmax, int64_t *slots, int insert_missing, int64_t *n_new) {
-    const int64_t n = offsets[n_bags];
-    *n_new = 0;
-    cn_table_find(t, keys, n, slots);
-    if (insert_missing) {
-        int rc = cn_table_insert_missing(t, keys, n, slots, n_new);
-        if (rc != CN_OK) return rc;
-    }
+/* Pool one feature's bags over slots resolved by cn_table_resolve; slots < 0 read as zero
+ * rows. Access counts are recorded by the backward (cn_grad.h), once per distinct row, not
+ * here once per key. */
+static inline void cn_table_pool(const cn_table *t, const int64_t *offsets, int64_t n_bags, const float *weights,
+                                 int mode, float *out, int64_t ld_out, int64_t *argmax, const int64_t *slots) {
     cn_pool_args p = {&t->arena, t->dim, offsets, weights, mode, out, ld_out, argmax};
-    cn_pool_forward(&p, n_bags, slots, cn_threads_for(n + n_bags));
-    return CN_OK;
+    cn_pool_forward(&p, n_bags, slots, cn_threads_for(offsets[n_bags] + n_bags));
+}
+
+/* Explicit evictions: the k lowest-scoring rows (all rows are candidates), or, for TTL, every
+ * expired row. */
+static inline int cn_table_evict(cn_table *t, int64_t k, int want_rows, cn_evicted *ev) {
+    if (k > t->index.size) k = t->index.size;
+    return cn_table_evict_lowest(t, k, want_rows, ev, -1);
+}
+
+static inline int cn_table_evict_expired(cn_table *t, int want_rows, cn_evicted *ev) {
+    return cn_table_evict(t, cn_evict_count_expired(&t->arena, t->step, t->bound.ttl), want_rows, ev);
+}
+
+/* Evict the given keys (those present; duplicates once), in the order given: evict_if's verb. */
+static inline int cn_table_evict_keys(cn_table *t, const int64_t *keys, int64_t n, int want_rows, cn_evicted *ev) {
+    memset(ev, 0, sizeof(*ev));
+    cn_victim *victims = (cn_victim *)malloc((size_t)(n > 0 ? n : 1) * sizeof(cn_victim));
+    if (victims == NULL) return CN_ENOMEM;
+    int64_t k = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t s = cn_index_find(&t->index, keys[i]);
+        if (s >= 0 && cn_arena_set_live(&t->arena, s, 0)) victims[k++].slot = s;
+    }
+    for (int64_t j = 0; j < k; j++) cn_arena_set_live(&t->arena, victims[j].slot, 1);
+    int rc = cn_table_take_victims(t, victims, k, want_rows, ev, -1);
+    free(victims);
+    return rc;
 }
 
 /* Remove keys; erased[i] (may be NULL) = 1 where keys[i] was removed by this call, *count the
@@ -216,6 +394,7 @@ static inline int cn_table_erase(cn_table *t, const int64_t *keys, int64_t n, ui
         int64_t s = cn_index_erase(&t->index, keys[i]);
         if (s >= 0) {
             cn_arena_release_slot(&t->arena, s);
+            if (t->arena.key_offset) cn_arena_set_live(&t->arena, s, 0);
             (*count)++;
         }
         if (erased) erased[i] = s >= 0;

@@ -1,0 +1,151 @@
+/* cn_evict.h: choosing the rows a bounded table evicts.
+ *
+ * Policy, stated so that a Python model can replay it literally
+ * ------------------------------------------------------------
+ * Each live row has a score, and rows leave in ascending (score, key) order, keys compared as
+ * signed int64:
+ *   LRU: score = last_step.
+ *   LFU: score = (count, last_step), i.e. count * 2^32 + last_step.
+ *   TTL: score = last_step (so under pressure the expired rows, the oldest, go first); an
+ *        explicit sweep evicts every row with step - last_step > ttl.
+ * The rows a call itself uses are not candidates (the caller clears their live bits for the
+ * selection and sets them back: cn_table.h).
+ *
+ * Selection: an exact radix select, not a sort
+ * --------------------------------------------
+ * The order is over the 128-bit value c = score * 2^64 + (key XOR 2^63) (the XOR makes
+ * unsigned order equal signed key order), unique per row because keys are. To find the k
+ * smallest, each pass scans the candidates in slot order (metadata and live bits stream from
+ * each page, cn_arena.h), histograms the next 16 bits of c among the rows that match the
+ * prefix chosen so far (65536 counters, 512 KiB, cache resident), and picks the digit where the
+ * running count reaches k: rows below it are victims, rows on it stay in play. Once at most
+ * CN_EVICT_TIE_MAX rows are in play, one last pass collects the victims and those rows, which
+ * are sorted to take the remaining ones. A first pass takes the min and max score, and the
+ * digits start at the highest bit where they differ: with LRU over the last 65536 steps the
+ * first histogram already splits by exact step, where fixed digits from bit 127 spent two
+ * passes on zeros. Scratch: the histogram, the tie set (<= CN_EVICT_TIE_MAX) and the victims
+ * themselves (k); nothing proportional to the table. A full sort of the table's scores needs
+ * 16 bytes per row of scratch (16 MiB per million rows) and O(n log n); a bounded max-heap of k
+ * needs k entries but O(n log k) with unpredictable branches.
+ *
+ * Eviction happens in rounds down to a low-water mark (max_rows - headroom), so one scan is
+ * paid per `headroom` inserts rather than per insert.
+ */
+#ifndef CN_EVICT_H
+#define CN_EVICT_H
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include "cn_arena.h"
+
+enum { CN_EVICT_NONE = 0, CN_EVICT_LRU = 1, CN_EVICT_LFU = 2, CN_EVICT_TTL = 3 };
+
+#define CN_EVICT_TIE_MAX 4096
+#define CN_EVICT_KEY_BIAS ((uint64_t)1 << 63)
+
+typedef unsigned __int128 cn_u128;
+
+static inline uint64_t cn_evict_score(int policy, const cn_meta *m) {
+    return policy == CN_EVICT_LFU ? ((uint64_t)m->count << 32) | m->last_step : m->last_step;
+}
+
+static inline cn_u128 cn_evict_order(int policy, const cn_arena *a, int64_t slot) {
+    return ((cn_u128)cn_evict_score(policy, cn_arena_meta(a, slot)) << 64) |
+           ((uint64_t)*cn_arena_key(a, slot) ^ CN_EVICT_KEY_BIAS);
+}
+
+static inline cn_u128 cn_u128_shr(cn_u128 v, int p) { return p >= 128 ? 0 : v >> p; }
+
+/* Visit every slot whose live bit is set, in slot order: `body` sees `slot`. */
+#define CN_FOR_EACH_LIVE(a, slot, body)                                                               \
+    do {                                                                                              \
+        const int64_t hw_ = (a)->high_water, rpp_ = (int64_t)1 << (a)->page_shift;                  \
+        for (int64_t pg_ = 0; pg_ * rpp_ < hw_; pg_++) {                                               \
+            const uint64_t *words_ = (const uint64_t *)((a)->pages[pg_] + (a)->live_offset);          \
+            const int64_t base_ = pg_ * rpp_, n_ = hw_ - base_ < rpp_ ? hw_ - base_ : rpp_;           \
+            for (int64_t w_ = 0; w_ * 64 < n_; w_++) {                                                \
+                uint64_t bits_ = words_[w_];                                                          \
+                while (bits_) {                                                                       \
+                    const int64_t slot = base_ + w_ * 64 + __builtin_ctzll(bits_);                    \
+                    bits_ &= bits_ - 1;                                                               \
+                    body                                                                              \
+                }                                                                                     \
+            }                                                                                         \
+        }                                                                                             \
+    } while (0)
+
+typedef struct {
+    cn_u128 order;
+    int64_t slot;
+} cn_victim;
+
+static int cn_victim_cmp(const void *x, const void *y) {
+    const cn_u128 a = ((const cn_victim *)x)->order, b = ((const cn_victim *)y)->order;
+    return a < b ? -1 : a > b;
+}
+
+/* The k live rows with the smallest (score, key), into victims[0..k) in that order. The caller
+ * makes sure that at least k rows are live. Returns 0, or -1 when out of memory. */
+static inline int cn_evict_select(const cn_arena *a, int policy, int64_t k, cn_victim *victims) {
+    if (k <= 0) return 0;
+    uint64_t lo = UINT64_MAX, hi = 0;
+    int64_t n_live = 0;
+    CN_FOR_EACH_LIVE(a, slot, {
+        const uint64_t s = cn_evict_score(policy, cn_arena_meta(a, slot));
+        lo = s < lo ? s : lo;
+        hi = s > hi ? s : hi;
+        n_live++;
+    });
+    /* Bits above p are the same for every candidate (the score's shared high bits). */
+    int p = 64 + (lo == hi ? 0 : 64 - __builtin_clzll(lo ^ hi));
+    cn_u128 prefix = cn_u128_shr((cn_u128)lo << 64, p);
+    int64_t below = 0, in_play = n_live;
+    int64_t *hist = NULL;
+    while (in_play > CN_EVICT_TIE_MAX && p > 0) {
+        if (hist == NULL && (hist = (int64_t *)malloc((size_t)65536 * sizeof(int64_t))) == NULL) return -1;
+        const int w = p < 16 ? p : 16;
+        memset(hist, 0, (size_t)65536 * sizeof(int64_t));
+        CN_FOR_EACH_LIVE(a, slot, {
+            const cn_u128 c = cn_evict_order(policy, a, slot);
+            if (cn_u128_shr(c, p) == prefix) hist[(uint64_t)(c >> (p - w)) & ((1u << w) - 1)]++;
+        });
+        int64_t d = 0;
+        while (below + hist[d] < k) below += hist[d++];
+        in_play = hist[d];
+        prefix = (prefix << w) | (cn_u128)d;
+        p -= w;
+    }
+    free(hist);
+    /* Victims: every row whose prefix is below; the rows on it are the tie set. */
+    cn_victim *ties = (cn_victim *)malloc((size_t)(in_play < CN_EVICT_TIE_MAX ? in_play : CN_EVICT_TIE_MAX) *
+                                              sizeof(cn_victim) + sizeof(cn_victim));
+    if (ties == NULL) return -1;
+    int64_t n_below = 0, n_ties = 0;
+    CN_FOR_EACH_LIVE(a, slot, {
+        const cn_u128 c = cn_evict_order(policy, a, slot);
+        const cn_u128 top = cn_u128_shr(c, p);
+        if (top < prefix) {
+            victims[n_below].order = c;
+            victims[n_below++].slot = slot;
+        } else if (top == prefix && n_ties < CN_EVICT_TIE_MAX) {
+            ties[n_ties].order = c;
+            ties[n_ties++].slot = slot;
+        }
+    });
+    qsort(ties, (size_t)n_ties, sizeof(cn_victim), cn_victim_cmp);
+    for (int64_t j = 0; n_below < k && j < n_ties; j++) victims[n_below++] = ties[j];
+    free(ties);
+    qsort(victims, (size_t)k, sizeof(cn_victim), cn_victim_cmp);
+    return 0;
+}
+
+/* Live rows with step - last_step > ttl (a TTL sweep evicts exactly these: they are also the
+ * rows with the smallest last steps, so cn_evict_select with this k picks them). */
+static inline int64_t cn_evict_count_expired(const cn_arena *a, int64_t step, int64_t ttl) {
+    int64_t n = 0;
+    CN_FOR_EACH_LIVE(a, slot, { n += step - (int64_t)cn_arena_meta(a, slot)->last_step > ttl; });
+    return n;
+}
+
+#endif

@@ -1,0 +1,276 @@
+"""Bounded tables: random sequences of inserts, training steps, erases and evictions against a
+Python model that implements the stated policy literally (cncore/config.py, cn_evict.h):
+rows leave in ascending (score, key) order, never rows the evicting call uses, down to
+max_rows - headroom; the same keys leave in the same order with the same rows, state and
+counters, and reach the sink."""
+import numpy as np
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+import cncore
+from reference import DictStore, assert_unchanged, pooled_reference, snapshot
+
+DIM = 3
+SEED = 5
+LOW, HIGH = -0.5, 0.5
+LR, EPS = 0.1, 1e-8
+
+keys_small = st.lists(st.one_of(st.integers(-12, 12), st.sampled_from([-(2**63), 2**63 - 1])), max_size=10)
+
+
+class Full(Exception):
+    pass
+
+
+class BoundedModel(DictStore):
+    """DictStore plus the budget, the policy and the sink, as the docs state them."""
+
+    def __init__(self, policy, max_rows, headroom, ttl=0):
+        super().__init__(DIM, SEED, LOW, HIGH, state_floats=1, state_init=0.25)
+        self.policy, self.max_rows, self.low_water, self.ttl = policy, max_rows, max_rows - headroom, ttl
+        self.sink = []  # one list of (key, row, state, count, last_step) per eviction
+        self.evicted = self.admitted = self.erased = 0
+
+    def order(self, k):
+        score = (self.counts[k], self.last_steps[k]) if self.policy == "lfu" else (self.last_steps[k],)
+        return score + (k,)
+
+    def evict_keys(self, keys):
+        out = [(k, self.rows[k], self.state[k], self.counts[k], self.last_steps[k]) for k in keys]
+        for k in keys:
+            for table in (self.rows, self.state, self.counts, self.last_steps):
+                del table[k]
+        if out:
+            self.sink.append(out)
+            self.evicted += len(out)
+        return len(out)
+
+    def evict_lowest(self, n, exclude=()):
+        candidates = sorted((k for k in self.rows if k not in exclude), key=self.order)
+        return self.evict_keys(candidates[:n])
+
+    def make_room(self, keys):
+        if self.max_rows is None:
+            return
+        new = {k for k in keys if k not in self.rows}
+        if not new or len(self.rows) + len(new) <= self.max_rows:
+            return
+        used = {k for k in keys if k in self.rows}
+        if len(used) + len(new) > self.max_rows:
+            raise Full
+        n = min(len(self.rows) + len(new) - self.low_water, len(self.rows) - len(used))
+        self.evict_lowest(n, exclude=used)
+
+    def insert(self, keys):
+        self.make_room(keys)
+        self.admitted += len({k for k in keys if k not in self.rows})
+        return self.find_or_insert(keys)
+
+    def erase(self, keys):
+        erased = super().erase(keys)
+        self.erased += int(erased.sum())
+        return erased
+
+
+def batch_of(sink_entry):
+    return (np.array([e[0] for e in sink_entry], dtype=np.int64),
+            np.array([e[1] for e in sink_entry], dtype=np.float32).reshape(-1, DIM),
+            np.array([e[2] for e in sink_entry], dtype=np.float32).reshape(-1, 1),
+            [e[3] for e in sink_entry], [e[4] for e in sink_entry])
+
+
+class BoundedMachine(RuleBasedStateMachine):
+    @initialize(policy=st.sampled_from(["lru", "lfu", "ttl"]), max_rows=st.integers(3, 10),
+                headroom=st.integers(0, 2), ttl=st.integers(0, 3))
+    def setup(self, policy, max_rows, headroom, ttl):
+        eviction = {"lru": cncore.LRU(), "lfu": cncore.LFU(), "ttl": cncore.TTL(ttl)}[policy]
+        opt = cncore.RowWiseAdagrad(lr=LR, eps=EPS, initial_accumulator_value=0.25)
+        self.store = cncore.EmbeddingStore(dim=DIM, seed=SEED, initializer=cncore.Uniform(LOW, HIGH), optimizer=opt,
+                                           max_rows=max_rows, eviction=eviction, headroom=min(headroom, max_rows - 1))
+        self.ref = BoundedModel(policy, max_rows, min(headroom, max_rows - 1), ttl)
+        self.sink = []
+        self.store.on_evict(self.sink.append)
+        self.unordered = set()  # sink entries from evict_if: export order, compared as sets
+
+    def _refused(self, call, keys):
+        before = snapshot(self.store)
+        with pytest.raises(ValueError, match=r"exceed the table's max_rows|exceed its max_rows"):
+            call()
+        assert_unchanged(self.store, before)
+
+    @rule(keys=keys_small)
+    def find_or_insert(self, keys):
+        arr = np.array(keys, dtype=np.int64)
+        try:
+            self.ref.insert(keys)
+        except Full:
+            return self._refused(lambda: self.store.find_or_insert(arr), keys)
+        self.store.find_or_insert(arr)
+
+    @rule(bags=st.lists(keys_small, min_size=1, max_size=3), seed=st.integers(0, 100), weighted=st.booleans())
+    def train_step(self, bags, seed, weighted):
+        keys = [k for b in bags for k in b]
+        offsets = np.concatenate([[0], np.cumsum([len(b) for b in bags])]).astype(np.int64)
+        rng = np.random.default_rng(seed)
+        # Weights scale gradients only: counts are occurrences whatever the weights (0 included).
+        weights = rng.choice([0.0, 0.5, 3.0], len(keys)).astype(np.float32) if weighted else None
+        arr = np.array(keys, dtype=np.int64)
+        try:
+            self.ref.insert(keys)
+        except Full:
+            return self._refused(lambda: self.store.pooled_lookup(arr, offsets, per_sample_weights=weights), keys)
+        lookup_step = self.store.step
+        out, ctx = self.store.pooled_lookup(arr, offsets, per_sample_weights=weights)
+        np.testing.assert_allclose(out, pooled_reference(self.ref.lookup(keys), offsets, "sum", weights),
+                                   rtol=1e-5, atol=1e-6)
+        grad = rng.standard_normal(out.shape).astype(np.float32)
+        grads, occurrences = self.ref.backward(keys, offsets, grad, weights)
+        self.store.apply_gradients(ctx, grad)
+        self.ref.rowwise_adagrad(grads, LR, EPS)
+        self.ref.record_access(occurrences, lookup_step)
+
+    @rule(keys=keys_small)
+    def erase(self, keys):
+        assert self.store.erase(np.array(keys, dtype=np.int64)).tolist() == self.ref.erase(keys).tolist()
+
+    @rule(n=st.integers(0, 4))
+    def evict(self, n):
+        assert self.store.evict(n) == self.ref.evict_lowest(min(n, len(self.ref.rows)))
+
+    @precondition(lambda self: self.ref.policy == "ttl")
+    @rule()
+    def evict_expired(self):
+        expired = sorted((k for k in self.ref.rows if self.ref.step - self.ref.last_steps[k] > self.ref.ttl),
+                         key=self.ref.order)
+        assert self.store.evict_expired() == self.ref.evict_keys(expired)
+
+    @rule(threshold=st.integers(0, 4))
+    def evict_if(self, threshold):
+        chosen = [k for k in self.ref.rows if self.ref.counts[k] < threshold]
+        n = self.store.evict_if(lambda b: b.counts < threshold)
+        assert n == self.ref.evict_keys(chosen)
+        if n:
+            self.unordered.add(len(self.ref.sink) - 1)
+
+    @invariant()
+    def table_and_sink_match(self):
+        assert len(self.store) == len(self.ref.rows) <= self.ref.max_rows
+        assert self.store.evicted_count == self.ref.evicted
+        # Nothing lost: every row ever admitted is in the table, in the sink, or was erased.
+        assert sum(len(b.keys) for b in self.sink) + len(self.store) == self.ref.admitted - self.ref.erased
+        assert len(self.sink) == len(self.ref.sink)
+        for i, (got, want) in enumerate(zip(self.sink, self.ref.sink)):
+            keys, rows, state, counts, steps = batch_of(want)
+            order = np.argsort(got.keys) if i in self.unordered else np.arange(len(got.keys))
+            if i in self.unordered:
+                perm = np.argsort(keys)
+                keys, rows, state = keys[perm], rows[perm], state[perm]
+                counts, steps = [counts[j] for j in perm], [steps[j] for j in perm]
+            assert got.keys[order].tolist() == keys.tolist()
+            np.testing.assert_allclose(got.rows[order], rows, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(got.optimizer_state[order], state, rtol=1e-5)
+            assert got.counts[order].tolist() == counts and got.last_steps[order].tolist() == steps
+        if self.ref.rows:
+            keys = list(self.ref.rows)
+            got = self.store.read(np.array(keys, dtype=np.int64))
+            assert got.found.all()
+            np.testing.assert_allclose(got.rows, self.ref.lookup(keys), rtol=1e-5, atol=1e-6)
+            assert got.counts.tolist() == [self.ref.counts[k] for k in keys]
+            assert got.last_steps.tolist() == [self.ref.last_steps[k] for k in keys]
+
+
+BoundedMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30)
+TestBoundedMachine = BoundedMachine.TestCase
+
+
+def lru_store(max_rows, headroom=0, **kw):
+    return cncore.EmbeddingStore(dim=2, seed=3, max_rows=max_rows, eviction=cncore.LRU(), headroom=headroom,
+                                 optimizer=cncore.SGD(lr=1.0), **kw)
+
+
+def test_an_evicted_key_that_comes_back_gets_its_initial_row_not_its_old_one():
+    s = lru_store(2)
+    sink = []
+    s.on_evict(sink.append)
+    out, ctx = s.pooled_lookup(np.array([1]), lengths=np.array([1]))
+    s.apply_gradients(ctx, np.ones((1, 2), np.float32))  # row 1 moves away from its initial value
+    trained = s.lookup(np.array([1]))
+    s.find_or_insert(np.array([2, 3]))  # 1 (last step 0, key 1) goes first
+    assert sink[0].keys.tolist() == [1]
+    np.testing.assert_array_equal(sink[0].rows, trained)
+    s.find_or_insert(np.array([1]))
+    np.testing.assert_array_equal(s.lookup(np.array([1])), cncore.initial_rows(s.config, np.array([1])))
+    assert s.read(np.array([1])).counts.tolist() == [0]
+
+
+def test_the_batch_being_looked_up_is_never_evicted_and_a_call_too_big_is_refused():
+    s = lru_store(3)
+    s.find_or_insert(np.array([10, 11, 12]))
+    out, _ = s.pooled_lookup(np.array([10, 11, 13]), lengths=np.array([3]))  # 12 must go, not 10 or 11
+    assert sorted(s.export().keys.tolist()) == [10, 11, 13]
+    np.testing.assert_allclose(out, cncore.initial_rows(s.config, np.array([10, 11, 13])).sum(0, keepdims=True))
+    before = snapshot(s)
+    with pytest.raises(ValueError, match=r"max_rows \(3\).*the table is unchanged"):
+        s.find_or_insert(np.array([1, 2, 3, 10]))
+    assert_unchanged(s, before)
+
+
+def test_a_table_under_two_features_never_evicts_rows_the_other_feature_uses():
+    s = lru_store(4)
+    for step, key in enumerate([1, 2, 3, 4]):  # last steps 0..3: 1 and 2 are the oldest
+        _, ctx = s.pooled_lookup(np.array([key]), lengths=np.array([1]))
+        s.apply_gradients(ctx, np.zeros((1, 2), np.float32))
+    before = s.lookup(np.array([1, 2]))
+    out, ctxs = cncore.grouped_pooled_lookup([s, s], [np.array([1, 2]), np.array([5, 6])],
+                                             lengths=[np.array([2]), np.array([2])])
+    assert sorted(s.export().keys.tolist()) == [1, 2, 5, 6]  # 3 and 4 went, though 1 and 2 are older
+    np.testing.assert_array_equal(out[:, :2], before.sum(0, keepdims=True))
+    cncore.grouped_apply_gradients(ctxs, np.ones((1, 4), np.float32))  # both contexts still valid
+    np.testing.assert_allclose(s.lookup(np.array([1, 2])), before - 1.0)
+
+
+def test_an_eviction_makes_earlier_contexts_stale():
+    s = lru_store(2)
+    _, ctx = s.pooled_lookup(np.array([1, 2]), lengths=np.array([2]))
+    s.find_or_insert(np.array([3]))
+    with pytest.raises(RuntimeError, match="erased"):
+        s.apply_gradients(ctx, np.ones((1, 2), np.float32))
+
+
+def test_lfu_orders_by_count_then_last_step_then_key_and_headroom_frees_beyond_the_need():
+    s = cncore.EmbeddingStore(dim=1, max_rows=6, eviction=cncore.LFU(), headroom=2)
+    s.load(np.arange(6), np.zeros((6, 1), np.float32), counts=np.array([5, 1, 1, 0, 9, 1]),
+           last_steps=np.array([0, 7, 3, 9, 0, 3]))
+    sink = []
+    s.on_evict(sink.append)
+    s.find_or_insert(np.array([100]))  # 7 rows would pass 6: down to 4 after the insert, so 3 go
+    assert sink[0].keys.tolist() == [3, 2, 5]  # (0, 9), (1, 3) key 2, (1, 3) key 5
+    assert s.evicted_count == 3 and len(s) == 4
+
+
+def test_no_callback_drops_but_counts_and_erase_is_not_an_eviction():
+    s = lru_store(2)
+    s.find_or_insert(np.array([1, 2, 3, 4]) [:2])
+    s.find_or_insert(np.array([3]))
+    s.erase(np.array([2, 3]))
+    assert s.evicted_count == 1 and len(s) == 0
+
+
+def test_config_is_validated_and_saved_with_the_table(tmp_path):
+    from cncore.tablefile import load_store, save_table
+    with pytest.raises(ValueError, match="max_rows needs an eviction policy"):
+        cncore.StoreConfig(dim=2, max_rows=10)
+    with pytest.raises(ValueError, match=r"headroom must be an int in \[0, max_rows\)"):
+        cncore.StoreConfig(dim=2, max_rows=10, eviction=cncore.LRU(), headroom=10)
+    with pytest.raises(ValueError, match="TTL.steps"):
+        cncore.TTL(-1)
+    with pytest.raises(TypeError, match="eviction must be"):
+        cncore.StoreConfig(dim=2, eviction="lru")
+    assert cncore.StoreConfig(dim=2, max_rows=1000, eviction=cncore.LRU()).headroom == 31
+    s = cncore.EmbeddingStore(dim=2, max_rows=5, eviction=cncore.TTL(3), headroom=1)
+    s.find_or_insert(np.arange(4))
+    save_table(s, str(tmp_path / "t"))
+    t = load_store(str(tmp_path / "t"))
+    assert t.config == s.config and sorted(t.export().keys.tolist()) == [0, 1, 2, 3]

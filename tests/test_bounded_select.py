@@ -1,0 +1,59 @@
+"""The victim selection at sizes where it runs its radix passes (the state machine's tables are
+small enough to be decided by the final sort alone): evict(k) on tens of thousands of rows
+equals a full lexsort by (score, key), for spread scores, one shared score (ties decided by
+the keys' digits), and LFU counts near 2^32 (scores using all 64 bits)."""
+import numpy as np
+import pytest
+
+import cncore
+
+
+def expected_order(keys, counts, steps, policy):
+    primary = [steps] if policy == "lru" else [steps, counts]  # lexsort: last key is primary
+    return keys[np.lexsort([keys] + primary)]
+
+
+@pytest.mark.parametrize("policy,spread", [("lru", "spread"), ("lru", "one_step"), ("lfu", "spread"),
+                                           ("lfu", "huge_counts"), ("lru", "few_steps")])
+def test_evict_k_equals_a_full_sort(policy, spread):
+    rng = np.random.default_rng(7)
+    n = 40_000
+    keys = rng.choice(np.concatenate([rng.integers(-2**63, 2**63 - 1, n, dtype=np.int64),
+                                      np.array([-2**63, 2**63 - 1, 0, -1])]), n, replace=False)
+    counts = rng.integers(0, 5, n).astype(np.uint32)
+    steps = {"spread": rng.integers(0, 2**32 - 1, n, dtype=np.uint64), "one_step": np.full(n, 77),
+             "huge_counts": rng.integers(0, 3, n), "few_steps": rng.integers(100, 104, n)}[spread].astype(np.uint32)
+    if spread == "huge_counts":
+        counts = rng.choice(np.array([0, 2**31, 2**32 - 1], dtype=np.uint32), n)
+    eviction = cncore.LRU() if policy == "lru" else cncore.LFU()
+    s = cncore.EmbeddingStore(dim=1, eviction=eviction, capacity=n)
+    s.load(keys, keys[:, None].astype(np.float32), counts=counts, last_steps=steps)
+    sink = []
+    s.on_evict(sink.append)
+    want = expected_order(keys, counts.astype(np.int64), steps.astype(np.int64), policy)
+    done = 0
+    for k in (1, 4095, 4096, 4097, 9000, 0, 17):
+        assert s.evict(k) == k
+        if k:
+            assert sink[-1].keys.tolist() == want[done:done + k].tolist()
+            np.testing.assert_array_equal(sink[-1].rows[:, 0], want[done:done + k].astype(np.float32))
+        done += k
+    assert sorted(s.export().keys.tolist()) == sorted(want[done:].tolist())
+    assert s.evict(10**9) == n - done and len(s) == 0
+
+
+def test_a_budget_keeps_the_table_and_its_memory_bounded_over_a_long_stream():
+    rng = np.random.default_rng(1)
+    s = cncore.EmbeddingStore(dim=4, max_rows=10_000, eviction=cncore.LRU(), optimizer=cncore.SGD(lr=0.1))
+    admitted, sizes = 0, []
+    for step in range(40):
+        keys = rng.integers(0, 100_000, 2048)
+        admitted += int((~s.contains(np.unique(keys))).sum())
+        out, ctx = s.pooled_lookup(keys, lengths=np.full(256, 8))
+        s.apply_gradients(ctx, np.ones((256, 4), np.float32))
+        sizes.append(len(s))
+        if step == 10:
+            nbytes = s.nbytes
+    assert max(sizes) <= 10_000 and min(sizes[10:]) >= 10_000 - 10_000 // 32
+    assert len(s) + s.evicted_count == admitted
+    assert s.nbytes == nbytes  # full since step 10: slots are reused, nothing more is allocated
