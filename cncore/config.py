@@ -15,7 +15,7 @@ from typing import Optional, Tuple, Union
 __all__ = [
     "Uniform", "Normal", "TruncatedNormal", "Constant", "Initializer",
     "SGD", "Adagrad", "RowWiseAdagrad", "Adam", "Optimizer",
-    "LRU", "LFU", "TTL", "Eviction",
+    "LRU", "LFU", "TTL", "Eviction", "MinCount", "Admission",
     "StoreConfig",
 ]
 
@@ -259,6 +259,43 @@ class TTL:
 Eviction = Union[LRU, LFU, TTL]
 
 
+@dataclass(frozen=True)
+class MinCount:
+    """Admission: a key gets a row in a training lookup only once it has been seen `count`
+    times (every occurrence counts; weights never do), counted while it has no row in a
+    count-min sketch of `depth` rows of `width` uint32 counters (depth * width * 4 bytes;
+    cn_admit.h states the hashing, so the decisions can be replayed). The sketch may admit a
+    key early (colliding keys raise its counters), never late; ``store.decay_admission()``
+    halves its counters. A key not admitted reads as zeros (``unadmitted="zeros"``) or as its
+    initial row (``"initial"``, also for any absent key in an evaluation lookup), takes no
+    update, and has slot -1 in its context. find_or_insert, insert_or_assign and load are not
+    gated.
+
+    >>> MinCount(2).width, MinCount(2, unadmitted="initial").unadmitted
+    (262144, 'initial')
+    """
+    count: int
+    unadmitted: str = "zeros"
+    width: int = 2**18
+    depth: int = 4
+
+    def __post_init__(self):
+        if isinstance(self.count, bool) or not isinstance(self.count, numbers.Integral) or not 1 <= self.count < 2**32:
+            raise ValueError(f"MinCount.count must be an int in [1, 2**32), got {self.count!r}")
+        if self.unadmitted not in ("zeros", "initial"):
+            raise ValueError(f"MinCount.unadmitted must be 'zeros' or 'initial', got {self.unadmitted!r}")
+        if isinstance(self.width, bool) or not isinstance(self.width, numbers.Integral) \
+                or not 16 <= self.width <= 2**30 or self.width & (self.width - 1):
+            raise ValueError(f"MinCount.width must be a power of two in [16, 2**30], got {self.width!r}")
+        if isinstance(self.depth, bool) or not isinstance(self.depth, numbers.Integral) or not 1 <= self.depth <= 16:
+            raise ValueError(f"MinCount.depth must be an int in [1, 16], got {self.depth!r}")
+        for name in ("count", "width", "depth"):
+            object.__setattr__(self, name, int(getattr(self, name)))
+
+
+Admission = MinCount
+
+
 SUPPORTED_DTYPES = ("float32",)
 PLANNED_DTYPES = ("float16", "bfloat16")
 
@@ -283,6 +320,7 @@ class StoreConfig:
     eviction: LRU(), LFU() or TTL(steps); required with max_rows, allowed without it (then only
     the explicit ``evict`` / ``evict_expired`` verbs evict). The table then keeps each row's key
     next to its metadata (8 bytes + 1 bit per row) so eviction scans memory in order.
+    admission: MinCount(c) or None: which keys a training lookup gives a row (see MinCount).
     headroom: rows freed beyond the need by one round of eviction (default max(1, max_rows // 32)):
     each round scans the table a few times, so a larger headroom pays that scan over more
     inserts, at the price of a table that runs up to `headroom` rows below its budget.
@@ -297,6 +335,7 @@ class StoreConfig:
     max_rows: Optional[int] = None
     eviction: Optional[Eviction] = None
     headroom: Optional[int] = None
+    admission: Optional[Admission] = None
 
     def __post_init__(self):
         if not isinstance(self.dim, int) or isinstance(self.dim, bool) or not 1 <= self.dim <= 65536:
@@ -322,6 +361,8 @@ class StoreConfig:
                             f"got {type(self.optimizer).__name__}")
         if self.eviction is not None and not isinstance(self.eviction, (LRU, LFU, TTL)):
             raise TypeError(f"eviction must be None, LRU(), LFU() or TTL(steps), got {type(self.eviction).__name__}")
+        if self.admission is not None and not isinstance(self.admission, MinCount):
+            raise TypeError(f"admission must be None or MinCount(count), got {type(self.admission).__name__}")
         if self.max_rows is not None:
             if isinstance(self.max_rows, bool) or not isinstance(self.max_rows, numbers.Integral) \
                     or not 1 <= self.max_rows <= MAX_CAPACITY:

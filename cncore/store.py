@@ -153,7 +153,8 @@ class EmbeddingStore:
             config.dim, opt.kind if opt is not None else 0, float(opt.initial_state) if opt is not None else 0.0,
             init.kind, config.seed, *init.params(), float(config.max_load_factor),
             min(config.capacity, max_rows) if max_rows else config.capacity,
-            ev.kind if ev is not None else 0, max_rows, max_rows - (config.headroom or 0), ttl)
+            ev.kind if ev is not None else 0, max_rows, max_rows - (config.headroom or 0), ttl,
+            *((adm.count, adm.width, adm.depth, adm.unadmitted == "initial") if (adm := config.admission) else ()))
         self._evict_callbacks = []
 
     # --- sizes ---------------------------------------------------------------------------
@@ -430,6 +431,12 @@ class EmbeddingStore:
         batch = TableBatch(keys, rows, state, counts, last_steps, np.ones(len(keys), dtype=bool))
         for callback in list(self._evict_callbacks):
             callback(batch)
+
+    def decay_admission(self) -> None:
+        """Halve every counter of the admission sketch (MinCount), so that old sightings fade."""
+        if self._config.admission is None:
+            raise TypeError("decay_admission: this store has no admission policy (StoreConfig.admission=None)")
+        self._table.decay_admission()
 
     def _require_policy(self, verb: str):
         if self._config.eviction is None:

@@ -76,7 +76,8 @@ _OPTIMIZERS = {c.__name__: c for c in (cncore.SGD, cncore.Adagrad, cncore.RowWis
 _EVICTIONS = {c.__name__: c for c in (cncore.LRU, cncore.LFU, cncore.TTL)}
 # Config fields a file holds only when they are set (bounded tables): files of unbounded tables
 # stay what they were, and files written before these fields existed read as unbounded.
-_OPTIONAL_FIELDS = ("max_rows", "eviction", "headroom")
+_OPTIONAL_FIELDS = ("max_rows", "eviction", "headroom", "admission")
+_ADMISSIONS = {"MinCount": cncore.MinCount}
 
 
 class TableFormatError(ValueError):
@@ -103,6 +104,8 @@ def config_to_dict(config: cncore.StoreConfig) -> dict:
                       {"type": type(config.optimizer).__name__, **dataclasses.asdict(config.optimizer)})
     d["eviction"] = (None if config.eviction is None else
                      {"type": type(config.eviction).__name__, **dataclasses.asdict(config.eviction)})
+    d["admission"] = (None if config.admission is None else
+                      {"type": type(config.admission).__name__, **dataclasses.asdict(config.admission)})
     for name in _OPTIONAL_FIELDS:
         if d[name] is None:
             del d[name]
@@ -144,6 +147,8 @@ def _from_whitelist(d, classes: dict, what: str, where: str):
     _fields_exactly(d, ("type",) + tuple(f.name for f in dataclasses.fields(cls)), where, what)
     values = {k: v for k, v in d.items() if k != "type"}
     for k, v in values.items():  # numbers (betas: a list of them); the constructor checks ranges
+        if k == "unadmitted" and isinstance(v, str):  # MinCount's one word; its constructor checks it
+            continue
         if not all(isinstance(x, (int, float)) and not isinstance(x, bool)
                    for x in (v if k == "betas" and isinstance(v, (list, tuple)) else [v])):
             raise _error(where, f"{what}.{k} must be {'a list of numbers' if k == 'betas' else 'a number'}, "
@@ -176,6 +181,8 @@ def config_from_dict(d, where: str = "") -> cncore.StoreConfig:
     d = dict(d)
     if d["eviction"] is not None:
         d["eviction"] = _from_whitelist(d["eviction"], _EVICTIONS, "config.eviction", where)
+    if d["admission"] is not None:
+        d["admission"] = _from_whitelist(d["admission"], _ADMISSIONS, "config.admission", where)
     if not _is_int(d["capacity"]):  # a hint, but the core allocates it: it must fit an int64
         raise _error(where, f"config.capacity must be an int in [0, 2**63), got {_show(d['capacity'])}")
     d["initializer"] = _from_whitelist(d["initializer"], _INITIALIZERS, "config.initializer", where)

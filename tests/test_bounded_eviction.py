@@ -1,8 +1,9 @@
-"""Bounded tables: random sequences of inserts, training steps, erases and evictions against a
-Python model that implements the stated policy literally (cncore/config.py, cn_evict.h):
-rows leave in ascending (score, key) order, never rows the evicting call uses, down to
-max_rows - headroom; the same keys leave in the same order with the same rows, state and
-counters, and reach the sink."""
+"""Bounded tables: random sequences of inserts, training steps, erases, evictions and admission
+against a Python model that implements the stated policy literally (cncore/config.py,
+cn_evict.h, cn_admit.h): rows leave in ascending (score, key) order, never rows the evicting
+call uses, down to max_rows - headroom; the same keys leave in the same order with the same
+rows, state and counters, and reach the sink; a key gets a row once its sketch estimate
+reaches the count (a 16-wide sketch, so collisions and early admissions happen)."""
 import numpy as np
 import pytest
 from hypothesis import settings
@@ -10,7 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import cncore
-from reference import DictStore, assert_unchanged, pooled_reference, snapshot
+from reference import DictStore, _mix64, assert_unchanged, pooled_reference, snapshot
 
 DIM = 3
 SEED = 5
@@ -27,8 +28,10 @@ class Full(Exception):
 class BoundedModel(DictStore):
     """DictStore plus the budget, the policy and the sink, as the docs state them."""
 
-    def __init__(self, policy, max_rows, headroom, ttl=0):
+    def __init__(self, policy, max_rows, headroom, ttl=0, min_count=0, width=16, depth=2, initial=False):
         super().__init__(DIM, SEED, LOW, HIGH, state_floats=1, state_init=0.25)
+        self.min_count, self.width, self.depth, self.absent_initial = min_count, width, depth, initial
+        self.sketch = np.zeros((depth, width), dtype=np.int64)
         self.policy, self.max_rows, self.low_water, self.ttl = policy, max_rows, max_rows - headroom, ttl
         self.sink = []  # one list of (key, row, state, count, last_step) per eviction
         self.evicted = self.admitted = self.erased = 0
@@ -68,6 +71,34 @@ class BoundedModel(DictStore):
         self.admitted += len({k for k in keys if k not in self.rows})
         return self.find_or_insert(keys)
 
+    def counters(self, k):
+        return [(i, _mix64((k + (i + 1) * 0x9E3779B97F4A7C15) % 2**64) % self.width) for i in range(self.depth)]
+
+    def admit(self, keys):
+        """The keys of a training lookup that get (or have) a row; counts the others."""
+        self._counted = []
+        if not self.min_count:
+            return keys
+        missing = [k for k in keys if k not in self.rows]
+        for k in missing:  # every occurrence, before any decision
+            for i, j in self.counters(k):
+                self.sketch[i, j] += 1
+        admitted = {k for k in missing if min(self.sketch[i, j] for i, j in self.counters(k)) >= self.min_count}
+        self._counted = missing
+        return [k for k in keys if k in self.rows or k in admitted]
+
+    def take_back(self):
+        for k in self._counted:
+            for i, j in self.counters(k):
+                self.sketch[i, j] -= 1
+
+    def read(self, keys):
+        return np.array([self.rows[k] if k in self.rows else self.initial_or_zero(k) for k in keys],
+                        dtype=np.float32).reshape(len(keys), DIM)
+
+    def initial_or_zero(self, k):
+        return self.initial(k) if self.absent_initial else np.zeros(DIM, np.float32)
+
     def erase(self, keys):
         erased = super().erase(keys)
         self.erased += int(erased.sum())
@@ -83,13 +114,18 @@ def batch_of(sink_entry):
 
 class BoundedMachine(RuleBasedStateMachine):
     @initialize(policy=st.sampled_from(["lru", "lfu", "ttl"]), max_rows=st.integers(3, 10),
-                headroom=st.integers(0, 2), ttl=st.integers(0, 3))
-    def setup(self, policy, max_rows, headroom, ttl):
+                headroom=st.integers(0, 2), ttl=st.integers(0, 3), min_count=st.sampled_from([0, 2, 3]),
+                initial=st.booleans())
+    def setup(self, policy, max_rows, headroom, ttl, min_count, initial):
         eviction = {"lru": cncore.LRU(), "lfu": cncore.LFU(), "ttl": cncore.TTL(ttl)}[policy]
         opt = cncore.RowWiseAdagrad(lr=LR, eps=EPS, initial_accumulator_value=0.25)
+        admission = (cncore.MinCount(min_count, "initial" if initial else "zeros", width=16, depth=2)
+                     if min_count else None)
         self.store = cncore.EmbeddingStore(dim=DIM, seed=SEED, initializer=cncore.Uniform(LOW, HIGH), optimizer=opt,
-                                           max_rows=max_rows, eviction=eviction, headroom=min(headroom, max_rows - 1))
-        self.ref = BoundedModel(policy, max_rows, min(headroom, max_rows - 1), ttl)
+                                           max_rows=max_rows, eviction=eviction, headroom=min(headroom, max_rows - 1),
+                                           admission=admission)
+        self.ref = BoundedModel(policy, max_rows, min(headroom, max_rows - 1), ttl, min_count, 16, 2,
+                                initial and bool(min_count))
         self.sink = []
         self.store.on_evict(self.sink.append)
         self.unordered = set()  # sink entries from evict_if: export order, compared as sets
@@ -118,15 +154,20 @@ class BoundedMachine(RuleBasedStateMachine):
         weights = rng.choice([0.0, 0.5, 3.0], len(keys)).astype(np.float32) if weighted else None
         arr = np.array(keys, dtype=np.int64)
         try:
-            self.ref.insert(keys)
+            self.ref.insert(self.ref.admit(keys))
         except Full:
+            self.ref.take_back()
             return self._refused(lambda: self.store.pooled_lookup(arr, offsets, per_sample_weights=weights), keys)
         lookup_step = self.store.step
         out, ctx = self.store.pooled_lookup(arr, offsets, per_sample_weights=weights)
-        np.testing.assert_allclose(out, pooled_reference(self.ref.lookup(keys), offsets, "sum", weights),
+        assert ((ctx.slots >= 0) == [k in self.ref.rows for k in keys]).all()
+        np.testing.assert_allclose(out, pooled_reference(self.ref.read(keys), offsets, "sum", weights),
                                    rtol=1e-5, atol=1e-6)
         grad = rng.standard_normal(out.shape).astype(np.float32)
         grads, occurrences = self.ref.backward(keys, offsets, grad, weights)
+        # Keys without a row take no update and no access.
+        grads = {k: g for k, g in grads.items() if k in self.ref.rows}
+        occurrences = {k: n for k, n in occurrences.items() if k in self.ref.rows}
         self.store.apply_gradients(ctx, grad)
         self.ref.rowwise_adagrad(grads, LR, EPS)
         self.ref.record_access(occurrences, lookup_step)
@@ -153,6 +194,21 @@ class BoundedMachine(RuleBasedStateMachine):
         assert n == self.ref.evict_keys(chosen)
         if n:
             self.unordered.add(len(self.ref.sink) - 1)
+
+    @precondition(lambda self: self.ref.min_count)
+    @rule()
+    def decay_admission(self):
+        self.store.decay_admission()
+        self.ref.sketch >>= 1
+
+    @precondition(lambda self: self.ref.min_count)
+    @rule(keys=keys_small)
+    def evaluation_lookup(self, keys):
+        """Absent keys read as zeros, or as their initial row with unadmitted="initial"."""
+        out, ctx = self.store.pooled_lookup(np.array(keys, dtype=np.int64), lengths=np.array([len(keys)]),
+                                            insert_missing=False)
+        np.testing.assert_allclose(out, pooled_reference(self.ref.read(keys), np.array([0, len(keys)]), "sum"),
+                                   rtol=1e-5, atol=1e-6)
 
     @invariant()
     def table_and_sink_match(self):

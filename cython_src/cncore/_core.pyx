@@ -109,7 +109,8 @@ cdef class Table:
 
     def __cinit__(self, int64_t dim, int optimizer_kind, float state_init, int init_kind, uint64_t seed,
                   float p0, float p1, float p2, float p3, double max_load, int64_t capacity_hint,
-                  int policy=0, int64_t max_rows=0, int64_t low_water=0, int64_t ttl=0):
+                  int policy=0, int64_t max_rows=0, int64_t low_water=0, int64_t ttl=0, uint32_t min_count=0,
+                  int64_t sketch_width=0, int64_t sketch_depth=0, bint absent_initial=False):
         cdef cn_init init = _make_init(init_kind, seed, p0, p1, p2, p3)
         cdef cn_bound bound
         cdef int rc
@@ -117,6 +118,10 @@ cdef class Table:
         bound.max_rows = max_rows
         bound.low_water = low_water
         bound.ttl = ttl
+        bound.min_count = min_count
+        bound.sketch_width = sketch_width
+        bound.sketch_depth = sketch_depth
+        bound.absent_initial = absent_initial
         self.alive = False
         self.evict_sink = None
         with nogil:
@@ -190,7 +195,7 @@ cdef class Table:
             return 0
         with nogil:
             _wrlock(self)
-            rc = cn_table_resolve(&self.t, &keys[0], n, &slots[0], &found[0], 1, want, &ev, &n_new)
+            rc = cn_table_resolve(&self.t, &keys[0], n, &slots[0], &found[0], 1, 0, want, &ev, &n_new)
             _unlock(self)
         self._deliver(&ev)
         _raise_insert(rc, self, n)
@@ -214,6 +219,12 @@ cdef class Table:
             cn_evicted_free(ev)
         if self.evict_sink is not None:
             self.evict_sink(keys, rows, state, counts, steps)
+
+    def decay_admission(self):
+        with nogil:
+            _wrlock(self)
+            cn_table_decay_admission(&self.t)
+            _unlock(self)
 
     def evict(self, int64_t k):
         """Evict the k lowest-scoring rows (k <= 0: none); returns how many were evicted."""
@@ -282,7 +293,7 @@ cdef class Table:
         cdef int want = self.evict_sink is not None
         with nogil:
             _wrlock(self)
-            rc = cn_table_resolve(&self.t, &keys[0], n, &slots[0], &found[0], insert, want, &ev, &n_new)
+            rc = cn_table_resolve(&self.t, &keys[0], n, &slots[0], &found[0], insert, 0, want, &ev, &n_new)
             if rc == CN_OK:
                 cn_table_write_rows(&self.t, &slots[0], n, &rows_v[0, 0], self.t.dim, state_p, self.t.state_floats)
                 cn_table_write_meta(&self.t, &slots[0], n, counts_p, steps_p)
@@ -565,11 +576,12 @@ def grouped_forward(list tables, list keys, list offsets, list weights, list mod
                     else:
                         pthread_rwlock_rdlock(&tp[u].lock)
                     rc = cn_table_resolve(tp[u], <key_t*> u_keys[u], u_n[u], <slot_t*> u_slots[u], NULL,
-                                          insert_missing, <int> u_want[u], &evs[u], &u_nnew[u])
+                                          insert_missing, insert_missing, <int> u_want[u], &evs[u], &u_nnew[u])
                     if rc == CN_OK:
                         for f in range(F):
                             if p_unit[f] == u:
-                                cn_table_pool(tp[u], <offset_t*> p_off[f], p_nbags[f], <weight_t*> p_w[f],
+                                cn_table_pool(tp[u], <key_t*> (u_keys[u] + (p_slots[f] - u_slots[u])),
+                                              <offset_t*> p_off[f], p_nbags[f], <weight_t*> p_w[f],
                                               <int> p_mode[f], <weight_t*> p_out[f], p_ld[f],
                                               <int64_t*> p_argmax[f], <slot_t*> p_slots[f])
                     u_epoch[u] = tp[u].erase_epoch

@@ -67,6 +67,10 @@ cdef extern from "cn_table.h" nogil:
         int64_t max_rows
         int64_t low_water
         int64_t ttl
+        uint32_t min_count
+        int64_t sketch_width
+        int64_t sketch_depth
+        int absent_initial
     ctypedef struct cn_evicted:
         int64_t n
         key_t *keys
@@ -97,9 +101,11 @@ cdef extern from "cn_table.h" nogil:
     int cn_table_reserve(cn_table *t, int64_t total)
     void cn_table_find(const cn_table *t, const key_t *keys, int64_t n, slot_t *slots)
     int cn_table_resolve(cn_table *t, const key_t *keys, int64_t n, slot_t *slots, uint8_t *found, int insert,
-                         int want_rows, cn_evicted *ev, int64_t *n_new)
-    void cn_table_pool(const cn_table *t, const offset_t *offsets, int64_t n_bags, const weight_t *weights, int mode,
-                       weight_t *out, int64_t ld_out, int64_t *argmax, const slot_t *slots)
+                         int admit, int want_rows, cn_evicted *ev, int64_t *n_new)
+    void cn_table_pool(const cn_table *t, const key_t *keys, const offset_t *offsets, int64_t n_bags,
+                       const weight_t *weights, int mode, weight_t *out, int64_t ld_out, int64_t *argmax,
+                       const slot_t *slots)
+    void cn_table_decay_admission(cn_table *t)
     int cn_table_evict(cn_table *t, int64_t k, int want_rows, cn_evicted *ev)
     int cn_table_evict_expired(cn_table *t, int want_rows, cn_evicted *ev)
     int cn_table_evict_keys(cn_table *t, const key_t *keys, int64_t n, int want_rows, cn_evicted *ev)

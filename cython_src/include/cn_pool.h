@@ -8,7 +8,9 @@
 #define CN_POOL_H
 
 #include <stdint.h>
+#include <stdlib.h>
 #include "cn_arena.h"
+#include "cn_init.h"
 #include "cn_parallel.h"
 
 enum { CN_POOL_SUM = 0, CN_POOL_MEAN = 1, CN_POOL_MAX = 2 };
@@ -22,6 +24,8 @@ typedef struct {
     float *out;           /* row b at out + b * ld_out */
     int64_t ld_out;
     int64_t *argmax;      /* max mode: [n_bags, dim] key positions, -1 for an empty bag */
+    const cn_init *absent_init; /* NULL: keys without a row read as zeros; else as their initial row */
+    const int64_t *keys;        /* the keys, with absent_init */
 } cn_pool_args;
 
 #define CN_ROW(s) ((const float *)(pages[(s) >> shift] + ((s) & mask) * row_bytes))
@@ -41,6 +45,7 @@ static inline void cn_pool_bag(const cn_pool_args *p, int64_t b, const int64_t *
     for (int64_t d = 0; d < dim; d++) o[d] = 0.0f;
     if (am)
         for (int64_t d = 0; d < dim; d++) am[d] = -1;
+    float *absent_row = NULL; /* a key without a row, read as its initial row (bounded tables) */
     for (int64_t i = start; i < end; i++) {
         const int64_t ahead = i + CN_PREFETCH_DISTANCE;
         if (ahead < limit) {
@@ -48,10 +53,17 @@ static inline void cn_pool_bag(const cn_pool_args *p, int64_t b, const int64_t *
             if (sa >= 0) cn_prefetch_read(CN_ROW(sa), pf_bytes);
         }
         const int64_t s = slots[i];
+        const float *restrict r = s >= 0 ? CN_ROW(s) : NULL;
+        if (s < 0 && p->absent_init) {
+            if (absent_row == NULL) absent_row = (float *)malloc((size_t)pf_bytes + 64);
+            if (absent_row) { /* (out of memory for one row: it reads as zeros) */
+                cn_init_row(p->absent_init, p->keys[i], absent_row, dim);
+                r = absent_row;
+            }
+        }
         if (am) {
             /* The first key of the bag seeds the maximum; later keys win only when strictly
              * greater, so ties go to the earliest key, as in torch.nn.EmbeddingBag. */
-            const float *restrict r = s >= 0 ? CN_ROW(s) : NULL;
             for (int64_t d = 0; d < dim; d++) {
                 float v = r ? r[d] : 0.0f;
                 if (i == start || v > o[d]) {
@@ -59,12 +71,12 @@ static inline void cn_pool_bag(const cn_pool_args *p, int64_t b, const int64_t *
                     am[d] = i;
                 }
             }
-        } else if (s >= 0) {
-            const float *restrict r = CN_ROW(s);
+        } else if (r) {
             const float w = p->weights ? p->weights[i] : 1.0f;
             for (int64_t d = 0; d < dim; d++) o[d] += w * r[d];
         }
     }
+    free(absent_row);
     if (p->mode == CN_POOL_MEAN && end > start) {
         const float inv = 1.0f / (float)(end - start);
         for (int64_t d = 0; d < dim; d++) o[d] *= inv;

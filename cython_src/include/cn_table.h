@@ -13,6 +13,7 @@
 #include <pthread.h>
 #include <stdint.h>
 #include <string.h>
+#include "cn_admit.h"
 #include "cn_alloc.h"
 #include "cn_arena.h"
 #include "cn_evict.h"
@@ -27,12 +28,17 @@ enum { CN_OK = 0, CN_ENOMEM = -1, CN_ESTALE = -2, CN_EBADSLOT = -3, CN_EFULL = -
 
 /* A table's bound (cn_evict.h): policy NONE keeps no keys and never evicts; with a policy the
  * arena keeps keys and live bits, and with max_rows > 0 inserts evict down to low_water when
- * they would pass max_rows. */
+ * they would pass max_rows. Admission (cn_admit.h): min_count > 0 gates training inserts;
+ * absent_initial: keys without a row read as their initial row in pooled lookups. */
 typedef struct {
     int policy;
     int64_t max_rows;
     int64_t low_water;
     int64_t ttl;
+    uint32_t min_count;
+    int64_t sketch_width;
+    int64_t sketch_depth;
+    int absent_initial;
 } cn_bound;
 
 /* Rows a call evicted, copied out before their slots were reused (malloc'd; the caller frees
@@ -77,6 +83,7 @@ typedef struct {
     uint64_t erase_epoch; /* a fresh stamp whenever a slot may have been freed: stale slots are refused */
     uint64_t version;     /* a fresh stamp whenever the set of keys or their bucket order changes */
     cn_bound bound;
+    cn_admit admit;
     int64_t n_evicted;    /* rows evicted so far (not erased: erase is the caller's own removal) */
     pthread_rwlock_t lock;
 } cn_table;
@@ -99,7 +106,8 @@ static inline int cn_table_create(cn_table *t, int64_t dim, int optimizer_kind, 
     cn_arena_init(&t->arena, dim + (t->state_in_meta ? 0 : t->state_floats), t->state_in_meta, capacity_hint,
                   bound.policy != CN_EVICT_NONE);
     if (cn_index_init(&t->index, cn_index_buckets_for(capacity_hint, max_load), &t->nbytes) != 0) return CN_ENOMEM;
-    if (cn_arena_reserve(&t->arena, capacity_hint, &t->nbytes) != 0) {
+    if (cn_arena_reserve(&t->arena, capacity_hint, &t->nbytes) != 0 ||
+        cn_admit_init(&t->admit, bound.min_count, bound.sketch_width, bound.sketch_depth, &t->nbytes) != 0) {
         cn_arena_free(&t->arena, &t->nbytes);
         cn_index_free(&t->index, &t->nbytes);
         return CN_ENOMEM;
@@ -109,6 +117,7 @@ static inline int cn_table_create(cn_table *t, int64_t dim, int optimizer_kind, 
 }
 
 static inline void cn_table_destroy(cn_table *t) {
+    cn_admit_free(&t->admit, &t->nbytes);
     cn_arena_free(&t->arena, &t->nbytes);
     cn_index_free(&t->index, &t->nbytes);
     pthread_rwlock_destroy(&t->lock);
@@ -167,14 +176,14 @@ static inline void cn_table_find(const cn_table *t, const int64_t *keys, int64_t
     cn_index_find_batch(&t->index, keys, n, slots, cn_threads_for(n));
 }
 
-/* Insert the keys whose slots[i] < 0 (after a find), initialise their rows, and fill in their
- * slots. Duplicates share one new row. *n_new = rows inserted.
+/* Insert the keys whose slots[i] == -1 (after a find; -2 marks a key admission held back),
+ * initialise their rows, and fill in their slots. Duplicates share one new row. *n_new = rows inserted.
  * All allocation happens first: on CN_ENOMEM the table is unchanged. */
 static inline int cn_table_insert_missing(cn_table *t, const int64_t *keys, int64_t n, int64_t *slots,
                                           int64_t *n_new) {
     *n_new = 0;
     int64_t n_missing = 0;
-    for (int64_t i = 0; i < n; i++) n_missing += slots[i] < 0;
+    for (int64_t i = 0; i < n; i++) n_missing += slots[i] == -1;
     if (n_missing == 0) return CN_OK;
     int64_t *missing = (int64_t *)malloc((size_t)n_missing * sizeof(int64_t));
     int64_t *new_pos = (int64_t *)malloc((size_t)n_missing * sizeof(int64_t));
@@ -185,7 +194,7 @@ static inline int cn_table_insert_missing(cn_table *t, const int64_t *keys, int6
     }
     int64_t m = 0;
     for (int64_t i = 0; i < n; i++)
-        if (slots[i] < 0) missing[m++] = i;
+        if (slots[i] == -1) missing[m++] = i;
 
     /* Serial insertion: the index is not a concurrent structure. Buckets are prefetched ahead. */
     int64_t inserted = 0;
@@ -273,10 +282,10 @@ static inline int cn_table_evict_lowest(cn_table *t, int64_t k, int want_rows, c
     return rc;
 }
 
-/* Distinct keys among those with slots[i] < 0; -1 when out of memory. A batch-sized set. */
+/* Distinct keys among those with slots[i] == -1; -1 when out of memory. A batch-sized set. */
 static inline int64_t cn_count_distinct_missing(const int64_t *keys, const int64_t *slots, int64_t n) {
     int64_t n_missing = 0;
-    for (int64_t i = 0; i < n; i++) n_missing += slots[i] < 0;
+    for (int64_t i = 0; i < n; i++) n_missing += slots[i] == -1;
     if (n_missing <= 1) return n_missing;
     const int64_t cap = cn_pow2_at_least(2 * n_missing);
     int64_t *set = (int64_t *)malloc((size_t)cap * sizeof(int64_t));
@@ -289,7 +298,7 @@ static inline int64_t cn_count_distinct_missing(const int64_t *keys, const int64
     int64_t distinct = 0;
     const uint64_t mask = (uint64_t)cap - 1;
     for (int64_t i = 0; i < n; i++) {
-        if (slots[i] >= 0) continue;
+        if (slots[i] != -1) continue;
         uint64_t h = cn_hash_key(keys[i]) & mask;
         while (used[h] && set[h] != keys[i]) h = (h + 1) & mask;
         if (!used[h]) {
@@ -332,28 +341,44 @@ static inline int cn_table_make_room(cn_table *t, const int64_t *keys, int64_t n
 }
 
 /* slots[i] = the slot of keys[i]; with insert, the keys not yet present are inserted (and
- * initialised), after making room in a bounded table (rows evicted into ev). found[i] (may be
- * NULL) = 1 if keys[i] was present before the call. Duplicate keys in one batch share one new
- * row. *n_new receives the number of rows inserted. */
+ * initialised), after making room in a bounded table (rows evicted into ev). With admit (a
+ * training lookup) and admission configured, only the keys admitted by the sketch are
+ * inserted (cn_admit.h); the others keep slot -1. found[i] (may be NULL) = 1 if keys[i] was
+ * present before the call. Duplicate keys in one batch share one new row. *n_new receives the
+ * number of rows inserted. */
 static inline int cn_table_resolve(cn_table *t, const int64_t *keys, int64_t n, int64_t *slots, uint8_t *found,
-                                   int insert, int want_rows, cn_evicted *ev, int64_t *n_new) {
+                                   int insert, int admit, int want_rows, cn_evicted *ev, int64_t *n_new) {
     *n_new = 0;
     memset(ev, 0, sizeof(*ev));
     cn_table_find(t, keys, n, slots);
     if (found)
         for (int64_t i = 0; i < n; i++) found[i] = slots[i] >= 0;
     if (!insert) return CN_OK;
+    const int gate = admit && t->admit.min_count > 0;
+    if (gate) {
+        for (int64_t i = 0; i < n; i++)
+            if (slots[i] < 0) cn_admit_add(&t->admit, keys[i], 1);
+        for (int64_t i = 0; i < n; i++)
+            if (slots[i] < 0 && cn_admit_estimate(&t->admit, keys[i]) < t->admit.min_count) slots[i] = -2;
+    }
     int rc = cn_table_make_room(t, keys, n, slots, want_rows, ev);
-    if (rc != CN_OK) return rc;
-    return cn_table_insert_missing(t, keys, n, slots, n_new);
+    if (rc == CN_OK) rc = cn_table_insert_missing(t, keys, n, slots, n_new);
+    if (gate)
+        for (int64_t i = 0; i < n; i++) {
+            if (rc != CN_OK && slots[i] < 0) cn_admit_add(&t->admit, keys[i], -1);
+            if (slots[i] == -2) slots[i] = -1;
+        }
+    return rc;
 }
 
 /* Pool one feature's bags over slots resolved by cn_table_resolve; slots < 0 read as zero
- * rows. Access counts are recorded by the backward (cn_grad.h), once per distinct row, not
+ * rows, or as the key's initial row with the bound's absent_initial. Access counts are recorded by the backward (cn_grad.h), once per distinct row, not
  * here once per key. */
-static inline void cn_table_pool(const cn_table *t, const int64_t *offsets, int64_t n_bags, const float *weights,
-                                 int mode, float *out, int64_t ld_out, int64_t *argmax, const int64_t *slots) {
-    cn_pool_args p = {&t->arena, t->dim, offsets, weights, mode, out, ld_out, argmax};
+static inline void cn_table_pool(const cn_table *t, const int64_t *keys, const int64_t *offsets, int64_t n_bags,
+                                 const float *weights, int mode, float *out, int64_t ld_out, int64_t *argmax,
+                                 const int64_t *slots) {
+    cn_pool_args p = {&t->arena, t->dim, offsets, weights, mode, out, ld_out, argmax,
+                      t->bound.absent_initial ? &t->init : NULL, keys};
     cn_pool_forward(&p, n_bags, slots, cn_threads_for(offsets[n_bags] + n_bags));
 }
 
@@ -404,6 +429,11 @@ static inline int cn_table_erase(cn_table *t, const int64_t *keys, int64_t n, ui
         t->version = cn_next_stamp();
     }
     return CN_OK;
+}
+
+/* Halve every admission counter (cn_admit.h). */
+static inline void cn_table_decay_admission(cn_table *t) {
+    if (t->admit.min_count) cn_admit_decay(&t->admit);
 }
 
 static inline void cn_table_clear(cn_table *t) {
