@@ -1,0 +1,160 @@
+"""Bounded tables under a stream with 10x more distinct IDs than the row budget.
+
+For each stream (Zipf and uniform over `--distinct` IDs) and each policy (none, LRU, LFU,
+TTL, LRU + MinCount(2)), one training run in its own process (so that its peak RSS is its
+own): `--steps` steps of a pooled lookup (`--batch` bags of `--bag` IDs) plus the fused
+row-wise Adagrad backward on a dim `--dim` table. Reported per run, from the steady state
+(the last half of the steps, when a bounded table is full and evicts every few steps):
+the mean step time and its ratio to the unbounded table's, the rows held, the store's own
+bytes per row (index + rows + metadata + keys + sketch) and the process's peak RSS over
+its RSS before the store existed, per row of the budget. Then eviction throughput: explicit
+`evict(n)` rounds on a full table, with and without an on_evict callback (which makes the
+core copy the rows out).
+
+    python asv_bench/scripts/bounded_tables.py                      # 200k budget, 2M IDs
+    python asv_bench/scripts/bounded_tables.py --max-rows 1000000 --distinct 10000000
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+import cncore
+
+POLICIES = {
+    "none": {},
+    "lru": {"eviction": "LRU"},
+    "lfu": {"eviction": "LFU"},
+    "ttl": {"eviction": "TTL"},
+    "lru+mincount2": {"eviction": "LRU", "admission": 2},
+}
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * resource.getpagesize()
+
+
+def stream(kind: str, distinct: int, n: int, rng) -> np.ndarray:
+    """n IDs out of `distinct`, uniform or Zipf(1.1) by rank, ranks scattered over int64."""
+    if kind == "uniform":
+        ranks = rng.integers(0, distinct, n)
+    else:  # inverse CDF of a Zipf law truncated to `distinct` ranks
+        s = 1.1
+        u = rng.random(n)
+        ranks = np.minimum(((u * (distinct ** (1 - s) - 1) + 1) ** (1 / (1 - s))).astype(np.int64) - 1, distinct - 1)
+    return (ranks.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)).view(np.int64)  # odd: a bijection
+
+
+def make_config(args, policy: str) -> cncore.StoreConfig:
+    spec = POLICIES[policy]
+    kw = {}
+    if "eviction" in spec:
+        kw["max_rows"] = args.max_rows
+        kw["eviction"] = {"LRU": cncore.LRU(), "LFU": cncore.LFU(), "TTL": cncore.TTL(args.ttl)}[spec["eviction"]]
+        kw["capacity"] = args.max_rows
+    if "admission" in spec:
+        kw["admission"] = cncore.MinCount(spec["admission"])
+    return cncore.StoreConfig(dim=args.dim, optimizer=cncore.RowWiseAdagrad(lr=0.01), **kw)
+
+
+def run_one(args, kind: str, policy: str) -> dict:
+    cncore.set_num_threads(args.threads)
+    rng = np.random.default_rng(0)
+    n = args.batch * args.bag
+    batches = [stream(kind, args.distinct, n, rng) for _ in range(args.steps)]
+    lens = np.full(args.batch, args.bag)
+    grad = np.ones((args.batch, args.dim), np.float32)
+    rss0 = rss_bytes()
+    store = cncore.EmbeddingStore(make_config(args, policy))
+    times = []
+    for keys in batches:
+        t = time.perf_counter()
+        _, ctx = store.pooled_lookup(keys, lengths=lens)
+        store.apply_gradients(ctx, grad)
+        times.append(time.perf_counter() - t)
+        if policy == "ttl" and store.step % 10 == 0:
+            store.evict_expired()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    steady = times[len(times) // 2:]
+    return {"stream": kind, "policy": policy, "step_ms": 1e3 * float(np.mean(steady)),
+            "rows": len(store), "evicted": store.evicted_count, "store_bytes_per_row": store.nbytes / max(len(store), 1),
+            "peak_rss_over_start_per_budget_row": (peak - rss0) / args.max_rows}
+
+
+def eviction_throughput(args) -> list:
+    cncore.set_num_threads(args.threads)
+    out = []
+    for sink in (False, True):
+        for policy in ("LRU", "LFU"):
+            store = cncore.EmbeddingStore(dim=args.dim, optimizer=cncore.RowWiseAdagrad(), capacity=args.max_rows,
+                                          eviction=getattr(cncore, policy)())
+            rng = np.random.default_rng(1)
+            keys = rng.choice(2**62, args.max_rows, replace=False).astype(np.int64)
+            store.load(keys, np.zeros((args.max_rows, args.dim), np.float32),
+                       counts=rng.integers(0, 50, args.max_rows), last_steps=rng.integers(0, 1000, args.max_rows))
+            if sink:
+                store.on_evict(lambda batch: None)
+            k = max(1, args.max_rows // 32)
+            t = time.perf_counter()
+            rounds = 0
+            while len(store) >= k and rounds < 16:
+                store.evict(k)
+                rounds += 1
+            dt = time.perf_counter() - t
+            out.append({"policy": policy, "sink": sink, "round_rows": k,
+                        "ms_per_round": 1e3 * dt / rounds, "rows_per_s": rounds * k / dt})
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--max-rows", type=int, default=200_000)
+    ap.add_argument("--distinct", type=int, default=2_000_000)
+    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=2048)
+    ap.add_argument("--bag", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--ttl", type=int, default=50)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--streams", default="zipf,uniform")
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--one", nargs=2, metavar=("STREAM", "POLICY"), help=argparse.SUPPRESS)
+    ap.add_argument("--throughput-only", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.one:
+        print(json.dumps(run_one(args, *args.one)))
+        return
+    if args.throughput_only:
+        print(json.dumps(eviction_throughput(args)))
+        return
+    passthrough = [a for a in sys.argv[1:]]
+    print(f"budget {args.max_rows} rows, {args.distinct} distinct IDs, dim {args.dim}, {args.batch} x {args.bag} "
+          f"IDs per step, {args.steps} steps, {args.threads} thread(s); steady state = the last half\n")
+    print(f"{'stream':8} {'policy':14} {'step ms':>8} {'vs none':>8} {'rows':>9} {'evicted':>9} "
+          f"{'store B/row':>11} {'peak RSS B/budget row':>21}")
+    for kind in args.streams.split(","):
+        base = None
+        for policy in args.policies.split(","):
+            res = json.loads(subprocess.run([sys.executable, __file__, *passthrough, "--one", kind, policy],
+                                            check=True, capture_output=True, text=True).stdout)
+            base = res["step_ms"] if policy == "none" else base
+            ratio = f"{res['step_ms'] / base:.3f}" if base else "-"
+            print(f"{kind:8} {policy:14} {res['step_ms']:8.2f} {ratio:>8} {res['rows']:9d} {res['evicted']:9d} "
+                  f"{res['store_bytes_per_row']:11.1f} {res['peak_rss_over_start_per_budget_row']:21.1f}")
+    res = json.loads(subprocess.run([sys.executable, __file__, *passthrough, "--throughput-only"],
+                                    check=True, capture_output=True, text=True).stdout)
+    print(f"\neviction throughput: evict(max_rows // 32) rounds on a full table of {args.max_rows} rows")
+    print(f"{'policy':6} {'sink':>5} {'rows/round':>10} {'ms/round':>9} {'rows/s':>12}")
+    for r in res:
+        print(f"{r['policy']:6} {str(r['sink']):>5} {r['round_rows']:10d} {r['ms_per_round']:9.2f} {r['rows_per_s']:12.0f}")
+
+
+if __name__ == "__main__":
+    main()
