@@ -53,8 +53,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(cn_noop, Noop,
 def _medians_ms(fns: Dict[str, Callable[[], object]], repeats: int, number: int) -> Dict[str, float]:
     """Median ms per call of each function, measured interleaved (one round of `number` calls of
     each, `repeats` rounds), so that load from other processes falls on all of them alike."""
-    for fn in fns.values():
-        fn()  # warm up (compiles)
+    for fn in fns.values():  # warm up: compiles, and a first round (the first calls through a
+        for _ in range(number):  # route ran slower, whichever pooling was measured first)
+            fn()
     times: Dict[str, List[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
