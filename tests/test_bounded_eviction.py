@@ -176,6 +176,15 @@ class BoundedMachine(RuleBasedStateMachine):
     def erase(self, keys):
         assert self.store.erase(np.array(keys, dtype=np.int64)).tolist() == self.ref.erase(keys).tolist()
 
+    @precondition(lambda self: len(self.ref.rows) > 0)
+    @rule(data=st.data())
+    def clear(self, data):
+        """Rarely: clear forgets every row (not an eviction) and keeps the admission counts."""
+        if data.draw(st.integers(0, 9)) == 0:
+            self.store.clear()
+            self.ref.erased += len(self.ref.rows)
+            DictStore.clear(self.ref)
+
     @rule(n=st.integers(0, 4))
     def evict(self, n):
         assert self.store.evict(n) == self.ref.evict_lowest(min(n, len(self.ref.rows)))
@@ -330,3 +339,50 @@ def test_config_is_validated_and_saved_with_the_table(tmp_path):
     save_table(s, str(tmp_path / "t"))
     t = load_store(str(tmp_path / "t"))
     assert t.config == s.config and sorted(t.export().keys.tolist()) == [0, 1, 2, 3]
+
+
+def test_evict_verbs_need_a_policy_and_say_so():
+    s = cncore.EmbeddingStore(dim=2)
+    with pytest.raises(TypeError, match="no eviction policy"):
+        s.evict(1)
+    with pytest.raises(TypeError, match="no eviction policy"):
+        s.evict_if(lambda b: b.counts > 0)
+    with pytest.raises(TypeError, match="not TTL"):
+        cncore.EmbeddingStore(dim=2, eviction=cncore.LRU()).evict_expired()
+    with pytest.raises(TypeError, match="no admission policy"):
+        s.decay_admission()
+    t = cncore.EmbeddingStore(dim=2, eviction=cncore.LRU())
+    t.find_or_insert(np.arange(3))
+    with pytest.raises(ValueError, match="bool mask of shape"):
+        t.evict_if(lambda b: b.counts)
+    assert len(t) == 3
+
+
+def test_threads_training_on_one_bounded_table_keep_the_budget_and_lose_nothing():
+    import threading
+    s = cncore.EmbeddingStore(dim=4, max_rows=500, eviction=cncore.LFU(), optimizer=cncore.SGD(lr=0.1), headroom=7)
+    sink, admitted, errors = [], [0], []
+    s.on_evict(sink.append)
+    lock = threading.Lock()
+
+    def train(seed):
+        rng = np.random.default_rng(seed)
+        for _ in range(60):
+            keys = rng.integers(0, 5000, 64)
+            try:
+                _, ctx = s.pooled_lookup(keys, lengths=np.full(8, 8))
+                with lock:
+                    admitted[0] += ctx.n_new
+                s.apply_gradients(ctx, np.ones((8, 4), np.float32))
+            except RuntimeError as exc:  # another thread's eviction made this context stale
+                assert "erased" in str(exc)
+            except Exception as exc:  # pragma: no cover - reported below
+                errors.append(exc)
+    threads = [threading.Thread(target=train, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert len(s) <= 500 and s.evicted_count == sum(len(b.keys) for b in sink)
+    assert len(s) + s.evicted_count == admitted[0]

@@ -1,11 +1,21 @@
-"""The victim selection at sizes where it runs its radix passes (the state machine's tables are
-small enough to be decided by the final sort alone): evict(k) on tens of thousands of rows
-equals a full lexsort by (score, key), for spread scores, one shared score (ties decided by
-the keys' digits), and LFU counts near 2^32 (scores using all 64 bits)."""
+"""The victim selection at sizes where it samples or runs its radix passes (the state
+machine's tables are small enough to be decided by the final sort alone): evict(k) on tens of
+thousands of rows equals a full lexsort by (score, key), for spread scores, one shared score
+(ties decided by the keys' digits), and LFU counts near 2^32 (scores using all 64 bits); with
+the sampled threshold (4096 rows), with the radix select alone (0), and with a sample too small
+to guess well (16 rows: its misses fall back to the radix select)."""
 import numpy as np
 import pytest
 
 import cncore
+from cncore import _core
+
+
+@pytest.fixture(params=[4096, 0, 16], ids=["sampled", "radix", "tiny-sample"])
+def sample_rows(request):
+    before = _core.set_evict_sample_rows(request.param)
+    yield request.param
+    _core.set_evict_sample_rows(before)
 
 
 def expected_order(keys, counts, steps, policy):
@@ -15,7 +25,7 @@ def expected_order(keys, counts, steps, policy):
 
 @pytest.mark.parametrize("policy,spread", [("lru", "spread"), ("lru", "one_step"), ("lfu", "spread"),
                                            ("lfu", "huge_counts"), ("lru", "few_steps")])
-def test_evict_k_equals_a_full_sort(policy, spread):
+def test_evict_k_equals_a_full_sort(policy, spread, sample_rows):
     rng = np.random.default_rng(7)
     n = 40_000
     keys = rng.choice(np.concatenate([rng.integers(-2**63, 2**63 - 1, n, dtype=np.int64),
@@ -32,7 +42,7 @@ def test_evict_k_equals_a_full_sort(policy, spread):
     s.on_evict(sink.append)
     want = expected_order(keys, counts.astype(np.int64), steps.astype(np.int64), policy)
     done = 0
-    for k in (1, 4095, 4096, 4097, 9000, 0, 17):
+    for k in (1, 4095, 4096, 4097, 9000, 0, 17, 12000):
         assert s.evict(k) == k
         if k:
             assert sink[-1].keys.tolist() == want[done:done + k].tolist()
@@ -42,7 +52,7 @@ def test_evict_k_equals_a_full_sort(policy, spread):
     assert s.evict(10**9) == n - done and len(s) == 0
 
 
-def test_a_budget_keeps_the_table_and_its_memory_bounded_over_a_long_stream():
+def test_a_budget_keeps_the_table_and_its_memory_bounded_over_a_long_stream(sample_rows):
     rng = np.random.default_rng(1)
     s = cncore.EmbeddingStore(dim=4, max_rows=10_000, eviction=cncore.LRU(), optimizer=cncore.SGD(lr=0.1))
     admitted, sizes = 0, []

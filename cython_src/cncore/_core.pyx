@@ -30,6 +30,15 @@ def set_thread_setting(int n):
     cn_set_thread_setting(n)
 
 
+def set_evict_sample_rows(int64_t n):
+    """Rows the victim selection samples to guess its threshold (0: the radix select alone);
+    returns the previous value. For tests, which run both paths (cn_evict.h)."""
+    cdef int64_t before = cn_evict_sample_rows
+    global cn_evict_sample_rows
+    cn_evict_sample_rows = max(n, 0)
+    return before
+
+
 def machine_bytes():
     """Physical memory of this machine: the core refuses to allocate past it."""
     return cn_machine_bytes()

@@ -55,6 +55,9 @@ cdef extern from "cn_grad.h" nogil:
                       const weight_t *grad, int64_t ld_grad, const cn_optim *opt, int touch_meta,
                       uint32_t step, int nthreads)
 
+cdef extern from "cn_evict.h" nogil:
+    int64_t cn_evict_sample_rows
+
 cdef extern from "cn_table.h" nogil:
     enum:
         CN_OK

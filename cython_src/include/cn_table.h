@@ -282,10 +282,11 @@ static inline int cn_table_take_victims(cn_table *t, const cn_victim *victims, i
 }
 
 /* Evict the k live rows (live bit set) with the lowest (score, key) (cn_evict.h). */
-static inline int cn_table_evict_lowest(cn_table *t, int64_t k, int want_rows, cn_evicted *ev, int64_t reserve_total) {
+static inline int cn_table_evict_lowest(cn_table *t, int64_t k, int64_t n_live, int want_rows, cn_evicted *ev,
+                                        int64_t reserve_total) {
     memset(ev, 0, sizeof(*ev));
     cn_victim *victims = (cn_victim *)malloc((size_t)(k > 0 ? k : 1) * sizeof(cn_victim));
-    if (victims == NULL || cn_evict_select(&t->arena, t->bound.policy, k, victims, want_rows) != 0) {
+    if (victims == NULL || cn_evict_select(&t->arena, t->bound.policy, k, n_live, victims, want_rows) != 0) {
         free(victims);
         return CN_ENOMEM;
     }
@@ -345,7 +346,7 @@ static inline int cn_table_make_room(cn_table *t, const int64_t *keys, int64_t n
     if (pinned + n_new <= t->bound.max_rows) {
         int64_t k = size + n_new - t->bound.low_water;
         if (k > size - pinned) k = size - pinned;
-        rc = cn_table_evict_lowest(t, k, want_rows, ev, size + n_new - k);
+        rc = cn_table_evict_lowest(t, k, size - pinned, want_rows, ev, size + n_new - k);
     }
     for (int64_t i = 0; i < n; i++)
         if (slots[i] >= 0) cn_arena_set_live(&t->arena, slots[i], 1);
@@ -398,7 +399,7 @@ static inline void cn_table_pool(const cn_table *t, const int64_t *keys, const i
  * expired row. */
 static inline int cn_table_evict(cn_table *t, int64_t k, int want_rows, cn_evicted *ev) {
     if (k > t->index.size) k = t->index.size;
-    return cn_table_evict_lowest(t, k, want_rows, ev, -1);
+    return cn_table_evict_lowest(t, k, t->index.size, want_rows, ev, -1);
 }
 
 static inline int cn_table_evict_expired(cn_table *t, int want_rows, cn_evicted *ev) {
