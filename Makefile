@@ -29,7 +29,7 @@ build: setup
 	$(PIP) install --no-build-isolation -e .
 
 test: setup
-	$(PY) -m pytest -n 2 -p no:cacheprovider --doctest-modules tests --pyargs cncore cncore_torch cncore_numpy cn_dlrm
+	$(PY) -m pytest -n 2 -p no:cacheprovider --doctest-modules tests --pyargs cncore cncore_torch cncore_numpy cn_dlrm cncore_jax
 
 # Long randomised runs (thousands of hypothesis examples, growth to tens of millions of rows).
 soak: setup

@@ -23,6 +23,9 @@ def test_the_readme_has_the_blocks_we_test():
 
 @pytest.mark.parametrize("code, line", PYTHON, ids=[f"line{line}" for _, line in PYTHON])
 def test_python_block_runs(code, line, tmp_path, monkeypatch):
+    if "jax" in code:
+        pytest.importorskip("jax")
+        pytest.importorskip("optax")
     if "torchrec" in code:
         pytest.importorskip("torchrec")
     elif "torch" in code:
@@ -57,6 +60,9 @@ def test_command_line_parses(cmd, line, tmp_path, monkeypatch):
             if flag in ("--criteo-tsv", "--resume"):
                 Path(value).touch()
         _parses(build_parser(), argv[1:])
+    elif tool in ("python", ".venv/bin/python") and argv[1] == "-m":
+        import importlib.util
+        assert importlib.util.find_spec(argv[2]), argv[2]  # a module this package installs
     elif tool in ("python", ".venv/bin/python"):
         assert os.path.exists(ROOT / argv[1]), argv[1]  # a script of this repository
     else:
