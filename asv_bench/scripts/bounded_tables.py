@@ -2,10 +2,12 @@
 
 For each stream (Zipf and uniform over `--distinct` IDs) and each policy (none, LRU, LFU,
 TTL, LRU + MinCount(2)), one training run in its own process (so that its peak RSS is its
-own): `--steps` steps of a pooled lookup (`--batch` bags of `--bag` IDs) plus the fused
+own, for its memory; the step times come from one process per stream that runs every policy's
+store a step at a time in turn, so that noise from other processes falls on all alike):
+`--steps` steps of a pooled lookup (`--batch` bags of `--bag` IDs) plus the fused
 row-wise Adagrad backward on a dim `--dim` table. Reported per run, from the steady state
 (the last half of the steps, when a bounded table is full and evicts every few steps):
-the mean step time and its ratio to the unbounded table's, the rows held, the store's own
+the mean step time and its ratio to the unbounded table's (medians over --repeat runs), the rows held, the store's own
 bytes per row (index + rows + metadata + keys + sketch) and the process's peak RSS over
 its RSS before the store existed, per row of the budget. Then eviction throughput: explicit
 `evict(n)` rounds on a full table, with and without an on_evict callback (which makes the
@@ -41,6 +43,13 @@ def rss_bytes() -> int:
         return int(fh.read().split()[1]) * resource.getpagesize()
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak RSS (VmHWM: getrusage's ru_maxrss also counts the parent's RSS at
+    the fork that started it, so a run started from a large parent read as large)."""
+    with open("/proc/self/status") as fh:
+        return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmHWM:"))
+
+
 def stream(kind: str, distinct: int, n: int, rng) -> np.ndarray:
     """n IDs out of `distinct`, uniform or Zipf(1.1) by rank, ranks scattered over int64."""
     if kind == "uniform":
@@ -65,27 +74,45 @@ def make_config(args, policy: str) -> cncore.StoreConfig:
 
 
 def run_one(args, kind: str, policy: str) -> dict:
+    """One store through the whole stream, alone in its process: its memory."""
     cncore.set_num_threads(args.threads)
     rng = np.random.default_rng(0)
-    n = args.batch * args.bag
-    batches = [stream(kind, args.distinct, n, rng) for _ in range(args.steps)]
+    batches = [stream(kind, args.distinct, args.batch * args.bag, rng) for _ in range(args.steps)]
     lens = np.full(args.batch, args.bag)
     grad = np.ones((args.batch, args.dim), np.float32)
     rss0 = rss_bytes()
     store = cncore.EmbeddingStore(make_config(args, policy))
-    times = []
     for keys in batches:
-        t = time.perf_counter()
         _, ctx = store.pooled_lookup(keys, lengths=lens)
         store.apply_gradients(ctx, grad)
-        times.append(time.perf_counter() - t)
         if policy == "ttl" and store.step % 10 == 0:
             store.evict_expired()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    steady = times[len(times) // 2:]
-    return {"stream": kind, "policy": policy, "step_ms": 1e3 * float(np.mean(steady)),
-            "rows": len(store), "evicted": store.evicted_count, "store_bytes_per_row": store.nbytes / max(len(store), 1),
+    peak = peak_rss_bytes()
+    return {"rows": len(store), "evicted": store.evicted_count, "store_bytes_per_row": store.nbytes / max(len(store), 1),
             "peak_rss_over_start_per_budget_row": (peak - rss0) / args.max_rows}
+
+
+def time_interleaved(args, kind: str, policies: list) -> dict:
+    """Every policy's store through the same stream in one process, a step of each in turn, so
+    that the machine's noise (other processes on its cores) falls on all of them alike; the
+    mean step time of the steady state (the last half of the steps) per policy."""
+    cncore.set_num_threads(args.threads)
+    rng = np.random.default_rng(0)
+    lens = np.full(args.batch, args.bag)
+    grad = np.ones((args.batch, args.dim), np.float32)
+    stores = {p: cncore.EmbeddingStore(make_config(args, p)) for p in policies}
+    times = {p: [] for p in policies}
+    for step in range(args.steps):
+        keys = stream(kind, args.distinct, args.batch * args.bag, rng)
+        for p in policies[step % len(policies):] + policies[:step % len(policies)]:  # rotate who goes first
+            store = stores[p]
+            t = time.perf_counter()
+            _, ctx = store.pooled_lookup(keys, lengths=lens)
+            store.apply_gradients(ctx, grad)
+            if p == "ttl" and store.step % 10 == 0:
+                store.evict_expired()
+            times[p].append(time.perf_counter() - t)
+    return {p: 1e3 * float(np.mean(t[len(t) // 2:])) for p, t in times.items()}
 
 
 def eviction_throughput(args) -> list:
@@ -123,6 +150,7 @@ def main():
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--ttl", type=int, default=50)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeat", type=int, default=3, help="runs per cell; the median step time is shown")
     ap.add_argument("--streams", default="zipf,uniform")
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--one", nargs=2, metavar=("STREAM", "POLICY"), help=argparse.SUPPRESS)
@@ -139,15 +167,16 @@ def main():
           f"IDs per step, {args.steps} steps, {args.threads} thread(s); steady state = the last half\n")
     print(f"{'stream':8} {'policy':14} {'step ms':>8} {'vs none':>8} {'rows':>9} {'evicted':>9} "
           f"{'store B/row':>11} {'peak RSS B/budget row':>21}")
+    policies = args.policies.split(",")
     for kind in args.streams.split(","):
-        base = None
-        for policy in args.policies.split(","):
-            res = json.loads(subprocess.run([sys.executable, __file__, *passthrough, "--one", kind, policy],
+        runs = [time_interleaved(args, kind, policies) for _ in range(args.repeat)]
+        for policy in policies:
+            ms = float(np.median([r[policy] for r in runs]))
+            ratio = float(np.median([r[policy] / r["none"] for r in runs])) if "none" in policies else float("nan")
+            mem = json.loads(subprocess.run([sys.executable, __file__, *passthrough, "--one", kind, policy],
                                             check=True, capture_output=True, text=True).stdout)
-            base = res["step_ms"] if policy == "none" else base
-            ratio = f"{res['step_ms'] / base:.3f}" if base else "-"
-            print(f"{kind:8} {policy:14} {res['step_ms']:8.2f} {ratio:>8} {res['rows']:9d} {res['evicted']:9d} "
-                  f"{res['store_bytes_per_row']:11.1f} {res['peak_rss_over_start_per_budget_row']:21.1f}")
+            print(f"{kind:8} {policy:14} {ms:8.2f} {ratio:8.3f} {mem['rows']:9d} {mem['evicted']:9d} "
+                  f"{mem['store_bytes_per_row']:11.1f} {mem['peak_rss_over_start_per_budget_row']:21.1f}")
     res = json.loads(subprocess.run([sys.executable, __file__, *passthrough, "--throughput-only"],
                                     check=True, capture_output=True, text=True).stdout)
     print(f"\neviction throughput: evict(max_rows // 32) rounds on a full table of {args.max_rows} rows")
