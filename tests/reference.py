@@ -2,6 +2,8 @@
 initialiser re-derived in NumPy from its specification (not from the C code's output)."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 M64 = (1 << 64) - 1
@@ -143,3 +145,12 @@ def assert_unchanged(store, snap):
     assert now[0] == snap[0] and now[6] == snap[6]
     for a, b in zip(now[1:6], snap[1:6]):
         np.testing.assert_array_equal(a, b)
+
+
+def tree(root) -> dict:
+    """Every file (with its bytes) and directory under `root`."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(str(root)):
+        out.update({os.path.join(dirpath, d): None for d in dirnames})
+        out.update({os.path.join(dirpath, f): open(os.path.join(dirpath, f), "rb").read() for f in filenames})
+    return out

@@ -13,7 +13,7 @@ from cncore_numpy.cli import main
 from cncore_numpy.exchange import export_table, import_table
 from cncore.tablefile import config_to_dict
 from cncore_numpy.tools import diff, inspect, merge, prune_mask
-from reference import EDGE_KEYS
+from reference import EDGE_KEYS, tree
 
 OPTIMIZERS = [None, cncore.SGD(lr=0.1), cncore.Adagrad(lr=0.1), cncore.RowWiseAdagrad(lr=0.1),
               cncore.Adam(lr=0.01, betas=(0.8, 0.9))]
@@ -324,15 +324,6 @@ def test_tools_may_write_over_their_input(table_path, capsys):
     assert main(["merge", table_path, table_path, table_path, "--policy", "average", "--quiet"]) == 0
     assert sorted(open_table(table_path).keys.tolist()) == expected
     assert sorted(os.listdir(table_path)) == ["CURRENT", "v000003"]
-
-
-def tree(root) -> dict:
-    """Every file (with its bytes) and directory under `root`."""
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(str(root)):
-        out.update({os.path.join(dirpath, d): None for d in dirnames})
-        out.update({os.path.join(dirpath, f): open(os.path.join(dirpath, f), "rb").read() for f in filenames})
-    return out
 
 
 def refused(argv, capsys, message) -> str:

@@ -13,17 +13,7 @@ from cncore_jax import _ffi, _host  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 
-
-ROUTES = ["callback", pytest.param("ffi", marks=pytest.mark.skipif(not _ffi.available(),
-                                                                  reason="no C++ compiler for the FFI route"))]
-
-
-@pytest.fixture(params=ROUTES)
-def route(request):
-    """Each test that takes it runs through the ordered io_callback and through the FFI call."""
-    previous = cj.set_boundary(request.param)
-    yield request.param
-    cj.set_boundary(previous)
+from jax_routes import route  # noqa: E402,F401  (the fixture)
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import pytest
 
 import cncore
 from cncore_numpy import FORMAT_VERSION, TableFormatError, TableWriter, load_table, open_table, save_table
-from reference import EDGE_KEYS
+from reference import EDGE_KEYS, tree
 
 
 def trained_store(optimizer, initializer=cncore.Uniform(-0.1, 0.1), n=500, seed=0):
@@ -153,15 +153,6 @@ def test_a_save_killed_after_its_rename_but_before_the_commit_is_harmless(tmp_pa
     assert_same(a, load_table(path))  # CURRENT still names the old table
     save_table(b, path)
     assert_same(b, load_table(path))
-
-
-def tree(root) -> dict:
-    """Every file (with its bytes) and directory under `root`."""
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(str(root)):
-        out.update({os.path.join(dirpath, d): None for d in dirnames})
-        out.update({os.path.join(dirpath, f): open(os.path.join(dirpath, f), "rb").read() for f in filenames})
-    return out
 
 
 @pytest.mark.parametrize("target", ["project", "file", "table-with-notes"])

@@ -11,7 +11,7 @@ from cncore_numpy import load_table, open_table, save_table
 from cncore_numpy.cli import main as cn_table
 from cncore_torch.state import FIELDS
 from cncore_torch.checkpoint import checkpoint_to_tables, table_configs, table_prefixes, tables_to_checkpoint
-from reference import EDGE_KEYS
+from reference import EDGE_KEYS, tree
 
 
 def trained_model(seed=0):
@@ -116,15 +116,6 @@ def test_command_line_converts_a_saved_checkpoint(tmp_path, capsys):
     assert open_table(str(tmp_path / "tables" / "users")).config.optimizer == cncore.RowWiseAdagrad()
     assert main(["from-tables", str(tmp_path / "tables"), str(tmp_path / "back.pt")]) == 0
     assert_state_dicts_equal(torch.load(str(tmp_path / "back.pt")), table_entries(model.state_dict()))
-
-
-def tree(root) -> dict:
-    """Every file (with its bytes) and directory under `root`."""
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(str(root)):
-        out.update({os.path.join(dirpath, d): None for d in dirnames})
-        out.update({os.path.join(dirpath, f): open(os.path.join(dirpath, f), "rb").read() for f in filenames})
-    return out
 
 
 def crafted(prefix: str, dim: int = 2) -> dict:
