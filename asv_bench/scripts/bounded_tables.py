@@ -50,9 +50,13 @@ def peak_rss_bytes() -> int:
         return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmHWM:"))
 
 
-def stream(kind: str, distinct: int, n: int, rng) -> np.ndarray:
-    """n IDs out of `distinct`, uniform or Zipf(1.1) by rank, ranks scattered over int64."""
-    if kind == "uniform":
+def stream(kind: str, distinct: int, n: int, rng, max_rows: int = 0) -> np.ndarray:
+    """n IDs out of `distinct`, uniform or Zipf(1.1) by rank, ranks scattered over int64;
+    "fits": uniform over max_rows // 2 IDs, so a bounded table never evicts (what its
+    bookkeeping alone costs)."""
+    if kind == "fits":
+        ranks = rng.integers(0, max_rows // 2, n)
+    elif kind == "uniform":
         ranks = rng.integers(0, distinct, n)
     else:  # inverse CDF of a Zipf law truncated to `distinct` ranks
         s = 1.1
@@ -77,7 +81,7 @@ def run_one(args, kind: str, policy: str) -> dict:
     """One store through the whole stream, alone in its process: its memory."""
     cncore.set_num_threads(args.threads)
     rng = np.random.default_rng(0)
-    batches = [stream(kind, args.distinct, args.batch * args.bag, rng) for _ in range(args.steps)]
+    batches = [stream(kind, args.distinct, args.batch * args.bag, rng, args.max_rows) for _ in range(args.steps)]
     lens = np.full(args.batch, args.bag)
     grad = np.ones((args.batch, args.dim), np.float32)
     rss0 = rss_bytes()
@@ -103,7 +107,7 @@ def time_interleaved(args, kind: str, policies: list) -> dict:
     stores = {p: cncore.EmbeddingStore(make_config(args, p)) for p in policies}
     times = {p: [] for p in policies}
     for step in range(args.steps):
-        keys = stream(kind, args.distinct, args.batch * args.bag, rng)
+        keys = stream(kind, args.distinct, args.batch * args.bag, rng, args.max_rows)
         for p in policies[step % len(policies):] + policies[:step % len(policies)]:  # rotate who goes first
             store = stores[p]
             t = time.perf_counter()
@@ -151,7 +155,7 @@ def main():
     ap.add_argument("--ttl", type=int, default=50)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeat", type=int, default=3, help="runs per cell; the median step time is shown")
-    ap.add_argument("--streams", default="zipf,uniform")
+    ap.add_argument("--streams", default="zipf,uniform,fits")
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--one", nargs=2, metavar=("STREAM", "POLICY"), help=argparse.SUPPRESS)
     ap.add_argument("--throughput-only", action="store_true", help=argparse.SUPPRESS)

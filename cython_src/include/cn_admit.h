@@ -72,6 +72,10 @@ static inline void cn_admit_add(cn_admit *s, int64_t key, int delta) {
     }
 }
 
+static inline void cn_admit_prefetch(const cn_admit *s, int64_t key) {
+    for (int64_t i = 0; i < s->depth; i++) __builtin_prefetch(cn_admit_counter(s, i, key), 1, 3);
+}
+
 static inline uint32_t cn_admit_estimate(const cn_admit *s, int64_t key) {
     uint32_t m = UINT32_MAX;
     for (int64_t i = 0; i < s->depth; i++) {

@@ -23,8 +23,11 @@
  * each row's key (8 bytes) and a live bit. Eviction then scans the metadata in slot order, a
  * sequential stream, and knows each victim's key without the index. The alternative, walking
  * the index (16-byte buckets at load <= 0.7) and loading each live bucket's metadata, costs one
- * random miss per row per pass (see cn_evict.h for the numbers). Unbounded tables keep no keys
- * and no bits (key_offset = 0): they pay nothing for it.
+ * random miss per row per pass: measured on 1M live rows (a standalone C loop, this layout,
+ * prefetch 16 buckets ahead), one pass took 1.8-2.1 ns per row in slot order against 40-48 ns
+ * per row in index order, about 20x. The price is 8 bytes + 1 bit per row: +3.0 % on a dim-64
+ * row with row-wise Adagrad (280 bytes of row, metadata and key instead of 272). Unbounded
+ * tables keep no keys and no bits (key_offset = 0): they pay nothing for it.
  */
 #ifndef CN_ARENA_H
 #define CN_ARENA_H

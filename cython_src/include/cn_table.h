@@ -369,8 +369,11 @@ static inline int cn_table_resolve(cn_table *t, const int64_t *keys, int64_t n, 
     if (!insert) return CN_OK;
     const int gate = admit && t->admit.min_count > 0;
     if (gate) {
-        for (int64_t i = 0; i < n; i++)
+        for (int64_t i = 0; i < n; i++) { /* counters are random lines of a table of MiBs: prefetch */
+            if (i + CN_PREFETCH_DISTANCE < n && slots[i + CN_PREFETCH_DISTANCE] < 0)
+                cn_admit_prefetch(&t->admit, keys[i + CN_PREFETCH_DISTANCE]);
             if (slots[i] < 0) cn_admit_add(&t->admit, keys[i], 1);
+        }
         for (int64_t i = 0; i < n; i++)
             if (slots[i] < 0 && cn_admit_estimate(&t->admit, keys[i]) < t->admit.min_count) slots[i] = -2;
     }
