@@ -66,7 +66,7 @@ class LookupContext:
     argmax: Optional[np.ndarray]
     erase_epoch: int
     columns: slice  # this lookup's column block in the grouped output
-    n_new: int      # rows this lookup inserted
+    n_new: int      # rows this lookup inserted (a store under several features: all of them, on the first)
     training: bool  # inserted unseen keys; its backward records the rows' accesses
     step: int       # the store's step at the lookup (recorded as the rows' last step)
     _seal: object = field(default=None, init=False, repr=False, compare=False)
@@ -112,8 +112,10 @@ def grouped_pooled_lookup(stores: Sequence, keys: Sequence, offsets: Optional[Se
     All features have the same number of bags B (the batch size). Returns ``(out, ctxs)``:
     out is (B, sum of dims), feature f in columns [sum of earlier dims, + its dim);
     ctxs[f] is feature f's LookupContext. `modes` is one mode or one per feature. A store may
-    appear several times (features sharing a table). Bad input raises before any store
-    changes.
+    appear several times (features sharing a table): it is looked up once with all of its
+    features' keys, so a bounded store never evicts a row another feature of the call uses.
+    Bad input raises before any store changes. Rows a bounded store evicts reach its
+    ``on_evict`` callbacks before this returns.
     """
     from cncore.store import EmbeddingStore
 
