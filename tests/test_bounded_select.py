@@ -67,3 +67,23 @@ def test_a_budget_keeps_the_table_and_its_memory_bounded_over_a_long_stream(samp
     assert max(sizes) <= 10_000 and min(sizes[10:]) >= 10_000 - 10_000 // 32
     assert len(s) + s.evicted_count == admitted
     assert s.nbytes == nbytes  # full since step 10: slots are reused, nothing more is allocated
+
+
+def test_the_benchmark_script_measures_every_cell():
+    """asv_bench/scripts/bounded_tables.py on a tiny stream: every cell printed with numbers,
+    the bounded table at most its budget, the eviction table filled (a smoke test, so that the
+    script cannot silently stop measuring)."""
+    import os
+    import subprocess
+    import sys
+    script = os.path.join(os.path.dirname(__file__), "..", "asv_bench", "scripts", "bounded_tables.py")
+    out = subprocess.run([sys.executable, script, "--max-rows", "2000", "--distinct", "20000", "--steps", "6",
+                          "--batch", "64", "--bag", "8", "--dim", "4", "--repeat", "1", "--streams", "uniform",
+                          "--policies", "none,lru"], check=True, capture_output=True, text=True).stdout
+    cells = [line.split() for line in out.splitlines() if line.startswith("uniform")]
+    assert [c[1] for c in cells] == ["none", "lru"]
+    none, lru = ({"ms": float(c[2]), "rows": int(c[4]), "evicted": int(c[5])} for c in cells)
+    assert none["ms"] > 0 and lru["ms"] > 0 and none["evicted"] == 0
+    assert lru["rows"] <= 2000 and lru["evicted"] > 0 and none["rows"] > 2000
+    throughput = [line.split() for line in out.splitlines() if line.startswith(("LRU ", "LFU "))]
+    assert len(throughput) == 4 and all(float(t[-1]) > 0 for t in throughput)
