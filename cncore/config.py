@@ -321,7 +321,8 @@ class StoreConfig:
     the explicit ``evict`` / ``evict_expired`` verbs evict). The table then keeps each row's key
     next to its metadata (8 bytes + 1 bit per row) so eviction scans memory in order.
     admission: MinCount(c) or None: which keys a training lookup gives a row (see MinCount).
-    headroom: rows freed beyond the need by one round of eviction (default max(1, max_rows // 32)):
+    headroom: rows freed beyond the need by one round of eviction (default max(1, max_rows // 32),
+    at most max_rows - 1):
     each round scans the table a few times, so a larger headroom pays that scan over more
     inserts, at the price of a table that runs up to `headroom` rows below its budget.
     """
@@ -371,7 +372,7 @@ class StoreConfig:
             if self.eviction is None:
                 raise ValueError("max_rows needs an eviction policy: eviction=cncore.LRU(), LFU() or TTL(steps)")
             if self.headroom is None:
-                object.__setattr__(self, "headroom", max(1, self.max_rows // 32))
+                object.__setattr__(self, "headroom", min(max(1, self.max_rows // 32), self.max_rows - 1))
         if self.headroom is not None:
             if self.max_rows is None:
                 raise ValueError("headroom applies to a row budget: set max_rows too")

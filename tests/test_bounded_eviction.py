@@ -334,6 +334,10 @@ def test_config_is_validated_and_saved_with_the_table(tmp_path):
     with pytest.raises(TypeError, match="eviction must be"):
         cncore.StoreConfig(dim=2, eviction="lru")
     assert cncore.StoreConfig(dim=2, max_rows=1000, eviction=cncore.LRU()).headroom == 31
+    one = cncore.EmbeddingStore(dim=2, max_rows=1, eviction=cncore.LFU())  # headroom 0: a budget of one row
+    one.find_or_insert(np.array([3]))
+    one.find_or_insert(np.array([4]))
+    assert one.export().keys.tolist() == [4] and one.evicted_count == 1
     s = cncore.EmbeddingStore(dim=2, max_rows=5, eviction=cncore.TTL(3), headroom=1)
     s.find_or_insert(np.arange(4))
     save_table(s, str(tmp_path / "t"))
