@@ -22,7 +22,9 @@ import textwrap
 import pytest
 
 SECONDS = 2.0
-MODES = ("sum", "mean", "max", "sum+hooks")  # +hooks: no fused optimizer, gradients to a hook
+MODES = ("sum", "mean", "max", "sum+hooks", "collection")
+# +hooks: no fused optimizer, gradients to a hook; collection: CNEmbeddingBagCollection, two features of one
+# table and a table of its own, one grouped lookup and one grouped backward a step
 
 CHILD = textwrap.dedent("""
     import faulthandler, json, sys, threading, time
@@ -33,7 +35,23 @@ CHILD = textwrap.dedent("""
     torch.set_num_threads(1)
     ERASED = "keys were erased"
 
+    def collection():
+        from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
+        from cncore_torch import CNEmbeddingBagCollection
+        ebc = CNEmbeddingBagCollection([EmbeddingBagConfig(name="t", embedding_dim=8, num_embeddings=1000,
+                                                           feature_names=["f", "g"]),
+                                        EmbeddingBagConfig(name="u", embedding_dim=4, num_embeddings=1000,
+                                                           feature_names=["h"])], optimizer=cncore.Adagrad(lr=0.05))
+
+        def forward(ids, weights):  # the (64, 8) IDs as 3 keys x batch 21, bags of 8 (weights unused)
+            kjt = KeyedJaggedTensor(keys=["f", "g", "h"], values=ids[:63].reshape(-1), lengths=torch.full((63,), 8))
+            return ebc(kjt).values()
+        return ebc, ebc.stores["t"], forward
+
     def race(name, seconds):
+        if name == "collection":
+            ebc, store, forward = collection()
+            return run(name, store, forward, "sum", seconds)
         mode, hooks = name.split("+")[0], name.endswith("+hooks")
         bag = CNEmbeddingBag(1000, 8, mode=mode, optimizer=None if hooks else cncore.Adagrad(lr=0.05),
                              initializer=cncore.Normal(0, 0.1))
@@ -42,6 +60,9 @@ CHILD = textwrap.dedent("""
                 assert ids.shape[0] == grads.shape[0] == len(set(ids.tolist())), "one gradient row per distinct ID"
                 assert bool(((ids >= 0) & (ids < 1000)).all()) and bool(torch.isfinite(grads).all())
             bag.register_gradient_hook(hook)
+        return run(name, bag.store, lambda ids, weights: bag(ids, per_sample_weights=weights), mode, seconds)
+
+    def run(name, store, forward, mode, seconds):
         stop = time.monotonic() + seconds
         counts = {"applied": 0, "refused": 0, "erased": 0, "erase_calls": 0}
         failures = []
@@ -52,7 +73,7 @@ CHILD = textwrap.dedent("""
                 while time.monotonic() < stop:
                     ids = torch.from_numpy(rng.integers(0, 1000, (64, 8)))
                     weights = torch.rand(64, 8) if mode != "max" else None
-                    out = bag(ids, per_sample_weights=weights)
+                    out = forward(ids, weights)
                     try:
                         out.square().sum().backward()
                         counts["applied"] += 1
@@ -67,7 +88,7 @@ CHILD = textwrap.dedent("""
             rng = np.random.default_rng(1)
             try:
                 while time.monotonic() < stop:
-                    counts["erased"] += int(bag.store.erase(rng.integers(0, 1000, 16)).sum())
+                    counts["erased"] += int(store.erase(rng.integers(0, 1000, 16)).sum())
                     counts["erase_calls"] += 1
                     time.sleep(0.0005)  # let the trainer run between erasures
             except BaseException as exc:
@@ -78,10 +99,10 @@ CHILD = textwrap.dedent("""
             t.start()
         for t in threads:
             t.join()
-        batch = bag.store.export()
+        batch = store.export()
         keys = np.asarray(batch.keys)
-        return {"mode": name, **counts, "failures": failures, "len": len(bag.store), "exported": len(keys),
-                "distinct": len(np.unique(keys)), "all_found": bool(bag.store.contains(keys).all()),
+        return {"mode": name, **counts, "failures": failures, "len": len(store), "exported": len(keys),
+                "distinct": len(np.unique(keys)), "all_found": bool(store.contains(keys).all()),
                 "in_range": bool(((keys >= 0) & (keys < 1000)).all()),
                 "rows_finite": bool(np.isfinite(batch.rows).all()),
                 "state_finite": bool(np.isfinite(batch.optimizer_state).all())}
