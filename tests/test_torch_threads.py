@@ -1,15 +1,15 @@
-"""Training through the torch module while another thread erases keys of the same table.
+"""Training through the torch modules while another thread erases keys of the same table.
 
 One thread trains a CNEmbeddingBag with a fused optimizer on IDs 0..999 (forward, backward;
-also without one, the gradients going to a hook that checks them);
-another erases random IDs of that range through `bag.store.erase`. A backward whose lookup
-lost keys to an erase must either apply or raise the documented RuntimeError ("keys were
-erased ... since this lookup"), never crash or write into rows that now belong to other keys.
-Afterwards the table must be consistent: unique keys, len equal to their number, every key
-found, every row and optimizer state finite.
+sum, weighted mean, max; also with no optimizer, the gradients going to a hook that checks
+them; and a CNEmbeddingBagCollection, grouped lookup and backward); another erases random IDs
+of that range through `store.erase`. A backward whose lookup lost keys to an erase must
+either apply or raise the documented RuntimeError ("keys were erased ... since this lookup"),
+never crash or raise anything else. Afterwards the table must be consistent: unique keys,
+len equal to their number, every key found, every row and optimizer state finite.
 
-The race runs in a child process (a few seconds per mode), so that a crash fails the test
-instead of killing the run; the child prints one JSON line per mode.
+The race runs in a child process (2 s per mode), so that a crash fails the test instead of
+killing the run; the child prints one JSON line per mode.
 """
 from __future__ import annotations
 
