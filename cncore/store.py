@@ -48,6 +48,7 @@ alone. Every call is atomic with respect to the others; a sequence of calls is n
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
@@ -58,6 +59,8 @@ from cncore._interchange import as_float_rows, as_floats, as_keys, to_numpy
 from cncore.config import TTL, StoreConfig
 
 __all__ = ["EmbeddingStore", "TableBatch", "initial_rows"]
+
+_STORE_IDS = itertools.count()
 
 
 def initial_rows(config: StoreConfig, keys) -> np.ndarray:
@@ -156,6 +159,9 @@ class EmbeddingStore:
             ev.kind if ev is not None else 0, max_rows, max_rows - (config.headroom or 0), ttl,
             *((adm.count, adm.width, adm.depth, adm.unadmitted == "initial") if (adm := config.admission) else ()))
         self._evict_callbacks = []
+        # For incremental saves (cncore.tablefile): which store a checkpoint is of, and how many
+        # calls wrote rows without recording a step (a delta cannot see those rows).
+        self._uid, self._writes = next(_STORE_IDS), 0
 
     # --- sizes ---------------------------------------------------------------------------
 
@@ -250,6 +256,7 @@ class EmbeddingStore:
         counts = _u32(counts, "counts", n)
         last_steps = _u32(last_steps, "last_steps", n)
         found = np.zeros(n, dtype=np.uint8)
+        self._writes += 1
         self._table.upsert(keys, rows, optimizer_state, counts, last_steps, found, insert)
         return found.view(bool)
 

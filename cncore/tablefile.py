@@ -27,12 +27,25 @@ do not disturb it.
 
 Format version 2 added manifest.sha256; version 1 tables (without it) still open.
 
+Incremental saves (a chain: one full base, then deltas). ``save_table(store, path,
+since=checkpoint)`` writes a delta version: the rows trained (last step >= the checkpoint's
+step) or inserted since the checkpoint (count and last step 0: never trained), plus
+``removed_keys.npy``, the keys of the chain that the store no longer holds (erased or
+evicted), found by comparing key sets, so no erase log is kept. Its manifest has a "delta"
+field naming its parent version; the commit keeps the chain's versions and removes the rest.
+A crash mid-delta leaves CURRENT on the previous head, so the chain opens as the last complete
+state. ``load_store`` reads a chain as one table; ``open_table`` (memory maps of one version)
+refuses a chain's head and ``compact_table`` rewrites the chain as one full base. A save falls
+back to a full one when it cannot prove a delta complete: the checkpoint is of another store
+or path, the table was saved since, rows were written by assign / insert_or_assign / load
+(those do not record a step), the step went back, or the chain holds MAX_CHAIN deltas.
+
 >>> import numpy as np, tempfile, os, cncore
 >>> from cncore.tablefile import save_table, load_store, open_table
 >>> store = cncore.EmbeddingStore(dim=2, optimizer=cncore.RowWiseAdagrad())
 >>> _ = store.find_or_insert(np.array([-1, 2**63 - 1]))
 >>> path = os.path.join(tempfile.mkdtemp(), "users.cnt")
->>> save_table(store, path)
+>>> checkpoint = save_table(store, path)
 >>> table = open_table(path)                 # memory-mapped, checked
 >>> sorted(table.keys.tolist()), table.rows.shape
 ([-1, 9223372036854775807], (2, 2))
@@ -57,7 +70,7 @@ import numpy as np
 import cncore
 
 __all__ = ["save_table", "open_table", "load_store", "TableFile", "TableWriter", "TableFormatError",
-           "FORMAT_VERSION", "config_to_dict", "config_from_dict", "infer_config"]
+           "FORMAT_VERSION", "config_to_dict", "config_from_dict", "infer_config", "Checkpoint", "compact_table"]
 
 FORMAT = "cn-table"
 FORMAT_VERSION = 2  # 2: manifest.sha256 added; 1 is still read
@@ -70,6 +83,8 @@ _U32_MAX = 2**32 - 1
 _VERSION = re.compile(r"v[0-9]{6,}")
 _SAVE_MADE = re.compile(r"CURRENT|v[0-9]{6,}|\.v[0-9]{6,}\.tmp-[0-9]+|\.CURRENT\.tmp-[0-9]+")
 _MANIFEST_KEYS = ("format", "version", "rows", "step", "config", "arrays")
+_DELTA_KEYS = ("parent", "removed")  # a delta version's manifest also has "delta": {these}
+MAX_CHAIN = 16  # deltas after a base before a save writes a new base
 _ENTRY_KEYS = ("file", "dtype", "shape", "bytes", "sha256")
 _INITIALIZERS = {c.__name__: c for c in (cncore.Uniform, cncore.Normal, cncore.TruncatedNormal, cncore.Constant)}
 _OPTIMIZERS = {c.__name__: c for c in (cncore.SGD, cncore.Adagrad, cncore.RowWiseAdagrad, cncore.Adam)}
@@ -277,7 +292,10 @@ class TableWriter:
     ([0, 0, 5], 7)
     """
 
-    def __init__(self, path: str, config: cncore.StoreConfig, n_rows: int, step: int = 0):
+    def __init__(self, path: str, config: cncore.StoreConfig, n_rows: int, step: int = 0, *,
+                 parent: Optional[str] = None, removed_keys=None, keep: Tuple[str, ...] = ()):
+        """parent, removed_keys, keep: a delta version (see the module docstring): the version
+        it extends, the keys it removes, and the chain's versions its commit must keep."""
         if not isinstance(config, cncore.StoreConfig):
             raise TypeError(f"config must be a cncore.StoreConfig, got {type(config).__name__}")
         if not _is_int(int(n_rows) if isinstance(n_rows, np.integer) else n_rows):
@@ -285,6 +303,9 @@ class TableWriter:
         if not _is_int(int(step) if isinstance(step, np.integer) else step):
             raise ValueError(f"step must be an int in [0, 2**63), got {step!r}")
         self.path, self.config, self.n_rows, self.step = path, config, int(n_rows), int(step)
+        self.parent, self.keep = parent, tuple(keep) + ((parent,) if parent else ())
+        self.removed_keys = None if parent is None else as_column("keys", np.asarray(
+            removed_keys if removed_keys is not None else [], dtype=np.int64).reshape(-1))
         _check_table_path(path)
         # The first directory this writer creates (if any): abort removes what it made, empty.
         self._created = None
@@ -354,6 +375,16 @@ class TableWriter:
             raise ValueError(f"{self.rows_written} rows written, {self.n_rows} announced")
         manifest = {"format": FORMAT, "version": FORMAT_VERSION, "rows": self.n_rows, "step": self.step,
                     "config": config_to_dict(self.config), "arrays": {}}
+        if self.parent is not None:
+            removed = np.ascontiguousarray(self.removed_keys)
+            data = npy_header(np.int64, removed.shape) + removed.tobytes()
+            with open(os.path.join(self._tmp, "removed_keys.npy"), "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            manifest["delta"] = {"parent": self.parent, "removed": {
+                "file": "removed_keys.npy", "dtype": np.dtype(np.int64).str, "shape": [len(removed)],
+                "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}}
         for name, fh in self._files.items():
             fh.flush()
             os.fsync(fh.fileno())
@@ -383,7 +414,7 @@ class TableWriter:
         # was checked to hold nothing else). Readers that opened an older version hold its
         # files open, so removing it does not disturb them.
         for entry in os.listdir(path):
-            if entry not in ("CURRENT", version) and _SAVE_MADE.fullmatch(entry):
+            if entry not in ("CURRENT", version) + self.keep and _SAVE_MADE.fullmatch(entry):
                 full = os.path.join(path, entry)
                 shutil.rmtree(full, ignore_errors=True) if os.path.isdir(full) else os.remove(full)
 
@@ -414,10 +445,59 @@ class TableWriter:
             self.abort()
 
 
-def save_table(store: cncore.EmbeddingStore, path: str, batch_rows: int = 1 << 18) -> None:
+@dataclass(frozen=True)
+class Checkpoint:
+    """What `save_table` returns: pass it as `since` to make the next save of the same store to
+    the same path a delta. delta: whether this save was one; chain: deltas since the base."""
+    path: str
+    version: str
+    step: int
+    delta: bool
+    chain: int
+    _store: tuple = field(default=(), repr=False)  # (the store's id token, its count of row writes)
+
+
+def _delta_blocker(store, path: str, since) -> Optional[str]:
+    """Why a delta from `since` could miss a change (None: it cannot)."""
+    if not isinstance(since, Checkpoint):
+        raise TypeError(f"since must be the Checkpoint a previous save_table returned, got {type(since).__name__}")
+    if os.path.abspath(since.path) != os.path.abspath(path):
+        return "the checkpoint is of another path"
+    if since._store != (store._uid, store._writes):
+        return "the checkpoint is of another store, or rows were written by assign / insert_or_assign / load"
+    if store.step < since.step:
+        return "the step went back"
+    if since.chain >= MAX_CHAIN:
+        return f"the chain holds {MAX_CHAIN} deltas"
+    if _read_current(path, missing_ok=True, must_parse=False) != since.version:
+        return "the table was saved since the checkpoint"
+    return None
+
+
+def save_table(store: cncore.EmbeddingStore, path: str, batch_rows: int = 1 << 18, *, since=None) -> Checkpoint:
     """Write `store` (rows, optimizer state, metadata, config, step) to the table directory
     `path`, atomically. Rows are streamed in batches of `batch_rows`, so memory stays bounded.
-    `path` must be new, an empty directory or an existing table (see `TableWriter`)."""
+    `path` must be new, an empty directory or an existing table (see `TableWriter`).
+
+    With `since` (the Checkpoint of a previous save of this store to this path), a delta:
+    only the rows trained or inserted since, and the keys removed since (see the module
+    docstring, which also says when a save falls back to a full one; the Checkpoint's
+    `delta` tells). Memory: 8 bytes per row of the store and of the chain for the key sets.
+
+    >>> import numpy as np, tempfile, os
+    >>> s = cncore.EmbeddingStore(dim=2, optimizer=cncore.SGD())
+    >>> def train(keys):
+    ...     _, ctx = s.pooled_lookup(keys, lengths=np.array([len(keys)]))
+    ...     s.apply_gradients(ctx, np.ones((1, 2), np.float32))
+    >>> train(np.arange(100))
+    >>> path = os.path.join(tempfile.mkdtemp(), "t.cnt"); base = save_table(s, path)
+    >>> train(np.array([5, 7])); _ = s.erase(np.array([9]))
+    >>> d = save_table(s, path, since=base); d.delta, open_table_rows(path, d.version), len(load_store(path))
+    (True, 2, 99)
+    """
+    blocker = None if since is None else _delta_blocker(store, path, since)
+    if since is not None and blocker is None:
+        return _save_delta(store, path, batch_rows, since)
     with TableWriter(path, store.config, len(store), store.step) as writer:
         for batch in store.iter_export(batch_rows):
             if writer.rows_written + len(batch.keys) > writer.n_rows:
@@ -426,28 +506,87 @@ def save_table(store: cncore.EmbeddingStore, path: str, batch_rows: int = 1 << 1
         if writer.rows_written != writer.n_rows:
             raise RuntimeError(f"the store changed during the save ({writer.rows_written} rows exported, "
                                f"{writer.n_rows} expected)")
+    return Checkpoint(path, writer.version, store.step, False, 0, (store._uid, store._writes))
+
+
+def open_table_rows(path: str, version: str) -> int:
+    """Rows held by one version's own arrays (a delta's: the rows it writes)."""
+    with open(os.path.join(path, version, "manifest.json"), "rb") as fh:
+        return json.loads(fh.read())["rows"]
+
+
+def _save_delta(store, path: str, batch_rows: int, since: Checkpoint) -> Checkpoint:
+    chain = _open_chain(path, verify=False)
+    if chain[-1].version != since.version:
+        raise RuntimeError("the table was saved while this delta was being prepared; nothing was written")
+    held = _chain_keys(chain)
+    # Pass 1: which rows changed (trained since the checkpoint, never trained, or new to the
+    # chain), and every key the store holds (for the removed ones).
+    changed, present = [], []
+    for batch in store.iter_export(batch_rows):
+        at = np.searchsorted(held, batch.keys).clip(max=max(len(held) - 1, 0))
+        new = (held[at] != batch.keys) if len(held) else np.ones(len(batch.keys), bool)
+        pick = (batch.last_steps >= since.step) | ((batch.counts == 0) & (batch.last_steps == 0)) | new
+        changed.append(batch.keys[pick])
+        present.append(batch.keys)
+    changed = np.concatenate(changed) if changed else np.empty(0, np.int64)
+    present = np.sort(np.concatenate(present)) if present else np.empty(0, np.int64)
+    removed = np.setdiff1d(held, present, assume_unique=True)
+    versions = tuple(link.version for link in chain)
+    # Pass 2: the chosen rows, read by key (a row trained between the passes is written as it
+    # is now; a key erased between them stops the save).
+    with TableWriter(path, store.config, len(changed), store.step, parent=since.version, removed_keys=removed,
+                     keep=versions) as writer:
+        for start in range(0, len(changed), batch_rows):
+            b = store.read(changed[start:start + batch_rows])
+            if not b.found.all():
+                raise RuntimeError("the store lost keys during the save; nothing was written")
+            writer.write(b.keys, b.rows, b.optimizer_state, b.counts, b.last_steps)
+    return Checkpoint(path, writer.version, store.step, True, since.chain + 1, (store._uid, store._writes))
+
+
+def _chain_keys(chain) -> np.ndarray:
+    """The sorted keys the chain's last state holds."""
+    held = np.empty(0, np.int64)
+    for link in chain:
+        if link.delta is not None:
+            held = np.setdiff1d(held, np.asarray(link.delta["removed"]), assume_unique=True)
+        keys = link.read("keys", 0, len(link))
+        held = np.union1d(held, keys)
+    return held
 
 
 def load_store(path: str, verify: bool = True, batch_rows: int = 1 << 18, kind=None) -> cncore.EmbeddingStore:
     """A store (of class `kind`, an EmbeddingStore subclass; EmbeddingStore by default) holding
     everything in the table directory, read in batches: keys, rows, optimizer state, counts,
-    last steps and the step, exactly.
+    last steps and the step, exactly. A chain (base + deltas) is read as one table.
 
     >>> import numpy as np, tempfile, os
     >>> s = cncore.EmbeddingStore(dim=3, optimizer=cncore.Adam()); _ = s.find_or_insert(np.array([-2**63, 7]))
-    >>> path = os.path.join(tempfile.mkdtemp(), "t.cnt"); save_table(s, path)
+    >>> path = os.path.join(tempfile.mkdtemp(), "t.cnt"); _ = save_table(s, path)
     >>> back = load_store(path)
     >>> sorted(back.export().keys.tolist()), back.config == s.config
     ([-9223372036854775808, 7], True)
     """
-    table = open_table(path, verify)
-    store = (kind or cncore.EmbeddingStore)(table.config)
-    store.reserve(len(table))
-    sf = table.config.state_floats
-    for _, b in table.batches(batch_rows):
-        store.load(b["keys"], b["rows"], b["optimizer_state"] if sf else None, b["counts"], b["last_steps"])
-    store.step = table.step
+    chain = _open_chain(path, verify)
+    head = chain[-1]
+    store = (kind or cncore.EmbeddingStore)(head.config)
+    store.reserve(len(chain[0]))
+    sf = head.config.state_floats
+    for link in chain:
+        if link.delta is not None:
+            store.erase(np.asarray(link.delta["removed"]))
+        for _, b in link.batches(batch_rows):
+            store.load(b["keys"], b["rows"], b["optimizer_state"] if sf else None, b["counts"], b["last_steps"])
+    store.step = head.step
     return store
+
+
+def compact_table(path: str, verify: bool = True) -> Checkpoint:
+    """Rewrite a chain (base + deltas) as one full base, atomically (the chain's versions are
+    removed after the commit). Holds the table in memory while it writes."""
+    store = load_store(path, verify)
+    return save_table(store, path)
 
 
 def _read_current(path: str, missing_ok: bool = False, must_parse: bool = True) -> Optional[str]:
@@ -500,6 +639,9 @@ class TableFile:
     counts: np.ndarray
     last_steps: np.ndarray
     _files: Dict[str, io.FileIO] = field(default_factory=dict, repr=False, compare=False)
+    version: str = field(default="", repr=False, compare=False)
+    # a delta version: {"parent": version, "removed": keys it removes (memmap)}; None for a base
+    delta: Optional[dict] = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         weakref.finalize(self, _close_all, self._files)
@@ -602,7 +744,19 @@ def _check_manifest(m, where: str) -> Tuple[int, int, cncore.StoreConfig]:
         raise _error(where, f"not a {FORMAT} table (format {_show(m.get('format'))})")
     if isinstance(m, dict) and _is_int(m.get("version"), FORMAT_VERSION + 1, 2**63):
         raise _error(where, f"format version {m['version']} is newer than this reader ({FORMAT_VERSION})")
-    _fields_exactly(m, _MANIFEST_KEYS, where, "the manifest")
+    _fields_exactly(m, _MANIFEST_KEYS + (("delta",) if isinstance(m, dict) and "delta" in m else ()), where,
+                    "the manifest")
+    if "delta" in m:
+        _fields_exactly(m["delta"], _DELTA_KEYS, where, "delta")
+        if not (isinstance(m["delta"]["parent"], str) and _VERSION.fullmatch(m["delta"]["parent"])):
+            raise _error(where, f"delta.parent must be a version like 'v000001', got {_show(m['delta']['parent'])}")
+        entry = m["delta"]["removed"]
+        _fields_exactly(entry, _ENTRY_KEYS, where, "delta.removed")
+        if entry["file"] != "removed_keys.npy" or entry["dtype"] != np.dtype(np.int64).str or not (
+                isinstance(entry["shape"], list) and len(entry["shape"]) == 1 and _is_int(entry["shape"][0])) \
+                or not _is_int(entry["bytes"]) or not (isinstance(entry["sha256"], str)
+                                                       and re.fullmatch(r"[0-9a-f]{64}", entry["sha256"])):
+            raise _error(where, f"delta.removed must describe removed_keys.npy (int64, 1-D), got {_show(entry)}")
     if not _is_int(m["version"], 1, FORMAT_VERSION + 1):
         raise _error(where, f"version must be an int in [1, {FORMAT_VERSION}], got {_show(m['version'])}")
     for name in ("rows", "step"):
@@ -703,7 +857,13 @@ def _open_version(path: str, version: str, verify: bool) -> TableFile:
         for name in ARRAYS:
             files[name], arrays[name] = _open_array(os.path.join(directory, f"{name}.npy"), manifest["arrays"][name],
                                                     f"{path}: {version}/{name}.npy", verify)
-        table = TableFile(path, config, step, **arrays, _files=files)
+        delta = None
+        if "delta" in manifest:
+            files["removed_keys"], removed = _open_array(os.path.join(directory, "removed_keys.npy"),
+                                                         manifest["delta"]["removed"],
+                                                         f"{path}: {version}/removed_keys.npy", verify)
+            delta = {"parent": manifest["delta"]["parent"], "removed": removed}
+        table = TableFile(path, config, step, **arrays, _files=files, version=version, delta=delta)
     except BaseException:
         _close_all(files)
         raise
@@ -717,19 +877,50 @@ def _open_version(path: str, version: str, verify: bool) -> TableFile:
     return table
 
 
+def _open_chain(path: str, verify: bool = True) -> list:
+    """The versions of the live chain, base first (one version for a table saved in full). A
+    save may replace the table while it is being opened: the open then starts over."""
+    for attempt in range(100):
+        head = _read_current(path)
+        try:
+            chain = [_open_version(path, head, verify)]
+            while chain[0].delta is not None:
+                parent = chain[0].delta["parent"]
+                if int(parent[1:]) >= int(chain[0].version[1:]) or len(chain) > MAX_CHAIN + 1:
+                    raise TableFormatError(f"{path}: {chain[0].version}/manifest.json names parent {parent}, "
+                                           "not an earlier version of a chain")
+                chain.insert(0, _open_version(path, parent, verify))
+            for link in chain[1:]:
+                if link.config != chain[0].config:
+                    raise TableFormatError(f"{path}: {link.version} has another config than its base "
+                                           f"{chain[0].version}")
+            return chain
+        except TableFormatError:
+            if attempt == 99 or _read_current(path, missing_ok=True, must_parse=False) == head:
+                raise
+    raise AssertionError("unreachable")
+
+
 def open_table(path: str, verify: bool = True) -> TableFile:
     """Open a table directory read-only, every field checked (see the module docstring);
     with `verify`, every array's SHA-256 and the keys' uniqueness too.
 
     A save may replace the table while it is being opened: the open then starts over on the
-    new version, so it sees one complete version, never a mix.
+    new version, so it sees one complete version, never a mix. A chain (base + deltas) has no
+    single version to map: it is refused; `load_store` reads it, `compact_table` merges it.
     """
     for attempt in range(100):
         version = _read_current(path)
         try:
-            return _open_version(path, version, verify)
+            table = _open_version(path, version, verify)
         except TableFormatError:
             # A concurrent save removed this version as we read it: open the new one.
             if attempt == 99 or _read_current(path, missing_ok=True, must_parse=False) == version:
                 raise
+            continue
+        if table.delta is not None:
+            raise TableFormatError(f"{path}: {version} is a delta (incremental save) over {table.delta['parent']}; "
+                                   "load_store() reads the chain as one table, compact_table() merges it into one "
+                                   "version that open_table maps")
+        return table
     raise AssertionError("unreachable")
