@@ -312,8 +312,11 @@ class EmbeddingStore:
 
     # --- export ------------------------------------------------------------------------------
 
-    def export(self, cursor: Optional[tuple] = None, max_rows: Optional[int] = None) -> TableBatch:
-        """Every row (in index order), or up to `max_rows` from `cursor` on.
+    def export(self, cursor: Optional[tuple] = None, max_rows: Optional[int] = None, *,
+               with_rows: bool = True) -> TableBatch:
+        """Every row (in index order), or up to `max_rows` from `cursor` on. With
+        ``with_rows=False``, keys and metadata only (rows and optimizer_state are (N, 0)): a
+        scan that does not copy the rows.
 
         Continue with ``export(batch.next_cursor, max_rows)`` until ``next_cursor`` is None.
         A store that gains or loses keys during a cursor walk raises RuntimeError at the
@@ -335,20 +338,22 @@ class EmbeddingStore:
                 raise TypeError("cursor must be the next_cursor of a previous export (a tuple of two ints)")
             position = _count(cursor[0], "cursor position", 0, 2**63)
             version = _count(cursor[1], "cursor version", 0, 2**64)
-        nxt, keys, rows, state, counts, steps = self._table.export(position, max_rows, version)
+        from cncore.grouped import as_flag
+        nxt, keys, rows, state, counts, steps = self._table.export(position, max_rows, version,
+                                                                   as_flag(with_rows, "with_rows"))
         done = nxt >= self._table.n_buckets
         return TableBatch(keys, rows, state, counts, steps, np.ones(len(keys), dtype=bool),
                           None if done else (nxt, version))
 
-    def iter_export(self, batch_size: int = 65536) -> Iterator[TableBatch]:
+    def iter_export(self, batch_size: int = 65536, *, with_rows: bool = True) -> Iterator[TableBatch]:
         """Export in batches of at most `batch_size` rows (checked now, not at the first batch)."""
         batch_size = _count(batch_size, "batch_size", 1, 2**63)
 
         def batches():
-            batch = self.export(None, batch_size)
+            batch = self.export(None, batch_size, with_rows=with_rows)
             yield batch
             while batch.next_cursor is not None:
-                batch = self.export(batch.next_cursor, batch_size)
+                batch = self.export(batch.next_cursor, batch_size, with_rows=with_rows)
                 yield batch
         return batches()
 

@@ -523,7 +523,7 @@ def _save_delta(store, path: str, batch_rows: int, since: Checkpoint) -> Checkpo
     # Pass 1: which rows changed (trained since the checkpoint, never trained, or new to the
     # chain), and every key the store holds (for the removed ones).
     changed, present = [], []
-    for batch in store.iter_export(batch_rows):
+    for batch in store.iter_export(batch_rows, with_rows=False):
         at = np.searchsorted(held, batch.keys).clip(max=max(len(held) - 1, 0))
         new = (held[at] != batch.keys) if len(held) else np.ones(len(batch.keys), bool)
         pick = (batch.last_steps >= since.step) | ((batch.counts == 0) & (batch.last_steps == 0)) | new
@@ -546,13 +546,17 @@ def _save_delta(store, path: str, batch_rows: int, since: Checkpoint) -> Checkpo
 
 
 def _chain_keys(chain) -> np.ndarray:
-    """The sorted keys the chain's last state holds."""
+    """The sorted keys the chain's last state holds. (A sort and a neighbour compare: NumPy's
+    union1d went through its hashing unique, 0.25 s for 400k keys against 0.03 s.)"""
     held = np.empty(0, np.int64)
     for link in chain:
         if link.delta is not None:
             held = np.setdiff1d(held, np.asarray(link.delta["removed"]), assume_unique=True)
-        keys = link.read("keys", 0, len(link))
-        held = np.union1d(held, keys)
+        merged = np.concatenate([held, link.read("keys", 0, len(link))])
+        merged.sort()
+        keep = np.ones(len(merged), bool)
+        keep[1:] = merged[1:] != merged[:-1]
+        held = merged[keep]
     return held
 
 

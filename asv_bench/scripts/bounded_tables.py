@@ -11,7 +11,8 @@ the mean step time and its ratio to the unbounded table's (medians over --repeat
 bytes per row (index + rows + metadata + keys + sketch) and the process's peak RSS over
 its RSS before the store existed, per row of the budget. Then eviction throughput: explicit
 `evict(n)` rounds on a full table, with and without an on_evict callback (which makes the
-core copy the rows out).
+core copy the rows out). Then an incremental save: bytes and time of a delta after 1 % of
+the rows were trained, against a full save.
 
     python asv_bench/scripts/bounded_tables.py                      # 200k budget, 2M IDs
     python asv_bench/scripts/bounded_tables.py --max-rows 1000000 --distinct 10000000
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -144,6 +146,49 @@ def eviction_throughput(args) -> list:
     return out
 
 
+def checkpoint_sizes(args) -> dict:
+    """A table of --checkpoint-gib GiB (dim 128, row-wise Adagrad, every row trained once), a full
+    save, 1 % of the rows trained again, then a delta save and a full save: bytes and seconds."""
+    import shutil
+    import tempfile
+    from cncore.tablefile import save_table
+    cncore.set_num_threads(args.threads)
+    dim = 128
+    n = int(args.checkpoint_gib * 2**30 / (4 * dim + 4 + 8 + 8))
+    store = cncore.EmbeddingStore(dim=dim, optimizer=cncore.RowWiseAdagrad(), capacity=n)
+    grad_rows = 4096
+    for start in range(0, n, grad_rows * 4):
+        keys = np.arange(start, min(start + grad_rows * 4, n), dtype=np.int64)
+        lens = np.full(grad_rows, 4)[: (len(keys) + 3) // 4]
+        lens[-1] = len(keys) - 4 * (len(lens) - 1)
+        _, ctx = store.pooled_lookup(keys, lengths=lens)
+        store.apply_gradients(ctx, np.ones((len(lens), dim), np.float32))
+    root = tempfile.mkdtemp(dir=args.dir)
+    path = os.path.join(root, "t.cnt")
+
+    def size(version):
+        d = os.path.join(path, version)
+        return sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d))
+    try:
+        t = time.perf_counter()
+        base = save_table(store, path)
+        full_s, full_b = time.perf_counter() - t, size(base.version)
+        rng = np.random.default_rng(2)
+        changed = rng.choice(n, n // 100, replace=False)
+        _, ctx = store.pooled_lookup(changed, lengths=np.ones(len(changed), np.int64))
+        store.apply_gradients(ctx, np.ones((len(changed), dim), np.float32))
+        t = time.perf_counter()
+        delta = save_table(store, path, since=base)
+        delta_s, delta_b = time.perf_counter() - t, size(delta.version)
+        assert delta.delta
+        t = time.perf_counter()
+        again = save_table(store, path)
+        full2_s = time.perf_counter() - t
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return {"rows": n, "full_bytes": full_b, "full_s": min(full_s, full2_s), "delta_bytes": delta_b, "delta_s": delta_s}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--max-rows", type=int, default=200_000)
@@ -159,6 +204,8 @@ def main():
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--one", nargs=2, metavar=("STREAM", "POLICY"), help=argparse.SUPPRESS)
     ap.add_argument("--throughput-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--checkpoint-gib", type=float, default=0.5, help="table size for the incremental save (0: skip)")
+    ap.add_argument("--dir", default=None, help="where the checkpoint table is written (default: the temp dir)")
     args = ap.parse_args()
     if args.one:
         print(json.dumps(run_one(args, *args.one)))
@@ -187,6 +234,12 @@ def main():
     print(f"{'policy':6} {'sink':>5} {'rows/round':>10} {'ms/round':>9} {'rows/s':>12}")
     for r in res:
         print(f"{r['policy']:6} {str(r['sink']):>5} {r['round_rows']:10d} {r['ms_per_round']:9.2f} {r['rows_per_s']:12.0f}")
+    if args.checkpoint_gib > 0:
+        c = checkpoint_sizes(args)
+        print(f"\nincremental save: {c['rows']} rows of dim 128 (row-wise Adagrad), 1 % of them trained since the base")
+        print(f"{'save':6} {'MiB written':>12} {'seconds':>8}")
+        print(f"{'full':6} {c['full_bytes'] / 2**20:12.1f} {c['full_s']:8.2f}")
+        print(f"{'delta':6} {c['delta_bytes'] / 2**20:12.1f} {c['delta_s']:8.2f}")
 
 
 if __name__ == "__main__":

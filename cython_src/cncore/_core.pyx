@@ -381,17 +381,18 @@ cdef class Table:
             for i in range(n):
                 found[i] = slots[i] >= 0
 
-    def export(self, int64_t cursor, int64_t max_rows, uint64_t expected_version):
+    def export(self, int64_t cursor, int64_t max_rows, uint64_t expected_version, bint with_rows=True):
         """Up to max_rows entries from bucket `cursor` on: (next_cursor, keys, rows, state,
         counts, last_steps). Raises RuntimeError if the table changed since the cursor began,
-        ValueError for a position outside the index (checked under the lock, with the version)."""
+        ValueError for a position outside the index (checked under the lock, with the version).
+        Without with_rows, rows and state are (n, 0): keys and metadata only, for scans."""
         cdef int64_t n_out = 0, next_cursor = 0, n_buckets = 0
         cdef bint out_of_range = False
         cdef int64_t cap = max(0, min(max_rows, self.t.index.size))
         keys_arr = np.empty(cap, dtype=np.int64)
         slots_arr = np.empty(cap, dtype=np.int64)
-        rows_arr = np.empty((cap, self.t.dim), dtype=np.float32)
-        state_arr = np.empty((cap, self.t.state_floats), dtype=np.float32)
+        rows_arr = np.empty((cap, self.t.dim if with_rows else 0), dtype=np.float32)
+        state_arr = np.empty((cap, self.t.state_floats if with_rows else 0), dtype=np.float32)
         counts_arr = np.empty(cap, dtype=np.uint32)
         steps_arr = np.empty(cap, dtype=np.uint32)
         cdef key_t[::1] kv = keys_arr
@@ -411,8 +412,8 @@ cdef class Table:
             else:
                 next_cursor = cn_table_scan(&self.t, cursor, cap, &kv[0] if cap else NULL,
                                             &sv[0] if cap else NULL, &n_out)
-                cn_table_gather(&self.t, &sv[0] if cap else NULL, n_out, rows_p,
-                                state_p if self.t.state_floats else NULL, counts_p, steps_p)
+                cn_table_gather(&self.t, &sv[0] if cap else NULL, n_out, rows_p if with_rows else NULL,
+                                state_p if self.t.state_floats and with_rows else NULL, counts_p, steps_p)
             _unlock(self)
         if stale:
             raise RuntimeError("the store changed (keys inserted or erased) since this export began; "
