@@ -164,3 +164,14 @@ def test_a_kill_during_delta_saves_leaves_the_last_complete_chain(tmp_path):
         match = [st for st in states if st["step"] == loaded.step]
         assert match and match[0]["rows"] == len(loaded)
         assert digest == pytest.approx(match[0]["digest"], rel=1e-9)
+
+
+def test_export_without_rows_gives_keys_and_metadata_only():
+    s = bounded()
+    train(s, np.arange(40))
+    full, meta = s.export(), s.export(with_rows=False)
+    assert meta.rows.shape == (40, 0) and meta.optimizer_state.shape == (40, 0)
+    assert meta.keys.tolist() == full.keys.tolist() and meta.counts.tolist() == full.counts.tolist()
+    assert meta.last_steps.tolist() == full.last_steps.tolist()
+    with pytest.raises(TypeError, match="with_rows must be True or False"):
+        s.export(with_rows="no")
