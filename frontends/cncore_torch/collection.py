@@ -35,6 +35,7 @@ from torchrec.modules.embedding_modules import (EmbeddingBagCollectionInterface,
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
 import cncore
+from cncore_torch import _ops
 from cncore_torch.modules import check_flag, store_config
 from cncore_torch.optim import keyed_fused_optimizer
 from cncore_torch.state import load_tables, save_store
@@ -69,8 +70,25 @@ def initializer_from_config(config: EmbeddingBagConfig):
 def make_stores(tables, config_type, optimizer, initializers, capacities, seed: int, device,
                 what: str) -> Dict[str, cncore.EmbeddingStore]:
     """One store per TorchRec table config (checked: type, unique names, known overrides)."""
-    if device is not None and torch.device(device).type != "cpu":
-        raise ValueError(f"device={device!r}: {what} runs on 'cpu' for now")
+    return {name: cncore.EmbeddingStore(config) for name, config in
+            store_configs(tables, config_type, optimizer, initializers, capacities, seed, device, what).items()}
+
+
+def collection_device(device, what: str) -> torch.device:
+    """'cpu' (rows in the core) or 'meta' (no storage until `to_empty`, as DMP builds models)."""
+    try:
+        dev = torch.device("cpu" if device is None else device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device={device!r}: {what} runs on 'cpu' or 'meta'") from exc
+    if dev.type not in ("cpu", "meta"):
+        raise ValueError(f"device={device!r}: {what} runs on 'cpu' or 'meta' for now")
+    return dev
+
+
+def store_configs(tables, config_type, optimizer, initializers, capacities, seed: int, device,
+                  what: str) -> Dict[str, cncore.StoreConfig]:
+    """One store config per TorchRec table config (checked: type, unique names, known overrides)."""
+    collection_device(device, what)
     if not isinstance(tables, (list, tuple)):
         raise TypeError(f"tables must be a list of {config_type.__name__}, got {type(tables).__name__}")
     if not tables:
@@ -78,7 +96,7 @@ def make_stores(tables, config_type, optimizer, initializers, capacities, seed: 
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise ValueError(f"seed must be an int >= 0, got {seed!r}")
     initializers, capacities = dict(initializers or {}), dict(capacities or {})
-    stores: Dict[str, cncore.EmbeddingStore] = {}
+    stores: Dict[str, cncore.StoreConfig] = {}
     for config in tables:
         if not isinstance(config, config_type):
             raise TypeError(f"tables: expected {config_type.__name__}, got {type(config).__name__}")
@@ -90,10 +108,10 @@ def make_stores(tables, config_type, optimizer, initializers, capacities, seed: 
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:  # TorchRec's default init reads 1/n
             raise ValueError(f"table {config.name!r}: num_embeddings must be an int >= 1 (a capacity hint), got {n!r}")
         init = initializers.pop(config.name, None) or initializer_from_config(config)
-        stores[config.name] = cncore.EmbeddingStore(store_config(
+        stores[config.name] = store_config(
             f"table {config.name!r}: ", config.embedding_dim, initializer=init, optimizer=optimizer,
             seed=(seed * 1_000_003 + zlib.crc32(config.name.encode())) % 2**64,
-            capacity=capacities.pop(config.name, min(n, _MAX_INITIAL_ROWS))))
+            capacity=capacities.pop(config.name, min(n, _MAX_INITIAL_ROWS)))
     for leftover, name in ((initializers, "initializers"), (capacities, "capacities")):
         if leftover:
             raise ValueError(f"{name}: no table named {sorted(leftover)}")
@@ -151,18 +169,65 @@ def features_by_key(features, feature_names: List[List[str]]) -> Dict[str, Jagge
 class _DynamicTables:
     """What both collections share: a store per table (created by `_init_tables`), the
     parameter autograd hangs their lookups on, the fused optimizer over them, and every
-    table's rows, optimizer state and metadata in the module's state_dict."""
+    table's rows, optimizer state and metadata in the module's state_dict.
+
+    On device="meta" there are no stores (and no fused optimizer) until `to_empty(device="cpu")`
+    creates them, empty; forward then only infers shapes. DMP shards a meta collection without
+    ever materialising it (each rank builds its own shard)."""
 
     def _init_tables(self, tables, config_type, optimizer, initializers, capacities, seed: int, device, owner: str,
                      optimizer_prefix: str) -> None:
-        self._stores = make_stores(tables, config_type, optimizer, initializers, capacities, seed, device, owner)
-        self._anchor = nn.Parameter(torch.empty(0))
-        self.fused_optimizer = (keyed_fused_optimizer(self._anchor, optimizer, list(self._stores.values()),
-                                                      optimizer_prefix) if optimizer else None)
+        self._store_configs = store_configs(tables, config_type, optimizer, initializers, capacities, seed, device,
+                                            owner)
+        self._optimizer, self._optimizer_prefix, self._owner = optimizer, optimizer_prefix, owner
+        self._anchor = nn.Parameter(torch.empty(0, device=collection_device(device, owner)))
+        self._handle = _ops.register(self)
+        self._stores: Dict[str, cncore.EmbeddingStore] = {}
+        self.fused_optimizer = None
+        if not self.is_meta:
+            self._materialise()
+
+    @property
+    def is_meta(self) -> bool:
+        """True while the collection is on the meta device (no stores)."""
+        return self._anchor.device.type == "meta"
+
+    def _materialise(self) -> None:
+        """Empty stores from the configs, and the fused optimizer over the (cpu) anchor."""
+        self._stores = {name: cncore.EmbeddingStore(config) for name, config in self._store_configs.items()}
+        self.fused_optimizer = (keyed_fused_optimizer(self._anchor, self._optimizer, list(self._stores.values()),
+                                                      self._optimizer_prefix) if self._optimizer else None)
+        if hasattr(self, "_feature_names"):  # else the constructor binds them when it has the names
+            self._bind_stores()
+
+    def _bind_stores(self) -> None:
+        """Per-feature views of `_stores` (set by each collection)."""
+
+    def _apply(self, fn, recurse=True):
+        """`.to_empty(device="cpu")` (or `.to("cpu")`) of a meta collection creates its empty tables;
+        moving tables that hold rows anywhere but the CPU is refused (their rows live in the core)."""
+        was_meta = self.is_meta
+        target = fn(torch.empty(0, device=self._anchor.device)).device
+        if target.type not in ("cpu", "meta"):
+            raise ValueError(f"{self._owner} runs on 'cpu' or 'meta', not {target}")
+        if target.type == "meta" and not was_meta and any(len(s) for s in self._stores.values()):
+            raise ValueError(f"moving {self._owner} to meta would drop its rows; build a new one with device='meta' "
+                             "for shape inference instead")
+        result = super()._apply(fn, recurse)
+        if was_meta and not self.is_meta:
+            self._materialise()
+        elif self.is_meta and not was_meta:
+            self._stores, self.fused_optimizer = {}, None
+            self._bind_stores()
+        return result
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._handle = _ops.register(self)  # handles are per process
 
     @property
     def stores(self) -> Dict[str, cncore.EmbeddingStore]:
-        """The tables by name."""
+        """The tables by name (none on the meta device)."""
         return self._stores
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
@@ -187,6 +252,35 @@ class _DynamicTables:
 
 def store_writer(store: cncore.EmbeddingStore):
     return lambda state: state.load_into(store)
+
+
+@torch.fx.wrap
+def pooled_collection_lookup(anchor: torch.Tensor, handle: int, features: KeyedJaggedTensor,
+                             training: bool) -> KeyedTensor:
+    """CNEmbeddingBagCollection's forward: one node under torch.fx (the tables are state the
+    tracer cannot see; `training` is read when traced, as TorchRec's own traced modules do)."""
+    collection = _ops.table_of(handle)
+    by_key = features_by_key(features, collection._feature_names)
+    if collection.is_meta:  # shape inference only
+        values = torch.empty((features.stride(), sum(collection._lengths_per_embedding)), device="meta")
+        return KeyedTensor(keys=collection._embedding_names, length_per_key=collection._lengths_per_embedding,
+                           values=values)
+    keys, offsets, weights = [], [], []
+    is_weighted = collection._is_weighted
+    for names in collection._feature_names:
+        for name in names:
+            jt = by_key[name]
+            # .numpy() is the cheapest zero-copy view of a CPU tensor (DLPack costs more
+            # per call, and there are 2 x 26 arrays a batch)
+            keys.append(jt.values().detach().numpy())
+            offsets.append(jt.offsets().detach().numpy())
+            w = jt.weights_or_none() if is_weighted else None
+            if is_weighted and w is None:
+                raise ValueError(f"features: is_weighted=True but key {name!r} has no weights")
+            weights.append(None if w is None else w.detach().to(torch.float32).numpy())
+    values = _GroupedLookup.apply(anchor, collection, keys, offsets, weights if is_weighted else None, training)
+    return KeyedTensor(keys=collection._embedding_names, length_per_key=collection._lengths_per_embedding,
+                       values=values)
 
 
 class _GroupedLookup(torch.autograd.Function):
@@ -230,9 +324,13 @@ class CNEmbeddingBagCollection(_DynamicTables, EmbeddingBagCollectionInterface):
         self._embedding_bag_configs = tables
         self._feature_names, names_by_table = feature_names_of(tables)
         self._embedding_names = [n for names in names_by_table for n in names]
-        self._feature_stores = [self._stores[c.name] for c, f in zip(tables, self._feature_names) for _ in f]
         self._modes = [_POOLING[c.pooling] for c, f in zip(tables, self._feature_names) for _ in f]
         self._lengths_per_embedding = [c.embedding_dim for c, f in zip(tables, self._feature_names) for _ in f]
+        self._bind_stores()
+
+    def _bind_stores(self) -> None:
+        self._feature_stores = [self._stores[c.name] for c, f in zip(self._embedding_bag_configs, self._feature_names)
+                                for _ in f] if self._stores else []
 
     def embedding_bag_configs(self) -> List[EmbeddingBagConfig]:
         return self._embedding_bag_configs
@@ -241,22 +339,8 @@ class CNEmbeddingBagCollection(_DynamicTables, EmbeddingBagCollectionInterface):
         return self._is_weighted
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        by_key = features_by_key(features, self._feature_names)
-        keys, offsets, weights = [], [], []
-        for names in self._feature_names:
-            for name in names:
-                jt = by_key[name]
-                # .numpy() is the cheapest zero-copy view of a CPU tensor (DLPack costs more
-                # per call, and there are 2 x 26 arrays a batch)
-                keys.append(jt.values().detach().numpy())
-                offsets.append(jt.offsets().detach().numpy())
-                w = jt.weights_or_none() if self._is_weighted else None
-                if self._is_weighted and w is None:
-                    raise ValueError(f"features: is_weighted=True but key {name!r} has no weights")
-                weights.append(None if w is None else w.detach().to(torch.float32).numpy())
-        values = _GroupedLookup.apply(self._anchor, self, keys, offsets, weights if self._is_weighted else None,
-                                      self.training)
-        return KeyedTensor(keys=self._embedding_names, length_per_key=self._lengths_per_embedding, values=values)
+        """(B, sum of dims) pooled rows as a KeyedTensor; `torch.fx.symbolic_trace`-able (one node)."""
+        return pooled_collection_lookup(self._anchor, self._handle, features, self.training)
 
     def table_rows(self) -> Dict[str, int]:
         """Rows in each table."""
@@ -324,7 +408,10 @@ class CNEmbeddingCollection(_DynamicTables, EmbeddingCollectionInterface):
                              f"{sorted(dims)}")
         self._configs, self._need_indices, self._dim = tables, need_indices, dims.pop()
         self._feature_names, self._names_by_table = feature_names_of(tables)
-        self._table_stores = [self._stores[c.name] for c in tables]
+        self._bind_stores()
+
+    def _bind_stores(self) -> None:
+        self._table_stores = [self._stores[c.name] for c in self._configs] if self._stores else []
 
     def embedding_configs(self) -> List[EmbeddingConfig]:
         return self._configs
@@ -342,7 +429,10 @@ class CNEmbeddingCollection(_DynamicTables, EmbeddingCollectionInterface):
         by_key = features_by_key(features, self._feature_names)
         keys_by_table = [torch.cat([by_key[n].values().detach().to(torch.int64) for n in names])
                          for names in self._feature_names]
-        outs = _TableLookups.apply(self._anchor, self, keys_by_table, self.training)
+        if self.is_meta:  # shape inference only
+            outs = [torch.empty((len(k), self._dim), device="meta") for k in keys_by_table]
+        else:
+            outs = _TableLookups.apply(self._anchor, self, keys_by_table, self.training)
         result: Dict[str, JaggedTensor] = {}
         for out, names, emb_names in zip(outs, self._feature_names, self._names_by_table):
             start = 0
