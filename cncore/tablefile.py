@@ -524,13 +524,15 @@ def _save_delta(store, path: str, batch_rows: int, since: Checkpoint) -> Checkpo
     # chain), and every key the store holds (for the removed ones).
     changed, present = [], []
     for batch in store.iter_export(batch_rows, with_rows=False):
-        at = np.searchsorted(held, batch.keys).clip(max=max(len(held) - 1, 0))
-        new = (held[at] != batch.keys) if len(held) else np.ones(len(batch.keys), bool)
-        pick = (batch.last_steps >= since.step) | ((batch.counts == 0) & (batch.last_steps == 0)) | new
+        pick = (batch.last_steps >= since.step) | ((batch.counts == 0) & (batch.last_steps == 0))
         changed.append(batch.keys[pick])
         present.append(batch.keys)
-    changed = np.concatenate(changed) if changed else np.empty(0, np.int64)
     present = np.sort(np.concatenate(present)) if present else np.empty(0, np.int64)
+    # Keys new to the chain (a net under the rule above), found with sorted needles: searching
+    # the export's hash-ordered keys took 1.0 of a 1.45 s delta of 2M rows.
+    at = np.searchsorted(held, present).clip(max=max(len(held) - 1, 0))
+    new = present[held[at] != present] if len(held) else present
+    changed = np.unique(np.concatenate(changed + [new]))
     removed = np.setdiff1d(held, present, assume_unique=True)
     versions = tuple(link.version for link in chain)
     # Pass 2: the chosen rows, read by key (a row trained between the passes is written as it
