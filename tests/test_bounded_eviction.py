@@ -317,7 +317,7 @@ def test_lfu_orders_by_count_then_last_step_then_key_and_headroom_frees_beyond_t
 
 def test_no_callback_drops_but_counts_and_erase_is_not_an_eviction():
     s = lru_store(2)
-    s.find_or_insert(np.array([1, 2, 3, 4]) [:2])
+    s.find_or_insert(np.array([1, 2]))
     s.find_or_insert(np.array([3]))
     s.erase(np.array([2, 3]))
     assert s.evicted_count == 1 and len(s) == 0
