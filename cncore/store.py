@@ -420,8 +420,8 @@ class EmbeddingStore:
 
     def on_evict(self, callback) -> None:
         """Register `callback(batch)`: it receives a `TableBatch` of every eviction's rows
-        (keys, rows, optimizer state, counts, last steps; in eviction order, lowest score
-        first), called after the evicting call has released the store's lock, in the thread
+        (keys, rows, optimizer state, counts, last steps; lowest (score, key) first, or the
+        export order for evict_if), called after the evicting call has released the store's lock, in the thread
         that made the call. Callbacks run in registration order; one that raises propagates
         out of the call that evicted (the eviction has happened, the callbacks after it did
         not run). Without callbacks evicted rows are dropped, and still counted.
