@@ -1,0 +1,16 @@
+"""cncore_torch.distributed: dynamic tables sharded row-wise under TorchRec's DistributedModelParallel.
+
+The same roles and names as `torchrec.distributed`:
+
+- `embeddingbag.py`: the sharder (`CNEmbeddingBagCollectionSharder`), the sharded module
+  (`ShardedCNEmbeddingBagCollection`) and `plan_for` (a plan without TorchRec's planner);
+- `rw_sharding.py`: the sharding (`CNRwPooledEmbeddingSharding`): input dist by key hash over
+  TorchRec's KJT all-to-all, output dist as an all-to-all of partial pools (any batch sizes);
+- `embedding_lookup.py`, `embedding_kernel.py`: the lookup and the kernel over the rank's stores;
+- `routing.py`: which rank owns a key.
+"""
+from cncore_torch.distributed.embeddingbag import (CNEmbeddingBagCollectionSharder, ShardedCNEmbeddingBagCollection,
+                                                   plan_for)
+from cncore_torch.distributed.routing import owner_of
+
+__all__ = ["CNEmbeddingBagCollectionSharder", "ShardedCNEmbeddingBagCollection", "plan_for", "owner_of"]

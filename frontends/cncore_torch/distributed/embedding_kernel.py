@@ -1,0 +1,71 @@
+"""`CNEmbeddingBagKernel`: the rank's local lookup (TorchRec's `BaseEmbedding` role).
+
+It owns this rank's shard of every table (one `cncore.EmbeddingStore` each, holding only the
+keys this rank owns) and looks up the features it receives after the input all-to-all in one
+grouped core call, through the same autograd bridge as the single-process collection
+(`cncore_torch.collection._GroupedLookup`): its backward applies the fused optimizer to the
+rows here, on the owning rank, with the gradient the output all-to-all sent back.
+
+Every feature is pooled with SUM here, also for MEAN tables: a bag split across ranks is
+divided by its full length on the rank that owns the sample (see `embeddingbag.py`).
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import numpy as np
+import torch
+from torch import nn
+from torchrec.distributed.embedding_kernel import BaseEmbedding
+from torchrec.distributed.embedding_types import GroupedEmbeddingConfig
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+import cncore
+from cncore_torch.collection import _GroupedLookup
+
+__all__ = ["CNEmbeddingBagKernel"]
+
+
+class CNEmbeddingBagKernel(BaseEmbedding):
+    """Pooled lookup of the routed features over this rank's stores.
+
+    Args: `stores`: {table name: this rank's store}; `feature_tables`: the table of each
+    feature, in the order of the KJT it receives; `is_weighted`; `anchor`: the sharded
+    module's zero-size parameter (autograd hangs the lookup on it); `fused_optimizer`: what
+    holds the learning rate (`.lr`); `config`: TorchRec's grouped config, for reference.
+
+    forward(KJT with the features in order, stride Bt) -> (Bt, sum of dims) partial pools.
+    """
+
+    def __init__(self, stores: Dict[str, cncore.EmbeddingStore], feature_tables: List[str], is_weighted: bool,
+                 anchor: nn.Parameter, config: Optional[GroupedEmbeddingConfig] = None):
+        super().__init__()
+        self._stores = stores
+        self._feature_stores = [stores[t] for t in feature_tables]
+        self._modes = ["sum"] * len(feature_tables)
+        self._dims = [s.dim for s in self._feature_stores]
+        self._is_weighted = is_weighted
+        self._anchor_ref = [anchor]  # not registered here: the sharded module owns it (state_dict, DMP)
+        self._config = config
+        self.fused_optimizer = None  # set by the sharded module (it holds .lr)
+
+    @property
+    def config(self) -> GroupedEmbeddingConfig:
+        return self._config
+
+    def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        n_features = len(self._feature_stores)
+        stride = features.stride()
+        lengths = features.lengths().view(n_features, stride)
+        per_feature = lengths.sum(dim=1).tolist()
+        values = features.values().to(torch.int64)
+        keys = list(torch.split(values, per_feature))
+        weights = features.weights_or_none() if self._is_weighted else None
+        weight_list = (list(torch.split(weights.to(torch.float32), per_feature)) if weights is not None
+                       else None)
+        offsets = torch.zeros((n_features, stride + 1), dtype=torch.int64)
+        torch.cumsum(lengths, dim=1, out=offsets[:, 1:])
+        keys_np = [k.contiguous().numpy() for k in keys]
+        offsets_np = [o.numpy() for o in offsets]
+        weights_np = [w.contiguous().numpy() for w in weight_list] if weight_list is not None else None
+        return _GroupedLookup.apply(self._anchor_ref[0], self, keys_np, offsets_np, weights_np, self.training)

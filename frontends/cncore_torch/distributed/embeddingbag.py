@@ -1,0 +1,327 @@
+"""The sharder and the sharded module: `CNEmbeddingBagCollection` under TorchRec's DMP.
+
+>>> # in every rank, after torch.distributed.init_process_group("gloo", ...):
+>>> # model = DistributedModelParallel(model, device=torch.device("cpu"),
+>>> #                                  sharders=[CNEmbeddingBagCollectionSharder()])
+
+Each table is sharded row-wise across all ranks: a key lives on `routing.owner_of(key,
+world_size)` and nowhere else. A rank's shard of a table is a `cncore.EmbeddingStore` with the
+same configuration (seed, initializer, optimizer) as the single-process table, so a key's row
+starts out identical whichever rank owns it. `stores` gives them by table name, as the
+collection's `stores` does.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Iterator, List, Optional, Type
+
+import numpy as np
+import torch
+from torch import nn
+from torchrec.distributed.embedding_sharding import EmbeddingShardingContext, EmbeddingShardingInfo, \
+    KJTListSplitsAwaitable
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel, KJTList, ShardedEmbeddingModule
+from torchrec.distributed.embeddingbag import (EmbeddingBagCollectionContext, EmbeddingBagCollectionSharder,
+                                               ShardedEmbeddingBagCollection)
+from torchrec.distributed.types import (Awaitable, LazyAwaitable, ParameterSharding, ShardingEnv, ShardingPlan,
+                                        ShardingType)
+from torchrec.modules.embedding_configs import EmbeddingTableConfig, PoolingType
+from torchrec.optim.keyed import KeyedOptimizer
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
+
+import cncore
+from cncore_torch.collection import CNEmbeddingBagCollection
+from cncore_torch.distributed.routing import owner_of
+from cncore_torch.distributed.rw_sharding import CNRwPooledEmbeddingSharding
+from cncore_torch.optim import keyed_fused_optimizer
+from cncore_torch.state import TableState, load_tables, save_store
+
+__all__ = ["CNEmbeddingBagCollectionSharder", "ShardedCNEmbeddingBagCollection", "plan_for"]
+
+_KERNEL = EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
+_ROW_WISE = ShardingType.ROW_WISE.value
+
+
+class _KeyedTensorAwaitable(LazyAwaitable[KeyedTensor]):
+    """The summed pools as TorchRec's KeyedTensor, mean-pooled features divided by their full
+    bag length (the partial sums of a bag split across ranks add up to the bag's sum)."""
+
+    def __init__(self, values: Awaitable[torch.Tensor], names: List[str], dims: List[int],
+                 divisor: Optional[torch.Tensor]):
+        super().__init__()
+        self._values, self._names, self._dims, self._divisor = values, names, dims, divisor
+
+    def _wait_impl(self) -> KeyedTensor:
+        values = self._values.wait()
+        if self._divisor is not None:
+            values = values / self._divisor
+        return KeyedTensor(keys=self._names, length_per_key=self._dims, values=values)
+
+
+class _Then(Awaitable):
+    def __init__(self, inner: Awaitable, fn):
+        super().__init__()
+        self._inner, self._fn = inner, fn
+
+    def _wait_impl(self):
+        return self._fn(self._inner.wait())
+
+
+class ShardedCNEmbeddingBagCollection(ShardedEmbeddingBagCollection):
+    """`CNEmbeddingBagCollection` sharded row-wise by key hash over every rank of the process group.
+
+    TorchRec's `ShardedEmbeddingBagCollection` is built around dense weight tensors (it reads the
+    unsharded module's parameters and registers sharded tensors per table); this subclass keeps its
+    interface (input_dist / compute / output_dist, context, `fused_optimizer`) and replaces the
+    construction: one `CNRwPooledEmbeddingSharding` for all tables, the rank's stores, and the
+    state_dict (`tables.<name>.keys/rows/...`: this rank's keys only).
+    """
+
+    def __init__(self, module: CNEmbeddingBagCollection, table_name_to_parameter_sharding: Dict[str, ParameterSharding],
+                 env: ShardingEnv, fused_params: Optional[Dict[str, Any]] = None,
+                 device: Optional[torch.device] = None, qcomm_codecs_registry=None, module_fqn: Optional[str] = None):
+        ShardedEmbeddingModule.__init__(self, qcomm_codecs_registry=qcomm_codecs_registry)
+        if not isinstance(module, CNEmbeddingBagCollection):
+            raise TypeError(f"module must be a CNEmbeddingBagCollection, got {type(module).__name__}")
+        if device is not None and torch.device(device).type != "cpu":
+            raise ValueError(f"device={device}: the tables' rows are in the core; shard onto device 'cpu' (the "
+                             "process group's backend may still be NCCL for dense parts, untested)")
+        if module._optimizer is None:
+            raise ValueError("the sharded collection applies its optimizer in backward on the rank owning each row: "
+                             "build the CNEmbeddingBagCollection with optimizer=cncore.<SGD|Adagrad|RowWiseAdagrad|Adam>")
+        configs = module.embedding_bag_configs()
+        for c in configs:
+            ps = table_name_to_parameter_sharding.get(c.name)
+            if ps is None:
+                raise ValueError(f"table {c.name!r}: the plan has no entry for it (plan_for builds one)")
+            if ps.sharding_type != _ROW_WISE or ps.compute_kernel != _KERNEL:
+                raise ValueError(f"table {c.name!r}: planned as {ps.sharding_type}/{ps.compute_kernel}; dynamic "
+                                 f"tables shard as {_ROW_WISE}/{_KERNEL} (plan_for builds that plan)")
+        self._module_fqn = module_fqn
+        self._env = env
+        self._pg = env.process_group
+        self._world_size, self._rank = env.world_size, env.rank
+        self._device = torch.device("cpu")
+        self._embedding_bag_configs = configs
+        self._is_weighted = module.is_weighted()
+        self._features = [f for names in module._feature_names for f in names]
+        self._embedding_names = list(module._embedding_names)
+        self._embedding_dims = list(module._lengths_per_embedding)
+        self._feature_tables = [c.name for c, names in zip(configs, module._feature_names) for _ in names]
+        self._mean_features = [i for i, mode in enumerate(module._modes) if mode == "mean"]
+        self.module_sharding_plan = {c.name: table_name_to_parameter_sharding[c.name] for c in configs}
+        self._store_configs = dict(module._store_configs)
+        self._anchor = nn.Parameter(torch.empty(0))
+        self._stores = {name: cncore.EmbeddingStore(config) for name, config in self._store_configs.items()}
+        for name, store in module.stores.items():  # rows of a materialised module: keep the ones this rank owns
+            if len(store):
+                self._keep_owned(name, TableState.from_export(_export(store), store.step))
+        self._optim = keyed_fused_optimizer(self._anchor, module._optimizer, list(self._stores.values()),
+                                            "embedding_bags.fused")
+        infos = [EmbeddingShardingInfo(
+            embedding_config=EmbeddingTableConfig(
+                num_embeddings=c.num_embeddings, embedding_dim=c.embedding_dim, name=c.name, data_type=c.data_type,
+                feature_names=list(names), pooling=PoolingType.SUM, is_weighted=self._is_weighted,
+                has_feature_processor=False, embedding_names=list(emb)),
+            param_sharding=table_name_to_parameter_sharding[c.name],
+            param=torch.empty(c.num_embeddings, c.embedding_dim, device="meta"), fused_params={})
+            for c, names, emb in zip(configs, module._feature_names, _split(self._embedding_names, module._feature_names))]
+        sharding = CNRwPooledEmbeddingSharding(infos, env, self._device, stores=self._stores,
+                                               feature_tables=self._feature_tables, is_weighted=self._is_weighted,
+                                               anchor=self._anchor)
+        self._embedding_shardings = [sharding]
+        self._sharding_types = [_ROW_WISE]
+        self._input_dists = nn.ModuleList([sharding.create_input_dist()])
+        self._lookups = nn.ModuleList([sharding.create_lookup()])
+        self._output_dists = nn.ModuleList([sharding.create_output_dist()])
+        self._lookups[0].kernel.fused_optimizer = self._optim
+        self._has_uninitialized_input_dist = False
+
+    # --- what the collection offers -------------------------------------------------------------
+
+    @property
+    def stores(self) -> Dict[str, cncore.EmbeddingStore]:
+        """{table name: this rank's store} (the keys this rank owns)."""
+        return self._stores
+
+    def embedding_bag_configs(self):
+        return self._embedding_bag_configs
+
+    def is_weighted(self) -> bool:
+        return self._is_weighted
+
+    @property
+    def fused_optimizer(self) -> KeyedOptimizer:
+        return self._optim
+
+    @property
+    def unsharded_module_type(self) -> Type[CNEmbeddingBagCollection]:
+        return CNEmbeddingBagCollection
+
+    def reset_parameters(self) -> None:
+        """Nothing to reset: rows are drawn from (seed, table, key) as keys arrive."""
+
+    # --- the three stages --------------------------------------------------------------------------
+
+    def create_context(self) -> EmbeddingBagCollectionContext:
+        return EmbeddingBagCollectionContext()
+
+    def input_dist(self, ctx: EmbeddingBagCollectionContext, features: KeyedJaggedTensor) -> Awaitable[Awaitable[KJTList]]:
+        if not isinstance(features, KeyedJaggedTensor):
+            raise TypeError(f"features must be a KeyedJaggedTensor, got {type(features).__name__}")
+        if features.variable_stride_per_key():
+            raise ValueError("features: a variable batch size per key is not supported; one batch size per rank is "
+                             "(ranks may differ)")
+        with torch.no_grad():
+            keys = features.keys()
+            missing = [f for f in self._features if f not in keys]
+            if missing:
+                raise ValueError(f"features: no key {missing[0]!r} (it has {keys})")
+            order = [keys.index(f) for f in self._features]
+            if order != list(range(len(keys))):
+                features = features.permute(order)
+            if self._is_weighted and features.weights_or_none() is None:
+                raise ValueError("features: is_weighted=True but the KJT has no weights")
+            stride = features.stride()
+            kjt = KeyedJaggedTensor(keys=self._embedding_names, values=features.values(),
+                                    lengths=features.lengths(), stride=stride,
+                                    weights=features.weights_or_none() if self._is_weighted else None)
+            if self._mean_features:
+                lengths = features.lengths().view(len(self._features), stride)
+                divisor = torch.ones((stride, sum(self._embedding_dims)))
+                starts = np.concatenate([[0], np.cumsum(self._embedding_dims)])
+                for f in self._mean_features:
+                    divisor[:, starts[f]:starts[f + 1]] = lengths[f].clamp(min=1).to(torch.float32).unsqueeze(1)
+                ctx.divisor = divisor
+            ctx.sharding_contexts.append(EmbeddingShardingContext(batch_size_per_rank=[stride] * self._world_size))
+            return KJTListSplitsAwaitable([self._input_dists[0](kjt)], ctx, self._module_fqn, self._sharding_types)
+
+    def compute(self, ctx: EmbeddingBagCollectionContext, dist_input: KJTList) -> List[torch.Tensor]:
+        return [lookup(features) for lookup, features in zip(self._lookups, dist_input)]
+
+    def output_dist(self, ctx: EmbeddingBagCollectionContext, output: List[torch.Tensor]) -> LazyAwaitable[KeyedTensor]:
+        values = self._output_dists[0](output[0], ctx.sharding_contexts[0])
+        return _KeyedTensorAwaitable(values, self._embedding_names, self._embedding_dims, ctx.divisor)
+
+    def compute_and_output_dist(self, ctx: EmbeddingBagCollectionContext, input: KJTList) -> LazyAwaitable[KeyedTensor]:
+        return self.output_dist(ctx, self.compute(ctx, input))
+
+    # --- state ---------------------------------------------------------------------------------------
+
+    def _keep_owned(self, name: str, state: TableState) -> None:
+        """Load the rows of `state` this rank owns into its store of `name` (replacing all)."""
+        mine = (owner_of(torch.from_numpy(state.keys), self._world_size) == self._rank).numpy()
+        TableState(state.keys[mine], state.rows[mine], state.optimizer_state[mine], state.counts[mine],
+                   state.last_steps[mine], state.step).load_into(self._stores[name])
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        """This rank's shard of every table under `tables.<name>.` (keys it owns, rows, optimizer
+        state, counts, last steps, step), as the collection saves a whole table."""
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        for name, store in self._stores.items():
+            save_store(store, destination, f"{prefix}tables.{name}.")
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        """All or nothing (see cncore_torch.state). The entries may hold any keys (one rank's shard
+        at any world size, several ranks' shards merged with `merge_shards`, or a single-process
+        collection's tables): this rank keeps the ones it owns now, so a checkpoint written by N
+        ranks loads into M."""
+        def load_rest(rest, missing, unexpected, errors):
+            nn.Module._load_from_state_dict(self, rest, prefix, local_metadata, strict, missing, unexpected, errors)
+
+        tables = {f"{prefix}tables.{name}.": (store.config, lambda state, name=name: self._keep_owned(name, state))
+                  for name, store in self._stores.items()}
+        load_tables(tables, load_rest, state_dict, missing_keys, unexpected_keys, error_msgs)
+
+    def _tables(self, prefix: str) -> dict:
+        return {f"{prefix}tables.{name}.": (store.config, lambda state, name=name: self._keep_owned(name, state))
+                for name, store in self._stores.items()}
+
+    def sharded_parameter_names(self, prefix: str = "") -> Iterator[str]:
+        yield from (key for key, _ in self.named_parameters(prefix))
+
+
+def _export(store):
+    from cncore_torch.state import export_tensors
+    return export_tensors(store)
+
+
+def _split(flat: List[str], groups: List[List[str]]) -> List[List[str]]:
+    out, at = [], 0
+    for g in groups:
+        out.append(flat[at:at + len(g)])
+        at += len(g)
+    return out
+
+
+class CNEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
+    """Shards `CNEmbeddingBagCollection` row-wise (by key hash) with our kernel
+    (`EmbeddingComputeKernel.CUSTOMIZED_KERNEL`), on cpu. Pass it to DMP:
+    `DistributedModelParallel(model, device=torch.device("cpu"), sharders=[CNEmbeddingBagCollectionSharder()])`
+    (add TorchRec's default sharders to the list for TorchRec's own modules in the same model)."""
+
+    def shard(self, module: CNEmbeddingBagCollection, params: Dict[str, ParameterSharding], env: ShardingEnv,
+              device: Optional[torch.device] = None, module_fqn: Optional[str] = None) -> ShardedCNEmbeddingBagCollection:
+        return ShardedCNEmbeddingBagCollection(module, params, env, self.fused_params, device,
+                                               qcomm_codecs_registry=self.qcomm_codecs_registry, module_fqn=module_fqn)
+
+    def shardable_parameters(self, module: CNEmbeddingBagCollection) -> Dict[str, nn.Parameter]:
+        """One (num_embeddings, dim) meta parameter per table: what TorchRec's planner sizes
+        (num_embeddings is a capacity hint; nothing is allocated)."""
+        return {c.name: nn.Parameter(torch.empty(c.num_embeddings, c.embedding_dim, device="meta"),
+                                     requires_grad=False)
+                for c in module.embedding_bag_configs()}
+
+    def sharding_types(self, compute_device_type: str) -> List[str]:
+        return [_ROW_WISE]
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
+        return [_KERNEL]
+
+    @property
+    def module_type(self) -> Type[CNEmbeddingBagCollection]:
+        return CNEmbeddingBagCollection
+
+    @property
+    def sharded_module_type(self) -> Type[ShardedCNEmbeddingBagCollection]:
+        return ShardedCNEmbeddingBagCollection
+
+
+def plan_for(model: nn.Module, world_size: int, *, local_size: Optional[int] = None,
+             device_type: str = "cpu") -> ShardingPlan:
+    """The sharding plan DMP takes, without TorchRec's planner: every table of every
+    `CNEmbeddingBagCollection` in `model` row-wise over all `world_size` ranks with our kernel.
+
+    `DistributedModelParallel(model, device=torch.device("cpu"), sharders=[CNEmbeddingBagCollectionSharder()],
+    plan=plan_for(model, world_size))`. Use it to add TorchRec modules' plans by hand, or when the
+    planner is not wanted (it needs a process group; this does not)."""
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
+
+    sharder = CNEmbeddingBagCollectionSharder()
+    plan = {}
+    for path, module in model.named_modules():
+        if isinstance(module, CNEmbeddingBagCollection):
+            plan[path] = construct_module_sharding_plan(
+                module, {c.name: row_wise(compute_kernel=_KERNEL) for c in module.embedding_bag_configs()},
+                sharder=sharder, local_size=local_size or world_size, world_size=world_size, device_type=device_type)
+    if not plan:
+        raise ValueError("model holds no CNEmbeddingBagCollection to shard")
+    return ShardingPlan(plan)
+
+
+def register_planner_estimates() -> None:
+    """Teach TorchRec's planner (its perf estimator) the bandwidth of our kernel, so that
+    `DistributedModelParallel(model, sharders=[CNEmbeddingBagCollectionSharder()])` plans by
+    itself. TorchRec knows the bandwidth of its own kernels only and refuses any other
+    ("Unrecognized or unsupported compute kernel: customized_kernel for hardware aware perf
+    estimators"); its extension point is `HardwarePerfConfig.kernel_device_bandwidths`
+    (what the `device_bw(device=, compute_kernel=)` decorator fills). We add
+    (cpu, customized_kernel) at the DDR bandwidth of TorchRec's fused CPU kernel (rows in host
+    memory, as ours), only where no one set a value: nothing TorchRec or a user set is changed."""
+    from torchrec.distributed.planner.constants import DDR_MEM_BW
+    from torchrec.distributed.planner.estimator.types import HardwarePerfConfig
+
+    HardwarePerfConfig.kernel_device_bandwidths.setdefault(("cpu", _KERNEL), DDR_MEM_BW)
+
+
+register_planner_estimates()

@@ -1,0 +1,50 @@
+"""Run a function in N local processes joined by a gloo process group (tests, `cn-dlrm --nproc`).
+
+`spawn(fn, nprocs, *args, timeout=...)` calls `fn(rank, world_size, *args)` in each process
+after `torch.distributed.init_process_group("gloo")` on 127.0.0.1 and a free port; a process
+that raises fails the whole run (its traceback in the error), and the run is killed past
+`timeout` seconds. Nothing listens beyond localhost.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import time
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["spawn", "free_port"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(rank: int, world_size: int, port: int, timeout: float, fn, args) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=max(10.0, timeout)))
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn, nprocs: int, *args, timeout: float = 120.0) -> None:
+    """fn(rank, nprocs, *args) in `nprocs` processes; raises if one fails or time runs out."""
+    if not isinstance(nprocs, int) or isinstance(nprocs, bool) or nprocs < 1:
+        raise ValueError(f"nprocs must be an int >= 1, got {nprocs!r}")
+    context = mp.start_processes(_run, args=(nprocs, free_port(), timeout, fn, args), nprocs=nprocs,
+                                 join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    while not context.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
+        if time.monotonic() > deadline:
+            for p in context.processes:
+                if p.is_alive():
+                    p.kill()
+            raise TimeoutError(f"{nprocs} processes still running after {timeout} s; killed")

@@ -1,0 +1,119 @@
+"""CNEmbeddingBagCollection sharded row-wise by DMP over 2 and 3 gloo processes on this machine,
+against one process holding every row.
+
+Each rank builds the same W random KJTs (rank r's batch size differs per rank, one rank may have
+an empty batch), feeds its own to the DMP model, and runs a single-process collection with the
+same configs and seed on their concatenation (rank order). Checked in every rank:
+- forward: rank r's KeyedTensor equals the single-process rows of its samples, to fp32
+  reassociation (a bag split across ranks is summed from partial sums: assert_close at 1e-6);
+- training: after k fused steps (loss = sum(out * fixed targets), so the gradient of every
+  pooled row is the same in both), the rows of the keys a rank owns equal the single-process
+  rows (assert_close at 1e-6, the same reassociation in the forward of the next steps) and its
+  optimizer state too; every key lives on exactly one rank, the one `owner_of` names, and the
+  ranks together hold exactly the single-process keys.
+"""
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("torchrec")
+
+TIMEOUT = 80.0
+
+
+def _configs(kind):
+    from torchrec import EmbeddingBagConfig, PoolingType
+    mean = PoolingType.MEAN if kind != "weighted_sum" else PoolingType.SUM
+    return [EmbeddingBagConfig(name="t_shared", embedding_dim=4, num_embeddings=64, feature_names=["f1", "f2"]),
+            EmbeddingBagConfig(name="t_mean", embedding_dim=3, num_embeddings=64, feature_names=["f3"], pooling=mean),
+            EmbeddingBagConfig(name="t_wide", embedding_dim=16, num_embeddings=8, feature_names=["f4"])]
+
+
+def _kjts(seed, batch_sizes, weighted, high):
+    """One KJT per rank (keys f1..f4, batch sizes as given, bags of 0..4 keys), from `seed`."""
+    from torchrec import KeyedJaggedTensor
+    rng = np.random.default_rng(seed)
+    out = []
+    for b in batch_sizes:
+        lengths = rng.integers(0, 5, 4 * b)
+        values = rng.integers(-high, high, int(lengths.sum()))
+        weights = torch.from_numpy(rng.random(len(values)).astype(np.float32)) if weighted else None
+        out.append(KeyedJaggedTensor.from_lengths_sync(keys=["f1", "f2", "f3", "f4"], values=torch.from_numpy(values),
+                                                       lengths=torch.from_numpy(lengths), weights=weights))
+    return out
+
+
+def _concat(kjts):
+    from torchrec import KeyedJaggedTensor
+    keys = kjts[0].keys()
+    values, lengths, weights = [], [], []
+    for key in keys:  # feature-major: each feature's bags of every rank, in rank order
+        for k in kjts:
+            jt = k[key]
+            values.append(jt.values()), lengths.append(jt.lengths())
+            if k.weights_or_none() is not None:
+                weights.append(jt.weights())
+    return KeyedJaggedTensor.from_lengths_sync(keys=keys, values=torch.cat(values), lengths=torch.cat(lengths),
+                                               weights=torch.cat(weights) if weights else None)
+
+
+def _train_and_compare(rank, world_size, kind, batch_sizes, steps, use_plan, optimizer_name):
+    import torch.distributed as dist
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+
+    import cncore
+    from cncore_torch import CNEmbeddingBagCollection
+    from cncore_torch.distributed import CNEmbeddingBagCollectionSharder, owner_of, plan_for
+
+    weighted = kind == "weighted_sum"
+    optimizer = getattr(cncore, optimizer_name)(lr=0.05)
+    make = lambda device: CNEmbeddingBagCollection(_configs(kind), is_weighted=weighted, device=device,  # noqa: E731
+                                                  optimizer=optimizer, seed=7)
+    model = make("meta")
+    kw = dict(plan=plan_for(model, world_size)) if use_plan else {}
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"), sharders=[CNEmbeddingBagCollectionSharder()], **kw)
+    ref = make("cpu")
+    sharded = dmp.module
+    start = sum(batch_sizes[:rank])
+    for step in range(steps):
+        kjts = _kjts(100 * step + 1, batch_sizes, weighted, high=40 if step % 2 else 2**62)
+        full = _concat(kjts)
+        targets = torch.from_numpy(np.random.default_rng(step).standard_normal(
+            (sum(batch_sizes), 4 + 4 + 3 + 16)).astype(np.float32))
+        out, expected = dmp(kjts[rank]), ref(full)
+        assert out.keys() == expected.keys() and out.length_per_key() == expected.length_per_key()
+        mine = expected.values()[start:start + batch_sizes[rank]]
+        torch.testing.assert_close(out.values(), mine, rtol=1e-6, atol=1e-6)
+        (out.values() * targets[start:start + batch_sizes[rank]]).sum().backward()
+        (expected.values() * targets).sum().backward()
+    everyone = [None] * world_size
+    owned = {name: store.export().keys for name, store in sharded.stores.items()}
+    dist.all_gather_object(everyone, owned)
+    for name, store in ref.stores.items():
+        batch = sharded.stores[name].export()
+        assert (owner_of(torch.from_numpy(batch.keys), world_size) == rank).all(), f"{name}: a key not owned here"
+        order = np.argsort(batch.keys)
+        keys = batch.keys[order]
+        torch.testing.assert_close(torch.from_numpy(batch.rows[order]), torch.from_numpy(store.lookup(keys)),
+                                   rtol=1e-6, atol=1e-6)
+        ref_state = store.read(keys).optimizer_state
+        torch.testing.assert_close(torch.from_numpy(batch.optimizer_state[order]), torch.from_numpy(ref_state),
+                                   rtol=1e-6, atol=1e-6)
+        all_keys = np.concatenate([e[name] for e in everyone])
+        assert len(np.unique(all_keys)) == len(all_keys), f"{name}: a key lives on two ranks"
+        np.testing.assert_array_equal(np.sort(all_keys), np.sort(store.export().keys))
+        assert sharded.stores[name].step == store.step == steps
+
+
+def _run(world_size, *args):
+    from cncore_torch.distributed.launch import spawn
+    spawn(_train_and_compare, world_size, *args, timeout=TIMEOUT)
+
+
+@pytest.mark.parametrize("kind", ["mean", "weighted_sum"])
+def test_two_ranks_unequal_batches_equal_one_process(kind):
+    _run(2, kind, [5, 3], 3, False, "Adagrad")
+
+
+def test_three_ranks_with_an_empty_batch_and_a_hand_plan():
+    _run(3, "mean", [4, 0, 6], 3, True, "RowWiseAdagrad")
