@@ -7,10 +7,13 @@ The same roles and names as `torchrec.distributed`:
 - `rw_sharding.py`: the sharding (`CNRwPooledEmbeddingSharding`): input dist by key hash over
   TorchRec's KJT all-to-all, output dist as an all-to-all of partial pools (any batch sizes);
 - `embedding_lookup.py`, `embedding_kernel.py`: the lookup and the kernel over the rank's stores;
-- `routing.py`: which rank owns a key.
+- `routing.py`: which rank owns a key; `checkpoint.py`: `merge_shards` (N ranks -> M ranks);
+- `launch.py`: `spawn` N local gloo processes (tests, `cn-dlrm --nproc`).
 """
 from cncore_torch.distributed.embeddingbag import (CNEmbeddingBagCollectionSharder, ShardedCNEmbeddingBagCollection,
                                                    plan_for)
+from cncore_torch.distributed.checkpoint import merge_shards
 from cncore_torch.distributed.routing import owner_of
 
-__all__ = ["CNEmbeddingBagCollectionSharder", "ShardedCNEmbeddingBagCollection", "plan_for", "owner_of"]
+__all__ = ["CNEmbeddingBagCollectionSharder", "ShardedCNEmbeddingBagCollection", "plan_for", "owner_of",
+           "merge_shards"]
