@@ -1,14 +1,18 @@
 """cn-table: offline tools for table files (see `cncore.tablefile`).
 
-    cn-table inspect TABLE [--json]            rows, dim, dtype, bytes, key range, histograms
+    cn-table inspect TABLE [--json]            rows, dim, dtype, bytes, key range, histograms,
+                                               the policy of a bounded table
     cn-table export TABLE OUT.{npz,npy,parquet}
     cn-table import SRC.{npz,npy,parquet} TABLE [--config-from TABLE2] [--step S]
     cn-table prune TABLE OUT [--min-count N] [--min-step S] [--min-norm X] [--top-k K]
     cn-table merge LEFT RIGHT OUT --policy {left,right,newer,average}
     cn-table diff OLD NEW [--tolerance T] [--out DIFF.npz] [--json]
     cn-table to-fixed TABLE OUT.npz            sorted ids + dense weight (last row: zeros)
+    cn-table compact TABLE [OUT]               a chain (base + incremental saves) as one version
 
-All of them stream through the tables in batches, so tables larger than memory work.
+All of them stream through the tables in batches, so tables larger than memory work, except
+compact, which holds the table in memory (it loads the chain as a store and saves it in full).
+A chain is read by compact only: the other tools refuse it and say to compact it first.
 Tables are checked (SHA-256, unique keys) when opened; --no-verify skips that. A refused
 command prints one line, `cn-table CMD: error: ...`, exits with status 2 and changes nothing.
 """
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import zipfile
 from functools import partial
@@ -25,7 +30,7 @@ from tqdm import tqdm
 
 from cncore_numpy import exchange, tools
 from cncore_numpy.exchange import NpzStreamWriter
-from cncore.tablefile import TableFormatError, open_table
+from cncore.tablefile import TableFormatError, compact_table, load_store, open_table, save_table
 
 
 def _progress(quiet: bool, desc: str):
@@ -36,11 +41,38 @@ def _print_summary(path: str, s: dict) -> None:
     print(f"{path}: {s['rows']:,} rows of dim {s['dim']} ({s['dtype']}), optimizer {s['optimizer']}, "
           f"{s['bytes']:,} bytes, step {s['step']}")
     print(f"keys from {s['key_min']} to {s['key_max']}")
+    if any(s[name] is not None for name in tools.POLICY_FIELDS):
+        print(f"policy: max_rows {s['max_rows']}, eviction {_spelled(s['eviction'])}, headroom {s['headroom']}, "
+              f"admission {_spelled(s['admission'])}")
     print(f"rows holding NaN: {s['nan_rows']:,}, holding an infinity: {s['inf_rows']:,}")
     for name in ("row_norm", "access_count", "age"):
         h = s[name]
         print(f"{name}: " + ", ".join(f"[{a:g}, {b:g}): {c}" for a, b, c in zip(h["edges"][:-1], h["edges"][1:],
                                                                                    h["counts"])))
+
+
+def _spelled(d) -> str:
+    """A policy as the manifest holds it ({"type": "TTL", "steps": 5}), as Python spells it: TTL(steps=5)."""
+    if d is None:
+        return "None"
+    return d["type"] + "(" + ", ".join(f"{k}={v!r}" for k, v in d.items() if k != "type") + ")"
+
+
+def _open_base(path: str, verify: bool):
+    """open_table, with a chain refused in one line that says what to run."""
+    try:
+        return open_table(path, verify)
+    except TableFormatError as exc:
+        refused = exc
+    try:
+        deltas = tools.chain_deltas(path)
+    except TableFormatError:  # damaged: open_table's message names what
+        deltas = 0
+    if not deltas:
+        raise refused
+    raise TableFormatError(f"{path}: a chain of a base and {deltas} delta{'s' * (deltas != 1)} (incremental "
+                           f"saves); run `cn-table compact {path}` first (or `cn-table compact {path} OUT` "
+                           f"to leave it as it is)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -80,6 +112,9 @@ def _parser() -> argparse.ArgumentParser:
     p["to-fixed"] = sub.add_parser("to-fixed", help="dense weight + sorted ids for a fixed serving table")
     p["to-fixed"].add_argument("table")
     p["to-fixed"].add_argument("out")
+    p["compact"] = sub.add_parser("compact", help="merge a delta chain (incremental saves) into one full version")
+    p["compact"].add_argument("table")
+    p["compact"].add_argument("out", nargs="?", help="write the merged table here (default: replace TABLE, atomically)")
     for q in p.values():
         q.add_argument("--quiet", action="store_true", help="no progress bar")
         q.add_argument("--no-verify", action="store_true", help="skip the SHA-256 check of the input tables")
@@ -101,31 +136,31 @@ def _run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     verify = not args.no_verify
     cmd = args.command
     if cmd == "inspect":
-        summary = tools.inspect(open_table(args.table, verify), progress)
+        summary = tools.inspect(_open_base(args.table, verify), progress)
         print(json.dumps(summary, indent=1)) if args.json else _print_summary(args.table, summary)
     elif cmd == "export":
-        table = open_table(args.table, verify)
+        table = _open_base(args.table, verify)
         exchange.export_table(table, args.out, progress=progress)
         print(f"wrote {len(table):,} rows to {args.out}")
     elif cmd == "import":
-        config = open_table(args.config_from, verify).config if args.config_from else None
+        config = _open_base(args.config_from, verify).config if args.config_from else None
         exchange.import_table(args.src, args.table, config, args.step, progress=progress)
         print(f"wrote {len(open_table(args.table, verify=False)):,} rows to {args.table}")
     elif cmd == "prune":
         if all(v is None for v in (args.min_count, args.min_step, args.min_norm, args.top_k)):
             ap.error("prune: give at least one of --min-count, --min-step, --min-norm, --top-k")
-        table = open_table(args.table, verify)
+        table = _open_base(args.table, verify)
         keep, failing = tools.prune_mask(table, args.min_count, args.min_step, args.min_norm, args.top_k, progress)
         removed = tools.prune(table, args.out, keep, progress)
         why = "; ".join(f"{label}: {n:,}" for label, n in failing.items())
         print(f"removed {removed:,} of {len(table):,} rows ({why}); kept {int(keep.sum()):,} in {args.out}")
     elif cmd == "merge":
-        parts = tools.merge(open_table(args.left, verify), open_table(args.right, verify), args.out, args.policy,
+        parts = tools.merge(_open_base(args.left, verify), _open_base(args.right, verify), args.out, args.policy,
                             progress)
         print(f"wrote {parts['rows']:,} rows to {args.out}: {parts['left_only']:,} only in left, "
               f"{parts['right_only']:,} only in right, {parts['both']:,} in both (policy {args.policy})")
     elif cmd == "diff":
-        d = tools.diff(open_table(args.old, verify), open_table(args.new, verify), args.tolerance, progress)
+        d = tools.diff(_open_base(args.old, verify), _open_base(args.new, verify), args.tolerance, progress)
         if args.out:
             with NpzStreamWriter(args.out) as npz:
                 for name, values in d.items():
@@ -142,9 +177,24 @@ def _run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                   f"({summary['changed_to_or_from_nan']:,} to or from NaN; L2 of the other changes: mean "
                   f"{summary['change_l2_mean']:.4g}, max {summary['change_l2_max']:.4g})")
     elif cmd == "to-fixed":
-        table = open_table(args.table, verify)
+        table = _open_base(args.table, verify)
         tools.to_fixed(table, args.out, progress)
         print(f"wrote ids ({len(table):,}) and weight ({len(table) + 1:,} x {table.dim}) to {args.out}")
+    elif cmd == "compact":
+        if args.out is not None and os.path.realpath(args.out) == os.path.realpath(args.table):
+            args.out = None
+        deltas = tools.chain_deltas(args.table)
+        merged = f"{deltas} delta{'s' * (deltas != 1)} merged into one version" if deltas else "not a chain"
+        if args.out is None and not deltas:
+            rows = len(_open_base(args.table, verify))
+            print(f"{args.table}: not a chain (one full version, {rows:,} rows); left as it is")
+        elif args.out is None:
+            compact_table(args.table, verify)
+            print(f"wrote {len(open_table(args.table, verify=False)):,} rows to {args.table} ({merged})")
+        else:
+            store = load_store(args.table, verify)
+            save_table(store, args.out)
+            print(f"wrote {len(store):,} rows to {args.out} ({merged}; {args.table} left as it is)")
     return 0
 
 

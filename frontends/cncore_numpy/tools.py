@@ -26,13 +26,16 @@ from typing import Callable, Dict, Optional
 import numpy as np
 
 from cncore_numpy.exchange import BATCH, NpzStreamWriter
-from cncore.tablefile import TableFile, TableWriter
+from cncore.tablefile import TableFile, TableWriter, config_to_dict
 from cncore.tablefile_lookup import find_rows, key_index
 
-__all__ = ["inspect", "prune_mask", "prune", "merge", "diff", "to_fixed", "POLICIES"]
+__all__ = ["inspect", "chain_deltas", "prune_mask", "prune", "merge", "diff", "to_fixed", "POLICIES",
+           "POLICY_FIELDS"]
 
 POLICIES = ("left", "right", "newer", "average")
 _U32_MAX = 2**32 - 1
+# A bounded table's policy, as its config holds it (None where not set).
+POLICY_FIELDS = ("max_rows", "eviction", "headroom", "admission")
 
 
 def _norms(rows: np.ndarray) -> np.ndarray:
@@ -47,6 +50,10 @@ def _hist(values: np.ndarray, bins) -> dict:
 def inspect(table: TableFile, progress: Callable = iter) -> dict:
     """Rows, dim, dtype, bytes, key range, and histograms of row norms (10 bins), access
     counts and age (table step - last step). Keeps one float32 norm per row in memory.
+
+    A bounded table's policy is in ``max_rows``, ``eviction``, ``headroom`` and ``admission``,
+    as the file's manifest spells them (``{"type": "TTL", "steps": 5}``); None where not set.
+    Eviction counters (``store.evicted_count``) are not saved in table files, so not here.
 
     NaN and infinite values are data: rows holding a NaN are counted in ``nan_rows``, rows
     holding an infinity (and no NaN) in ``inf_rows``; the norm histogram covers the rest.
@@ -80,11 +87,19 @@ def inspect(table: TableFile, progress: Callable = iter) -> dict:
     return {"rows": n, "dim": table.dim, "dtype": table.config.dtype,
             "optimizer": type(table.config.optimizer).__name__ if table.config.optimizer else None,
             "bytes": table.nbytes, "step": table.step,
+            **{name: config_to_dict(table.config).get(name) for name in POLICY_FIELDS},
             "key_min": None if lo is None else int(lo), "key_max": None if hi is None else int(hi),
             "nan_rows": nan_rows, "inf_rows": inf_rows,
             "row_norm": _hist(norms[np.isfinite(norms)], 10),
             "access_count": {"edges": count_bins, "counts": counts.tolist()},
             "age": {"edges": age_bins, "counts": ages.tolist()}}
+
+
+def chain_deltas(path: str) -> int:
+    """How many deltas (incremental saves) the table at `path` holds over its base: 0 for a
+    table saved in full. Checks the chain's manifests and file sizes, not the checksums."""
+    from cncore.tablefile import _open_chain  # the core has no public walk of a chain yet
+    return len(_open_chain(path, verify=False)) - 1
 
 
 def prune_mask(table: TableFile, min_count: Optional[int] = None, min_step: Optional[int] = None,
