@@ -283,3 +283,26 @@ def test_a_short_run_logs_plain_lines_and_no_warnings(tmp_path):
         "cncore (dynamic tables)", "TorchRec EBC (collision-free, remapped)",
         "TorchRec DMP (fused FBGEMM, collision-free)", "TorchRec EBC (hashed, same memory)"]
     assert "| cncore (dynamic tables) |" in proc.stdout
+
+
+def test_nproc_2_matches_one_process(tmp_path):
+    """--nproc 2: two gloo processes, tables sharded row-wise over them; the global batch is split
+    and the gradients summed, so it is the one-process run up to fp32 reassociation."""
+    args = ["--steps", "40", "--eval-every", "20", "--eval-batches", "3"]
+    one = run(tmp_path, *args)["runs"][0]
+    two = run(tmp_path, *args, "--nproc", "2")["runs"][0]
+    assert two["name"] == "cncore (dynamic tables, 2 processes)"
+    assert [h["step"] for h in two["history"]] == [20, 40]
+    assert abs(two["auc"] - one["auc"]) < 0.003
+    assert two["logloss"] == pytest.approx(one["logloss"], abs=2e-3)
+    assert two["rows"] == one["rows"]  # every key lives on exactly one rank
+
+
+@pytest.mark.parametrize("option", [["--compare"], ["--checkpoint", "ck.pt"]])
+def test_nproc_refuses_what_it_does_not_run_yet(capsys, tmp_path, monkeypatch, option):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        main(["--nproc", "2", *option])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.search(f"{option[0]} does not run with --nproc 2", err[0])

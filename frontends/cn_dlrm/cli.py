@@ -3,6 +3,7 @@
     cn-dlrm                                  # the embedded synthetic Criteo-like stream
     cn-dlrm --criteo-tsv day_0.gz            # real Criteo Kaggle / 1TB text files
     cn-dlrm --compare                        # the same run on TorchRec's fixed tables, side by side
+    cn-dlrm --nproc 2                        # 2 local processes (gloo), tables sharded row-wise over them
     cn-dlrm --checkpoint ck.pt --resume ck.pt --summary-json out.json
 
 Evaluation: on synthetic data, the --eval-batches batches that follow the training range (drift
@@ -107,6 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "(IDs remapped to 0..N-1; synthetic data), DistributedModelParallel with fused FBGEMM "
                          "tables (gloo, world size 1; synthetic data), and its EmbeddingBagCollection with IDs "
                          "hashed modulo fixed tables of the same memory; print all runs")
+    ap.add_argument("--nproc", type=_int_at_least(1), default=1,
+                    help="train on this many local processes (gloo on 127.0.0.1), every table sharded row-wise "
+                         "over them by key hash (TorchRec's DistributedModelParallel); --batch-size is the global "
+                         "batch, split between them; synthetic data only for now")
     ap.add_argument("--no-progress", action="store_true",
                     help="no progress bar or progress lines, only evaluations (off a terminal, plain progress "
                          "lines replace the bar)")
@@ -119,7 +124,14 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     >>> parse_args(["--steps", "10"]).steps, parse_args([]).batch_size
     (10, 2048)
     """
-    return build_parser().parse_args(argv)
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if args.nproc > 1:
+        for option in ("criteo_tsv", "compare", "checkpoint", "resume"):
+            if getattr(args, option):
+                ap.error(f"--{option.replace('_', '-')} does not run with --nproc {args.nproc} yet (only with "
+                         "--nproc 1)")
+    return args
 
 
 def install_hint(missing_module: Optional[str]) -> Optional[str]:

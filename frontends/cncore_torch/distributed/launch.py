@@ -11,6 +11,7 @@ import datetime
 import os
 import socket
 import time
+from typing import Optional
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -24,25 +25,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(rank: int, world_size: int, port: int, timeout: float, fn, args) -> None:
+def _run(rank: int, world_size: int, port: int, timeout: Optional[float], fn, args) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=max(10.0, timeout)))
+                            timeout=datetime.timedelta(seconds=max(10.0, timeout) if timeout else 1800.0))
     try:
         fn(rank, world_size, *args)
     finally:
         dist.destroy_process_group()
 
 
-def spawn(fn, nprocs: int, *args, timeout: float = 120.0) -> None:
-    """fn(rank, nprocs, *args) in `nprocs` processes; raises if one fails or time runs out."""
+def spawn(fn, nprocs: int, *args, timeout: Optional[float] = 120.0) -> None:
+    """fn(rank, nprocs, *args) in `nprocs` processes; raises if one fails or time runs out
+    (timeout=None: no deadline for the run; a collective still gives up after 30 minutes)."""
     if not isinstance(nprocs, int) or isinstance(nprocs, bool) or nprocs < 1:
         raise ValueError(f"nprocs must be an int >= 1, got {nprocs!r}")
     context = mp.start_processes(_run, args=(nprocs, free_port(), timeout, fn, args), nprocs=nprocs,
                                  join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout
-    while not context.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
+    deadline = time.monotonic() + (timeout if timeout else float("inf"))
+    while not context.join(timeout=1.0):
         if time.monotonic() > deadline:
             for p in context.processes:
                 if p.is_alive():

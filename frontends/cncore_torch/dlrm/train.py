@@ -119,7 +119,7 @@ class Run:
     @torch.no_grad()
     def evaluate(self, batches: List[Batch]) -> Dict[str, float]:
         self.model.eval()
-        auc = torchmetrics.classification.BinaryAUROC()
+        auc = torchmetrics.classification.BinaryAUROC(sync_on_compute=False)
         losses, n = 0.0, 0
         for b in batches:
             logits = self.model(b.dense, self.features(b.sparse)).squeeze(1)
@@ -357,7 +357,7 @@ def train(run: Run, data: Data, args, start: int = 0) -> Dict[str, float]:
 def best_attainable(data: Data) -> Optional[float]:
     if data.synthetic is None:
         return None
-    auc = torchmetrics.classification.BinaryAUROC()
+    auc = torchmetrics.classification.BinaryAUROC(sync_on_compute=False)
     for b in data.eval_set:
         auc.update(b.probabilities, b.labels.long())
     return float(auc.compute())
@@ -405,7 +405,26 @@ def run(args) -> int:
         return 2
 
 
+def report(results: List[Dict], best: Optional[float], args) -> None:
+    """The final table (and the summary JSON)."""
+    print()
+    print("| run | AUC | log loss | samples/s | table rows | table MiB used / allocated |")
+    print("|---|---|---|---|---|---|")
+    for r in results:
+        rows = f"{r['rows']:,.0f}" if "rows" in r else "-"
+        mib = f"{r['table_mib']:.1f} / {r['table_mib_allocated']:.1f}" if "table_mib" in r else "-"
+        print(f"| {r['name']} | {r['auc']:.4f} | {r['logloss']:.4f} | {r['samples_per_s']:,.0f} | {rows} | {mib} |")
+    if best is not None:
+        print(f"| best attainable (the hidden model's own probabilities) | {best:.4f} | | | | |")
+    if args.summary_json:
+        with open(args.summary_json, "w") as fh:
+            json.dump({"runs": results, "best_attainable_auc": best, "args": vars(args)}, fh, indent=2)
+
+
 def _run(args) -> int:
+    if getattr(args, "nproc", 1) > 1:
+        from cncore_torch.dlrm import distributed
+        return distributed.run(args)
     _mute_is_fx_tracing_notice()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -427,19 +446,7 @@ def _run(args) -> int:
             results.append(train(collision_free_run(args, data), data, args))
             results.append(train(dmp_run(args, data), data, args))
         results.append(train(hashed_run(args, equal_memory_rows(run.tables, args.embedding_dim)), data, args))
-    best = best_attainable(data)
-    print()
-    print("| run | AUC | log loss | samples/s | table rows | table MiB used / allocated |")
-    print("|---|---|---|---|---|---|")
-    for r in results:
-        rows = f"{r['rows']:,.0f}" if "rows" in r else "-"
-        mib = f"{r['table_mib']:.1f} / {r['table_mib_allocated']:.1f}" if "table_mib" in r else "-"
-        print(f"| {r['name']} | {r['auc']:.4f} | {r['logloss']:.4f} | {r['samples_per_s']:,.0f} | {rows} | {mib} |")
-    if best is not None:
-        print(f"| best attainable (the hidden model's own probabilities) | {best:.4f} | | | | |")
-    if args.summary_json:
-        with open(args.summary_json, "w") as fh:
-            json.dump({"runs": results, "best_attainable_auc": best, "args": vars(args)}, fh, indent=2)
+    report(results, best_attainable(data), args)
     return 0
 
 

@@ -1,0 +1,155 @@
+"""`cn-dlrm --nproc N`: the job on N local processes (gloo), each table sharded row-wise over
+them by `cncore_torch.distributed` under TorchRec's DistributedModelParallel.
+
+Every rank reads the same global batch (`--batch-size` samples) and trains on its contiguous
+share of it (sizes differ by at most one sample). The run is the single-process run with the
+work split, not a run with a larger batch: each rank's loss is its samples' summed log loss
+divided by the global batch size, and DDP sums the dense gradients over ranks (a comm hook
+replacing its default average), so dense and sparse gradients are the single-process ones up to
+fp32 reassociation. Evaluation: every rank scores its share of each evaluation batch; AUC and
+log loss are computed over all ranks' predictions together. Rank 0 prints; the others are quiet.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+import warnings
+from typing import Dict, List
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torchmetrics
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+import cncore
+from cncore_torch.dlrm.data import Batch
+
+__all__ = ["run", "share"]
+
+
+def share(batch: Batch, rank: int, world_size: int) -> Batch:
+    """Rank `rank`'s contiguous share of `batch` (every feature's bags of those samples)."""
+    n = len(batch.labels)
+    lo, hi = rank * n // world_size, (rank + 1) * n // world_size
+    kjt = batch.sparse
+    keys, lengths = kjt.keys(), kjt.lengths()
+    bag = torch.repeat_interleave(torch.arange(lengths.numel()), lengths, output_size=kjt.values().numel())
+    sample = bag % n
+    keep = (sample >= lo) & (sample < hi)
+    sparse = KeyedJaggedTensor(keys=keys, values=kjt.values()[keep],
+                               lengths=lengths.view(len(keys), n)[:, lo:hi].reshape(-1), stride=hi - lo)
+    probabilities = None if batch.probabilities is None else batch.probabilities[lo:hi]
+    return Batch(batch.dense[lo:hi], sparse, batch.labels[lo:hi], probabilities)
+
+
+def _sum_hook(process_group, bucket):
+    """DDP comm hook: sum the ranks' gradients (DDP's default averages them)."""
+    group = process_group if process_group is not None else dist.group.WORLD
+    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def _all_sum(values: List[float]) -> List[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+class DistributedRun:
+    """The `Run` interface of train.py over a DMP model on this rank's share of each batch."""
+
+    def __init__(self, name, model, optimizers, sharded, rank: int, world_size: int):
+        self.name, self.model, self.optimizers, self.sharded = name, model, optimizers, sharded
+        self.rank, self.world_size = rank, world_size
+        self.tables = None  # train.py checkpoints runs with .tables; a distributed checkpoint is per rank (not yet)
+
+    def step(self, batch: Batch) -> float:
+        self.model.train()
+        mine = share(batch, self.rank, self.world_size)
+        logits = self.model(mine.dense, mine.sparse).squeeze(1)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, mine.labels, reduction="sum")
+        for opt in self.optimizers:
+            opt.zero_grad()
+        (loss / len(batch.labels)).backward()
+        for opt in self.optimizers:
+            opt.step()
+        return _all_sum([loss.item()])[0] / len(batch.labels)
+
+    @torch.no_grad()
+    def evaluate(self, batches: List[Batch]) -> Dict[str, float]:
+        self.model.eval()
+        scores, labels = [], []
+        for b in batches:
+            mine = share(b, self.rank, self.world_size)
+            scores.append(self.model(mine.dense, mine.sparse).squeeze(1))
+            labels.append(mine.labels)
+        gathered = [None] * self.world_size
+        dist.all_gather_object(gathered, (torch.cat(scores), torch.cat(labels)))
+        logits = torch.cat([g[0] for g in gathered])
+        y = torch.cat([g[1] for g in gathered])
+        auc = torchmetrics.classification.BinaryAUROC(sync_on_compute=False)
+        auc.update(torch.sigmoid(logits), y.long())
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, y).item()
+        return {"auc": float(auc.compute()), "logloss": loss}
+
+    def table_summary(self) -> Dict[str, float]:
+        from cncore_torch.dlrm.train import used_bytes
+        stores = self.sharded.stores.values()
+        rows, used, allocated = _all_sum([sum(len(s) for s in stores), sum(used_bytes(s) for s in stores),
+                                          sum(s.nbytes for s in stores)])
+        return {"rows": rows, "table_mib": used / 2**20, "table_mib_allocated": allocated / 2**20}
+
+
+def distributed_run(args, data, rank: int, world_size: int) -> DistributedRun:
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+
+    from cncore_torch.collection import CNEmbeddingBagCollection
+    from cncore_torch.distributed import CNEmbeddingBagCollectionSharder, plan_for
+    from cncore_torch.dlrm.train import build_dlrm, table_configs
+
+    torch.manual_seed(args.seed)  # the same dense initialisation on every rank (DDP broadcasts rank 0's anyway)
+    capacities = {name: max(1, math.ceil(n / world_size)) for name, n in data.initial_rows().items()}
+    ebc = CNEmbeddingBagCollection(tables=table_configs(args.embedding_dim, data.cardinalities), device="meta",
+                                   optimizer=cncore.RowWiseAdagrad(lr=args.sparse_lr), seed=args.seed,
+                                   capacities=capacities)
+    model = build_dlrm(ebc, args.embedding_dim)
+    with warnings.catch_warnings():
+        # TorchRec's own DistributedDataParallel call passes the deprecated argument: not ours to change.
+        warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
+        # plan_for: the plan TorchRec's planner also reaches, without its warnings about CPU topologies
+        dmp = DistributedModelParallel(model, device=torch.device("cpu"), sharders=[CNEmbeddingBagCollectionSharder()],
+                                       plan=plan_for(model, world_size))
+    wrapped = dmp._dmp_wrapped_module
+    if isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
+        wrapped.register_comm_hook(state=None, hook=_sum_hook)
+    sharded = dmp.module.sparse_arch.embedding_bag_collection
+    dense = [p for n, p in dmp.named_parameters() if "_anchor" not in n]
+    return DistributedRun(f"cncore (dynamic tables, {world_size} processes)", dmp,
+                          [torch.optim.Adagrad(dense, lr=args.dense_lr), dmp.fused_optimizer], sharded, rank,
+                          world_size)
+
+
+def _worker(rank: int, world_size: int, args) -> None:
+    from cncore_torch.dlrm import train as job
+
+    job._mute_is_fx_tracing_notice()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+        cncore.set_num_threads(args.threads)
+    if rank != 0:
+        args.no_progress = True
+    quiet = contextlib.redirect_stdout(io.StringIO()) if rank != 0 else contextlib.nullcontext()
+    with quiet:
+        data = job.Data(args)
+        run = distributed_run(args, data, rank, world_size)
+        results = [job.train(run, data, args)]
+        if rank == 0:
+            job.report(results, job.best_attainable(data), args)
+
+
+def run(args) -> int:
+    from cncore_torch.distributed.launch import spawn
+    spawn(_worker, args.nproc, args, timeout=None)
+    return 0
