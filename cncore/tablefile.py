@@ -70,7 +70,8 @@ import numpy as np
 import cncore
 
 __all__ = ["save_table", "open_table", "load_store", "TableFile", "TableWriter", "TableFormatError",
-           "FORMAT_VERSION", "config_to_dict", "config_from_dict", "infer_config", "Checkpoint", "compact_table"]
+           "FORMAT_VERSION", "config_to_dict", "config_from_dict", "infer_config", "Checkpoint", "compact_table",
+           "chain_length"]
 
 FORMAT = "cn-table"
 FORMAT_VERSION = 2  # 2: manifest.sha256 added; 1 is still read
@@ -588,11 +589,27 @@ def load_store(path: str, verify: bool = True, batch_rows: int = 1 << 18, kind=N
     return store
 
 
-def compact_table(path: str, verify: bool = True) -> Checkpoint:
+def compact_table(path: str, verify: bool = True, out: Optional[str] = None) -> Checkpoint:
     """Rewrite a chain (base + deltas) as one full base, atomically (the chain's versions are
-    removed after the commit). Holds the table in memory while it writes."""
+    removed after the commit), or write it to the new table `out` and leave `path` as it is.
+    Holds the table in memory while it writes."""
     store = load_store(path, verify)
-    return save_table(store, path)
+    return save_table(store, path if out is None else out)
+
+
+def chain_length(path: str, verify: bool = False) -> int:
+    """How many deltas (incremental saves) the table at `path` holds over its base: 0 for a
+    table saved in full. Without `verify`, the chain's manifests and sizes are checked, not the
+    arrays' checksums.
+
+    >>> import numpy as np, tempfile, os
+    >>> s = cncore.EmbeddingStore(dim=2); _ = s.find_or_insert(np.arange(3))
+    >>> path = os.path.join(tempfile.mkdtemp(), "t.cnt"); base = save_table(s, path)
+    >>> _ = s.find_or_insert(np.arange(5)); _ = save_table(s, path, since=base)
+    >>> chain_length(path)
+    1
+    """
+    return len(_open_chain(path, verify)) - 1
 
 
 def _read_current(path: str, missing_ok: bool = False, must_parse: bool = True) -> Optional[str]:

@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from cncore_numpy import exchange, tools
 from cncore_numpy.exchange import NpzStreamWriter
-from cncore.tablefile import TableFormatError, compact_table, load_store, open_table, save_table
+from cncore.tablefile import TableFormatError, chain_length, compact_table, open_table
 
 
 def _progress(quiet: bool, desc: str):
@@ -65,7 +65,7 @@ def _open_base(path: str, verify: bool):
     except TableFormatError as exc:
         refused = exc
     try:
-        deltas = tools.chain_deltas(path)
+        deltas = chain_length(path)
     except TableFormatError:  # damaged: open_table's message names what
         deltas = 0
     if not deltas:
@@ -183,7 +183,7 @@ def _run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     elif cmd == "compact":
         if args.out is not None and os.path.realpath(args.out) == os.path.realpath(args.table):
             args.out = None
-        deltas = tools.chain_deltas(args.table)
+        deltas = chain_length(args.table)
         merged = f"{deltas} delta{'s' * (deltas != 1)} merged into one version" if deltas else "not a chain"
         if args.out is None and not deltas:
             rows = len(_open_base(args.table, verify))
@@ -192,9 +192,9 @@ def _run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             compact_table(args.table, verify)
             print(f"wrote {len(open_table(args.table, verify=False)):,} rows to {args.table} ({merged})")
         else:
-            store = load_store(args.table, verify)
-            save_table(store, args.out)
-            print(f"wrote {len(store):,} rows to {args.out} ({merged}; {args.table} left as it is)")
+            compact_table(args.table, verify, out=args.out)
+            print(f"wrote {len(open_table(args.out, verify=False)):,} rows to {args.out} ({merged}; "
+                  f"{args.table} left as it is)")
     return 0
 
 

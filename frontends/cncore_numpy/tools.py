@@ -29,7 +29,7 @@ from cncore_numpy.exchange import BATCH, NpzStreamWriter
 from cncore.tablefile import TableFile, TableWriter, config_to_dict
 from cncore.tablefile_lookup import find_rows, key_index
 
-__all__ = ["inspect", "chain_deltas", "prune_mask", "prune", "merge", "diff", "to_fixed", "POLICIES",
+__all__ = ["inspect", "prune_mask", "prune", "merge", "diff", "to_fixed", "POLICIES",
            "POLICY_FIELDS"]
 
 POLICIES = ("left", "right", "newer", "average")
@@ -93,13 +93,6 @@ def inspect(table: TableFile, progress: Callable = iter) -> dict:
             "row_norm": _hist(norms[np.isfinite(norms)], 10),
             "access_count": {"edges": count_bins, "counts": counts.tolist()},
             "age": {"edges": age_bins, "counts": ages.tolist()}}
-
-
-def chain_deltas(path: str) -> int:
-    """How many deltas (incremental saves) the table at `path` holds over its base: 0 for a
-    table saved in full. Checks the chain's manifests and file sizes, not the checksums."""
-    from cncore.tablefile import _open_chain  # the core has no public walk of a chain yet
-    return len(_open_chain(path, verify=False)) - 1
 
 
 def prune_mask(table: TableFile, min_count: Optional[int] = None, min_step: Optional[int] = None,
