@@ -10,7 +10,8 @@ same configs and seed on their concatenation (rank order). Checked in every rank
   pooled row is the same in both), the rows of the keys a rank owns equal the single-process
   rows (assert_close at 1e-6, the same reassociation in the forward of the next steps) and its
   optimizer state too; every key lives on exactly one rank, the one `owner_of` names, and the
-  ranks together hold exactly the single-process keys.
+  ranks together hold exactly the single-process keys;
+- eval mode: nothing is inserted, unseen keys read as zero rows on both.
 """
 import numpy as np
 import pytest
@@ -86,6 +87,13 @@ def _train_and_compare(rank, world_size, kind, batch_sizes, steps, use_plan, opt
         torch.testing.assert_close(out.values(), mine, rtol=1e-6, atol=1e-6)
         (out.values() * targets[start:start + batch_sizes[rank]]).sum().backward()
         (expected.values() * targets).sum().backward()
+    # eval: nothing inserted anywhere, unseen keys read as zero rows on both
+    dmp.eval(), ref.eval()
+    kjts = _kjts(999, batch_sizes, weighted, high=2**62)
+    rows_before = {name: len(s) for name, s in sharded.stores.items()}
+    out, expected = dmp(kjts[rank]), ref(_concat(kjts))
+    torch.testing.assert_close(out.values(), expected.values()[start:start + batch_sizes[rank]], rtol=1e-6, atol=1e-6)
+    assert {name: len(s) for name, s in sharded.stores.items()} == rows_before
     everyone = [None] * world_size
     owned = {name: store.export().keys for name, store in sharded.stores.items()}
     dist.all_gather_object(everyone, owned)
