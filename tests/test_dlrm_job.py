@@ -306,3 +306,20 @@ def test_nproc_refuses_what_it_does_not_run_yet(capsys, tmp_path, monkeypatch, o
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and re.search(f"{option[0]} does not run with --nproc 2", err[0])
+
+
+def test_torchrun_runs_the_distributed_job(tmp_path):
+    """`torchrun --nproc-per-node 2 -m cncore_torch.dlrm`: each process one rank, as --nproc 2."""
+    from cncore_torch.distributed.launch import free_port
+    args = ["--steps", "20", "--eval-every", "20", "--eval-batches", "2"]
+    one = run(tmp_path, *args)["runs"][0]
+    out = tmp_path / "torchrun.json"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend",
+                           "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "-m", "cncore_torch.dlrm", *SMALL,
+                           *args, "--summary-json", str(out)], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    two = json.loads(out.read_text())["runs"][0]
+    assert two["name"] == "cncore (dynamic tables, 2 processes)"
+    assert abs(two["auc"] - one["auc"]) < 0.003 and two["rows"] == one["rows"]
+    assert proc.stdout.count("| cncore (dynamic tables, 2 processes) |") == 1  # rank 0 prints, rank 1 does not

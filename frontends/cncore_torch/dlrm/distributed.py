@@ -8,12 +8,16 @@ divided by the global batch size, and DDP sums the dense gradients over ranks (a
 replacing its default average), so dense and sparse gradients are the single-process ones up to
 fp32 reassociation. Evaluation: every rank scores its share of each evaluation batch; AUC and
 log loss are computed over all ranks' predictions together. Rank 0 prints; the others are quiet.
+
+`torchrun --nproc-per-node N -m cncore_torch.dlrm [options]` runs the same job, each process one
+rank (gloo; `--nproc` is then ignored).
 """
 from __future__ import annotations
 
 import contextlib
 import io
 import math
+import os
 import warnings
 from typing import Dict, List
 
@@ -149,7 +153,20 @@ def _worker(rank: int, world_size: int, args) -> None:
             job.report(results, job.best_attainable(data), args)
 
 
+def launched_by_torchrun() -> bool:
+    """True in a process torchrun started for a group of more than one (it sets these)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "TORCHELASTIC_RUN_ID" in os.environ
+
+
 def run(args) -> int:
+    """`--nproc N`: spawn N processes here; under torchrun: this process is one rank of its group."""
+    if launched_by_torchrun():
+        dist.init_process_group("gloo")
+        try:
+            _worker(dist.get_rank(), dist.get_world_size(), args)
+        finally:
+            dist.destroy_process_group()
+        return 0
     from cncore_torch.distributed.launch import spawn
     spawn(_worker, args.nproc, args, timeout=None)
     return 0

@@ -422,8 +422,8 @@ def report(results: List[Dict], best: Optional[float], args) -> None:
 
 
 def _run(args) -> int:
-    if getattr(args, "nproc", 1) > 1:
-        from cncore_torch.dlrm import distributed
+    from cncore_torch.dlrm import distributed
+    if getattr(args, "nproc", 1) > 1 or distributed.launched_by_torchrun():
         return distributed.run(args)
     _mute_is_fx_tracing_notice()
     if args.threads:
