@@ -82,20 +82,8 @@ class ShardedCNEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         ShardedEmbeddingModule.__init__(self, qcomm_codecs_registry=qcomm_codecs_registry)
         if not isinstance(module, CNEmbeddingBagCollection):
             raise TypeError(f"module must be a CNEmbeddingBagCollection, got {type(module).__name__}")
-        if device is not None and torch.device(device).type != "cpu":
-            raise ValueError(f"device={device}: the tables' rows are in the core; shard onto device 'cpu' (the "
-                             "process group's backend may still be NCCL for dense parts, untested)")
-        if module._optimizer is None:
-            raise ValueError("the sharded collection applies its optimizer in backward on the rank owning each row: "
-                             "build the CNEmbeddingBagCollection with optimizer=cncore.<SGD|Adagrad|RowWiseAdagrad|Adam>")
         configs = module.embedding_bag_configs()
-        for c in configs:
-            ps = table_name_to_parameter_sharding.get(c.name)
-            if ps is None:
-                raise ValueError(f"table {c.name!r}: the plan has no entry for it (plan_for builds one)")
-            if ps.sharding_type != _ROW_WISE or ps.compute_kernel != _KERNEL:
-                raise ValueError(f"table {c.name!r}: planned as {ps.sharding_type}/{ps.compute_kernel}; dynamic "
-                                 f"tables shard as {_ROW_WISE}/{_KERNEL} (plan_for builds that plan)")
+        _check_plan(module, configs, table_name_to_parameter_sharding, device)
         self._module_fqn = module_fqn
         self._env = env
         self._pg = env.process_group
@@ -112,9 +100,7 @@ class ShardedCNEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         self._store_configs = dict(module._store_configs)
         self._anchor = nn.Parameter(torch.empty(0))
         self._stores = {name: cncore.EmbeddingStore(config) for name, config in self._store_configs.items()}
-        for name, store in module.stores.items():  # rows of a materialised module: keep the ones this rank owns
-            if len(store):
-                self._keep_owned(name, TableState.from_export(_export(store), store.step))
+        _keep_owned_rows(self._stores, module.stores, self._world_size, self._rank)
         self._optim = keyed_fused_optimizer(self._anchor, module._optimizer, list(self._stores.values()),
                                             "embedding_bags.fused")
         infos = [EmbeddingShardingInfo(
@@ -207,12 +193,6 @@ class ShardedCNEmbeddingBagCollection(ShardedEmbeddingBagCollection):
 
     # --- state ---------------------------------------------------------------------------------------
 
-    def _keep_owned(self, name: str, state: TableState) -> None:
-        """Load the rows of `state` this rank owns into its store of `name` (replacing all)."""
-        mine = (owner_of(torch.from_numpy(state.keys), self._world_size) == self._rank).numpy()
-        TableState(state.keys[mine], state.rows[mine], state.optimizer_state[mine], state.counts[mine],
-                   state.last_steps[mine], state.step).load_into(self._stores[name])
-
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         """This rank's shard of every table under `tables.<name>.` (keys it owns, rows, optimizer
         state, counts, last steps, step), as the collection saves a whole table."""
@@ -229,21 +209,48 @@ class ShardedCNEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         def load_rest(rest, missing, unexpected, errors):
             nn.Module._load_from_state_dict(self, rest, prefix, local_metadata, strict, missing, unexpected, errors)
 
-        tables = {f"{prefix}tables.{name}.": (store.config, lambda state, name=name: self._keep_owned(name, state))
-                  for name, store in self._stores.items()}
-        load_tables(tables, load_rest, state_dict, missing_keys, unexpected_keys, error_msgs)
+        load_tables(self._tables(prefix), load_rest, state_dict, missing_keys, unexpected_keys, error_msgs)
 
     def _tables(self, prefix: str) -> dict:
-        return {f"{prefix}tables.{name}.": (store.config, lambda state, name=name: self._keep_owned(name, state))
+        return {f"{prefix}tables.{name}.": (store.config, _owned_writer(store, self._world_size, self._rank))
                 for name, store in self._stores.items()}
 
     def sharded_parameter_names(self, prefix: str = "") -> Iterator[str]:
         yield from (key for key, _ in self.named_parameters(prefix))
 
 
-def _export(store):
+def _check_plan(module, configs, table_name_to_parameter_sharding, device) -> None:
+    """The plan shards every table row-wise with our kernel, on cpu, and the module has an optimizer."""
+    if device is not None and torch.device(device).type != "cpu":
+        raise ValueError(f"device={device}: the tables' rows are in the core; shard onto device 'cpu' (the "
+                         "process group's backend may still be NCCL for dense parts, untested)")
+    if module._optimizer is None:
+        raise ValueError(f"the sharded collection applies its optimizer in backward on the rank owning each row: "
+                         f"build the {type(module).__name__} with optimizer=cncore.<SGD|Adagrad|RowWiseAdagrad|Adam>")
+    for c in configs:
+        ps = table_name_to_parameter_sharding.get(c.name)
+        if ps is None:
+            raise ValueError(f"table {c.name!r}: the plan has no entry for it (plan_for builds one)")
+        if ps.sharding_type != _ROW_WISE or ps.compute_kernel != _KERNEL:
+            raise ValueError(f"table {c.name!r}: planned as {ps.sharding_type}/{ps.compute_kernel}; dynamic "
+                             f"tables shard as {_ROW_WISE}/{_KERNEL} (plan_for builds that plan)")
+
+
+def _owned_writer(store: cncore.EmbeddingStore, world_size: int, rank: int):
+    """What loads a checked TableState into `store`: the rows this rank owns (replacing all)."""
+    def write(state: TableState) -> None:
+        mine = (owner_of(torch.from_numpy(state.keys), world_size) == rank).numpy()
+        TableState(state.keys[mine], state.rows[mine], state.optimizer_state[mine], state.counts[mine],
+                   state.last_steps[mine], state.step).load_into(store)
+    return write
+
+
+def _keep_owned_rows(stores, source_stores, world_size: int, rank: int) -> None:
+    """Rows of a materialised unsharded module: each rank keeps the ones it owns."""
     from cncore_torch.state import export_tensors
-    return export_tensors(store)
+    for name, store in source_stores.items():
+        if len(store):
+            _owned_writer(stores[name], world_size, rank)(TableState.from_export(export_tensors(store), store.step))
 
 
 def _split(flat: List[str], groups: List[List[str]]) -> List[List[str]]:
@@ -290,22 +297,28 @@ class CNEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
 def plan_for(model: nn.Module, world_size: int, *, local_size: Optional[int] = None,
              device_type: str = "cpu") -> ShardingPlan:
     """The sharding plan DMP takes, without TorchRec's planner: every table of every
-    `CNEmbeddingBagCollection` in `model` row-wise over all `world_size` ranks with our kernel.
+    `CNEmbeddingBagCollection` (and `CNEmbeddingCollection`) in `model` row-wise over all
+    `world_size` ranks with our kernel.
 
     `DistributedModelParallel(model, device=torch.device("cpu"), sharders=[CNEmbeddingBagCollectionSharder()],
     plan=plan_for(model, world_size))`. Use it to add TorchRec modules' plans by hand, or when the
     planner is not wanted (it needs a process group; this does not)."""
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
 
-    sharder = CNEmbeddingBagCollectionSharder()
+    from cncore_torch.collection import CNEmbeddingCollection
+    from cncore_torch.distributed.embedding import CNEmbeddingCollectionSharder
+
     plan = {}
     for path, module in model.named_modules():
-        if isinstance(module, CNEmbeddingBagCollection):
+        if isinstance(module, (CNEmbeddingBagCollection, CNEmbeddingCollection)):
+            pooled = isinstance(module, CNEmbeddingBagCollection)
+            configs = module.embedding_bag_configs() if pooled else module.embedding_configs()
+            sharder = CNEmbeddingBagCollectionSharder() if pooled else CNEmbeddingCollectionSharder()
             plan[path] = construct_module_sharding_plan(
-                module, {c.name: row_wise(compute_kernel=_KERNEL) for c in module.embedding_bag_configs()},
+                module, {c.name: row_wise(compute_kernel=_KERNEL) for c in configs},
                 sharder=sharder, local_size=local_size or world_size, world_size=world_size, device_type=device_type)
     if not plan:
-        raise ValueError("model holds no CNEmbeddingBagCollection to shard")
+        raise ValueError("model holds no CNEmbeddingBagCollection or CNEmbeddingCollection to shard")
     return ShardingPlan(plan)
 
 

@@ -1,0 +1,197 @@
+"""`CNEmbeddingCollection` (unpooled: one row per ID) sharded row-wise by key hash under DMP.
+
+The same routing as the pooled collection (`routing.owner_of`), with the unpooled layout: every
+ID goes to its owner (with its table), the owner looks up one row per ID, and the rows travel
+back in the order the IDs went out, so each rank gets exactly the rows of its own IDs (N x dim,
+not a pool per bag). Both exchanges are all-to-alls with split sizes (any per-rank batch sizes,
+gloo included); the rows' all-to-all is an autograd function, so each row's gradient goes back
+to its owner, where the fused optimizer applies it in backward (a table's IDs from every rank
+in one update per row, as the single-process collection does).
+
+The stages are those of TorchRec's `ShardedEmbeddingCollection` (input_dist, compute,
+output_dist); the sharding, dist and kernel classes are not split out as for the pooled
+collection (`embeddingbag.py`): this is the smaller sibling, with its parts in this file.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Type
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchrec.distributed.embedding import EmbeddingCollectionContext, EmbeddingCollectionSharder, \
+    ShardedEmbeddingCollection
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel, ShardedEmbeddingModule
+from torchrec.distributed.types import Awaitable, LazyAwaitable, NoWait, ParameterSharding, ShardingEnv, ShardingType
+from torchrec.optim.keyed import KeyedOptimizer
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
+
+import cncore
+from cncore_torch.collection import CNEmbeddingCollection, _TableLookups
+from cncore_torch.distributed.embeddingbag import _check_plan, _keep_owned_rows
+from cncore_torch.distributed.routing import owner_of
+from cncore_torch.distributed.rw_sharding import _AllToAll
+from cncore_torch.optim import keyed_fused_optimizer
+from cncore_torch.state import load_tables, save_store
+
+__all__ = ["CNEmbeddingCollectionSharder", "ShardedCNEmbeddingCollection"]
+
+_KERNEL = EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
+_ROW_WISE = ShardingType.ROW_WISE.value
+
+
+class _Rows(LazyAwaitable[Dict[str, JaggedTensor]]):
+    def __init__(self, fn):
+        super().__init__()
+        self._fn = fn
+
+    def _wait_impl(self) -> Dict[str, JaggedTensor]:
+        return self._fn()
+
+
+class ShardedCNEmbeddingCollection(ShardedEmbeddingCollection):
+    """`CNEmbeddingCollection` with every table sharded row-wise by key hash over the process group."""
+
+    def __init__(self, module: CNEmbeddingCollection, table_name_to_parameter_sharding: Dict[str, ParameterSharding],
+                 env: ShardingEnv, fused_params: Optional[Dict[str, Any]] = None,
+                 device: Optional[torch.device] = None, qcomm_codecs_registry=None, module_fqn: Optional[str] = None):
+        ShardedEmbeddingModule.__init__(self, qcomm_codecs_registry=qcomm_codecs_registry)
+        if not isinstance(module, CNEmbeddingCollection):
+            raise TypeError(f"module must be a CNEmbeddingCollection, got {type(module).__name__}")
+        _check_plan(module, module.embedding_configs(), table_name_to_parameter_sharding, device)
+        self._module_fqn, self._env, self._pg = module_fqn, env, env.process_group
+        self._world_size, self._rank = env.world_size, env.rank
+        self._configs = module.embedding_configs()
+        self._feature_names, self._names_by_table = module._feature_names, module.embedding_names_by_table()
+        self._dim = module.embedding_dim()
+        self._features = [f for names in self._feature_names for f in names]
+        self._feature_table = [t for t, names in enumerate(self._feature_names) for _ in names]
+        self.module_sharding_plan = {c.name: table_name_to_parameter_sharding[c.name] for c in self._configs}
+        self._anchor = nn.Parameter(torch.empty(0))
+        self._stores = {name: cncore.EmbeddingStore(config) for name, config in module._store_configs.items()}
+        _keep_owned_rows(self._stores, module.stores, self._world_size, self._rank)
+        self._table_stores = [self._stores[c.name] for c in self._configs]  # what _TableLookups reads
+        self._optim = keyed_fused_optimizer(self._anchor, module._optimizer, list(self._stores.values()),
+                                                      "embeddings.fused")
+        self._input_dists, self._lookups, self._output_dists = [], [], []
+
+    @property
+    def fused_optimizer(self) -> KeyedOptimizer:
+        return self._optim
+
+    @property
+    def stores(self) -> Dict[str, cncore.EmbeddingStore]:
+        """{table name: this rank's store} (the keys this rank owns)."""
+        return self._stores
+
+    @property
+    def unsharded_module_type(self) -> Type[CNEmbeddingCollection]:
+        return CNEmbeddingCollection
+
+    def reset_parameters(self) -> None:
+        """Nothing to reset: rows are drawn from (seed, table, key) as keys arrive."""
+
+    def create_context(self) -> EmbeddingCollectionContext:
+        return EmbeddingCollectionContext()
+
+    def _exchange(self, tensor: torch.Tensor, out_splits: List[int], in_splits: List[int]) -> torch.Tensor:
+        out = tensor.new_empty((sum(out_splits),) + tuple(tensor.shape[1:]))
+        dist.all_to_all_single(out, tensor.contiguous(), out_splits, in_splits, group=self._pg)
+        return out
+
+    def input_dist(self, ctx: EmbeddingCollectionContext, features: KeyedJaggedTensor) -> Awaitable[Awaitable[Any]]:
+        if not isinstance(features, KeyedJaggedTensor):
+            raise TypeError(f"features must be a KeyedJaggedTensor, got {type(features).__name__}")
+        with torch.no_grad():
+            keys = features.keys()
+            missing = [f for f in self._features if f not in keys]
+            if missing:
+                raise ValueError(f"features: no key {missing[0]!r} (it has {keys})")
+            order = [keys.index(f) for f in self._features]
+            if order != list(range(len(keys))):
+                features = features.permute(order)
+            values = features.values().to(torch.int64)
+            per_feature = features.length_per_key()
+            table = torch.repeat_interleave(torch.tensor(self._feature_table, dtype=torch.int64),
+                                            torch.tensor(per_feature, dtype=torch.int64), output_size=values.numel())
+            owner = owner_of(values, self._world_size)
+            sort = torch.argsort(owner * len(self._configs) + table, stable=True)
+            send = torch.bincount(owner, minlength=self._world_size)
+            recv = self._exchange(send, [1] * self._world_size, [1] * self._world_size)
+            send_splits, recv_splits = send.tolist(), recv.tolist()
+            ctx.cn = dict(sort=sort, send=send_splits, recv=recv_splits, per_feature=per_feature,
+                          lengths=features.lengths().view(len(self._features), -1))
+            routed = (self._exchange(values[sort], recv_splits, send_splits),
+                      self._exchange(table[sort], recv_splits, send_splits))
+            return NoWait(NoWait(routed))
+
+    def compute(self, ctx: EmbeddingCollectionContext, dist_input) -> torch.Tensor:
+        keys, tables = dist_input
+        positions = [torch.nonzero(tables == t).squeeze(1) for t in range(len(self._configs))]
+        rows = _TableLookups.apply(self._anchor, self, [keys[p] for p in positions], self.training)
+        everything = torch.cat(rows) if rows else keys.new_empty((0, self._dim), dtype=torch.float32)
+        return everything[torch.argsort(torch.cat(positions))]  # rows in the order the keys arrived
+
+    def output_dist(self, ctx: EmbeddingCollectionContext, output: torch.Tensor) -> LazyAwaitable[Dict[str, JaggedTensor]]:
+        c = ctx.cn
+        back = _AllToAll.apply(output, c["send"], c["recv"], self._pg)  # rows of my keys, in `sort` order
+
+        def assemble() -> Dict[str, JaggedTensor]:
+            rows = back[torch.argsort(c["sort"])]
+            result, start, f = {}, 0, 0
+            for names, emb_names in zip(self._feature_names, self._names_by_table):
+                for emb_name in emb_names:
+                    n = c["per_feature"][f]
+                    result[emb_name] = JaggedTensor(values=rows[start:start + n], lengths=c["lengths"][f])
+                    start, f = start + n, f + 1
+            return result
+
+        return _Rows(assemble)
+
+    def compute_and_output_dist(self, ctx: EmbeddingCollectionContext, input) -> LazyAwaitable[Dict[str, JaggedTensor]]:
+        return self.output_dist(ctx, self.compute(ctx, input))
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        nn.Module._save_to_state_dict(self, destination, prefix, keep_vars)
+        for name, store in self._stores.items():
+            save_store(store, destination, f"{prefix}tables.{name}.")
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        """As the pooled sharded collection: entries with any keys; this rank keeps its own."""
+        from cncore_torch.distributed.embeddingbag import _owned_writer
+
+        def load_rest(rest, missing, unexpected, errors):
+            nn.Module._load_from_state_dict(self, rest, prefix, local_metadata, strict, missing, unexpected, errors)
+
+        tables = {f"{prefix}tables.{name}.": (store.config, _owned_writer(store, self._world_size, self._rank))
+                  for name, store in self._stores.items()}
+        load_tables(tables, load_rest, state_dict, missing_keys, unexpected_keys, error_msgs)
+
+
+class CNEmbeddingCollectionSharder(EmbeddingCollectionSharder):
+    """Shards `CNEmbeddingCollection` row-wise by key hash (CUSTOMIZED_KERNEL), on cpu."""
+
+    def shard(self, module: CNEmbeddingCollection, params: Dict[str, ParameterSharding], env: ShardingEnv,
+              device: Optional[torch.device] = None, module_fqn: Optional[str] = None) -> ShardedCNEmbeddingCollection:
+        return ShardedCNEmbeddingCollection(module, params, env, self.fused_params, device,
+                                            qcomm_codecs_registry=self.qcomm_codecs_registry, module_fqn=module_fqn)
+
+    def shardable_parameters(self, module: CNEmbeddingCollection) -> Dict[str, nn.Parameter]:
+        return {c.name: nn.Parameter(torch.empty(c.num_embeddings, c.embedding_dim, device="meta"),
+                                     requires_grad=False)
+                for c in module.embedding_configs()}
+
+    def sharding_types(self, compute_device_type: str) -> List[str]:
+        return [_ROW_WISE]
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
+        return [_KERNEL]
+
+    @property
+    def module_type(self) -> Type[CNEmbeddingCollection]:
+        return CNEmbeddingCollection
+
+    @property
+    def sharded_module_type(self) -> Type[ShardedCNEmbeddingCollection]:
+        return ShardedCNEmbeddingCollection
