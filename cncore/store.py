@@ -328,20 +328,18 @@ class EmbeddingStore:
         >>> sorted(first.keys.tolist() + rest.keys.tolist()), rest.next_cursor
         ([0, 1, 2, 3, 4], None)
         """
-        if max_rows is None:
-            max_rows = max(len(self), 1)
-        max_rows = _count(max_rows, "max_rows", 1, 2**63)
+        whole = max_rows is None and cursor is None  # every row, atomically (one batch)
+        max_rows = max(len(self), 1) if max_rows is None else _count(max_rows, "max_rows", 1, 2**63)
         if cursor is None:
-            position, version = 0, self._table.version
+            position, version = 0, 0
         else:
             if not (isinstance(cursor, tuple) and len(cursor) == 2):
                 raise TypeError("cursor must be the next_cursor of a previous export (a tuple of two ints)")
             position = _count(cursor[0], "cursor position", 0, 2**63)
             version = _count(cursor[1], "cursor version", 0, 2**64)
         from cncore.grouped import as_flag
-        nxt, keys, rows, state, counts, steps = self._table.export(position, max_rows, version,
-                                                                   as_flag(with_rows, "with_rows"))
-        done = nxt >= self._table.n_buckets
+        nxt, done, version, keys, rows, state, counts, steps = self._table.export(
+            position, max_rows, version, as_flag(with_rows, "with_rows"), cursor is None, whole)
         return TableBatch(keys, rows, state, counts, steps, np.ones(len(keys), dtype=bool),
                           None if done else (nxt, version))
 

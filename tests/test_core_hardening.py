@@ -449,3 +449,36 @@ def test_lengths_that_do_not_add_up_to_the_keys_are_refused():
     with pytest.raises(ValueError, match=r"lengths\[0\]: must add up to len\(keys\[0\]\) = 3"):
         store.pooled_lookup(np.array([1, 2, 3]), lengths=np.array([1, 1]))
     assert len(store) == 0
+
+
+def test_a_whole_export_is_atomic_while_another_thread_inserts():
+    """`export()` (every row) sized its arrays and read the version outside the lock: with a
+    writer inserting meanwhile it raised "changed since this export began" (a torch state_dict
+    taken during training in another thread failed) or could return part of the table. Now it
+    is one atomic snapshot: every exported key was present, and the count only grows."""
+    import threading
+    import time
+    store = cncore.EmbeddingStore(dim=4, capacity=16)
+    stop = time.monotonic() + 1.0
+    errors = []
+
+    def insert():
+        rng = np.random.default_rng(0)
+        while time.monotonic() < stop:
+            store.find_or_insert(rng.integers(0, 2**62, 256))
+
+    writer = threading.Thread(target=insert)
+    writer.start()
+    sizes = []
+    while time.monotonic() < stop:
+        try:
+            batch = store.export()
+        except RuntimeError as exc:
+            errors.append(str(exc))
+            continue
+        assert batch.next_cursor is None
+        assert len(np.unique(batch.keys)) == len(batch.keys) == len(batch.rows)
+        sizes.append(len(batch.keys))
+    writer.join()
+    assert errors == [] and len(sizes) > 5
+    assert sizes == sorted(sizes) and sizes[-1] > sizes[0]

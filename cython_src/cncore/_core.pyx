@@ -381,50 +381,68 @@ cdef class Table:
             for i in range(n):
                 found[i] = slots[i] >= 0
 
-    def export(self, int64_t cursor, int64_t max_rows, uint64_t expected_version, bint with_rows=True):
-        """Up to max_rows entries from bucket `cursor` on: (next_cursor, keys, rows, state,
-        counts, last_steps). Raises RuntimeError if the table changed since the cursor began,
-        ValueError for a position outside the index (checked under the lock, with the version).
-        Without with_rows, rows and state are (n, 0): keys and metadata only, for scans."""
-        cdef int64_t n_out = 0, next_cursor = 0, n_buckets = 0
-        cdef bint out_of_range = False
-        cdef int64_t cap = max(0, min(max_rows, self.t.index.size))
-        keys_arr = np.empty(cap, dtype=np.int64)
-        slots_arr = np.empty(cap, dtype=np.int64)
-        rows_arr = np.empty((cap, self.t.dim if with_rows else 0), dtype=np.float32)
-        state_arr = np.empty((cap, self.t.state_floats if with_rows else 0), dtype=np.float32)
-        counts_arr = np.empty(cap, dtype=np.uint32)
-        steps_arr = np.empty(cap, dtype=np.uint32)
-        cdef key_t[::1] kv = keys_arr
-        cdef slot_t[::1] sv = slots_arr
-        cdef weight_t* rows_p = <weight_t*> <size_t> rows_arr.ctypes.data
-        cdef weight_t* state_p = <weight_t*> <size_t> state_arr.ctypes.data
-        cdef count_t* counts_p = <count_t*> <size_t> counts_arr.ctypes.data
-        cdef count_t* steps_p = <count_t*> <size_t> steps_arr.ctypes.data
-        cdef bint stale = False
-        with nogil:
-            _rdlock(self)
-            n_buckets = self.t.index.n_buckets
-            if self.t.version != expected_version:
-                stale = True
-            elif cursor < 0 or cursor > n_buckets:
-                out_of_range = True
-            else:
-                next_cursor = cn_table_scan(&self.t, cursor, cap, &kv[0] if cap else NULL,
-                                            &sv[0] if cap else NULL, &n_out)
-                cn_table_gather(&self.t, &sv[0] if cap else NULL, n_out, rows_p if with_rows else NULL,
-                                state_p if self.t.state_floats and with_rows else NULL, counts_p, steps_p)
-            _unlock(self)
+    def export(self, int64_t cursor, int64_t max_rows, uint64_t expected_version, bint with_rows=True,
+               bint fresh=False, bint whole=False):
+        """Up to max_rows entries from bucket `cursor` on: (next_cursor, done, version, keys,
+        rows, state, counts, last_steps). `fresh`: the first batch of a walk, whose version is
+        read under the lock (returned for the next batches to check) rather than checked;
+        otherwise RuntimeError if the table changed since the walk began. `whole`: every row in
+        one batch, atomically: when writers grew the table between sizing the arrays and
+        taking the lock, the arrays are sized again (a whole export sized outside the lock
+        returned part of the table, or refused a walk it had just begun). ValueError for a
+        position outside the index (checked under the lock). Without with_rows, rows and state
+        are (n, 0): keys and metadata only, for scans."""
+        cdef int64_t n_out = 0, next_cursor = 0, n_buckets = 0, cap
+        cdef uint64_t version = expected_version
+        cdef bint out_of_range = False, stale = False, grown = True
+        cdef key_t[::1] kv
+        cdef slot_t[::1] sv
+        cdef weight_t* rows_p
+        cdef weight_t* state_p
+        cdef count_t* counts_p
+        cdef count_t* steps_p
+        while grown:
+            grown = False
+            cap = self.t.index.size
+            cap = cap + cap // 16 + 64 if whole else max(0, min(max_rows, cap))
+            keys_arr = np.empty(cap, dtype=np.int64)
+            slots_arr = np.empty(cap, dtype=np.int64)
+            rows_arr = np.empty((cap, self.t.dim if with_rows else 0), dtype=np.float32)
+            state_arr = np.empty((cap, self.t.state_floats if with_rows else 0), dtype=np.float32)
+            counts_arr = np.empty(cap, dtype=np.uint32)
+            steps_arr = np.empty(cap, dtype=np.uint32)
+            kv = keys_arr
+            sv = slots_arr
+            rows_p = <weight_t*> <size_t> rows_arr.ctypes.data
+            state_p = <weight_t*> <size_t> state_arr.ctypes.data
+            counts_p = <count_t*> <size_t> counts_arr.ctypes.data
+            steps_p = <count_t*> <size_t> steps_arr.ctypes.data
+            with nogil:
+                _rdlock(self)
+                n_buckets = self.t.index.n_buckets
+                if whole and self.t.index.size > cap:
+                    grown = True
+                elif not fresh and self.t.version != expected_version:
+                    stale = True
+                elif cursor < 0 or cursor > n_buckets:
+                    out_of_range = True
+                else:
+                    version = self.t.version
+                    next_cursor = cn_table_scan(&self.t, cursor, cap, &kv[0] if cap else NULL,
+                                                &sv[0] if cap else NULL, &n_out)
+                    cn_table_gather(&self.t, &sv[0] if cap else NULL, n_out, rows_p if with_rows else NULL,
+                                    state_p if self.t.state_floats and with_rows else NULL, counts_p, steps_p)
+                    if cap == 0:  # an empty table: the walk is over
+                        next_cursor = n_buckets
+                _unlock(self)
         if stale:
             raise RuntimeError("the store changed (keys inserted or erased) since this export began; "
                                "restart the export")
         if out_of_range:
             raise ValueError(f"cursor: position {cursor} is outside this store's index [0, {n_buckets}]; "
                              "pass the next_cursor of a previous export")
-        if n_out == 0 and cap == 0:
-            next_cursor = self.t.index.n_buckets
-        return (next_cursor, keys_arr[:n_out], rows_arr[:n_out], state_arr[:n_out],
-                counts_arr[:n_out], steps_arr[:n_out])
+        return (next_cursor, next_cursor >= n_buckets, version, keys_arr[:n_out], rows_arr[:n_out],
+                state_arr[:n_out], counts_arr[:n_out], steps_arr[:n_out])
 
 
 cdef inline int64_t _ptr(object arr):
