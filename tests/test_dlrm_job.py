@@ -298,9 +298,10 @@ def test_nproc_2_matches_one_process(tmp_path):
     assert two["rows"] == one["rows"]  # every key lives on exactly one rank
 
 
-@pytest.mark.parametrize("option", [["--compare"], ["--checkpoint", "ck.pt"]])
+@pytest.mark.parametrize("option", [["--compare"], ["--criteo-tsv", "day.tsv"]])
 def test_nproc_refuses_what_it_does_not_run_yet(capsys, tmp_path, monkeypatch, option):
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "day.tsv").write_text("")
     with pytest.raises(SystemExit) as e:
         main(["--nproc", "2", *option])
     assert e.value.code == 2
@@ -323,3 +324,19 @@ def test_torchrun_runs_the_distributed_job(tmp_path):
     assert two["name"] == "cncore (dynamic tables, 2 processes)"
     assert abs(two["auc"] - one["auc"]) < 0.003 and two["rows"] == one["rows"]
     assert proc.stdout.count("| cncore (dynamic tables, 2 processes) |") == 1  # rank 0 prints, rank 1 does not
+
+
+def test_checkpoints_move_between_process_counts(tmp_path):
+    """A checkpoint is one file whatever the number of processes (rank 0 merges the shards):
+    2 processes save at step 20; one process, and 2 processes, resume from it to step 40 and
+    end where one process training straight to step 40 ends."""
+    args = ["--eval-every", "20", "--eval-batches", "2"]
+    straight = run(tmp_path, "--steps", "40", *args)["runs"][0]
+    ck = tmp_path / "ck.pt"
+    run(tmp_path, "--steps", "20", *args, "--nproc", "2", "--checkpoint", str(ck))
+    for extra in ([], ["--nproc", "2"]):
+        resumed = run(tmp_path, "--steps", "40", *args, "--resume", str(ck), *extra)["runs"][0]
+        assert resumed["history"][-1]["step"] == 40
+        assert resumed["auc"] == pytest.approx(straight["auc"], abs=1e-3)
+        assert resumed["logloss"] == pytest.approx(straight["logloss"], abs=1e-3)
+        assert resumed["rows"] == straight["rows"]

@@ -127,7 +127,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     ap = build_parser()
     args = ap.parse_args(argv)
     if args.nproc > 1:
-        for option in ("criteo_tsv", "compare", "checkpoint", "resume"):
+        for option in ("criteo_tsv", "compare"):
             if getattr(args, option):
                 ap.error(f"--{option.replace('_', '-')} does not run with --nproc {args.nproc} yet (only with "
                          "--nproc 1)")

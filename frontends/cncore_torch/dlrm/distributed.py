@@ -67,7 +67,7 @@ class DistributedRun:
     def __init__(self, name, model, optimizers, sharded, rank: int, world_size: int):
         self.name, self.model, self.optimizers, self.sharded = name, model, optimizers, sharded
         self.rank, self.world_size = rank, world_size
-        self.tables = None  # train.py checkpoints runs with .tables; a distributed checkpoint is per rank (not yet)
+        self.tables = sharded  # its rows are in train.py's checkpoints (see checkpoint_state)
 
     def step(self, batch: Batch) -> float:
         self.model.train()
@@ -97,6 +97,18 @@ class DistributedRun:
         auc.update(torch.sigmoid(logits), y.long())
         loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, y).item()
         return {"auc": float(auc.compute()), "logloss": loss}
+
+    def checkpoint_state(self):
+        """Every rank's shards merged (`merge_shards`) with rank 0's dense parameters and
+        optimizers (identical on every rank under DDP): on rank 0, the checkpoint a single-process
+        run writes; None elsewhere. Gathers the tables on rank 0 (fine for this job's tables; a
+        shard file per rank is the way for tables larger than one process's memory)."""
+        from cncore_torch.distributed import merge_shards
+        shards = [None] * self.world_size
+        dist.all_gather_object(shards, self.model.state_dict())
+        if self.rank != 0:
+            return None
+        return {"model": merge_shards(shards), "optimizers": [o.state_dict() for o in self.optimizers]}
 
     def table_summary(self) -> Dict[str, float]:
         from cncore_torch.dlrm.train import used_bytes
@@ -131,7 +143,9 @@ def distributed_run(args, data, rank: int, world_size: int) -> DistributedRun:
     sharded = dmp.module.sparse_arch.embedding_bag_collection
     dense = [p for n, p in dmp.named_parameters() if "_anchor" not in n]
     return DistributedRun(f"cncore (dynamic tables, {world_size} processes)", dmp,
-                          [torch.optim.Adagrad(dense, lr=args.dense_lr), dmp.fused_optimizer], sharded, rank,
+                          # the sharded module's own fused optimizer (DMP's combined one prefixes its state with
+                          # the module path): its state_dict is the single-process run's, so checkpoints move
+                          [torch.optim.Adagrad(dense, lr=args.dense_lr), sharded.fused_optimizer], sharded, rank,
                           world_size)
 
 
@@ -146,9 +160,17 @@ def _worker(rank: int, world_size: int, args) -> None:
         args.no_progress = True
     quiet = contextlib.redirect_stdout(io.StringIO()) if rank != 0 else contextlib.nullcontext()
     with quiet:
+        state = job.load_checkpoint(args.resume, args) if args.resume else None
         data = job.Data(args)
         run = distributed_run(args, data, rank, world_size)
-        results = [job.train(run, data, args)]
+        start = 0
+        if state is not None:  # any number of processes wrote it: each rank keeps the keys it owns
+            run.model.load_state_dict(state["model"])
+            for opt, s in zip(run.optimizers, state["optimizers"]):
+                opt.load_state_dict(s)
+            start = int(state["step"])
+            print(f"resumed from {args.resume} at step {start}")
+        results = [job.train(run, data, args, start)]
         if rank == 0:
             job.report(results, job.best_attainable(data), args)
 

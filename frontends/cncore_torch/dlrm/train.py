@@ -271,8 +271,15 @@ def dmp_run(args, data: Data) -> Run:
 # --- training ------------------------------------------------------------------------------------
 
 def save_checkpoint(path: str, run: Run, step: int, args) -> None:
-    state = {"model": run.model.state_dict(), "optimizers": [o.state_dict() for o in run.optimizers],
-             "step": step, "args": vars(args)}
+    """One file, whatever the number of processes (a distributed run's rank 0 writes the tables
+    merged from every rank: the same format, so any number of processes resumes from it)."""
+    if hasattr(run, "checkpoint_state"):
+        state = run.checkpoint_state()
+        if state is None:  # not rank 0
+            return
+    else:
+        state = {"model": run.model.state_dict(), "optimizers": [o.state_dict() for o in run.optimizers]}
+    state.update(step=step, args=vars(args))
     tmp = f"{path}.tmp-{os.getpid()}"
     torch.save(state, tmp)
     with open(tmp, "rb") as fh:
