@@ -298,15 +298,26 @@ def test_nproc_2_matches_one_process(tmp_path):
     assert two["rows"] == one["rows"]  # every key lives on exactly one rank
 
 
-@pytest.mark.parametrize("option", [["--compare"], ["--criteo-tsv", "day.tsv"]])
-def test_nproc_refuses_what_it_does_not_run_yet(capsys, tmp_path, monkeypatch, option):
+@pytest.mark.parametrize("option,expected", [
+    (["--criteo-tsv", "day.tsv"], "--criteo-tsv does not run with --nproc 2 yet"),
+    (["--compare", "--batch-size", "255"], "--compare with --nproc 2 needs --batch-size a multiple of 2")])
+def test_nproc_refuses_what_it_does_not_run_yet(capsys, tmp_path, monkeypatch, option, expected):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "day.tsv").write_text("")
     with pytest.raises(SystemExit) as e:
         main(["--nproc", "2", *option])
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and re.search(f"{option[0]} does not run with --nproc 2", err[0])
+    assert len(err) == 1 and expected in err[0]
+
+
+def test_nproc_compare_runs_torchrecs_row_wise_tables_beside_ours(tmp_path):
+    summary = run(tmp_path, "--steps", "10", "--eval-every", "10", "--eval-batches", "1", "--nproc", "2",
+                  "--compare")
+    names = [r["name"] for r in summary["runs"]]
+    assert names == ["cncore (dynamic tables, 2 processes)",
+                     "TorchRec DMP (row-wise fused FBGEMM, collision-free, 2 processes)"]
+    assert all(r["samples_per_s"] > 0 and 0.5 < r["auc"] < 1.0 for r in summary["runs"])
 
 
 def test_torchrun_runs_the_distributed_job(tmp_path):

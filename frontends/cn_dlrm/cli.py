@@ -111,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--nproc", type=_int_at_least(1), default=1,
                     help="train on this many local processes (gloo on 127.0.0.1), every table sharded row-wise "
                          "over them by key hash (TorchRec's DistributedModelParallel); --batch-size is the global "
-                         "batch, split between them; synthetic data only for now")
+                         "batch, split between them; synthetic data only for now; with --compare, TorchRec's "
+                         "row-wise sharded FBGEMM tables under the same DMP")
     ap.add_argument("--no-progress", action="store_true",
                     help="no progress bar or progress lines, only evaluations (off a terminal, plain progress "
                          "lines replace the bar)")
@@ -127,10 +128,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     ap = build_parser()
     args = ap.parse_args(argv)
     if args.nproc > 1:
-        for option in ("criteo_tsv", "compare"):
-            if getattr(args, option):
-                ap.error(f"--{option.replace('_', '-')} does not run with --nproc {args.nproc} yet (only with "
-                         "--nproc 1)")
+        if args.criteo_tsv:
+            ap.error(f"--criteo-tsv does not run with --nproc {args.nproc} yet (only with --nproc 1)")
+        if args.compare and args.batch_size % args.nproc:
+            ap.error(f"--compare with --nproc {args.nproc} needs --batch-size a multiple of {args.nproc}: TorchRec's "
+                     f"row-wise tables need equal batches on every process (gloo), {args.batch_size} does not split")
     return args
 
 

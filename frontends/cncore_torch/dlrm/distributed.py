@@ -64,14 +64,22 @@ def _all_sum(values: List[float]) -> List[float]:
 class DistributedRun:
     """The `Run` interface of train.py over a DMP model on this rank's share of each batch."""
 
-    def __init__(self, name, model, optimizers, sharded, rank: int, world_size: int):
+    def __init__(self, name, model, optimizers, sharded, rank: int, world_size: int, remap=None, fixed_rows=None,
+                 dim: int = 0):
         self.name, self.model, self.optimizers, self.sharded = name, model, optimizers, sharded
         self.rank, self.world_size = rank, world_size
         self.tables = sharded  # its rows are in train.py's checkpoints (see checkpoint_state)
+        self.remap, self.fixed_rows, self.dim = remap, fixed_rows, dim  # TorchRec's fixed tables (--compare)
+
+    def _share(self, batch: Batch) -> Batch:
+        mine = share(batch, self.rank, self.world_size)
+        if self.remap is not None:
+            mine.sparse = self.remap(mine.sparse)
+        return mine
 
     def step(self, batch: Batch) -> float:
         self.model.train()
-        mine = share(batch, self.rank, self.world_size)
+        mine = self._share(batch)
         logits = self.model(mine.dense, mine.sparse).squeeze(1)
         loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, mine.labels, reduction="sum")
         for opt in self.optimizers:
@@ -86,7 +94,7 @@ class DistributedRun:
         self.model.eval()
         scores, labels = [], []
         for b in batches:
-            mine = share(b, self.rank, self.world_size)
+            mine = self._share(b)
             scores.append(self.model(mine.dense, mine.sparse).squeeze(1))
             labels.append(mine.labels)
         gathered = [None] * self.world_size
@@ -112,6 +120,10 @@ class DistributedRun:
 
     def table_summary(self) -> Dict[str, float]:
         from cncore_torch.dlrm.train import used_bytes
+        if self.sharded is None:  # TorchRec's fixed tables: rows x (dim floats + one row-wise Adagrad float)
+            rows = sum(self.fixed_rows)
+            mib = rows * (self.dim + 1) * 4 / 2**20
+            return {"rows": float(rows), "table_mib": mib, "table_mib_allocated": mib}
         stores = self.sharded.stores.values()
         rows, used, allocated = _all_sum([sum(len(s) for s in stores), sum(used_bytes(s) for s in stores),
                                           sum(s.nbytes for s in stores)])
@@ -149,6 +161,41 @@ def distributed_run(args, data, rank: int, world_size: int) -> DistributedRun:
                           world_size)
 
 
+def torchrec_run(args, data, rank: int, world_size: int) -> DistributedRun:
+    """--compare: TorchRec's own EmbeddingBagCollection under the same DMP, row-wise sharded
+    fused FBGEMM tables (the same plan shape: every table over every rank), row-wise Adagrad in
+    backward, IDs remapped collision-free (as the single-process comparison)."""
+    from torchrec import EmbeddingBagCollection
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
+    from torchrec.distributed.types import ShardingPlan
+    from torchrec.optim import RowWiseAdagrad as TorchRecRowWiseAdagrad
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    from cncore_torch.dlrm.train import build_dlrm, collision_free_remap, table_configs
+
+    rows, remap = collision_free_remap(args, data)
+    torch.manual_seed(args.seed)
+    ebc = EmbeddingBagCollection(tables=table_configs(args.embedding_dim, rows), device=torch.device("meta"))
+    model = build_dlrm(ebc, args.embedding_dim)
+    apply_optimizer_in_backward(TorchRecRowWiseAdagrad, model.sparse_arch.parameters(), {"lr": args.sparse_lr})
+    sharder = EmbeddingBagCollectionSharder()
+    plan = ShardingPlan({"sparse_arch.embedding_bag_collection": construct_module_sharding_plan(
+        ebc, {c.name: row_wise(compute_kernel="fused") for c in ebc.embedding_bag_configs()}, sharder=sharder,
+        local_size=world_size, world_size=world_size, device_type="cpu")})
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
+        dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[sharder])
+    wrapped = dmp._dmp_wrapped_module
+    if isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
+        wrapped.register_comm_hook(state=None, hook=_sum_hook)
+    dense = [p for n, p in dmp.named_parameters() if "embedding_bags" not in n]
+    return DistributedRun(f"TorchRec DMP (row-wise fused FBGEMM, collision-free, {world_size} processes)", dmp,
+                          [torch.optim.Adagrad(dense, lr=args.dense_lr), dmp.fused_optimizer], None, rank,
+                          world_size, remap=remap, fixed_rows=list(rows), dim=args.embedding_dim)
+
+
 def _worker(rank: int, world_size: int, args) -> None:
     from cncore_torch.dlrm import train as job
 
@@ -171,6 +218,11 @@ def _worker(rank: int, world_size: int, args) -> None:
             start = int(state["step"])
             print(f"resumed from {args.resume} at step {start}")
         results = [job.train(run, data, args, start)]
+        if args.compare:
+            compare = torchrec_run(args, data, rank, world_size)
+            checkpoint, args.checkpoint = args.checkpoint, None  # ours only, as in one process
+            results.append(job.train(compare, data, args))
+            args.checkpoint = checkpoint
         if rank == 0:
             job.report(results, job.best_attainable(data), args)
 
