@@ -99,3 +99,27 @@ def test_the_sharded_module_refuses_other_plans_and_a_missing_optimizer():
         sharder.shard(model, bad, _env())
     with pytest.raises(ValueError, match="optimizer="):
         sharder.shard(CNEmbeddingBagCollection(configs(), device="meta"), good, _env())
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: "nope", "features must be a KeyedJaggedTensor"),
+    (lambda: _kjt(values=torch.tensor([1.0, 2.0])), "values must be int64 or int32"),
+    (lambda: _kjt(lengths=torch.tensor([1, 1, 1, -1])), "lengths must be >= 0"),
+    (lambda: _kjt(lengths=torch.tensor([1, 1, 1, 1])), "lengths add up to 4, but values holds 2"),
+    (lambda: _kjt(keys=["f1", "f2"]), "no key 'f3'"),
+    (lambda: _kjt(values=torch.tensor([1, 2], device="meta")), "values is on meta"),
+    (lambda: _kjt(weights=torch.ones(2, dtype=torch.int64)), "weights must be floating point"),
+])
+def test_a_bad_batch_is_refused_before_any_collective(make, match):
+    from cncore_torch.distributed.embeddingbag import check_features
+    with pytest.raises((TypeError, ValueError), match=match):
+        check_features(make(), ["f1", "f2", "f3"], False)
+    with pytest.raises(ValueError, match="is_weighted=True but the KJT has no weights"):
+        check_features(_kjt(), ["f1", "f2", "f3"], True)
+
+
+def _kjt(keys=("f1", "f2", "f3"), values=None, lengths=None, weights=None):
+    from torchrec import KeyedJaggedTensor
+    values = torch.tensor([1, 2]) if values is None else values
+    lengths = torch.tensor([1, 0, 1, 0, 0, 0][:2 * len(keys)]) if lengths is None else lengths
+    return KeyedJaggedTensor(keys=list(keys), values=values, lengths=lengths, weights=weights, stride=2)

@@ -24,7 +24,7 @@ TIMEOUT = 80.0
 
 def _configs(kind):
     from torchrec import EmbeddingBagConfig, PoolingType
-    mean = PoolingType.MEAN if kind != "weighted_sum" else PoolingType.SUM
+    mean = PoolingType.SUM if kind == "weighted_sum" else PoolingType.MEAN
     return [EmbeddingBagConfig(name="t_shared", embedding_dim=4, num_embeddings=64, feature_names=["f1", "f2"]),
             EmbeddingBagConfig(name="t_mean", embedding_dim=3, num_embeddings=64, feature_names=["f3"], pooling=mean),
             EmbeddingBagConfig(name="t_wide", embedding_dim=16, num_embeddings=8, feature_names=["f4"])]
@@ -66,7 +66,7 @@ def _train_and_compare(rank, world_size, kind, batch_sizes, steps, use_plan, opt
     from cncore_torch import CNEmbeddingBagCollection
     from cncore_torch.distributed import CNEmbeddingBagCollectionSharder, owner_of, plan_for
 
-    weighted = kind == "weighted_sum"
+    weighted = kind.startswith("weighted")
     optimizer = getattr(cncore, optimizer_name)(lr=0.05)
     make = lambda device: CNEmbeddingBagCollection(_configs(kind), is_weighted=weighted, device=device,  # noqa: E731
                                                   optimizer=optimizer, seed=7)
@@ -118,7 +118,7 @@ def _run(world_size, *args):
     spawn(_train_and_compare, world_size, *args, timeout=TIMEOUT)
 
 
-@pytest.mark.parametrize("kind", ["mean", "weighted_sum"])
+@pytest.mark.parametrize("kind", ["mean", "weighted_sum", "weighted_mean"])
 def test_two_ranks_unequal_batches_equal_one_process(kind):
     _run(2, kind, [5, 3], 3, False, "Adagrad")
 

@@ -28,7 +28,7 @@ from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 import cncore
 from cncore_torch.collection import CNEmbeddingCollection, _TableLookups
-from cncore_torch.distributed.embeddingbag import _check_plan, _keep_owned_rows
+from cncore_torch.distributed.embeddingbag import _check_plan, _keep_owned_rows, check_features
 from cncore_torch.distributed.routing import owner_of
 from cncore_torch.distributed.rw_sharding import _AllToAll
 from cncore_torch.optim import keyed_fused_optimizer
@@ -100,13 +100,9 @@ class ShardedCNEmbeddingCollection(ShardedEmbeddingCollection):
         return out
 
     def input_dist(self, ctx: EmbeddingCollectionContext, features: KeyedJaggedTensor) -> Awaitable[Awaitable[Any]]:
-        if not isinstance(features, KeyedJaggedTensor):
-            raise TypeError(f"features must be a KeyedJaggedTensor, got {type(features).__name__}")
+        check_features(features, self._features, False)
         with torch.no_grad():
             keys = features.keys()
-            missing = [f for f in self._features if f not in keys]
-            if missing:
-                raise ValueError(f"features: no key {missing[0]!r} (it has {keys})")
             order = [keys.index(f) for f in self._features]
             if order != list(range(len(keys))):
                 features = features.permute(order)

@@ -152,21 +152,12 @@ class ShardedCNEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         return EmbeddingBagCollectionContext()
 
     def input_dist(self, ctx: EmbeddingBagCollectionContext, features: KeyedJaggedTensor) -> Awaitable[Awaitable[KJTList]]:
-        if not isinstance(features, KeyedJaggedTensor):
-            raise TypeError(f"features must be a KeyedJaggedTensor, got {type(features).__name__}")
-        if features.variable_stride_per_key():
-            raise ValueError("features: a variable batch size per key is not supported; one batch size per rank is "
-                             "(ranks may differ)")
+        check_features(features, self._features, self._is_weighted)
         with torch.no_grad():
             keys = features.keys()
-            missing = [f for f in self._features if f not in keys]
-            if missing:
-                raise ValueError(f"features: no key {missing[0]!r} (it has {keys})")
             order = [keys.index(f) for f in self._features]
             if order != list(range(len(keys))):
                 features = features.permute(order)
-            if self._is_weighted and features.weights_or_none() is None:
-                raise ValueError("features: is_weighted=True but the KJT has no weights")
             stride = features.stride()
             kjt = KeyedJaggedTensor(keys=self._embedding_names, values=features.values(),
                                     lengths=features.lengths(), stride=stride,
@@ -217,6 +208,39 @@ class ShardedCNEmbeddingBagCollection(ShardedEmbeddingBagCollection):
 
     def sharded_parameter_names(self, prefix: str = "") -> Iterator[str]:
         yield from (key for key, _ in self.named_parameters(prefix))
+
+
+def check_features(features, needed: List[str], is_weighted: bool) -> None:
+    """A rank's KJT, checked before any collective (a bad batch raises here, on its rank, with the
+    single-process collection's messages, instead of reaching the all-to-all): CPU tensors with
+    values, int IDs, float weights (present when is_weighted), lengths >= 0 adding up to the
+    values, one batch size for every key, every feature the tables read present."""
+    if not isinstance(features, KeyedJaggedTensor):
+        raise TypeError(f"features must be a KeyedJaggedTensor, got {type(features).__name__}")
+    if features.variable_stride_per_key():
+        raise ValueError("features: a variable batch size per key is not supported; one batch size per rank is "
+                         "(ranks may differ)")
+    values, lengths, weights = features.values(), features.lengths(), features.weights_or_none()
+    for name, t in (("values", values), ("lengths", lengths), ("weights", weights)):
+        if t is not None and (t.is_meta or t.device.type != "cpu"):
+            raise ValueError(f"features: {name} is on {t.device}; expected a CPU tensor (the rows are in the core)")
+    if values.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"features: values must be int64 or int32 IDs, got {values.dtype}")
+    if is_weighted and weights is None:
+        raise ValueError("features: is_weighted=True but the KJT has no weights")
+    if weights is not None and (not weights.is_floating_point() or weights.shape != values.shape):
+        raise ValueError(f"features: weights must be floating point with one weight per ID, got {weights.dtype} "
+                         f"{tuple(weights.shape)} for {values.numel()} IDs")
+    if lengths.numel() and int(lengths.min()) < 0:
+        raise ValueError(f"features: lengths must be >= 0, got {int(lengths.min())}")
+    if int(lengths.sum()) != values.numel():
+        raise ValueError(f"features: lengths add up to {int(lengths.sum())}, but values holds {values.numel()} IDs")
+    if lengths.numel() != len(features.keys()) * features.stride():
+        raise ValueError(f"features: {lengths.numel()} lengths for {len(features.keys())} keys of batch size "
+                         f"{features.stride()}")
+    missing = [f for f in needed if f not in features.keys()]
+    if missing:
+        raise ValueError(f"features: no key {missing[0]!r} (it has {features.keys()})")
 
 
 def _check_plan(module, configs, table_name_to_parameter_sharding, device) -> None:
