@@ -54,7 +54,8 @@ def _ranks(rank, world_size, directory, phase):
 
     from cncore_torch.distributed import CNEmbeddingBagCollectionSharder, merge_shards, owner_of
 
-    dmp = DistributedModelParallel(Net("meta"), device=torch.device("cpu"), sharders=[CNEmbeddingBagCollectionSharder()])
+    dmp = DistributedModelParallel(Net("meta"), device=torch.device("cpu"),
+                                   sharders=[CNEmbeddingBagCollectionSharder()])
     sizes, start = SIZES[world_size], sum(SIZES[world_size][:rank])
     steps = range(0, 2) if phase == "save" else range(2, 4)
     if phase == "resume":
@@ -79,7 +80,8 @@ def _ranks(rank, world_size, directory, phase):
     ref = _reference(4)
     for name, store in dmp.module.sparse.stores.items():
         batch = store.export()
-        torch.testing.assert_close(torch.from_numpy(batch.rows), torch.from_numpy(ref.sparse.stores[name].lookup(batch.keys)),
+        torch.testing.assert_close(torch.from_numpy(batch.rows),
+                                   torch.from_numpy(ref.sparse.stores[name].lookup(batch.keys)),
                                    rtol=1e-6, atol=1e-6)
         assert store.step == ref.sparse.stores[name].step == 4
 

@@ -1,5 +1,4 @@
 """Key routing (`owner_of`) and the sharder's contract, in one process (no process group)."""
-import numpy as np
 import pytest
 import torch
 

@@ -72,7 +72,8 @@ def _train_and_compare(rank, world_size, kind, batch_sizes, steps, use_plan, opt
                                                   optimizer=optimizer, seed=7)
     model = make("meta")
     kw = dict(plan=plan_for(model, world_size)) if use_plan else {}
-    dmp = DistributedModelParallel(model, device=torch.device("cpu"), sharders=[CNEmbeddingBagCollectionSharder()], **kw)
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"), sharders=[CNEmbeddingBagCollectionSharder()],
+                                   **kw)
     ref = make("cpu")
     sharded = dmp.module
     start = sum(batch_sizes[:rank])

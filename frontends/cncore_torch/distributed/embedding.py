@@ -128,7 +128,8 @@ class ShardedCNEmbeddingCollection(ShardedEmbeddingCollection):
         everything = torch.cat(rows) if rows else keys.new_empty((0, self._dim), dtype=torch.float32)
         return everything[torch.argsort(torch.cat(positions))]  # rows in the order the keys arrived
 
-    def output_dist(self, ctx: EmbeddingCollectionContext, output: torch.Tensor) -> LazyAwaitable[Dict[str, JaggedTensor]]:
+    def output_dist(self, ctx: EmbeddingCollectionContext,
+                    output: torch.Tensor) -> LazyAwaitable[Dict[str, JaggedTensor]]:
         c = ctx.cn
         back = _AllToAll.apply(output, c["send"], c["recv"], self._pg)  # rows of my keys, in `sort` order
 

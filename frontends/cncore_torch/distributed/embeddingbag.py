@@ -110,7 +110,8 @@ class ShardedCNEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                 has_feature_processor=False, embedding_names=list(emb)),
             param_sharding=table_name_to_parameter_sharding[c.name],
             param=torch.empty(c.num_embeddings, c.embedding_dim, device="meta"), fused_params={})
-            for c, names, emb in zip(configs, module._feature_names, _split(self._embedding_names, module._feature_names))]
+            for c, names, emb in zip(configs, module._feature_names,
+                                     _split(self._embedding_names, module._feature_names))]
         sharding = CNRwPooledEmbeddingSharding(infos, env, self._device, stores=self._stores,
                                                feature_tables=self._feature_tables, is_weighted=self._is_weighted,
                                                anchor=self._anchor)
@@ -151,7 +152,8 @@ class ShardedCNEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     def create_context(self) -> EmbeddingBagCollectionContext:
         return EmbeddingBagCollectionContext()
 
-    def input_dist(self, ctx: EmbeddingBagCollectionContext, features: KeyedJaggedTensor) -> Awaitable[Awaitable[KJTList]]:
+    def input_dist(self, ctx: EmbeddingBagCollectionContext,
+                   features: KeyedJaggedTensor) -> Awaitable[Awaitable[KJTList]]:
         check_features(features, self._features, self._is_weighted)
         with torch.no_grad():
             keys = features.keys()
@@ -292,7 +294,8 @@ class CNEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
     (add TorchRec's default sharders to the list for TorchRec's own modules in the same model)."""
 
     def shard(self, module: CNEmbeddingBagCollection, params: Dict[str, ParameterSharding], env: ShardingEnv,
-              device: Optional[torch.device] = None, module_fqn: Optional[str] = None) -> ShardedCNEmbeddingBagCollection:
+              device: Optional[torch.device] = None,
+              module_fqn: Optional[str] = None) -> ShardedCNEmbeddingBagCollection:
         return ShardedCNEmbeddingBagCollection(module, params, env, self.fused_params, device,
                                                qcomm_codecs_registry=self.qcomm_codecs_registry, module_fqn=module_fqn)
 
