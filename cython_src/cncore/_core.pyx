@@ -392,7 +392,7 @@ cdef class Table:
         returned part of the table, or refused a walk it had just begun). ValueError for a
         position outside the index (checked under the lock). Without with_rows, rows and state
         are (n, 0): keys and metadata only, for scans."""
-        cdef int64_t n_out = 0, next_cursor = 0, n_buckets = 0, cap
+        cdef int64_t n_out = 0, next_cursor = 0, n_buckets = 0, cap, margin = 64
         cdef uint64_t version = expected_version
         cdef bint out_of_range = False, stale = False, grown = True
         cdef key_t[::1] kv
@@ -404,7 +404,10 @@ cdef class Table:
         while grown:
             grown = False
             cap = self.t.index.size
-            cap = cap + cap // 16 + 64 if whole else max(0, min(max_rows, cap))
+            # Room for what writers may insert before the lock is taken; doubled at every retry,
+            # so a writer that keeps inserting cannot keep a whole export out for long.
+            cap = cap + cap // 16 + margin if whole else max(0, min(max_rows, cap))
+            margin *= 2
             keys_arr = np.empty(cap, dtype=np.int64)
             slots_arr = np.empty(cap, dtype=np.int64)
             rows_arr = np.empty((cap, self.t.dim if with_rows else 0), dtype=np.float32)
