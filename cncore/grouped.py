@@ -76,15 +76,16 @@ class LookupContext:
         return len(self.offsets) - 1
 
 
-def check_context(ctx, store, name: str = "ctx") -> None:
-    """ctx is a LookupContext of `store`. Whether its rows are still alive is checked by the
-    core under the store's lock, where the check cannot race an erase."""
+def check_context(ctx, store=None, name: str = "ctx") -> None:
+    """ctx is a LookupContext made by a lookup (of `store`, when given). Whether its rows are
+    still alive is checked by the core under the store's lock, where the check cannot race an
+    erase."""
     if not isinstance(ctx, LookupContext):
         raise TypeError(f"{name} must be the LookupContext returned by pooled_lookup, got {type(ctx).__name__}")
     if ctx._seal is not _SEAL:
         raise ValueError(f"{name} was not made by a lookup (a replaced, copied or unpickled context); contexts "
                          "cannot be modified: use the one pooled_lookup returned")
-    if ctx.store is not store:
+    if store is not None and ctx.store is not store:
         raise ValueError(f"{name} comes from a lookup on another store")
 
 
@@ -241,10 +242,7 @@ def grouped_apply_gradients(ctxs: Sequence[LookupContext], grad_output, *, lr=No
     if stores is not None and len(stores) != len(ctxs):
         raise ValueError(f"stores: expected one store per context ({len(ctxs)}), got {len(stores)}")
     for f, ctx in enumerate(ctxs):
-        name = "ctx" if stores else f"ctxs[{f}]"
-        if not isinstance(ctx, LookupContext):
-            raise TypeError(f"{name} must be the LookupContext returned by pooled_lookup, got {type(ctx).__name__}")
-        check_context(ctx, ctx.store if stores is None else stores[f], name)
+        check_context(ctx, None if stores is None else stores[f], "ctx" if stores else f"ctxs[{f}]")
     n_bags = ctxs[0].n_bags
     for f, ctx in enumerate(ctxs):
         # Every context, not only the first: a second lookup with more bags read past the gradient.
