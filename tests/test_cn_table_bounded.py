@@ -13,6 +13,8 @@ import cncore
 from cncore.tablefile import TableFormatError, config_to_dict, load_store, open_table, save_table
 from cncore_numpy.cli import main
 from reference import snapshot, tree
+from test_bounded_checkpoints import train  # noqa: E402  (the same training step)
+from test_cn_table import refused  # noqa: E402  (the same one-line refusal check)
 
 POLICIES = {
     "lru": dict(max_rows=300, eviction=cncore.LRU()),
@@ -26,24 +28,6 @@ POLICIES = {
 def bounded(**policy):
     return cncore.EmbeddingStore(dim=3, seed=2, optimizer=cncore.RowWiseAdagrad(lr=0.1),
                                  **(policy or POLICIES["lru"]))
-
-
-def train(store, keys, bags=4):
-    keys = np.asarray(keys, dtype=np.int64)
-    lengths = np.full(bags, len(keys) // bags)
-    lengths[-1] += len(keys) - lengths.sum()
-    _, ctx = store.pooled_lookup(keys, lengths=lengths)
-    store.apply_gradients(ctx, np.ones((bags, store.dim), np.float32))
-
-
-def refused(argv, capsys, message) -> str:
-    """cn-table refuses `argv`: exit 2, one line `cn-table CMD: error: ...` matching `message`."""
-    assert main(argv + ["--quiet"]) == 2
-    captured = capsys.readouterr()
-    lines = captured.err.splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"cn-table {argv[0]}: error: "), captured.err
-    assert re.search(message, lines[0]), lines[0]
-    return lines[0]
 
 
 @pytest.fixture
