@@ -5,6 +5,16 @@
     cn-dlrm --compare                        # the same run on TorchRec's fixed tables, side by side
     cn-dlrm --nproc 2                        # 2 local processes (gloo), tables sharded row-wise over them
     cn-dlrm --checkpoint ck.pt --resume ck.pt --summary-json out.json
+    cn-dlrm --max-rows 25% --evict lfu       # bounded tables: a row budget per table, rows evicted past it
+    cn-dlrm --max-rows 20000 --checkpoint ck --incremental-checkpoint-every 100   # table chains in ck/
+
+Bounded tables: --max-rows N gives every table a budget of N rows; --max-rows P% gives each
+table P% of the distinct IDs the training range brings to it (synthetic data: counted in a pass
+over the stream before training), but never less than the most distinct IDs one training batch
+brings to it (a lookup never evicts its own rows). Past its budget a table evicts by --evict
+(lru: least recently used; lfu: least often used; ttl: rows unused for more than --ttl-steps
+steps, also swept every step without pressure). --admit-min-count C gives an ID a row only once
+it was seen C times (a count-min sketch; until then it reads as zeros and is not trained).
 
 Evaluation: on synthetic data, the --eval-batches batches that follow the training range (drift
 and unseen IDs included); on a Criteo file, its first --eval-batches x --batch-size lines, which
@@ -62,6 +72,38 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _row_budget(text: str) -> str:
+    """--max-rows: 'N' (rows per table, N >= 1) or 'P%' (0 < P <= 100); returned in canonical form."""
+    t = text.strip()
+    if t.endswith("%"):
+        try:
+            value = float(t[:-1])
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected rows per table (N) or a percentage (P%), got {text!r}") from None
+        if not 0 < value <= 100:
+            raise argparse.ArgumentTypeError(f"a percentage must be in (0, 100], got {text}")
+        return f"{value:g}%"
+    return str(_int_at_least(1)(t))
+
+
+def row_budget(text: Optional[str]):
+    """(rows per table, percent of each table's distinct IDs) of a --max-rows value, one of them None.
+
+    >>> row_budget("4096"), row_budget("25%"), row_budget(None)
+    ((4096, None), (None, 25.0), (None, None))
+    """
+    if text is None:
+        return None, None
+    return (None, float(text[:-1])) if text.endswith("%") else (int(text), None)
+
+
+ROW_DTYPES = ("float32", "float16", "bfloat16")
+EVICTIONS = ("lru", "lfu", "ttl")
+# Options the distributed path (--nproc > 1, torchrun) does not run yet, with their defaults.
+NOT_DISTRIBUTED = {"max_rows": None, "evict": None, "ttl_steps": None, "admit_min_count": None,
+                   "incremental_checkpoint_every": None, "row_dtype": "float32"}
+
+
 def _input_file(text: str) -> str:
     if not os.path.exists(text):
         raise argparse.ArgumentTypeError(f"no such file: {text}")
@@ -70,10 +112,22 @@ def _input_file(text: str) -> str:
     return text
 
 
-def _output_file(text: str) -> str:
+def _input_path(text: str) -> str:
+    """A file, or a directory (an incremental checkpoint)."""
+    if not os.path.exists(text):
+        raise argparse.ArgumentTypeError(f"no such file: {text}")
+    return text
+
+
+def _output_path(text: str) -> str:
     folder = os.path.dirname(os.path.abspath(text))
     if not os.path.isdir(folder):
         raise argparse.ArgumentTypeError(f"cannot write {text}: no such folder {folder}")
+    return text
+
+
+def _output_file(text: str) -> str:
+    _output_path(text)
     if os.path.isdir(text):
         raise argparse.ArgumentTypeError(f"cannot write {text}: it is a folder")
     return text
@@ -99,10 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "empty: no ID), tab-separated")
     ap.add_argument("--summary-json", metavar="PATH", type=_output_file, default=None,
                     help="also write the final summary as JSON")
-    ap.add_argument("--checkpoint", metavar="PATH", type=_output_file, default=None,
+    ap.add_argument("--checkpoint", metavar="PATH", type=_output_path, default=None,
                     help="save model and optimizers here, at every evaluation and at the end")
-    ap.add_argument("--resume", metavar="PATH", type=_input_file, default=None,
-                    help="continue from a checkpoint of this job (--steps must be above its step)")
+    ap.add_argument("--resume", metavar="PATH", type=_input_path, default=None,
+                    help="continue from a checkpoint of this job, a file or an --incremental-checkpoint-every "
+                         "directory (--steps must be above its step)")
     ap.add_argument("--compare", action="store_true",
                     help="also train TorchRec on the same data: its EmbeddingBagCollection on collision-free tables "
                          "(IDs remapped to 0..N-1; synthetic data), DistributedModelParallel with fused FBGEMM "
@@ -113,6 +168,22 @@ def build_parser() -> argparse.ArgumentParser:
                          "over them by key hash (TorchRec's DistributedModelParallel); --batch-size is the global "
                          "batch, split between them; synthetic data only for now; with --compare, TorchRec's "
                          "row-wise sharded FBGEMM tables under the same DMP")
+    bounded = ap.add_argument_group("bounded tables (see above)")
+    bounded.add_argument("--max-rows", metavar="N|P%", type=_row_budget, default=None,
+                         help="row budget of every table: N rows (at least --batch-size), or P%% of each table's "
+                              "distinct training IDs (synthetic data)")
+    bounded.add_argument("--evict", choices=EVICTIONS, default=None,
+                         help="which rows go when a table is past its budget (default with --max-rows: lru)")
+    bounded.add_argument("--ttl-steps", metavar="S", type=_int_at_least(0), default=None,
+                         help="with --evict ttl: rows unused for more than S steps expire")
+    bounded.add_argument("--admit-min-count", metavar="C", type=_int_at_least(1), default=None,
+                         help="an ID gets a row only once it was seen C times")
+    bounded.add_argument("--incremental-checkpoint-every", metavar="K", type=_int_at_least(1), default=None,
+                         help="with --checkpoint DIR: every K steps (and at the end) save each table as a table "
+                              "file chain (a delta of the rows changed since the last save) in DIR/tables/, and "
+                              "the dense model in DIR/dense.pt")
+    ap.add_argument("--row-dtype", choices=ROW_DTYPES, default="float32",
+                    help="storage type of the tables' rows (optimizer state and outputs stay float32)")
     ap.add_argument("--no-progress", action="store_true",
                     help="no progress bar or progress lines, only evaluations (off a terminal, plain progress "
                          "lines replace the bar)")
@@ -127,6 +198,13 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     """
     ap = build_parser()
     args = ap.parse_args(argv)
+    world = args.nproc if args.nproc > 1 else int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world > 1:  # (torchrun sets WORLD_SIZE)
+        given = [f"--{k.replace('_', '-')}" for k, default in NOT_DISTRIBUTED.items() if getattr(args, k) != default]
+        if given:
+            ap.error(f"{', '.join(given)} do{'es' if len(given) == 1 else ''} not run on {world} processes yet "
+                     f"(only with --nproc 1)")
+    _check_bounded(ap, args)
     if args.nproc > 1:
         if args.criteo_tsv:
             ap.error(f"--criteo-tsv does not run with --nproc {args.nproc} yet (only with --nproc 1)")
@@ -134,6 +212,33 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
             ap.error(f"--compare with --nproc {args.nproc} needs --batch-size a multiple of {args.nproc}: TorchRec's "
                      f"row-wise tables need equal batches on every process (gloo), {args.batch_size} does not split")
     return args
+
+
+def _check_bounded(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The bounded-table options together: what each needs, and what cannot go with what."""
+    rows, percent = row_budget(args.max_rows)
+    if args.max_rows is not None and args.evict is None:
+        args.evict = "lru"
+    if args.evict in ("lru", "lfu") and args.max_rows is None:
+        ap.error(f"--evict {args.evict} needs --max-rows (it chooses rows to evict past a budget)")
+    if args.evict == "ttl" and args.ttl_steps is None:
+        ap.error("--evict ttl needs --ttl-steps S (rows unused for more than S steps expire)")
+    if args.ttl_steps is not None and args.evict != "ttl":
+        ap.error(f"--ttl-steps applies to --evict ttl, not {'no --evict' if args.evict is None else args.evict}")
+    if rows is not None and rows < args.batch_size:
+        ap.error(f"--max-rows {rows} is below --batch-size {args.batch_size}: one batch can bring that many "
+                 f"distinct IDs to a table, and a lookup never evicts its own rows")
+    if percent is not None and args.criteo_tsv:
+        ap.error(f"--max-rows {args.max_rows} counts distinct IDs in the synthetic stream; with --criteo-tsv "
+                 f"give rows per table (--max-rows N)")
+    if args.incremental_checkpoint_every is not None:
+        if not args.checkpoint:
+            ap.error("--incremental-checkpoint-every needs --checkpoint DIR (the directory of the table chains)")
+        if os.path.exists(args.checkpoint) and not os.path.isdir(args.checkpoint):
+            ap.error(f"--checkpoint {args.checkpoint} is a file; with --incremental-checkpoint-every it names a "
+                     f"directory")
+    elif args.checkpoint and os.path.isdir(args.checkpoint):
+        ap.error(f"cannot write {args.checkpoint}: it is a folder (a folder is for --incremental-checkpoint-every)")
 
 
 def install_hint(missing_module: Optional[str]) -> Optional[str]:

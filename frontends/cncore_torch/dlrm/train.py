@@ -32,6 +32,8 @@ from tqdm import tqdm
 import cncore
 from cn_dlrm.cli import main  # noqa: F401  (the command: parse, check, then run)
 from cncore_torch.collection import CNEmbeddingBagCollection
+from cncore_torch.dlrm import bounded
+from cncore_torch.dlrm.chains import TableChains, is_incremental_checkpoint, open_checkpoint
 from cncore_torch.dlrm.data import N_DENSE, SPARSE_KEYS, Batch, InputError, SyntheticCriteo, read_criteo_tsv
 
 # A Criteo file's vocabulary is unknown up front: its tables start this small (64 KiB pages)
@@ -72,14 +74,17 @@ class Data:
                                  skip_batches=self.args.eval_batches + start)
         return (b for _, b in zip(range(self.args.steps - start), reader))
 
-    def initial_rows(self) -> Dict[str, int]:
-        """Rows each table allocates up front: no more than the run can fill (tables grow past it)."""
+    def initial_rows(self, budgets: Optional[Dict[str, int]] = None) -> Dict[str, int]:
+        """Rows each table allocates up front: no more than the run can fill (tables grow past it),
+        nor than its row budget."""
         ids_per_feature = (self.args.steps + self.args.eval_batches) * self.args.batch_size
         if self.synthetic is not None:
             reach = self.synthetic.items_by_batch(self.args.steps + self.args.eval_batches)
         else:
             reach = [TSV_INITIAL_ROWS] * len(SPARSE_KEYS)
-        return {f"t_{key}": max(1, min(n, ids_per_feature, MAX_INITIAL_ROWS)) for key, n in zip(SPARSE_KEYS, reach)}
+        budgets = budgets or {}
+        return {f"t_{key}": max(1, min(n, ids_per_feature, MAX_INITIAL_ROWS, budgets.get(f"t_{key}", n)))
+                for key, n in zip(SPARSE_KEYS, reach)}
 
 
 # --- models ------------------------------------------------------------------------------------
@@ -129,11 +134,16 @@ class Run:
         return {"auc": float(auc.compute()), "logloss": losses / n}
 
     def table_summary(self) -> Dict[str, float]:
-        """Rows, MiB in use, and MiB allocated (ours: spare capacity and partly filled pages too)."""
+        """Rows, MiB in use, and MiB allocated (ours: spare capacity and partly filled pages too);
+        bounded tables: also rows, budget and evictions per table."""
         if self.tables is not None:
             used = sum(used_bytes(store) for store in self.tables.stores.values())
-            return {"rows": float(sum(self.tables.table_rows().values())), "table_mib": used / 2**20,
-                    "table_mib_allocated": self.tables.nbytes() / 2**20}
+            summary = {"rows": float(sum(self.tables.table_rows().values())), "table_mib": used / 2**20,
+                       "table_mib_allocated": self.tables.nbytes() / 2**20}
+            if any(s.config.eviction is not None or s.config.admission is not None
+                   for s in self.tables.stores.values()):
+                summary.update(bounded.eviction_summary(self.tables.stores))
+            return summary
         if self.fixed_rows is not None:  # fixed tables: rows x (dim floats + one row-wise Adagrad float)
             rows = sum(self.fixed_rows)
             mib = rows * (self.dim + 1) * 4 / 2**20
@@ -142,9 +152,15 @@ class Run:
 
 
 def dynamic_run(args, data: Data) -> Run:
-    ebc = CNEmbeddingBagCollection(tables=table_configs(args.embedding_dim, data.cardinalities),
-                                   optimizer=cncore.RowWiseAdagrad(lr=args.sparse_lr), seed=args.seed,
-                                   capacities=data.initial_rows())
+    configs = table_configs(args.embedding_dim, data.cardinalities)
+    options = bounded.collection_options(args, [c.name for c in configs], data.synthetic)
+    try:
+        ebc = bounded.make_collection(tables=configs, optimizer=cncore.RowWiseAdagrad(lr=args.sparse_lr),
+                                      seed=args.seed, capacities=data.initial_rows(options.get("max_rows")), **options)
+    except ValueError as exc:
+        if "row_dtype" not in options:
+            raise
+        raise InputError(f"--row-dtype {args.row_dtype}: {exc}") from None
     model = build_dlrm(ebc, args.embedding_dim)
     dense = [p for n, p in model.named_parameters() if "_anchor" not in n]
     return Run("cncore (dynamic tables)", model, [torch.optim.Adagrad(dense, lr=args.dense_lr),
@@ -152,10 +168,13 @@ def dynamic_run(args, data: Data) -> Run:
 
 
 def used_bytes(store: cncore.EmbeddingStore) -> int:
-    """Bytes a store of this job uses: its index buckets (16 B: key, slot) and its rows with their
-    metadata (16 B with row-wise Adagrad: count, last step, the state); capacity allocated ahead
-    of need is not counted (that is `store.nbytes - used_bytes(store)`)."""
-    return 16 * store._table.n_buckets + len(store) * (store.dim * 4 + 16)
+    """Bytes a store of this job uses: its index buckets (16 B: key, slot) and its rows (4 B a
+    float, 2 B with 16-bit rows) with their metadata (16 B with row-wise Adagrad: count, last
+    step, the state; a table with an eviction policy also keeps each row's key, 8 B); capacity
+    allocated ahead of need is not counted (that is `store.nbytes - used_bytes(store)`)."""
+    value_bytes = 4 if store.config.dtype == "float32" else 2
+    meta_bytes = 16 + (8 if store.config.eviction is not None else 0)
+    return 16 * store._table.n_buckets + len(store) * (store.dim * value_bytes + meta_bytes)
 
 
 def equal_memory_rows(tables: CNEmbeddingBagCollection, dim: int) -> List[int]:
@@ -324,6 +343,13 @@ def train(run: Run, data: Data, args, start: int = 0) -> Dict[str, float]:
     every `args.eval_every` steps and at the end; checkpoints (ours only) at every evaluation."""
     seen, t_train, history = 0, 0.0, []
     progress = Progress(run.name, args.steps, start, enabled=not args.no_progress)
+    every = getattr(args, "incremental_checkpoint_every", None)
+    ours = run.tables is not None and not hasattr(run, "checkpoint_state")  # a single-process run of ours
+    chains = TableChains(args.checkpoint, every) if every and ours else None
+    ttl = ours and any(isinstance(s.config.eviction, cncore.TTL) for s in run.tables.stores.values())
+
+    def save_chains(step: int) -> None:
+        chains.save(run.model, run.optimizers, run.tables.stores, step, {"args": vars(args)})
 
     def evaluate(step: int) -> None:
         metrics = run.evaluate(data.eval_set)
@@ -333,17 +359,23 @@ def train(run: Run, data: Data, args, start: int = 0) -> Dict[str, float]:
         if run.tables is not None:
             size = (f", {tables['rows']:,.0f} rows, {tables['table_mib']:.1f} MiB used"
                     f" / {tables['table_mib_allocated']:.1f} MiB allocated")
+            if "evicted" in tables:
+                size += f", {tables['evicted']:,.0f} evicted"
         progress.write(f"[{run.name}] step {step}: AUC {metrics['auc']:.4f}, log loss {metrics['logloss']:.4f}{size}")
-        if args.checkpoint and run.tables is not None:
+        if args.checkpoint and run.tables is not None and not every:
             save_checkpoint(args.checkpoint, run, step, args)
 
     step = start
     for batch in data.train(start):
         t0 = time.perf_counter()
         loss = run.step(batch)
+        if ttl:  # expired rows go between steps, also below the budget (part of the step's cost)
+            bounded.sweep_expired(run.tables.stores)
         t_train += time.perf_counter() - t0
         seen += len(batch.labels)
         step += 1
+        if chains is not None and step % every == 0:
+            save_chains(step)
         progress.update(step, loss, seen / t_train)
         if step % args.eval_every == 0 or step == args.steps:
             evaluate(step)
@@ -355,6 +387,8 @@ def train(run: Run, data: Data, args, start: int = 0) -> Dict[str, float]:
                        f"of --steps {args.steps:,}")
     if not history or history[-1]["step"] != step:
         evaluate(step)
+    if chains is not None and step % every:
+        save_chains(step)
     progress.close()
     final = history[-1]
     return {"name": run.name, "steps": step, "samples_per_s": seen / t_train if t_train else 0.0,
@@ -370,11 +404,19 @@ def best_attainable(data: Data) -> Optional[float]:
     return float(auc.compute())
 
 
+# Where the DLRM's state_dict holds the collection's tables (an incremental checkpoint's chains go there).
+TABLE_PREFIX = "sparse_arch.embedding_bag_collection.tables."
+
+
 def load_checkpoint(path: str, args) -> Dict:
-    """A checkpoint this run can continue from; `InputError` says why not."""
+    """A checkpoint this run can continue from (a file, or the directory of an incremental one);
+    `InputError` says why not."""
     try:
-        state = torch.load(path, weights_only=False)
+        state = open_checkpoint(path, TABLE_PREFIX) if is_incremental_checkpoint(path) else \
+            torch.load(path, weights_only=False)
         step, saved = int(state["step"]), state["args"]
+    except InputError:
+        raise
     except Exception as e:  # a damaged file or another program's: torch.load raises many kinds
         raise InputError(f"--resume {path}: not a checkpoint of cn-dlrm ({type(e).__name__}: "
                          f"{str(e).splitlines()[0] if str(e) else ''})") from None
@@ -415,14 +457,24 @@ def run(args) -> int:
 def report(results: List[Dict], best: Optional[float], args) -> None:
     """The final table (and the summary JSON)."""
     print()
-    print("| run | AUC | log loss | samples/s | table rows | table MiB used / allocated |")
-    print("|---|---|---|---|---|---|")
+    evictions = any("evicted" in r for r in results)  # a column only for bounded tables
+    extra = (" evicted |", "---|") if evictions else ("", "")
+    print("| run | AUC | log loss | samples/s | table rows | table MiB used / allocated |" + extra[0])
+    print("|---|---|---|---|---|---|" + extra[1])
     for r in results:
         rows = f"{r['rows']:,.0f}" if "rows" in r else "-"
         mib = f"{r['table_mib']:.1f} / {r['table_mib_allocated']:.1f}" if "table_mib" in r else "-"
-        print(f"| {r['name']} | {r['auc']:.4f} | {r['logloss']:.4f} | {r['samples_per_s']:,.0f} | {rows} | {mib} |")
+        evicted = (f" {r['evicted']:,.0f} |" if "evicted" in r else " - |") if evictions else ""
+        print(f"| {r['name']} | {r['auc']:.4f} | {r['logloss']:.4f} | {r['samples_per_s']:,.0f} | {rows} | {mib} |"
+              + evicted)
     if best is not None:
-        print(f"| best attainable (the hidden model's own probabilities) | {best:.4f} | | | | |")
+        print(f"| best attainable (the hidden model's own probabilities) | {best:.4f} | | | | |" + " |" * evictions)
+    for r in results:
+        if "rows_per_table" in r:
+            print(f"{r['name']}: rows / budget (evicted) per table: " + ", ".join(
+                f"{name} {rows:,}" + (f" / {r['max_rows_per_table'][name]:,}" if r['max_rows_per_table'][name] else "")
+                + (f" ({r['evicted_per_table'][name]:,})" if r['evicted_per_table'][name] else "")
+                for name, rows in r["rows_per_table"].items()))
     if args.summary_json:
         with open(args.summary_json, "w") as fh:
             json.dump({"runs": results, "best_attainable_auc": best, "args": vars(args)}, fh, indent=2)

@@ -1,0 +1,236 @@
+"""AUC of DLRM at a row budget: our bounded tables against TorchRec's hashing and its MCH.
+
+The job's DLRM (`cn-dlrm`'s model, row-wise Adagrad on the tables, Adagrad on the dense
+network) on the job's default synthetic Criteo-like stream (`cncore.synthetic`: Zipf IDs
+that drift, so new IDs keep coming), trained with each table held to a row budget of
+--budgets percent of the distinct IDs the training range brings to it (never below the most
+distinct IDs one batch brings to it: `cncore_torch.dlrm.bounded.percent_budgets`, what
+`cn-dlrm --max-rows P%` uses), each method given the same rows per table:
+
+- ours: `CNEmbeddingBagCollection(max_rows=..., eviction=LRU() | LFU())`, and LRU with
+  `admission=MinCount(2)` (an ID gets a row at its second sighting);
+- TorchRec hashed: its `EmbeddingBagCollection` with IDs taken modulo the budget;
+- TorchRec MCH: `ManagedCollisionEmbeddingBagCollection` over its `EmbeddingBagCollection`,
+  a `MCHManagedCollisionModule` per table (zch_size = the budget; its last slot takes the IDs
+  it has no slot for) with `LRU_EvictionPolicy`, `LFU_EvictionPolicy` or
+  `DistanceLFU_EvictionPolicy`, eviction interval --mch-interval steps.
+
+Every run trains on the same cached batches and is evaluated on the --eval-batches batches that
+follow the training range (drifted, unseen IDs included). Printed: budget, method, AUC, log
+loss, rows used (ours: rows held; hashed: rows any training ID reached; MCH: slots holding an
+ID), evictions (ours: `evicted_count`; MCH: IDs that lost their slot), table MiB (ours: index,
+rows, metadata, keys; fixed tables: rows x (dim + 1 Adagrad float) x 4 B) and training samples/s
+(the step alone, data excluded).
+
+    python asv_bench/scripts/bounded_auc.py                        # 300 steps: about 4 minutes on 2 cores
+    python asv_bench/scripts/bounded_auc.py --steps 40 --budgets 50 --methods ours-lru hashed mch-lru
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import sys
+import time
+from types import SimpleNamespace
+from typing import Dict, List
+
+import numpy as np
+import torch
+from torch import nn
+
+import cncore
+from cncore_torch.dlrm import bounded
+from cncore_torch.dlrm.data import SPARSE_KEYS, SyntheticCriteo
+from cncore_torch.dlrm.train import (Run, build_dlrm, fixed_run, hashed_run, table_configs, train,
+                                     used_bytes, _mute_is_fx_tracing_notice)
+
+METHODS = ["ours-lru", "ours-lfu", "ours-lru+mincount2", "hashed", "mch-lru", "mch-lfu", "mch-distance-lfu"]
+LABELS = {"ours-lru": "ours LRU", "ours-lfu": "ours LFU", "ours-lru+mincount2": "ours LRU + MinCount(2)",
+          "hashed": "TorchRec EBC, IDs modulo rows", "mch-lru": "TorchRec MCH, LRU_EvictionPolicy",
+          "mch-lfu": "TorchRec MCH, LFU_EvictionPolicy", "mch-distance-lfu": "TorchRec MCH, DistanceLFU_EvictionPolicy"}
+_EMPTY = torch.iinfo(torch.int64).max  # MCH's marker of a slot holding no ID
+
+
+class CachedData:
+    """The job's `Data` over batches generated once (every run trains on the same ones)."""
+
+    def __init__(self, args):
+        gen = SyntheticCriteo(seed=args.seed, batch_size=args.batch_size)
+        self.synthetic, self.args = gen, args
+        self.batches = [gen.batch(i) for i in range(args.steps)]
+        self.eval_set = [gen.batch(args.steps + k) for k in range(args.eval_batches)]
+        self.cardinalities = gen.cardinalities
+
+    def train(self, start: int):
+        return iter(self.batches[start:])
+
+
+def ours(args, budgets: List[int], eviction, admission=None) -> Run:
+    configs = table_configs(args.embedding_dim, budgets)
+    ebc = bounded.make_collection(tables=configs, optimizer=cncore.RowWiseAdagrad(lr=args.sparse_lr), seed=args.seed,
+                                   max_rows={c.name: n for c, n in zip(configs, budgets)}, eviction=eviction,
+                                   admission=admission)
+    model = build_dlrm(ebc, args.embedding_dim)
+    dense = [p for n, p in model.named_parameters() if "_anchor" not in n]
+    return Run("ours", model, [torch.optim.Adagrad(dense, lr=args.dense_lr), ebc.fused_optimizer], tables=ebc)
+
+
+class CountingMCH:
+    """Wraps `MCHManagedCollisionModule._update_and_evict` to count IDs that lose their slot
+    (TorchRec's own evict() reports refilled empty slots too)."""
+
+    @staticmethod
+    def make(zch_size: int, policy, interval: int):
+        from torchrec.modules.mc_modules import MCHManagedCollisionModule
+
+        class Module(MCHManagedCollisionModule):
+            evicted_ids = 0
+
+            def _update_and_evict(self, *a, **kw):
+                before = self._mch_sorted_raw_ids.clone()
+                super()._update_and_evict(*a, **kw)
+                after = self._mch_sorted_raw_ids
+                gone = before[(before != _EMPTY) & ~torch.isin(before, after)]
+                self.evicted_ids += int(gone.numel())
+
+            def used(self) -> int:
+                return int((self._mch_sorted_raw_ids != _EMPTY).sum())
+
+        return Module(zch_size=zch_size, device=torch.device("cpu"), eviction_policy=policy,
+                      eviction_interval=interval)
+
+
+class KeyedTensorOnly(nn.Module):
+    """A ManagedCollisionEmbeddingBagCollection as DLRM's sparse arch wants it: forward returns
+    the KeyedTensor alone (MC-EBC returns (embeddings, remapped features or None))."""
+
+    def __init__(self, mc_ebc, configs):
+        super().__init__()
+        self.mc_ebc, self._configs = mc_ebc, configs
+
+    def embedding_bag_configs(self):
+        return self._configs
+
+    def forward(self, features):
+        return self.mc_ebc(features)[0]
+
+
+def mch(args, budgets: List[int], policy_name: str) -> Run:
+    from torchrec import EmbeddingBagCollection
+    from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingBagCollection
+    from torchrec.modules.mc_modules import (DistanceLFU_EvictionPolicy, LFU_EvictionPolicy, LRU_EvictionPolicy,
+                                             ManagedCollisionCollection)
+    from torchrec.optim import RowWiseAdagrad as TorchRecRowWiseAdagrad
+    policies = {"mch-lru": LRU_EvictionPolicy, "mch-lfu": LFU_EvictionPolicy,
+                "mch-distance-lfu": DistanceLFU_EvictionPolicy}
+    torch.manual_seed(args.seed)
+    configs = table_configs(args.embedding_dim, budgets)
+    modules = {c.name: CountingMCH.make(c.num_embeddings, policies[policy_name](), args.mch_interval) for c in configs}
+    mc_ebc = ManagedCollisionEmbeddingBagCollection(EmbeddingBagCollection(tables=configs),
+                                                    ManagedCollisionCollection(modules, configs))
+    model = build_dlrm(KeyedTensorOnly(mc_ebc, configs), args.embedding_dim)
+    sparse = [p for n, p in model.named_parameters() if "embedding_bags" in n]
+    dense = [p for n, p in model.named_parameters() if "embedding_bags" not in n]
+    run = Run("mch", model, [torch.optim.Adagrad(dense, lr=args.dense_lr),
+                             TorchRecRowWiseAdagrad(sparse, lr=args.sparse_lr)], fixed_rows=list(budgets),
+              dim=args.embedding_dim)
+    run.mch_modules = modules
+    return run
+
+
+def hashed_rows_reached(data: CachedData, budgets: List[int]) -> int:
+    """Rows of the modulo-hashed tables that any training ID reaches."""
+    total = 0
+    for f, key in enumerate(SPARSE_KEYS):
+        ids = np.concatenate([b.sparse[key].values().numpy() for b in data.batches])
+        total += len(np.unique(np.remainder(ids, budgets[f])))
+    return total
+
+
+def build(method: str, args, budgets: List[int]) -> Run:
+    if method == "ours-lru":
+        return ours(args, budgets, cncore.LRU())
+    if method == "ours-lfu":
+        return ours(args, budgets, cncore.LFU())
+    if method == "ours-lru+mincount2":
+        return ours(args, budgets, cncore.LRU(), cncore.MinCount(2))
+    if method == "hashed":
+        return hashed_run(args, budgets)
+    return mch(args, budgets, method)
+
+
+def measure(method: str, args, data: CachedData, budgets: List[int]) -> Dict:
+    run = build(method, args, budgets)
+    with contextlib.redirect_stdout(io.StringIO()):  # the job's evaluation line: the table says it
+        result = train(run, data, args)
+    if run.tables is not None:
+        stores = run.tables.stores.values()
+        used = sum(len(s) for s in stores)
+        evicted = sum(int(s.evicted_count) for s in stores)
+        mib = sum(used_bytes(s) for s in stores) / 2**20
+    else:
+        mib = sum(budgets) * (args.embedding_dim + 1) * 4 / 2**20
+        if hasattr(run, "mch_modules"):
+            used = sum(m.used() for m in run.mch_modules.values())
+            evicted = sum(m.evicted_ids for m in run.mch_modules.values())
+        else:
+            used, evicted = hashed_rows_reached(data, budgets), None
+    return {"method": method, "auc": result["auc"], "logloss": result["logloss"], "rows_used": used,
+            "evicted": evicted, "table_mib": mib, "samples_per_s": result["samples_per_s"]}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=300, help="training batches")
+    ap.add_argument("--batch-size", type=int, default=2048)
+    ap.add_argument("--eval-batches", type=int, default=8)
+    ap.add_argument("--embedding-dim", type=int, default=16)
+    ap.add_argument("--budgets", type=float, nargs="+", default=[100, 50, 25],
+                    help="row budgets, percent of each table's distinct training IDs")
+    ap.add_argument("--methods", nargs="+", choices=METHODS, default=METHODS)
+    ap.add_argument("--mch-interval", type=int, default=1, help="MCH's eviction_interval (steps)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch and core threads (1: on a shared 2-core machine, spinning OpenMP threads of two "
+                         "runtimes slow everything down; see issue 12)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    args = ap.parse_args(argv)
+    # what the job's Run/train read
+    job = SimpleNamespace(steps=args.steps, batch_size=args.batch_size, eval_batches=args.eval_batches,
+                          eval_every=args.steps, embedding_dim=args.embedding_dim, sparse_lr=0.05, dense_lr=0.01,
+                          seed=args.seed, no_progress=True, checkpoint=None, criteo_tsv=None,
+                          mch_interval=args.mch_interval)
+    torch.set_num_threads(args.threads)
+    cncore.set_num_threads(args.threads)
+    _mute_is_fx_tracing_notice()
+    t0 = time.perf_counter()
+    data = CachedData(job)
+    counts = bounded.stream_counts(data.synthetic, args.steps)
+    print(f"# DLRM, synthetic Criteo-like stream: {args.steps} steps x {args.batch_size} samples, dim "
+          f"{args.embedding_dim}, eval on the next {args.eval_batches} batches; {sum(counts.distinct):,} distinct "
+          f"training IDs over 26 tables; {args.threads} thread(s); MCH eviction interval {args.mch_interval}",
+          flush=True)
+    rows = []
+    print("| budget | rows per table (all tables) | method | AUC | log loss | rows used | evictions | table MiB | "
+          "samples/s |")
+    print("|---|---|---|---|---|---|---|---|---|", flush=True)
+    for percent in args.budgets:
+        budgets = bounded.percent_budgets(counts, percent)
+        for method in args.methods:
+            r = measure(method, job, data, budgets)
+            r.update(budget_percent=percent, budget_rows=sum(budgets))
+            rows.append(r)
+            evicted = "-" if r["evicted"] is None else f"{r['evicted']:,}"
+            print(f"| {percent:g}% | {sum(budgets):,} | {LABELS[method]} | {r['auc']:.4f} | {r['logloss']:.4f} | "
+                  f"{r['rows_used']:,} | {evicted} | {r['table_mib']:.1f} | {r['samples_per_s']:,.0f} |", flush=True)
+    print(f"# {time.perf_counter() - t0:.0f} s in all", file=sys.stderr)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"args": vars(args), "distinct": counts.distinct, "rows": rows}, fh, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,142 @@
+"""Bounded tables for the DLRM job: each table's row budget, the policy objects of the
+`--max-rows / --evict / --ttl-steps / --admit-min-count` options, and what a run reports
+about them (rows per table, evictions).
+
+A budget given as a percentage is P% of the distinct IDs the training range brings to each
+table, counted in one pass over the synthetic stream, but never below the most distinct IDs
+one training batch brings to that table: the core refuses a lookup whose own distinct keys
+exceed the budget (it never evicts rows the lookup uses).
+
+>>> from cncore.synthetic import SyntheticCriteo
+>>> counts = stream_counts(SyntheticCriteo(seed=0, batch_size=64), steps=4)
+>>> counts.distinct[0] >= counts.peak_batch[0] >= 1
+True
+>>> budgets = percent_budgets(counts, 50.0)
+>>> all(p <= b <= d for b, p, d in zip(budgets, counts.peak_batch, counts.distinct))
+True
+>>> policy("lfu", None), policy("ttl", 10), policy(None, None)
+(LFU(), TTL(steps=10), None)
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import numpy as np
+
+import cncore
+from cncore.synthetic import N_SPARSE, SyntheticCriteo
+
+__all__ = ["StreamCounts", "stream_counts", "percent_budgets", "policy", "table_budgets", "collection_options",
+           "sweep_expired", "eviction_summary", "make_collection"]
+
+
+@dataclass
+class StreamCounts:
+    """Per feature (table): distinct IDs over a range of batches, and the most in one batch."""
+    distinct: List[int]
+    peak_batch: List[int]
+
+
+def stream_counts(gen: SyntheticCriteo, steps: int, start: int = 0) -> StreamCounts:
+    """Count the distinct IDs of each feature in batches start .. steps-1 of `gen`."""
+    seen: List[np.ndarray] = [np.empty(0, np.int64) for _ in range(N_SPARSE)]
+    pending: List[List[np.ndarray]] = [[] for _ in range(N_SPARSE)]
+    peak = [0] * N_SPARSE
+    for i in range(start, steps):
+        a = gen.arrays(i)
+        for f, values in enumerate(a.values):
+            u = np.unique(values)
+            peak[f] = max(peak[f], len(u))
+            pending[f].append(u)
+        if (i - start) % 64 == 63 or i == steps - 1:  # merge now and then: memory stays ~ the distinct IDs
+            for f in range(N_SPARSE):
+                seen[f] = np.unique(np.concatenate([seen[f], *pending[f]]))
+                pending[f] = []
+    return StreamCounts([len(s) for s in seen], peak)
+
+
+def percent_budgets(counts: StreamCounts, percent: float) -> List[int]:
+    """P% of each table's distinct IDs (rounded up), at least its peak batch, at most all of them."""
+    return [min(d, max(math.ceil(d * percent / 100), p, 1)) for d, p in zip(counts.distinct, counts.peak_batch)]
+
+
+def policy(evict: Optional[str], ttl_steps: Optional[int]):
+    """The cncore eviction object of --evict (None: no policy)."""
+    if evict is None:
+        return None
+    return {"lru": cncore.LRU, "lfu": cncore.LFU}[evict]() if evict != "ttl" else cncore.TTL(ttl_steps)
+
+
+def table_budgets(args, names: List[str], synthetic: Optional[SyntheticCriteo]) -> Optional[Dict[str, int]]:
+    """{table name: row budget} of --max-rows (None without it)."""
+    from cn_dlrm.cli import row_budget
+    rows, percent = row_budget(args.max_rows)
+    if rows is not None:
+        return {name: rows for name in names}
+    if percent is None:
+        return None
+    return dict(zip(names, percent_budgets(stream_counts(synthetic, args.steps), percent)))
+
+
+def collection_options(args, names: List[str], synthetic: Optional[SyntheticCriteo]) -> dict:
+    """The keyword arguments of the bounded-table options for CNEmbeddingBagCollection (only
+    those set: the collection's defaults stay its own)."""
+    options: dict = {}
+    budgets = table_budgets(args, names, synthetic)
+    if budgets is not None:
+        options["max_rows"] = budgets
+    if args.evict is not None:
+        options["eviction"] = policy(args.evict, args.ttl_steps)
+    if args.admit_min_count is not None:
+        options["admission"] = cncore.MinCount(args.admit_min_count)
+    if getattr(args, "row_dtype", "float32") != "float32":
+        options["row_dtype"] = args.row_dtype
+    return options
+
+
+def sweep_expired(stores: Dict[str, cncore.EmbeddingStore]) -> int:
+    """TTL tables: evict the rows expired at this step, also below the budget; returns how many."""
+    return sum(store.evict_expired() for store in stores.values()
+               if isinstance(store.config.eviction, cncore.TTL))
+
+
+def eviction_summary(stores: Dict[str, cncore.EmbeddingStore]) -> dict:
+    """Rows and evictions per table, and their totals (for the job's report)."""
+    rows = {name: len(store) for name, store in stores.items()}
+    evicted = {name: int(store.evicted_count) for name, store in stores.items()}
+    budgets = {name: store.config.max_rows for name, store in stores.items()}
+    return {"rows_per_table": rows, "evicted_per_table": evicted, "max_rows_per_table": budgets,
+            "evicted": float(sum(evicted.values()))}
+
+
+
+_OPTIONS = ("max_rows", "eviction", "admission", "headroom", "row_dtype")
+
+
+def make_collection(**kw):
+    """`CNEmbeddingBagCollection(**kw)`, the bounded-table options included.
+
+    Until the collection takes them itself (`max_rows=`, `eviction=`, ..., one value or
+    {table: value}), they are applied to its store configs here and its stores rebuilt (empty);
+    once it does, this is the plain constructor call."""
+    import dataclasses
+
+    from cncore_torch.collection import CNEmbeddingBagCollection
+    try:
+        return CNEmbeddingBagCollection(**kw)
+    except TypeError as exc:
+        options = {k: kw.pop(k) for k in _OPTIONS if k in kw}
+        if not options or "unexpected keyword argument" not in str(exc):
+            raise
+    ebc = CNEmbeddingBagCollection(**kw)
+    configs = {}
+    for name, config in ebc._store_configs.items():
+        fields = {k: (v[name] if isinstance(v, dict) else v) for k, v in options.items()}
+        if "row_dtype" in fields:
+            fields["dtype"] = fields.pop("row_dtype")
+        configs[name] = dataclasses.replace(config, **fields)
+    ebc._store_configs = configs
+    ebc._materialise()
+    return ebc
