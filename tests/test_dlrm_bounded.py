@@ -232,3 +232,27 @@ def test_a_save_cut_off_between_tables_and_dense_is_refused(capsys, tmp_path):
     (tmp_path / "empty").mkdir()
     assert job.main([*SMALL, "--steps", "8", "--resume", str(tmp_path / "empty")]) == 2
     assert "not an incremental checkpoint of cn-dlrm (no dense.pt)" in capsys.readouterr().err
+
+
+# --- the AUC study's script --------------------------------------------------------------------------------
+
+def test_bounded_auc_script_runs_every_method_at_the_same_budget(tmp_path, capsys):
+    import importlib.util
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("bounded_auc", os.path.join(root, "asv_bench/scripts/bounded_auc.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "auc.json"
+    assert script.main(["--steps", "3", "--batch-size", "128", "--eval-batches", "1", "--budgets", "50",
+                        "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["method"] for r in rows] == script.METHODS
+    budget = bounded.percent_budgets(bounded.stream_counts(SyntheticCriteo(seed=0, batch_size=128), 3), 50)
+    for r in rows:
+        assert r["budget_rows"] == sum(budget) and 0.0 <= r["auc"] <= 1.0
+        if r["method"] != "hashed-same-memory":
+            assert 0 < r["rows_used"] <= sum(budget)
+        if r["method"].startswith("ours") or r["method"] == "mch-lru":
+            assert r["evicted"] > 0  # 3 batches bring more than half their distinct IDs twice over
+    printed = capsys.readouterr().out
+    assert printed.count("| 50% |") == len(script.METHODS)

@@ -9,7 +9,9 @@ distinct IDs one batch brings to it: `cncore_torch.dlrm.bounded.percent_budgets`
 
 - ours: `CNEmbeddingBagCollection(max_rows=..., eviction=LRU() | LFU())`, and LRU with
   `admission=MinCount(2)` (an ID gets a row at its second sighting);
-- TorchRec hashed: its `EmbeddingBagCollection` with IDs taken modulo the budget;
+- TorchRec hashed: its `EmbeddingBagCollection` with IDs taken modulo the budget, and modulo
+  as many rows as fit in the memory our LRU tables used at that budget (index, rows, metadata,
+  keys: about twice a fixed row's bytes at dim 16);
 - TorchRec MCH: `ManagedCollisionEmbeddingBagCollection` over its `EmbeddingBagCollection`,
   a `MCHManagedCollisionModule` per table (zch_size = the budget; its last slot takes the IDs
   it has no slot for) with `LRU_EvictionPolicy`, `LFU_EvictionPolicy` or
@@ -22,7 +24,7 @@ ID), evictions (ours: `evicted_count`; MCH: IDs that lost their slot), table MiB
 rows, metadata, keys; fixed tables: rows x (dim + 1 Adagrad float) x 4 B) and training samples/s
 (the step alone, data excluded).
 
-    python asv_bench/scripts/bounded_auc.py                        # 300 steps: about 4 minutes on 2 cores
+    python asv_bench/scripts/bounded_auc.py                        # 200 steps: about 6 minutes on 2 cores
     python asv_bench/scripts/bounded_auc.py --steps 40 --budgets 50 --methods ours-lru hashed mch-lru
 """
 from __future__ import annotations
@@ -43,12 +45,14 @@ from torch import nn
 import cncore
 from cncore_torch.dlrm import bounded
 from cncore_torch.dlrm.data import SPARSE_KEYS, SyntheticCriteo
-from cncore_torch.dlrm.train import (Run, build_dlrm, fixed_run, hashed_run, table_configs, train,
-                                     used_bytes, _mute_is_fx_tracing_notice)
+from cncore_torch.dlrm.train import (Run, _mute_is_fx_tracing_notice, build_dlrm, equal_memory_rows, hashed_run,
+                                     table_configs, train, used_bytes)
 
-METHODS = ["ours-lru", "ours-lfu", "ours-lru+mincount2", "hashed", "mch-lru", "mch-lfu", "mch-distance-lfu"]
+METHODS = ["ours-lru", "ours-lfu", "ours-lru+mincount2", "hashed", "hashed-same-memory", "mch-lru", "mch-lfu",
+           "mch-distance-lfu"]
 LABELS = {"ours-lru": "ours LRU", "ours-lfu": "ours LFU", "ours-lru+mincount2": "ours LRU + MinCount(2)",
-          "hashed": "TorchRec EBC, IDs modulo rows", "mch-lru": "TorchRec MCH, LRU_EvictionPolicy",
+          "hashed": "TorchRec EBC, IDs modulo rows", "hashed-same-memory": "TorchRec EBC, modulo, ours' MiB",
+          "mch-lru": "TorchRec MCH, LRU_EvictionPolicy",
           "mch-lfu": "TorchRec MCH, LFU_EvictionPolicy", "mch-distance-lfu": "TorchRec MCH, DistanceLFU_EvictionPolicy"}
 _EMPTY = torch.iinfo(torch.int64).max  # MCH's marker of a slot holding no ID
 
@@ -68,6 +72,7 @@ class CachedData:
 
 
 def ours(args, budgets: List[int], eviction, admission=None) -> Run:
+    torch.manual_seed(args.seed)  # the dense network starts where every other run's does
     configs = table_configs(args.embedding_dim, budgets)
     ebc = bounded.make_collection(tables=configs, optimizer=cncore.RowWiseAdagrad(lr=args.sparse_lr), seed=args.seed,
                                    max_rows={c.name: n for c, n in zip(configs, budgets)}, eviction=eviction,
@@ -150,13 +155,14 @@ def hashed_rows_reached(data: CachedData, budgets: List[int]) -> int:
 
 
 def build(method: str, args, budgets: List[int]) -> Run:
+    """`budgets`: rows per table (hashed-same-memory: the rows of ours' memory per table)."""
     if method == "ours-lru":
         return ours(args, budgets, cncore.LRU())
     if method == "ours-lfu":
         return ours(args, budgets, cncore.LFU())
     if method == "ours-lru+mincount2":
         return ours(args, budgets, cncore.LRU(), cncore.MinCount(2))
-    if method == "hashed":
+    if method in ("hashed", "hashed-same-memory"):
         return hashed_run(args, budgets)
     return mch(args, budgets, method)
 
@@ -170,6 +176,7 @@ def measure(method: str, args, data: CachedData, budgets: List[int]) -> Dict:
         used = sum(len(s) for s in stores)
         evicted = sum(int(s.evicted_count) for s in stores)
         mib = sum(used_bytes(s) for s in stores) / 2**20
+        same_memory = equal_memory_rows(run.tables, args.embedding_dim)
     else:
         mib = sum(budgets) * (args.embedding_dim + 1) * 4 / 2**20
         if hasattr(run, "mch_modules"):
@@ -177,13 +184,16 @@ def measure(method: str, args, data: CachedData, budgets: List[int]) -> Dict:
             evicted = sum(m.evicted_ids for m in run.mch_modules.values())
         else:
             used, evicted = hashed_rows_reached(data, budgets), None
-    return {"method": method, "auc": result["auc"], "logloss": result["logloss"], "rows_used": used,
-            "evicted": evicted, "table_mib": mib, "samples_per_s": result["samples_per_s"]}
+    result = {"method": method, "auc": result["auc"], "logloss": result["logloss"], "rows_used": used,
+              "evicted": evicted, "table_mib": mib, "samples_per_s": result["samples_per_s"]}
+    if run.tables is not None:
+        result["same_memory_rows"] = same_memory
+    return result
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=300, help="training batches")
+    ap.add_argument("--steps", type=int, default=200, help="training batches")
     ap.add_argument("--batch-size", type=int, default=2048)
     ap.add_argument("--eval-batches", type=int, default=8)
     ap.add_argument("--embedding-dim", type=int, default=16)
@@ -213,13 +223,23 @@ def main(argv=None) -> int:
           f"training IDs over 26 tables; {args.threads} thread(s); MCH eviction interval {args.mch_interval}",
           flush=True)
     rows = []
-    print("| budget | rows per table (all tables) | method | AUC | log loss | rows used | evictions | table MiB | "
+    print("| budget | budget rows (all tables) | method | AUC | log loss | rows used | evictions | table MiB | "
           "samples/s |")
     print("|---|---|---|---|---|---|---|---|---|", flush=True)
     for percent in args.budgets:
         budgets = bounded.percent_budgets(counts, percent)
+        same_memory = None
         for method in args.methods:
-            r = measure(method, job, data, budgets)
+            if method == "hashed-same-memory":
+                if same_memory is None:
+                    print(f"# {method} needs ours-lru before it in --methods: skipped", file=sys.stderr)
+                    continue
+                r = measure(method, job, data, same_memory)
+            else:
+                r = measure(method, job, data, budgets)
+            if method == "ours-lru":
+                same_memory = r.pop("same_memory_rows")
+            r.pop("same_memory_rows", None)
             r.update(budget_percent=percent, budget_rows=sum(budgets))
             rows.append(r)
             evicted = "-" if r["evicted"] is None else f"{r['evicted']:,}"
