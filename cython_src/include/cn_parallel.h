@@ -19,9 +19,12 @@
  *  - The caller never waits for a worker that has not started: work is split into chunks
  *    claimed with one atomic add, the caller claims chunks too, and it waits only for chunks
  *    that a worker claimed and is running. A descheduled worker simply finds nothing left.
- *  - Workers spin briefly (CN_SPIN_NS, 50 us: long enough to catch the next loop of the same
- *    step on an idle machine) and then sleep on a futex: they do not burn a core that another
- *    process wants.
+ *  - Workers spin briefly (200 us by default, CNCORE_SPIN_US: a training step's loops come
+ *    closer together than that, so workers stay awake through a step) and then sleep on a
+ *    futex: they do not hold a core that another process wants for longer. Since the caller
+ *    never waits for a worker that has not started, the spin length decides only wake-up
+ *    latency and CPU taken from other processes, not stragglers (on this shared machine,
+ *    DLRM runs with 50, 200, 300 and 1000 us differed by less than their noise).
  *  - One loop at a time: a call that finds the pool busy (another thread of the process is in a
  *    parallel loop, or a loop body calls back in) runs its range on its own thread.
  * Results never depend on the thread count: every item of a range is processed exactly once
@@ -85,9 +88,12 @@ static inline int cn_threads_for(int64_t work) {
 
 typedef void (*cn_range_fn)(void *ctx, int64_t begin, int64_t end);
 
-#ifndef CN_SPIN_NS
-#define CN_SPIN_NS 50000
+/* How long an idle worker spins before it sleeps: CNCORE_SPIN_US (microseconds) if set, else
+ * CN_SPIN_US_DEFAULT. Read when the first worker starts. */
+#ifndef CN_SPIN_US_DEFAULT
+#define CN_SPIN_US_DEFAULT 200
 #endif
+static int64_t cn_spin_ns = CN_SPIN_US_DEFAULT * 1000;
 /* Chunks per thread: more chunks balance better when a thread is slowed (by the OS, or by a
  * bag of many keys); each costs one atomic add. */
 #define CN_CHUNKS_PER_THREAD 4
@@ -149,7 +155,7 @@ static void *cn_worker_main(void *arg) {
         while ((g = atomic_load(&t->gen)) == seen) {
             if (spin_start == 0) spin_start = cn_now_ns();
             for (int i = 0; i < 64; i++) cn_cpu_relax();
-            if (cn_now_ns() - spin_start < CN_SPIN_NS) continue;
+            if (cn_now_ns() - spin_start < cn_spin_ns) continue;
             atomic_fetch_add(&t->sleepers, 1);
             /* Sleeps only if gen is still `seen`: a caller that bumped it after our load either
              * sees sleepers > 0 and wakes us, or we see the new gen here (both are seq_cst). */
@@ -183,6 +189,12 @@ static inline int cn_team_grow(cn_team_t *t, int want) {
     if (!t->atfork_registered) {
         pthread_atfork(NULL, NULL, cn_team_after_fork_child);
         t->atfork_registered = 1;
+        const char *spin = getenv("CNCORE_SPIN_US");
+        if (spin != NULL && *spin != 0) {
+            char *end = NULL;
+            const long long us = strtoll(spin, &end, 10);
+            if (end != spin && us >= 0 && us <= 1000000) cn_spin_ns = (int64_t)us * 1000;
+        }
     }
     while (t->n_workers < want) {
         pthread_attr_t attr;
