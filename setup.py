@@ -1,7 +1,7 @@
 """Builds the Cython core (cython_src/) into the `cncore` package.
 
-Optimisation is on (-O3), and OpenMP is used when the compiler accepts -fopenmp; without it
-the core builds and runs single-threaded. CNCORE_PORTABLE=1 drops -march=native (for wheels
+Optimisation is on (-O3); the core's parallel loops run on its own pthread pool
+(cn_parallel.h), so no OpenMP runtime is needed. CNCORE_PORTABLE=1 drops -march=native (for wheels
 meant for other machines).
 """
 import os
@@ -39,11 +39,8 @@ compile_args = ["-O3", "-std=gnu11", "-fno-strict-aliasing", "-fno-math-errno", 
 link_args = []
 if os.environ.get("CNCORE_PORTABLE") != "1" and _compiler_accepts(["-march=native"]):
     compile_args.append("-march=native")
-if os.environ.get("CNCORE_NO_OPENMP") != "1" and _compiler_accepts(["-fopenmp"]):
-    compile_args.append("-fopenmp")
-    link_args.append("-fopenmp")
-else:
-    print("cncore: building without OpenMP (single-threaded kernels)", file=sys.stderr)
+compile_args.append("-pthread")
+link_args.append("-pthread")
 
 extensions = [
     Extension(

@@ -15,7 +15,7 @@ from cncore.config import (LFU, LRU, SGD, TTL, Adagrad, Adam, Constant, MinCount
                            StoreConfig, TruncatedNormal, Uniform)
 from cncore.grouped import LookupContext, grouped_apply_gradients, grouped_pooled_lookup
 from cncore.store import EmbeddingStore, TableBatch, initial_rows
-from cncore.threads import get_num_threads, has_openmp, set_num_threads, traced_bytes
+from cncore.threads import get_num_threads, set_num_threads, traced_bytes
 
 __version__ = "0.1.0"
 
@@ -25,5 +25,5 @@ __all__ = [
     "SGD", "Adagrad", "RowWiseAdagrad", "Adam",
     "LRU", "LFU", "TTL", "MinCount",
     "grouped_pooled_lookup", "grouped_apply_gradients",
-    "set_num_threads", "get_num_threads", "has_openmp", "traced_bytes",
+    "set_num_threads", "get_num_threads", "traced_bytes",
 ]

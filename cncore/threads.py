@@ -1,14 +1,20 @@
 """Thread count of the core's parallel loops, decided in one place.
 
+The core runs its loops on a pool of its own (cython_src/include/cn_parallel.h says why not
+OpenMP): the calling thread claims work alongside the workers and never waits for a worker that
+has not started, and idle workers sleep after 50 us, so the core stays fast on a machine that
+other processes keep busy. Default: CNCORE_NUM_THREADS, else OMP_NUM_THREADS, else the CPUs
+this process may run on.
+
 >>> import cncore
 >>> previous = cncore.get_num_threads()
 >>> cncore.set_num_threads(1); cncore.get_num_threads()
 1
->>> cncore.set_num_threads(None)  # back to the default (OMP_NUM_THREADS or all cores)
+>>> cncore.set_num_threads(None)  # back to the default
 """
 from cncore import _core
 
-__all__ = ["set_num_threads", "get_num_threads", "has_openmp", "traced_bytes"]
+__all__ = ["set_num_threads", "get_num_threads", "traced_bytes"]
 
 
 def set_num_threads(n) -> None:
@@ -22,13 +28,8 @@ def set_num_threads(n) -> None:
 
 
 def get_num_threads() -> int:
-    """Threads the next parallel loop will use (1 when built without OpenMP)."""
+    """Threads the next large parallel loop will use (small ones run on the calling thread)."""
     return _core.max_threads()
-
-
-def has_openmp() -> bool:
-    """Whether the core was built with OpenMP."""
-    return _core.has_openmp()
 
 
 def traced_bytes() -> int:

@@ -68,8 +68,6 @@ def _train(threads, mode, optimizer):
 @pytest.mark.parametrize("optimizer", [cncore.SGD(lr=0.1), cncore.RowWiseAdagrad(lr=0.1), cncore.Adam()],
                          ids=["sgd", "rowwise", "adam"])
 def test_training_identical_for_one_and_two_threads(mode, optimizer, restore_threads):
-    if not cncore.has_openmp():
-        pytest.skip("built without OpenMP: one thread only")
     outs1, exp1 = _train(1, mode, optimizer)
     outs2, exp2 = _train(2, mode, optimizer)
     for a, b in zip(outs1, outs2):

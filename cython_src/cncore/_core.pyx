@@ -10,7 +10,6 @@ from libc.stdlib cimport malloc, calloc, free
 from cncore._typedefs cimport key_t, slot_t, offset_t, weight_t, count_t
 from cncore._ctable cimport *
 
-from cython.parallel cimport prange
 
 import numpy as np
 
@@ -48,8 +47,8 @@ def max_threads():
     return cn_max_threads()
 
 
-def has_openmp():
-    return bool(cn_has_openmp())
+def has_threads():
+    return bool(cn_has_threads())
 
 
 cdef inline cn_init _make_init(int kind, uint64_t seed, float p0, float p1, float p2, float p3):
@@ -67,11 +66,11 @@ def init_rows(int init_kind, uint64_t seed, float p0, float p1, float p2, float 
               weight_t[:, ::1] out):
     """The initial rows of keys (what a store inserts for them), without storing anything."""
     cdef cn_init init = _make_init(init_kind, seed, p0, p1, p2, p3)
-    cdef int64_t n = keys.shape[0], dim = out.shape[1], i
-    cdef int nthreads = cn_threads_for(n * dim // 16)
+    cdef int64_t n = keys.shape[0], dim = out.shape[1]
+    if n == 0:
+        return
     with nogil:
-        for i in prange(n, num_threads=nthreads, schedule="static"):
-            cn_init_row(&init, keys[i], &out[i, 0], dim)
+        cn_init_rows_of(&init, &keys[0], n, &out[0, 0], dim, cn_threads_for(n * dim // 16))
 
 
 cdef inline void _rdlock(Table t) noexcept nogil:

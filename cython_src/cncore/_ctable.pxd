@@ -10,7 +10,7 @@ cdef extern from "cn_parallel.h" nogil:
     int cn_thread_setting
     void cn_set_thread_setting(int n)
     int cn_max_threads()
-    int cn_has_openmp()
+    int cn_has_threads()
     int cn_threads_for(int64_t work)
 
 cdef extern from "cn_init.h" nogil:
@@ -19,6 +19,8 @@ cdef extern from "cn_init.h" nogil:
         uint64_t seed
         float p0, p1, p2, p3
     void cn_init_row(const cn_init *init, int64_t key, weight_t *row, int64_t dim)
+    void cn_init_rows_of(const cn_init *init, const int64_t *keys, int64_t n, weight_t *out, int64_t dim,
+                         int nthreads)
 
 cdef extern from "cn_optim.h" nogil:
     ctypedef struct cn_optim:

@@ -125,13 +125,23 @@ static inline int cn_all_finite(const float *g, int64_t rows, int64_t dim, int64
 }
 
 /* bag_of[i] = the bag of key position i; NULL when out of memory. */
+typedef struct {
+    const int64_t *offsets;
+    int64_t *bag_of;
+} cn_bag_of_job;
+
+static void cn_bag_of_range(void *ctx, int64_t begin, int64_t end) {
+    const cn_bag_of_job *j = (const cn_bag_of_job *)ctx;
+    for (int64_t b = begin; b < end; b++)
+        for (int64_t i = j->offsets[b]; i < j->offsets[b + 1]; i++) j->bag_of[i] = b;
+}
+
 static inline int64_t *cn_bag_of(const int64_t *offsets, int64_t n_bags, int nthreads) {
     const int64_t n = offsets[n_bags];
     int64_t *bag_of = (int64_t *)malloc((size_t)(n ? n : 1) * sizeof(int64_t));
     if (bag_of == NULL) return NULL;
-    CN_PARALLEL_FOR(nthreads)
-    for (int64_t b = 0; b < n_bags; b++)
-        for (int64_t i = offsets[b]; i < offsets[b + 1]; i++) bag_of[i] = b;
+    cn_bag_of_job job = {offsets, bag_of};
+    cn_parallel_for(cn_bag_of_range, &job, n_bags, nthreads);
     return bag_of;
 }
 
@@ -165,16 +175,40 @@ static inline void cn_meta_record(const cn_arena *a, int64_t slot, int64_t occur
 
 /* Gradient of every unique row: grads_out[u, 0:dim] (u in first-occurrence order). With
  * touch_meta, records the accesses (see above). */
+typedef struct {
+    const cn_groups *g;
+    const int64_t *bag_of;
+    const cn_arena *a;
+    int64_t dim;
+    const int64_t *slots, *offsets;
+    const float *weights;
+    int mode;
+    const int64_t *argmax;
+    const float *grad;
+    int64_t ld_grad;
+    float *grads_out;
+    int touch_meta;
+    uint32_t step;
+} cn_grad_unique_job;
+
+static void cn_grad_unique_range(void *ctx, int64_t begin, int64_t end) {
+    const cn_grad_unique_job *j = (const cn_grad_unique_job *)ctx;
+    const cn_groups *g = j->g;
+    for (int64_t u = begin; u < end; u++) {
+        cn_grad_accumulate(g, u, j->bag_of, j->dim, j->offsets, j->weights, j->mode, j->argmax, j->grad, j->ld_grad,
+                           j->grads_out + u * j->dim);
+        if (j->touch_meta)
+            cn_meta_record(j->a, j->slots[g->unique_pos[u]], g->group_start[u + 1] - g->group_start[u], j->step);
+    }
+}
+
 static inline void cn_grad_unique(const cn_groups *g, const int64_t *bag_of, const cn_arena *a, int64_t dim,
                                   const int64_t *slots, const int64_t *offsets, const float *weights, int mode,
                                   const int64_t *argmax, const float *grad, int64_t ld_grad, float *grads_out,
                                   int touch_meta, uint32_t step, int nthreads) {
-    CN_PARALLEL_FOR_DYNAMIC(nthreads)
-    for (int64_t u = 0; u < g->n_unique; u++) {
-        cn_grad_accumulate(g, u, bag_of, dim, offsets, weights, mode, argmax, grad, ld_grad, grads_out + u * dim);
-        if (touch_meta)
-            cn_meta_record(a, slots[g->unique_pos[u]], g->group_start[u + 1] - g->group_start[u], step);
-    }
+    cn_grad_unique_job job = {g, bag_of, a, dim, slots, offsets, weights, mode, argmax, grad, ld_grad, grads_out,
+                              touch_meta, step};
+    cn_parallel_for(cn_grad_unique_range, &job, g->n_unique, nthreads);
 }
 
 /* The thread (of nt) that owns a row in the fused backward: a multiplicative hash of the
@@ -210,8 +244,87 @@ static inline void cn_grad_apply_sgd_direct(const cn_arena *a, int64_t dim, cons
     }
 }
 
+/* The fused backward's work for one share of the rows (the rows cn_row_owner gives to `share`
+ * of n_shares): the share's key positions in key order, and for the non-SGD optimizers their
+ * grouping by row. Shares are built for every share first and applied only when all built, so
+ * that running out of memory changes no row. */
+typedef struct {
+    cn_groups g;
+    int64_t *mine;
+    int64_t m;
+    float *acc; /* the summed gradient of one row (not for direct SGD) */
+    int ok;
+} cn_grad_share;
+
+typedef struct {
+    const cn_arena *a;
+    int64_t dim, n;
+    const int64_t *slots, *offsets, *bag_of, *argmax;
+    const float *weights, *grad;
+    int mode, touch_meta, direct, n_shares;
+    int64_t ld_grad;
+    const cn_optim *opt;
+    uint32_t step;
+    cn_grad_share *shares;
+} cn_grad_apply_job;
+
+static void cn_grad_build_range(void *ctx, int64_t begin, int64_t end) {
+    const cn_grad_apply_job *j = (const cn_grad_apply_job *)ctx;
+    for (int64_t sh = begin; sh < end; sh++) {
+        cn_grad_share *share = &j->shares[sh];
+        share->mine = (int64_t *)malloc((size_t)(j->n ? j->n : 1) * sizeof(int64_t));
+        if (share->mine == NULL) continue; /* ok stays 0 */
+        int64_t m = 0;
+        for (int64_t i = 0; i < j->n; i++)
+            if (j->slots[i] >= 0 && cn_row_owner(j->slots[i], j->n_shares) == sh) share->mine[m++] = i;
+        share->m = m;
+        if (!j->direct) {
+            share->acc = (float *)malloc((size_t)(j->dim + 16) * sizeof(float));
+            if (share->acc == NULL || cn_groups_build(j->slots, share->mine, m, &share->g) != 0) continue;
+        }
+        share->ok = 1;
+    }
+}
+
+static void cn_grad_update_range(void *ctx, int64_t begin, int64_t end) {
+    const cn_grad_apply_job *j = (const cn_grad_apply_job *)ctx;
+    const cn_arena *a = j->a;
+    const int64_t dim = j->dim, row_bytes = a->row_bytes;
+    const int state_in_meta = cn_optim_state_in_meta(j->opt->kind);
+    const int use_meta = j->touch_meta || state_in_meta;
+    const int64_t *slots = j->slots;
+    for (int64_t sh = begin; sh < end; sh++) {
+        const cn_grad_share *share = &j->shares[sh];
+        if (j->direct) {
+            cn_grad_apply_sgd_direct(a, dim, slots, share->mine, share->m, j->bag_of, j->offsets, j->weights, j->mode,
+                                     j->grad, j->ld_grad, j->opt->lr, j->touch_meta, j->step);
+            continue;
+        }
+        float *acc = share->acc;
+        const cn_groups *g = &share->g;
+        const int64_t n_unique = g->n_unique;
+        for (int64_t u = 0; u < n_unique; u++) {
+            if (u + CN_PREFETCH_DISTANCE < n_unique) {
+                const int64_t ahead = slots[g->unique_pos[u + CN_PREFETCH_DISTANCE]];
+                cn_prefetch_write(cn_arena_row(a, ahead), row_bytes);
+                if (use_meta) __builtin_prefetch(cn_arena_meta(a, ahead), 1, 3);
+            }
+            const int64_t s = slots[g->unique_pos[u]];
+            float *row = cn_arena_row(a, s);
+            float *state = state_in_meta ? &cn_arena_meta(a, s)->scalar_state : row + dim;
+            cn_grad_accumulate(g, u, j->bag_of, dim, j->offsets, j->weights, j->mode, j->argmax, j->grad, j->ld_grad,
+                               acc);
+            cn_optim_apply(j->opt, row, state, acc, dim);
+            if (j->touch_meta) cn_meta_record(a, s, g->group_start[u + 1] - g->group_start[u], j->step);
+        }
+    }
+}
+
 /* Fused backward: accumulate each distinct row's gradient and apply the optimizer to the row
- * in place (see the top of this file). Returns -1 when out of memory, before any row changed. */
+ * in place (see the top of this file). Rows are split into n_shares = nthreads shares by
+ * cn_row_owner, so no two threads touch one row and each row sees its keys in key order: the
+ * result does not depend on the thread count. Returns -1 when out of memory, before any row
+ * changed. */
 static inline int cn_grad_apply(const cn_arena *a, int64_t dim, const int64_t *slots, const int64_t *offsets,
                                 int64_t n_bags, const float *weights, int mode, const int64_t *argmax,
                                 const float *grad, int64_t ld_grad, const cn_optim *opt, int touch_meta,
@@ -220,64 +333,24 @@ static inline int cn_grad_apply(const cn_arena *a, int64_t dim, const int64_t *s
     if (n == 0) return 0;
     if (nthreads < 1) nthreads = 1;
     int64_t *bag_of = cn_bag_of(offsets, n_bags, nthreads);
-    if (bag_of == NULL) return -1;
-    int failed = 0;
-    const int64_t row_bytes = a->row_bytes;
-    const int state_in_meta = cn_optim_state_in_meta(opt->kind);
-    const int use_meta = touch_meta || state_in_meta;
-#ifdef _OPENMP
-#pragma omp parallel num_threads(nthreads)
-#endif
-    {
-        int tid = 0, nt = 1;
-#ifdef _OPENMP
-        tid = omp_get_thread_num();
-        nt = omp_get_num_threads();
-#endif
-        cn_groups g;
-        memset(&g, 0, sizeof(g));
-        const int direct = opt->kind == CN_OPT_SGD && mode != CN_POOL_MAX;
-        float *acc = direct ? NULL : (float *)malloc((size_t)(dim + 16) * sizeof(float));
-        int64_t *mine = (int64_t *)malloc((size_t)n * sizeof(int64_t));
-        int ok = (direct || acc != NULL) && mine != NULL;
-        int64_t m = 0;
-        if (ok) {
-            for (int64_t i = 0; i < n; i++)
-                if (slots[i] >= 0 && cn_row_owner(slots[i], nt) == tid) mine[m++] = i;
-            if (!direct) ok = cn_groups_build(slots, mine, m, &g) == 0;
-        }
-        if (!ok) {
-#ifdef _OPENMP
-#pragma omp atomic write
-#endif
-            failed = 1;
-        }
-#ifdef _OPENMP
-#pragma omp barrier
-#endif
-        if (!failed && direct) {
-            cn_grad_apply_sgd_direct(a, dim, slots, mine, m, bag_of, offsets, weights, mode, grad, ld_grad, opt->lr,
-                                     touch_meta, step);
-        } else if (!failed) {
-            const int64_t n_unique = g.n_unique;
-            for (int64_t u = 0; u < n_unique; u++) {
-                if (u + CN_PREFETCH_DISTANCE < n_unique) {
-                    const int64_t ahead = slots[g.unique_pos[u + CN_PREFETCH_DISTANCE]];
-                    cn_prefetch_write(cn_arena_row(a, ahead), row_bytes);
-                    if (use_meta) __builtin_prefetch(cn_arena_meta(a, ahead), 1, 3);
-                }
-                const int64_t s = slots[g.unique_pos[u]];
-                float *row = cn_arena_row(a, s);
-                float *state = state_in_meta ? &cn_arena_meta(a, s)->scalar_state : row + dim;
-                cn_grad_accumulate(&g, u, bag_of, dim, offsets, weights, mode, argmax, grad, ld_grad, acc);
-                cn_optim_apply(opt, row, state, acc, dim);
-                if (touch_meta) cn_meta_record(a, s, g.group_start[u + 1] - g.group_start[u], step);
-            }
-        }
-        cn_groups_free(&g);
-        free(mine);
-        free(acc);
+    cn_grad_share *shares = (cn_grad_share *)calloc((size_t)nthreads, sizeof(cn_grad_share));
+    if (bag_of == NULL || shares == NULL) {
+        free(bag_of);
+        free(shares);
+        return -1;
     }
+    cn_grad_apply_job job = {a, dim, n, slots, offsets, bag_of, argmax, weights, grad, mode, touch_meta,
+                             opt->kind == CN_OPT_SGD && mode != CN_POOL_MAX, nthreads, ld_grad, opt, step, shares};
+    cn_parallel_for(cn_grad_build_range, &job, nthreads, nthreads);
+    int failed = 0;
+    for (int sh = 0; sh < nthreads; sh++) failed |= !shares[sh].ok;
+    if (!failed) cn_parallel_for(cn_grad_update_range, &job, nthreads, nthreads);
+    for (int sh = 0; sh < nthreads; sh++) {
+        cn_groups_free(&shares[sh].g);
+        free(shares[sh].mine);
+        free(shares[sh].acc);
+    }
+    free(shares);
     free(bag_of);
     return failed ? -1 : 0;
 }

@@ -125,13 +125,26 @@ static inline void cn_index_put_at(cn_index *ix, int64_t pos, int64_t key, int64
 #endif
 
 /* Slots of keys[0..n) (-1 where absent); read-only, safe for concurrent readers. */
+typedef struct {
+    const cn_index *ix;
+    const int64_t *keys;
+    int64_t *slots;
+} cn_find_job;
+
+static void cn_index_find_range(void *ctx, int64_t begin, int64_t end) {
+    const cn_find_job *j = (const cn_find_job *)ctx;
+    const cn_index *ix = j->ix;
+    const int64_t *keys = j->keys;
+    for (int64_t i = begin; i < end; i++) {
+        if (i + CN_FIND_PREFETCH_DISTANCE < end) cn_index_prefetch(ix, keys[i + CN_FIND_PREFETCH_DISTANCE]);
+        j->slots[i] = cn_index_find(ix, keys[i]);
+    }
+}
+
 static inline void cn_index_find_batch(const cn_index *ix, const int64_t *keys, int64_t n,
                                        int64_t *slots, int nthreads) {
-    CN_PARALLEL_FOR(nthreads)
-    for (int64_t i = 0; i < n; i++) {
-        if (i + CN_FIND_PREFETCH_DISTANCE < n) cn_index_prefetch(ix, keys[i + CN_FIND_PREFETCH_DISTANCE]);
-        slots[i] = cn_index_find(ix, keys[i]);
-    }
+    cn_find_job job = {ix, keys, slots};
+    cn_parallel_for(cn_index_find_range, &job, n, nthreads);
 }
 
 /* Remove `key`; returns its slot or -1. Backward-shift deletion keeps probe chains intact. */

@@ -13,6 +13,7 @@
 #include <stdint.h>
 #include <string.h>
 #include "cn_mix.h"
+#include "cn_parallel.h"
 
 enum { CN_INIT_UNIFORM = 0, CN_INIT_NORMAL = 1, CN_INIT_TRUNCATED_NORMAL = 2, CN_INIT_CONSTANT = 3 };
 
@@ -166,6 +167,25 @@ static inline void cn_init_row(const cn_init *init, int64_t key, float *restrict
         for (int64_t d = 0; d < dim; d++) row[d] = init->p0;
         break;
     }
+}
+
+typedef struct {
+    const cn_init *init;
+    const int64_t *keys;
+    float *out;
+    int64_t dim;
+} cn_init_rows_of_job;
+
+static void cn_init_rows_of_range(void *ctx, int64_t begin, int64_t end) {
+    const cn_init_rows_of_job *j = (const cn_init_rows_of_job *)ctx;
+    for (int64_t i = begin; i < end; i++) cn_init_row(j->init, j->keys[i], j->out + i * j->dim, j->dim);
+}
+
+/* out[i, 0:dim] = the initial row of keys[i], for i < n (what a store would insert). */
+static inline void cn_init_rows_of(const cn_init *init, const int64_t *keys, int64_t n, float *out, int64_t dim,
+                                   int nthreads) {
+    cn_init_rows_of_job job = {init, keys, out, dim};
+    cn_parallel_for(cn_init_rows_of_range, &job, n, nthreads);
 }
 
 #endif

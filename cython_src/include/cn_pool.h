@@ -85,10 +85,20 @@ static inline void cn_pool_bag(const cn_pool_args *p, int64_t b, const int64_t *
 
 /* Pool every bag (slots < 0 read as zero rows). Bags are split statically between threads and
  * each bag is reduced by one thread in key order: the result does not depend on the thread count. */
+typedef struct {
+    const cn_pool_args *p;
+    const int64_t *slots;
+    int64_t n_keys;
+} cn_pool_job;
+
+static void cn_pool_range(void *ctx, int64_t begin, int64_t end) {
+    const cn_pool_job *j = (const cn_pool_job *)ctx;
+    for (int64_t b = begin; b < end; b++) cn_pool_bag(j->p, b, j->slots, j->n_keys);
+}
+
 static inline void cn_pool_forward(const cn_pool_args *p, int64_t n_bags, const int64_t *slots, int nthreads) {
-    const int64_t n_keys = p->offsets[n_bags];
-    CN_PARALLEL_FOR(nthreads)
-    for (int64_t b = 0; b < n_bags; b++) cn_pool_bag(p, b, slots, n_keys);
+    cn_pool_job job = {p, slots, p->offsets[n_bags]};
+    cn_parallel_for(cn_pool_range, &job, n_bags, nthreads);
 }
 
 #undef CN_ROW

@@ -176,6 +176,16 @@ static inline void cn_table_find(const cn_table *t, const int64_t *keys, int64_t
     cn_index_find_batch(&t->index, keys, n, slots, cn_threads_for(n));
 }
 
+typedef struct {
+    const cn_table *t;
+    const int64_t *slots, *keys, *new_pos;
+} cn_init_rows_job;
+
+static void cn_table_init_rows_range(void *ctx, int64_t begin, int64_t end) {
+    const cn_init_rows_job *j = (const cn_init_rows_job *)ctx;
+    for (int64_t k = begin; k < end; k++) cn_table_init_row(j->t, j->slots[j->new_pos[k]], j->keys[j->new_pos[k]]);
+}
+
 /* Insert the keys whose slots[i] == -1 (after a find; -2 marks a key admission held back),
  * initialise their rows, and fill in their slots. Duplicates share one new row. *n_new = rows inserted.
  * All allocation happens first: on CN_ENOMEM the table is unchanged. */
@@ -214,9 +224,8 @@ static inline int cn_table_insert_missing(cn_table *t, const int64_t *keys, int6
         }
         slots[i] = s;
     }
-    const int nthreads = cn_threads_for(inserted * t->dim / 16);
-    CN_PARALLEL_FOR(nthreads)
-    for (int64_t j = 0; j < inserted; j++) cn_table_init_row(t, slots[new_pos[j]], keys[new_pos[j]]);
+    cn_init_rows_job job = {t, slots, keys, new_pos};
+    cn_parallel_for(cn_table_init_rows_range, &job, inserted, cn_threads_for(inserted * t->dim / 16));
     free(new_pos);
     free(missing);
     if (inserted) t->version = cn_next_stamp();
@@ -496,13 +505,21 @@ static inline void cn_table_write_meta(cn_table *t, const int64_t *slots, int64_
     }
 }
 
-/* Gather rows / state / metadata of `slots` (slot < 0 gives zeros). Any output may be NULL. */
-static inline void cn_table_gather(const cn_table *t, const int64_t *slots, int64_t n, float *rows,
-                                   float *state, uint32_t *counts, uint32_t *last_steps) {
+typedef struct {
+    const cn_table *t;
+    const int64_t *slots;
+    float *rows, *state;
+    uint32_t *counts, *last_steps;
+} cn_gather_job;
+
+static void cn_table_gather_range(void *ctx, int64_t begin, int64_t end) {
+    const cn_gather_job *j = (const cn_gather_job *)ctx;
+    const cn_table *t = j->t;
+    const int64_t *slots = j->slots;
+    float *rows = j->rows, *state = j->state;
+    uint32_t *counts = j->counts, *last_steps = j->last_steps;
     const int64_t dim = t->dim, sf = t->state_floats;
-    const int nthreads = cn_threads_for(n * dim / 16);
-    CN_PARALLEL_FOR(nthreads)
-    for (int64_t i = 0; i < n; i++) {
+    for (int64_t i = begin; i < end; i++) {
         const int64_t s = slots[i];
         if (s < 0) {
             if (rows) memset(rows + i * dim, 0, (size_t)dim * sizeof(float));
@@ -518,6 +535,13 @@ static inline void cn_table_gather(const cn_table *t, const int64_t *slots, int6
         if (counts) counts[i] = m->count;
         if (last_steps) last_steps[i] = m->last_step;
     }
+}
+
+/* Gather rows / state / metadata of `slots` (slot < 0 gives zeros). Any output may be NULL. */
+static inline void cn_table_gather(const cn_table *t, const int64_t *slots, int64_t n, float *rows,
+                                   float *state, uint32_t *counts, uint32_t *last_steps) {
+    cn_gather_job job = {t, slots, rows, state, counts, last_steps};
+    cn_parallel_for(cn_table_gather_range, &job, n, cn_threads_for(n * t->dim / 16));
 }
 
 /* -1 if offsets[0..n_bags] is a valid CSR over n_keys keys (starts at 0, never decreases,

@@ -5,7 +5,11 @@
 >>> emb(torch.tensor([[1, 2**50]])).shape
 torch.Size([1, 2, 8])
 """
-from cncore_torch import _ops  # registers the cncore:: operators
+from cncore_torch._openmp_env import bound_openmp_spin
+
+bound_openmp_spin()  # before torch loads libgomp: see _openmp_env
+
+from cncore_torch import _ops  # noqa: E402  (registers the cncore:: operators)
 from cncore_torch.modules import CNEmbedding, CNEmbeddingBag
 from cncore_torch.optim import FusedOptimizer
 
