@@ -15,7 +15,11 @@ distinct IDs one batch brings to it: `cncore_torch.dlrm.bounded.percent_budgets`
 - TorchRec MCH: `ManagedCollisionEmbeddingBagCollection` over its `EmbeddingBagCollection`,
   a `MCHManagedCollisionModule` per table (zch_size = the budget; its last slot takes the IDs
   it has no slot for) with `LRU_EvictionPolicy`, `LFU_EvictionPolicy` or
-  `DistanceLFU_EvictionPolicy`, eviction interval --mch-interval steps.
+  `DistanceLFU_EvictionPolicy`, eviction interval --mch-interval steps. Unsharded, TorchRec's
+  MC-EBC leaves an evicted slot's row and optimizer state to the ID that takes the slot
+  (`mc_embedding_modules.evict` is a no-op); its sharded module re-initialises both. So
+  mch-lru-reset does that here too: after each step, the evicted slots' rows are drawn again
+  from the table's init and their row-wise Adagrad sums zeroed.
 
 Every run trains on the same cached batches and is evaluated on the --eval-batches batches that
 follow the training range (drifted, unseen IDs included). Printed: budget, method, AUC, log
@@ -49,11 +53,12 @@ from cncore_torch.dlrm.train import (Run, _mute_is_fx_tracing_notice, build_dlrm
                                      table_configs, train, used_bytes)
 
 METHODS = ["ours-lru", "ours-lfu", "ours-lru+mincount2", "hashed", "hashed-same-memory", "mch-lru", "mch-lfu",
-           "mch-distance-lfu"]
+           "mch-distance-lfu", "mch-lru-reset"]
 LABELS = {"ours-lru": "ours LRU", "ours-lfu": "ours LFU", "ours-lru+mincount2": "ours LRU + MinCount(2)",
           "hashed": "TorchRec EBC, IDs modulo rows", "hashed-same-memory": "TorchRec EBC, modulo, ours' MiB",
           "mch-lru": "TorchRec MCH, LRU_EvictionPolicy",
-          "mch-lfu": "TorchRec MCH, LFU_EvictionPolicy", "mch-distance-lfu": "TorchRec MCH, DistanceLFU_EvictionPolicy"}
+          "mch-lfu": "TorchRec MCH, LFU_EvictionPolicy", "mch-distance-lfu": "TorchRec MCH, DistanceLFU_EvictionPolicy",
+          "mch-lru-reset": "TorchRec MCH, LRU, evicted rows reset"}
 _EMPTY = torch.iinfo(torch.int64).max  # MCH's marker of a slot holding no ID
 
 
@@ -92,6 +97,11 @@ class CountingMCH:
 
         class Module(MCHManagedCollisionModule):
             evicted_ids = 0
+            evicted_slots = None  # the slots freed by the last forward (for mch-lru-reset)
+
+            def evict(self):
+                self.evicted_slots = super().evict()
+                return self.evicted_slots
 
             def _update_and_evict(self, *a, **kw):
                 before = self._mch_sorted_raw_ids.clone()
@@ -122,6 +132,28 @@ class KeyedTensorOnly(nn.Module):
         return self.mc_ebc(features)[0]
 
 
+class ResetRun(Run):
+    """mch-lru-reset: after each step, evicted slots get a fresh row and zero Adagrad state, as
+    TorchRec's sharded MC-EBC does (`ShardedManagedCollisionEmbeddingBagCollection._evict`)."""
+
+    def step(self, batch) -> float:
+        loss = super().step(batch)
+        ebc = self.model.sparse_arch.embedding_bag_collection.mc_ebc._embedding_module
+        sparse_opt = self.optimizers[1]
+        with torch.no_grad():
+            for name, module in self.mch_modules.items():
+                slots, module.evicted_slots = module.evicted_slots, None
+                if slots is None or not len(slots):
+                    continue
+                weight = ebc.embedding_bags[name].weight
+                bound = 1 / weight.shape[0] ** 0.5  # TorchRec's default init: uniform(+-1/sqrt(rows))
+                weight[slots] = torch.empty(len(slots), weight.shape[1]).uniform_(-bound, bound)
+                state = sparse_opt.state.get(weight)
+                if state and "sum" in state:
+                    state["sum"][slots] = 0
+        return loss
+
+
 def mch(args, budgets: List[int], policy_name: str) -> Run:
     from torchrec import EmbeddingBagCollection
     from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingBagCollection
@@ -129,7 +161,7 @@ def mch(args, budgets: List[int], policy_name: str) -> Run:
                                              ManagedCollisionCollection)
     from torchrec.optim import RowWiseAdagrad as TorchRecRowWiseAdagrad
     policies = {"mch-lru": LRU_EvictionPolicy, "mch-lfu": LFU_EvictionPolicy,
-                "mch-distance-lfu": DistanceLFU_EvictionPolicy}
+                "mch-distance-lfu": DistanceLFU_EvictionPolicy, "mch-lru-reset": LRU_EvictionPolicy}
     torch.manual_seed(args.seed)
     configs = table_configs(args.embedding_dim, budgets)
     modules = {c.name: CountingMCH.make(c.num_embeddings, policies[policy_name](), args.mch_interval) for c in configs}
@@ -138,9 +170,9 @@ def mch(args, budgets: List[int], policy_name: str) -> Run:
     model = build_dlrm(KeyedTensorOnly(mc_ebc, configs), args.embedding_dim)
     sparse = [p for n, p in model.named_parameters() if "embedding_bags" in n]
     dense = [p for n, p in model.named_parameters() if "embedding_bags" not in n]
-    run = Run("mch", model, [torch.optim.Adagrad(dense, lr=args.dense_lr),
-                             TorchRecRowWiseAdagrad(sparse, lr=args.sparse_lr)], fixed_rows=list(budgets),
-              dim=args.embedding_dim)
+    kind = ResetRun if policy_name == "mch-lru-reset" else Run
+    optimizers = [torch.optim.Adagrad(dense, lr=args.dense_lr), TorchRecRowWiseAdagrad(sparse, lr=args.sparse_lr)]
+    run = kind("mch", model, optimizers, fixed_rows=list(budgets), dim=args.embedding_dim)
     run.mch_modules = modules
     return run
 

@@ -79,7 +79,8 @@ def _row_budget(text: str) -> str:
         try:
             value = float(t[:-1])
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected rows per table (N) or a percentage (P%), got {text!r}") from None
+            raise argparse.ArgumentTypeError(f"expected rows per table (N) or a percentage (P%), "
+                                             f"got {text!r}") from None
         if not 0 < value <= 100:
             raise argparse.ArgumentTypeError(f"a percentage must be in (0, 100], got {text}")
         return f"{value:g}%"
