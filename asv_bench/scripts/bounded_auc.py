@@ -23,8 +23,9 @@ distinct IDs one batch brings to it: `cncore_torch.dlrm.bounded.percent_budgets`
 
 Every run trains on the same cached batches and is evaluated on the --eval-batches batches that
 follow the training range (drifted, unseen IDs included). Printed: budget, method, AUC, log
-loss, rows used (ours: rows held; hashed: rows any training ID reached; MCH: slots holding an
-ID), evictions (ours: `evicted_count`; MCH: IDs that lost their slot), table MiB (ours: index,
+loss (with --seeds K: means over K model seeds, AUC +- its standard deviation), rows used (ours:
+rows held; hashed: rows any training ID reached; MCH: slots holding an ID), evictions (ours:
+`evicted_count`; MCH: IDs that lost their slot), both of the first seed, table MiB (ours: index,
 rows, metadata, keys; fixed tables: rows x (dim + 1 Adagrad float) x 4 B) and training samples/s
 (the step alone, data excluded).
 
@@ -236,7 +237,10 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1,
                     help="torch and core threads (1: on a shared 2-core machine, spinning OpenMP threads of two "
                          "runtimes slow everything down; see issue 12)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="the data's seed")
+    ap.add_argument("--seeds", type=int, default=1,
+                    help="train each run with model seeds 0 .. SEEDS-1 (initial rows, dense network) on the same "
+                         "data; AUC and log loss are their mean, +- their standard deviation")
     ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     args = ap.parse_args(argv)
     # what the job's Run/train read
@@ -256,27 +260,32 @@ def main(argv=None) -> int:
           flush=True)
     rows = []
     print("| budget | budget rows (all tables) | method | AUC | log loss | rows used | evictions | table MiB | "
-          "samples/s |")
+          "samples/s |" + ("" if args.seeds == 1 else f"   (means of {args.seeds} model seeds)"))
     print("|---|---|---|---|---|---|---|---|---|", flush=True)
     for percent in args.budgets:
         budgets = bounded.percent_budgets(counts, percent)
         same_memory = None
         for method in args.methods:
-            if method == "hashed-same-memory":
-                if same_memory is None:
-                    print(f"# {method} needs ours-lru before it in --methods: skipped", file=sys.stderr)
-                    continue
-                r = measure(method, job, data, same_memory)
-            else:
-                r = measure(method, job, data, budgets)
+            if method == "hashed-same-memory" and same_memory is None:
+                print(f"# {method} needs ours-lru before it in --methods: skipped", file=sys.stderr)
+                continue
+            runs = []
+            for seed in range(args.seeds):
+                job.seed = seed
+                runs.append(measure(method, job, data, same_memory if method == "hashed-same-memory" else budgets))
             if method == "ours-lru":
-                same_memory = r.pop("same_memory_rows")
-            r.pop("same_memory_rows", None)
-            r.update(budget_percent=percent, budget_rows=sum(budgets))
+                same_memory = runs[0]["same_memory_rows"]
+            r = {k: v for k, v in runs[0].items() if k != "same_memory_rows"}
+            aucs, losses = [x["auc"] for x in runs], [x["logloss"] for x in runs]
+            r.update(auc=float(np.mean(aucs)), logloss=float(np.mean(losses)), aucs=aucs, loglosses=losses,
+                     samples_per_s=float(np.mean([x["samples_per_s"] for x in runs])), budget_percent=percent,
+                     budget_rows=sum(budgets))
             rows.append(r)
             evicted = "-" if r["evicted"] is None else f"{r['evicted']:,}"
-            print(f"| {percent:g}% | {sum(budgets):,} | {LABELS[method]} | {r['auc']:.4f} | {r['logloss']:.4f} | "
-                  f"{r['rows_used']:,} | {evicted} | {r['table_mib']:.1f} | {r['samples_per_s']:,.0f} |", flush=True)
+            spread = f" +- {np.std(aucs):.4f}" if args.seeds > 1 else ""
+            print(f"| {percent:g}% | {sum(budgets):,} | {LABELS[method]} | {r['auc']:.4f}{spread} | "
+                  f"{r['logloss']:.4f} | {r['rows_used']:,} | {evicted} | {r['table_mib']:.1f} | "
+                  f"{r['samples_per_s']:,.0f} |", flush=True)
     print(f"# {time.perf_counter() - t0:.0f} s in all", file=sys.stderr)
     if args.json:
         with open(args.json, "w") as fh:

@@ -155,7 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--summary-json", metavar="PATH", type=_output_file, default=None,
                     help="also write the final summary as JSON")
     ap.add_argument("--checkpoint", metavar="PATH", type=_output_path, default=None,
-                    help="save model and optimizers here, at every evaluation and at the end")
+                    help="save model and optimizers here, at every evaluation and at the end (with "
+                         "--incremental-checkpoint-every: a directory of table chains, see below)")
     ap.add_argument("--resume", metavar="PATH", type=_input_path, default=None,
                     help="continue from a checkpoint of this job, a file or an --incremental-checkpoint-every "
                          "directory (--steps must be above its step)")
@@ -174,7 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="row budget of every table: N rows (at least --batch-size), or P%% of each table's "
                               "distinct training IDs (synthetic data)")
     bounded.add_argument("--evict", choices=EVICTIONS, default=None,
-                         help="which rows go when a table is past its budget (default with --max-rows: lru)")
+                         help="which rows go when a table is past its budget (default with --max-rows: lru); ttl "
+                              "also expires rows unused for --ttl-steps steps, with or without --max-rows")
     bounded.add_argument("--ttl-steps", metavar="S", type=_int_at_least(0), default=None,
                          help="with --evict ttl: rows unused for more than S steps expire")
     bounded.add_argument("--admit-min-count", metavar="C", type=_int_at_least(1), default=None,
