@@ -2,7 +2,7 @@
  *
  * Bags are split statically between threads, each bag is reduced by exactly one thread in key
  * order, so the result does not depend on the thread count. Rows are prefetched
- * CN_PREFETCH_DISTANCE keys ahead: the loop is bound by memory latency, not arithmetic.
+ * cn_prefetch_keys keys ahead: the loop is bound by memory latency, not arithmetic.
  */
 #ifndef CN_POOL_H
 #define CN_POOL_H
@@ -30,7 +30,7 @@ typedef struct {
 
 #define CN_ROW(s) ((const float *)(pages[(s) >> shift] + ((s) & mask) * row_bytes))
 
-/* Pool bag b; rows are prefetched CN_PREFETCH_DISTANCE keys ahead (up to key `limit`).
+/* Pool bag b; rows are prefetched cn_prefetch_keys(row) keys ahead (up to key `limit`).
  * (Resolving slots inside this loop, so that index and row misses overlap in one pass,
  * measured slower than a separate prefetched find pass: 0.5x against 0.8x of EmbeddingBag.) */
 static inline void cn_pool_bag(const cn_pool_args *p, int64_t b, const int64_t *restrict slots, int64_t limit) {
@@ -38,7 +38,7 @@ static inline void cn_pool_bag(const cn_pool_args *p, int64_t b, const int64_t *
     /* Arena fields in locals: the compiler must otherwise reload them after every store. */
     char *const *const pages = a->pages;
     const int64_t shift = a->page_shift, mask = a->page_mask, row_bytes = a->row_bytes;
-    const int64_t dim = p->dim, pf_bytes = dim * (int64_t)sizeof(float);
+    const int64_t dim = p->dim, pf_bytes = dim * (int64_t)sizeof(float), pf_keys = cn_prefetch_keys(pf_bytes);
     const int64_t start = p->offsets[b], end = p->offsets[b + 1];
     float *restrict o = p->out + b * p->ld_out;
     int64_t *restrict am = p->mode == CN_POOL_MAX ? p->argmax + b * dim : NULL;
@@ -47,7 +47,7 @@ static inline void cn_pool_bag(const cn_pool_args *p, int64_t b, const int64_t *
         for (int64_t d = 0; d < dim; d++) am[d] = -1;
     float *absent_row = NULL; /* a key without a row, read as its initial row (bounded tables) */
     for (int64_t i = start; i < end; i++) {
-        const int64_t ahead = i + CN_PREFETCH_DISTANCE;
+        const int64_t ahead = i + pf_keys;
         if (ahead < limit) {
             const int64_t sa = slots[ahead];
             if (sa >= 0) cn_prefetch_read(CN_ROW(sa), pf_bytes);
