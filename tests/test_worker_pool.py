@@ -113,3 +113,26 @@ def test_cncore_torch_bounds_torchs_openmp_spin_only_when_it_can():
     assert _run(show.format("import cncore_torch"), OMP_WAIT_POLICY="PASSIVE") == "None"
     # torch first: libgomp has read its environment already, so changing it would be a lie
     assert _run(show.format("import torch; import cncore_torch")) == "None"
+
+
+@pytest.mark.parametrize("spin_us", ["0", "200"])
+def test_pool_under_thread_sanitizer(tmp_path, spin_us):
+    """The pool's own stress program, built with ThreadSanitizer: contended callers, loops of
+    1-4 threads, workers that sleep at once (spin 0: every loop goes through the futex) or
+    spin; every item processed exactly once, and no data race reported."""
+    import shutil
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    here = os.path.dirname(__file__)
+    exe = str(tmp_path / "pool_stress")
+    build = subprocess.run([cc, "-O1", "-g", "-std=gnu11", "-fsanitize=thread", "-pthread",
+                            "-I", os.path.join(here, "..", "cython_src", "include"),
+                            os.path.join(here, "native", "pool_stress.c"), "-o", exe], capture_output=True, text=True)
+    if build.returncode != 0 and "sanitize" in build.stderr:
+        pytest.skip("the compiler cannot build with -fsanitize=thread")
+    assert build.returncode == 0, build.stderr
+    done = subprocess.run([exe], capture_output=True, text=True, timeout=TIMEOUT,
+                          env={**os.environ, "CNCORE_SPIN_US": spin_us, "TSAN_OPTIONS": "halt_on_error=1"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.startswith("ok ") and "WARNING: ThreadSanitizer" not in done.stderr

@@ -68,8 +68,12 @@ static inline int cn_default_threads(void) {
     int n = cn_env_threads("CNCORE_NUM_THREADS");
     if (n == 0) n = cn_env_threads("OMP_NUM_THREADS");
     if (n == 0) {
+#ifdef CPU_COUNT /* (glibc with _GNU_SOURCE, which Python.h defines before this header) */
         cpu_set_t set;
         n = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : (int)sysconf(_SC_NPROCESSORS_ONLN);
+#else
+        n = (int)sysconf(_SC_NPROCESSORS_ONLN);
+#endif
     }
     if (n < 1) n = 1;
     return n > CN_MAX_THREADS ? CN_MAX_THREADS : n;
