@@ -340,7 +340,9 @@ class Progress:
 
 def train(run: Run, data: Data, args, start: int = 0) -> Dict[str, float]:
     """Train `run` from step `start` to `args.steps` (or to the end of a Criteo file), evaluating
-    every `args.eval_every` steps and at the end; checkpoints (ours only) at every evaluation."""
+    every `args.eval_every` steps and at the end; checkpoints (ours only) at every evaluation, or
+    with --incremental-checkpoint-every K, table chains every K steps and at the end (chains.py).
+    TTL tables drop their expired rows after every step."""
     seen, t_train, history = 0, 0.0, []
     progress = Progress(run.name, args.steps, start, enabled=not args.no_progress)
     every = getattr(args, "incremental_checkpoint_every", None)
