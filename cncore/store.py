@@ -205,6 +205,11 @@ class EmbeddingStore:
         """Rows evicted so far (by the budget or the evict verbs; erase does not count)."""
         return self._table.evicted_count
 
+    @evicted_count.setter
+    def evicted_count(self, value) -> None:
+        # What a checkpoint restores (table files and torch state_dicts keep the count).
+        self._table.evicted_count = _count(value, "evicted_count", 0, 2**63)
+
     def __repr__(self) -> str:
         return f"EmbeddingStore(rows={len(self)}, capacity={self.capacity}, config={self._config})"
 

@@ -165,6 +165,12 @@ cdef class Table:
     def evicted_count(self):
         return self.t.n_evicted
 
+    @evicted_count.setter
+    def evicted_count(self, int64_t value):
+        _wrlock(self)
+        self.t.n_evicted = value
+        _unlock(self)
+
     @property
     def erase_epoch(self):
         return self.t.erase_epoch

@@ -39,6 +39,7 @@ from cncore_torch import _ops
 from cncore_torch.modules import check_flag, store_config
 from cncore_torch.optim import keyed_fused_optimizer
 from cncore_torch.state import load_tables, save_store
+from cncore_torch.table_options import per_table_options
 
 __all__ = ["CNEmbeddingBagCollection", "CNEmbeddingCollection", "initializer_from_config"]
 
@@ -68,10 +69,11 @@ def initializer_from_config(config: EmbeddingBagConfig):
 
 
 def make_stores(tables, config_type, optimizer, initializers, capacities, seed: int, device,
-                what: str) -> Dict[str, cncore.EmbeddingStore]:
+                what: str, options: Optional[dict] = None) -> Dict[str, cncore.EmbeddingStore]:
     """One store per TorchRec table config (checked: type, unique names, known overrides)."""
     return {name: cncore.EmbeddingStore(config) for name, config in
-            store_configs(tables, config_type, optimizer, initializers, capacities, seed, device, what).items()}
+            store_configs(tables, config_type, optimizer, initializers, capacities, seed, device, what,
+                          options).items()}
 
 
 def collection_device(device, what: str) -> torch.device:
@@ -86,8 +88,9 @@ def collection_device(device, what: str) -> torch.device:
 
 
 def store_configs(tables, config_type, optimizer, initializers, capacities, seed: int, device,
-                  what: str) -> Dict[str, cncore.StoreConfig]:
-    """One store config per TorchRec table config (checked: type, unique names, known overrides)."""
+                  what: str, options: Optional[dict] = None) -> Dict[str, cncore.StoreConfig]:
+    """One store config per TorchRec table config (checked: type, unique names, known overrides);
+    `options`: the table options of cncore_torch.table_options, each once or per table."""
     collection_device(device, what)
     if not isinstance(tables, (list, tuple)):
         raise TypeError(f"tables must be a list of {config_type.__name__}, got {type(tables).__name__}")
@@ -100,6 +103,10 @@ def store_configs(tables, config_type, optimizer, initializers, capacities, seed
     for config in tables:
         if not isinstance(config, config_type):
             raise TypeError(f"tables: expected {config_type.__name__}, got {type(config).__name__}")
+    per_table = per_table_options(tables, **(options or {}))
+    for config in tables:
+        if not isinstance(config, config_type):
+            raise TypeError(f"tables: expected {config_type.__name__}, got {type(config).__name__}")
         if config.name in stores:
             raise ValueError(f"tables: duplicate table name {config.name!r}")
         if isinstance(config, EmbeddingBagConfig) and config.pooling not in _POOLING:
@@ -108,10 +115,14 @@ def store_configs(tables, config_type, optimizer, initializers, capacities, seed
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:  # TorchRec's default init reads 1/n
             raise ValueError(f"table {config.name!r}: num_embeddings must be an int >= 1 (a capacity hint), got {n!r}")
         init = initializers.pop(config.name, None) or initializer_from_config(config)
+        fields = per_table[config.name]
+        capacity = capacities.pop(config.name, min(n, _MAX_INITIAL_ROWS))
+        if isinstance(fields["max_rows"], int) and not isinstance(fields["max_rows"], bool) \
+                and 0 < fields["max_rows"] < capacity:
+            capacity = fields["max_rows"]  # a bounded table never holds more
         stores[config.name] = store_config(
             f"table {config.name!r}: ", config.embedding_dim, initializer=init, optimizer=optimizer,
-            seed=(seed * 1_000_003 + zlib.crc32(config.name.encode())) % 2**64,
-            capacity=capacities.pop(config.name, min(n, _MAX_INITIAL_ROWS)))
+            seed=(seed * 1_000_003 + zlib.crc32(config.name.encode())) % 2**64, capacity=capacity, **fields)
     for leftover, name in ((initializers, "initializers"), (capacities, "capacities")):
         if leftover:
             raise ValueError(f"{name}: no table named {sorted(leftover)}")
@@ -176,9 +187,9 @@ class _DynamicTables:
     ever materialising it (each rank builds its own shard)."""
 
     def _init_tables(self, tables, config_type, optimizer, initializers, capacities, seed: int, device, owner: str,
-                     optimizer_prefix: str) -> None:
+                     optimizer_prefix: str, options: Optional[dict] = None) -> None:
         self._store_configs = store_configs(tables, config_type, optimizer, initializers, capacities, seed, device,
-                                            owner)
+                                            owner, options)
         self._optimizer, self._optimizer_prefix, self._owner = optimizer, optimizer_prefix, owner
         self._anchor = nn.Parameter(torch.empty(0, device=collection_device(device, owner)))
         self._handle = _ops.register(self)
@@ -311,14 +322,32 @@ class CNEmbeddingBagCollection(_DynamicTables, EmbeddingBagCollectionInterface):
     `initializers`: {table name: cncore initializer} overriding the configs' init;
     `capacities`: {table name: rows to allocate up front} (default min(num_embeddings, 2^20));
     `seed`: each table's rows are drawn from (seed, table name, ID).
+    Bounded tables (README "Bounded tables") and row dtypes: `max_rows`, `eviction`, `admission`,
+    `headroom`, `row_dtype`, each one value for every table or {table name: value};
+    `max_rows="num_embeddings"` makes each config's num_embeddings its table's row budget. Evicted
+    rows go to `stores[name].on_evict` callbacks and are counted in `stores[name].evicted_count`.
+
+    >>> import torch, cncore
+    >>> from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
+    >>> ebc = CNEmbeddingBagCollection(
+    ...     [EmbeddingBagConfig(name="t", embedding_dim=2, num_embeddings=3, feature_names=["f"])],
+    ...     optimizer=cncore.SGD(lr=0.1), max_rows="num_embeddings", eviction=cncore.LRU(), headroom=0)
+    >>> for ids in ([1, 2, 3], [4]):
+    ...     ebc(KeyedJaggedTensor.from_lengths_sync(["f"], torch.tensor(ids), torch.tensor([len(ids)]))
+    ...         ).values().sum().backward()
+    >>> ebc.table_rows(), ebc.stores["t"].evicted_count
+    ({'t': 3}, 1)
     """
 
     def __init__(self, tables: List[EmbeddingBagConfig], is_weighted: bool = False, device=None, *,
                  optimizer=None, initializers: Optional[Dict[str, object]] = None,
-                 capacities: Optional[Dict[str, int]] = None, seed: int = 0):
+                 capacities: Optional[Dict[str, int]] = None, seed: int = 0, max_rows=None, eviction=None,
+                 admission=None, headroom=None, row_dtype=None):
         super().__init__()
         self._init_tables(tables, EmbeddingBagConfig, optimizer, initializers, capacities, seed, device,
-                          "CNEmbeddingBagCollection", "embedding_bags.fused")
+                          "CNEmbeddingBagCollection", "embedding_bags.fused",
+                          dict(max_rows=max_rows, eviction=eviction, admission=admission, headroom=headroom,
+                               row_dtype=row_dtype))
         check_flag("is_weighted", is_weighted)
         self._is_weighted = is_weighted
         self._embedding_bag_configs = tables
@@ -397,11 +426,13 @@ class CNEmbeddingCollection(_DynamicTables, EmbeddingCollectionInterface):
 
     def __init__(self, tables: List[EmbeddingConfig], device=None, need_indices: bool = False, *, optimizer=None,
                  initializers: Optional[Dict[str, object]] = None, capacities: Optional[Dict[str, int]] = None,
-                 seed: int = 0):
+                 seed: int = 0, max_rows=None, eviction=None, admission=None, headroom=None, row_dtype=None):
         super().__init__()
         check_flag("need_indices", need_indices)
         self._init_tables(tables, EmbeddingConfig, optimizer, initializers, capacities, seed, device,
-                          "CNEmbeddingCollection", "embeddings.fused")
+                          "CNEmbeddingCollection", "embeddings.fused",
+                          dict(max_rows=max_rows, eviction=eviction, admission=admission, headroom=headroom,
+                               row_dtype=row_dtype))
         dims = {c.embedding_dim for c in tables}
         if len(dims) > 1:
             raise ValueError(f"tables: an EmbeddingCollection needs one embedding_dim for all tables, got "

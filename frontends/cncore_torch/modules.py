@@ -28,7 +28,8 @@ from cncore_torch import _ops
 from cncore_torch.device_rows import DeviceRows
 from cncore_torch.devices import resolve_device
 from cncore_torch.optim import FusedOptimizer
-from cncore_torch.state import TableState, export_tensors, is_store_entry, load_tables
+from cncore_torch.state import TableState, export_tensors, is_store_entry, load_tables, save_evicted_count
+from cncore_torch.table_options import module_options
 
 __all__ = ["CNEmbeddingBag", "CNEmbedding"]
 
@@ -75,7 +76,7 @@ class _DynamicTable(nn.Module):
     """What both modules share: the store, the autograd anchor, optimizer and table methods."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, optimizer, initializer, seed: int,
-                 max_load_factor: float, device=None):
+                 max_load_factor: float, device=None, options: Optional[dict] = None):
         super().__init__()
         if not isinstance(num_embeddings, int) or isinstance(num_embeddings, bool) or num_embeddings < 0:
             raise ValueError(f"num_embeddings must be an int >= 0 (a capacity hint), got {num_embeddings!r}")
@@ -87,7 +88,7 @@ class _DynamicTable(nn.Module):
         self.config = store_config(
             "", embedding_dim, capacity=min(num_embeddings, _MAX_INITIAL_ROWS), seed=seed,
             initializer=initializer if initializer is not None else cncore.Normal(0.0, 1.0),
-            max_load_factor=max_load_factor, optimizer=optimizer)
+            max_load_factor=max_load_factor, optimizer=optimizer, **(options or {}))
         self.placement = resolve_device(device)
         self.store, self.device_rows = None, None  # rows in the core, or on the accelerator
         self._make_storage()
@@ -102,6 +103,10 @@ class _DynamicTable(nn.Module):
 
     def _make_storage(self) -> None:
         kind = self.placement.kind
+        if kind == "device" and (self.config.eviction is not None or self.config.admission is not None
+                                 or self.config.dtype != "float32"):
+            raise ValueError(f"device={self.placement.device}: rows on an accelerator are float32 tables without "
+                             "max_rows, eviction or admission for now; keep this table on device='cpu' (the core)")
         self.store = cncore.EmbeddingStore(self.config) if kind == "core" else None
         self.device_rows = DeviceRows(self.config, self.placement.device) if kind == "device" else None
 
@@ -257,6 +262,8 @@ class _DynamicTable(nn.Module):
         for name, value in self.export().items():
             destination[prefix + name] = value
         destination[prefix + "step"] = torch.tensor(self._stepper().step, dtype=torch.int64)
+        if self.store is not None:
+            save_evicted_count(self.store, destination, prefix)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
@@ -297,19 +304,34 @@ class CNEmbeddingBag(_DynamicTable):
     fused updates in backward), `initializer` (default N(0, 1), as nn.EmbeddingBag), `seed` and
     `max_load_factor`. `max_norm`, `scale_grad_by_freq` and `sparse=True` are refused. Per-sample
     weights work with "sum" and also "mean" (weighted sum / bag length).
+
+    A bounded table (README "Bounded tables"): `max_rows`, `eviction` (cncore.LRU(), LFU(),
+    TTL(steps)), `admission` (cncore.MinCount(c)), `headroom`; evicted rows go to the callbacks of
+    `module.store.on_evict` and are counted in `module.store.evicted_count` (kept in state_dict).
+    `row_dtype`: the rows' storage dtype (StoreConfig.dtype); the output stays float32.
+
+    >>> import torch, cncore
+    >>> bag = CNEmbeddingBag(100, 4, mode="sum", optimizer=cncore.SGD(lr=0.1), max_rows=2, eviction=cncore.LRU(),
+    ...                      headroom=0)
+    >>> bag(torch.tensor([[5, 6]])).sum().backward()
+    >>> bag(torch.tensor([[7]])).sum().backward()      # 5 and 6 were used alike: the smaller key goes
+    >>> sorted(bag.keys().tolist()), bag.store.evicted_count
+    ([6, 7], 1)
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, max_norm: Optional[float] = None,
                  norm_type: float = 2.0, scale_grad_by_freq: bool = False, mode: str = "mean", sparse: bool = False,
                  _weight: Optional[torch.Tensor] = None, include_last_offset: bool = False,
                  padding_idx: Optional[int] = None, device=None, dtype=None, *, optimizer=None, initializer=None,
-                 seed: int = 0, max_load_factor: float = 0.7):
+                 seed: int = 0, max_load_factor: float = 0.7, max_rows: Optional[int] = None, eviction=None,
+                 admission=None, headroom: Optional[int] = None, row_dtype="float32"):
         _check_unsupported(max_norm, scale_grad_by_freq, sparse, device, dtype)
         if mode not in _MODES:
             raise ValueError(f"mode must be 'sum', 'mean' or 'max', got {mode!r}")
         check_flag("include_last_offset", include_last_offset)
         _check_padding_idx(padding_idx)
-        super().__init__(num_embeddings, embedding_dim, optimizer, initializer, seed, max_load_factor, device)
+        super().__init__(num_embeddings, embedding_dim, optimizer, initializer, seed, max_load_factor, device,
+                         module_options(max_rows, eviction, admission, headroom, row_dtype))
         self.mode = mode
         self.include_last_offset = include_last_offset
         self.padding_idx = padding_idx
@@ -340,10 +362,13 @@ class CNEmbedding(_DynamicTable):
     def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: Optional[int] = None,
                  max_norm: Optional[float] = None, norm_type: float = 2.0, scale_grad_by_freq: bool = False,
                  sparse: bool = False, _weight: Optional[torch.Tensor] = None, _freeze: bool = False, device=None,
-                 dtype=None, *, optimizer=None, initializer=None, seed: int = 0, max_load_factor: float = 0.7):
+                 dtype=None, *, optimizer=None, initializer=None, seed: int = 0, max_load_factor: float = 0.7,
+                 max_rows: Optional[int] = None, eviction=None, admission=None, headroom: Optional[int] = None,
+                 row_dtype="float32"):
         _check_unsupported(max_norm, scale_grad_by_freq, sparse, device, dtype)
         _check_padding_idx(padding_idx)
-        super().__init__(num_embeddings, embedding_dim, optimizer, initializer, seed, max_load_factor, device)
+        super().__init__(num_embeddings, embedding_dim, optimizer, initializer, seed, max_load_factor, device,
+                         module_options(max_rows, eviction, admission, headroom, row_dtype))
         self.padding_idx = padding_idx
         if _weight is not None:
             _load_dense(self, _weight)

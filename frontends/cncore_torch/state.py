@@ -54,10 +54,20 @@ def save_store(store: cncore.EmbeddingStore, destination: dict, prefix: str) -> 
     for name, value in export_tensors(store).items():
         destination[prefix + name] = value
     destination[prefix + "step"] = torch.tensor(store.step, dtype=torch.int64)
+    save_evicted_count(store, destination, prefix)
+
+
+# Written for tables that evicted rows or have an eviction policy; read when present.
+OPTIONAL_ENTRIES = ("evicted_count",)
+
+
+def save_evicted_count(store: cncore.EmbeddingStore, destination: dict, prefix: str) -> None:
+    if store.config.eviction is not None or store.evicted_count:
+        destination[prefix + "evicted_count"] = torch.tensor(store.evicted_count, dtype=torch.int64)
 
 
 def is_store_entry(key: str, prefix: str) -> bool:
-    return key.startswith(prefix) and key[len(prefix):] in ENTRIES
+    return key.startswith(prefix) and key[len(prefix):] in ENTRIES + OPTIONAL_ENTRIES
 
 
 @dataclass(frozen=True)
@@ -69,6 +79,7 @@ class TableState:
     counts: np.ndarray                      # (N,) int64 in [0, 2^32)
     last_steps: np.ndarray                  # (N,) int64 in [0, 2^32)
     step: int
+    evicted_count: Optional[int] = None     # a bounded table's count of evicted rows, when saved
 
     @classmethod
     def from_export(cls, tensors: dict, step: int) -> "TableState":
@@ -82,6 +93,8 @@ class TableState:
         state = self.optimizer_state if self.optimizer_state.shape[1] else None
         target.load(self.keys, self.rows, state, self.counts, self.last_steps)
         target.step = self.step
+        if self.evicted_count is not None and hasattr(target, "evicted_count"):
+            target.evicted_count = self.evicted_count
 
 
 def _optimizers_writing(width: int, dim: int) -> str:
@@ -93,7 +106,7 @@ def _optimizers_writing(width: int, dim: int) -> str:
 
 
 def read_table(state_dict, prefix: str, dim: int, state_floats: int, missing_keys: List[str],
-               error_msgs: List[str]) -> Optional[TableState]:
+               error_msgs: List[str], max_rows: Optional[int] = None) -> Optional[TableState]:
     """The checked entries of the table under `prefix`, or None with the reasons appended to
     `missing_keys` / `error_msgs`. Checks everything the store's `load` would, and more
     (unique keys, the optimizer), so that loading a TableState cannot fail half way."""
@@ -146,11 +159,21 @@ def read_table(state_dict, prefix: str, dim: int, state_floats: int, missing_key
                           f"{int(value.max())}]")
     if step is not None and int(step) < 0:
         errors.append(f"{prefix}step: must be >= 0, got {int(step)}")
+    if max_rows is not None and n is not None and n > max_rows:
+        errors.append(f"{prefix}keys: holds {n} rows, more than this table's max_rows ({max_rows}); loading them "
+                      "would evict some at once. Build the module with a max_rows of at least that, or prune the "
+                      "checkpoint first")
+    evicted = None
+    if prefix + "evicted_count" in state_dict:
+        value = tensor("evicted_count", integers, ())
+        if value is not None and int(value) < 0:
+            errors.append(f"{prefix}evicted_count: must be >= 0, got {int(value)}")
+        evicted = None if value is None else int(value)
     if errors:
         error_msgs.extend(errors)
         return None
     return TableState(keys.numpy(), rows.numpy(), state.numpy(),
-                      counts.to(torch.int64).numpy(), last_steps.to(torch.int64).numpy(), int(step))
+                      counts.to(torch.int64).numpy(), last_steps.to(torch.int64).numpy(), int(step), evicted)
 
 
 def _shape(shape) -> str:
@@ -173,7 +196,8 @@ def load_tables(tables: Dict[str, TableSpec], load_rest: Callable, state_dict, m
     errors: List[str] = []
     rest = {k: v for k, v in state_dict.items() if not any(is_store_entry(k, p) for p in tables)}
     load_rest(rest, missing_keys, unexpected_keys, errors)
-    states = {prefix: read_table(state_dict, prefix, config.dim, config.state_floats, missing_keys, errors)
+    states = {prefix: read_table(state_dict, prefix, config.dim, config.state_floats, missing_keys, errors,
+                                 config.max_rows)
               for prefix, (config, _) in tables.items()}
     error_msgs.extend(errors)
     if error_msgs or (_strict_load() and (missing_keys or unexpected_keys)):

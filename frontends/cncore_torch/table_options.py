@@ -1,0 +1,79 @@
+"""The per-table options of the torch front end that go straight into a table's
+`cncore.StoreConfig`: the row budget and its policies (`max_rows`, `eviction`, `admission`,
+`headroom`; README "Bounded tables") and the row dtype.
+
+A module takes each option as one value; a collection takes each either as one value for every
+table or as {table name: value}, and `max_rows="num_embeddings"` gives every table the budget its
+TorchRec config names (the table size a TorchRec user already chose). The values themselves are
+checked by StoreConfig, whose messages name the option and the table.
+
+>>> import cncore
+>>> from torchrec import EmbeddingBagConfig
+>>> tables = [EmbeddingBagConfig(name="t_user", embedding_dim=4, num_embeddings=1000, feature_names=["user"]),
+...           EmbeddingBagConfig(name="t_item", embedding_dim=4, num_embeddings=50, feature_names=["item"])]
+>>> opts = per_table_options(tables, max_rows="num_embeddings", eviction=cncore.LRU(),
+...                          admission={"t_user": cncore.MinCount(2)})
+>>> opts["t_user"]["max_rows"], opts["t_item"]["max_rows"], opts["t_item"]["admission"]
+(1000, 50, None)
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+
+__all__ = ["OPTION_NAMES", "row_dtype_name", "module_options", "per_table_options"]
+
+# StoreConfig's field for each option (the row dtype is StoreConfig.dtype).
+OPTION_NAMES = ("max_rows", "eviction", "admission", "headroom", "row_dtype")
+_TORCH_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def row_dtype_name(value, context: str = "") -> str:
+    """'float32' / 'float16' / 'bfloat16' from that string or the torch dtype."""
+    if isinstance(value, torch.dtype):
+        if value not in _TORCH_DTYPES:
+            raise ValueError(f"{context}row_dtype must be torch.float32, torch.float16 or torch.bfloat16, got {value}")
+        return _TORCH_DTYPES[value]
+    if not isinstance(value, str):
+        raise TypeError(f"{context}row_dtype must be a string or a torch dtype, got {type(value).__name__}")
+    return value  # StoreConfig names the strings it accepts
+
+
+def module_options(max_rows=None, eviction=None, admission=None, headroom=None, row_dtype="float32") -> dict:
+    """StoreConfig fields of one table."""
+    return {"max_rows": max_rows, "eviction": eviction, "admission": admission, "headroom": headroom,
+            "dtype": row_dtype_name(row_dtype if row_dtype is not None else "float32")}
+
+
+def per_table_options(tables, **options) -> Dict[str, dict]:
+    """{table name: StoreConfig fields} from options given once or per table (see above).
+    Unknown option or table names are refused, naming them."""
+    unknown = sorted(set(options) - set(OPTION_NAMES))
+    if unknown:
+        raise TypeError(f"unknown table options {unknown}; expected some of {list(OPTION_NAMES)}")
+    names: List[str] = [c.name for c in tables]
+    resolved: Dict[str, dict] = {name: {} for name in names}
+    for option in OPTION_NAMES:
+        value = options.get(option)
+        if isinstance(value, dict):
+            strays = sorted(set(value) - set(names))
+            if strays:
+                raise ValueError(f"{option}: no table named {strays} (tables: {names})")
+            values = {name: value.get(name) for name in names}
+        elif option == "max_rows" and value == "num_embeddings":
+            values = {c.name: c.num_embeddings for c in tables}
+        elif isinstance(value, str) and option == "max_rows":
+            raise ValueError(f"max_rows must be an int, a {{table name: int}} dict or 'num_embeddings', got {value!r}")
+        else:
+            values = {name: value for name in names}
+        for name in names:
+            resolved[name][option] = values[name]
+    return {name: _fields(name, fields) for name, fields in resolved.items()}
+
+
+def _fields(table: str, options: dict) -> dict:
+    fields = dict(options)
+    dtype: Optional[object] = fields.pop("row_dtype")
+    fields["dtype"] = row_dtype_name(dtype if dtype is not None else "float32", f"table {table!r}: ")
+    return fields
