@@ -74,7 +74,7 @@ def test_state_dict_keeps_the_evicted_count_and_a_larger_checkpoint_is_refused()
     tight = CNEmbeddingBag(10, 2, mode="sum", optimizer=cncore.SGD(lr=0.1), max_rows=2, eviction=cncore.LFU())
     tight(torch.tensor([[7]]))
     before = snapshot(tight.store)
-    with pytest.raises(RuntimeError, match=r"holds 3 rows, more than this table's max_rows \(2\)"):
+    with pytest.raises(RuntimeError, match=r"holds 3 rows for this table, more than its max_rows \(2\)"):
         tight.load_state_dict(state)
     assert_unchanged(tight.store, before)
     unbounded = CNEmbeddingBag(10, 2, mode="sum", optimizer=cncore.SGD(lr=0.1))

@@ -106,7 +106,7 @@ def _optimizers_writing(width: int, dim: int) -> str:
 
 
 def read_table(state_dict, prefix: str, dim: int, state_floats: int, missing_keys: List[str],
-               error_msgs: List[str], max_rows: Optional[int] = None) -> Optional[TableState]:
+               error_msgs: List[str]) -> Optional[TableState]:
     """The checked entries of the table under `prefix`, or None with the reasons appended to
     `missing_keys` / `error_msgs`. Checks everything the store's `load` would, and more
     (unique keys, the optimizer), so that loading a TableState cannot fail half way."""
@@ -159,10 +159,6 @@ def read_table(state_dict, prefix: str, dim: int, state_floats: int, missing_key
                           f"{int(value.max())}]")
     if step is not None and int(step) < 0:
         errors.append(f"{prefix}step: must be >= 0, got {int(step)}")
-    if max_rows is not None and n is not None and n > max_rows:
-        errors.append(f"{prefix}keys: holds {n} rows, more than this table's max_rows ({max_rows}); loading them "
-                      "would evict some at once. Build the module with a max_rows of at least that, or prune the "
-                      "checkpoint first")
     evicted = None
     if prefix + "evicted_count" in state_dict:
         value = tensor("evicted_count", integers, ())
@@ -196,9 +192,17 @@ def load_tables(tables: Dict[str, TableSpec], load_rest: Callable, state_dict, m
     errors: List[str] = []
     rest = {k: v for k, v in state_dict.items() if not any(is_store_entry(k, p) for p in tables)}
     load_rest(rest, missing_keys, unexpected_keys, errors)
-    states = {prefix: read_table(state_dict, prefix, config.dim, config.state_floats, missing_keys, errors,
-                                 config.max_rows)
+    states = {prefix: read_table(state_dict, prefix, config.dim, config.state_floats, missing_keys, errors)
               for prefix, (config, _) in tables.items()}
+    for prefix, (config, write) in tables.items():
+        state = states[prefix]
+        # A writer may keep only some of the rows (a shard keeps the keys its rank owns).
+        kept = getattr(write, "rows_kept", len)(state.keys) if state is not None else 0
+        if config.max_rows is not None and kept > config.max_rows:
+            errors.append(f"{prefix}keys: holds {kept} rows for this table, more than its max_rows "
+                          f"({config.max_rows}); loading them would evict some at once. Build the module with a "
+                          "max_rows of at least that, or prune the checkpoint first")
+            states[prefix] = None
     error_msgs.extend(errors)
     if error_msgs or (_strict_load() and (missing_keys or unexpected_keys)):
         return

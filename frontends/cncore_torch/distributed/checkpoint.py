@@ -44,6 +44,9 @@ def merge_shards(state_dicts: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.
         for name in FIELDS:
             merged[prefix + name] = torch.cat([sd[prefix + name] for sd in state_dicts])
         merged[prefix + "step"] = first[prefix + "step"].clone()
+        counts = [sd[prefix + "evicted_count"] for sd in state_dicts if prefix + "evicted_count" in sd]
+        if counts:  # a bounded table's evictions: each shard counted its own
+            merged[prefix + "evicted_count"] = torch.stack([c.to(torch.int64) for c in counts]).sum()
         keys = merged[prefix + "keys"]
         if torch.unique(keys).numel() != keys.numel():
             raise ValueError(f"{prefix}keys: a key appears in two shards; pass the shards of one checkpoint, each once")

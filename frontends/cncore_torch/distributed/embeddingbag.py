@@ -12,6 +12,8 @@ collection's `stores` does.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Any, Dict, Iterator, List, Optional, Type
 
 import numpy as np
@@ -97,7 +99,7 @@ class ShardedCNEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         self._feature_tables = [c.name for c, names in zip(configs, module._feature_names) for _ in names]
         self._mean_features = [i for i, mode in enumerate(module._modes) if mode == "mean"]
         self.module_sharding_plan = {c.name: table_name_to_parameter_sharding[c.name] for c in configs}
-        self._store_configs = dict(module._store_configs)
+        self._store_configs = shard_store_configs(module._store_configs, self._world_size)
         self._anchor = nn.Parameter(torch.empty(0))
         self._stores = {name: cncore.EmbeddingStore(config) for name, config in self._store_configs.items()}
         _keep_owned_rows(self._stores, module.stores, self._world_size, self._rank)
@@ -263,12 +265,35 @@ def _check_plan(module, configs, table_name_to_parameter_sharding, device) -> No
 
 
 def _owned_writer(store: cncore.EmbeddingStore, world_size: int, rank: int):
-    """What loads a checked TableState into `store`: the rows this rank owns (replacing all)."""
+    """What loads a checked TableState into `store`: the rows this rank owns (replacing all).
+    (A shard's evicted count starts at 0: merge_shards sums the ranks' counts, which no single
+    rank's count can be restored from.)"""
+    def owned(keys: np.ndarray) -> np.ndarray:
+        return (owner_of(torch.from_numpy(keys), world_size) == rank).numpy()
+
     def write(state: TableState) -> None:
-        mine = (owner_of(torch.from_numpy(state.keys), world_size) == rank).numpy()
+        mine = owned(state.keys)
         TableState(state.keys[mine], state.rows[mine], state.optimizer_state[mine], state.counts[mine],
                    state.last_steps[mine], state.step).load_into(store)
+    write.rows_kept = lambda keys: int(owned(keys).sum())
     return write
+
+
+def shard_store_configs(configs: Dict[str, cncore.StoreConfig], world_size: int) -> Dict[str, cncore.StoreConfig]:
+    """Each rank's config of every table: a table's row budget (max_rows, and headroom) is split
+    between the ranks, ceil(max_rows / world_size) each, as row-wise sharding splits
+    num_embeddings; keys spread evenly by the owner hash, so the ranks together hold about the
+    budget, and each shard evicts by its own policy when its share is full."""
+    out = {}
+    for name, config in configs.items():
+        if config.max_rows is None or world_size == 1:
+            out[name] = config
+            continue
+        share = -(-config.max_rows // world_size)
+        headroom = None if config.headroom is None else min(-(-config.headroom // world_size), share - 1)
+        out[name] = dataclasses.replace(config, max_rows=share, headroom=headroom,
+                                        capacity=min(config.capacity, share))
+    return out
 
 
 def _keep_owned_rows(stores, source_stores, world_size: int, rank: int) -> None:
