@@ -48,6 +48,7 @@ import torch
 from torch import nn
 
 import cncore
+from cncore_torch.collection import CNEmbeddingBagCollection
 from cncore_torch.dlrm import bounded
 from cncore_torch.dlrm.data import SPARSE_KEYS, SyntheticCriteo
 from cncore_torch.dlrm.train import (Run, _mute_is_fx_tracing_notice, build_dlrm, equal_memory_rows, hashed_run,
@@ -80,7 +81,7 @@ class CachedData:
 def ours(args, budgets: List[int], eviction, admission=None) -> Run:
     torch.manual_seed(args.seed)  # the dense network starts where every other run's does
     configs = table_configs(args.embedding_dim, budgets)
-    ebc = bounded.make_collection(tables=configs, optimizer=cncore.RowWiseAdagrad(lr=args.sparse_lr), seed=args.seed,
+    ebc = CNEmbeddingBagCollection(tables=configs, optimizer=cncore.RowWiseAdagrad(lr=args.sparse_lr), seed=args.seed,
                                    max_rows={c.name: n for c, n in zip(configs, budgets)}, eviction=eviction,
                                    admission=admission)
     model = build_dlrm(ebc, args.embedding_dim)

@@ -29,7 +29,7 @@ import cncore
 from cncore.synthetic import N_SPARSE, SyntheticCriteo
 
 __all__ = ["StreamCounts", "stream_counts", "percent_budgets", "policy", "table_budgets", "collection_options",
-           "sweep_expired", "eviction_summary", "make_collection"]
+           "sweep_expired", "eviction_summary"]
 
 
 @dataclass
@@ -111,32 +111,3 @@ def eviction_summary(stores: Dict[str, cncore.EmbeddingStore]) -> dict:
             "evicted": float(sum(evicted.values()))}
 
 
-
-_OPTIONS = ("max_rows", "eviction", "admission", "headroom", "row_dtype")
-
-
-def make_collection(**kw):
-    """`CNEmbeddingBagCollection(**kw)`, the bounded-table options included.
-
-    Until the collection takes them itself (`max_rows=`, `eviction=`, ..., one value or
-    {table: value}), they are applied to its store configs here and its stores rebuilt (empty);
-    once it does, this is the plain constructor call."""
-    import dataclasses
-
-    from cncore_torch.collection import CNEmbeddingBagCollection
-    try:
-        return CNEmbeddingBagCollection(**kw)
-    except TypeError as exc:
-        options = {k: kw.pop(k) for k in _OPTIONS if k in kw}
-        if not options or "unexpected keyword argument" not in str(exc):
-            raise
-    ebc = CNEmbeddingBagCollection(**kw)
-    configs = {}
-    for name, config in ebc._store_configs.items():
-        fields = {k: (v[name] if isinstance(v, dict) else v) for k, v in options.items()}
-        if "row_dtype" in fields:
-            fields["dtype"] = fields.pop("row_dtype")
-        configs[name] = dataclasses.replace(config, **fields)
-    ebc._store_configs = configs
-    ebc._materialise()
-    return ebc

@@ -155,8 +155,8 @@ def dynamic_run(args, data: Data) -> Run:
     configs = table_configs(args.embedding_dim, data.cardinalities)
     options = bounded.collection_options(args, [c.name for c in configs], data.synthetic)
     try:
-        ebc = bounded.make_collection(tables=configs, optimizer=cncore.RowWiseAdagrad(lr=args.sparse_lr),
-                                      seed=args.seed, capacities=data.initial_rows(options.get("max_rows")), **options)
+        ebc = CNEmbeddingBagCollection(tables=configs, optimizer=cncore.RowWiseAdagrad(lr=args.sparse_lr),
+                                       seed=args.seed, capacities=data.initial_rows(options.get("max_rows")), **options)
     except ValueError as exc:
         if "row_dtype" not in options:
             raise
