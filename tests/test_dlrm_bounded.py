@@ -218,6 +218,7 @@ def test_resume_from_an_incremental_checkpoint_continues_exactly(tmp_path):
     assert resumed["auc"] == pytest.approx(straight["auc"], abs=1e-6)
     assert resumed["logloss"] == pytest.approx(straight["logloss"], rel=1e-5)
     assert resumed["rows_per_table"] == straight["rows_per_table"]
+    assert resumed["evicted_per_table"] == straight["evicted_per_table"] and straight["evicted"] > 0
 
 
 def test_a_save_cut_off_between_tables_and_dense_is_refused(capsys, tmp_path):

@@ -4,7 +4,8 @@
       tables/<table>/   each table as a table file chain (`cncore.tablefile`): a full base, then
                         a delta every K steps with only the rows trained or inserted since the
                         previous save and the keys evicted or erased since
-      dense.pt          the model's other weights, the optimizers, the step and each table's step
+      dense.pt          the model's other weights, the optimizers, the step, and each table's step
+                        and eviction count (table files do not hold it)
 
 Each table's save is atomic (a crash leaves the chain's last complete state); dense.pt is
 replaced atomically after every table is saved, and names the step each table must be at, so a
@@ -67,7 +68,10 @@ class TableChains:
             for key in [k for k in state if k.startswith(prefix)]:
                 del state[key]
         _atomic_torch_save({"dense": state, "optimizers": [o.state_dict() for o in optimizers], "step": step,
-                            "table_steps": {name: store.step for name, store in stores.items()}, **(extra or {})},
+                            "table_steps": {name: store.step for name, store in stores.items()},
+                            # table files do not hold the eviction counter: it travels here
+                            "table_evicted": {name: int(store.evicted_count) for name, store in stores.items()},
+                            **(extra or {})},
                            os.path.join(self.directory, DENSE))
         self.saves += 1
 
@@ -100,5 +104,6 @@ def open_checkpoint(directory: str, table_prefix: str) -> dict:
             raise InputError(f"--resume {directory}: table {name} is at step {store.step:,} but {DENSE} at "
                              f"{step:,}: the last save was cut off between the tables and {DENSE}; resume from "
                              f"another checkpoint")
+        store.evicted_count = int(state.get("table_evicted", {}).get(name, 0))
         save_store(store, model, f"{table_prefix}{name}.")
     return {**state, "model": model}
