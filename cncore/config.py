@@ -296,15 +296,20 @@ class MinCount:
 Admission = MinCount
 
 
-SUPPORTED_DTYPES = ("float32",)
-PLANNED_DTYPES = ("float16", "bfloat16")
+SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
+PLANNED_DTYPES = ()
+# The core's code of each row dtype (cn_dtype.h).
+ROW_DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2}
 
 
 @dataclass(frozen=True)
 class StoreConfig:
     """Everything that defines a store.
 
-    dim: row width. dtype: storage dtype ("float32"; float16/bfloat16 are planned).
+    dim: row width. dtype: storage dtype of the embedding values: "float32", "float16" or
+    "bfloat16" (half the bytes; optimizer state stays float32, every update computes in float32
+    and rounds to nearest even once per row and step, values past float16's 65504 saturate;
+    rows cross the API as float32 arrays, exact for these dtypes; cython_src/include/cn_dtype.h).
     initializer: how a new key's row is drawn; seed: the table seed of that draw.
     capacity: rows to allocate up front (a hint: the store grows past it).
     max_load_factor: the index grows when size / buckets would exceed it (0.1 .. 0.9).

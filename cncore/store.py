@@ -56,7 +56,7 @@ import numpy as np
 
 from cncore import _core
 from cncore._interchange import as_float_rows, as_floats, as_keys, to_numpy
-from cncore.config import TTL, StoreConfig
+from cncore.config import ROW_DTYPES, TTL, StoreConfig
 
 __all__ = ["EmbeddingStore", "TableBatch", "initial_rows"]
 
@@ -157,7 +157,8 @@ class EmbeddingStore:
             init.kind, config.seed, *init.params(), float(config.max_load_factor),
             min(config.capacity, max_rows) if max_rows else config.capacity,
             ev.kind if ev is not None else 0, max_rows, max_rows - (config.headroom or 0), ttl,
-            *((adm.count, adm.width, adm.depth, adm.unadmitted == "initial") if (adm := config.admission) else ()))
+            *((adm.count, adm.width, adm.depth, adm.unadmitted == "initial") if (adm := config.admission)
+              else (0, 0, 0, False)), ROW_DTYPES[config.dtype])
         self._evict_callbacks = []
         # For incremental saves (cncore.tablefile): which store a checkpoint is of, and how many
         # calls wrote rows without recording a step (a delta cannot see those rows).

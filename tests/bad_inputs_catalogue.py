@@ -941,7 +941,7 @@ def _build_config_cases():
     cfg_fields = {
         "dim": {"0": 0, "-1": -1, "1.5": 1.5, "True": True, "str": "4", "65537": 65537, "2**63": 2**63,
                 "None": None, "float-4.0": 4.0},
-        "dtype": {"float16": "float16", "int8": "int8", "None": None, "np.float64": np.float64, "FLOAT32": "FLOAT32"},
+        "dtype": {"float64": "float64", "int8": "int8", "None": None, "np.float64": np.float64, "FLOAT32": "FLOAT32"},
         "initializer": {"None": None, "str": "uniform", "class": Uniform, "optimizer": SGD()},
         "seed": {"-1": -1, "2**64": 2**64, "1.5": 1.5, "True": True, "str": "1", "None": None},
         "capacity": {"-1": -1, "1.5": 1.5, "True": True, "str": "10", "None": None, "2**63": 2**63,

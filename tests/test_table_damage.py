@@ -211,7 +211,7 @@ def manifest_cases() -> list:
         Case("config.dim-1", set_field("config.dim", CONFIG.dim - 1), r"arrays\.rows\.shape.*config\.dim=2"),
         Case("config.dim=0", set_field("config.dim", 0), "config.*dim"),
         Case("config.dim=65537", set_field("config.dim", 65537), "config.*dim"),
-        Case("config.dtype=float16", set_field("config.dtype", "float16"), "config.*dtype"),
+        Case("config.dtype=float64", set_field("config.dtype", "float64"), "config.*dtype"),
         Case("config.optimizer=null", set_field("config.optimizer", None),
              r"arrays\.optimizer_state\.shape.*config\.optimizer=None: 0 state floats"),
         Case("config.optimizer=SGD", set_field("config.optimizer", {"type": "SGD", "lr": 0.1}),

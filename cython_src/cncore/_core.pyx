@@ -118,7 +118,7 @@ cdef class Table:
     def __cinit__(self, int64_t dim, int optimizer_kind, float state_init, int init_kind, uint64_t seed,
                   float p0, float p1, float p2, float p3, double max_load, int64_t capacity_hint,
                   int policy=0, int64_t max_rows=0, int64_t low_water=0, int64_t ttl=0, uint32_t min_count=0,
-                  int64_t sketch_width=0, int64_t sketch_depth=0, bint absent_initial=False):
+                  int64_t sketch_width=0, int64_t sketch_depth=0, bint absent_initial=False, int row_dtype=0):
         cdef cn_init init = _make_init(init_kind, seed, p0, p1, p2, p3)
         cdef cn_bound bound
         cdef int rc
@@ -133,7 +133,8 @@ cdef class Table:
         self.alive = False
         self.evict_sink = None
         with nogil:
-            rc = cn_table_create(&self.t, dim, optimizer_kind, state_init, init, max_load, capacity_hint, bound)
+            rc = cn_table_create(&self.t, dim, optimizer_kind, state_init, init, max_load, capacity_hint, bound,
+                                 row_dtype)
         if rc != CN_OK:
             raise MemoryError(f"capacity: cannot allocate a table for {capacity_hint} rows of dim {dim} (this "
                               f"machine has {cn_machine_bytes() / 2**30:.1f} GiB of memory)")
@@ -779,7 +780,8 @@ def grouped_backward(list tables, list slots, list offsets, list weights, list m
                     for f in range(F):
                         tp[f].step += 1
                         cn_optim_set_step(&opts[f], tp[f].step)
-                        rc = cn_grad_apply(&tp[f].arena, tp[f].dim, <slot_t*> p_slots[f], <offset_t*> p_off[f],
+                        rc = cn_grad_apply(&tp[f].arena, tp[f].dim, tp[f].row_dtype, <slot_t*> p_slots[f],
+                                           <offset_t*> p_off[f],
                                            p_nbags[f], <weight_t*> p_w[f], <int> p_mode[f], <int64_t*> p_argmax[f],
                                            <weight_t*> p_grad[f], p_ld[f], &opts[f], <int> p_touch[f],
                                            <uint32_t> p_step[f], cn_threads_for(p_nkeys[f] * 4))

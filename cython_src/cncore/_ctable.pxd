@@ -52,7 +52,7 @@ cdef extern from "cn_grad.h" nogil:
                         const slot_t *slots, const offset_t *offsets, const weight_t *weights, int mode,
                         const int64_t *argmax, const weight_t *grad, int64_t ld_grad, weight_t *grads_out,
                         int touch_meta, uint32_t step, int nthreads)
-    int cn_grad_apply(const cn_arena *a, int64_t dim, const slot_t *slots, const offset_t *offsets,
+    int cn_grad_apply(const cn_arena *a, int64_t dim, int row_dtype, const slot_t *slots, const offset_t *offsets,
                       int64_t n_bags, const weight_t *weights, int mode, const int64_t *argmax,
                       const weight_t *grad, int64_t ld_grad, const cn_optim *opt, int touch_meta,
                       uint32_t step, int nthreads)
@@ -90,6 +90,8 @@ cdef extern from "cn_table.h" nogil:
         cn_index index
         cn_arena arena
         int64_t dim
+        int row_dtype
+        int64_t emb_floats
         int64_t state_floats
         double max_load
         int64_t nbytes
@@ -100,7 +102,7 @@ cdef extern from "cn_table.h" nogil:
         int64_t n_evicted
         pthread_rwlock_t lock
     int cn_table_create(cn_table *t, int64_t dim, int optimizer_kind, float state_init, cn_init init,
-                        double max_load, int64_t capacity_hint, cn_bound bound)
+                        double max_load, int64_t capacity_hint, cn_bound bound, int row_dtype)
     void cn_table_destroy(cn_table *t)
     int64_t cn_table_capacity(const cn_table *t)
     int cn_table_reserve(cn_table *t, int64_t total)

@@ -26,6 +26,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "cn_arena.h"
+#include "cn_dtype.h"
 #include "cn_index.h"
 #include "cn_optim.h"
 #include "cn_parallel.h"
@@ -259,6 +260,7 @@ typedef struct {
 typedef struct {
     const cn_arena *a;
     int64_t dim, n;
+    int row_dtype;
     const int64_t *slots, *offsets, *bag_of, *argmax;
     const float *weights, *grad;
     int mode, touch_meta, direct, n_shares;
@@ -279,7 +281,7 @@ static void cn_grad_build_range(void *ctx, int64_t begin, int64_t end) {
             if (j->slots[i] >= 0 && cn_row_owner(j->slots[i], j->n_shares) == sh) share->mine[m++] = i;
         share->m = m;
         if (!j->direct) {
-            share->acc = (float *)malloc((size_t)(j->dim + 16) * sizeof(float));
+            share->acc = (float *)malloc((size_t)(2 * j->dim + 16) * sizeof(float)); /* the gradient, a widened row */
             if (share->acc == NULL || cn_groups_build(j->slots, share->mine, m, &share->g) != 0) continue;
         }
         share->ok = 1;
@@ -289,7 +291,8 @@ static void cn_grad_build_range(void *ctx, int64_t begin, int64_t end) {
 static void cn_grad_update_range(void *ctx, int64_t begin, int64_t end) {
     const cn_grad_apply_job *j = (const cn_grad_apply_job *)ctx;
     const cn_arena *a = j->a;
-    const int64_t dim = j->dim, row_bytes = a->row_bytes;
+    const int64_t dim = j->dim, row_bytes = a->row_bytes, emb_floats = cn_dtype_row_floats(j->row_dtype, dim);
+    const int dtype = j->row_dtype;
     const int state_in_meta = cn_optim_state_in_meta(j->opt->kind);
     const int use_meta = j->touch_meta || state_in_meta;
     const int64_t *slots = j->slots;
@@ -311,10 +314,17 @@ static void cn_grad_update_range(void *ctx, int64_t begin, int64_t end) {
             }
             const int64_t s = slots[g->unique_pos[u]];
             float *row = cn_arena_row(a, s);
-            float *state = state_in_meta ? &cn_arena_meta(a, s)->scalar_state : row + dim;
+            float *state = state_in_meta ? &cn_arena_meta(a, s)->scalar_state : row + emb_floats;
             cn_grad_accumulate(g, u, j->bag_of, dim, j->offsets, j->weights, j->mode, j->argmax, j->grad, j->ld_grad,
                                acc);
-            cn_optim_apply(j->opt, row, state, acc, dim);
+            if (dtype == CN_ROW_F32) {
+                cn_optim_apply(j->opt, row, state, acc, dim);
+            } else { /* widen, update in float32, round once (cn_dtype.h) */
+                float *wide = acc + dim;
+                cn_row_load(dtype, row, wide, dim);
+                cn_optim_apply(j->opt, wide, state, acc, dim);
+                cn_row_store(dtype, wide, row, dim);
+            }
             if (j->touch_meta) cn_meta_record(a, s, g->group_start[u + 1] - g->group_start[u], j->step);
         }
     }
@@ -325,7 +335,8 @@ static void cn_grad_update_range(void *ctx, int64_t begin, int64_t end) {
  * cn_row_owner, so no two threads touch one row and each row sees its keys in key order: the
  * result does not depend on the thread count. Returns -1 when out of memory, before any row
  * changed. */
-static inline int cn_grad_apply(const cn_arena *a, int64_t dim, const int64_t *slots, const int64_t *offsets,
+static inline int cn_grad_apply(const cn_arena *a, int64_t dim, int row_dtype, const int64_t *slots,
+                                const int64_t *offsets,
                                 int64_t n_bags, const float *weights, int mode, const int64_t *argmax,
                                 const float *grad, int64_t ld_grad, const cn_optim *opt, int touch_meta,
                                 uint32_t step, int nthreads) {
@@ -339,8 +350,11 @@ static inline int cn_grad_apply(const cn_arena *a, int64_t dim, const int64_t *s
         free(shares);
         return -1;
     }
-    cn_grad_apply_job job = {a, dim, n, slots, offsets, bag_of, argmax, weights, grad, mode, touch_meta,
-                             opt->kind == CN_OPT_SGD && mode != CN_POOL_MAX, nthreads, ld_grad, opt, step, shares};
+    /* Direct SGD applies each key's share on its own: for low-precision rows that would round
+     * once per key, so they take the grouped path (one update with the summed gradient). */
+    const int direct = opt->kind == CN_OPT_SGD && mode != CN_POOL_MAX && row_dtype == CN_ROW_F32;
+    cn_grad_apply_job job = {a, dim, n, row_dtype, slots, offsets, bag_of, argmax, weights, grad, mode, touch_meta,
+                             direct, nthreads, ld_grad, opt, step, shares};
     cn_parallel_for(cn_grad_build_range, &job, nthreads, nthreads);
     int failed = 0;
     for (int sh = 0; sh < nthreads; sh++) failed |= !shares[sh].ok;

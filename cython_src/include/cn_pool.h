@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include "cn_arena.h"
 #include "cn_init.h"
+#include "cn_dtype.h"
 #include "cn_parallel.h"
 
 enum { CN_POOL_SUM = 0, CN_POOL_MEAN = 1, CN_POOL_MAX = 2 };
@@ -26,9 +27,10 @@ typedef struct {
     int64_t *argmax;      /* max mode: [n_bags, dim] key positions, -1 for an empty bag */
     const cn_init *absent_init; /* NULL: keys without a row read as zeros; else as their initial row */
     const int64_t *keys;        /* the keys, with absent_init */
+    int row_dtype;              /* cn_dtype.h */
 } cn_pool_args;
 
-#define CN_ROW(s) ((const float *)(pages[(s) >> shift] + ((s) & mask) * row_bytes))
+#define CN_ROW(s) ((const void *)(pages[(s) >> shift] + ((s) & mask) * row_bytes))
 
 /* Pool bag b; rows are prefetched cn_prefetch_keys(row) keys ahead (up to key `limit`).
  * (Resolving slots inside this loop, so that index and row misses overlap in one pass,
@@ -38,7 +40,8 @@ static inline void cn_pool_bag(const cn_pool_args *p, int64_t b, const int64_t *
     /* Arena fields in locals: the compiler must otherwise reload them after every store. */
     char *const *const pages = a->pages;
     const int64_t shift = a->page_shift, mask = a->page_mask, row_bytes = a->row_bytes;
-    const int64_t dim = p->dim, pf_bytes = dim * (int64_t)sizeof(float), pf_keys = cn_prefetch_keys(pf_bytes);
+    const int dtype = p->row_dtype;
+    const int64_t dim = p->dim, pf_bytes = dim * cn_dtype_bytes(dtype), pf_keys = cn_prefetch_keys(pf_bytes);
     const int64_t start = p->offsets[b], end = p->offsets[b + 1];
     float *restrict o = p->out + b * p->ld_out;
     int64_t *restrict am = p->mode == CN_POOL_MAX ? p->argmax + b * dim : NULL;
@@ -53,27 +56,30 @@ static inline void cn_pool_bag(const cn_pool_args *p, int64_t b, const int64_t *
             if (sa >= 0) cn_prefetch_read(CN_ROW(sa), pf_bytes);
         }
         const int64_t s = slots[i];
-        const float *restrict r = s >= 0 ? CN_ROW(s) : NULL;
+        const void *r = s >= 0 ? CN_ROW(s) : NULL;
+        int r_dtype = dtype;
         if (s < 0 && p->absent_init) {
-            if (absent_row == NULL) absent_row = (float *)malloc((size_t)pf_bytes + 64);
+            if (absent_row == NULL) absent_row = (float *)malloc((size_t)dim * sizeof(float) + 64);
             if (absent_row) { /* (out of memory for one row: it reads as zeros) */
                 cn_init_row(p->absent_init, p->keys[i], absent_row, dim);
+                if (dtype != CN_ROW_F32) /* as the row would be stored */
+                    for (int64_t d = 0; d < dim; d++) absent_row[d] = cn_round_trip(dtype, absent_row[d]);
                 r = absent_row;
+                r_dtype = CN_ROW_F32;
             }
         }
         if (am) {
             /* The first key of the bag seeds the maximum; later keys win only when strictly
              * greater, so ties go to the earliest key, as in torch.nn.EmbeddingBag. */
             for (int64_t d = 0; d < dim; d++) {
-                float v = r ? r[d] : 0.0f;
+                float v = r ? cn_row_get(r_dtype, r, d) : 0.0f;
                 if (i == start || v > o[d]) {
                     o[d] = v;
                     am[d] = i;
                 }
             }
         } else if (r) {
-            const float w = p->weights ? p->weights[i] : 1.0f;
-            for (int64_t d = 0; d < dim; d++) o[d] += w * r[d];
+            cn_row_axpy(r_dtype, p->weights ? p->weights[i] : 1.0f, r, o, dim);
         }
     }
     free(absent_row);

@@ -17,6 +17,7 @@
 #include "cn_alloc.h"
 #include "cn_arena.h"
 #include "cn_evict.h"
+#include "cn_dtype.h"
 #include "cn_grad.h"
 #include "cn_index.h"
 #include "cn_init.h"
@@ -73,6 +74,8 @@ typedef struct {
     cn_index index;
     cn_arena arena;
     int64_t dim;
+    int row_dtype;        /* CN_ROW_F32, F16 or BF16 (cn_dtype.h): the embedding values' storage */
+    int64_t emb_floats;   /* float32 slots the embedding values take in a row (dim for float32) */
     int64_t state_floats; /* optimizer-state floats per row */
     int state_in_meta;    /* 1: the (single) state float lives in the row's metadata */
     float state_init; /* initial value of every optimizer-state float of a new row */
@@ -89,10 +92,13 @@ typedef struct {
 } cn_table;
 
 static inline int cn_table_create(cn_table *t, int64_t dim, int optimizer_kind, float state_init,
-                                  cn_init init, double max_load, int64_t capacity_hint, cn_bound bound) {
+                                  cn_init init, double max_load, int64_t capacity_hint, cn_bound bound,
+                                  int row_dtype) {
     memset(t, 0, sizeof(*t));
     t->bound = bound;
     t->dim = dim;
+    t->row_dtype = row_dtype;
+    t->emb_floats = cn_dtype_row_floats(row_dtype, dim);
     t->state_floats = cn_optim_state_floats(optimizer_kind, dim);
     t->state_in_meta = cn_optim_state_in_meta(optimizer_kind);
     t->state_init = state_init;
@@ -101,9 +107,10 @@ static inline int cn_table_create(cn_table *t, int64_t dim, int optimizer_kind, 
     t->erase_epoch = cn_next_stamp();
     t->version = cn_next_stamp();
     if (capacity_hint < 0 || capacity_hint > CN_INDEX_MAX_BUCKETS ||
-        (double)capacity_hint * (4.0 * (double)(dim + t->state_floats) + 16.0 + 16.0 / max_load) > cn_machine_bytes())
+        (double)capacity_hint * (4.0 * (double)(t->emb_floats + t->state_floats) + 16.0 + 16.0 / max_load) >
+            cn_machine_bytes())
         return CN_ENOMEM;
-    cn_arena_init(&t->arena, dim + (t->state_in_meta ? 0 : t->state_floats), t->state_in_meta, capacity_hint,
+    cn_arena_init(&t->arena, t->emb_floats + (t->state_in_meta ? 0 : t->state_floats), t->state_in_meta, capacity_hint,
                   bound.policy != CN_EVICT_NONE);
     if (cn_index_init(&t->index, cn_index_buckets_for(capacity_hint, max_load), &t->nbytes) != 0) return CN_ENOMEM;
     if (cn_arena_reserve(&t->arena, capacity_hint, &t->nbytes) != 0 ||
@@ -159,12 +166,25 @@ static inline int cn_table_reserve(cn_table *t, int64_t total) {
 
 /* The optimizer state of a row: after the embedding, or in the metadata (cn_optim.h). */
 static inline float *cn_table_state(const cn_table *t, int64_t slot) {
-    return t->state_in_meta ? &cn_arena_meta(&t->arena, slot)->scalar_state : cn_arena_row(&t->arena, slot) + t->dim;
+    return t->state_in_meta ? &cn_arena_meta(&t->arena, slot)->scalar_state
+                            : cn_arena_row(&t->arena, slot) + t->emb_floats;
 }
 
 static inline void cn_table_init_row(const cn_table *t, int64_t slot, int64_t key) {
     float *row = cn_arena_row(&t->arena, slot);
-    cn_init_row(&t->init, key, row, t->dim);
+    if (t->row_dtype == CN_ROW_F32) {
+        cn_init_row(&t->init, key, row, t->dim);
+    } else { /* drawn in float32, then rounded: a key's initial row is still a function of (seed, key) */
+        float buf[256];
+        float *tmp = t->dim <= 256 ? buf : (float *)malloc((size_t)t->dim * sizeof(float));
+        if (tmp == NULL) { /* (dim > 256 and out of memory: zeros rather than garbage) */
+            memset(row, 0, (size_t)t->emb_floats * sizeof(float));
+        } else {
+            cn_init_row(&t->init, key, tmp, t->dim);
+            cn_row_store(t->row_dtype, tmp, row, t->dim);
+            if (tmp != buf) free(tmp);
+        }
+    }
     cn_meta *m = cn_arena_meta(&t->arena, slot);
     m->count = 0;
     m->last_step = 0;
@@ -271,7 +291,7 @@ static inline int cn_table_take_victims(cn_table *t, const cn_victim *victims, i
         ev->counts[j] = m->count;
         ev->last_steps[j] = m->last_step;
         if (want_rows) {
-            memcpy(ev->rows + j * t->dim, cn_arena_row(&t->arena, s), (size_t)t->dim * sizeof(float));
+            cn_row_load(t->row_dtype, cn_arena_row(&t->arena, s), ev->rows + j * t->dim, t->dim);
             if (t->state_floats)
                 memcpy(ev->state + j * t->state_floats, cn_table_state(t, s), (size_t)t->state_floats * sizeof(float));
         }
@@ -403,7 +423,7 @@ static inline void cn_table_pool(const cn_table *t, const int64_t *keys, const i
                                  const float *weights, int mode, float *out, int64_t ld_out, int64_t *argmax,
                                  const int64_t *slots) {
     cn_pool_args p = {&t->arena, t->dim, offsets, weights, mode, out, ld_out, argmax,
-                      t->bound.absent_initial ? &t->init : NULL, keys};
+                      t->bound.absent_initial ? &t->init : NULL, keys, t->row_dtype};
     cn_pool_forward(&p, n_bags, slots, cn_threads_for(offsets[n_bags] + n_bags));
 }
 
@@ -488,8 +508,7 @@ static inline void cn_table_write_rows(cn_table *t, const int64_t *slots, int64_
                                        int64_t ld_rows, const float *state, int64_t ld_state) {
     for (int64_t i = 0; i < n; i++) {
         if (slots[i] < 0) continue;
-        float *r = cn_arena_row(&t->arena, slots[i]);
-        memcpy(r, rows + i * ld_rows, (size_t)t->dim * sizeof(float));
+        cn_row_store(t->row_dtype, rows + i * ld_rows, cn_arena_row(&t->arena, slots[i]), t->dim);
         if (state && t->state_floats)
             memcpy(cn_table_state(t, slots[i]), state + i * ld_state, (size_t)t->state_floats * sizeof(float));
     }
@@ -528,8 +547,7 @@ static void cn_table_gather_range(void *ctx, int64_t begin, int64_t end) {
             if (last_steps) last_steps[i] = 0;
             continue;
         }
-        const float *r = cn_arena_row(&t->arena, s);
-        if (rows) memcpy(rows + i * dim, r, (size_t)dim * sizeof(float));
+        if (rows) cn_row_load(t->row_dtype, cn_arena_row(&t->arena, s), rows + i * dim, dim);
         if (state && sf) memcpy(state + i * sf, cn_table_state(t, s), (size_t)sf * sizeof(float));
         const cn_meta *m = cn_arena_meta(&t->arena, s);
         if (counts) counts[i] = m->count;

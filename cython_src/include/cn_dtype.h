@@ -1,0 +1,126 @@
+/* cn_dtype.h: the storage dtype of a table's embedding values (float32, float16, bfloat16).
+ *
+ * Only the embedding part of a row takes the row dtype; the optimizer state stays float32
+ * after it (at a 4-byte aligned offset), and every kernel computes in float32: a value is
+ * widened when read and rounded when written back. Half the bytes per row on the
+ * bandwidth-bound lookup, half the memory of the rows.
+ *
+ * Rounding: to nearest, ties to even (IEEE's default; FBGEMM's fp16 tables default to it too,
+ * with stochastic rounding as an option). Chosen because it is deterministic: a row's value
+ * after an update is a function of its inputs, so results stay independent of the thread
+ * count and of batching, as everywhere else in the core. Stochastic rounding keeps small
+ * updates from vanishing in expectation (an update below half a unit in the last place of
+ * the row value is lost to nearest rounding; with bf16's 8 bits that is 1/512 of the value);
+ * it needs a random stream per (row, step) to stay reproducible, and is left for later.
+ * Values past the dtype's largest finite value saturate to it (float16: 65504), rather than
+ * becoming inf, which would then poison every bag the row is pooled into.
+ */
+#ifndef CN_DTYPE_H
+#define CN_DTYPE_H
+
+#include <stdint.h>
+#include <string.h>
+
+enum { CN_ROW_F32 = 0, CN_ROW_F16 = 1, CN_ROW_BF16 = 2 };
+
+typedef union {
+    float f;
+    uint32_t u;
+} cn_f32_bits;
+
+static inline int64_t cn_dtype_bytes(int dtype) { return dtype == CN_ROW_F32 ? 4 : 2; }
+
+/* float32 slots the embedding part of a row takes (the state starts after them). */
+static inline int64_t cn_dtype_row_floats(int dtype, int64_t dim) {
+    return (dim * cn_dtype_bytes(dtype) + 3) / 4;
+}
+
+static inline float cn_bf16_load(uint16_t h) {
+    cn_f32_bits b;
+    b.u = (uint32_t)h << 16;
+    return b.f;
+}
+
+static inline uint16_t cn_bf16_round(float x) {
+    cn_f32_bits b;
+    b.f = x;
+    if ((b.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((b.u >> 16) | 0x40u); /* NaN stays NaN */
+    if ((b.u & 0x7fffffffu) == 0x7f800000u) return (uint16_t)(b.u >> 16);         /* inf stays inf */
+    const uint32_t rounded = b.u + 0x7fffu + ((b.u >> 16) & 1u);
+    uint16_t h = (uint16_t)(rounded >> 16);
+    if ((h & 0x7fffu) == 0x7f80u) h = (uint16_t)((h & 0x8000u) | 0x7f7fu); /* a finite value saturates */
+    return h;
+}
+
+#define CN_F16_MAX 65504.0f
+
+static inline float cn_f16_load(uint16_t h) {
+    _Float16 x;
+    memcpy(&x, &h, 2);
+    return (float)x;
+}
+
+static inline uint16_t cn_f16_round(float x) {
+    if (x > CN_F16_MAX) x = CN_F16_MAX;
+    if (x < -CN_F16_MAX) x = -CN_F16_MAX;
+    _Float16 h = (_Float16)x;
+    uint16_t bits;
+    memcpy(&bits, &h, 2);
+    return bits;
+}
+
+/* x as a value of the row dtype would read back (rounded, widened). */
+static inline float cn_round_trip(int dtype, float x) {
+    if (dtype == CN_ROW_F16) return cn_f16_load(cn_f16_round(x));
+    if (dtype == CN_ROW_BF16) return cn_bf16_load(cn_bf16_round(x));
+    return x;
+}
+
+/* dst[0:dim] = the row's values as float32. */
+static inline void cn_row_load(int dtype, const void *src, float *restrict dst, int64_t dim) {
+    if (dtype == CN_ROW_F32) {
+        memcpy(dst, src, (size_t)dim * sizeof(float));
+    } else if (dtype == CN_ROW_F16) {
+        const _Float16 *restrict h = (const _Float16 *)src;
+        for (int64_t d = 0; d < dim; d++) dst[d] = (float)h[d];
+    } else {
+        const uint16_t *restrict h = (const uint16_t *)src;
+        for (int64_t d = 0; d < dim; d++) dst[d] = cn_bf16_load(h[d]);
+    }
+}
+
+/* The row's values = src[0:dim], rounded to the row dtype. */
+static inline void cn_row_store(int dtype, const float *restrict src, void *dst, int64_t dim) {
+    if (dtype == CN_ROW_F32) {
+        memcpy(dst, src, (size_t)dim * sizeof(float));
+    } else if (dtype == CN_ROW_F16) {
+        uint16_t *restrict h = (uint16_t *)dst;
+        for (int64_t d = 0; d < dim; d++) h[d] = cn_f16_round(src[d]);
+    } else {
+        uint16_t *restrict h = (uint16_t *)dst;
+        for (int64_t d = 0; d < dim; d++) h[d] = cn_bf16_round(src[d]);
+    }
+}
+
+/* o[0:dim] += w * row (the pooled forward's inner loop, vectorised per dtype). */
+static inline void cn_row_axpy(int dtype, float w, const void *row, float *restrict o, int64_t dim) {
+    if (dtype == CN_ROW_F32) {
+        const float *restrict r = (const float *)row;
+        for (int64_t d = 0; d < dim; d++) o[d] += w * r[d];
+    } else if (dtype == CN_ROW_F16) {
+        const _Float16 *restrict h = (const _Float16 *)row;
+        for (int64_t d = 0; d < dim; d++) o[d] += w * (float)h[d];
+    } else {
+        const uint16_t *restrict h = (const uint16_t *)row;
+        for (int64_t d = 0; d < dim; d++) o[d] += w * cn_bf16_load(h[d]);
+    }
+}
+
+/* Value d of a row. */
+static inline float cn_row_get(int dtype, const void *row, int64_t d) {
+    if (dtype == CN_ROW_F32) return ((const float *)row)[d];
+    if (dtype == CN_ROW_F16) return cn_f16_load(((const uint16_t *)row)[d]);
+    return cn_bf16_load(((const uint16_t *)row)[d]);
+}
+
+#endif
