@@ -20,6 +20,12 @@
 
 #include <stdint.h>
 #include <string.h>
+#if defined(__F16C__) && defined(__AVX__)
+#include <immintrin.h>
+/* float16 <-> float32 eight at a time. The compiler left `(float)h[d]` over _Float16 scalar:
+ * a float16 forward ran at 0.42x EmbeddingBag against bfloat16's 0.79x (8M rows, one thread). */
+#define CN_F16_VECTOR 1
+#endif
 
 enum { CN_ROW_F32 = 0, CN_ROW_F16 = 1, CN_ROW_BF16 = 2 };
 
@@ -81,8 +87,12 @@ static inline void cn_row_load(int dtype, const void *src, float *restrict dst, 
     if (dtype == CN_ROW_F32) {
         memcpy(dst, src, (size_t)dim * sizeof(float));
     } else if (dtype == CN_ROW_F16) {
-        const _Float16 *restrict h = (const _Float16 *)src;
-        for (int64_t d = 0; d < dim; d++) dst[d] = (float)h[d];
+        const uint16_t *restrict h = (const uint16_t *)src;
+        int64_t d = 0;
+#ifdef CN_F16_VECTOR
+        for (; d + 8 <= dim; d += 8) _mm256_storeu_ps(dst + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + d))));
+#endif
+        for (; d < dim; d++) dst[d] = cn_f16_load(h[d]);
     } else {
         const uint16_t *restrict h = (const uint16_t *)src;
         for (int64_t d = 0; d < dim; d++) dst[d] = cn_bf16_load(h[d]);
@@ -95,7 +105,15 @@ static inline void cn_row_store(int dtype, const float *restrict src, void *dst,
         memcpy(dst, src, (size_t)dim * sizeof(float));
     } else if (dtype == CN_ROW_F16) {
         uint16_t *restrict h = (uint16_t *)dst;
-        for (int64_t d = 0; d < dim; d++) h[d] = cn_f16_round(src[d]);
+        int64_t d = 0;
+#ifdef CN_F16_VECTOR
+        const __m256 hi = _mm256_set1_ps(CN_F16_MAX), lo = _mm256_set1_ps(-CN_F16_MAX);
+        for (; d + 8 <= dim; d += 8) {
+            const __m256 x = _mm256_max_ps(_mm256_min_ps(_mm256_loadu_ps(src + d), hi), lo);
+            _mm_storeu_si128((__m128i *)(h + d), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        }
+#endif
+        for (; d < dim; d++) h[d] = cn_f16_round(src[d]);
     } else {
         uint16_t *restrict h = (uint16_t *)dst;
         for (int64_t d = 0; d < dim; d++) h[d] = cn_bf16_round(src[d]);
@@ -108,8 +126,17 @@ static inline void cn_row_axpy(int dtype, float w, const void *row, float *restr
         const float *restrict r = (const float *)row;
         for (int64_t d = 0; d < dim; d++) o[d] += w * r[d];
     } else if (dtype == CN_ROW_F16) {
-        const _Float16 *restrict h = (const _Float16 *)row;
-        for (int64_t d = 0; d < dim; d++) o[d] += w * (float)h[d];
+        const uint16_t *restrict h = (const uint16_t *)row;
+        int64_t d = 0;
+#if defined(CN_F16_VECTOR) && defined(__FMA__)
+        /* fused multiply-add, as the compiler contracts the float32 loop's o += w * r */
+        const __m256 vw = _mm256_set1_ps(w);
+        for (; d + 8 <= dim; d += 8) {
+            const __m256 x = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + d)));
+            _mm256_storeu_ps(o + d, _mm256_fmadd_ps(vw, x, _mm256_loadu_ps(o + d)));
+        }
+#endif
+        for (; d < dim; d++) o[d] += w * cn_f16_load(h[d]);
     } else {
         const uint16_t *restrict h = (const uint16_t *)row;
         for (int64_t d = 0; d < dim; d++) o[d] += w * cn_bf16_load(h[d]);
