@@ -154,3 +154,11 @@ def tree(root) -> dict:
         out.update({os.path.join(dirpath, d): None for d in dirnames})
         out.update({os.path.join(dirpath, f): open(os.path.join(dirpath, f), "rb").read() for f in filenames})
     return out
+
+
+def assert_same_table(a, b) -> None:
+    """Two exports (TableBatch) hold the same keys with the same rows, optimizer state and
+    counts, whatever their order."""
+    oa, ob = np.argsort(a.keys), np.argsort(b.keys)
+    for name in ("keys", "rows", "optimizer_state", "counts"):
+        np.testing.assert_array_equal(getattr(a, name)[oa], getattr(b, name)[ob], err_msg=name)

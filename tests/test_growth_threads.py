@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import cncore
-from reference import uniform_row
+from reference import assert_same_table, uniform_row
 
 
 @pytest.fixture
@@ -72,11 +72,7 @@ def test_training_identical_for_one_and_two_threads(mode, optimizer, restore_thr
     outs2, exp2 = _train(2, mode, optimizer)
     for a, b in zip(outs1, outs2):
         np.testing.assert_array_equal(a, b)
-    o1, o2 = np.argsort(exp1.keys), np.argsort(exp2.keys)
-    np.testing.assert_array_equal(exp1.keys[o1], exp2.keys[o2])
-    np.testing.assert_array_equal(exp1.rows[o1], exp2.rows[o2])
-    np.testing.assert_array_equal(exp1.optimizer_state[o1], exp2.optimizer_state[o2])
-    np.testing.assert_array_equal(exp1.counts[o1], exp2.counts[o2])
+    assert_same_table(exp1, exp2)
 
 
 def test_concurrent_readers_agree_with_a_serial_read():

@@ -8,7 +8,7 @@ import torch
 
 import cncore
 from cncore_torch import CNEmbedding, CNEmbeddingBag
-from tests.reference import assert_unchanged, snapshot
+from reference import assert_unchanged, snapshot
 
 torchrec = pytest.importorskip("torchrec")
 from torchrec import EmbeddingBagConfig, EmbeddingConfig, KeyedJaggedTensor  # noqa: E402

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import cncore
+from reference import assert_same_table
 
 TIMEOUT = 120
 
@@ -69,10 +70,7 @@ def test_concurrent_callers_get_the_serial_results(restore_threads):
     for (outs, table), (ref_outs, ref_table) in zip(results, expected):
         for a, b in zip(outs, ref_outs):
             np.testing.assert_array_equal(a, b)
-        order, ref_order = np.argsort(table.keys), np.argsort(ref_table.keys)
-        np.testing.assert_array_equal(table.keys[order], ref_table.keys[ref_order])
-        np.testing.assert_array_equal(table.rows[order], ref_table.rows[ref_order])
-        np.testing.assert_array_equal(table.optimizer_state[order], ref_table.optimizer_state[ref_order])
+        assert_same_table(table, ref_table)
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="fork only")

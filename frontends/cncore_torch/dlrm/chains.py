@@ -34,7 +34,8 @@ DENSE = "dense.pt"
 TABLES = "tables"
 
 
-def _atomic_torch_save(state: dict, path: str) -> None:
+def atomic_torch_save(state: dict, path: str) -> None:
+    """torch.save to `path` through a synced temporary file and a rename."""
     tmp = f"{path}.tmp-{os.getpid()}"
     torch.save(state, tmp)
     with open(tmp, "rb") as fh:
@@ -67,7 +68,7 @@ class TableChains:
         for prefix in table_prefixes(state):
             for key in [k for k in state if k.startswith(prefix)]:
                 del state[key]
-        _atomic_torch_save({"dense": state, "optimizers": [o.state_dict() for o in optimizers], "step": step,
+        atomic_torch_save({"dense": state, "optimizers": [o.state_dict() for o in optimizers], "step": step,
                             "table_steps": {name: store.step for name, store in stores.items()},
                             # table files do not hold the eviction counter: it travels here
                             "table_evicted": {name: int(store.evicted_count) for name, store in stores.items()},

@@ -33,7 +33,7 @@ import cncore
 from cn_dlrm.cli import main  # noqa: F401  (the command: parse, check, then run)
 from cncore_torch.collection import CNEmbeddingBagCollection
 from cncore_torch.dlrm import bounded
-from cncore_torch.dlrm.chains import TableChains, is_incremental_checkpoint, open_checkpoint
+from cncore_torch.dlrm.chains import TableChains, atomic_torch_save, is_incremental_checkpoint, open_checkpoint
 from cncore_torch.dlrm.data import N_DENSE, SPARSE_KEYS, Batch, InputError, SyntheticCriteo, read_criteo_tsv
 
 # A Criteo file's vocabulary is unknown up front: its tables start this small (64 KiB pages)
@@ -299,11 +299,7 @@ def save_checkpoint(path: str, run: Run, step: int, args) -> None:
     else:
         state = {"model": run.model.state_dict(), "optimizers": [o.state_dict() for o in run.optimizers]}
     state.update(step=step, args=vars(args))
-    tmp = f"{path}.tmp-{os.getpid()}"
-    torch.save(state, tmp)
-    with open(tmp, "rb") as fh:
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)  # a crash leaves the old checkpoint or the new one, never half of one
+    atomic_torch_save(state, path)  # a crash leaves the old checkpoint or the new one, never half of one
 
 
 class Progress:
