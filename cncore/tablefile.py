@@ -7,7 +7,8 @@
                          shape, byte size and SHA-256
         manifest.sha256  the SHA-256 of manifest.json (`sha256sum -c manifest.sha256` checks it)
         keys.npy         int64 (N,)
-        rows.npy         float32 (N, dim)
+        rows.npy         (N, dim) in the row dtype's size: float32, float16, or bfloat16 as
+                         uint16 bit patterns (`cncore.row_codec.decode_rows` widens them)
         optimizer_state.npy  float32 (N, state floats)
         counts.npy       uint32 (N,)    access counts
         last_steps.npy   uint32 (N,)    step of the last training access
@@ -25,7 +26,10 @@ truncated or edited table is refused with `TableFormatError`, naming the file or
 An opened `TableFile` holds its files open, so saves that replace (and delete) its version
 do not disturb it.
 
-Format version 2 added manifest.sha256; version 1 tables (without it) still open.
+Format version 2 added manifest.sha256; version 1 tables (without it) still open. Version 3
+stores 16-bit rows at their size (a bfloat16 table file is half its version 2 size) and the
+table's eviction counter ("evicted" in the manifest: rows a bounded table evicted so far);
+`TableFile.read` / `take` / `batches` hand rows out as float32 whatever the file holds.
 
 Incremental saves (a chain: one full base, then deltas). ``save_table(store, path,
 since=checkpoint)`` writes a delta version: the rows trained (last step >= the checkpoint's
@@ -68,13 +72,14 @@ from typing import Dict, Iterator, Optional, Tuple
 import numpy as np
 
 import cncore
+from cncore.row_codec import FILE_DTYPES, decode_rows, encode_rows
 
 __all__ = ["save_table", "open_table", "load_store", "TableFile", "TableWriter", "TableFormatError",
            "FORMAT_VERSION", "config_to_dict", "config_from_dict", "infer_config", "Checkpoint", "compact_table",
            "chain_length"]
 
 FORMAT = "cn-table"
-FORMAT_VERSION = 2  # 2: manifest.sha256 added; 1 is still read
+FORMAT_VERSION = 3  # 3: 16-bit rows at their size, "evicted"; 2: manifest.sha256 added; 1 and 2 still read
 ARRAYS = {"keys": np.int64, "rows": np.float32, "optimizer_state": np.float32, "counts": np.uint32,
           "last_steps": np.uint32}
 _CHUNK = 1 << 22
@@ -84,6 +89,7 @@ _U32_MAX = 2**32 - 1
 _VERSION = re.compile(r"v[0-9]{6,}")
 _SAVE_MADE = re.compile(r"CURRENT|v[0-9]{6,}|\.v[0-9]{6,}\.tmp-[0-9]+|\.CURRENT\.tmp-[0-9]+")
 _MANIFEST_KEYS = ("format", "version", "rows", "step", "config", "arrays")
+_MANIFEST_KEYS_V3 = _MANIFEST_KEYS + ("evicted",)
 _DELTA_KEYS = ("parent", "removed")  # a delta version's manifest also has "delta": {these}
 MAX_CHAIN = 16  # deltas after a base before a save writes a new base
 _ENTRY_KEYS = ("file", "dtype", "shape", "bytes", "sha256")
@@ -111,6 +117,15 @@ def _error(where: str, message: str) -> TableFormatError:
 
 def _is_int(value, lo: int = 0, hi: int = 2**63) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and lo <= value < hi
+
+
+def array_dtypes(config: cncore.StoreConfig, version: int = FORMAT_VERSION) -> Dict[str, np.dtype]:
+    """The .npy dtype of each array of a table of `config` in format `version` (rows: float32
+    before version 3, the row dtype's own size from it)."""
+    dtypes = {name: np.dtype(dtype) for name, dtype in ARRAYS.items()}
+    if version >= 3:
+        dtypes["rows"] = FILE_DTYPES[config.dtype]
+    return dtypes
 
 
 def config_to_dict(config: cncore.StoreConfig) -> dict:
@@ -294,16 +309,20 @@ class TableWriter:
     """
 
     def __init__(self, path: str, config: cncore.StoreConfig, n_rows: int, step: int = 0, *,
-                 parent: Optional[str] = None, removed_keys=None, keep: Tuple[str, ...] = ()):
+                 parent: Optional[str] = None, removed_keys=None, keep: Tuple[str, ...] = (), evicted_count: int = 0):
         """parent, removed_keys, keep: a delta version (see the module docstring): the version
-        it extends, the keys it removes, and the chain's versions its commit must keep."""
+        it extends, the keys it removes, and the chain's versions its commit must keep.
+        evicted_count: the table's count of evicted rows (`EmbeddingStore.evicted_count`)."""
         if not isinstance(config, cncore.StoreConfig):
             raise TypeError(f"config must be a cncore.StoreConfig, got {type(config).__name__}")
         if not _is_int(int(n_rows) if isinstance(n_rows, np.integer) else n_rows):
             raise ValueError(f"n_rows must be an int >= 0, got {n_rows!r}")
         if not _is_int(int(step) if isinstance(step, np.integer) else step):
             raise ValueError(f"step must be an int in [0, 2**63), got {step!r}")
+        if not _is_int(int(evicted_count) if isinstance(evicted_count, np.integer) else evicted_count):
+            raise ValueError(f"evicted_count must be an int in [0, 2**63), got {evicted_count!r}")
         self.path, self.config, self.n_rows, self.step = path, config, int(n_rows), int(step)
+        self.evicted_count, self._dtypes = int(evicted_count), array_dtypes(config)
         self.parent, self.keep = parent, tuple(keep) + ((parent,) if parent else ())
         self.removed_keys = None if parent is None else as_column("keys", np.asarray(
             removed_keys if removed_keys is not None else [], dtype=np.int64).reshape(-1))
@@ -332,7 +351,7 @@ class TableWriter:
             for name in ARRAYS:
                 self._files[name] = open(os.path.join(self._tmp, f"{name}.npy"), "wb")
                 self._hashes[name] = hashlib.sha256()
-                self._append(name, npy_header(ARRAYS[name], self._shapes[name]))
+                self._append(name, npy_header(self._dtypes[name], self._shapes[name]))
         except BaseException:
             self.abort()
             raise
@@ -365,6 +384,7 @@ class TableWriter:
             if arr.shape != (k,) + self._shapes[name][1:]:
                 raise ValueError(f"{name} must have shape {(k,) + self._shapes[name][1:]}, got {arr.shape}")
             arrays[name] = arr
+        arrays["rows"] = encode_rows(arrays["rows"], self.config.dtype)
         for name, arr in arrays.items():
             if arr.size:
                 self._append(name, memoryview(arr.reshape(-1)).cast("B"))
@@ -375,7 +395,7 @@ class TableWriter:
         if self.rows_written != self.n_rows:
             raise ValueError(f"{self.rows_written} rows written, {self.n_rows} announced")
         manifest = {"format": FORMAT, "version": FORMAT_VERSION, "rows": self.n_rows, "step": self.step,
-                    "config": config_to_dict(self.config), "arrays": {}}
+                    "evicted": self.evicted_count, "config": config_to_dict(self.config), "arrays": {}}
         if self.parent is not None:
             removed = np.ascontiguousarray(self.removed_keys)
             data = npy_header(np.int64, removed.shape) + removed.tobytes()
@@ -389,7 +409,7 @@ class TableWriter:
         for name, fh in self._files.items():
             fh.flush()
             os.fsync(fh.fileno())
-            manifest["arrays"][name] = {"file": f"{name}.npy", "dtype": np.dtype(ARRAYS[name]).str,
+            manifest["arrays"][name] = {"file": f"{name}.npy", "dtype": self._dtypes[name].str,
                                         "shape": list(self._shapes[name]), "bytes": fh.tell(),
                                         "sha256": self._hashes[name].hexdigest()}
             fh.close()
@@ -499,7 +519,7 @@ def save_table(store: cncore.EmbeddingStore, path: str, batch_rows: int = 1 << 1
     blocker = None if since is None else _delta_blocker(store, path, since)
     if since is not None and blocker is None:
         return _save_delta(store, path, batch_rows, since)
-    with TableWriter(path, store.config, len(store), store.step) as writer:
+    with TableWriter(path, store.config, len(store), store.step, evicted_count=store.evicted_count) as writer:
         for batch in store.iter_export(batch_rows):
             if writer.rows_written + len(batch.keys) > writer.n_rows:
                 raise RuntimeError("the store changed during the save")
@@ -539,7 +559,7 @@ def _save_delta(store, path: str, batch_rows: int, since: Checkpoint) -> Checkpo
     # Pass 2: the chosen rows, read by key (a row trained between the passes is written as it
     # is now; a key erased between them stops the save).
     with TableWriter(path, store.config, len(changed), store.step, parent=since.version, removed_keys=removed,
-                     keep=versions) as writer:
+                     keep=versions, evicted_count=store.evicted_count) as writer:
         for start in range(0, len(changed), batch_rows):
             b = store.read(changed[start:start + batch_rows])
             if not b.found.all():
@@ -586,6 +606,7 @@ def load_store(path: str, verify: bool = True, batch_rows: int = 1 << 18, kind=N
         for _, b in link.batches(batch_rows):
             store.load(b["keys"], b["rows"], b["optimizer_state"] if sf else None, b["counts"], b["last_steps"])
     store.step = head.step
+    store.evicted_count = head.evicted_count
     return store
 
 
@@ -644,7 +665,8 @@ def _close_all(files: dict) -> None:
 class TableFile:
     """A table on disk, its arrays memory-mapped read-only (plain NumPy).
 
-    The attributes are `np.memmap`s for random access. Tools that walk the whole table use
+    The attributes are `np.memmap`s for random access, of the stored dtypes (`rows` of a
+    bfloat16 table: uint16 bit patterns; `read`, `take` and `batches` give float32). Tools that walk the whole table use
     `batches`, which reads with plain file reads into fresh buffers: touched pages of a
     memory map stay in the process's resident set, so a scan through a mapped 5 GiB table
     would show 5 GiB resident; a read batch is freed as soon as it is processed.
@@ -665,6 +687,7 @@ class TableFile:
     version: str = field(default="", repr=False, compare=False)
     # a delta version: {"parent": version, "removed": keys it removes (memmap)}; None for a base
     delta: Optional[dict] = field(default=None, repr=False, compare=False)
+    evicted_count: int = 0  # rows the table had evicted when saved (0 in files before version 3)
 
     def __post_init__(self):
         weakref.finalize(self, _close_all, self._files)
@@ -688,7 +711,12 @@ class TableFile:
         return fh
 
     def read(self, name: str, start: int, stop: int) -> np.ndarray:
-        """Rows [start, stop) of one array, read into a new array (not a view of the map)."""
+        """Rows [start, stop) of one array, read into a new array (not a view of the map);
+        rows as float32 whatever the file stores (see `cncore.row_codec`)."""
+        out = self._read_stored(name, start, stop)
+        return decode_rows(out, self.config.dtype) if name == "rows" and out.dtype != np.float32 else out
+
+    def _read_stored(self, name: str, start: int, stop: int) -> np.ndarray:
         mapped = getattr(self, name)
         stop = min(stop, len(mapped))
         out = np.empty((max(stop - start, 0),) + mapped.shape[1:], dtype=mapped.dtype)
@@ -706,7 +734,7 @@ class TableFile:
     def take(self, name: str, rows: np.ndarray, chunk: int = 1 << 14) -> np.ndarray:
         """One array's entries at row numbers `rows` (any order, repeats allowed). Reads go in
         row order through short-lived maps of `chunk` rows each, so the pages a gather touches
-        leave the resident set when the chunk is done."""
+        leave the resident set when the chunk is done. Rows come as float32."""
         mapped = getattr(self, name)
         rows = np.asarray(rows, dtype=np.int64)
         out = np.empty((len(rows),) + mapped.shape[1:], mapped.dtype)
@@ -721,7 +749,7 @@ class TableFile:
                                shape=mapped.shape)
             out[at] = window[rows[at]]
             del window
-        return out
+        return decode_rows(out, self.config.dtype) if name == "rows" and out.dtype != np.float32 else out
 
     def batches(self, batch_rows: int = 1 << 18, names=tuple(ARRAYS)) -> Iterator[Tuple[int, Dict[str, np.ndarray]]]:
         """(start, {name: rows [start, start + batch_rows)}) over the whole table, in file order."""
@@ -760,15 +788,16 @@ class TableFile:
         return file_pooled_lookup(self, keys, offsets, lengths, mode, per_sample_weights)
 
 
-def _check_manifest(m, where: str) -> Tuple[int, int, cncore.StoreConfig]:
-    """(rows, step, config) of a parsed manifest, after checking every field of it: its
-    own fields, and each array entry against the row count and the config."""
+def _check_manifest(m, where: str) -> Tuple[int, int, cncore.StoreConfig, int]:
+    """(rows, step, config, evicted count) of a parsed manifest, after checking every field of
+    it: its own fields, and each array entry against the row count and the config."""
     if isinstance(m, dict) and m.get("format") != FORMAT:
         raise _error(where, f"not a {FORMAT} table (format {_show(m.get('format'))})")
     if isinstance(m, dict) and _is_int(m.get("version"), FORMAT_VERSION + 1, 2**63):
         raise _error(where, f"format version {m['version']} is newer than this reader ({FORMAT_VERSION})")
-    _fields_exactly(m, _MANIFEST_KEYS + (("delta",) if isinstance(m, dict) and "delta" in m else ()), where,
-                    "the manifest")
+    v3 = isinstance(m, dict) and _is_int(m.get("version"), 3, 2**63)
+    _fields_exactly(m, (_MANIFEST_KEYS_V3 if v3 else _MANIFEST_KEYS)
+                    + (("delta",) if isinstance(m, dict) and "delta" in m else ()), where, "the manifest")
     if "delta" in m:
         _fields_exactly(m["delta"], _DELTA_KEYS, where, "delta")
         if not (isinstance(m["delta"]["parent"], str) and _VERSION.fullmatch(m["delta"]["parent"])):
@@ -782,14 +811,14 @@ def _check_manifest(m, where: str) -> Tuple[int, int, cncore.StoreConfig]:
             raise _error(where, f"delta.removed must describe removed_keys.npy (int64, 1-D), got {_show(entry)}")
     if not _is_int(m["version"], 1, FORMAT_VERSION + 1):
         raise _error(where, f"version must be an int in [1, {FORMAT_VERSION}], got {_show(m['version'])}")
-    for name in ("rows", "step"):
+    for name in ("rows", "step") + (("evicted",) if v3 else ()):
         if not _is_int(m[name]):
             raise _error(where, f"{name} must be an int in [0, 2**63), got {_show(m[name])}")
     n, config = m["rows"], config_from_dict(m["config"], where)
     _fields_exactly(m["arrays"], tuple(ARRAYS), where, "arrays")
     shapes = {"keys": [n], "rows": [n, config.dim], "optimizer_state": [n, config.state_floats],
               "counts": [n], "last_steps": [n]}
-    for name, dtype in ARRAYS.items():
+    for name, dtype in array_dtypes(config, m["version"]).items():
         entry, at = m["arrays"][name], f"arrays.{name}"
         _fields_exactly(entry, _ENTRY_KEYS, where, at)
         expected = {"file": f"{name}.npy", "dtype": np.dtype(dtype).str, "shape": shapes[name]}
@@ -807,7 +836,7 @@ def _check_manifest(m, where: str) -> Tuple[int, int, cncore.StoreConfig]:
             raise _error(where, f"{at}.bytes must be an int >= 0, got {_show(entry['bytes'])}")
         if not (isinstance(entry["sha256"], str) and re.fullmatch(r"[0-9a-f]{64}", entry["sha256"])):
             raise _error(where, f"{at}.sha256 must be 64 hex digits, got {_show(entry['sha256'])}")
-    return n, m["step"], config
+    return n, m["step"], config, m.get("evicted", 0)
 
 
 def _open_array(file: str, entry: dict, where: str, verify: bool):
@@ -871,7 +900,7 @@ def _open_version(path: str, version: str, verify: bool) -> TableFile:
         manifest = json.loads(text)
     except (ValueError, RecursionError) as exc:
         raise TableFormatError(f"{where} is damaged (not JSON: {str(exc)[:80]})") from None
-    n, step, config = _check_manifest(manifest, where)
+    n, step, config, evicted = _check_manifest(manifest, where)
     if recorded is None and manifest["version"] >= 2:
         raise TableFormatError(f"{path}: {version}/manifest.sha256 is missing")
     files: Dict[str, io.FileIO] = {}
@@ -886,7 +915,8 @@ def _open_version(path: str, version: str, verify: bool) -> TableFile:
                                                          manifest["delta"]["removed"],
                                                          f"{path}: {version}/removed_keys.npy", verify)
             delta = {"parent": manifest["delta"]["parent"], "removed": removed}
-        table = TableFile(path, config, step, **arrays, _files=files, version=version, delta=delta)
+        table = TableFile(path, config, step, **arrays, _files=files, version=version, delta=delta,
+                          evicted_count=evicted)
     except BaseException:
         _close_all(files)
         raise

@@ -47,7 +47,10 @@ def test_a_chain_of_deltas_loads_as_the_store_it_saved(tmp_path):
             s.evict(10)
         checkpoint = save_table(s, path, since=checkpoint)
         assert checkpoint.delta and checkpoint.chain == round_ + 1
-        assert_unchanged(load_store(path), snapshot(s))
+        back = load_store(path)
+        assert_unchanged(back, snapshot(s))
+        assert back.evicted_count == s.evicted_count  # the counter is in the file
+    assert s.evicted_count >= 10  # the explicit evict(10) at least
     assert len(os.listdir(path)) == 1 + 7  # CURRENT and the chain: base + 6 deltas
 
 
@@ -175,3 +178,24 @@ def test_export_without_rows_gives_keys_and_metadata_only():
     assert meta.last_steps.tolist() == full.last_steps.tolist()
     with pytest.raises(TypeError, match="with_rows must be True or False"):
         s.export(with_rows="no")
+
+
+def test_the_eviction_counter_is_saved_with_the_table(tmp_path):
+    """Format version 3 keeps `evicted_count`: a full save, `open_table` and the torch
+    checkpoint <-> table files conversion carry it."""
+    torch = pytest.importorskip("torch")
+    from cncore_torch.checkpoint import checkpoint_to_tables, tables_to_checkpoint
+    s = bounded(max_rows=50)
+    for start in range(0, 400, 40):
+        train(s, np.arange(start, start + 40))
+    assert s.evicted_count == 400 - len(s) > 300  # every row admitted and not kept was evicted
+    save_table(s, str(tmp_path / "t"))
+    assert open_table(str(tmp_path / "t")).evicted_count == s.evicted_count == load_store(str(tmp_path / "t")).evicted_count
+    entries = tables_to_checkpoint(str(tmp_path))
+    assert int(entries["t.evicted_count"]) == s.evicted_count
+    checkpoint_to_tables(entries, str(tmp_path / "again"), configs={"t.": s.config})
+    assert open_table(str(tmp_path / "again" / "t")).evicted_count == s.evicted_count
+    entries["t.evicted_count"] = torch.tensor(-1)
+    with pytest.raises(ValueError, match="t.evicted_count: must be >= 0"):
+        checkpoint_to_tables(entries, str(tmp_path / "refused"))
+    assert not os.path.exists(tmp_path / "refused")

@@ -52,17 +52,19 @@ def test_inspect_shows_the_policy_the_config_holds(tmp_path, capsys, name):
     path = str(tmp_path / "t")
     s = bounded(**POLICIES[name])
     _ = s.find_or_insert(np.arange(50))
+    s.evict(7)
     save_table(s, path)
     expected = config_to_dict(s.config)
     assert main(["inspect", path, "--json", "--quiet"]) == 0
     summary = json.loads(capsys.readouterr().out)
     for field in ("max_rows", "eviction", "headroom", "admission"):
         assert summary[field] == expected.get(field), field
+    assert summary["evicted_count"] == s.evicted_count == 7
     assert main(["inspect", path, "--quiet"]) == 0
     policy = [line for line in capsys.readouterr().out.splitlines() if line.startswith("policy: ")]
     c = s.config
     assert policy == [f"policy: max_rows {c.max_rows}, eviction {c.eviction!r}, headroom {c.headroom}, "
-                      f"admission {c.admission!r}"]
+                      f"admission {c.admission!r}; 7 rows evicted so far"]
 
 
 def test_inspect_of_an_unbounded_table_shows_no_policy(tmp_path, capsys):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import cncore
-from cncore.tablefile import load_store, save_table
+from cncore.tablefile import TableWriter, load_store, open_table, save_table
 
 DTYPES = ["float16", "bfloat16"]
 OPTIMIZERS = [cncore.SGD(lr=0.5), cncore.Adagrad(lr=0.3), cncore.RowWiseAdagrad(lr=0.3), cncore.Adam(lr=0.05)]
@@ -117,6 +117,66 @@ def test_files_round_trip_the_dtype_and_the_values_exactly(dtype, tmp_path):
     order, back_order = np.argsort(a.keys), np.argsort(b.keys)
     for name in ("keys", "rows", "optimizer_state", "counts", "last_steps"):
         np.testing.assert_array_equal(getattr(a, name)[order], getattr(b, name)[back_order], err_msg=name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_files_hold_16_bit_rows_at_half_the_size(dtype, tmp_path):
+    """Format version 3: rows.npy of a 16-bit table holds 2 bytes a value (float16, or bfloat16
+    bit patterns as uint16); reads widen them to the exact float32 values of the store."""
+    import json
+    store = cncore.EmbeddingStore(cncore.StoreConfig(dim=8, dtype=dtype))
+    store.find_or_insert(np.arange(1000))
+    save_table(store, str(tmp_path / "t"))
+    table = open_table(str(tmp_path / "t"))
+    assert table.rows.dtype == {"float16": np.float16, "bfloat16": np.uint16}[dtype]
+    manifest = json.load(open(tmp_path / "t" / table.version / "manifest.json"))
+    header = manifest["arrays"]["rows"]["bytes"] - 1000 * 8 * 2
+    assert 0 < header <= 128  # the .npy header, then exactly 2 bytes per value
+    exported = store.read(table.read("keys", 0, len(table)))
+    np.testing.assert_array_equal(table.read("rows", 0, len(table)), exported.rows)
+    picks = np.array([999, 0, 5, 5])
+    np.testing.assert_array_equal(table.take("rows", picks), exported.rows[picks])
+    assert table.take("rows", picks).dtype == np.float32
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_writer_fed_float32_rows_rounds_them_as_the_core_does(dtype, tmp_path):
+    """TableWriter given arbitrary float32 rows for a 16-bit table stores what a store of that
+    dtype would hold for them: the core's rounding (nearest, ties to even, saturating)."""
+    rng = np.random.default_rng(3)
+    rows = (rng.standard_normal((64, 4)) * np.float32(10.0) ** rng.integers(-6, 7, (64, 1))).astype(np.float32)
+    rows[0] = [1e6, -1e6, np.float32(1 + 2**-8), np.float32(1 + 3 * 2**-9)]  # saturation, ties
+    config = cncore.StoreConfig(dim=4, dtype=dtype)
+    with TableWriter(str(tmp_path / "t"), config, n_rows=64) as writer:
+        writer.write(np.arange(64), rows)
+    store = cncore.EmbeddingStore(config)
+    store.load(np.arange(64), rows)
+    np.testing.assert_array_equal(open_table(str(tmp_path / "t")).read("rows", 0, 64), store.read(np.arange(64)).rows)
+    np.testing.assert_array_equal(store.read(np.arange(64)).rows, ROUND[dtype](rows))
+
+
+def test_version_2_files_of_16_bit_tables_with_float32_rows_still_open(tmp_path):
+    """Before format version 3 a 16-bit table's rows.npy held float32: such a file still opens."""
+    import hashlib
+    import json
+    import os
+    store = cncore.EmbeddingStore(cncore.StoreConfig(dim=3, dtype="bfloat16", optimizer=cncore.SGD()))
+    store.find_or_insert(np.arange(10))
+    float32_twin = cncore.EmbeddingStore(cncore.StoreConfig(dim=3, optimizer=cncore.SGD()))
+    b = store.export()
+    float32_twin.load(b.keys, b.rows)
+    path = str(tmp_path / "t")
+    save_table(float32_twin, path)
+    version = os.path.join(path, open(os.path.join(path, "CURRENT")).read().strip())
+    manifest = json.load(open(os.path.join(version, "manifest.json")))
+    manifest["version"], manifest["config"]["dtype"] = 2, "bfloat16"
+    del manifest["evicted"]
+    text = json.dumps(manifest).encode()
+    open(os.path.join(version, "manifest.json"), "wb").write(text)
+    open(os.path.join(version, "manifest.sha256"), "w").write(f"{hashlib.sha256(text).hexdigest()}  manifest.json\n")
+    back = load_store(path)
+    assert back.config.dtype == "bfloat16"
+    np.testing.assert_array_equal(back.read(b.keys).rows, b.rows)
 
 
 def test_evicted_rows_reach_the_sink_as_float32_values_of_the_table():

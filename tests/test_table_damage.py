@@ -139,7 +139,7 @@ def template_manifest() -> dict:
     sf = CONFIG.state_floats
     shapes = {"keys": [N], "rows": [N, CONFIG.dim], "optimizer_state": [N, sf], "counts": [N], "last_steps": [N]}
     config = json.loads(json.dumps(config_to_dict(CONFIG)))  # as a manifest holds it (betas: a list)
-    return {"format": "cn-table", "version": 2, "rows": N, "step": 9, "config": config,
+    return {"format": "cn-table", "version": 3, "rows": N, "step": 9, "evicted": 0, "config": config,
             "arrays": {name: {"file": f"{name}.npy", "dtype": np.dtype(t).str, "shape": shapes[name], "bytes": 0,
                               "sha256": "0" * 64} for name, t in ARRAYS.items()}}
 
@@ -203,7 +203,11 @@ def manifest_cases() -> list:
     # Type-valid values that lie about the data: only the cross-checks can catch these.
     cases += [
         Case("format=other", set_field("format", "cn-table-2"), "not a cn-table table"),
-        Case("version=3", set_field("version", 3), "newer than this reader"),
+        Case("version=4", set_field("version", 4), "newer than this reader"),
+        # a version 2 manifest has no eviction counter, and its rows are float32 whatever the dtype
+        Case("version=2,evicted", set_field("version", 2), r"the manifest must have the fields.*unknown.*evicted"),
+        Case("config.dtype=bfloat16", set_field("config.dtype", "bfloat16"), r"arrays\.rows\.dtype must be '<u2'"),
+        Case("config.dtype=float16", set_field("config.dtype", "float16"), r"arrays\.rows\.dtype must be '<f2'"),
         Case("rows+1", set_field("rows", N + 1), r"arrays\.keys\.shape.*rows=7"),
         Case("rows-1", set_field("rows", N - 1), r"arrays\.keys\.shape.*rows=5"),
         Case("rows=0", set_field("rows", 0), r"arrays\.keys\.shape.*rows=0"),

@@ -43,7 +43,7 @@ def _print_summary(path: str, s: dict) -> None:
     print(f"keys from {s['key_min']} to {s['key_max']}")
     if any(s[name] is not None for name in tools.POLICY_FIELDS):
         print(f"policy: max_rows {s['max_rows']}, eviction {_spelled(s['eviction'])}, headroom {s['headroom']}, "
-              f"admission {_spelled(s['admission'])}")
+              f"admission {_spelled(s['admission'])}; {s['evicted_count']:,} rows evicted so far")
     print(f"rows holding NaN: {s['nan_rows']:,}, holding an infinity: {s['inf_rows']:,}")
     for name in ("row_norm", "access_count", "age"):
         h = s[name]

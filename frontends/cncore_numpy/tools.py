@@ -53,7 +53,8 @@ def inspect(table: TableFile, progress: Callable = iter) -> dict:
 
     A bounded table's policy is in ``max_rows``, ``eviction``, ``headroom`` and ``admission``,
     as the file's manifest spells them (``{"type": "TTL", "steps": 5}``); None where not set.
-    Eviction counters (``store.evicted_count``) are not saved in table files, so not here.
+    ``evicted_count`` is the table's count of evicted rows when it was saved (0 in files
+    before format version 3).
 
     NaN and infinite values are data: rows holding a NaN are counted in ``nan_rows``, rows
     holding an infinity (and no NaN) in ``inf_rows``; the norm histogram covers the rest.
@@ -86,7 +87,7 @@ def inspect(table: TableFile, progress: Callable = iter) -> dict:
         ages += np.histogram(table.step - b["last_steps"].astype(np.int64), age_bins)[0]
     return {"rows": n, "dim": table.dim, "dtype": table.config.dtype,
             "optimizer": type(table.config.optimizer).__name__ if table.config.optimizer else None,
-            "bytes": table.nbytes, "step": table.step,
+            "bytes": table.nbytes, "step": table.step, "evicted_count": table.evicted_count,
             **{name: config_to_dict(table.config).get(name) for name in POLICY_FIELDS},
             "key_min": None if lo is None else int(lo), "key_max": None if hi is None else int(hi),
             "nan_rows": nan_rows, "inf_rows": inf_rows,

@@ -99,10 +99,15 @@ def checkpoint_to_tables(state_dict: dict, directory: str,
             v = values[name]
             if v.numel() and (int(v.min()) < 0 or int(v.max()) > 2**32 - 1):
                 raise ValueError(f"{prefix}{name}: values outside [0, 2**32 - 1] cannot be stored")
-        plans.append((table, config, values, int(state_dict[prefix + "step"])))
+        evicted = state_dict.get(prefix + "evicted_count")
+        evicted = 0 if evicted is None else int(evicted)
+        if evicted < 0:
+            raise ValueError(f"{prefix}evicted_count: must be >= 0, got {evicted}")
+        plans.append((table, config, values, int(state_dict[prefix + "step"]), evicted))
     written = []
-    for table, config, values, step in plans:
-        with TableWriter(os.path.join(directory, table), config, len(values["keys"]), step) as writer:
+    for table, config, values, step, evicted in plans:
+        with TableWriter(os.path.join(directory, table), config, len(values["keys"]), step,
+                         evicted_count=evicted) as writer:
             writer.write(*(values[f].numpy() for f in FIELDS))
         written.append(table)
     return written
@@ -124,6 +129,8 @@ def tables_to_checkpoint(directory: str, verify: bool = True) -> Dict[str, torch
                 values = values.astype(np.int64)
             entries[prefix + field] = torch.from_numpy(values)
         entries[prefix + "step"] = torch.tensor(table.step, dtype=torch.int64)
+        if table.config.eviction is not None or table.evicted_count:  # as the modules' state_dicts hold it
+            entries[prefix + "evicted_count"] = torch.tensor(table.evicted_count, dtype=torch.int64)
     return entries
 
 
