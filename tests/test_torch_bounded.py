@@ -96,10 +96,78 @@ def test_bad_options_are_refused_naming_them(kwargs, error, match):
         CNEmbeddingBag(10, 2, **kwargs)
 
 
-def test_device_rows_refuse_a_budget(monkeypatch):
+@pytest.mark.parametrize("eviction", [cncore.LRU(), cncore.LFU(), cncore.TTL(3)], ids=["lru", "lfu", "ttl"])
+@pytest.mark.parametrize("admission", [None, cncore.MinCount(2)], ids=["all", "mincount2"])
+def test_device_rows_train_as_the_core_store_with_the_same_policy(monkeypatch, eviction, admission):
+    """Rows on the accelerator (CNCORE_CNCARD=cpu runs that code path here): the same keys
+    evicted in the same order and handed over with their rows, state and metadata, the same
+    admissions, and rows equal to the core store's up to float32 reassociation (the device
+    path computes with PyTorch ops: rows within 1e-6 relative)."""
     monkeypatch.setenv("CNCORE_CNCARD", "cpu")
-    with pytest.raises(ValueError, match="keep this table on device='cpu'"):
-        CNEmbeddingBag(10, 2, device="cncard", max_rows=5, eviction=cncore.LRU())
+    opt = cncore.RowWiseAdagrad(lr=0.1)
+    bag = CNEmbeddingBag(1000, 4, mode="sum", optimizer=opt, max_rows=40, eviction=eviction, admission=admission,
+                         headroom=2, device="cncard")
+    assert bag.store is None and bag.device_rows is not None
+    ref = cncore.EmbeddingStore(bag.config)
+    sink, ref_sink = [], []
+    bag.device_rows.on_evict(sink.append)
+    ref.on_evict(ref_sink.append)
+    for ids in _batches(0):
+        out = bag(torch.from_numpy(ids))
+        grad = torch.cos(out.detach()) + 0.5
+        out.backward(grad)
+        ref_out, ctx = ref.pooled_lookup(ids.reshape(-1), lengths=np.full(len(ids), ids.shape[1]), mode="sum")
+        ref.apply_gradients(ctx, grad.numpy())
+        np.testing.assert_allclose(out.detach().numpy(), ref_out, rtol=1e-6, atol=1e-7)
+        assert bag.num_rows <= 40
+    got, want = bag.export(), ref.export()
+    order, ref_order = np.argsort(got["keys"].numpy()), np.argsort(want.keys)
+    np.testing.assert_array_equal(got["keys"].numpy()[order], want.keys[ref_order])
+    for name in ("counts", "last_steps"):
+        np.testing.assert_array_equal(got[name].numpy()[order], getattr(want, name)[ref_order], err_msg=name)
+    for name in ("rows", "optimizer_state"):
+        np.testing.assert_allclose(got[name].numpy()[order], getattr(want, name)[ref_order], rtol=1e-6, atol=1e-7,
+                                   err_msg=name)
+    assert bag.device_rows.evicted_count == ref.evicted_count > 0
+    assert [b.keys.tolist() for b in sink] == [b.keys.tolist() for b in ref_sink]
+    for b, r in zip(sink, ref_sink):
+        np.testing.assert_array_equal(b.counts, r.counts)
+        np.testing.assert_array_equal(b.last_steps, r.last_steps)
+        np.testing.assert_allclose(b.rows, r.rows, rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(b.optimizer_state, r.optimizer_state, rtol=1e-6, atol=1e-7)
+    assert int(bag.state_dict()["evicted_count"]) == ref.evicted_count
+
+
+def test_device_rows_refuse_a_backward_after_an_eviction_and_keep_the_budget_across_moves(monkeypatch):
+    monkeypatch.setenv("CNCORE_CNCARD", "cpu")
+    bag = CNEmbeddingBag(10, 2, mode="sum", optimizer=cncore.SGD(lr=0.1), max_rows=3, eviction=cncore.LRU(),
+                         headroom=0, device="cncard")
+    bag(torch.tensor([[1, 2, 3]])).sum().backward()  # step 0
+    bag(torch.tensor([[1]])).sum().backward()  # 1 is now the one used last (step 1)
+    first = bag(torch.tensor([[2]]))  # a forward only: no access recorded
+    bag(torch.tensor([[4, 5]]))  # evicts 2 and 3 (step 0), keeps 1
+    rows_before = bag.export()
+    with pytest.raises(RuntimeError, match="rows were evicted from this table since this lookup's forward"):
+        first.sum().backward()
+    after = bag.export()
+    for name, value in rows_before.items():
+        torch.testing.assert_close(after[name], value, rtol=0, atol=0)
+    assert sorted(bag.keys().tolist()) == [1, 4, 5] and bag.device_rows.evicted_count == 2
+    bag.move_to("cpu")  # the core store takes the rows, metadata and count
+    assert bag.store.evicted_count == 2 and sorted(bag.keys().tolist()) == [1, 4, 5]
+    bag.move_to("cncard")
+    bag(torch.tensor([[6]])).sum().backward()  # by the metadata carried back: 4 (never trained, lowest key)
+    assert sorted(bag.keys().tolist()) == [1, 5, 6] and bag.device_rows.evicted_count == 3
+
+
+def test_device_rows_refuse_what_they_cannot_do_naming_it(monkeypatch):
+    monkeypatch.setenv("CNCORE_CNCARD", "cpu")
+    with pytest.raises(ValueError, match="unadmitted='zeros'"):
+        CNEmbeddingBag(10, 2, device="cncard", admission=cncore.MinCount(2, unadmitted="initial"))
+    with pytest.raises(ValueError, match="rows on an accelerator are float32"):
+        CNEmbeddingBag(10, 2, device="cncard", row_dtype="bfloat16")
+    with pytest.raises(TypeError, match="no eviction policy"):
+        CNEmbeddingBag(10, 2, device="cncard").device_rows.on_evict(print)
 
 
 def _tables():

@@ -4,6 +4,24 @@ updates are PyTorch ops over the slots the core returns.
 
 Device row 0 is a permanent zero row: slot s lives at row s + 1, and a key unseen in
 evaluation reads row 0. Growth reallocates the tensors (doubling) and copies the rows over.
+
+Bounded tables (max_rows, eviction, admission): the policy runs in the host index, which is a
+bounded store with the table's policy, so eviction order, ties, admission counts and the
+budget are the core's, exactly as for rows in the core. For that the index must see what the
+core store sees:
+- access metadata: every training backward records count += occurrences and last step in
+  the index as well as on the device (the index's copy drives LRU/LFU/TTL; the device's is
+  what exports read, and the two are equal);
+- the step: the index's step follows the device rows' optimizer step (TTL sweeps read it);
+- which device row an evicted key held: the index's (otherwise unused) 2-float row holds the
+  slot number as two exact floats (low 20 bits, the rest), because the core hands evicted rows
+  over after it has freed their slots, and a slot may be refilled in the same call. The sink
+  runs inside that call, before this class writes the new keys' rows, so the evicted keys'
+  device rows, state and metadata are still intact when they are copied out.
+A lookup context of device rows, like one of the core, is refused in backward when rows were
+evicted since its forward (their device rows may hold other keys by then). Admission: a key
+not admitted reads the zero row (MinCount(unadmitted="initial") is refused here for now: its
+initial row would need a row of its own for the pooling).
 """
 from __future__ import annotations
 
@@ -14,17 +32,37 @@ import torch.nn.functional as F
 import cncore
 
 _MODES = ("sum", "mean", "max")
+_SLOT_SPLIT = 1 << 20  # a slot number as two floats, each an integer below 2**24 (exact)
+
+
+def _encode_slots(slots: np.ndarray) -> np.ndarray:
+    return np.stack([slots % _SLOT_SPLIT, slots // _SLOT_SPLIT], axis=1).astype(np.float32)
+
+
+def _decode_slots(rows: np.ndarray) -> np.ndarray:
+    return rows[:, 0].astype(np.int64) + rows[:, 1].astype(np.int64) * _SLOT_SPLIT
 
 
 class DeviceRows:
     def __init__(self, config: cncore.StoreConfig, device: torch.device):
         self.config = config
         self.device = device
-        # The index: a store whose one-float rows are never read (the rows live on the device).
-        self.index = cncore.EmbeddingStore(cncore.StoreConfig(dim=1, capacity=config.capacity,
-                                                              max_load_factor=config.max_load_factor,
-                                                              initializer=cncore.Constant(0.0)))
-        self.step = 0
+        admission = config.admission
+        if admission is not None and getattr(admission, "unadmitted", "zeros") != "zeros":
+            raise ValueError(f"admission={admission!r}: rows on an accelerator read keys not admitted as zeros; "
+                             "pass unadmitted='zeros', or keep this table on device='cpu' (the core)")
+        self.bounded = config.eviction is not None or config.admission is not None or config.max_rows is not None
+        # The index: a store whose rows the lookups never read (the rows live on the device). A
+        # bounded table's index carries the policy, and its 2-float rows the device slot (above).
+        self.index = cncore.EmbeddingStore(cncore.StoreConfig(
+            dim=2 if self.bounded else 1, capacity=config.capacity, max_load_factor=config.max_load_factor,
+            initializer=cncore.Constant(0.0), seed=config.seed, max_rows=config.max_rows,
+            eviction=config.eviction, admission=config.admission, headroom=config.headroom))
+        self._evict_callbacks = []
+        self.evictions = 0  # eviction events: a lookup context from before one is refused in backward
+        if self.bounded:
+            self.index.on_evict(self._evicted)
+        self._step = 0
         cap = max(16, config.capacity + 1)
         self.rows = torch.zeros(cap, config.dim, device=device)
         self.state = torch.zeros(cap, config.state_floats, device=device)
@@ -34,6 +72,68 @@ class DeviceRows:
 
     def __len__(self):
         return len(self.index)
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self._step = int(value)
+        self.index.step = self._step  # TTL sweeps and the index's view of "now"
+
+    # --- bounded tables ---------------------------------------------------------------------------
+
+    @property
+    def evicted_count(self) -> int:
+        """Rows evicted so far (settable, as `EmbeddingStore.evicted_count`)."""
+        return self.index.evicted_count
+
+    @evicted_count.setter
+    def evicted_count(self, value) -> None:
+        self.index.evicted_count = value
+
+    def on_evict(self, callback) -> None:
+        """Register `callback(batch)`: a `cncore.TableBatch` of every eviction's rows (keys, rows,
+        optimizer state, counts, last steps; CPU NumPy arrays), as `EmbeddingStore.on_evict`."""
+        if not callable(callback):
+            raise TypeError(f"callback must be callable, got {type(callback).__name__}")
+        if not self.bounded:
+            raise TypeError("on_evict: this table has no eviction policy (max_rows / eviction not set)")
+        self._evict_callbacks.append(callback)
+
+    def evict(self, n: int) -> int:
+        """Evict the `n` lowest-scoring rows now (the table's policy); returns how many."""
+        return self.index.evict(n)
+
+    def evict_expired(self) -> int:
+        """TTL: evict every row not seen for more than the TTL's steps; returns how many."""
+        return self.index.evict_expired()
+
+    def _evicted(self, batch) -> None:
+        """The index evicted these keys: copy their device rows out before the slots are reused."""
+        self.evictions += 1
+        if not self._evict_callbacks:
+            return
+        at = torch.from_numpy(_decode_slots(batch.rows) + 1).to(self.device)
+        out = cncore.TableBatch(batch.keys, self.rows[at].cpu().numpy(), self.state[at].cpu().numpy(),
+                                self.counts[at].cpu().numpy().astype(np.uint32),
+                                self.last_steps[at].cpu().numpy().astype(np.uint32), batch.found)
+        for callback in list(self._evict_callbacks):
+            callback(out)
+
+    def _insert(self, host: np.ndarray, lookup: bool):
+        """(slots, found) of keys, inserting the absent ones the policy admits (training
+        lookups: admission counts them; explicit writes insert every key)."""
+        if not (lookup and self.config.admission is not None):
+            return self.index.find_or_insert(host)
+        present = self.index.contains(host)
+        # The core's own training lookup counts sightings, admits, evicts and inserts; its
+        # pooled output (of the 2-float index rows) is not used.
+        self.index.pooled_lookup(host, lengths=np.array([len(host)]), insert_missing=True)
+        slots, found = self.index.find(host)
+        slots = np.where(found, slots, -1)  # a key not admitted: the zero row
+        return slots, present
 
     def _grow(self, rows_needed: int) -> None:
         cap = self.rows.shape[0]
@@ -47,14 +147,18 @@ class DeviceRows:
             new[: old.shape[0]] = old
             setattr(self, name, new)
 
-    def resolve(self, keys: torch.Tensor, training: bool) -> torch.Tensor:
-        """Device row of every key (inserting and initialising unseen keys when training)."""
+    def resolve(self, keys: torch.Tensor, training: bool, lookup: bool = True) -> torch.Tensor:
+        """Device row of every key (inserting and initialising unseen keys when training; a
+        training lookup goes through admission, an explicit write (`lookup=False`) does not)."""
         host = keys.detach().cpu().numpy()
         if training:
-            slots, found = self.index.find_or_insert(host)
-            if not found.all():
-                new_slots, first = np.unique(slots[~found], return_index=True)
-                new_keys = host[~found][first]
+            slots, found = self._insert(host.astype(np.int64, copy=False), lookup)
+            new = ~found & (slots >= 0)
+            if new.any():
+                new_slots, first = np.unique(slots[new], return_index=True)
+                new_keys = host[new][first]
+                if self.bounded:
+                    self.index.assign(new_keys, _encode_slots(new_slots))
                 self._grow(int(new_slots.max()) + 2)
                 rows = torch.from_numpy(cncore.initial_rows(self.config, new_keys)).to(self.device)
                 at = torch.from_numpy(new_slots + 1).to(self.device)
@@ -100,13 +204,18 @@ class DeviceRows:
         return unique[keep], grads[0][keep], occurrences[keep], grad_weights
 
     def record_access(self, idx, occurrences, step: int) -> None:
-        self.counts[idx] += occurrences
+        self.counts[idx] = (self.counts[idx] + occurrences).clamp(max=2**32 - 1)
         self.last_steps[idx] = step
+        if self.bounded:  # the policy reads the index's metadata
+            at = idx.cpu()
+            keys = self.slot_keys[at].numpy()
+            self.index.load(keys, _encode_slots(at.numpy() - 1), None, self.counts[idx].cpu().numpy(),
+                            np.full(len(keys), min(step, 2**32 - 1), np.int64))
 
     def apply(self, idx, g, lr: float) -> None:
         """The fused optimizer on rows idx with gradients g (same formulas as the core)."""
         opt = self.config.optimizer
-        self.step += 1
+        self.step = self._step + 1
         rows, state = self.rows, self.state
         if isinstance(opt, cncore.SGD):
             rows[idx] -= lr * g
@@ -137,7 +246,12 @@ class DeviceRows:
 
     def load(self, keys, rows, optimizer_state, counts, last_steps) -> None:
         host = np.asarray(keys, dtype=np.int64)
-        slots, _ = self.index.find_or_insert(host)
+        if self.bounded:  # the index holds the metadata the policy reads, and the device slots
+            slots, _ = self.index.find_or_insert(host)
+            self.index.load(host, _encode_slots(slots), None, np.asarray(counts, np.int64),
+                            np.asarray(last_steps, np.int64))
+        else:
+            slots, _ = self.index.find_or_insert(host)
         self._grow(int(slots.max()) + 2 if len(slots) else 1)
         at = torch.from_numpy(slots + 1).to(self.device)
         self.rows[at] = torch.as_tensor(rows).to(self.device)

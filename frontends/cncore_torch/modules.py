@@ -17,6 +17,8 @@ registered with `register_gradient_hook` and keeps the last ones in `last_gradie
 """
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Callable, List, Optional
 
 import numpy as np
@@ -103,10 +105,9 @@ class _DynamicTable(nn.Module):
 
     def _make_storage(self) -> None:
         kind = self.placement.kind
-        if kind == "device" and (self.config.eviction is not None or self.config.admission is not None
-                                 or self.config.dtype != "float32"):
-            raise ValueError(f"device={self.placement.device}: rows on an accelerator are float32 tables without "
-                             "max_rows, eviction or admission for now; keep this table on device='cpu' (the core)")
+        if kind == "device" and self.config.dtype != "float32":
+            raise ValueError(f"device={self.placement.device}: rows on an accelerator are float32 for now "
+                             f"(row_dtype={self.config.dtype!r}); keep this table on device='cpu' (the core)")
         self.store = cncore.EmbeddingStore(self.config) if kind == "core" else None
         self.device_rows = DeviceRows(self.config, self.placement.device) if kind == "device" else None
 
@@ -128,7 +129,10 @@ class _DynamicTable(nn.Module):
         if target.kind == "meta" and self.placement.kind != "meta" and self.num_rows:
             raise ValueError(f"moving this table to meta would drop its {self.num_rows} rows; build a new module "
                              "with device='meta' for shape inference instead")
-        rows = TableState.from_export(self.export(), self._stepper().step) if self.placement.kind != "meta" else None
+        rows = None
+        if self.placement.kind != "meta":
+            rows = dataclasses.replace(TableState.from_export(self.export(), self._stepper().step),
+                                       evicted_count=self._stepper().evicted_count)  # moves with the rows
         self.placement = target
         self._make_storage()
         if rows is not None and target.kind != "meta":
@@ -245,7 +249,7 @@ class _DynamicTable(nn.Module):
             raise TypeError(f"rows: expected float32, got {rows.dtype}")
         if rows.shape != (len(host), self.dim):
             raise ValueError(f"rows: expected shape ({len(host)}, {self.dim}), got {tuple(rows.shape)}")
-        at = self.device_rows.resolve(torch.from_numpy(host[take]), training=True)
+        at = self.device_rows.resolve(torch.from_numpy(host[take]), training=True, lookup=False)
         self.device_rows.rows[at] = rows[take].to(self.device_rows.device)
         return found
 
@@ -262,8 +266,7 @@ class _DynamicTable(nn.Module):
         for name, value in self.export().items():
             destination[prefix + name] = value
         destination[prefix + "step"] = torch.tensor(self._stepper().step, dtype=torch.int64)
-        if self.store is not None:
-            save_evicted_count(self.store, destination, prefix)
+        save_evicted_count(self._stepper(), destination, prefix)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
@@ -502,6 +505,7 @@ class _DeviceLookup(torch.autograd.Function):
         offsets = offsets.to(rows.device)
         weights = None if weights is None else weights.to(rows.device)
         ctx.table, ctx.mode, ctx.training, ctx.step = table, mode, training, rows.step
+        ctx.evictions = rows.evictions
         ctx.save_for_backward(anchor, rows_idx, offsets, weights)
         with torch.no_grad():
             return rows.pool(rows_idx, offsets, weights, mode)
@@ -510,6 +514,9 @@ class _DeviceLookup(torch.autograd.Function):
     def backward(ctx, grad_out):
         anchor, rows_idx, offsets, weights = ctx.saved_tensors
         table, rows = ctx.table, ctx.table.device_rows
+        if rows.evictions != ctx.evictions:
+            raise RuntimeError("rows were evicted from this table since this lookup's forward, so its rows may "
+                               "hold other keys now; run the backward before the next lookup that can evict")
         idx, grads, occurrences, grad_weights = rows.gradients(rows_idx, offsets, weights, ctx.mode,
                                                                grad_out.contiguous())
         if ctx.training:
