@@ -133,7 +133,14 @@ static inline double cn_truncated_std_normal(double a, double b, double u) {
     return flip ? -x : x;
 }
 
-static inline void cn_init_row(const cn_init *init, int64_t key, float *restrict row, int64_t dim) {
+/* Not inlined: one compiled body for every caller. Inlined, each call site was compiled on its
+ * own, and with -march=native GCC contracts `low + span * u` into a fused multiply-add at
+ * some sites and not others (its default -ffp-contract=fast), so a store's new row and
+ * initial_rows() of the same key differed in the last bit once a caller's loop changed
+ * (found by test_store_stateful after a prefetch was added to the insert loop). A call per
+ * row costs nothing beside the row's dim draws. */
+__attribute__((noinline)) static void cn_init_row(const cn_init *init, int64_t key, float *restrict row,
+                                                  int64_t dim) {
     uint64_t s = cn_row_stream(init->seed, key);
     switch (init->kind) {
     case CN_INIT_UNIFORM: {

@@ -201,9 +201,23 @@ typedef struct {
     const int64_t *slots, *keys, *new_pos;
 } cn_init_rows_job;
 
+/* New rows are written where freed or fresh slots happen to be: a bounded table under a uniform
+ * stream refills the slots its evictions freed, in score order, so every row (and its meta
+ * line) is a cold line, read for ownership before it is written. Prefetching them for writing
+ * CN_PREFETCH_DISTANCE rows ahead (and, in the insert loop, the key and live-bit lines of the
+ * slots about to be taken) took a uniform bounded step from 17.0 to 12.5 ms (200k rows of dim 64,
+ * 2M distinct IDs, 32k IDs a step, one thread; perf: row initialisation 17 % -> 12 % of it). */
 static void cn_table_init_rows_range(void *ctx, int64_t begin, int64_t end) {
     const cn_init_rows_job *j = (const cn_init_rows_job *)ctx;
-    for (int64_t k = begin; k < end; k++) cn_table_init_row(j->t, j->slots[j->new_pos[k]], j->keys[j->new_pos[k]]);
+    const cn_arena *a = &j->t->arena;
+    for (int64_t k = begin; k < end; k++) {
+        if (k + CN_PREFETCH_DISTANCE < end) {
+            const int64_t ahead = j->slots[j->new_pos[k + CN_PREFETCH_DISTANCE]];
+            cn_prefetch_write(cn_arena_row(a, ahead), a->row_bytes);
+            __builtin_prefetch(cn_arena_meta(a, ahead), 1, 3);
+        }
+        cn_table_init_row(j->t, j->slots[j->new_pos[k]], j->keys[j->new_pos[k]]);
+    }
 }
 
 /* Insert the keys whose slots[i] == -1 (after a find; -2 marks a key admission held back),
@@ -229,7 +243,17 @@ static inline int cn_table_insert_missing(cn_table *t, const int64_t *keys, int6
     /* Serial insertion: the index is not a concurrent structure. Buckets are prefetched ahead. */
     int64_t inserted = 0;
     for (int64_t j = 0; j < n_missing; j++) {
-        if (j + CN_PREFETCH_DISTANCE < n_missing) cn_index_prefetch(&t->index, keys[missing[j + CN_PREFETCH_DISTANCE]]);
+        if (j + CN_PREFETCH_DISTANCE < n_missing) {
+            cn_index_prefetch(&t->index, keys[missing[j + CN_PREFETCH_DISTANCE]]);
+            /* The key and live-bit lines of the slot taken that many inserts on (exact unless
+             * a duplicate key comes between: then a line too far, harmless). */
+            const int64_t later = t->arena.n_free - 1 - CN_PREFETCH_DISTANCE;
+            if (t->arena.key_offset && later >= 0) {
+                const int64_t slot = t->arena.free_slots[later];
+                __builtin_prefetch(cn_arena_key(&t->arena, slot), 1, 3);
+                __builtin_prefetch(cn_arena_live_word(&t->arena, slot), 1, 3);
+            }
+        }
         const int64_t i = missing[j];
         int64_t pos;
         int64_t s = cn_index_probe(&t->index, keys[i], &pos);
