@@ -48,6 +48,7 @@ alone. Every call is atomic with respect to the others; a sequence of calls is n
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 from typing import Iterator, Optional
@@ -419,6 +420,36 @@ class EmbeddingStore:
                                                   ctx.mode, ctx.argmax, grad, ctx.training, ctx.step,
                                                   ctx.erase_epoch)
         return ctx.keys[positions], grads
+
+    def set_optimizer(self, optimizer) -> None:
+        """Give a store built without an optimizer its fused optimizer (a cncore optimizer
+        config). Rows, counts, last steps, the step, the eviction count and the on_evict
+        callbacks stay; each row starts from the optimizer's initial state, as a row loaded
+        without state does. (An admission sketch's sightings start over.) For front ends that
+        learn the optimizer after building the table (TorchRec's apply_optimizer_in_backward);
+        call it between steps, never beside another call on the store.
+
+        >>> import numpy as np, cncore
+        >>> s = cncore.EmbeddingStore(dim=2); _ = s.find_or_insert(np.array([7]))
+        >>> s.set_optimizer(cncore.RowWiseAdagrad(lr=0.1))
+        >>> s.config.optimizer, s.export().optimizer_state.shape
+        (RowWiseAdagrad(lr=0.1, eps=1e-08, initial_accumulator_value=0.0), (1, 1))
+        """
+        if self._config.optimizer is not None:
+            raise ValueError(f"optimizer: this store already has {self._config.optimizer!r}; its rows' optimizer "
+                             "state would be lost (build a new store to change it)")
+        if optimizer is None:
+            raise TypeError("optimizer must be a cncore optimizer (SGD, Adagrad, RowWiseAdagrad, Adam), got None")
+        config = dataclasses.replace(self._config, optimizer=optimizer)  # checks the optimizer
+        rows = self.export()
+        fresh = EmbeddingStore(config)
+        fresh.reserve(len(rows.keys))
+        fresh.load(rows.keys, rows.rows, None, rows.counts, rows.last_steps)
+        fresh.step, fresh.evicted_count = self.step, self.evicted_count
+        self._config, self._table = config, fresh._table
+        if self._evict_callbacks:
+            self._table.evict_sink = self._deliver
+        self._writes += 1
 
     # --- bounded tables: eviction --------------------------------------------------------------
 

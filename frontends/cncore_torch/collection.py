@@ -22,6 +22,7 @@ fused optimizer given at construction (features sharing a table get one update p
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import zlib
 from typing import Dict, List, Optional, Tuple
@@ -37,7 +38,7 @@ from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, Keyed
 import cncore
 from cncore_torch import _ops
 from cncore_torch.modules import check_flag, store_config
-from cncore_torch.optim import keyed_fused_optimizer
+from cncore_torch.optim import in_backward_optimizer, keyed_fused_optimizer, no_optimizer_error
 from cncore_torch.state import load_tables, save_store
 from cncore_torch.table_options import per_table_options
 
@@ -177,6 +178,9 @@ def features_by_key(features, feature_names: List[List[str]]) -> Dict[str, Jagge
     return by_key
 
 
+ANCHOR_SHAPE = (0, 1)
+
+
 class _DynamicTables:
     """What both collections share: a store per table (created by `_init_tables`), the
     parameter autograd hangs their lookups on, the fused optimizer over them, and every
@@ -191,7 +195,9 @@ class _DynamicTables:
         self._store_configs = store_configs(tables, config_type, optimizer, initializers, capacities, seed, device,
                                             owner, options)
         self._optimizer, self._optimizer_prefix, self._owner = optimizer, optimizer_prefix, owner
-        self._anchor = nn.Parameter(torch.empty(0, device=collection_device(device, owner)))
+        # Zero rows of one column: 2-D because apply_optimizer_in_backward builds its optimizer over
+        # it, and TorchRec's RowWiseAdagrad reads a parameter's second dimension.
+        self._anchor = nn.Parameter(torch.empty(ANCHOR_SHAPE, device=collection_device(device, owner)))
         self._handle = _ops.register(self)
         self._stores: Dict[str, cncore.EmbeddingStore] = {}
         self.fused_optimizer = None
@@ -202,6 +208,43 @@ class _DynamicTables:
     def is_meta(self) -> bool:
         """True while the collection is on the meta device (no stores)."""
         return self._anchor.device.type == "meta"
+
+    # --- the optimizer: optimizer= at construction, or TorchRec's apply_optimizer_in_backward ------
+
+    @property
+    def fused_optimizer(self):
+        """The tables' fused optimizer as a TorchRec KeyedOptimizer (None without one). One set
+        by `apply_optimizer_in_backward` on the parameters is adopted when first needed."""
+        self._adopt_tagged_optimizer()
+        return self.__dict__.get("_fused_optimizer")
+
+    @fused_optimizer.setter
+    def fused_optimizer(self, value) -> None:
+        self.__dict__["_fused_optimizer"] = value
+
+    def _adopt_tagged_optimizer(self) -> None:
+        """Without optimizer=, take the optimizer `torchrec.optim.apply_optimizer_in_backward`
+        attached to the anchor parameter (at the first forward, load or `fused_optimizer`: the
+        tagging comes after construction). Rows already in the tables stay, each starting from
+        the optimizer's initial state (`EmbeddingStore.set_optimizer`)."""
+        if self._optimizer is not None or self.is_meta:
+            return
+        optimizer = in_backward_optimizer(self._anchor, self._owner)
+        if optimizer is None:
+            return
+        for store in self._stores.values():
+            store.set_optimizer(optimizer)
+        self._store_configs = {name: dataclasses.replace(c, optimizer=optimizer)
+                               for name, c in self._store_configs.items()}
+        self._optimizer = optimizer
+        self.fused_optimizer = keyed_fused_optimizer(self._anchor, optimizer, list(self._stores.values()),
+                                                     self._optimizer_prefix)
+
+    def _require_optimizer(self, training: bool) -> None:
+        """A training forward needs an optimizer: say so here, not deep in backward."""
+        self._adopt_tagged_optimizer()
+        if training and torch.is_grad_enabled() and self._optimizer is None:
+            raise no_optimizer_error(self._owner)
 
     def _materialise(self) -> None:
         """Empty stores from the configs, and the fused optimizer over the (cpu) anchor."""
@@ -253,6 +296,10 @@ class _DynamicTables:
             super(_DynamicTables, self)._load_from_state_dict(rest, prefix, local_metadata, strict, missing,
                                                               unexpected, errors)
 
+        self._adopt_tagged_optimizer()  # a checkpoint's optimizer state needs the optimizer's width
+        anchor = state_dict.get(prefix + "_anchor")
+        if isinstance(anchor, torch.Tensor) and anchor.numel() == 0 and anchor.shape != ANCHOR_SHAPE:
+            state_dict = {**state_dict, prefix + "_anchor": anchor.reshape(ANCHOR_SHAPE)}  # saved before (0, 1)
         load_tables(self._tables(prefix), load_rest, state_dict, missing_keys, unexpected_keys, error_msgs)
 
     def _tables(self, prefix: str) -> dict:
@@ -276,6 +323,7 @@ def pooled_collection_lookup(anchor: torch.Tensor, handle: int, features: KeyedJ
         values = torch.empty((features.stride(), sum(collection._lengths_per_embedding)), device="meta")
         return KeyedTensor(keys=collection._embedding_names, length_per_key=collection._lengths_per_embedding,
                            values=values)
+    collection._require_optimizer(training)
     keys, offsets, weights = [], [], []
     is_weighted = collection._is_weighted
     for names in collection._feature_names:
@@ -309,7 +357,7 @@ class _GroupedLookup(torch.autograd.Function):
         collection = ctx.collection
         grad = np.ascontiguousarray(grad_out.detach().numpy(), dtype=np.float32)
         if collection.fused_optimizer is None:
-            raise RuntimeError("CNEmbeddingBagCollection was built without optimizer=; pass a cncore optimizer")
+            raise no_optimizer_error(collection._owner)
         cncore.grouped_apply_gradients(ctx.lookups, grad, lr=collection.fused_optimizer.lr)
         return None, None, None, None, None, None
 
@@ -399,7 +447,7 @@ class _TableLookups(torch.autograd.Function):
     def backward(ctx, *grads):
         collection = ctx.collection
         if collection.fused_optimizer is None:
-            raise RuntimeError("CNEmbeddingCollection was built without optimizer=; pass a cncore optimizer")
+            raise no_optimizer_error(collection._owner)
         for store, lookup, grad in zip(collection._table_stores, ctx.lookups, grads):
             if grad is not None and len(grad):
                 store.apply_gradients(lookup, np.ascontiguousarray(grad.numpy(), dtype=np.float32),
@@ -463,6 +511,7 @@ class CNEmbeddingCollection(_DynamicTables, EmbeddingCollectionInterface):
         if self.is_meta:  # shape inference only
             outs = [torch.empty((len(k), self._dim), device="meta") for k in keys_by_table]
         else:
+            self._require_optimizer(self.training)
             outs = _TableLookups.apply(self._anchor, self, keys_by_table, self.training)
         result: Dict[str, JaggedTensor] = {}
         for out, names, emb_names in zip(outs, self._feature_names, self._names_by_table):

@@ -28,7 +28,8 @@ from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 import cncore
 from cncore_torch.collection import CNEmbeddingCollection, _TableLookups
-from cncore_torch.distributed.embeddingbag import _check_plan, _keep_owned_rows, check_features, shard_store_configs
+from cncore_torch.distributed.embeddingbag import (_check_plan, _keep_owned_rows, check_features, shard_store_configs,
+                                                  sharded_optimizer)
 from cncore_torch.distributed.routing import owner_of
 from cncore_torch.distributed.rw_sharding import _AllToAll
 from cncore_torch.optim import keyed_fused_optimizer
@@ -68,11 +69,12 @@ class ShardedCNEmbeddingCollection(ShardedEmbeddingCollection):
         self._feature_table = [t for t, names in enumerate(self._feature_names) for _ in names]
         self.module_sharding_plan = {c.name: table_name_to_parameter_sharding[c.name] for c in self._configs}
         self._anchor = nn.Parameter(torch.empty(0))
+        optimizer, configs_with_optimizer = sharded_optimizer(module, "ShardedCNEmbeddingCollection")
         self._stores = {name: cncore.EmbeddingStore(config)
-                        for name, config in shard_store_configs(module._store_configs, self._world_size).items()}
+                        for name, config in shard_store_configs(configs_with_optimizer, self._world_size).items()}
         _keep_owned_rows(self._stores, module.stores, self._world_size, self._rank)
         self._table_stores = [self._stores[c.name] for c in self._configs]  # what _TableLookups reads
-        self._optim = keyed_fused_optimizer(self._anchor, module._optimizer, list(self._stores.values()),
+        self._optim = keyed_fused_optimizer(self._anchor, optimizer, list(self._stores.values()),
                                                       "embeddings.fused")
         self._input_dists, self._lookups, self._output_dists = [], [], []
 

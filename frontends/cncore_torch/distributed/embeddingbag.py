@@ -34,7 +34,7 @@ import cncore
 from cncore_torch.collection import CNEmbeddingBagCollection
 from cncore_torch.distributed.routing import owner_of
 from cncore_torch.distributed.rw_sharding import CNRwPooledEmbeddingSharding
-from cncore_torch.optim import keyed_fused_optimizer
+from cncore_torch.optim import in_backward_optimizer, keyed_fused_optimizer, no_optimizer_error
 from cncore_torch.state import TableState, load_tables, save_store
 
 __all__ = ["CNEmbeddingBagCollectionSharder", "ShardedCNEmbeddingBagCollection", "plan_for"]
@@ -99,11 +99,12 @@ class ShardedCNEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         self._feature_tables = [c.name for c, names in zip(configs, module._feature_names) for _ in names]
         self._mean_features = [i for i, mode in enumerate(module._modes) if mode == "mean"]
         self.module_sharding_plan = {c.name: table_name_to_parameter_sharding[c.name] for c in configs}
-        self._store_configs = shard_store_configs(module._store_configs, self._world_size)
+        optimizer, configs_with_optimizer = sharded_optimizer(module, "ShardedCNEmbeddingBagCollection")
+        self._store_configs = shard_store_configs(configs_with_optimizer, self._world_size)
         self._anchor = nn.Parameter(torch.empty(0))
         self._stores = {name: cncore.EmbeddingStore(config) for name, config in self._store_configs.items()}
         _keep_owned_rows(self._stores, module.stores, self._world_size, self._rank)
-        self._optim = keyed_fused_optimizer(self._anchor, module._optimizer, list(self._stores.values()),
+        self._optim = keyed_fused_optimizer(self._anchor, optimizer, list(self._stores.values()),
                                             "embedding_bags.fused")
         infos = [EmbeddingShardingInfo(
             embedding_config=EmbeddingTableConfig(
@@ -248,13 +249,12 @@ def check_features(features, needed: List[str], is_weighted: bool) -> None:
 
 
 def _check_plan(module, configs, table_name_to_parameter_sharding, device) -> None:
-    """The plan shards every table row-wise with our kernel, on cpu, and the module has an optimizer."""
+    """The plan shards every table row-wise with our kernel, on cpu, and the module has an optimizer
+    (optimizer= or apply_optimizer_in_backward)."""
     if device is not None and torch.device(device).type != "cpu":
         raise ValueError(f"device={device}: the tables' rows are in the core; shard onto device 'cpu' (the "
                          "process group's backend may still be NCCL for dense parts, untested)")
-    if module._optimizer is None:
-        raise ValueError(f"the sharded collection applies its optimizer in backward on the rank owning each row: "
-                         f"build the {type(module).__name__} with optimizer=cncore.<SGD|Adagrad|RowWiseAdagrad|Adam>")
+    sharded_optimizer(module, f"sharded {type(module).__name__}")  # one is set (either way), or a clear error
     for c in configs:
         ps = table_name_to_parameter_sharding.get(c.name)
         if ps is None:
@@ -277,6 +277,17 @@ def _owned_writer(store: cncore.EmbeddingStore, world_size: int, rank: int):
                    state.last_steps[mine], state.step).load_into(store)
     write.rows_kept = lambda keys: int(owned(keys).sum())
     return write
+
+
+def sharded_optimizer(module, owner: str):
+    """(optimizer, store configs with it) of a collection being sharded: its optimizer=, else
+    the one `torchrec.optim.apply_optimizer_in_backward` attached to its parameters (read here as
+    TorchRec's own sharders read them; DMP shards a meta module that never adopted it). A
+    sharded table trains only fused, so neither is refused now rather than in backward."""
+    optimizer = module._optimizer or in_backward_optimizer(module._anchor, owner)
+    if optimizer is None:
+        raise no_optimizer_error(owner)
+    return optimizer, {name: dataclasses.replace(c, optimizer=optimizer) for name, c in module._store_configs.items()}
 
 
 def shard_store_configs(configs: Dict[str, cncore.StoreConfig], world_size: int) -> Dict[str, cncore.StoreConfig]:
