@@ -100,9 +100,9 @@ def row_budget(text: Optional[str]):
 
 ROW_DTYPES = ("float32", "float16", "bfloat16")
 EVICTIONS = ("lru", "lfu", "ttl")
-# Options the distributed path (--nproc > 1, torchrun) does not run yet, with their defaults.
-NOT_DISTRIBUTED = {"max_rows": None, "evict": None, "ttl_steps": None, "admit_min_count": None,
-                   "incremental_checkpoint_every": None, "row_dtype": "float32"}
+# Options the distributed path (--nproc > 1, torchrun) does not run yet, with their defaults:
+# table chains are per process (one store per rank), and the job writes one checkpoint file.
+NOT_DISTRIBUTED = {"incremental_checkpoint_every": None}
 
 
 def _input_file(text: str) -> str:
@@ -207,17 +207,15 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         if given:
             ap.error(f"{', '.join(given)} do{'es' if len(given) == 1 else ''} not run on {world} processes yet "
                      f"(only with --nproc 1)")
-    _check_bounded(ap, args)
+    _check_bounded(ap, args, world)
     if args.nproc > 1:
-        if args.criteo_tsv:
-            ap.error(f"--criteo-tsv does not run with --nproc {args.nproc} yet (only with --nproc 1)")
         if args.compare and args.batch_size % args.nproc:
             ap.error(f"--compare with --nproc {args.nproc} needs --batch-size a multiple of {args.nproc}: TorchRec's "
                      f"row-wise tables need equal batches on every process (gloo), {args.batch_size} does not split")
     return args
 
 
-def _check_bounded(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+def _check_bounded(ap: argparse.ArgumentParser, args: argparse.Namespace, world: int = 1) -> None:
     """The bounded-table options together: what each needs, and what cannot go with what."""
     rows, percent = row_budget(args.max_rows)
     if args.max_rows is not None and args.evict is None:
@@ -228,9 +226,12 @@ def _check_bounded(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         ap.error("--evict ttl needs --ttl-steps S (rows unused for more than S steps expire)")
     if args.ttl_steps is not None and args.evict != "ttl":
         ap.error(f"--ttl-steps applies to --evict ttl, not {'no --evict' if args.evict is None else args.evict}")
-    if rows is not None and rows < args.batch_size:
-        ap.error(f"--max-rows {rows} is below --batch-size {args.batch_size}: one batch can bring that many "
-                 f"distinct IDs to a table, and a lookup never evicts its own rows")
+    if rows is not None and rows < args.batch_size * world:
+        shard = f" to each of the {world} shards of a table (ceil(max_rows / {world}) rows each)" if world > 1 else \
+            " to a table"
+        ap.error(f"--max-rows {rows} is below {'--batch-size' if world == 1 else f'{world} x --batch-size'} "
+                 f"{args.batch_size * world}: one batch can bring {args.batch_size} distinct IDs{shard}, and a "
+                 f"lookup never evicts its own rows")
     if percent is not None and args.criteo_tsv:
         ap.error(f"--max-rows {args.max_rows} counts distinct IDs in the synthetic stream; with --criteo-tsv "
                  f"give rows per table (--max-rows N)")

@@ -5,7 +5,9 @@ about them (rows per table, evictions).
 A budget given as a percentage is P% of the distinct IDs the training range brings to each
 table, counted in one pass over the synthetic stream, but never below the most distinct IDs
 one training batch brings to that table: the core refuses a lookup whose own distinct keys
-exceed the budget (it never evicts rows the lookup uses).
+exceed the budget (it never evicts rows the lookup uses). On W processes each table is sharded
+and each shard bounds itself at ceil(budget / W) rows, so the floor is W times the most IDs one
+batch brings to a single shard (the keys' owners by `owner_of`, as the sharded lookup routes them).
 
 >>> from cncore.synthetic import SyntheticCriteo
 >>> counts = stream_counts(SyntheticCriteo(seed=0, batch_size=64), steps=4)
@@ -39,8 +41,10 @@ class StreamCounts:
     peak_batch: List[int]
 
 
-def stream_counts(gen: SyntheticCriteo, steps: int, start: int = 0) -> StreamCounts:
-    """Count the distinct IDs of each feature in batches start .. steps-1 of `gen`."""
+def stream_counts(gen: SyntheticCriteo, steps: int, start: int = 0, world_size: int = 1) -> StreamCounts:
+    """Count the distinct IDs of each feature in batches start .. steps-1 of `gen`; peak_batch is
+    the most distinct IDs of one batch (with world_size > 1: world_size times the most that one
+    batch routes to one shard, the budget a shard of ceil(budget / world_size) rows needs)."""
     seen: List[np.ndarray] = [np.empty(0, np.int64) for _ in range(N_SPARSE)]
     pending: List[List[np.ndarray]] = [[] for _ in range(N_SPARSE)]
     peak = [0] * N_SPARSE
@@ -48,13 +52,20 @@ def stream_counts(gen: SyntheticCriteo, steps: int, start: int = 0) -> StreamCou
         a = gen.arrays(i)
         for f, values in enumerate(a.values):
             u = np.unique(values)
-            peak[f] = max(peak[f], len(u))
+            peak[f] = max(peak[f], len(u) if world_size == 1 else world_size * _largest_shard(u, world_size))
             pending[f].append(u)
         if (i - start) % 64 == 63 or i == steps - 1:  # merge now and then: memory stays ~ the distinct IDs
             for f in range(N_SPARSE):
                 seen[f] = np.unique(np.concatenate([seen[f], *pending[f]]))
                 pending[f] = []
     return StreamCounts([len(s) for s in seen], peak)
+
+
+def _largest_shard(keys: np.ndarray, world_size: int) -> int:
+    import torch
+
+    from cncore_torch.distributed.routing import owner_of
+    return int(np.bincount(owner_of(torch.from_numpy(keys), world_size).numpy(), minlength=world_size).max())
 
 
 def percent_budgets(counts: StreamCounts, percent: float) -> List[int]:
@@ -69,22 +80,24 @@ def policy(evict: Optional[str], ttl_steps: Optional[int]):
     return {"lru": cncore.LRU, "lfu": cncore.LFU}[evict]() if evict != "ttl" else cncore.TTL(ttl_steps)
 
 
-def table_budgets(args, names: List[str], synthetic: Optional[SyntheticCriteo]) -> Optional[Dict[str, int]]:
-    """{table name: row budget} of --max-rows (None without it)."""
+def table_budgets(args, names: List[str], synthetic: Optional[SyntheticCriteo],
+                  world_size: int = 1) -> Optional[Dict[str, int]]:
+    """{table name: row budget} of --max-rows (None without it); world_size: the processes the
+    tables are sharded over (see the module docstring)."""
     from cn_dlrm.cli import row_budget
     rows, percent = row_budget(args.max_rows)
     if rows is not None:
         return {name: rows for name in names}
     if percent is None:
         return None
-    return dict(zip(names, percent_budgets(stream_counts(synthetic, args.steps), percent)))
+    return dict(zip(names, percent_budgets(stream_counts(synthetic, args.steps, world_size=world_size), percent)))
 
 
-def collection_options(args, names: List[str], synthetic: Optional[SyntheticCriteo]) -> dict:
+def collection_options(args, names: List[str], synthetic: Optional[SyntheticCriteo], world_size: int = 1) -> dict:
     """The keyword arguments of the bounded-table options for CNEmbeddingBagCollection (only
     those set: the collection's defaults stay its own)."""
     options: dict = {}
-    budgets = table_budgets(args, names, synthetic)
+    budgets = table_budgets(args, names, synthetic, world_size)
     if budgets is not None:
         options["max_rows"] = budgets
     if args.evict is not None:

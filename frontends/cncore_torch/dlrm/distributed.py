@@ -127,7 +127,22 @@ class DistributedRun:
         stores = self.sharded.stores.values()
         rows, used, allocated = _all_sum([sum(len(s) for s in stores), sum(used_bytes(s) for s in stores),
                                           sum(s.nbytes for s in stores)])
-        return {"rows": rows, "table_mib": used / 2**20, "table_mib_allocated": allocated / 2**20}
+        summary = {"rows": rows, "table_mib": used / 2**20, "table_mib_allocated": allocated / 2**20}
+        if any(s.config.eviction is not None or s.config.admission is not None for s in stores):
+            summary.update(_summed_evictions(self.sharded.stores))
+        return summary
+
+
+def _summed_evictions(stores) -> dict:
+    """bounded.eviction_summary over every rank's shards: rows, evictions and budgets added up."""
+    from cncore_torch.dlrm.bounded import eviction_summary
+    mine = eviction_summary(stores)
+    names = sorted(stores)
+    fields = ("rows_per_table", "evicted_per_table", "max_rows_per_table")
+    totals = _all_sum([float(mine[f][n] or 0) for f in fields for n in names])
+    out = {f: {n: int(totals[i * len(names) + j]) for j, n in enumerate(names)} for i, f in enumerate(fields)}
+    out["evicted"] = float(sum(out["evicted_per_table"].values()))
+    return out
 
 
 def distributed_run(args, data, rank: int, world_size: int) -> DistributedRun:
@@ -137,11 +152,17 @@ def distributed_run(args, data, rank: int, world_size: int) -> DistributedRun:
     from cncore_torch.distributed import CNEmbeddingBagCollectionSharder, plan_for
     from cncore_torch.dlrm.train import build_dlrm, table_configs
 
+    from cncore_torch.dlrm import bounded
+
     torch.manual_seed(args.seed)  # the same dense initialisation on every rank (DDP broadcasts rank 0's anyway)
-    capacities = {name: max(1, math.ceil(n / world_size)) for name, n in data.initial_rows().items()}
-    ebc = CNEmbeddingBagCollection(tables=table_configs(args.embedding_dim, data.cardinalities), device="meta",
-                                   optimizer=cncore.RowWiseAdagrad(lr=args.sparse_lr), seed=args.seed,
-                                   capacities=capacities)
+    configs = table_configs(args.embedding_dim, data.cardinalities)
+    # --max-rows / --evict / --admit-min-count / --row-dtype: each rank's shard of a table bounds
+    # itself at ceil(budget / world_size) rows (shard_store_configs), by the same policy.
+    options = bounded.collection_options(args, [c.name for c in configs], data.synthetic, world_size)
+    capacities = {name: max(1, math.ceil(n / world_size))
+                  for name, n in data.initial_rows(options.get("max_rows")).items()}
+    ebc = CNEmbeddingBagCollection(tables=configs, device="meta", optimizer=cncore.RowWiseAdagrad(lr=args.sparse_lr),
+                                   seed=args.seed, capacities=capacities, **options)
     model = build_dlrm(ebc, args.embedding_dim)
     with warnings.catch_warnings():
         # TorchRec's own DistributedDataParallel call passes the deprecated argument: not ours to change.
