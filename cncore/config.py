@@ -303,6 +303,30 @@ ROW_DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2}
 
 
 @dataclass(frozen=True)
+class Tiered:
+    """Storage for a table larger than memory (cncore/tiered.py): every row lives in the directory
+    `path` on disk (a slotted file of page-aligned records plus the key index of the last flush);
+    a bounded in-memory cache of about `cache_bytes` holds the hot rows with their optimizer
+    state and metadata (evicting by the config's eviction policy, LRU by default).
+
+    >>> Tiered(path="/tmp/users.tier", cache_bytes=2**30).cache_bytes
+    1073741824
+    """
+    path: str
+    cache_bytes: int
+
+    def __post_init__(self):
+        import os
+        if not isinstance(self.path, (str, os.PathLike)) or not str(self.path):
+            raise TypeError(f"Tiered.path must be a directory path (str), got {self.path!r}")
+        object.__setattr__(self, "path", os.fspath(self.path))
+        if isinstance(self.cache_bytes, bool) or not isinstance(self.cache_bytes, numbers.Integral) \
+                or not 1 <= self.cache_bytes <= 2**56:
+            raise ValueError(f"Tiered.cache_bytes must be an int in [1, 2**56], got {self.cache_bytes!r}")
+        object.__setattr__(self, "cache_bytes", int(self.cache_bytes))
+
+
+@dataclass(frozen=True)
 class StoreConfig:
     """Everything that defines a store.
 
@@ -330,6 +354,9 @@ class StoreConfig:
     at most max_rows - 1):
     each round scans the table a few times, so a larger headroom pays that scan over more
     inserts, at the price of a table that runs up to `headroom` rows below its budget.
+
+    storage: None (every row in memory) or Tiered(path, cache_bytes): rows on disk under a
+    bounded memory cache; `EmbeddingStore(config)` is then a `cncore.tiered.TieredStore`.
     """
     dim: int
     dtype: str = "float32"
@@ -342,6 +369,7 @@ class StoreConfig:
     eviction: Optional[Eviction] = None
     headroom: Optional[int] = None
     admission: Optional[Admission] = None
+    storage: Optional[Tiered] = None
 
     def __post_init__(self):
         if not isinstance(self.dim, int) or isinstance(self.dim, bool) or not 1 <= self.dim <= 65536:
@@ -378,6 +406,9 @@ class StoreConfig:
                 raise ValueError("max_rows needs an eviction policy: eviction=cncore.LRU(), LFU() or TTL(steps)")
             if self.headroom is None:
                 object.__setattr__(self, "headroom", min(max(1, self.max_rows // 32), self.max_rows - 1))
+        if self.storage is not None and not isinstance(self.storage, Tiered):
+            raise TypeError(f"storage must be None or cncore.Tiered(path, cache_bytes), got "
+                            f"{type(self.storage).__name__}")
         if self.headroom is not None:
             if self.max_rows is None:
                 raise ValueError("headroom applies to a row budget: set max_rows too")

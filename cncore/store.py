@@ -140,6 +140,14 @@ class EmbeddingStore:
     (True, 1)
     """
 
+    def __new__(cls, config: Optional[StoreConfig] = None, **config_fields):
+        """A config with storage=cncore.Tiered(...) makes a `cncore.tiered.TieredStore`."""
+        storage = config_fields.get("storage") if config is None else getattr(config, "storage", None)
+        if cls is EmbeddingStore and storage is not None:
+            from cncore.tiered import TieredStore
+            return super().__new__(TieredStore)
+        return super().__new__(cls)
+
     def __init__(self, config: Optional[StoreConfig] = None, **config_fields):
         if config is None:
             config = StoreConfig(**config_fields)

@@ -140,6 +140,7 @@ def config_to_dict(config: cncore.StoreConfig) -> dict:
     for name in _OPTIONAL_FIELDS:
         if d[name] is None:
             del d[name]
+    del d["storage"]  # where a store keeps its rows is not part of the table
     return d
 
 
@@ -207,7 +208,9 @@ def config_from_dict(d, where: str = "") -> cncore.StoreConfig:
     TTL(steps=5)
     """
     if isinstance(d, dict):
-        d = {**{name: None for name in _OPTIONAL_FIELDS}, **d}
+        if "storage" in d:  # never written: a table file holds rows, not where a store keeps them
+            raise _error(where, "config has an unknown field 'storage'")
+        d = {**{name: None for name in _OPTIONAL_FIELDS}, **d, "storage": None}
     _fields_exactly(d, tuple(f.name for f in dataclasses.fields(cncore.StoreConfig)), where, "config")
     d = dict(d)
     if d["eviction"] is not None:

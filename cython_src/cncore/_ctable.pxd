@@ -133,3 +133,6 @@ cdef extern from "<pthread.h>" nogil:
     int pthread_rwlock_rdlock(pthread_rwlock_t *lock)
     int pthread_rwlock_wrlock(pthread_rwlock_t *lock)
     int pthread_rwlock_unlock(pthread_rwlock_t *lock)
+
+cdef extern from "cn_blockio.h" nogil:
+    int cn_blockio(int fd, const int64_t *offsets, int64_t n, int64_t rec, uint8_t *buf, int write)

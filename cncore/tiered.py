@@ -1,0 +1,499 @@
+"""The SSD tier: a table larger than memory, its hot rows in a bounded in-memory cache.
+
+    StoreConfig(dim=64, optimizer=..., storage=cncore.Tiered(path="users.tier", cache_bytes=2 << 30))
+
+`EmbeddingStore(config)` with `storage=Tiered(...)` is a `TieredStore`: the same verbs, over two
+tiers that never hold the same key at once:
+- the cache: an ordinary bounded core store (the budget is cache_bytes over the bytes a row
+  takes in memory; the config's eviction policy, LRU by default). Lookups, pooling and the
+  fused backward run on it exactly as on any store;
+- the disk: `path/rows.dat`, a slotted file of fixed-size records (key, count, last step,
+  row, optimizer state; a record never straddles a 4 KiB page), and a key -> slot index in
+  memory (a small core store, about 60 bytes a key).
+Before a call touches keys, the keys found on disk are read in one batched call (several
+I/Os in flight: cn_blockio.h) and loaded into the cache; making room for them evicts the
+cache's lowest-scoring rows that the call does not use, and those are written to free slots
+of the file in one batched call (the "spill"). Nothing is dropped: an evicted row is on disk.
+
+Durability (`flush`): every cached row is written to free slots, the file is fsynced, then the
+index of every row's slot is written to a new `index-NNNNNN.npz` (fsynced) and `meta.json`
+(the config, the step, the index's name and checksum) replaces the previous one by an atomic
+rename: that rename is the commit point; the older index is removed after it. Between flushes no write ever lands
+on a slot the last flushed index refers to (a slot freed since the flush waits for the next
+one), so a SIGKILL at any moment leaves the directory at the last flush; reopening the same
+path (with the same config) reads only the index. No fsync in the training loop.
+
+Space: rows are rewritten into free slots, never appended forever; the file holds the rows on
+disk plus at most the rows cached at the last flush. `compact()` moves records from the end of
+the file into holes and truncates it, after a flush.
+
+Left for later (said here so nobody relies on them): `prefetch(keys)` faults the keys in now
+rather than overlapping the reads with the current step; admission (MinCount) and the grouped
+lookups of the TorchRec collections are refused on a tiered store; 16-bit rows are stored as
+float32 in the records.
+
+>>> import numpy as np, tempfile, os, cncore
+>>> path = os.path.join(tempfile.mkdtemp(), "t.tier")
+>>> store = cncore.EmbeddingStore(cncore.StoreConfig(dim=4, optimizer=cncore.SGD(lr=0.1),
+...                                                  storage=cncore.Tiered(path, cache_bytes=20_000)))
+>>> for start in range(0, 1000, 100):
+...     _, ctx = store.pooled_lookup(np.arange(start, start + 100), lengths=np.full(10, 10))
+...     store.apply_gradients(ctx, np.ones((10, 4), np.float32))
+>>> len(store), store.cached_rows < 1000, store.stats["rows_written"] > 0
+(1000, True, True)
+>>> store.flush(); again = cncore.EmbeddingStore(store.config)
+>>> bool((again.lookup(np.array([5, 999])) == store.lookup(np.array([5, 999]))).all())
+True
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from typing import Iterator, Optional
+
+import numpy as np
+
+from cncore import _core
+from cncore._interchange import as_keys
+from cncore.config import LRU, StoreConfig, Tiered
+from cncore.store import EmbeddingStore, TableBatch
+
+__all__ = ["TieredStore"]
+
+_PAGE = 4096
+_SLOT_SPLIT = 1 << 20  # a slot as two floats of the index store, each an integer below 2**24 (exact)
+_FORMAT = "cn-tier"
+_VERSION = 1
+
+
+def _encode(slots: np.ndarray) -> np.ndarray:
+    return np.stack([slots % _SLOT_SPLIT, slots // _SLOT_SPLIT], axis=1).astype(np.float32)
+
+
+def _decode(rows: np.ndarray) -> np.ndarray:
+    return rows[:, 0].astype(np.int64) + rows[:, 1].astype(np.int64) * _SLOT_SPLIT
+
+
+def _cache_rows(config: StoreConfig, cache_bytes: int) -> int:
+    """Rows that fit cache_bytes: the row and its state, metadata and key (24 bytes), and the
+    index's share (16-byte buckets at the 0.7 load factor, about 23 bytes)."""
+    row = config.dim * (4 if config.dtype == "float32" else 2) + 4 * config.state_floats + 24 + 23
+    return max(16, cache_bytes // row)
+
+
+def _config_record(config: StoreConfig) -> dict:
+    """What must match for a directory to reopen as this table (its storage aside)."""
+    from cncore.tablefile import config_to_dict
+    d = config_to_dict(dataclasses.replace(config, storage=None))
+    d.pop("capacity", None)  # a hint, not part of the table
+    return json.loads(json.dumps(d))  # as meta.json holds it (tuples as lists)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class TieredStore(EmbeddingStore):
+    """An `EmbeddingStore` whose rows live on disk under a bounded memory cache (see the module
+    docstring). Built by `EmbeddingStore(config)` when `config.storage` is a `Tiered`."""
+
+    def __init__(self, config: Optional[StoreConfig] = None, **config_fields):
+        if config is None:
+            config = StoreConfig(**config_fields)
+        storage = config.storage
+        if not isinstance(storage, Tiered):
+            raise TypeError(f"config.storage must be a cncore.Tiered, got {type(storage).__name__}")
+        if config.admission is not None:
+            raise ValueError("admission: not supported with storage=Tiered yet (every key a training lookup "
+                             "sees gets a row, on disk once it leaves the cache)")
+        if config.max_rows is not None:
+            raise ValueError("max_rows: a tiered table keeps every row (on disk); its memory is bounded by "
+                             "Tiered.cache_bytes instead")
+        self._tier_config = config
+        self.cache_rows = _cache_rows(config, storage.cache_bytes)
+        cache = dataclasses.replace(config, storage=None, max_rows=self.cache_rows,
+                                    eviction=config.eviction or LRU(), headroom=None,
+                                    capacity=min(config.capacity, self.cache_rows))
+        self._dir = storage.path
+        self._check_directory()
+        super().__init__(cache)
+        self._layout()
+        # Keys on disk -> slot, in a small core store (batched finds in C, ~60 bytes a key).
+        self._disk = EmbeddingStore(dim=2, seed=0)
+        self._high_water = 0                       # slots ever used: the file's record count
+        self._free: list = []                      # slots free now (a stack)
+        self._pending = []                         # slots freed since the last flush that it refers to
+        self._snapshot = np.empty(0, np.int64)     # sorted slots the last flush's index refers to
+        self._flushes = 0
+        self.stats = {"hits": 0, "misses": 0, "new": 0, "rows_read": 0, "rows_written": 0, "bytes_read": 0,
+                      "bytes_written": 0, "flushes": 0}
+        os.makedirs(self._dir, exist_ok=True)
+        self._fd = os.open(os.path.join(self._dir, "rows.dat"), os.O_RDWR | os.O_CREAT, 0o644)
+        self._reopen()
+        super().on_evict(self._spill)
+
+    # --- the layout of a record ------------------------------------------------------------------
+
+    def _layout(self) -> None:
+        c = self._tier_config
+        fields = [("key", "<i8"), ("count", "<u4"), ("last_step", "<u4"), ("row", "<f4", (c.dim,))]
+        if c.state_floats:
+            fields.append(("state", "<f4", (c.state_floats,)))
+        packed = np.dtype(fields)
+        rec = -(-packed.itemsize // 64) * 64  # whole cache lines
+        if rec > _PAGE:
+            rec = -(-rec // _PAGE) * _PAGE   # a record of its own pages
+        self._record = np.dtype({"names": packed.names, "formats": [packed.fields[n][0] for n in packed.names],
+                                 "offsets": [packed.fields[n][1] for n in packed.names], "itemsize": rec})
+        self._per_page = max(1, _PAGE // rec)
+
+    def _offsets(self, slots: np.ndarray) -> np.ndarray:
+        rec = self._record.itemsize
+        if rec >= _PAGE:
+            return slots * rec
+        return (slots // self._per_page) * _PAGE + (slots % self._per_page) * rec
+
+    def _read(self, slots: np.ndarray) -> np.ndarray:
+        buf = np.zeros(len(slots), self._record)
+        if len(slots):
+            _core.block_io(self._fd, self._offsets(slots), buf.view(np.uint8).reshape(len(slots), -1), False)
+            self.stats["rows_read"] += len(slots)
+            self.stats["bytes_read"] += buf.nbytes
+        return buf
+
+    def _write(self, slots: np.ndarray, batch: TableBatch) -> None:
+        buf = np.zeros(len(slots), self._record)
+        buf["key"], buf["count"], buf["last_step"], buf["row"] = batch.keys, batch.counts, batch.last_steps, batch.rows
+        if "state" in self._record.names:
+            buf["state"] = batch.optimizer_state
+        if len(slots):
+            _core.block_io(self._fd, self._offsets(slots), buf.view(np.uint8).reshape(len(slots), -1), True)
+            self.stats["rows_written"] += len(slots)
+            self.stats["bytes_written"] += buf.nbytes
+
+    # --- slots ---------------------------------------------------------------------------------
+
+    def _take_slots(self, n: int) -> np.ndarray:
+        """n slots no live row and no row of the last flush uses."""
+        got = self._free[-n:] if n else []
+        del self._free[len(self._free) - len(got):]
+        fresh = n - len(got)
+        out = np.array(got + list(range(self._high_water, self._high_water + fresh)), np.int64)
+        self._high_water += fresh
+        return out
+
+    def _release(self, slots: np.ndarray) -> None:
+        """Slots of rows that left the disk: reusable now, unless the last flush refers to them."""
+        if not len(slots):
+            return
+        at = np.searchsorted(self._snapshot, slots).clip(max=max(len(self._snapshot) - 1, 0))
+        held = (self._snapshot[at] == slots) if len(self._snapshot) else np.zeros(len(slots), bool)
+        self._pending.append(slots[held])
+        self._free.extend(slots[~held].tolist())
+
+    # --- moving rows between the tiers ------------------------------------------------------------
+
+    def _spill(self, batch: TableBatch) -> None:
+        """The cache evicted these rows: write them to free slots (their keys are not on disk)."""
+        slots = self._take_slots(len(batch.keys))
+        self._write(slots, batch)
+        self._disk.load(batch.keys, _encode(slots))
+
+    def _fault_in(self, keys, insert: bool) -> None:
+        """Bring the keys on disk into the cache (and, with insert, give the absent ones their
+        initial rows), evicting only rows the call does not use."""
+        keys = np.unique(as_keys(keys))
+        if not len(keys):
+            return
+        cached = EmbeddingStore.find(self, keys)[1]
+        absent = keys[~cached]
+        disk_rows, on_disk = self._disk.find(absent) if len(absent) else (np.empty(0, np.int64), np.empty(0, bool))
+        self.stats["hits"] += int(cached.sum())
+        disk_keys = absent[on_disk]
+        self.stats["misses"] += len(disk_keys)
+        if insert:
+            self.stats["new"] += int((~on_disk).sum())
+        if not len(disk_keys) and not insert:
+            return
+        # Room first (the call's keys pinned: find_or_insert evicts only others), then the disk rows.
+        pinned = keys if insert else np.concatenate([keys[cached], disk_keys])
+        if len(pinned) > self.cache_rows:
+            raise ValueError(f"keys: this call uses {len(pinned)} distinct keys, more than the cache's "
+                             f"{self.cache_rows} rows (Tiered.cache_bytes={self._tier_config.storage.cache_bytes}); "
+                             "give a larger cache_bytes or smaller batches. The table is unchanged")
+        EmbeddingStore.find_or_insert(self, pinned)
+        if len(disk_keys):
+            slots = _decode(self._disk.read(disk_keys).rows)
+            rec = self._read(slots)
+            if (rec["key"] != disk_keys).any():
+                raise RuntimeError(f"{self._dir}: rows.dat holds another key in a slot the index gives; the tier "
+                                   "is damaged")
+            EmbeddingStore.load(self, disk_keys, rec["row"], rec["state"] if "state" in rec.dtype.names else None,
+                                rec["count"], rec["last_step"])
+            self._disk.erase(disk_keys)
+            self._release(slots)
+
+    # --- the verbs of a store ------------------------------------------------------------------
+
+    @property
+    def config(self) -> StoreConfig:
+        """The config the store was built with (its storage included)."""
+        return self._tier_config
+
+    @property
+    def cached_rows(self) -> int:
+        """Rows in memory now."""
+        return EmbeddingStore.__len__(self)
+
+    def __len__(self) -> int:
+        return EmbeddingStore.__len__(self) + len(self._disk)
+
+    def __reduce__(self):
+        raise TypeError("a TieredStore does not pickle: flush() it and reopen the directory with its config")
+
+    def find(self, keys):
+        self._fault_in(keys, insert=False)
+        return super().find(keys)
+
+    def contains(self, keys) -> np.ndarray:
+        return EmbeddingStore.find(self, keys)[1] | self._disk.contains(keys)
+
+    def find_or_insert(self, keys):
+        present = self.contains(keys)
+        self._fault_in(keys, insert=True)
+        slots, _ = super().find_or_insert(keys)
+        return slots, present
+
+    def insert_or_assign(self, keys, rows, optimizer_state=None) -> np.ndarray:
+        self._fault_in(keys, insert=False)
+        return super().insert_or_assign(keys, rows, optimizer_state)
+
+    def assign(self, keys, rows, optimizer_state=None) -> np.ndarray:
+        self._fault_in(keys, insert=False)
+        return super().assign(keys, rows, optimizer_state)
+
+    def load(self, keys, rows, optimizer_state=None, counts=None, last_steps=None) -> np.ndarray:
+        self._fault_in(keys, insert=False)
+        return super().load(keys, rows, optimizer_state, counts, last_steps)
+
+    def erase(self, keys) -> np.ndarray:
+        erased = super().erase(keys)
+        arr = as_keys(keys)
+        disk_rows, on_disk = self._disk.find(arr)
+        if on_disk.any():
+            first = np.zeros(len(arr), bool)
+            first[np.unique(arr, return_index=True)[1]] = True  # a repeated key is erased once
+            erased = erased | (on_disk & first)
+            gone = np.unique(arr[on_disk])
+            slots = _decode(self._disk.read(gone).rows)
+            self._disk.erase(gone)
+            self._release(slots)
+        return erased
+
+    def clear(self) -> None:
+        super().clear()
+        keys = self._disk.export(with_rows=True)
+        self._release(_decode(keys.rows))
+        self._disk.clear()
+
+    def reserve(self, n_rows: int) -> None:
+        super().reserve(min(int(n_rows), self.cache_rows))
+
+    def lookup(self, keys, *, insert_missing: bool = False) -> np.ndarray:
+        from cncore.grouped import as_flag
+        insert = as_flag(insert_missing, "insert_missing")
+        self._fault_in(keys, insert=insert)
+        if insert:
+            EmbeddingStore.find_or_insert(self, keys)
+        return EmbeddingStore.read(self, keys).rows
+
+    def read(self, keys) -> TableBatch:
+        self._fault_in(keys, insert=False)
+        return super().read(keys)
+
+    def pooled_lookup(self, keys, offsets=None, *, lengths=None, mode: str = "sum", per_sample_weights=None,
+                      insert_missing: bool = True, out=None):
+        self._fault_in(keys, insert=bool(insert_missing))
+        return super().pooled_lookup(keys, offsets, lengths=lengths, mode=mode, per_sample_weights=per_sample_weights,
+                                     insert_missing=insert_missing, out=out)
+
+    def prefetch(self, keys) -> None:
+        """Hand in the next batch's keys early: their rows on disk are read into the cache now
+        (not yet overlapped with the current step: see the module docstring)."""
+        self._fault_in(keys, insert=False)
+
+    def on_evict(self, callback) -> None:
+        raise TypeError("on_evict: a tiered store's evicted rows go to its disk tier, not to callbacks")
+
+    def set_optimizer(self, optimizer) -> None:
+        raise TypeError("set_optimizer: not on a tiered store (its records have the optimizer's width)")
+
+    def export(self, cursor: Optional[tuple] = None, max_rows: Optional[int] = None, *,
+               with_rows: bool = True) -> TableBatch:
+        """Every row, the cache's then the disk's (no cursor: iter_export walks both tiers)."""
+        if cursor is not None or max_rows is not None:
+            raise ValueError("cursor / max_rows: a tiered store exports whole or through iter_export()")
+        parts = list(self.iter_export(1 << 18, with_rows=with_rows))
+        if not parts:
+            return EmbeddingStore.export(self, with_rows=with_rows)
+        return TableBatch(*(np.concatenate([getattr(p, f) for p in parts]) for f in
+                            ("keys", "rows", "optimizer_state", "counts", "last_steps", "found")))
+
+    def iter_export(self, batch_size: int = 65536, *, with_rows: bool = True) -> Iterator[TableBatch]:
+        cursor = None
+        while True:  # the cache, with the base class's cursor walk
+            b = EmbeddingStore.export(self, cursor, batch_size, with_rows=with_rows)
+            if len(b.keys):
+                yield b
+            cursor = b.next_cursor
+            if cursor is None:
+                break
+        sf = self._tier_config.state_floats
+        for b in self._disk.iter_export(batch_size):
+            rec = self._read(_decode(b.rows))
+            dim = self.dim if with_rows else 0
+            rows = rec["row"] if with_rows else np.empty((len(rec), 0), np.float32)
+            state = (rec["state"] if sf else np.empty((len(rec), 0), np.float32)) if with_rows \
+                else np.empty((len(rec), 0), np.float32)
+            assert rows.shape[1] == dim
+            yield TableBatch(rec["key"].copy(), np.ascontiguousarray(rows), np.ascontiguousarray(state),
+                             rec["count"].copy(), rec["last_step"].copy(), np.ones(len(rec), bool))
+
+    # --- durability ----------------------------------------------------------------------------
+
+    def _check_directory(self) -> None:
+        """The path is new, empty, or a tier of this same table; anything else is refused."""
+        if not os.path.exists(self._dir):
+            return
+        if not os.path.isdir(self._dir):
+            raise ValueError(f"Tiered.path: {self._dir} exists and is not a directory")
+        entries = set(os.listdir(self._dir)) - {"rows.dat", "meta.json"}
+        if any(not (e.startswith(".tmp-") or (e.startswith("index-") and e.endswith(".npz"))) for e in entries):
+            raise ValueError(f"Tiered.path: {self._dir} holds other files ({sorted(entries)[:3]}); give a new or "
+                             "empty directory, or one a tiered table of this config flushed")
+
+    def _reopen(self) -> None:
+        meta_path = os.path.join(self._dir, "meta.json")
+        if not os.path.exists(meta_path):
+            return
+        with open(meta_path) as fh:
+            meta = json.load(fh)
+        if meta.get("format") != _FORMAT or meta.get("version") != _VERSION:
+            raise ValueError(f"Tiered.path: {meta_path} is not a {_FORMAT} version {_VERSION} directory")
+        if meta["config"] != _config_record(self._tier_config):
+            raise ValueError(f"Tiered.path: {self._dir} holds a table of another config ({meta['config']}); "
+                             "open it with the config it was flushed with")
+        with open(os.path.join(self._dir, meta["index"]), "rb") as fh:
+            data = fh.read()
+        if hashlib.sha256(data).hexdigest() != meta["index_sha256"]:
+            raise ValueError(f"Tiered.path: {self._dir}/{meta['index']} fails its checksum (damaged)")
+        import io
+        with np.load(io.BytesIO(data)) as index:
+            keys, slots = index["keys"], index["slots"]
+        self._disk.load(keys, _encode(slots))
+        self._high_water = int(meta["high_water"])
+        self._snapshot = np.sort(slots)
+        used = np.zeros(self._high_water, bool)
+        used[slots] = True
+        self._free = np.flatnonzero(~used)[::-1].tolist()
+        self.step = int(meta["step"])
+        self.evicted_count = int(meta["evicted"])
+        self._flushes = int(meta["flush"])
+
+    def flush(self) -> None:
+        """Make the directory hold this table as it is now, crash-safely (module docstring)."""
+        cached = EmbeddingStore.export(self)
+        slots = self._take_slots(len(cached.keys))
+        self._write(slots, cached)
+        os.fsync(self._fd)
+        disk = self._disk.export()
+        keys = np.concatenate([disk.keys, cached.keys])
+        all_slots = np.concatenate([_decode(disk.rows), slots])
+        self._commit(keys, all_slots)
+        # The new snapshot: its slots stay untouched until the next flush; the rest is free.
+        self._snapshot = np.sort(all_slots)
+        used = np.zeros(self._high_water, bool)
+        used[self._snapshot] = True
+        self._free = np.flatnonzero(~used)[::-1].tolist()
+        self._pending = []
+        self._flushed = (keys, all_slots)
+        self.stats["flushes"] += 1
+
+    def compact(self) -> int:
+        """Flush, then move the records past the table's row count into the holes below it and
+        truncate the file: afterwards it holds exactly one record per row. Crash-safe like a
+        flush (records are copied into free slots, the new index is committed, then the file is
+        cut). Returns the bytes the file gave back."""
+        self.flush()
+        keys, slots = self._flushed
+        n = len(slots)
+        order = np.argsort(slots)
+        tail = slots[order][slots[order] >= n]
+        holes = np.setdiff1d(np.arange(n, dtype=np.int64), slots, assume_unique=True)
+        if len(tail):
+            rec = self._read(tail)
+            buf = rec.view(np.uint8).reshape(len(tail), -1)
+            _core.block_io(self._fd, self._offsets(holes), buf, True)
+            self.stats["rows_written"] += len(tail)
+            self.stats["bytes_written"] += buf.nbytes
+            os.fsync(self._fd)
+            moved = slots.copy()
+            at = np.searchsorted(tail, slots)
+            is_tail = slots >= n
+            moved[is_tail] = holes[at[is_tail]]
+            self._commit(keys, moved)
+            slots = moved
+            on_disk = self._disk.contains(keys)
+            self._disk.load(keys[on_disk], _encode(slots[on_disk]))
+        before = os.fstat(self._fd).st_size
+        end = 0 if n == 0 else int(self._offsets(np.array([n - 1]))[0]) + self._record.itemsize
+        os.ftruncate(self._fd, end)
+        os.fsync(self._fd)
+        self._high_water, self._snapshot, self._free, self._pending = n, np.sort(slots), [], []
+        self._flushed = (keys, slots)
+        return before - end
+
+    def _commit(self, keys: np.ndarray, all_slots: np.ndarray) -> None:
+        """Write the index of every row's slot and make it the directory's state (atomic)."""
+        import io
+        buf = io.BytesIO()
+        np.savez(buf, keys=keys, slots=all_slots)
+        data = buf.getvalue()
+        self._flushes += 1
+        index_name = f"index-{self._flushes:06d}.npz"
+        meta = {"format": _FORMAT, "version": _VERSION, "config": _config_record(self._tier_config),
+                "flush": self._flushes, "index": index_name,
+                "rows": int(len(keys)), "step": int(self.step), "evicted": int(self.evicted_count),
+                "high_water": int(self._high_water), "record_bytes": int(self._record.itemsize),
+                "index_sha256": hashlib.sha256(data).hexdigest()}
+        tmp_meta = os.path.join(self._dir, f".tmp-{os.getpid()}-meta.json")
+        for path, payload in ((os.path.join(self._dir, index_name), data),
+                              (tmp_meta, json.dumps(meta, indent=1).encode())):
+            with open(path, "wb") as fh:
+                fh.write(payload)
+                fh.flush()
+                os.fsync(fh.fileno())
+        _fsync_dir(self._dir)
+        os.replace(tmp_meta, os.path.join(self._dir, "meta.json"))  # the commit point
+        _fsync_dir(self._dir)
+        for entry in os.listdir(self._dir):  # older indexes, and leftovers of killed flushes
+            if (entry.startswith("index-") and entry != index_name) or entry.startswith(".tmp-"):
+                os.remove(os.path.join(self._dir, entry))
+
+    def close(self) -> None:
+        """Close the file (without flushing)."""
+        if getattr(self, "_fd", None) is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass

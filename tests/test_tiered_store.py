@@ -1,0 +1,237 @@
+"""The SSD tier (cncore/tiered.py) against the in-memory store with the same config.
+
+- A hypothesis state machine drives a TieredStore whose cache holds 16-24 rows (so rows go back
+  and forth between memory and disk all the time) and an in-memory EmbeddingStore through the
+  same training steps (pooled lookup + fused Adam / row-wise Adagrad backward), evaluation
+  lookups, writes, erases, flushes and reopenings: after every step both hold the same keys,
+  rows, optimizer state, counts and last steps, and give the same outputs.
+- Crash tests: a subprocess trains and flushes, and is SIGKILLed at a random moment (during
+  training, during a flush); the directory reopens as the state of the last completed flush.
+- Bad input is refused naming the argument, and leaves the directory as it was.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+import cncore
+from cncore.tiered import TieredStore
+
+DIM = 4
+
+
+def assert_same_rows(tiered, memory):
+    a, b = tiered.export(), memory.export()
+    assert len(tiered) == len(memory) == len(a.keys) == len(b.keys)
+    ia, ib = np.argsort(a.keys), np.argsort(b.keys)
+    for name in ("keys", "rows", "optimizer_state", "counts", "last_steps"):
+        np.testing.assert_array_equal(getattr(a, name)[ia], getattr(b, name)[ib], err_msg=name)
+    assert tiered.step == memory.step
+
+
+key_batches = st.lists(st.one_of(st.integers(-30, 30), st.sampled_from([-2**63, 2**63 - 1])), min_size=1,
+                       max_size=12)
+
+
+class TieredMachine(RuleBasedStateMachine):
+    @initialize(optimizer=st.sampled_from(["adam", "rowwise"]), eviction=st.sampled_from(["lru", "lfu"]))
+    def setup(self, optimizer, eviction):
+        import tempfile
+        self.path = os.path.join(tempfile.mkdtemp(), "t.tier")
+        opt = cncore.Adam(lr=0.05) if optimizer == "adam" else cncore.RowWiseAdagrad(lr=0.1)
+        ev = cncore.LRU() if eviction == "lru" else cncore.LFU()
+        per_row = DIM * 4 + 4 * (2 * DIM if optimizer == "adam" else 1) + 47
+        self.config = cncore.StoreConfig(dim=DIM, seed=3, optimizer=opt, eviction=ev,
+                                         storage=cncore.Tiered(self.path, cache_bytes=16 * per_row))
+        self.tiered = cncore.EmbeddingStore(self.config)
+        assert isinstance(self.tiered, TieredStore) and self.tiered.cache_rows == 16
+        self.memory = cncore.EmbeddingStore(cncore.StoreConfig(dim=DIM, seed=3, optimizer=opt))
+        self.flushed = None  # the in-memory state at the last flush
+
+    @rule(keys=key_batches, seed=st.integers(0, 99), mode=st.sampled_from(["sum", "mean"]))
+    def train(self, keys, seed, mode):
+        keys = np.array(keys, np.int64)
+        lengths = np.array([len(keys) // 2, len(keys) - len(keys) // 2])
+        grad = np.random.default_rng(seed).standard_normal((2, DIM)).astype(np.float32)
+        outs = []
+        for store in (self.tiered, self.memory):
+            out, ctx = store.pooled_lookup(keys, lengths=lengths, mode=mode)
+            store.apply_gradients(ctx, grad)
+            outs.append(out)
+        np.testing.assert_array_equal(outs[0], outs[1])
+
+    @rule(keys=key_batches)
+    def evaluate(self, keys):
+        keys = np.array(keys, np.int64)
+        np.testing.assert_array_equal(self.tiered.lookup(keys), self.memory.lookup(keys))
+        assert self.tiered.contains(keys).tolist() == self.memory.contains(keys).tolist()
+
+    @rule(keys=key_batches, seed=st.integers(0, 99))
+    def write(self, keys, seed):
+        keys = np.array(keys, np.int64)
+        rows = np.random.default_rng(seed).standard_normal((len(keys), DIM)).astype(np.float32)
+        assert self.tiered.insert_or_assign(keys, rows).tolist() == self.memory.insert_or_assign(keys, rows).tolist()
+
+    @rule(keys=key_batches)
+    def erase(self, keys):
+        keys = np.array(keys, np.int64)
+        assert self.tiered.erase(keys).tolist() == self.memory.erase(keys).tolist()
+
+    @rule()
+    def flush(self):
+        self.tiered.flush()
+        self.flushed = self.memory.export()
+
+    @rule()
+    def compact(self):
+        self.tiered.compact()
+
+    @rule()
+    def reopen_after_flush(self):
+        self.tiered.flush()
+        self.tiered.close()
+        self.tiered = cncore.EmbeddingStore(self.config)
+        assert self.tiered.cached_rows == 0  # reopening reads only the index
+
+    @invariant()
+    def same_table(self):
+        if hasattr(self, "tiered"):
+            assert self.tiered.cached_rows <= self.tiered.cache_rows
+            assert_same_rows(self.tiered, self.memory)
+
+
+TestTieredMachine = TieredMachine.TestCase
+
+
+def test_a_table_ten_times_its_cache_trains_as_in_memory(tmp_path):
+    """Zipf-like skew over 2,000 keys, a cache of 200 rows: same outputs every step, same rows at the end."""
+    opt = cncore.RowWiseAdagrad(lr=0.1)
+    tiered = cncore.EmbeddingStore(cncore.StoreConfig(dim=8, optimizer=opt, storage=cncore.Tiered(
+        str(tmp_path / "t"), cache_bytes=200 * (8 * 4 + 4 + 47))))
+    memory = cncore.EmbeddingStore(cncore.StoreConfig(dim=8, optimizer=opt))
+    rng = np.random.default_rng(0)
+    for _ in range(60):
+        keys = (rng.zipf(1.2, 64) % 2000).astype(np.int64)
+        for store in (tiered, memory):
+            out, ctx = store.pooled_lookup(keys, lengths=np.full(8, 8))
+            store.apply_gradients(ctx, np.ones((8, 8), np.float32))
+        np.testing.assert_array_equal(tiered.pooled_lookup(keys, lengths=np.full(8, 8), insert_missing=False)[0],
+                                      memory.pooled_lookup(keys, lengths=np.full(8, 8), insert_missing=False)[0])
+    assert tiered.cached_rows <= 200 < len(tiered)
+    assert tiered.stats["rows_written"] > 0 and tiered.stats["rows_read"] > 0
+    assert_same_rows(tiered, memory)
+
+
+def test_flush_then_reopen_and_the_file_reuses_space(tmp_path):
+    """The same 200 keys rewritten over and over: the file stops growing. A slot freed since the
+    last flush waits for the next one (the flushed state must survive a crash), so between
+    flushes rewritten rows take other slots: at most twice the rows on disk, plus the cache
+    written by a flush."""
+    config = cncore.StoreConfig(dim=DIM, optimizer=cncore.SGD(lr=0.1),
+                                storage=cncore.Tiered(str(tmp_path / "t"), cache_bytes=16 * (DIM * 4 + 47)))
+    store = cncore.EmbeddingStore(config)
+    sizes = []
+    for round_ in range(12):
+        for start in range(0, 200, 10):
+            _, ctx = store.pooled_lookup(np.arange(start, start + 10), lengths=np.array([10]))
+            store.apply_gradients(ctx, np.ones((1, DIM), np.float32))
+        store.flush()
+        sizes.append(os.path.getsize(tmp_path / "t" / "rows.dat"))
+    rec = store._record.itemsize
+    assert max(sizes) <= (2 * 200 + 2 * store.cache_rows) * rec + 4096
+    assert sizes[-1] == sizes[4]  # steady: every write lands in a reused slot
+    gave_back = store.compact()
+    per_page = 4096 // rec
+    assert os.path.getsize(tmp_path / "t" / "rows.dat") == (199 // per_page) * 4096 + (199 % per_page + 1) * rec
+    assert gave_back == sizes[-1] - os.path.getsize(tmp_path / "t" / "rows.dat") > 0
+    again = cncore.EmbeddingStore(config)
+    assert_same_rows(again, store)
+    _, ctx = again.pooled_lookup(np.arange(200, 210), lengths=np.array([10]))  # and it trains on
+    again.apply_gradients(ctx, np.ones((1, DIM), np.float32))
+    assert len(again) == 210
+    with pytest.raises(ValueError, match=r"17 distinct keys, more than the cache's 16 rows.*cache_bytes"):
+        again.pooled_lookup(np.arange(17), lengths=np.array([17]))
+    assert len(again) == 210
+
+
+def test_bad_input_is_refused_naming_it_and_leaves_the_directory(tmp_path):
+    with pytest.raises(ValueError, match="Tiered.cache_bytes"):
+        cncore.Tiered(str(tmp_path / "t"), cache_bytes=0)
+    with pytest.raises(TypeError, match="Tiered.path"):
+        cncore.Tiered(None, cache_bytes=10)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="holds other files"):
+        cncore.EmbeddingStore(cncore.StoreConfig(dim=2, storage=cncore.Tiered(str(other), 10**6)))
+    assert os.listdir(other) == ["notes.txt"]
+    with pytest.raises(ValueError, match="admission: not supported with storage=Tiered"):
+        cncore.EmbeddingStore(cncore.StoreConfig(dim=2, admission=cncore.MinCount(2),
+                                                 storage=cncore.Tiered(str(tmp_path / "a"), 10**6)))
+    path = str(tmp_path / "t")
+    store = cncore.EmbeddingStore(cncore.StoreConfig(dim=2, storage=cncore.Tiered(path, 10**6)))
+    store.find_or_insert(np.arange(5))
+    store.flush()
+    before = sorted(os.listdir(path))
+    with pytest.raises(ValueError, match="holds a table of another config"):
+        cncore.EmbeddingStore(cncore.StoreConfig(dim=3, storage=cncore.Tiered(path, 10**6)))
+    assert sorted(os.listdir(path)) == before
+    with pytest.raises(TypeError, match="on_evict: a tiered store"):
+        store.on_evict(print)
+
+
+CRASH_CHILD = r"""
+import sys, os, numpy as np, cncore
+path, seed = sys.argv[1], int(sys.argv[2])
+config = cncore.StoreConfig(dim=8, optimizer=cncore.RowWiseAdagrad(lr=0.1),
+                            storage=cncore.Tiered(path, cache_bytes=300 * 90))
+store = cncore.EmbeddingStore(config)
+rng = np.random.default_rng(seed)
+flush = 0
+while True:
+    for _ in range(5):
+        keys = rng.integers(0, 3000, 256)
+        _, ctx = store.pooled_lookup(keys, lengths=np.full(16, 16))
+        store.apply_gradients(ctx, rng.standard_normal((16, 8)).astype(np.float32))
+    b = store.export()
+    flush += 1
+    np.savez(os.path.join(os.path.dirname(path), f"expected-{flush}.npz"), keys=b.keys, rows=b.rows,
+             state=b.optimizer_state, counts=b.counts, last_steps=b.last_steps, step=store.step)
+    print(flush, flush=True)
+    store.flush()
+"""
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_kill_at_any_moment_leaves_the_last_flush(tmp_path, seed):
+    path = str(tmp_path / "t")
+    child = subprocess.Popen([sys.executable, "-c", CRASH_CHILD, path, str(seed)], stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        lines = 0
+        deadline = time.monotonic() + 60
+        while lines < 2 + seed and time.monotonic() < deadline:  # a few flushes in, then a kill mid-whatever
+            if child.stdout.readline():
+                lines += 1
+        time.sleep(0.01 * seed)
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.wait(timeout=30)
+    meta = json.load(open(os.path.join(path, "meta.json")))
+    expected = np.load(str(tmp_path / f"expected-{meta['flush']}.npz"))
+    config = cncore.StoreConfig(dim=8, optimizer=cncore.RowWiseAdagrad(lr=0.1),
+                                storage=cncore.Tiered(path, cache_bytes=300 * 90))
+    back = cncore.EmbeddingStore(config).export()
+    order, want = np.argsort(back.keys), np.argsort(expected["keys"])
+    np.testing.assert_array_equal(back.keys[order], expected["keys"][want])
+    np.testing.assert_array_equal(back.rows[order], expected["rows"][want])
+    np.testing.assert_array_equal(back.optimizer_state[order], expected["state"][want])
+    np.testing.assert_array_equal(back.counts[order], expected["counts"][want])
+    np.testing.assert_array_equal(back.last_steps[order], expected["last_steps"][want])
