@@ -235,3 +235,18 @@ def test_a_kill_at_any_moment_leaves_the_last_flush(tmp_path, seed):
     np.testing.assert_array_equal(back.optimizer_state[order], expected["state"][want])
     np.testing.assert_array_equal(back.counts[order], expected["counts"][want])
     np.testing.assert_array_equal(back.last_steps[order], expected["last_steps"][want])
+
+
+def test_the_benchmark_script_measures_every_cell():
+    """asv_bench/scripts/tiered_bench.py --quick: a row per (multiple, stream) with numbers, the
+    tiered table holding more rows than its cache, write amplification and compaction reported
+    (a smoke test, so that the script cannot silently stop measuring)."""
+    script = os.path.join(os.path.dirname(__file__), "..", "asv_bench", "scripts", "tiered_bench.py")
+    out = subprocess.run([sys.executable, script, "--quick"], check=True, capture_output=True, text=True,
+                         timeout=300).stdout
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines() if line.startswith("| 3x")]
+    assert [c[1] for c in cells] == ["zipf-1.05", "uniform"]
+    for c in cells:
+        rows, tiered_ms, memory_ms, hit_rate = int(c[2].replace(",", "")), float(c[3]), float(c[4]), float(c[6])
+        assert rows > 3 * 3000 and tiered_ms > 0 and memory_ms > 0 and 0 < hit_rate < 1
+    assert "write amplification" in out and "after (record 320 bytes)" in out

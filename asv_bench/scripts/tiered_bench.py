@@ -1,0 +1,185 @@
+"""The SSD tier against the same table held in memory: training-step time, cache hit rate, rows
+read and written per step, peak RSS against the cache budget, write amplification and disk
+space after compaction.
+
+For each table size (a multiple of the cache's rows) and each ID stream (Zipf 1.05, Zipf 1.2 by
+rank over the table's keys, uniform), two processes (so each peak RSS is its own): one trains a
+TieredStore, one the in-memory EmbeddingStore, on the same batches (`--batch` bags of `--bag`
+IDs, fused row-wise Adagrad, dim `--dim`). Each first fills the table with one pass over all its
+keys, then `--steps` measured steps; the step time is the median. Then, for the smallest
+multiple: `--passes` passes of uniform updates over every key (write amplification: bytes
+written to the file over the bytes of the rows and optimizer state the passes updated), and
+`compact()` (file bytes over live rows x record bytes).
+
+Say where the file lives: on this machine the file sits in the page cache (RAM is larger than
+the files), so a read is a memory copy, not a device read; the numbers are the tier's own cost.
+
+    python asv_bench/scripts/tiered_bench.py                 # 32 MiB cache, tables 3x and 10x
+    python asv_bench/scripts/tiered_bench.py --quick         # a smoke run
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss_bytes() -> int:
+    with open("/proc/self/status") as fh:
+        return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmHWM:"))
+
+
+def batches(stream: str, n_keys: int, steps: int, ids_per_step: int, seed: int):
+    """`steps` batches of IDs: Zipf(a) by rank (rank r with probability ~ 1/r^a) or uniform,
+    over n_keys keys scattered over int64."""
+    rng = np.random.default_rng(seed)
+    keys = np.random.default_rng(99).integers(-2**62, 2**62, n_keys)
+    if stream == "uniform":
+        for _ in range(steps):
+            yield keys[rng.integers(0, n_keys, ids_per_step)]
+        return
+    a = float(stream.split("-")[1])
+    cdf = np.cumsum(1.0 / np.arange(1, n_keys + 1) ** a)
+    cdf /= cdf[-1]
+    for _ in range(steps):
+        yield keys[np.searchsorted(cdf, rng.random(ids_per_step))]
+
+
+def run_one(kind: str, stream: str, multiple: float, args) -> dict:
+    """One training run in this process (called in a child): JSON-able results."""
+    import cncore
+    base_rss = rss_bytes()
+    opt = cncore.RowWiseAdagrad(lr=0.05)
+    directory = tempfile.mkdtemp(prefix="cn-tier-", dir=args.dir)
+    storage = cncore.Tiered(os.path.join(directory, "t"), args.cache_mib << 20) if kind == "tiered" else None
+    store = cncore.EmbeddingStore(cncore.StoreConfig(dim=args.dim, optimizer=opt, storage=storage))
+    from cncore.tiered import _cache_rows
+    cache_rows = store.cache_rows if kind == "tiered" else _cache_rows(store.config, args.cache_mib << 20)
+    n_keys = int(cache_rows * multiple)
+    ids = args.batch * args.bag
+    lengths = np.full(args.batch, args.bag)
+    grad = np.full((args.batch, args.dim), 0.01, np.float32)
+    all_keys = np.random.default_rng(99).integers(-2**62, 2**62, n_keys)
+    for start in range(0, n_keys, ids):  # fill: every key once
+        chunk = all_keys[start:start + ids]
+        _, ctx = store.pooled_lookup(chunk, lengths=np.array([len(chunk)]))
+        store.apply_gradients(ctx, grad[:1])
+    before = dict(store.stats) if kind == "tiered" else {}
+    times = []
+    for keys in batches(stream, n_keys, args.steps, ids, seed=1):
+        t0 = time.perf_counter()
+        _, ctx = store.pooled_lookup(keys, lengths=lengths)
+        store.apply_gradients(ctx, grad)
+        times.append(time.perf_counter() - t0)
+    out = {"kind": kind, "stream": stream, "multiple": multiple, "rows": len(store), "cache_rows": cache_rows,
+           "step_ms": float(np.median(times) * 1e3), "peak_rss_mib": (peak_rss_bytes() - base_rss) / 2**20}
+    if kind == "tiered":
+        s = store.stats
+        d = {k: s[k] - before.get(k, 0) for k in s}
+        out.update(hit_rate=d["hits"] / max(1, d["hits"] + d["misses"]),
+                   read_per_step=d["rows_read"] / args.steps, written_per_step=d["rows_written"] / args.steps,
+                   mib_read_per_step=d["bytes_read"] / args.steps / 2**20,
+                   mib_written_per_step=d["bytes_written"] / args.steps / 2**20)
+        if args.passes and multiple == min(args.multiples):
+            written0 = s["bytes_written"]
+            row_bytes = 4 * (args.dim + store.config.state_floats)
+            updated = 0
+            for _ in range(args.passes):
+                order = np.random.default_rng(7).permutation(all_keys)
+                for start in range(0, n_keys, ids):
+                    chunk = order[start:start + ids]
+                    _, ctx = store.pooled_lookup(chunk, lengths=np.array([len(chunk)]))
+                    store.apply_gradients(ctx, grad[:1])
+                    updated += len(chunk)
+                store.flush()
+            out["write_amplification"] = (store.stats["bytes_written"] - written0) / (updated * row_bytes)
+            file_bytes = os.path.getsize(os.path.join(directory, "t", "rows.dat"))
+            store.compact()
+            after = os.path.getsize(os.path.join(directory, "t", "rows.dat"))
+            live = len(store) * store._record.itemsize
+            out.update(file_over_live_before_compact=file_bytes / live, file_over_live_after_compact=after / live,
+                       record_bytes=store._record.itemsize)
+    return out
+
+
+def child(args) -> None:
+    print(json.dumps(run_one(args.kind, args.stream, args.multiple, args)))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cache-mib", type=int, default=32)
+    ap.add_argument("--multiples", type=float, nargs="+", default=[3, 10])
+    ap.add_argument("--streams", nargs="+", default=["zipf-1.05", "zipf-1.2", "uniform"])
+    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=1024)
+    ap.add_argument("--bag", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--passes", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dir", default=None, help="where the tier files go (default: the temp dir)")
+    ap.add_argument("--quick", action="store_true", help="a smoke run: 1 MiB cache, 3x, 4 steps, 2 passes")
+    ap.add_argument("--kind", help=argparse.SUPPRESS)
+    ap.add_argument("--stream", help=argparse.SUPPRESS)
+    ap.add_argument("--multiple", type=float, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.cache_mib, args.multiples, args.steps, args.passes, args.batch = 1, [3], 4, 2, 128
+        args.streams = ["zipf-1.05", "uniform"]
+    if args.kind:
+        import cncore
+        cncore.set_num_threads(args.threads)
+        child(args)
+        return 0
+    rows = []
+    for multiple in args.multiples:
+        for stream in args.streams:
+            pair = {}
+            for kind in ("tiered", "memory"):
+                argv_child = [sys.executable, __file__, "--kind", kind, "--stream", stream, "--multiple", str(multiple),
+                              "--cache-mib", str(args.cache_mib), "--dim", str(args.dim), "--batch", str(args.batch),
+                              "--bag", str(args.bag), "--steps", str(args.steps), "--passes", str(args.passes),
+                              "--threads", str(args.threads), "--multiples", *map(str, args.multiples)]
+                if args.dir:
+                    argv_child += ["--dir", args.dir]
+                done = subprocess.run(argv_child, capture_output=True, text=True)
+                if done.returncode:
+                    raise SystemExit(f"{kind} {stream} {multiple:g}x failed:\n{done.stderr}")
+                pair[kind] = json.loads(done.stdout.strip().splitlines()[-1])
+            rows.append(pair)
+    t0 = rows[0]["tiered"]
+    print(f"cache {args.cache_mib} MiB = {t0['cache_rows']:,} rows of dim {args.dim} (row-wise Adagrad), "
+          f"{args.batch} x {args.bag} IDs per step, {args.threads} thread(s); load {os.getloadavg()[0]:.1f}\n")
+    print("| table / cache | stream | rows | tiered step ms | in-memory step ms | tiered / in-memory speed | "
+          "hit rate | rows read / step | rows written / step | MiB read / step | tiered peak RSS MiB "
+          "(cache budget " f"{args.cache_mib}) | in-memory peak RSS MiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for p in rows:
+        t, m = p["tiered"], p["memory"]
+        print(f"| {t['multiple']:g}x | {t['stream']} | {t['rows']:,} | {t['step_ms']:.1f} | {m['step_ms']:.1f} | "
+              f"{m['step_ms'] / t['step_ms']:.2f}x | {t['hit_rate']:.3f} | {t['read_per_step']:,.0f} | "
+              f"{t['written_per_step']:,.0f} | {t['mib_read_per_step']:.1f} | {t['peak_rss_mib']:.0f} | "
+              f"{m['peak_rss_mib']:.0f} |")
+    extra = [p["tiered"] for p in rows if "write_amplification" in p["tiered"]]
+    if extra:
+        e = extra[0]
+        print(f"\n{args.passes} uniform passes over the {e['multiple']:g}x table ({e['rows']:,} rows), a flush after "
+              f"each: write amplification {e['write_amplification']:.2f} (bytes written / bytes of rows and state "
+              f"updated); file {e['file_over_live_before_compact']:.2f}x the live records before compact(), "
+              f"{e['file_over_live_after_compact']:.2f}x after (record {e['record_bytes']} bytes)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
