@@ -23,9 +23,12 @@ on a slot the last flushed index refers to (a slot freed since the flush waits f
 one), so a SIGKILL at any moment leaves the directory at the last flush; reopening the same
 path (with the same config) reads only the index. No fsync in the training loop.
 
-Space: rows are rewritten into free slots, never appended forever; the file holds the rows on
-disk plus at most the rows cached at the last flush. `compact()` moves records from the end of
-the file into holes and truncates it, after a flush.
+Space: log-structured. A spill writes its records to whole free pages and then to the end of
+the file, in runs (one pwritev per run); slots freed since the last flush are reused after the
+next one, and a flush compacts (moves the records past the row count into the holes, then
+truncates) when the file holds more than twice as many records as rows. So after a flush the
+file is at most twice the rows (plus a few pages), and between flushes it grows by the rows
+spilled since. `compact()` brings it to exactly one record per row.
 
 Left for later (said here so nobody relies on them): `prefetch(keys)` faults the keys in now
 rather than overlapping the reads with the current step; admission (MinCount) and the grouped
@@ -127,10 +130,11 @@ class TieredStore(EmbeddingStore):
         # Keys on disk -> slot, in a small core store (batched finds in C, ~60 bytes a key).
         self._disk = EmbeddingStore(dim=2, seed=0)
         self._high_water = 0                       # slots ever used: the file's record count
-        self._free: list = []                      # slots free now (a stack)
-        self._pending = []                         # slots freed since the last flush that it refers to
+        self._page_slots = np.empty(0, np.int64)   # slots of whole free pages, taken in order
+        self._page_cursor = 0
         self._snapshot = np.empty(0, np.int64)     # sorted slots the last flush's index refers to
-        self._flushes = 0
+        self._flushes = 0  # flush() calls over the directory's life (meta.json "flush")
+        self._commits = 0  # index versions written (a compaction commits a second one)
         self.stats = {"hits": 0, "misses": 0, "new": 0, "rows_read": 0, "rows_written": 0, "bytes_read": 0,
                       "bytes_written": 0, "flushes": 0}
         os.makedirs(self._dir, exist_ok=True)
@@ -179,23 +183,34 @@ class TieredStore(EmbeddingStore):
 
     # --- slots ---------------------------------------------------------------------------------
 
+    # Log-structured: a spill's records go to whole free pages (in order) and then to the end of
+    # the file, so that they form long runs, one pwritev each. Reusing single free slots scattered
+    # over the file cost 10x per record (2,500 records of 320 bytes: 3.4 ms scattered, 0.3 ms in a
+    # run, page cache, this machine). The holes that leaves (slots freed in pages still partly in
+    # use) are closed by compaction, which flush() runs when the file exceeds twice the rows it
+    # holds, and compact() on demand.
+
     def _take_slots(self, n: int) -> np.ndarray:
-        """n slots no live row and no row of the last flush uses."""
-        got = self._free[-n:] if n else []
-        del self._free[len(self._free) - len(got):]
+        """n slots no live row and no row of the last flush uses, as contiguous as can be."""
+        got = self._page_slots[self._page_cursor:self._page_cursor + n]
+        self._page_cursor += len(got)
         fresh = n - len(got)
-        out = np.array(got + list(range(self._high_water, self._high_water + fresh)), np.int64)
+        out = np.concatenate([got, np.arange(self._high_water, self._high_water + fresh, dtype=np.int64)])
         self._high_water += fresh
         return out
 
     def _release(self, slots: np.ndarray) -> None:
-        """Slots of rows that left the disk: reusable now, unless the last flush refers to them."""
-        if not len(slots):
-            return
-        at = np.searchsorted(self._snapshot, slots).clip(max=max(len(self._snapshot) - 1, 0))
-        held = (self._snapshot[at] == slots) if len(self._snapshot) else np.zeros(len(slots), bool)
-        self._pending.append(slots[held])
-        self._free.extend(slots[~held].tolist())
+        """Slots of rows that left the disk: free for the allocation after the next flush (a
+        slot the last flush refers to must not be written before the next one)."""
+
+    def _plan_free(self, used: np.ndarray) -> None:
+        """After a flush: the whole pages no row uses become the next spills' slots."""
+        free = np.flatnonzero(~used)
+        pages = free // self._per_page
+        counts = np.bincount(pages, minlength=1)
+        whole = np.flatnonzero(counts == self._per_page)
+        self._page_slots = free[np.isin(pages, whole)] if len(whole) else np.empty(0, np.int64)
+        self._page_cursor = 0
 
     # --- moving rows between the tiers ------------------------------------------------------------
 
@@ -401,10 +416,10 @@ class TieredStore(EmbeddingStore):
         self._snapshot = np.sort(slots)
         used = np.zeros(self._high_water, bool)
         used[slots] = True
-        self._free = np.flatnonzero(~used)[::-1].tolist()
+        self._plan_free(used)
         self.step = int(meta["step"])
         self.evicted_count = int(meta["evicted"])
-        self._flushes = int(meta["flush"])
+        self._flushes, self._commits = int(meta["flush"]), int(meta["commit"])
 
     def flush(self) -> None:
         """Make the directory hold this table as it is now, crash-safely (module docstring)."""
@@ -415,15 +430,17 @@ class TieredStore(EmbeddingStore):
         disk = self._disk.export()
         keys = np.concatenate([disk.keys, cached.keys])
         all_slots = np.concatenate([_decode(disk.rows), slots])
+        self._flushes += 1
         self._commit(keys, all_slots)
         # The new snapshot: its slots stay untouched until the next flush; the rest is free.
         self._snapshot = np.sort(all_slots)
         used = np.zeros(self._high_water, bool)
         used[self._snapshot] = True
-        self._free = np.flatnonzero(~used)[::-1].tolist()
-        self._pending = []
+        self._plan_free(used)
         self._flushed = (keys, all_slots)
         self.stats["flushes"] += 1
+        if self._high_water > 2 * len(all_slots) + 4 * self._per_page:
+            self._compact_flushed()
 
     def compact(self) -> int:
         """Flush, then move the records past the table's row count into the holes below it and
@@ -431,6 +448,10 @@ class TieredStore(EmbeddingStore):
         flush (records are copied into free slots, the new index is committed, then the file is
         cut). Returns the bytes the file gave back."""
         self.flush()
+        return self._compact_flushed()
+
+    def _compact_flushed(self) -> int:
+        """compact() right after a flush (the state is on disk, nothing cached is newer)."""
         keys, slots = self._flushed
         n = len(slots)
         order = np.argsort(slots)
@@ -455,8 +476,10 @@ class TieredStore(EmbeddingStore):
         end = 0 if n == 0 else int(self._offsets(np.array([n - 1]))[0]) + self._record.itemsize
         os.ftruncate(self._fd, end)
         os.fsync(self._fd)
-        self._high_water, self._snapshot, self._free, self._pending = n, np.sort(slots), [], []
+        self._high_water, self._snapshot = n, np.sort(slots)
+        self._page_slots, self._page_cursor = np.empty(0, np.int64), 0
         self._flushed = (keys, slots)
+        self.stats["compactions"] = self.stats.get("compactions", 0) + 1
         return before - end
 
     def _commit(self, keys: np.ndarray, all_slots: np.ndarray) -> None:
@@ -465,10 +488,10 @@ class TieredStore(EmbeddingStore):
         buf = io.BytesIO()
         np.savez(buf, keys=keys, slots=all_slots)
         data = buf.getvalue()
-        self._flushes += 1
-        index_name = f"index-{self._flushes:06d}.npz"
+        self._commits += 1
+        index_name = f"index-{self._commits:06d}.npz"
         meta = {"format": _FORMAT, "version": _VERSION, "config": _config_record(self._tier_config),
-                "flush": self._flushes, "index": index_name,
+                "flush": self._flushes, "commit": self._commits, "index": index_name,
                 "rows": int(len(keys)), "step": int(self.step), "evicted": int(self.evicted_count),
                 "high_water": int(self._high_water), "record_bytes": int(self._record.itemsize),
                 "index_sha256": hashlib.sha256(data).hexdigest()}
