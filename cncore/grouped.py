@@ -175,6 +175,7 @@ def grouped_pooled_lookup(stores: Sequence, keys: Sequence, offsets: Optional[Se
         weight_arrays.append(w)
         mode_codes.append(MODES[mode])
 
+    _fault_in_tiers(stores, key_arrays, bool(insert_missing))
     dims = [s.dim for s in stores]
     total = int(sum(dims))
     if out is None:
@@ -191,6 +192,18 @@ def grouped_pooled_lookup(stores: Sequence, keys: Sequence, offsets: Optional[Se
                                   stores[f].step))
             for f in range(n)]
     return out, ctxs
+
+
+def _fault_in_tiers(stores, key_arrays, insert: bool) -> None:
+    """Tiered stores (cncore/tiered.py): bring every key a call uses into the cache first, all
+    features of one store together (so that making room for one feature's keys cannot evict
+    another's)."""
+    by_store = {}
+    for store, k in zip(stores, key_arrays):
+        if hasattr(store, "_fault_in"):
+            by_store.setdefault(id(store), (store, []))[1].append(k)
+    for store, parts in by_store.values():
+        store._fault_in(np.concatenate(parts), insert=insert)
 
 
 def _merge(ctxs: List[LookupContext], grads: List[np.ndarray]):

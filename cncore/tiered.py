@@ -294,8 +294,21 @@ class TieredStore(EmbeddingStore):
         return super().assign(keys, rows, optimizer_state)
 
     def load(self, keys, rows, optimizer_state=None, counts=None, last_steps=None) -> np.ndarray:
-        self._fault_in(keys, insert=False)
-        return super().load(keys, rows, optimizer_state, counts, last_steps)
+        """As EmbeddingStore.load, in chunks of half the cache (restoring a table larger than the
+        cache spills as it goes)."""
+        keys = as_keys(keys)
+        step = max(1, self.cache_rows // 2)
+        if len(keys) <= step:
+            self._fault_in(keys, insert=False)
+            return super().load(keys, rows, optimizer_state, counts, last_steps)
+        found = []
+        for a in range(0, len(keys), step):
+            part = slice(a, a + step)
+            found.append(self.load(keys[part], np.asarray(rows)[part],
+                                   None if optimizer_state is None else np.asarray(optimizer_state)[part],
+                                   None if counts is None else np.asarray(counts)[part],
+                                   None if last_steps is None else np.asarray(last_steps)[part]))
+        return np.concatenate(found)
 
     def erase(self, keys) -> np.ndarray:
         erased = super().erase(keys)

@@ -249,3 +249,66 @@ def test_the_benchmark_script_measures_every_cell():
         rows, tiered_ms, memory_ms, hit_rate = int(c[2].replace(",", "")), float(c[3]), float(c[4]), float(c[6])
         assert rows > 3 * 3000 and tiered_ms > 0 and memory_ms > 0 and 0 < hit_rate < 1
     assert "write amplification" in out and "after (record 320 bytes)" in out
+
+
+# --- the front ends ----------------------------------------------------------------------------
+
+def test_torch_modules_and_collections_on_the_tier_equal_in_memory(tmp_path):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("torchrec")
+    from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
+
+    from cncore_torch import CNEmbeddingBag, CNEmbeddingBagCollection
+    rng = np.random.default_rng(0)
+    bag = CNEmbeddingBag(10**6, 8, mode="sum", optimizer=cncore.SGD(lr=0.1),
+                         storage=cncore.Tiered(str(tmp_path / "bag"), 50_000))
+    ref = CNEmbeddingBag(10**6, 8, mode="sum", optimizer=cncore.SGD(lr=0.1))
+    for _ in range(20):
+        ids = torch.from_numpy(rng.integers(0, 3000, (32, 4)))
+        a, b = bag(ids), ref(ids)
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        a.sum().backward(), b.sum().backward()
+    assert bag.store.cached_rows < len(bag.store) == len(ref.store)
+    again = CNEmbeddingBag(10**6, 8, mode="sum", optimizer=cncore.SGD(lr=0.1),
+                           storage=cncore.Tiered(str(tmp_path / "again"), 50_000))
+    again.load_state_dict(bag.state_dict())  # a state_dict larger than the cache loads in chunks
+    assert_same_rows(again.store, ref.store)
+    tables = [EmbeddingBagConfig(name="t_a", embedding_dim=4, num_embeddings=1000, feature_names=["a", "a2"]),
+              EmbeddingBagConfig(name="t_b", embedding_dim=4, num_embeddings=1000, feature_names=["b"])]
+    ebc = CNEmbeddingBagCollection(tables, optimizer=cncore.SGD(lr=0.1),
+                                   storage=cncore.Tiered(str(tmp_path / "ebc"), 2 * 600 * 63))
+    ref = CNEmbeddingBagCollection(tables, optimizer=cncore.SGD(lr=0.1))
+    assert {n: s.config.storage.path for n, s in ebc.stores.items()} == {
+        "t_a": str(tmp_path / "ebc" / "t_a"), "t_b": str(tmp_path / "ebc" / "t_b")}
+    for _ in range(40):  # past each table's cache (65,536 bytes, the floor of a table's share: 1,040 rows)
+        kjt = KeyedJaggedTensor.from_lengths_sync(["a", "a2", "b"], torch.from_numpy(rng.integers(0, 10**5, 96)),
+                                                  torch.full((48,), 2))
+        x, y = ebc(kjt).values(), ref(kjt).values()
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+        x.sum().backward(), y.sum().backward()
+    for name in ref.stores:
+        assert ebc.stores[name].cached_rows < len(ebc.stores[name])
+        assert_same_rows(ebc.stores[name], ref.stores[name])
+
+
+def test_the_job_on_the_tier_trains_exactly_as_in_memory(tmp_path, capsys):
+    pytest.importorskip("torchrec")
+    from cn_dlrm.cli import parse_args
+    from cncore_torch.dlrm import train as job
+    small = ["--batch-size", "256", "--embedding-dim", "4", "--no-progress", "--threads", "1", "--eval-batches", "1",
+             "--steps", "16", "--eval-every", "16"]
+    out = {}
+    for name, extra in (("memory", []), ("tier", ["--ssd-path", str(tmp_path / "ssd"), "--cache-mb", "1"])):
+        assert job.main([*small, *extra, "--summary-json", str(tmp_path / f"{name}.json")]) == 0
+        out[name] = json.loads((tmp_path / f"{name}.json").read_text())["runs"][0]
+    assert out["tier"]["auc"] == out["memory"]["auc"] and out["tier"]["logloss"] == out["memory"]["logloss"]
+    assert out["tier"]["rows"] == out["memory"]["rows"]
+    spilled = sum(os.path.getsize(tmp_path / "ssd" / t / "rows.dat") for t in os.listdir(tmp_path / "ssd"))
+    assert spilled > 0  # rows went to disk
+    for argv, expected in [(["--ssd-path", str(tmp_path / "x")], "--ssd-path DIR and --cache-mb N go together"),
+                           (["--ssd-path", str(tmp_path / "ssd"), "--cache-mb", "4"], "must be a new or empty"),
+                           (["--ssd-path", str(tmp_path / "y"), "--cache-mb", "4", "--max-rows", "9000"],
+                            "does not go with --max-rows")]:
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+        assert expected in capsys.readouterr().err

@@ -185,6 +185,12 @@ def build_parser() -> argparse.ArgumentParser:
                          help="with --checkpoint DIR: every K steps (and at the end) save each table as a table "
                               "file chain (a delta of the rows changed since the last save) in DIR/tables/, and "
                               "the dense model in DIR/dense.pt")
+    tier = ap.add_argument_group("tables larger than memory (the SSD tier)")
+    tier.add_argument("--ssd-path", metavar="DIR", default=None,
+                      help="keep every table's rows on disk in DIR/<table>/ (DIR/rank<r>/<table>/ on several "
+                           "processes) under a memory cache of --cache-mb; DIR must be new or empty")
+    tier.add_argument("--cache-mb", metavar="N", type=_int_at_least(1), default=None,
+                      help="with --ssd-path: MiB of rows held in memory, shared between the tables by their size")
     ap.add_argument("--row-dtype", choices=ROW_DTYPES, default="float32",
                     help="storage type of the tables' rows (optimizer state and outputs stay float32)")
     ap.add_argument("--no-progress", action="store_true",
@@ -208,11 +214,24 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
             ap.error(f"{', '.join(given)} do{'es' if len(given) == 1 else ''} not run on {world} processes yet "
                      f"(only with --nproc 1)")
     _check_bounded(ap, args, world)
+    _check_tier(ap, args)
     if args.nproc > 1:
         if args.compare and args.batch_size % args.nproc:
             ap.error(f"--compare with --nproc {args.nproc} needs --batch-size a multiple of {args.nproc}: TorchRec's "
                      f"row-wise tables need equal batches on every process (gloo), {args.batch_size} does not split")
     return args
+
+
+def _check_tier(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--ssd-path and --cache-mb go together, on a fresh directory, without a row budget."""
+    if (args.ssd_path is None) != (args.cache_mb is None):
+        ap.error("--ssd-path DIR and --cache-mb N go together (the rows on disk, and the memory in front of them)")
+    if args.ssd_path is None:
+        return
+    if os.path.exists(args.ssd_path) and (not os.path.isdir(args.ssd_path) or os.listdir(args.ssd_path)):
+        ap.error(f"--ssd-path {args.ssd_path}: must be a new or empty directory (the job writes its tables there)")
+    if args.max_rows is not None or args.admit_min_count is not None:
+        ap.error("--ssd-path keeps every row (on disk): it does not go with --max-rows or --admit-min-count")
 
 
 def _check_bounded(ap: argparse.ArgumentParser, args: argparse.Namespace, world: int = 1) -> None:

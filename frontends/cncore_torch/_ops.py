@@ -54,6 +54,8 @@ def lookup_impl(handle: int, keys, offsets, weights, mode: int, training: bool):
     store's general Python API: in eager mode every microsecond here is per batch."""
     store = table_of(handle).store
     offsets_np = _np(offsets)
+    if hasattr(store, "_fault_in"):  # a tiered table (cncore/tiered.py): its disk rows come into the cache first
+        store._fault_in(_np(keys), insert=training)
     out = np.empty((len(offsets_np) - 1, store.dim), dtype=np.float32)
     (slots, argmax, n_new, epoch), = _core.grouped_forward([store._table], [_np(keys)], [offsets_np],
                                                             [_np(weights)], [mode], [out], training)

@@ -390,12 +390,13 @@ class CNEmbeddingBagCollection(_DynamicTables, EmbeddingBagCollectionInterface):
     def __init__(self, tables: List[EmbeddingBagConfig], is_weighted: bool = False, device=None, *,
                  optimizer=None, initializers: Optional[Dict[str, object]] = None,
                  capacities: Optional[Dict[str, int]] = None, seed: int = 0, max_rows=None, eviction=None,
-                 admission=None, headroom=None, row_dtype=None):
+                 admission=None, headroom=None, row_dtype=None,
+                 storage=None):
         super().__init__()
         self._init_tables(tables, EmbeddingBagConfig, optimizer, initializers, capacities, seed, device,
                           "CNEmbeddingBagCollection", "embedding_bags.fused",
                           dict(max_rows=max_rows, eviction=eviction, admission=admission, headroom=headroom,
-                               row_dtype=row_dtype))
+                               row_dtype=row_dtype, storage=storage))
         check_flag("is_weighted", is_weighted)
         self._is_weighted = is_weighted
         self._embedding_bag_configs = tables
@@ -474,13 +475,14 @@ class CNEmbeddingCollection(_DynamicTables, EmbeddingCollectionInterface):
 
     def __init__(self, tables: List[EmbeddingConfig], device=None, need_indices: bool = False, *, optimizer=None,
                  initializers: Optional[Dict[str, object]] = None, capacities: Optional[Dict[str, int]] = None,
-                 seed: int = 0, max_rows=None, eviction=None, admission=None, headroom=None, row_dtype=None):
+                 seed: int = 0, max_rows=None, eviction=None, admission=None, headroom=None, row_dtype=None,
+                 storage=None):
         super().__init__()
         check_flag("need_indices", need_indices)
         self._init_tables(tables, EmbeddingConfig, optimizer, initializers, capacities, seed, device,
                           "CNEmbeddingCollection", "embeddings.fused",
                           dict(max_rows=max_rows, eviction=eviction, admission=admission, headroom=headroom,
-                               row_dtype=row_dtype))
+                               row_dtype=row_dtype, storage=storage))
         dims = {c.embedding_dim for c in tables}
         if len(dims) > 1:
             raise ValueError(f"tables: an EmbeddingCollection needs one embedding_dim for all tables, got "

@@ -105,6 +105,9 @@ class _DynamicTable(nn.Module):
 
     def _make_storage(self) -> None:
         kind = self.placement.kind
+        if kind == "device" and self.config.storage is not None:
+            raise ValueError(f"device={self.placement.device}: a tiered table (storage=) keeps its rows in the core "
+                             "and on disk; keep it on device='cpu'")
         if kind == "device" and self.config.dtype != "float32":
             raise ValueError(f"device={self.placement.device}: rows on an accelerator are float32 for now "
                              f"(row_dtype={self.config.dtype!r}); keep this table on device='cpu' (the core)")
@@ -327,14 +330,15 @@ class CNEmbeddingBag(_DynamicTable):
                  _weight: Optional[torch.Tensor] = None, include_last_offset: bool = False,
                  padding_idx: Optional[int] = None, device=None, dtype=None, *, optimizer=None, initializer=None,
                  seed: int = 0, max_load_factor: float = 0.7, max_rows: Optional[int] = None, eviction=None,
-                 admission=None, headroom: Optional[int] = None, row_dtype="float32"):
+                 admission=None, headroom: Optional[int] = None, row_dtype="float32",
+                 storage=None):
         _check_unsupported(max_norm, scale_grad_by_freq, sparse, device, dtype)
         if mode not in _MODES:
             raise ValueError(f"mode must be 'sum', 'mean' or 'max', got {mode!r}")
         check_flag("include_last_offset", include_last_offset)
         _check_padding_idx(padding_idx)
         super().__init__(num_embeddings, embedding_dim, optimizer, initializer, seed, max_load_factor, device,
-                         module_options(max_rows, eviction, admission, headroom, row_dtype))
+                         module_options(max_rows, eviction, admission, headroom, row_dtype, storage))
         self.mode = mode
         self.include_last_offset = include_last_offset
         self.padding_idx = padding_idx
@@ -367,11 +371,11 @@ class CNEmbedding(_DynamicTable):
                  sparse: bool = False, _weight: Optional[torch.Tensor] = None, _freeze: bool = False, device=None,
                  dtype=None, *, optimizer=None, initializer=None, seed: int = 0, max_load_factor: float = 0.7,
                  max_rows: Optional[int] = None, eviction=None, admission=None, headroom: Optional[int] = None,
-                 row_dtype="float32"):
+                 row_dtype="float32", storage=None):
         _check_unsupported(max_norm, scale_grad_by_freq, sparse, device, dtype)
         _check_padding_idx(padding_idx)
         super().__init__(num_embeddings, embedding_dim, optimizer, initializer, seed, max_load_factor, device,
-                         module_options(max_rows, eviction, admission, headroom, row_dtype))
+                         module_options(max_rows, eviction, admission, headroom, row_dtype, storage))
         self.padding_idx = padding_idx
         if _weight is not None:
             _load_dense(self, _weight)

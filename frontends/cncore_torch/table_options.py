@@ -1,11 +1,14 @@
 """The per-table options of the torch front end that go straight into a table's
 `cncore.StoreConfig`: the row budget and its policies (`max_rows`, `eviction`, `admission`,
-`headroom`; README "Bounded tables") and the row dtype.
+`headroom`; README "Bounded tables"), the row dtype, and the storage (`cncore.Tiered`: the
+SSD tier, README "Tables larger than memory").
 
 A module takes each option as one value; a collection takes each either as one value for every
 table or as {table name: value}, and `max_rows="num_embeddings"` gives every table the budget its
-TorchRec config names (the table size a TorchRec user already chose). The values themselves are
-checked by StoreConfig, whose messages name the option and the table.
+TorchRec config names (the table size a TorchRec user already chose). A `storage=cncore.Tiered(path,
+cache_bytes)` given once puts each table in its own directory `path/<table name>`, with a share of
+cache_bytes proportional to its num_embeddings. The values themselves are checked by StoreConfig,
+whose messages name the option and the table.
 
 >>> import cncore
 >>> from torchrec import EmbeddingBagConfig
@@ -25,7 +28,7 @@ import torch
 __all__ = ["OPTION_NAMES", "row_dtype_name", "module_options", "per_table_options"]
 
 # StoreConfig's field for each option (the row dtype is StoreConfig.dtype).
-OPTION_NAMES = ("max_rows", "eviction", "admission", "headroom", "row_dtype")
+OPTION_NAMES = ("max_rows", "eviction", "admission", "headroom", "row_dtype", "storage")
 _TORCH_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
@@ -40,10 +43,11 @@ def row_dtype_name(value, context: str = "") -> str:
     return value  # StoreConfig names the strings it accepts
 
 
-def module_options(max_rows=None, eviction=None, admission=None, headroom=None, row_dtype="float32") -> dict:
+def module_options(max_rows=None, eviction=None, admission=None, headroom=None, row_dtype="float32",
+                   storage=None) -> dict:
     """StoreConfig fields of one table."""
     return {"max_rows": max_rows, "eviction": eviction, "admission": admission, "headroom": headroom,
-            "dtype": row_dtype_name(row_dtype if row_dtype is not None else "float32")}
+            "dtype": row_dtype_name(row_dtype if row_dtype is not None else "float32"), "storage": storage}
 
 
 def per_table_options(tables, **options) -> Dict[str, dict]:
@@ -65,11 +69,27 @@ def per_table_options(tables, **options) -> Dict[str, dict]:
             values = {c.name: c.num_embeddings for c in tables}
         elif isinstance(value, str) and option == "max_rows":
             raise ValueError(f"max_rows must be an int, a {{table name: int}} dict or 'num_embeddings', got {value!r}")
+        elif option == "storage" and value is not None:
+            values = _split_storage(value, tables)
         else:
             values = {name: value for name in names}
         for name in names:
             resolved[name][option] = values[name]
     return {name: _fields(name, fields) for name, fields in resolved.items()}
+
+
+def _split_storage(storage, tables) -> Dict[str, object]:
+    """One Tiered for every table: a directory and a share of the cache each."""
+    import os
+
+    import cncore
+    if not isinstance(storage, cncore.Tiered):
+        raise TypeError(f"storage must be a cncore.Tiered or a {{table name: Tiered}} dict, got "
+                        f"{type(storage).__name__}")
+    total = sum(max(1, c.num_embeddings) for c in tables)
+    return {c.name: cncore.Tiered(os.path.join(storage.path, c.name),
+                                  max(1 << 16, storage.cache_bytes * max(1, c.num_embeddings) // total))
+            for c in tables}
 
 
 def _fields(table: str, options: dict) -> dict:

@@ -93,10 +93,14 @@ def table_budgets(args, names: List[str], synthetic: Optional[SyntheticCriteo],
     return dict(zip(names, percent_budgets(stream_counts(synthetic, args.steps, world_size=world_size), percent)))
 
 
-def collection_options(args, names: List[str], synthetic: Optional[SyntheticCriteo], world_size: int = 1) -> dict:
+def collection_options(args, names: List[str], synthetic: Optional[SyntheticCriteo], world_size: int = 1,
+                       rank: int = 0, sizes: Optional[List[int]] = None) -> dict:
     """The keyword arguments of the bounded-table options for CNEmbeddingBagCollection (only
-    those set: the collection's defaults stay its own)."""
+    those set: the collection's defaults stay its own); with --ssd-path, the tier (each rank its
+    own directory)."""
     options: dict = {}
+    if getattr(args, "ssd_path", None):
+        options["storage"] = tier_storage(args, names, sizes or [1] * len(names), world_size, rank)
     budgets = table_budgets(args, names, synthetic, world_size)
     if budgets is not None:
         options["max_rows"] = budgets
@@ -107,6 +111,18 @@ def collection_options(args, names: List[str], synthetic: Optional[SyntheticCrit
     if getattr(args, "row_dtype", "float32") != "float32":
         options["row_dtype"] = args.row_dtype
     return options
+
+
+def tier_storage(args, names: List[str], sizes: List[int], world_size: int, rank: int) -> Dict[str, cncore.Tiered]:
+    """--ssd-path / --cache-mb: each table its directory and a share of the cache by its size,
+    never less than 4 batches of distinct IDs (a lookup's keys must fit the cache at once)."""
+    import os
+    root = args.ssd_path if world_size == 1 else os.path.join(args.ssd_path, f"rank{rank}")
+    row = args.embedding_dim * 4 + 4 + 47  # a cached row: values, row-wise Adagrad state, metadata, index
+    floor = 4 * args.batch_size * row
+    total = sum(max(1, n) for n in sizes)
+    return {name: cncore.Tiered(os.path.join(root, name), max(floor, (args.cache_mb << 20) * max(1, n) // total))
+            for name, n in zip(names, sizes)}
 
 
 def sweep_expired(stores: Dict[str, cncore.EmbeddingStore]) -> int:

@@ -158,7 +158,8 @@ def distributed_run(args, data, rank: int, world_size: int) -> DistributedRun:
     configs = table_configs(args.embedding_dim, data.cardinalities)
     # --max-rows / --evict / --admit-min-count / --row-dtype: each rank's shard of a table bounds
     # itself at ceil(budget / world_size) rows (shard_store_configs), by the same policy.
-    options = bounded.collection_options(args, [c.name for c in configs], data.synthetic, world_size)
+    options = bounded.collection_options(args, [c.name for c in configs], data.synthetic, world_size, rank,
+                                         [c.num_embeddings for c in configs])
     capacities = {name: max(1, math.ceil(n / world_size))
                   for name, n in data.initial_rows(options.get("max_rows")).items()}
     ebc = CNEmbeddingBagCollection(tables=configs, device="meta", optimizer=cncore.RowWiseAdagrad(lr=args.sparse_lr),

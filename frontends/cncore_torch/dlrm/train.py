@@ -153,7 +153,8 @@ class Run:
 
 def dynamic_run(args, data: Data) -> Run:
     configs = table_configs(args.embedding_dim, data.cardinalities)
-    options = bounded.collection_options(args, [c.name for c in configs], data.synthetic)
+    options = bounded.collection_options(args, [c.name for c in configs], data.synthetic,
+                                         sizes=[c.num_embeddings for c in configs])
     try:
         ebc = CNEmbeddingBagCollection(tables=configs, optimizer=cncore.RowWiseAdagrad(lr=args.sparse_lr),
                                        seed=args.seed, capacities=data.initial_rows(options.get("max_rows")), **options)
