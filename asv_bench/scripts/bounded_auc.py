@@ -83,7 +83,7 @@ def ours(args, budgets: List[int], eviction, admission=None) -> Run:
     configs = table_configs(args.embedding_dim, budgets)
     ebc = CNEmbeddingBagCollection(tables=configs, optimizer=cncore.RowWiseAdagrad(lr=args.sparse_lr), seed=args.seed,
                                    max_rows={c.name: n for c, n in zip(configs, budgets)}, eviction=eviction,
-                                   admission=admission)
+                                   admission=admission, row_dtype=args.row_dtype)
     model = build_dlrm(ebc, args.embedding_dim)
     dense = [p for n, p in model.named_parameters() if "_anchor" not in n]
     return Run("ours", model, [torch.optim.Adagrad(dense, lr=args.dense_lr), ebc.fused_optimizer], tables=ebc)
@@ -231,6 +231,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-size", type=int, default=2048)
     ap.add_argument("--eval-batches", type=int, default=8)
     ap.add_argument("--embedding-dim", type=int, default=16)
+    ap.add_argument("--row-dtype", choices=["float32", "float16", "bfloat16"], default="float32",
+                    help="our tables' row dtype (TorchRec's stay float32; hashed-same-memory gets our bytes)")
     ap.add_argument("--budgets", type=float, nargs="+", default=[100, 50, 25],
                     help="row budgets, percent of each table's distinct training IDs")
     ap.add_argument("--methods", nargs="+", choices=METHODS, default=METHODS)
