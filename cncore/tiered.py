@@ -94,14 +94,6 @@ def _config_record(config: StoreConfig) -> dict:
     return json.loads(json.dumps(d))  # as meta.json holds it (tuples as lists)
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class TieredStore(EmbeddingStore):
     """An `EmbeddingStore` whose rows live on disk under a bounded memory cache (see the module
     docstring). Built by `EmbeddingStore(config)` when `config.storage` is a `Tiered`."""
@@ -515,6 +507,7 @@ class TieredStore(EmbeddingStore):
                 fh.write(payload)
                 fh.flush()
                 os.fsync(fh.fileno())
+        from cncore.tablefile import _fsync_dir
         _fsync_dir(self._dir)
         os.replace(tmp_meta, os.path.join(self._dir, "meta.json"))  # the commit point
         _fsync_dir(self._dir)

@@ -21,6 +21,19 @@ def _batches(seed, n_steps=12, n_bags=16, pooling=2, id_space=120):
     return [rng.integers(0, id_space, (n_bags, pooling)) for _ in range(n_steps)]
 
 
+def _train_beside(bag, ref, exact: bool):
+    """Train `bag` and the core store `ref` on the same batches and gradients, checking the
+    outputs each step (exactly, or to float32 reassociation); yields after each step."""
+    for ids in _batches(0):
+        out = bag(torch.from_numpy(ids))
+        grad = torch.cos(out.detach()) + 0.5
+        out.backward(grad)
+        ref_out, ctx = ref.pooled_lookup(ids.reshape(-1), lengths=np.full(len(ids), ids.shape[1]), mode="sum")
+        ref.apply_gradients(ctx, grad.numpy())
+        np.testing.assert_allclose(out.detach().numpy(), ref_out, rtol=0 if exact else 1e-6, atol=0 if exact else 1e-7)
+        yield
+
+
 @pytest.mark.parametrize("eviction", [cncore.LRU(), cncore.LFU(), cncore.TTL(3)], ids=["lru", "lfu", "ttl"])
 @pytest.mark.parametrize("admission", [None, cncore.MinCount(2)], ids=["all", "mincount2"])
 def test_module_trains_exactly_as_the_core_store_with_the_same_config(eviction, admission):
@@ -33,13 +46,7 @@ def test_module_trains_exactly_as_the_core_store_with_the_same_config(eviction, 
     sink, ref_sink = [], []
     bag.store.on_evict(sink.append)
     ref.on_evict(ref_sink.append)
-    for ids in _batches(0):
-        out = bag(torch.from_numpy(ids))
-        grad = torch.cos(out.detach()) + 0.5
-        out.backward(grad)
-        ref_out, ctx = ref.pooled_lookup(ids.reshape(-1), lengths=np.full(len(ids), ids.shape[1]), mode="sum")
-        ref.apply_gradients(ctx, grad.numpy())
-        np.testing.assert_array_equal(out.detach().numpy(), ref_out)
+    for _ in _train_beside(bag, ref, exact=True):
         assert len(bag.store) <= 40
     got, want = bag.store.export(), ref.export()
     for name in ("keys", "rows", "optimizer_state", "counts", "last_steps"):
@@ -112,13 +119,7 @@ def test_device_rows_train_as_the_core_store_with_the_same_policy(monkeypatch, e
     sink, ref_sink = [], []
     bag.device_rows.on_evict(sink.append)
     ref.on_evict(ref_sink.append)
-    for ids in _batches(0):
-        out = bag(torch.from_numpy(ids))
-        grad = torch.cos(out.detach()) + 0.5
-        out.backward(grad)
-        ref_out, ctx = ref.pooled_lookup(ids.reshape(-1), lengths=np.full(len(ids), ids.shape[1]), mode="sum")
-        ref.apply_gradients(ctx, grad.numpy())
-        np.testing.assert_allclose(out.detach().numpy(), ref_out, rtol=1e-6, atol=1e-7)
+    for _ in _train_beside(bag, ref, exact=False):
         assert bag.num_rows <= 40
     got, want = bag.export(), ref.export()
     order, ref_order = np.argsort(got["keys"].numpy()), np.argsort(want.keys)

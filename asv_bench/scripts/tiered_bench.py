@@ -29,15 +29,8 @@ import time
 
 import numpy as np
 
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as fh:
-        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def peak_rss_bytes() -> int:
-    with open("/proc/self/status") as fh:
-        return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmHWM:"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bounded_tables import peak_rss_bytes, rss_bytes  # noqa: E402
 
 
 def batches(stream: str, n_keys: int, steps: int, ids_per_step: int, seed: int):
