@@ -38,7 +38,8 @@ from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, Keyed
 import cncore
 from cncore_torch import _ops
 from cncore_torch.modules import check_flag, store_config
-from cncore_torch.optim import in_backward_optimizer, keyed_fused_optimizer, no_optimizer_error
+from cncore_torch.optim import (changed_optimizer_error, keyed_fused_optimizer, no_optimizer_error,
+                                optimizer_tag, resolve_optimizer)
 from cncore_torch.state import load_tables, save_store
 from cncore_torch.table_options import per_table_options
 
@@ -223,22 +224,29 @@ class _DynamicTables:
         self.__dict__["_fused_optimizer"] = value
 
     def _adopt_tagged_optimizer(self) -> None:
-        """Without optimizer=, take the optimizer `torchrec.optim.apply_optimizer_in_backward`
-        attached to the anchor parameter (at the first forward, load or `fused_optimizer`: the
-        tagging comes after construction). Rows already in the tables stay, each starting from
-        the optimizer's initial state (`EmbeddingStore.set_optimizer`)."""
-        if self._optimizer is not None or self.is_meta:
+        """Take the optimizer `torchrec.optim.apply_optimizer_in_backward` attached to the anchor
+        parameter (at the first forward, load or `fused_optimizer`: the tagging comes after
+        construction). Rows already in the tables stay, each starting from the optimizer's
+        initial state (`EmbeddingStore.set_optimizer`). A tag that disagrees with optimizer=, or
+        that changes once adopted, is refused (ValueError), the tables unchanged."""
+        if self.is_meta:
             return
-        optimizer = in_backward_optimizer(self._anchor, self._owner)
-        if optimizer is None:
+        tag = optimizer_tag(self._anchor)
+        adopted = self.__dict__.get("_adopted_tag")
+        if tag is None or tag == adopted:
             return
-        for store in self._stores.values():
-            store.set_optimizer(optimizer)
-        self._store_configs = {name: dataclasses.replace(c, optimizer=optimizer)
-                               for name, c in self._store_configs.items()}
-        self._optimizer = optimizer
-        self.fused_optimizer = keyed_fused_optimizer(self._anchor, optimizer, list(self._stores.values()),
-                                                     self._optimizer_prefix)
+        if adopted is not None:
+            raise changed_optimizer_error(self._owner, self._optimizer, self._anchor)
+        optimizer = resolve_optimizer(self._optimizer, self._anchor, self._owner)
+        if self._optimizer is None:
+            for store in self._stores.values():
+                store.set_optimizer(optimizer)
+            self._store_configs = {name: dataclasses.replace(c, optimizer=optimizer)
+                                   for name, c in self._store_configs.items()}
+            self._optimizer = optimizer
+            self.fused_optimizer = keyed_fused_optimizer(self._anchor, optimizer, list(self._stores.values()),
+                                                         self._optimizer_prefix)
+        self.__dict__["_adopted_tag"] = tag
 
     def _require_optimizer(self, training: bool) -> None:
         """A training forward needs an optimizer: say so here, not deep in backward."""

@@ -16,6 +16,7 @@ tables). `state_dict()` carries the learning rate and the table's step.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
@@ -112,6 +113,9 @@ _HOW = ("foreach", "fused", "differentiable", "capturable")
 def optimizer_from_torch(optimizer_class, kwargs: dict, where: str = "apply_optimizer_in_backward"):
     """The cncore optimizer that computes what `optimizer_class(**kwargs)` computes on the rows a
     batch touches (Adam lazily: rows without a gradient keep their moments, as in FBGEMM).
+    TorchRec's placeholder classes (`torchrec.optim.SGD`, `Adagrad`, `Adam`: kwargs in FBGEMM's
+    names, only meant for sharded tables) are read as TorchRec's sharders read them, through
+    `optimizer_from_fused_params`.
 
     >>> optimizer_from_torch(torch.optim.Adagrad, {"lr": 0.1})
     Adagrad(lr=0.1, eps=1e-10, initial_accumulator_value=0.0)
@@ -120,9 +124,17 @@ def optimizer_from_torch(optimizer_class, kwargs: dict, where: str = "apply_opti
     ...
     ValueError: apply_optimizer_in_backward: torch.optim.SGD with momentum=0.9 has no fused form on dynamic tables (only momentum=0); pass optimizer= a cncore optimizer instead
     """
+    placeholder = _torchrec_placeholders().get(optimizer_class)
+    if placeholder is not None:
+        params = dict(kwargs or {})
+        if "lr" in params:  # as torchrec.distributed.utils.merge_fused_params renames it
+            params["learning_rate"] = params.pop("lr")
+        return optimizer_from_fused_params({"optimizer": placeholder, **params},
+                                           f"{where}: torchrec.optim.{optimizer_class.__name__}")
     table = _torch_optimizers()
     if optimizer_class not in table:
-        names = ", ".join(f"{c.__module__.split('.')[0]}.optim.{c.__name__}" for c in table)
+        names = ", ".join([f"{c.__module__.split('.')[0]}.optim.{c.__name__}" for c in table]
+                          + [f"torchrec.optim.{c.__name__}" for c in _torchrec_placeholders()])
         raise ValueError(f"{where}: {getattr(optimizer_class, '__name__', optimizer_class)!r} cannot run fused on "
                          f"dynamic tables; use one of {names}, or pass optimizer= a cncore optimizer")
     cls, fields, only, defaults = table[optimizer_class]
@@ -142,6 +154,81 @@ def optimizer_from_torch(optimizer_class, kwargs: dict, where: str = "apply_opti
     return cls(**values)
 
 
+def _torchrec_placeholders() -> dict:
+    """{TorchRec's placeholder optimizer class: its FBGEMM optimizer type} (empty without TorchRec)."""
+    try:
+        import torchrec.optim as trec_optim
+        from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    except ImportError:
+        return {}
+    return {trec_optim.SGD: EmbOptimType.EXACT_SGD, trec_optim.Adagrad: EmbOptimType.EXACT_ADAGRAD,
+            trec_optim.Adam: EmbOptimType.ADAM}
+
+
+# FBGEMM's fused_params (what TorchRec's sharders take), with FBGEMM's defaults.
+_FBGEMM_FIELDS = {"learning_rate": 0.01, "eps": 1e-8, "beta1": 0.9, "beta2": 0.999}
+_FBGEMM_ONLY = {"weight_decay": 0.0}
+
+
+def optimizer_from_fused_params(fused_params: Optional[dict], where: str = "fused_params"):
+    """The cncore optimizer of FBGEMM-style fused params, as TorchRec's sharders take them
+    (`EmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+    "learning_rate": 0.05})`), with FBGEMM's defaults (learning_rate 0.01, eps 1e-8, beta1 0.9,
+    beta2 0.999); None for no params. EXACT_SGD/SGD, EXACT_ADAGRAD, EXACT_ROWWISE_ADAGRAD/
+    ROWWISE_ADAGRAD and ADAM have fused forms; any other optimizer or key is refused by name
+    (dynamic tables have no cache, precision or prefetch options to set that way).
+
+    >>> from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    >>> optimizer_from_fused_params({"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.05})
+    RowWiseAdagrad(lr=0.05, eps=1e-08, initial_accumulator_value=0.0)
+    >>> optimizer_from_fused_params({"optimizer": EmbOptimType.ADAM, "cache_load_factor": 0.2})
+    Traceback (most recent call last):
+    ...
+    ValueError: fused_params: 'cache_load_factor' has no meaning for dynamic tables (they read optimizer, learning_rate, eps, beta1, beta2, and weight_decay=0)
+    """
+    import cncore
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+    if not fused_params:
+        return None
+    if not isinstance(fused_params, dict):
+        raise TypeError(f"{where} must be a dict, got {type(fused_params).__name__}")
+    known = ", ".join(["optimizer", *_FBGEMM_FIELDS]) + ", and weight_decay=0"
+    for name, value in fused_params.items():
+        if name == "optimizer" or name in _FBGEMM_FIELDS:
+            continue
+        if name not in _FBGEMM_ONLY:
+            raise ValueError(f"{where}: {name!r} has no meaning for dynamic tables (they read {known})")
+        if value != _FBGEMM_ONLY[name]:
+            raise ValueError(f"{where}: {name}={value!r} has no fused form on dynamic tables (only "
+                             f"{name}={_FBGEMM_ONLY[name]!r})")
+    kind = fused_params.get("optimizer")
+    if kind is None:
+        raise ValueError(f"{where}: {sorted(fused_params)} set no 'optimizer' (an fbgemm_gpu EmbOptimType)")
+    v = {**_FBGEMM_FIELDS, **{k: fused_params[k] for k in _FBGEMM_FIELDS if k in fused_params}}
+    lr = float(v["learning_rate"]) if isinstance(v["learning_rate"], torch.Tensor) else v["learning_rate"]
+    if kind in (EmbOptimType.EXACT_SGD, EmbOptimType.SGD):
+        return cncore.SGD(lr=lr)
+    if kind == EmbOptimType.EXACT_ADAGRAD:
+        return cncore.Adagrad(lr=lr, eps=v["eps"])
+    if kind in (EmbOptimType.EXACT_ROWWISE_ADAGRAD, EmbOptimType.ROWWISE_ADAGRAD):
+        return cncore.RowWiseAdagrad(lr=lr, eps=v["eps"])
+    if kind == EmbOptimType.ADAM:
+        return cncore.Adam(lr=lr, betas=(v["beta1"], v["beta2"]), eps=v["eps"])
+    raise ValueError(f"{where}: optimizer {kind!r} cannot run fused on dynamic tables; use EXACT_SGD, "
+                     "EXACT_ADAGRAD, EXACT_ROWWISE_ADAGRAD or ADAM, or pass optimizer= a cncore optimizer")
+
+
+def optimizer_tag(param: torch.nn.Parameter):
+    """What `apply_optimizer_in_backward` attached to `param`, as a comparable value (None if
+    nothing): a later call on the same parameter changes it."""
+    classes = getattr(param, "_optimizer_classes", None)
+    if not classes:
+        return None
+    kwargs = getattr(param, "_optimizer_kwargs", [{}] * len(classes))
+    return tuple(classes), tuple(tuple(sorted(dict(k).items(), key=lambda kv: kv[0])) for k in kwargs)
+
+
 def in_backward_optimizer(param: torch.nn.Parameter, where: str):
     """The cncore optimizer `apply_optimizer_in_backward` attached to `param`, or None."""
     classes = getattr(param, "_optimizer_classes", None)
@@ -149,9 +236,42 @@ def in_backward_optimizer(param: torch.nn.Parameter, where: str):
         return None
     kwargs = getattr(param, "_optimizer_kwargs", [{}] * len(classes))
     if len(classes) != 1:
-        raise ValueError(f"{where}: apply_optimizer_in_backward attached {len(classes)} optimizers to its "
-                         "parameters; dynamic tables take one")
+        raise ValueError(f"{where}: apply_optimizer_in_backward was called {len(classes)} times on its parameters "
+                         f"({', '.join(c.__name__ for c in classes)}); dynamic tables take one optimizer, as "
+                         "TorchRec's fused tables do")
     return optimizer_from_torch(classes[0], dict(kwargs[0]), f"{where}: apply_optimizer_in_backward")
+
+
+def resolve_optimizer(given, param: torch.nn.Parameter, where: str, fused_params: Optional[dict] = None):
+    """The one cncore optimizer of a collection's tables, from each place it can be set:
+    `optimizer=` (`given`), `apply_optimizer_in_backward` on `param`, and (when sharding) the
+    sharder's `fused_params`. The places that set one must agree (TorchRec would let a tag
+    override fused_params key by key; two different optimizers for the same rows is more likely
+    a mistake than a wish), else a ValueError names them; None when none does."""
+    found = []
+    if given is not None:
+        found.append(("optimizer=", given))
+    tagged = in_backward_optimizer(param, where)
+    if tagged is not None:
+        found.append(("apply_optimizer_in_backward", tagged))
+    from_sharder = optimizer_from_fused_params(fused_params, f"{where}: the sharder's fused_params")
+    if from_sharder is not None:
+        found.append(("the sharder's fused_params", from_sharder))
+    for source, optimizer in found[1:]:
+        if optimizer != found[0][1]:
+            raise ValueError(f"{where}: {found[0][0]} sets {found[0][1]!r} but {source} sets {optimizer!r}; its "
+                             "tables train with one optimizer: set it one way (or the same in both). Nothing "
+                             "was changed")
+    return found[0][1] if found else None
+
+
+def changed_optimizer_error(where: str, current, param: torch.nn.Parameter) -> ValueError:
+    classes = getattr(param, "_optimizer_classes", None) or []
+    return ValueError(
+        f"{where}: its tables already train with {current!r}, and apply_optimizer_in_backward has since "
+        f"tagged its parameters with {', '.join(c.__name__ for c in classes) or 'nothing'}; the optimizer of "
+        "tables cannot change once they have it (each row's optimizer state is laid out for it). Build a "
+        "new collection for another optimizer. The tables are unchanged")
 
 
 def no_optimizer_error(owner: str) -> RuntimeError:

@@ -28,8 +28,8 @@ from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 import cncore
 from cncore_torch.collection import CNEmbeddingCollection, _TableLookups
-from cncore_torch.distributed.embeddingbag import (_check_plan, _keep_owned_rows, check_features, shard_store_configs,
-                                                  sharded_optimizer)
+from cncore_torch.distributed.embeddingbag import (_check_plan, _keep_owned_rows, check_features, fused_anchor,
+                                                  shard_store_configs, sharded_optimizer)
 from cncore_torch.distributed.routing import owner_of
 from cncore_torch.distributed.rw_sharding import _AllToAll
 from cncore_torch.optim import keyed_fused_optimizer
@@ -59,7 +59,7 @@ class ShardedCNEmbeddingCollection(ShardedEmbeddingCollection):
         ShardedEmbeddingModule.__init__(self, qcomm_codecs_registry=qcomm_codecs_registry)
         if not isinstance(module, CNEmbeddingCollection):
             raise TypeError(f"module must be a CNEmbeddingCollection, got {type(module).__name__}")
-        _check_plan(module, module.embedding_configs(), table_name_to_parameter_sharding, device)
+        _check_plan(module, module.embedding_configs(), table_name_to_parameter_sharding, device, fused_params)
         self._module_fqn, self._env, self._pg = module_fqn, env, env.process_group
         self._world_size, self._rank = env.world_size, env.rank
         self._configs = module.embedding_configs()
@@ -68,8 +68,8 @@ class ShardedCNEmbeddingCollection(ShardedEmbeddingCollection):
         self._features = [f for names in self._feature_names for f in names]
         self._feature_table = [t for t, names in enumerate(self._feature_names) for _ in names]
         self.module_sharding_plan = {c.name: table_name_to_parameter_sharding[c.name] for c in self._configs}
-        self._anchor = nn.Parameter(torch.empty(0))
-        optimizer, configs_with_optimizer = sharded_optimizer(module, "ShardedCNEmbeddingCollection")
+        self._anchor = fused_anchor()
+        optimizer, configs_with_optimizer = sharded_optimizer(module, "ShardedCNEmbeddingCollection", fused_params)
         self._stores = {name: cncore.EmbeddingStore(config)
                         for name, config in shard_store_configs(configs_with_optimizer, self._world_size).items()}
         _keep_owned_rows(self._stores, module.stores, self._world_size, self._rank)

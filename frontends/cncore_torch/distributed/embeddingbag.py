@@ -34,7 +34,7 @@ import cncore
 from cncore_torch.collection import CNEmbeddingBagCollection
 from cncore_torch.distributed.routing import owner_of
 from cncore_torch.distributed.rw_sharding import CNRwPooledEmbeddingSharding
-from cncore_torch.optim import in_backward_optimizer, keyed_fused_optimizer, no_optimizer_error
+from cncore_torch.optim import keyed_fused_optimizer, no_optimizer_error, resolve_optimizer
 from cncore_torch.state import TableState, load_tables, save_store
 
 __all__ = ["CNEmbeddingBagCollectionSharder", "ShardedCNEmbeddingBagCollection", "plan_for"]
@@ -85,7 +85,7 @@ class ShardedCNEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         if not isinstance(module, CNEmbeddingBagCollection):
             raise TypeError(f"module must be a CNEmbeddingBagCollection, got {type(module).__name__}")
         configs = module.embedding_bag_configs()
-        _check_plan(module, configs, table_name_to_parameter_sharding, device)
+        _check_plan(module, configs, table_name_to_parameter_sharding, device, fused_params)
         self._module_fqn = module_fqn
         self._env = env
         self._pg = env.process_group
@@ -99,9 +99,9 @@ class ShardedCNEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         self._feature_tables = [c.name for c, names in zip(configs, module._feature_names) for _ in names]
         self._mean_features = [i for i, mode in enumerate(module._modes) if mode == "mean"]
         self.module_sharding_plan = {c.name: table_name_to_parameter_sharding[c.name] for c in configs}
-        optimizer, configs_with_optimizer = sharded_optimizer(module, "ShardedCNEmbeddingBagCollection")
+        optimizer, configs_with_optimizer = sharded_optimizer(module, "ShardedCNEmbeddingBagCollection", fused_params)
         self._store_configs = shard_store_configs(configs_with_optimizer, self._world_size)
-        self._anchor = nn.Parameter(torch.empty(0))
+        self._anchor = fused_anchor()
         self._stores = {name: cncore.EmbeddingStore(config) for name, config in self._store_configs.items()}
         _keep_owned_rows(self._stores, module.stores, self._world_size, self._rank)
         self._optim = keyed_fused_optimizer(self._anchor, optimizer, list(self._stores.values()),
@@ -248,13 +248,13 @@ def check_features(features, needed: List[str], is_weighted: bool) -> None:
         raise ValueError(f"features: no key {missing[0]!r} (it has {features.keys()})")
 
 
-def _check_plan(module, configs, table_name_to_parameter_sharding, device) -> None:
+def _check_plan(module, configs, table_name_to_parameter_sharding, device, fused_params=None) -> None:
     """The plan shards every table row-wise with our kernel, on cpu, and the module has an optimizer
-    (optimizer= or apply_optimizer_in_backward)."""
+    (optimizer=, apply_optimizer_in_backward or the sharder's fused_params)."""
     if device is not None and torch.device(device).type != "cpu":
         raise ValueError(f"device={device}: the tables' rows are in the core; shard onto device 'cpu' (the "
                          "process group's backend may still be NCCL for dense parts, untested)")
-    sharded_optimizer(module, f"sharded {type(module).__name__}")  # one is set (either way), or a clear error
+    sharded_optimizer(module, f"sharded {type(module).__name__}", fused_params)  # one is set, or a clear error
     for c in configs:
         ps = table_name_to_parameter_sharding.get(c.name)
         if ps is None:
@@ -279,15 +279,28 @@ def _owned_writer(store: cncore.EmbeddingStore, world_size: int, rank: int):
     return write
 
 
-def sharded_optimizer(module, owner: str):
-    """(optimizer, store configs with it) of a collection being sharded: its optimizer=, else
-    the one `torchrec.optim.apply_optimizer_in_backward` attached to its parameters (read here as
-    TorchRec's own sharders read them; DMP shards a meta module that never adopted it). A
-    sharded table trains only fused, so neither is refused now rather than in backward."""
-    optimizer = module._optimizer or in_backward_optimizer(module._anchor, owner)
+def sharded_optimizer(module, owner: str, fused_params: Optional[Dict[str, Any]] = None):
+    """(optimizer, store configs with it) of a collection being sharded, read as TorchRec's own
+    sharders read it: the collection's optimizer=, the optimizer `torchrec.optim.
+    apply_optimizer_in_backward` attached to its parameters (DMP shards a meta module, which
+    never adopted it), or the sharder's FBGEMM-style `fused_params`
+    (`CNEmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+    "learning_rate": 0.05})`); those set must agree (`cncore_torch.optim.resolve_optimizer`). A
+    sharded table trains only fused, so none is refused now rather than in backward."""
+    optimizer = resolve_optimizer(module._optimizer, module._anchor, owner, fused_params)
     if optimizer is None:
         raise no_optimizer_error(owner)
     return optimizer, {name: dataclasses.replace(c, optimizer=optimizer) for name, c in module._store_configs.items()}
+
+
+def fused_anchor() -> nn.Parameter:
+    """The sharded module's zero-size parameter, marked as TorchRec marks the parameters of its
+    fused tables (`_in_backward_optimizers`), so that `torchrec.optim.optimizers.
+    in_backward_optimizer_filter(model.named_parameters())` leaves it out of the dense optimizer."""
+    from torchrec.optim.fused import EmptyFusedOptimizer
+    anchor = nn.Parameter(torch.empty(0))
+    anchor._in_backward_optimizers = [EmptyFusedOptimizer()]
+    return anchor
 
 
 def shard_store_configs(configs: Dict[str, cncore.StoreConfig], world_size: int) -> Dict[str, cncore.StoreConfig]:
