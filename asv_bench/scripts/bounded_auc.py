@@ -250,7 +250,7 @@ def main(argv=None) -> int:
     job = SimpleNamespace(steps=args.steps, batch_size=args.batch_size, eval_batches=args.eval_batches,
                           eval_every=args.steps, embedding_dim=args.embedding_dim, sparse_lr=0.05, dense_lr=0.01,
                           seed=args.seed, no_progress=True, checkpoint=None, criteo_tsv=None,
-                          mch_interval=args.mch_interval)
+                          mch_interval=args.mch_interval, row_dtype=args.row_dtype)
     torch.set_num_threads(args.threads)
     cncore.set_num_threads(args.threads)
     _mute_is_fx_tracing_notice()
