@@ -2,15 +2,22 @@
 on the parameters, against TorchRec's own EmbeddingBagCollection given the same call.
 
 - Each optimizer it maps (torch.optim.SGD / Adagrad / Adam, torchrec.optim.RowWiseAdagrad) trains
-  our rows as it trains TorchRec's dense weights: every batch touches every row, so TorchRec's
-  dense update and our per-row fused update do the same arithmetic (Adam included, whose lazy
-  form differs only on rows without a gradient); rows equal after k steps to fp32 rounding.
+  our rows as it trains TorchRec's dense weights, pooled (EmbeddingBagCollection) and unpooled
+  (EmbeddingCollection): every batch touches every row, so TorchRec's dense update and our
+  per-row fused update do the same arithmetic (Adam included, whose lazy form differs only on
+  rows without a gradient); rows equal after k steps to fp32 rounding.
+- One optimizer per collection: optimizer= and a tag that disagree, a second
+  apply_optimizer_in_backward (before or after the tables adopted the first) are refused, the
+  tables unchanged; TorchRec's placeholder optimizers are read only when sharded.
 - Options without a fused form (momentum, weight decay, ...) and optimizers without one (RMSprop)
   are refused by name at the first forward, the collection unchanged.
 - Neither optimizer= nor apply_optimizer_in_backward: a training forward says both ways
   (a plain torch.optim over model.parameters() cannot move the rows); no_grad / eval need neither.
-- torch.save of a whole collection loads into one that trains on identically.
-- Under DMP (2 gloo processes) the sharder reads the tag as TorchRec's own sharders do.
+- torch.save of a whole collection (pooled, unpooled, tagged) loads into one that trains on
+  identically.
+- Under DMP (2 gloo processes) the sharders read the tag and their FBGEMM-style fused_params as
+  TorchRec's own sharders do (rows and optimizer state equal the single process's); fused_params
+  they cannot honour are refused by name.
 """
 import io
 
@@ -19,7 +26,7 @@ import pytest
 import torch
 
 pytest.importorskip("torchrec")
-from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor  # noqa: E402
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor  # noqa: E402
 from torchrec.optim import RowWiseAdagrad as TorchRecRowWiseAdagrad  # noqa: E402
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward  # noqa: E402
 from torchrec.optim.keyed import KeyedOptimizer  # noqa: E402
@@ -219,3 +226,222 @@ def test_a_state_dict_saved_with_the_old_one_dimensional_anchor_loads():
     again = CNEmbeddingBagCollection(tables=configs(), optimizer=cncore.SGD(lr=0.1))
     again.load_state_dict(state)
     assert again.table_rows() == ours.table_rows()
+
+
+# --- more than one place sets the optimizer ----------------------------------------------------------
+
+def test_optimizer_and_a_disagreeing_tag_are_refused_naming_both_tables_unchanged():
+    ours = CNEmbeddingBagCollection(tables=configs(), optimizer=cncore.SGD(lr=0.1))
+    train(ours, batch(np.random.default_rng(0)), torch.ones(6, 11))
+    apply_optimizer_in_backward(torch.optim.Adam, ours.parameters(), {"lr": 0.1})
+    before = {name: snapshot(store) for name, store in ours.stores.items()}
+    with pytest.raises(ValueError, match=r"optimizer= sets SGD\(lr=0\.1\) but apply_optimizer_in_backward sets "
+                                         r"Adam\(lr=0\.1.*Nothing was changed"):
+        ours(batch(np.random.default_rng(1)))
+    for name, store in ours.stores.items():
+        assert_unchanged(store, before[name])
+        assert store.config.optimizer == cncore.SGD(lr=0.1)
+
+
+def test_optimizer_and_the_same_tag_train_as_optimizer_alone():
+    tagged = CNEmbeddingBagCollection(tables=configs(), optimizer=cncore.Adagrad(lr=0.1, eps=1e-10))
+    plain = CNEmbeddingBagCollection(tables=configs(), optimizer=cncore.Adagrad(lr=0.1, eps=1e-10))
+    apply_optimizer_in_backward(torch.optim.Adagrad, tagged.parameters(), {"lr": 0.1})  # torch's eps: 1e-10
+    rng = np.random.default_rng(3)
+    for _ in range(2):
+        kjt = batch(rng)
+        train(tagged, kjt, torch.ones(6, 11))
+        train(plain, kjt, torch.ones(6, 11))
+    for name in plain.stores:
+        np.testing.assert_array_equal(snapshot(tagged.stores[name])[2], snapshot(plain.stores[name])[2])
+        np.testing.assert_array_equal(snapshot(tagged.stores[name])[3], snapshot(plain.stores[name])[3])
+
+
+def test_a_second_apply_optimizer_in_backward_after_adoption_is_refused_tables_unchanged():
+    ours, _ = twins()
+    apply_optimizer_in_backward(torch.optim.Adagrad, ours.parameters(), {"lr": 0.1})
+    train(ours, batch(np.random.default_rng(0)), torch.ones(6, 11))
+    apply_optimizer_in_backward(torch.optim.SGD, ours.parameters(), {"lr": 0.5})
+    before = {name: snapshot(store) for name, store in ours.stores.items()}
+    with pytest.raises(ValueError, match=r"already train with Adagrad\(lr=0\.1.*tagged its parameters with "
+                                         r"Adagrad, SGD.*cannot change.*The tables are unchanged"):
+        ours(batch(np.random.default_rng(1)))
+    with pytest.raises(ValueError, match=r"already train with Adagrad"):
+        ours.fused_optimizer
+    for name, store in ours.stores.items():
+        assert_unchanged(store, before[name])
+        assert store.config.optimizer == cncore.Adagrad(lr=0.1, eps=1e-10)
+
+
+def test_two_apply_optimizer_in_backward_calls_before_training_are_refused():
+    ours, _ = twins()
+    apply_optimizer_in_backward(torch.optim.SGD, ours.parameters(), {"lr": 0.1})
+    apply_optimizer_in_backward(torch.optim.SGD, ours.parameters(), {"lr": 0.2})
+    before = {name: snapshot(store) for name, store in ours.stores.items()}
+    with pytest.raises(ValueError, match=r"apply_optimizer_in_backward was called 2 times on its parameters "
+                                         r"\(SGD, SGD\); dynamic tables take one optimizer"):
+        ours(batch(np.random.default_rng(0)))
+    for name, store in ours.stores.items():
+        assert_unchanged(store, before[name])
+        assert store.config.optimizer is None
+
+
+def test_torchrec_placeholder_optimizers_read_as_its_sharders_read_them():
+    """torchrec.optim.Adam and friends carry FBGEMM's names and defaults (eps 1e-8, lr renamed)."""
+    import torchrec.optim as trec_optim
+    from cncore_torch.optim import optimizer_from_torch
+    assert optimizer_from_torch(trec_optim.Adam, {"lr": 0.02, "beta2": 0.99}) == \
+        cncore.Adam(lr=0.02, betas=(0.9, 0.99), eps=1e-8)
+    assert optimizer_from_torch(trec_optim.Adagrad, {"learning_rate": 0.3}) == cncore.Adagrad(lr=0.3, eps=1e-8)
+    assert optimizer_from_torch(trec_optim.SGD, {"lr": 0.3}) == cncore.SGD(lr=0.3)
+    with pytest.raises(ValueError, match=r"torchrec\.optim\.SGD: 'momentum' has no meaning for dynamic tables"):
+        optimizer_from_torch(trec_optim.SGD, {"lr": 0.3, "momentum": 0.9})
+    ours, _ = twins()  # in one process torch's hook would call the placeholder's step, which raises
+    apply_optimizer_in_backward(trec_optim.SGD, ours.parameters(), {"lr": 0.5})
+    with pytest.raises(ValueError, match=r"torchrec\.optim\.SGD is a placeholder only sharded tables take.*"
+                                         r"use torch\.optim\.SGD here, or shard the collection with DMP"):
+        ours(batch(np.random.default_rng(0)))
+    assert {s.config.optimizer for s in ours.stores.values()} == {None}
+
+
+# --- the unpooled collection against TorchRec's EmbeddingCollection --------------------------------
+
+def ec_configs():
+    from torchrec import EmbeddingConfig
+    return [EmbeddingConfig(name="t_a", embedding_dim=3, num_embeddings=ROWS, feature_names=["f1", "f2"]),
+            EmbeddingConfig(name="t_b", embedding_dim=3, num_embeddings=ROWS, feature_names=["f3"])]
+
+
+@pytest.mark.parametrize("optimizer_class, kwargs, expected", CASES, ids=lambda c: getattr(c, "__name__", ""))
+def test_the_unpooled_collection_trains_as_torchrecs_embedding_collection(optimizer_class, kwargs, expected):
+    from torchrec import EmbeddingCollection
+    torch.manual_seed(0)
+    ref = EmbeddingCollection(tables=ec_configs())
+    ours = CNEmbeddingCollection(tables=ec_configs())
+    for name, store in ours.stores.items():
+        store.insert_or_assign(np.arange(ROWS), ref.embeddings[name].weight.detach().numpy())
+    apply_optimizer_in_backward(optimizer_class, ours.parameters(), kwargs)
+    apply_optimizer_in_backward(optimizer_class, ref.parameters(), kwargs)
+    rng = np.random.default_rng(4)
+    for step in range(3):
+        kjt = batch(rng)
+        targets = {f: torch.from_numpy(rng.standard_normal((len(kjt[f].values()), 3)).astype(np.float32))
+                   for f in kjt.keys()}
+        for model in (ours, ref):
+            out = model(kjt)
+            sum((out[f].values() * targets[f]).sum() for f in targets).backward()
+        for name, store in ours.stores.items():
+            torch.testing.assert_close(torch.from_numpy(store.lookup(np.arange(ROWS))),
+                                       ref.embeddings[name].weight.detach(), rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"step {step}, table {name}: {m}")
+    assert {s.config.optimizer for s in ours.stores.values()} == {expected}
+
+
+# --- torch.save, beyond the pooled collection with optimizer= -----------------------------------
+
+def roundtrip(module):
+    buf = io.BytesIO()
+    torch.save(module, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+def test_torch_save_of_a_tagged_collection_and_of_the_unpooled_one_train_on_identically():
+    tagged, _ = twins()
+    apply_optimizer_in_backward(torch.optim.Adam, tagged.parameters(), {"lr": 0.01})
+    unpooled = CNEmbeddingCollection(tables=ec_configs(), optimizer=cncore.Adagrad(lr=0.1))
+    rng = np.random.default_rng(6)
+    kjt = batch(rng)
+
+    def step(model):
+        out = model(kjt)
+        (out.values().sum() if isinstance(out, KeyedTensor) else sum(jt.values().sum() for jt in out.values())
+         ).backward()
+
+    for model in (tagged, unpooled):
+        step(model)
+        back = roundtrip(model)
+        for name in model.stores:
+            assert_unchanged(back.stores[name], snapshot(model.stores[name]))
+        assert back.fused_optimizer.lr == model.fused_optimizer.lr
+        step(model)
+        step(back)
+        for name in model.stores:
+            assert_unchanged(back.stores[name], snapshot(model.stores[name]))
+            assert back.stores[name].step == 2
+
+
+# --- sharded: the sharder's fused_params, and the unpooled collection's tag ----------------------
+
+def _sharded_fused_params_and_unpooled_tag(rank, world_size):
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    from cncore_torch.distributed import CNEmbeddingBagCollectionSharder
+    from cncore_torch.distributed.embedding import CNEmbeddingCollectionSharder
+    from cncore_torch.distributed.embeddingbag import plan_for
+
+    model = CNEmbeddingBagCollection(tables=configs(), device="meta", seed=3)
+    sharder = CNEmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.ADAM, "learning_rate": 0.05,
+                                                            "beta1": 0.8})
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"), sharders=[sharder],
+                                   plan=plan_for(model, world_size))
+    assert not dict(in_backward_optimizer_filter(dmp.named_parameters()))  # no dense parameter left
+    ref = CNEmbeddingBagCollection(tables=configs(), seed=3,
+                                   optimizer=cncore.Adam(lr=0.05, betas=(0.8, 0.999), eps=1e-8))
+    unpooled = CNEmbeddingCollection(tables=ec_configs(), device="meta", seed=4)
+    apply_optimizer_in_backward(torch.optim.Adagrad, unpooled.parameters(), {"lr": 0.2})
+    dmp_ec = DistributedModelParallel(unpooled, device=torch.device("cpu"), sharders=[CNEmbeddingCollectionSharder()],
+                                      plan=plan_for(unpooled, world_size))
+    ref_ec = CNEmbeddingCollection(tables=ec_configs(), seed=4, optimizer=cncore.Adagrad(lr=0.2, eps=1e-10))
+    rng = np.random.default_rng(5)
+    for _ in range(2):
+        kjt = batch(rng)  # every rank feeds the same batch: the single process sees it world_size times
+        both = KeyedJaggedTensor.from_lengths_sync(
+            kjt.keys(), torch.cat([kjt[k].values() for k in kjt.keys() for _ in range(world_size)]),
+            torch.cat([kjt[k].lengths() for k in kjt.keys() for _ in range(world_size)]))
+        dmp(kjt).values().sum().backward()
+        ref(both).values().sum().backward()
+        sum(jt.values().sum() for jt in dmp_ec(kjt).values()).backward()
+        sum(jt.values().sum() for jt in ref_ec(both).values()).backward()
+    for sharded, single, want in ((dmp.module, ref, cncore.Adam(lr=0.05, betas=(0.8, 0.999), eps=1e-8)),
+                                  (dmp_ec.module, ref_ec, cncore.Adagrad(lr=0.2, eps=1e-10))):
+        for name, store in sharded.stores.items():
+            assert store.config.optimizer == want
+            b = store.export()
+            assert len(b.keys) > 0
+            expected = single.stores[name].read(b.keys)
+            torch.testing.assert_close(torch.from_numpy(b.rows), torch.from_numpy(expected.rows), rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(torch.from_numpy(b.optimizer_state), torch.from_numpy(expected.optimizer_state),
+                                       rtol=1e-6, atol=1e-6)
+
+
+def test_dmp_reads_the_sharders_fused_params_and_the_unpooled_tag():
+    from cncore_torch.distributed.launch import spawn
+    spawn(_sharded_fused_params_and_unpooled_tag, 2, timeout=100.0)
+
+
+@pytest.mark.parametrize("fused_params, tag, match", [
+    ({"optimizer": "adam", "cache_load_factor": 0.2}, None,
+     r"fused_params: 'cache_load_factor' has no meaning for dynamic tables"),
+    ({"optimizer": "lamb"}, None, r"optimizer <EmbOptimType\.LAMB: 'lamb'> cannot run fused"),
+    ({"optimizer": "exact_sgd", "learning_rate": 0.1}, (torch.optim.SGD, {"lr": 0.2}),
+     r"apply_optimizer_in_backward sets SGD\(lr=0\.2\) but the sharder's fused_params sets SGD\(lr=0\.1\)"),
+    (None, None, r"has no optimizer.*apply_optimizer_in_backward"),
+])
+def test_the_sharded_collection_refuses_fused_params_it_cannot_honour(fused_params, tag, match):
+    """Refused in the sharded module's constructor, before any store or collective (world size 1,
+    no process group needed)."""
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torchrec.distributed.types import ShardingEnv
+
+    from cncore_torch.distributed.embeddingbag import ShardedCNEmbeddingBagCollection, plan_for
+    model = CNEmbeddingBagCollection(tables=configs(), device="meta")
+    if tag is not None:
+        apply_optimizer_in_backward(tag[0], model.parameters(), tag[1])
+    if fused_params is not None:
+        fused_params = {**fused_params, "optimizer": EmbOptimType(fused_params["optimizer"])}
+    plan = plan_for(model, 1).plan[""]
+    with pytest.raises((ValueError, RuntimeError), match=match):
+        ShardedCNEmbeddingBagCollection(model, plan, ShardingEnv(world_size=1, rank=0, pg=None), fused_params)

@@ -229,8 +229,10 @@ def optimizer_tag(param: torch.nn.Parameter):
     return tuple(classes), tuple(tuple(sorted(dict(k).items(), key=lambda kv: kv[0])) for k in kwargs)
 
 
-def in_backward_optimizer(param: torch.nn.Parameter, where: str):
-    """The cncore optimizer `apply_optimizer_in_backward` attached to `param`, or None."""
+def in_backward_optimizer(param: torch.nn.Parameter, where: str, sharded: bool = False):
+    """The cncore optimizer `apply_optimizer_in_backward` attached to `param`, or None.
+    TorchRec's placeholder optimizers (`torchrec.optim.SGD`, ...) only where `sharded`: on a
+    collection in one process torch's backward hook calls their `step`, which raises."""
     classes = getattr(param, "_optimizer_classes", None)
     if not classes:
         return None
@@ -239,19 +241,24 @@ def in_backward_optimizer(param: torch.nn.Parameter, where: str):
         raise ValueError(f"{where}: apply_optimizer_in_backward was called {len(classes)} times on its parameters "
                          f"({', '.join(c.__name__ for c in classes)}); dynamic tables take one optimizer, as "
                          "TorchRec's fused tables do")
+    if not sharded and classes[0] in _torchrec_placeholders():
+        raise ValueError(f"{where}: torchrec.optim.{classes[0].__name__} is a placeholder only sharded tables take "
+                         "(torch's backward hook calls its step, which raises NotImplementedError); use "
+                         f"torch.optim.{classes[0].__name__} here, or shard the collection with DMP")
     return optimizer_from_torch(classes[0], dict(kwargs[0]), f"{where}: apply_optimizer_in_backward")
 
 
-def resolve_optimizer(given, param: torch.nn.Parameter, where: str, fused_params: Optional[dict] = None):
+def resolve_optimizer(given, param: torch.nn.Parameter, where: str, fused_params: Optional[dict] = None,
+                      sharded: bool = False):
     """The one cncore optimizer of a collection's tables, from each place it can be set:
-    `optimizer=` (`given`), `apply_optimizer_in_backward` on `param`, and (when sharding) the
+    `optimizer=` (`given`), `apply_optimizer_in_backward` on `param`, and (when `sharded`) the
     sharder's `fused_params`. The places that set one must agree (TorchRec would let a tag
     override fused_params key by key; two different optimizers for the same rows is more likely
     a mistake than a wish), else a ValueError names them; None when none does."""
     found = []
     if given is not None:
         found.append(("optimizer=", given))
-    tagged = in_backward_optimizer(param, where)
+    tagged = in_backward_optimizer(param, where, sharded)
     if tagged is not None:
         found.append(("apply_optimizer_in_backward", tagged))
     from_sharder = optimizer_from_fused_params(fused_params, f"{where}: the sharder's fused_params")

@@ -287,7 +287,7 @@ def sharded_optimizer(module, owner: str, fused_params: Optional[Dict[str, Any]]
     (`CNEmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
     "learning_rate": 0.05})`); those set must agree (`cncore_torch.optim.resolve_optimizer`). A
     sharded table trains only fused, so none is refused now rather than in backward."""
-    optimizer = resolve_optimizer(module._optimizer, module._anchor, owner, fused_params)
+    optimizer = resolve_optimizer(module._optimizer, module._anchor, owner, fused_params, sharded=True)
     if optimizer is None:
         raise no_optimizer_error(owner)
     return optimizer, {name: dataclasses.replace(c, optimizer=optimizer) for name, c in module._store_configs.items()}
