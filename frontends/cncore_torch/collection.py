@@ -374,7 +374,12 @@ class CNEmbeddingBagCollection(_DynamicTables, EmbeddingBagCollectionInterface):
     """TorchRec's `EmbeddingBagCollection` on dynamic tables (see the module docstring).
 
     Args: `tables`, `is_weighted`, `device` as TorchRec (device: "cpu" only for now);
-    `optimizer`: the fused optimizer of every table (a cncore optimizer config);
+    `optimizer`: the fused optimizer of every table (a cncore optimizer config); without it,
+    the one `torchrec.optim.apply_optimizer_in_backward` puts on the collection's parameters
+    (torch.optim.SGD, Adagrad, Adam or torchrec.optim.RowWiseAdagrad, mapped by
+    `cncore_torch.optim.optimizer_from_torch`), read at the first forward (or load, or
+    `fused_optimizer`), and also by the DMP sharder. One optimizer per collection: a tag that
+    disagrees with `optimizer=`, or that changes once adopted, is refused;
     `initializers`: {table name: cncore initializer} overriding the configs' init;
     `capacities`: {table name: rows to allocate up front} (default min(num_embeddings, 2^20));
     `seed`: each table's rows are drawn from (seed, table name, ID).
@@ -393,6 +398,25 @@ class CNEmbeddingBagCollection(_DynamicTables, EmbeddingBagCollectionInterface):
     ...         ).values().sum().backward()
     >>> ebc.table_rows(), ebc.stores["t"].evicted_count
     ({'t': 3}, 1)
+
+    The optimizer the TorchRec way (a plain `torch.optim.SGD(model.parameters())` cannot move
+    the rows, which are not parameters: a training forward with no optimizer says so):
+
+    >>> import warnings
+    >>> from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+    >>> ebc = CNEmbeddingBagCollection([EmbeddingBagConfig(name="t", embedding_dim=2, num_embeddings=3,
+    ...                                                    feature_names=["f"])], initializers={"t": cncore.Constant(1.0)})
+    >>> kjt = KeyedJaggedTensor.from_lengths_sync(["f"], torch.tensor([7, 7]), torch.tensor([2]))
+    >>> ebc(kjt)
+    Traceback (most recent call last):
+    ...
+    RuntimeError: CNEmbeddingBagCollection has no optimizer, and a torch.optim optimizer over model.parameters() cannot train its rows (they are not parameters). Either build it with optimizer=cncore.RowWiseAdagrad(lr=...) (or SGD, Adagrad, Adam), or call torchrec.optim.apply_optimizer_in_backward(optimizer_class, <its parameters>, {"lr": ...}) before training, as for TorchRec's fused tables. (Forward under torch.no_grad() or in eval mode needs neither.)
+    >>> with warnings.catch_warnings():
+    ...     warnings.simplefilter("ignore", DeprecationWarning)  # TorchRec points at torch's private twin
+    ...     apply_optimizer_in_backward(torch.optim.Adagrad, ebc.parameters(), {"lr": 0.5})
+    >>> ebc(kjt).values().sum().backward()   # ID 7 twice in one bag: gradient 2 per value
+    >>> ebc.stores["t"].config.optimizer, ebc.stores["t"].lookup(torch.tensor([7]).numpy()).tolist()
+    (Adagrad(lr=0.5, eps=1e-10, initial_accumulator_value=0.0), [[0.5, 0.5]])
     """
 
     def __init__(self, tables: List[EmbeddingBagConfig], is_weighted: bool = False, device=None, *,
