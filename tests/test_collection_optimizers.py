@@ -385,8 +385,7 @@ def _sharded_fused_params_and_unpooled_tag(rank, world_size):
     model = CNEmbeddingBagCollection(tables=configs(), device="meta", seed=3)
     sharder = CNEmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.ADAM, "learning_rate": 0.05,
                                                             "beta1": 0.8})
-    dmp = DistributedModelParallel(model, device=torch.device("cpu"), sharders=[sharder],
-                                   plan=plan_for(model, world_size))
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"), sharders=[sharder])  # TorchRec's planner
     assert not dict(in_backward_optimizer_filter(dmp.named_parameters()))  # no dense parameter left
     ref = CNEmbeddingBagCollection(tables=configs(), seed=3,
                                    optimizer=cncore.Adam(lr=0.05, betas=(0.8, 0.999), eps=1e-8))

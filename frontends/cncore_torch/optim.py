@@ -92,7 +92,7 @@ def _torch_optimizers() -> dict:
                               {"lr_decay": 0, "weight_decay": 0, "maximize": False},
                               {"lr": 1e-2, "eps": 1e-10, "initial_accumulator_value": 0.0}),
         torch.optim.Adam: (cncore.Adam, {"lr": "lr", "betas": "betas", "eps": "eps"},
-                           {"weight_decay": 0, "amsgrad": False, "maximize": False},
+                           {"weight_decay": 0, "amsgrad": False, "maximize": False, "decoupled_weight_decay": False},
                            {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8}),
     }
     try:
