@@ -444,3 +444,89 @@ def test_the_sharded_collection_refuses_fused_params_it_cannot_honour(fused_para
     plan = plan_for(model, 1).plan[""]
     with pytest.raises((ValueError, RuntimeError), match=match):
         ShardedCNEmbeddingBagCollection(model, plan, ShardingEnv(world_size=1, rank=0, pg=None), fused_params)
+
+
+# --- torch.compile: the collection's lookup as operators (one node each way, no graph break) -------
+
+def compile_configs():
+    from torchrec import PoolingType
+    return [EmbeddingBagConfig(name="t_a", embedding_dim=4, num_embeddings=ROWS, feature_names=["f1", "f2"]),
+            EmbeddingBagConfig(name="t_b", embedding_dim=3, num_embeddings=ROWS, feature_names=["f3"],
+                               pooling=PoolingType.MEAN)]
+
+
+def random_kjt(rng, bags, weighted=False):
+    """f1..f3 in shuffled key order with an extra key no table reads, empty bags included."""
+    keys = ["f3", "other", "f1", "f2"]
+    lengths = rng.integers(0, 4, (len(keys), bags))
+    values = rng.integers(-3, 40, int(lengths.sum()))
+    weights = torch.from_numpy(rng.random(len(values)).astype(np.float32)) if weighted else None
+    return KeyedJaggedTensor.from_lengths_sync(keys, torch.from_numpy(values), torch.from_numpy(lengths.ravel()),
+                                               weights=weights)
+
+
+def assert_same_tables(a, b):
+    for name in a.stores:
+        assert_unchanged(b.stores[name], snapshot(a.stores[name]))
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
+def test_compiled_collection_trains_exactly_as_eager(weighted):
+    from cncore_torch import collection as collection_module
+    make = lambda: CNEmbeddingBagCollection(tables=compile_configs(), is_weighted=weighted,  # noqa: E731
+                                            optimizer=cncore.Adam(lr=0.01))
+    eager, compiled = make(), make()
+    run = torch.compile(compiled, fullgraph=True)  # fullgraph: no graph break, or it raises
+    rng = np.random.default_rng(7)
+    for bags in (5, 3, 5, 4):  # batch sizes vary (the last batch of an epoch)
+        kjt = random_kjt(rng, bags, weighted)
+        a, b = eager(kjt), run(kjt)
+        assert b.keys() == a.keys() and b.length_per_key() == a.length_per_key()
+        torch.testing.assert_close(b.values(), a.values(), rtol=0, atol=0)
+        grad = torch.from_numpy(rng.standard_normal(tuple(a.values().shape)).astype(np.float32))
+        (a.values() * grad).sum().backward()
+        (b.values() * grad).sum().backward()
+        assert_same_tables(eager, compiled)
+    assert all(s.step == 4 for s in compiled.stores.values())
+    assert collection_module._PENDING == {}  # every lookup's contexts left with its backward
+
+
+def test_compiled_collection_honours_apply_optimizer_in_backward_and_says_when_there_is_none():
+    ours, _ = twins()
+    ref, _ = twins()
+    run = torch.compile(ours, backend="aot_eager", fullgraph=True)
+    kjt = batch(np.random.default_rng(0))
+    with pytest.raises(RuntimeError, match=r"has no optimizer.*apply_optimizer_in_backward"):
+        run(kjt)
+    for model in (ours, ref):
+        apply_optimizer_in_backward(TorchRecRowWiseAdagrad, model.parameters(), {"lr": 0.1})
+    rng = np.random.default_rng(1)
+    for _ in range(3):
+        kjt = batch(rng)
+        targets = torch.from_numpy(rng.standard_normal((6, 11)).astype(np.float32))
+        train(run, kjt, targets)
+        train(ref, kjt, targets)
+    assert {s.config.optimizer for s in ours.stores.values()} == {cncore.RowWiseAdagrad(lr=0.1, eps=1e-10)}
+    assert_same_tables(ref, ours)
+
+
+def test_compiled_forward_without_backward_keeps_nothing_and_bad_batches_raise_the_eager_message():
+    import gc
+
+    from cncore_torch import collection as collection_module
+    ours = CNEmbeddingBagCollection(tables=compile_configs(), optimizer=cncore.SGD(lr=0.1))
+    run = torch.compile(ours, backend="aot_eager", fullgraph=True)
+    rng = np.random.default_rng(3)
+    out = run(random_kjt(rng, 4))  # a training forward whose loss is never used
+    with torch.no_grad():
+        run(random_kjt(rng, 4))
+    del out
+    gc.collect()
+    assert collection_module._PENDING == {}
+    bad = KeyedJaggedTensor(keys=["f1", "f2", "f3"], values=torch.tensor([1, 2, 3]),
+                            lengths=torch.tensor([2, -1, 1, 0, 1, 0]))
+    before = {name: snapshot(store) for name, store in ours.stores.items()}
+    with pytest.raises(ValueError, match=r"features: lengths must be >= 0, got -1"):
+        run(bad)
+    for name, store in ours.stores.items():
+        assert_unchanged(store, before[name])

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
+import weakref
 import zlib
 from typing import Dict, List, Optional, Tuple
 
@@ -248,10 +250,11 @@ class _DynamicTables:
                                                          self._optimizer_prefix)
         self.__dict__["_adopted_tag"] = tag
 
-    def _require_optimizer(self, training: bool) -> None:
-        """A training forward needs an optimizer: say so here, not deep in backward."""
+    def _require_optimizer(self, needed: bool) -> None:
+        """A training forward with gradients (`needed`) needs an optimizer: say so here, not deep
+        in backward."""
         self._adopt_tagged_optimizer()
-        if training and torch.is_grad_enabled() and self._optimizer is None:
+        if needed and self._optimizer is None:
             raise no_optimizer_error(self._owner)
 
     def _materialise(self) -> None:
@@ -331,7 +334,16 @@ def pooled_collection_lookup(anchor: torch.Tensor, handle: int, features: KeyedJ
         values = torch.empty((features.stride(), sum(collection._lengths_per_embedding)), device="meta")
         return KeyedTensor(keys=collection._embedding_names, length_per_key=collection._lengths_per_embedding,
                            values=values)
-    collection._require_optimizer(training)
+    collection._require_optimizer(training and torch.is_grad_enabled())
+    keys, offsets, weights = grouped_arrays(collection, by_key)
+    values = _GroupedLookup.apply(anchor, collection, keys, offsets, weights, training)
+    return KeyedTensor(keys=collection._embedding_names, length_per_key=collection._lengths_per_embedding,
+                       values=values)
+
+
+def grouped_arrays(collection, by_key: Dict[str, JaggedTensor]):
+    """(keys, offsets, weights or None): one array per feature of `collection`, in its order,
+    for the grouped core call (zero-copy views where the tensors allow)."""
     keys, offsets, weights = [], [], []
     is_weighted = collection._is_weighted
     for names in collection._feature_names:
@@ -345,29 +357,115 @@ def pooled_collection_lookup(anchor: torch.Tensor, handle: int, features: KeyedJ
             if is_weighted and w is None:
                 raise ValueError(f"features: is_weighted=True but key {name!r} has no weights")
             weights.append(None if w is None else w.detach().to(torch.float32).numpy())
-    values = _GroupedLookup.apply(anchor, collection, keys, offsets, weights if is_weighted else None, training)
-    return KeyedTensor(keys=collection._embedding_names, length_per_key=collection._lengths_per_embedding,
-                       values=values)
+    return keys, offsets, weights if is_weighted else None
+
+
+def grouped_lookup(collection, keys, offsets, weights, training: bool):
+    """Forward of both bridges: (B, sum of dims) pooled rows and the lookups' contexts."""
+    out, lookups = cncore.grouped_pooled_lookup(collection._feature_stores, keys, offsets, modes=collection._modes,
+                                                per_sample_weights=weights, insert_missing=training)
+    return torch.from_numpy(out), lookups
+
+
+def grouped_update(collection, lookups, grad_out: torch.Tensor) -> None:
+    """Backward of both bridges: every table's fused update in one grouped core call."""
+    grad = np.ascontiguousarray(grad_out.detach().numpy(), dtype=np.float32)
+    if collection.fused_optimizer is None:
+        raise no_optimizer_error(collection._owner)
+    cncore.grouped_apply_gradients(lookups, grad, lr=collection.fused_optimizer.lr)
 
 
 class _GroupedLookup(torch.autograd.Function):
-    """One grouped core call forward, one grouped core call backward (fused updates)."""
+    """One grouped core call forward, one grouped core call backward (fused updates): the eager
+    bridge (the operators below cost ~100 us more a call; torch.compile uses them)."""
 
     @staticmethod
     def forward(ctx, anchor, collection, keys, offsets, weights, training):
-        out, lookups = cncore.grouped_pooled_lookup(collection._feature_stores, keys, offsets, modes=collection._modes,
-                                                    per_sample_weights=weights, insert_missing=training)
-        ctx.collection, ctx.lookups = collection, lookups
-        return torch.from_numpy(out)
+        out, ctx.lookups = grouped_lookup(collection, keys, offsets, weights, training)
+        ctx.collection = collection
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        collection = ctx.collection
-        grad = np.ascontiguousarray(grad_out.detach().numpy(), dtype=np.float32)
-        if collection.fused_optimizer is None:
-            raise no_optimizer_error(collection._owner)
-        cncore.grouped_apply_gradients(ctx.lookups, grad, lr=collection.fused_optimizer.lr)
+        grouped_update(ctx.collection, ctx.lookups, grad_out)
         return None, None, None, None, None, None
+
+
+# --- the same lookup as operators, for torch.compile ----------------------------------------------
+#
+# As the modules' `cncore::pooled_lookup` (cncore_torch/_ops.py): the tables are hidden state
+# behind an integer handle, so each pass is one opaque node and the collection compiles with
+# no graph break. The forward takes the whole KJT (values, lengths, weights: splitting it per
+# feature is data-dependent) and each feature's position among its keys (known when traced).
+# The lookups' contexts cannot be tensors (they are sealed core objects); they wait in
+# _PENDING under a token, an int64 tensor the backward gets from autograd, and leave it when
+# the token dies (after the backward, or with a graph that never runs one).
+
+_PENDING: Dict[int, list] = {}
+_tokens = itertools.count(1)
+
+
+def _token_for(lookups) -> torch.Tensor:
+    number = next(_tokens)
+    _PENDING[number] = lookups
+    token = torch.tensor([number], dtype=torch.int64)
+    weakref.finalize(token, _PENDING.pop, number, None)
+    return token
+
+
+@torch.library.custom_op("cncore::collection_pooled_lookup", mutates_args=())
+def collection_pooled_lookup(anchor: torch.Tensor, handle: int, values: torch.Tensor, lengths: torch.Tensor,
+                             weights: Optional[torch.Tensor], n_keys: int, positions: List[int], training: bool,
+                             needs_optimizer: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """CNEmbeddingBagCollection's lookup as an operator: (B, sum of dims) pooled rows and the
+    token of its contexts. Checks the KJT as the eager forward does (`features_by_key`)."""
+    collection = _ops.table_of(handle)
+    names = [f"<key {i}>" for i in range(n_keys)]
+    for name, at in zip((n for group in collection._feature_names for n in group), positions):
+        names[at] = name
+    features = KeyedJaggedTensor(keys=names, values=values, lengths=lengths, weights=weights)
+    by_key = features_by_key(features, collection._feature_names)
+    collection._require_optimizer(needs_optimizer)
+    out, lookups = grouped_lookup(collection, *grouped_arrays(collection, by_key), training)
+    return out, _token_for(lookups)
+
+
+@collection_pooled_lookup.register_fake
+def _(anchor, handle, values, lengths, weights, n_keys, positions, training, needs_optimizer):
+    dims = sum(_ops.table_of(handle)._lengths_per_embedding)
+    return (values.new_empty((lengths.shape[0] // n_keys, dims), dtype=torch.float32),
+            values.new_empty((1,), dtype=torch.int64))
+
+
+@torch.library.custom_op("cncore::collection_apply_gradients", mutates_args=())
+def collection_apply_gradients(anchor: torch.Tensor, handle: int, grad: torch.Tensor,
+                               token: torch.Tensor) -> torch.Tensor:
+    """Backward of collection_pooled_lookup: the fused update of every table (in the core).
+    Returns the anchor's (zero) gradient, so that no compiler drops the call."""
+    lookups = _PENDING.get(int(token[0]))
+    if lookups is None:
+        raise RuntimeError("this lookup's contexts are gone (its graph was freed); nothing was updated")
+    grouped_update(_ops.table_of(handle), lookups, grad)
+    return torch.zeros_like(anchor)
+
+
+@collection_apply_gradients.register_fake
+def _(anchor, handle, grad, token):
+    return torch.empty_like(anchor)
+
+
+def _collection_setup_context(ctx, inputs, output):
+    ctx.handle = inputs[1]
+    ctx.save_for_backward(inputs[0], output[1])
+
+
+def _collection_backward(ctx, grad_out, _grad_token):
+    anchor, token = ctx.saved_tensors
+    grad_anchor = collection_apply_gradients(anchor, ctx.handle, grad_out.contiguous(), token)
+    return grad_anchor, None, None, None, None, None, None, None, None
+
+
+collection_pooled_lookup.register_autograd(_collection_backward, setup_context=_collection_setup_context)
 
 
 class CNEmbeddingBagCollection(_DynamicTables, EmbeddingBagCollectionInterface):
@@ -449,8 +547,25 @@ class CNEmbeddingBagCollection(_DynamicTables, EmbeddingBagCollectionInterface):
         return self._is_weighted
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        """(B, sum of dims) pooled rows as a KeyedTensor; `torch.fx.symbolic_trace`-able (one node)."""
+        """(B, sum of dims) pooled rows as a KeyedTensor; `torch.fx.symbolic_trace`-able (one
+        node) and `torch.compile`-able (one operator each way, no graph break)."""
+        if torch.compiler.is_compiling() and not self.is_meta and not features.variable_stride_per_key():
+            return self._compiled_lookup(features)
         return pooled_collection_lookup(self._anchor, self._handle, features, self.training)
+
+    def _compiled_lookup(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        keys = features.keys()
+        missing = [f for names in self._feature_names for f in names if f not in keys]
+        if missing:
+            raise ValueError(f"features: no key {missing[0]!r} (it has {keys})")
+        weights = features.weights_or_none() if self._is_weighted else None
+        if self._is_weighted and weights is None:
+            raise ValueError("features: is_weighted=True but the KJT has no weights")
+        values, _ = torch.ops.cncore.collection_pooled_lookup(
+            self._anchor, self._handle, features.values(), features.lengths(), weights, len(keys),
+            [keys.index(f) for names in self._feature_names for f in names], self.training,
+            self.training and torch.is_grad_enabled())
+        return KeyedTensor(keys=self._embedding_names, length_per_key=self._lengths_per_embedding, values=values)
 
     def table_rows(self) -> Dict[str, int]:
         """Rows in each table."""
@@ -545,7 +660,7 @@ class CNEmbeddingCollection(_DynamicTables, EmbeddingCollectionInterface):
         if self.is_meta:  # shape inference only
             outs = [torch.empty((len(k), self._dim), device="meta") for k in keys_by_table]
         else:
-            self._require_optimizer(self.training)
+            self._require_optimizer(self.training and torch.is_grad_enabled())
             outs = _TableLookups.apply(self._anchor, self, keys_by_table, self.training)
         result: Dict[str, JaggedTensor] = {}
         for out, names, emb_names in zip(outs, self._feature_names, self._names_by_table):
