@@ -1,0 +1,125 @@
+"""What a benchmark must know about the machine it runs on, in one place: the last-level cache
+(to size tables and the flush from it), a flush larger than that cache, the streaming read
+bandwidth, a one-line description to print with every table, and a background load.
+
+The asv suite (`common.py`) and the scripts (`asv_bench/scripts/`) both use these, so every
+number we publish was taken under the same rules. Imports no framework.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+_CACHE_DIR = "/sys/devices/system/cpu/cpu0/cache"
+
+
+def llc_bytes() -> int:
+    """Size of the largest cache of cpu0 (the last-level cache), read from sysfs; 32 MiB when
+    the machine does not say."""
+    best = 0
+    entries = sorted(os.listdir(_CACHE_DIR)) if os.path.isdir(_CACHE_DIR) else []
+    for entry in entries:
+        try:
+            with open(f"{_CACHE_DIR}/{entry}/size") as fh:
+                text = fh.read().strip()
+        except OSError:
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1], 1)
+        best = max(best, int(text.rstrip("KMG")) * scale)
+    return best or 32 << 20
+
+
+def cpu_count() -> int:
+    """CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
+def available_memory() -> int:
+    """Bytes the kernel says a new allocation can take without swapping (MemAvailable)."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def load_average() -> str:
+    return "/".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def describe() -> str:
+    """One line: CPU model, cores, last-level cache, memory, load average (1/5/15 min)."""
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return (f"{cpu_model()}, {cpu_count()} cores, LLC {llc_bytes() >> 20} MiB, "
+            f"RAM {total / 2**30:.0f} GiB ({available_memory() / 2**30:.0f} GiB available), "
+            f"load average {load_average()}")
+
+
+class Flush:
+    """A buffer `factor` times the last-level cache; calling it reads and writes every line, so
+    the next timed call starts with none of the previous call's rows in any cache."""
+
+    def __init__(self, factor: int = 2):
+        self.buf = np.zeros(factor * llc_bytes() // 8, np.float64)
+
+    def __call__(self) -> None:
+        self.buf += 1.0
+
+
+def read_bandwidth(nbytes: int | None = None, threads: int = 1, reps: int = 5) -> float:
+    """Streaming read bandwidth in bytes/s: `threads` threads each summing its own slice of a
+    buffer of nbytes (default 8x the last-level cache, at least 256 MiB), best of `reps`.
+    NumPy's reduction releases the GIL, so the threads run in parallel."""
+    nbytes = nbytes or max(8 * llc_bytes(), 256 << 20)
+    buf = np.ones(nbytes // 8, np.float64)
+    parts = np.array_split(buf, threads)
+    best = 0.0
+    with ThreadPoolExecutor(threads) as pool:
+        for _ in range(reps):
+            t = time.perf_counter()
+            list(pool.map(np.sum, parts))
+            best = max(best, nbytes / (time.perf_counter() - t))
+    return best
+
+
+_SPIN = "while True:\n    pass\n"
+
+
+@contextlib.contextmanager
+def background_load(processes: int | None = None):
+    """Keep every core busy while the block runs: one spinning Python process per CPU (a data
+    loader, a second job or an evaluation process do the same to a training job). Yields the
+    number started; the processes are ended, by their ids, when the block exits."""
+    n = cpu_count() if processes is None else processes
+    procs = [subprocess.Popen([sys.executable, "-c", _SPIN]) for _ in range(n)]
+    try:
+        time.sleep(0.5)  # let the scheduler see them before the first timing
+        yield n
+    finally:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait()
