@@ -30,8 +30,10 @@ truncates) when the file holds more than twice as many records as rows. So after
 file is at most twice the rows (plus a few pages), and between flushes it grows by the rows
 spilled since. `compact()` brings it to exactly one record per row.
 
-Left for later (said here so nobody relies on them): `prefetch(keys)` faults the keys in now
-rather than overlapping the reads with the current step; admission (MinCount) and the grouped
+`prefetch(keys)` reads the next batch's disk records in a background thread while the current
+step runs (TorchRec's SSD TBE pipeline does the same); the next call takes them if still current.
+
+Left for later (said here so nobody relies on them): admission (MinCount) and the grouped
 lookups of the TorchRec collections are refused on a tiered store; 16-bit rows are stored as
 float32 in the records.
 
@@ -237,7 +239,7 @@ class TieredStore(EmbeddingStore):
         EmbeddingStore.find_or_insert(self, pinned)
         if len(disk_keys):
             slots = _decode(self._disk.read(disk_keys).rows)
-            rec = self._read(slots)
+            rec = self._read_current(disk_keys, slots)
             if (rec["key"] != disk_keys).any():
                 raise RuntimeError(f"{self._dir}: rows.dat holds another key in a slot the index gives; the tier "
                                    "is damaged")
@@ -344,9 +346,72 @@ class TieredStore(EmbeddingStore):
                                      insert_missing=insert_missing, out=out)
 
     def prefetch(self, keys) -> None:
-        """Hand in the next batch's keys early: their rows on disk are read into the cache now
-        (not yet overlapped with the current step: see the module docstring)."""
-        self._fault_in(keys, insert=False)
+        """Hand in the next batch's keys early: a background thread reads the records of those on
+        disk (the read releases the GIL) while the current step runs, and the call that next needs
+        them takes those records instead of reading, if they are still current: the key still in
+        the slot read, and no flush since (a slot is rewritten only after a flush frees it). One
+        prefetch at a time: a new one first waits for the previous one.
+
+        >>> import numpy as np, tempfile, os, cncore
+        >>> s = cncore.EmbeddingStore(cncore.StoreConfig(dim=2, storage=cncore.Tiered(
+        ...     os.path.join(tempfile.mkdtemp(), "t"), cache_bytes=16 * 60)))
+        >>> for start in range(0, 100, 10):                        # most rows spill to disk
+        ...     _ = s.lookup(np.arange(start, start + 10), insert_missing=True)
+        >>> s.prefetch(np.arange(10)); _ = s.lookup(np.arange(10))
+        >>> s.stats["prefetched"] > 0
+        True
+        """
+        keys = np.unique(as_keys(keys))
+        self._wait_prefetch()
+        commit = self._commits
+
+        def read():
+            b = self._disk.read(keys)
+            found_keys, slots = keys[b.found], _decode(b.rows[b.found])
+            buf = np.zeros(len(slots), self._record)
+            if len(slots):
+                _core.block_io(self._fd, self._offsets(slots), buf.view(np.uint8).reshape(len(slots), -1), False)
+            self._staged = (commit, found_keys, slots, buf)  # keys sorted (np.unique)
+
+        import threading
+        self._prefetching = threading.Thread(target=self._catching(read), name="cncore-tier-prefetch", daemon=True)
+        self._prefetching.start()
+
+    def _catching(self, fn):
+        def run():
+            try:
+                fn()
+            except BaseException as exc:  # re-raised by the call that waits for it
+                self._prefetch_error = exc
+        return run
+
+    def _wait_prefetch(self) -> None:
+        thread = getattr(self, "_prefetching", None)
+        if thread is not None:
+            thread.join()
+            self._prefetching = None
+        error = getattr(self, "_prefetch_error", None)
+        if error is not None:
+            self._prefetch_error = None
+            raise RuntimeError("the background read of prefetch() failed") from error
+
+    def _read_current(self, keys: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        """The records of disk keys (sorted) at slots: prefetched ones where still current, the
+        rest read now."""
+        self._wait_prefetch()
+        staged, self._staged = getattr(self, "_staged", None), None
+        if staged is None or staged[0] != self._commits or not len(staged[1]):
+            return self._read(slots)
+        _, s_keys, s_slots, s_buf = staged
+        at = np.searchsorted(s_keys, keys).clip(max=len(s_keys) - 1)
+        hit = (s_keys[at] == keys) & (s_slots[at] == slots)
+        out = np.zeros(len(keys), self._record)
+        out[hit] = s_buf[at[hit]]
+        out[~hit] = self._read(slots[~hit])
+        self.stats["prefetched"] = self.stats.get("prefetched", 0) + int(hit.sum())
+        self.stats["rows_read"] += int(hit.sum())
+        self.stats["bytes_read"] += int(hit.sum()) * self._record.itemsize
+        return out
 
     def on_evict(self, callback) -> None:
         raise TypeError("on_evict: a tiered store's evicted rows go to its disk tier, not to callbacks")
@@ -428,6 +493,7 @@ class TieredStore(EmbeddingStore):
 
     def flush(self) -> None:
         """Make the directory hold this table as it is now, crash-safely (module docstring)."""
+        self._wait_prefetch()
         cached = EmbeddingStore.export(self)
         slots = self._take_slots(len(cached.keys))
         self._write(slots, cached)
@@ -517,6 +583,7 @@ class TieredStore(EmbeddingStore):
 
     def close(self) -> None:
         """Close the file (without flushing)."""
+        self._wait_prefetch()
         if getattr(self, "_fd", None) is not None:
             os.close(self._fd)
             self._fd = None

@@ -1,9 +1,9 @@
 """The SSD tier (cncore/tiered.py) against the in-memory store with the same config.
 
-- A hypothesis state machine drives a TieredStore whose cache holds 16-24 rows (so rows go back
+- A hypothesis state machine drives a TieredStore whose cache holds 16 rows (so rows go back
   and forth between memory and disk all the time) and an in-memory EmbeddingStore through the
   same training steps (pooled lookup + fused Adam / row-wise Adagrad backward), evaluation
-  lookups, writes, erases, flushes and reopenings: after every step both hold the same keys,
+  lookups, writes, erases, background prefetches, flushes, compactions and reopenings: after every step both hold the same keys,
   rows, optimizer state, counts and last steps, and give the same outputs.
 - Crash tests: a subprocess trains and flushes, and is SIGKILLed at a random moment (during
   training, during a flush); the directory reopens as the state of the last completed flush.
@@ -83,6 +83,11 @@ class TieredMachine(RuleBasedStateMachine):
     def erase(self, keys):
         keys = np.array(keys, np.int64)
         assert self.tiered.erase(keys).tolist() == self.memory.erase(keys).tolist()
+
+    @rule(keys=key_batches)
+    def prefetch(self, keys):
+        """Read ahead in the background; whatever runs next must see the current rows."""
+        self.tiered.prefetch(np.array(keys, np.int64))
 
     @rule()
     def flush(self):

@@ -70,9 +70,13 @@ def run_one(kind: str, stream: str, multiple: float, args) -> dict:
         store.apply_gradients(ctx, grad[:1])
     before = dict(store.stats) if kind == "tiered" else {}
     times = []
-    for keys in batches(stream, n_keys, args.steps, ids, seed=1):
+    stream_batches = list(batches(stream, n_keys, args.steps + 1, ids, seed=1))
+    for step in range(args.steps):
+        keys = stream_batches[step]
         t0 = time.perf_counter()
         _, ctx = store.pooled_lookup(keys, lengths=lengths)
+        if kind == "tiered" and args.prefetch:  # the next batch's reads overlap the rest of this step
+            store.prefetch(stream_batches[step + 1])
         store.apply_gradients(ctx, grad)
         times.append(time.perf_counter() - t0)
     out = {"kind": kind, "stream": stream, "multiple": multiple, "rows": len(store), "cache_rows": cache_rows,
@@ -121,6 +125,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--passes", type=int, default=10)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--no-prefetch", dest="prefetch", action="store_false",
+                    help="do not hand the next batch's keys to prefetch() during each step")
     ap.add_argument("--dir", default=None, help="where the tier files go (default: the temp dir)")
     ap.add_argument("--quick", action="store_true", help="a smoke run: 1 MiB cache, 3x, 4 steps, 2 passes")
     ap.add_argument("--kind", help=argparse.SUPPRESS)
@@ -144,6 +150,8 @@ def main(argv=None) -> int:
                               "--cache-mib", str(args.cache_mib), "--dim", str(args.dim), "--batch", str(args.batch),
                               "--bag", str(args.bag), "--steps", str(args.steps), "--passes", str(args.passes),
                               "--threads", str(args.threads), "--multiples", *map(str, args.multiples)]
+                if not args.prefetch:
+                    argv_child.append("--no-prefetch")
                 if args.dir:
                     argv_child += ["--dir", args.dir]
                 done = subprocess.run(argv_child, capture_output=True, text=True)
@@ -153,7 +161,8 @@ def main(argv=None) -> int:
             rows.append(pair)
     t0 = rows[0]["tiered"]
     print(f"cache {args.cache_mib} MiB = {t0['cache_rows']:,} rows of dim {args.dim} (row-wise Adagrad), "
-          f"{args.batch} x {args.bag} IDs per step, {args.threads} thread(s); load {os.getloadavg()[0]:.1f}\n")
+          f"{args.batch} x {args.bag} IDs per step, {args.threads} thread(s), prefetch "
+          f"{'on' if args.prefetch else 'off'}; load {os.getloadavg()[0]:.1f}\n")
     print("| table / cache | stream | rows | tiered step ms | in-memory step ms | tiered / in-memory speed | "
           "hit rate | rows read / step | rows written / step | MiB read / step | tiered peak RSS MiB "
           "(cache budget " f"{args.cache_mib}) | in-memory peak RSS MiB |")

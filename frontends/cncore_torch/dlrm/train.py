@@ -99,6 +99,16 @@ def build_dlrm(ebc, dim: int) -> DLRM:
                 over_arch_layer_sizes=[128, 64, 1])
 
 
+def prefetch_tables(tables, batch: Optional[Batch]) -> None:
+    """Tiered tables (--ssd-path): hand them the keys of `batch`, so that their disk reads run in
+    the background while the current step's backward and dense update do."""
+    if tables is None or batch is None:
+        return
+    for name, store in tables.stores.items():
+        if hasattr(store, "prefetch"):
+            store.prefetch(batch.sparse[name[len("t_"):]].values().numpy())
+
+
 class Run:
     """One model, its optimizers, and how its batches reach it."""
 
@@ -106,6 +116,7 @@ class Run:
                  fixed_rows: Optional[List[int]] = None, dim: int = 0):
         self.name, self.model, self.optimizers, self.remap, self.tables = name, model, optimizers, remap, tables
         self.fixed_rows, self.dim = fixed_rows, dim
+        self.upcoming: Optional[Batch] = None  # the next training batch, for tiered tables' prefetch
 
     def features(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
         return kjt if self.remap is None else self.remap(kjt)
@@ -113,6 +124,7 @@ class Run:
     def step(self, batch: Batch) -> float:
         self.model.train()
         logits = self.model(batch.dense, self.features(batch.sparse)).squeeze(1)
+        prefetch_tables(self.tables, self.upcoming)  # after this batch's own reads, beside its backward
         loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
         for opt in self.optimizers:
             opt.zero_grad()
@@ -365,7 +377,11 @@ def train(run: Run, data: Data, args, start: int = 0) -> Dict[str, float]:
             save_checkpoint(args.checkpoint, run, step, args)
 
     step = start
-    for batch in data.train(start):
+    batches = data.train(start)
+    upcoming = next(batches, None)
+    while upcoming is not None:
+        batch, upcoming = upcoming, next(batches, None)
+        run.upcoming = upcoming
         t0 = time.perf_counter()
         loss = run.step(batch)
         if ttl:  # expired rows go between steps, also below the budget (part of the step's cost)
