@@ -24,9 +24,28 @@ def raw_keys(n, seed=0):
     return rng(seed).choice(2**62, n, replace=False).astype(np.int64) * 2 - 2**62
 
 
+def positions(dist, n, n_rows, gen):
+    """n row positions in 0..n_rows-1 drawn by `gen` (a numpy Generator): "uniform", or
+    "zipf<a>" (Zipf-skewed popularity with exponent a, "zipf" meaning 1.05, the skew of real
+    recommendation IDs). Zipf ranks past the table are redrawn, not folded onto the hot head,
+    and ranks are scattered over the table (a bijection), so hot rows are not neighbours."""
+    if dist == "uniform":
+        return gen.integers(0, n_rows, n)
+    if not dist.startswith("zipf"):
+        raise ValueError(f"unknown ID distribution {dist!r}: use 'uniform' or 'zipf<exponent>'")
+    a = float(dist[len("zipf"):] or 1.05)
+    ranks = np.empty(0, np.int64)
+    while len(ranks) < n:
+        r = gen.zipf(a, 2 * (n - len(ranks)) + 16) - 1
+        ranks = np.concatenate([ranks, r[r < n_rows]])
+    return (ranks[:n] * _SCATTER) % n_rows
+
+
+_SCATTER = 2654435761  # a prime: multiplying by it permutes 0..n_rows-1 unless it divides n_rows
+
+
 def zipf_positions(n, n_rows, seed=1):
-    ranks = (rng(seed).zipf(1.05, n) - 1) % n_rows
-    return (ranks * 2654435761) % n_rows
+    return positions("zipf1.05", n, n_rows, rng(seed))
 
 
 OPTIMIZERS = {

@@ -1,9 +1,10 @@
 """One-run comparison of cncore against torch.nn.EmbeddingBag and FBGEMM's CPU TBE.
 
 Prints a Markdown table of throughputs (M IDs/s) and ratios, all measured in this run on the
-same rows: 1M rows, dim 64 and 128, batch 4096, pooling 1 and 20, uniform and Zipf IDs,
-2 threads; plus insertion of new keys, a stream that starts from an empty table, and memory
-per row.
+same rows: 1M rows, dim 64 and 128, batch 4096, pooling 1 and 20, uniform and Zipf(1.05) IDs
+(fresh every round), the libraries' default threads; plus insertion of new keys, a stream that
+starts from an empty table, and memory per row. The forward on tables far larger than the
+cache, and at 16-bit rows, is forward_large.py's.
 
     python asv_bench/scripts/compare_reference.py            # the full table (a few minutes)
     python asv_bench/scripts/compare_reference.py --quick    # small shapes, a smoke run
@@ -11,7 +12,9 @@ per row.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 import warnings
 
@@ -20,27 +23,33 @@ import torch
 
 import cncore
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import machine  # noqa: E402
+from benchmarks.common import positions  # noqa: E402
+
 warnings.filterwarnings("ignore")
 
 
-_FLUSH = np.ones(96 * 2**20 // 8)  # larger than the last-level cache (32 MiB here)
+# Evicts the caches (twice the last-level cache the machine reports), so that every contender
+# starts cold, as a lookup does in a real step (after the dense network and the other tables), and
+# none inherits another's warm rows.
+flush_caches = machine.Flush(2)
 
 
-def flush_caches():
-    """Evict the caches, so that every contender starts cold, as a lookup does in a real step
-    (after the dense network and the other tables), and none inherits another's warm rows."""
-    _FLUSH.sum()
-
-
-def timed_round_robin(fns: dict, reps: int, warmup: int = 2) -> dict:
+def timed_round_robin(fns: dict, reps: int, warmup: int = 2, before_round=None) -> dict:
     """Median seconds per call of each function, measured in interleaved rounds so that the
     machine's drifting background load hits every contender alike; caches are flushed
-    (untimed) before every call."""
-    for fn in fns.values():
-        for _ in range(warmup):
+    (untimed) before every call, and before_round(r), when given, runs (untimed) before each
+    round r (warm-ups included): it draws that round's fresh IDs."""
+    for w in range(warmup):
+        if before_round is not None:
+            before_round(w)
+        for fn in fns.values():
             fn()
     samples = {name: [] for name in fns}
-    for _ in range(reps):
+    for r in range(reps):
+        if before_round is not None:
+            before_round(warmup + r)
         for name, fn in fns.items():
             flush_caches()
             t0 = time.perf_counter()
@@ -61,31 +70,48 @@ def timed(fn, reps, warmup=2):
 
 
 def make_ids(dist, n, n_rows, rng):
-    if dist == "uniform":
-        return rng.integers(0, n_rows, n)
-    # Zipf-skewed popularity (alpha 1.05), ranks scattered over the table
-    ranks = (rng.zipf(1.05, n) - 1) % n_rows
-    return (ranks * 2654435761) % n_rows
+    """Row positions: "uniform", or "zipf" (Zipf 1.05, hot rows scattered over the table)."""
+    return positions(dist, n, n_rows, rng)
 
 
-def tbe(n_rows, dim, optim, lr, weights):
-    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+def tbe(n_rows, dim, optim, lr, weights=None, precision="fp32"):
+    """FBGEMM's training TBE on CPU, one table, sum pooling, float32 output; weights (float32,
+    n_rows x dim) copied in when given; precision "fp32" or "fp16" (the weights' storage)."""
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import (ComputeDevice,
                                                                         SplitTableBatchedEmbeddingBagsCodegen)
     kind = {"sgd": EmbOptimType.EXACT_SGD, "rowwise": EmbOptimType.EXACT_ROWWISE_ADAGRAD}[optim]
     m = SplitTableBatchedEmbeddingBagsCodegen([(n_rows, dim, EmbeddingLocation.HOST, ComputeDevice.CPU)],
                                               optimizer=kind, learning_rate=lr, eps=1e-8,
-                                              pooling_mode=PoolingMode.SUM)
-    with torch.no_grad():
-        m.split_embedding_weights()[0].copy_(weights)
+                                              pooling_mode=PoolingMode.SUM,
+                                              weights_precision=SparseType(precision),
+                                              output_dtype=SparseType.FP32)
+    if weights is not None:
+        with torch.no_grad():
+            m.split_embedding_weights()[0].copy_(weights)
+    return m
+
+
+def tbe_inference(n_rows, dim):
+    """FBGEMM's inference TBE on CPU (IntNBitTableBatchedEmbeddingBagsCodegen), one float16
+    table, sum pooling, float32 output; its weights are bytes: row i is
+    split_embedding_weights()[0][0][i, :2 * dim] (the float16 values' bytes), zero until set."""
+    from fbgemm_gpu.split_embedding_configs import SparseType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
+    from fbgemm_gpu.split_table_batched_embeddings_ops_inference import IntNBitTableBatchedEmbeddingBagsCodegen
+    m = IntNBitTableBatchedEmbeddingBagsCodegen([("t", n_rows, dim, SparseType.FP16, EmbeddingLocation.HOST)],
+                                                device="cpu", pooling_mode=PoolingMode.SUM,
+                                                output_dtype=SparseType.FP32)
+    m.initialize_weights()
     return m
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small shapes, for a smoke test")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="threads for torch and the core (default: each library's own default)")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--dims", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--poolings", type=int, nargs="+", default=[1, 20])
@@ -93,8 +119,10 @@ def main():
     ap.add_argument("--table-only", action="store_true", help="skip insertion, stream and memory")
     args = ap.parse_args()
 
-    torch.set_num_threads(args.threads)
-    cncore.set_num_threads(args.threads)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+        cncore.set_num_threads(args.threads)
+    threads = f"threads: torch {torch.get_num_threads()}, cncore {cncore.get_num_threads()}"
     n_rows = 20_000 if args.quick else 1_000_000
     batch = 256 if args.quick else 4096
     dims = [64] if args.quick else args.dims
@@ -107,8 +135,8 @@ def main():
     lr = 0.01
 
     rows_out = []
-    print(f"# cncore vs torch.nn.EmbeddingBag and FBGEMM TBE (CPU), {args.threads} threads, "
-          f"{n_rows:,} rows, batch {batch}")
+    print(f"# cncore vs torch.nn.EmbeddingBag and FBGEMM TBE (CPU), {threads}, {n_rows:,} rows, batch {batch}")
+    print(f"# {machine.describe()}")
     for dim in dims:
         weights = torch.from_numpy(rng.uniform(-0.05, 0.05, (n_rows, dim)).astype(np.float32))
         stores = {}
@@ -124,9 +152,13 @@ def main():
         for pooling in poolings:
             for dist in dists:
                 n = batch * pooling
-                idx_np = make_ids(dist, n, n_rows, rng).astype(np.int64)
-                idx = torch.from_numpy(idx_np)
-                keys = raw_ids[idx_np]
+                cur = {}
+
+                def fresh_ids(r):  # every round, the same fresh batch for every contender
+                    cur["idx_np"] = make_ids(dist, n, n_rows, rng).astype(np.int64)
+                    cur["idx"] = torch.from_numpy(cur["idx_np"])
+                    cur["keys"] = raw_ids[cur["idx_np"]]
+
                 offsets_np = np.arange(0, n + 1, pooling, dtype=np.int64)
                 offsets = torch.from_numpy(offsets_np)
                 grad_np = rng.standard_normal((batch, dim)).astype(np.float32) * 1e-3
@@ -134,28 +166,28 @@ def main():
 
                 def torch_fwd():
                     with torch.no_grad():
-                        bag(idx, offsets)
+                        bag(cur["idx"], offsets)
 
                 fwd_out = np.empty((batch, dim), dtype=np.float32)
 
                 def ours_fwd():
-                    stores["sgd"].pooled_lookup(keys, offsets_np, insert_missing=True, out=fwd_out)
+                    stores["sgd"].pooled_lookup(cur["keys"], offsets_np, insert_missing=True, out=fwd_out)
 
                 def torch_step():
                     bag_opt.zero_grad()
-                    bag(idx, offsets).backward(grad)
+                    bag(cur["idx"], offsets).backward(grad)
                     bag_opt.step()
 
                 def tbe_step(name):
                     def run():
-                        tbes[name](idx, offsets).backward(grad)
+                        tbes[name](cur["idx"], offsets).backward(grad)
                     return run
 
                 def ours_step(name):
                     s = stores[name]
 
                     def run():
-                        _, ctx = s.pooled_lookup(keys, offsets_np)
+                        _, ctx = s.pooled_lookup(cur["keys"], offsets_np)
                         s.apply_gradients(ctx, grad_np)
                     return run
 
@@ -163,7 +195,7 @@ def main():
                     "torch_fwd": torch_fwd, "ours_fwd": ours_fwd, "torch_step": torch_step,
                     "tbe_sgd": tbe_step("sgd"), "ours_sgd": ours_step("sgd"),
                     "tbe_rw": tbe_step("rowwise"), "ours_rw": ours_step("rowwise"),
-                }, reps)
+                }, reps, before_round=fresh_ids)
                 m = {k: n / v / 1e6 for k, v in t.items()}
                 rows_out.append((dim, pooling, dist, m))
         del stores, bag, tbes
@@ -178,7 +210,8 @@ def main():
               f"{m['ours_sgd']:.1f} | **{m['ours_sgd'] / m['torch_step']:.2f}x** | "
               f"**{m['ours_sgd'] / m['tbe_sgd']:.2f}x** | {m['tbe_rw']:.1f} | {m['ours_rw']:.1f} | "
               f"**{m['ours_rw'] / m['tbe_rw']:.2f}x** |")
-    print("\nThroughputs in M IDs/s (median of the interleaved runs, caches flushed before each call); "
+    print("\nThroughputs in M IDs/s (median of the interleaved runs, fresh IDs every round, caches flushed before "
+          f"each call; load average at the end {machine.load_average()}); "
           "EB = torch.nn.EmbeddingBag. Our forward "
           "is a training lookup (hash lookup and insertion check included); access counts are recorded by "
           "the backward, inside the step columns.")

@@ -1,127 +1,243 @@
-"""The pooled forward on a table far larger than the last-level cache, rows in float32, float16
-and bfloat16, against torch.nn.EmbeddingBag (float32) on the same rows, in one run.
+"""The pooled forward on tables far larger than the last-level cache (and on the 1M-row shape, for
+continuity): our float32, float16 and bfloat16 rows against torch.nn.EmbeddingBag (float32) and
+FBGEMM's table-batched embedding (TBE) with float16 weights on CPU, all holding the same rows,
+measured in one run.
 
-Every round draws fresh IDs (uniform, Zipf 1.05 and 1.2 with the hot keys scattered over the
-table), and a buffer twice the LLC is written between calls so no call starts with the previous
-one's rows in cache. Prints M IDs/s (median of the rounds after two warm-ups), each against
-EmbeddingBag, and the fraction of the machine's streaming read bandwidth (measured in the same
-run, one thread) that the bytes the forward must read would take at that speed.
+Rules, so that no contender measures cache hits it would not get in a real step:
+- the table sizes are printed against the last-level cache read from the machine;
+- every round draws fresh IDs (uniform, or Zipf with the hot rows scattered over the table), and
+  all contenders of a round get the same IDs, in a rotating order;
+- a buffer twice the last-level cache is read and written before every timed call;
+- the streaming read bandwidth is measured in the same run (on 1 and on every thread, the
+  better kept), and each forward is printed as the share of it that the bytes it must read
+  take at that speed: rows, the ID, and for us the 16-byte index bucket.
+Cells: M IDs/s (median of the rounds after two warm-ups) and that share of bandwidth; then our
+speed over each reference's. Threads: the libraries' defaults unless --threads.
 
-    python asv_bench/scripts/forward_large.py                 # 8M rows x dim 64 (scaled to memory)
-    python asv_bench/scripts/forward_large.py --rows 1e6 --threads 2
+    python asv_bench/scripts/forward_large.py                      # 8M and 1M rows, dims 16/64/128
+    python asv_bench/scripts/forward_large.py --background-load    # the same beside a busy process per core
+    python asv_bench/scripts/forward_large.py --quick              # small shapes, a smoke run
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import os
+import statistics
+import sys
 import time
+import warnings
 
 import numpy as np
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+from benchmarks import machine  # noqa: E402
+from benchmarks.common import positions  # noqa: E402
 
-def llc_bytes() -> int:
-    best = 0
-    base = "/sys/devices/system/cpu/cpu0/cache"
-    for entry in sorted(os.listdir(base)) if os.path.isdir(base) else []:
-        try:
-            with open(f"{base}/{entry}/size") as fh:
-                text = fh.read().strip()
-        except OSError:
-            continue
-        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1], 1)
-        best = max(best, int(text.rstrip("KMG")) * scale)
-    return best or 32 << 20
+warnings.filterwarnings("ignore")
 
-
-def read_bandwidth(nbytes: int) -> float:
-    """Bytes/s of a streaming sum over nbytes, best of 5 (one thread)."""
-    buf = np.ones(nbytes // 8, np.float64)
-    best = 0.0
-    for _ in range(5):
-        t = time.perf_counter()
-        buf.sum()
-        best = max(best, nbytes / (time.perf_counter() - t))
-    return best
+OURS = {"ours fp32": "float32", "ours fp16": "float16", "ours bf16": "bfloat16"}
+# contender -> bytes of one row
+ROW_BYTES = {"EB fp32": 4, "TBE fp16": 2, "TBE-inf fp16": 2, "ours fp32": 4, "ours fp16": 2, "ours bf16": 2}
+CONTENDERS = list(ROW_BYTES)
+# (ours, reference): the ratio columns, kept when both ran
+RATIOS = [("ours fp32", "EB fp32"), ("ours fp16", "EB fp32"), ("ours bf16", "EB fp32"),
+          ("ours fp16", "TBE fp16"), ("ours bf16", "TBE fp16"), ("ours fp16", "TBE-inf fp16")]
+ID_BYTES, BUCKET_BYTES, META_BYTES = 8, 16, 96  # META_BYTES: our per-row metadata and index, generously
 
 
-def ids_for(kind: str, n: int, rows: int, perm: np.ndarray, rng) -> np.ndarray:
-    if kind == "uniform":
-        return perm[rng.integers(0, rows, n)]
-    a = float(kind[len("zipf"):])
-    out = np.empty(0, np.int64)
-    while len(out) < n:
-        r = rng.zipf(a, 2 * n) - 1
-        out = np.concatenate([out, r[r < rows]])
-    return perm[out[:n]]
+def bytes_per_id(name: str, dim: int) -> int:
+    """What the forward must read for one ID: the row, the ID, and for us the index bucket."""
+    return dim * ROW_BYTES[name] + ID_BYTES + (BUCKET_BYTES if name in OURS else 0)
+
+
+def memory_needed(rows: int, dim: int, names) -> int:
+    return sum(rows * (dim * ROW_BYTES[n] + (META_BYTES if n in OURS else 0)) for n in names)
+
+
+def table_keys(rows: int) -> np.ndarray:
+    """rows distinct int64 keys spread over all of int64 (an odd multiplier permutes 2^64)."""
+    with np.errstate(over="ignore"):
+        return (np.arange(1, rows + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)).view(np.int64)
+
+
+class Tables:
+    """The same rows (uniform in +-0.05, drawn in chunks) in every contender: ours at each dtype
+    under table_keys(rows), the references at positions 0..rows-1."""
+
+    def __init__(self, rows: int, dim: int, names, seed: int = 0):
+        import torch
+
+        import cncore
+        from compare_reference import tbe, tbe_inference
+
+        self.rows, self.dim, self.names = rows, dim, list(names)
+        self.keys = table_keys(rows)
+        self.stores = {n: cncore.EmbeddingStore(cncore.StoreConfig(dim=dim, dtype=OURS[n], capacity=rows))
+                       for n in self.names if n in OURS}
+        self.eb = torch.nn.EmbeddingBag(rows, dim, mode="sum", include_last_offset=True) \
+            if "EB fp32" in self.names else None
+        self.tbe = tbe(rows, dim, "sgd", 0.01, precision="fp16") if "TBE fp16" in self.names else None
+        self.tbe_inf = tbe_inference(rows, dim) if "TBE-inf fp16" in self.names else None
+        gen = np.random.default_rng(seed)
+        chunk = 1 << 20
+        with torch.no_grad():
+            for start in range(0, rows, chunk):
+                stop = min(rows, start + chunk)
+                w = gen.uniform(-0.05, 0.05, (stop - start, dim)).astype(np.float32)
+                for store in self.stores.values():
+                    store.insert_or_assign(self.keys[start:stop], w)
+                wt = torch.from_numpy(w)
+                if self.eb is not None:
+                    self.eb.weight[start:stop] = wt
+                if self.tbe is not None:
+                    self.tbe.split_embedding_weights()[0][start:stop] = wt.half()
+                if self.tbe_inf is not None:
+                    self.tbe_inf.split_embedding_weights()[0][0][start:stop, :2 * dim] = \
+                        wt.half().view(torch.uint8)
+
+    def calls(self, idx: np.ndarray, pooling: int) -> dict:
+        """For one batch of row positions: a no-argument forward per contender, its inputs
+        prepared here (untimed), each returning its (batch, dim) float32 output."""
+        import torch
+        n = len(idx)
+        offsets_np = np.arange(0, n + 1, pooling, dtype=np.int64)
+        idx_t, offsets = torch.from_numpy(idx), torch.from_numpy(offsets_np)
+        idx32, offsets32 = idx_t.int(), offsets.int()
+        keys = self.keys[idx]
+        fns = {}
+        for name in self.names:
+            if name == "EB fp32":
+                fns[name] = lambda: self.eb(idx_t, offsets)
+            elif name == "TBE fp16":
+                fns[name] = lambda: self.tbe(idx_t, offsets)
+            elif name == "TBE-inf fp16":
+                fns[name] = lambda: self.tbe_inf(idx32, offsets32)
+            else:
+                out = np.empty((n // pooling, self.dim), np.float32)
+                fns[name] = (lambda s, o: lambda: s.pooled_lookup(keys, offsets_np, insert_missing=False, out=o)[0])(
+                    self.stores[name], out)
+        return fns
+
+
+def check_same_rows(fns: dict, pooling: int) -> None:
+    """Every contender's output equals EmbeddingBag's within its rows' rounding (a benchmark that
+    reads the wrong rows would otherwise go unnoticed)."""
+    import torch
+    with torch.no_grad():
+        outs = {name: np.asarray(fn()) for name, fn in fns.items()}
+    ref = outs.get("EB fp32", next(iter(outs.values())))
+    for name, out in outs.items():
+        eps = 2.0 ** -8 if "bf16" in name else 2.0 ** -11 if "16" in name else 2.0 ** -22
+        tol = pooling * 0.05 * eps * 2 + 1e-6
+        err = float(np.abs(out - ref).max())
+        if not err <= tol:
+            raise SystemExit(f"{name}: output differs from EmbeddingBag's by {err:.3g} (allowed {tol:.3g}): "
+                             "the contenders do not hold the same rows")
+
+
+def measure(tables: Tables, dist: str, pooling: int, batch: int, rounds: int, flush, gen) -> dict:
+    """Median seconds per forward of each contender over `rounds` rounds (after two warm-ups)."""
+    import torch
+    samples = {name: [] for name in tables.names}
+    for r in range(rounds + 2):
+        fns = tables.calls(positions(dist, batch * pooling, tables.rows, gen), pooling)
+        if r == 0:
+            check_same_rows(fns, pooling)
+        order = tables.names[r % len(fns):] + tables.names[:r % len(fns)]
+        with torch.no_grad():
+            for name in order:
+                flush()
+                t = time.perf_counter()
+                fns[name]()
+                if r >= 2:
+                    samples[name].append(time.perf_counter() - t)
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def header(names) -> str:
+    ratios = [f"{a.split()[1]}/{b}" for a, b in RATIOS if a in names and b in names]
+    cols = ["rows", "dim", "pooling", "IDs", *names, *ratios, "load"]
+    return "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols)
+
+
+def row(rows, dim, pooling, dist, names, times, n_ids, bandwidth) -> str:
+    rate = {name: n_ids / times[name] for name in names}
+    cells = [f"{rows / 1e6:g}M", str(dim), str(pooling), dist]
+    cells += [f"{rate[n] / 1e6:.1f} · {rate[n] * bytes_per_id(n, dim) / bandwidth:.0%}" for n in names]
+    cells += [f"**{rate[a] / rate[b]:.2f}x**" for a, b in RATIOS if a in names and b in names]
+    cells.append(f"{os.getloadavg()[0]:.1f}")
+    return "| " + " | ".join(cells) + " |"
 
 
 def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=float, nargs="+", default=[8e6, 1e6],
+                   help="table rows (each scaled down to half the available memory if needed)")
+    p.add_argument("--dims", type=int, nargs="+", default=[16, 64, 128])
+    p.add_argument("--poolings", type=int, nargs="+", default=[1, 20])
+    p.add_argument("--dists", nargs="+", default=["uniform", "zipf1.05"], help="uniform or zipf<exponent>")
+    p.add_argument("--batch", type=int, default=4096)
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--contenders", nargs="+", default=CONTENDERS, choices=CONTENDERS)
+    p.add_argument("--threads", type=int, default=None,
+                   help="threads for torch and the core (default: each library's own default)")
+    p.add_argument("--background-load", action="store_true",
+                   help="measure beside one busy process per core (the threading defaults on a shared machine)")
+    p.add_argument("--quick", action="store_true", help="small shapes and few rounds: a smoke run")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.rows, args.dims, args.poolings, args.batch, args.rounds = [2e5], [16], [20], 256, 2
+        args.dists = args.dists[-1:]
+
     import torch
 
     import cncore
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", type=float, default=8e6)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--pooling", type=int, default=20)
-    p.add_argument("--batch", type=int, default=2048)
-    p.add_argument("--rounds", type=int, default=10)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--kinds", nargs="+", default=["uniform", "zipf1.05", "zipf1.2"])
-    args = p.parse_args(argv)
-    rows, dim = int(args.rows), args.dim
-    avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    need = rows * dim * 4 * 3.5  # EB + float32 + two 16-bit tables, with their metadata and index
-    if need > 0.7 * avail:
-        rows = int(rows * 0.7 * avail / need)
-        print(f"(scaled down to {rows:,} rows to fit the free memory)")
-    torch.set_num_threads(args.threads)
-    cncore.set_num_threads(args.threads)
-    llc = llc_bytes()
-    bw = read_bandwidth(max(8 * llc, 256 << 20))
-    rng = np.random.default_rng(0)
-    keys = rng.integers(-2**63, 2**63 - 1, rows, dtype=np.int64)
-    init = cncore.Uniform(-0.05, 0.05)
-    stores = {}
-    for dtype in ("float32", "float16", "bfloat16"):
-        store = cncore.EmbeddingStore(cncore.StoreConfig(dim=dim, dtype=dtype, capacity=rows, initializer=init))
-        for i in range(0, rows, 1 << 20):
-            store.find_or_insert(keys[i:i + (1 << 20)])
-        stores[dtype] = store
-    eb = torch.nn.EmbeddingBag(rows, dim, mode="sum")
-    with torch.no_grad():
-        eb.weight.copy_(torch.from_numpy(stores["float32"].lookup(keys)))
-    perm = rng.permutation(rows)
-    flush = np.zeros(2 * llc // 8, np.float64)
-    n = args.batch * args.pooling
-    offsets = torch.arange(0, n, args.pooling)
-    lengths = np.full(args.batch, args.pooling, np.int64)
-    print(f"rows {rows:,} x dim {dim} (float32 table {rows * dim * 4 / 2**30:.2f} GiB), LLC {llc >> 20} MiB, "
-          f"batch {args.batch} x pooling {args.pooling}, {args.threads} thread(s), load {os.getloadavg()[0]:.1f}, "
-          f"read bandwidth {bw / 1e9:.1f} GB/s")
-    print("| IDs | rows | M IDs/s | vs EmbeddingBag fp32 | share of read bandwidth |")
-    print("|---|---|---|---|---|")
-    for kind in args.kinds:
-        times = {name: [] for name in ("EmbeddingBag fp32", "float32", "float16", "bfloat16")}
-        for r in range(args.rounds + 2):
-            idx = ids_for(kind, n, rows, perm, rng)
-            k = keys[idx]
-            for name in times:
-                flush += 1.0
-                t = time.perf_counter()
-                if name == "EmbeddingBag fp32":
-                    with torch.no_grad():
-                        eb(torch.from_numpy(idx), offsets)
-                else:
-                    stores[name].pooled_lookup(k, lengths=lengths, insert_missing=False)
-                if r >= 2:
-                    times[name].append(time.perf_counter() - t)
-        eb_rate = n / np.median(times["EmbeddingBag fp32"])
-        for name, ts in times.items():
-            rate = n / np.median(ts)
-            row_bytes = dim * (2 if name in ("float16", "bfloat16") else 4)
-            index = 0 if name.startswith("Embedding") else 16
-            share = rate * (row_bytes + index + 8) / bw
-            print(f"| {kind} | {name} | {rate / 1e6:.1f} | {rate / eb_rate:.2f}x | {share:.2f} |")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+        cncore.set_num_threads(args.threads)
+    threads = max(torch.get_num_threads(), cncore.get_num_threads())
+    names = [n for n in CONTENDERS if n in args.contenders]
+    flush = machine.Flush(2)
+    gen = np.random.default_rng(1)
+    print(f"# Pooled forward, tables beyond the cache: {machine.describe()}")
+    print(f"# threads: torch {torch.get_num_threads()}, cncore {cncore.get_num_threads()}"
+          f"{' (defaults)' if args.threads is None else ''}; batch {args.batch}; {args.rounds} rounds; "
+          f"flush {flush.buf.nbytes >> 20} MiB before every call"
+          f"{'; background load: one busy process per core' if args.background_load else ''}")
+    lines = []
+    for rows in args.rows:
+        for dim in args.dims:
+            rows_here = int(rows)
+            budget = machine.available_memory() // 2
+            if memory_needed(rows_here, dim, names) > budget:
+                rows_here = int(rows_here * budget / memory_needed(rows_here, dim, names)) // 1000 * 1000
+            tables = Tables(rows_here, dim, names)
+            fp32_bytes = rows_here * dim * 4
+            load = machine.background_load() if args.background_load else contextlib.nullcontext()
+            with load:
+                bandwidth = max(machine.read_bandwidth(threads=t) for t in {1, threads})
+                print(f"# {rows_here:,} rows x dim {dim}: float32 table {fp32_bytes / 2**30:.2f} GiB = "
+                      f"{fp32_bytes / machine.llc_bytes():.1f}x the LLC"
+                      f"{' (scaled down to fit half the available memory)' if rows_here != int(rows) else ''}; "
+                      f"read bandwidth {bandwidth / 1e9:.1f} GB/s", flush=True)
+                for pooling in args.poolings:
+                    for dist in args.dists:
+                        times = measure(tables, dist, pooling, args.batch, args.rounds, flush, gen)
+                        lines.append(row(rows_here, dim, pooling, dist, names, times,
+                                         args.batch * pooling, bandwidth))
+                        print(lines[-1], flush=True)
+            del tables
+            gc.collect()
+    print()
+    print(header(names))
+    print("\n".join(lines))
+    print(f"\nCells: M IDs/s · share of the read bandwidth that the bytes the forward must read take at "
+          f"that speed. Ratios: ours over the reference, same rows, same IDs, same run. "
+          f"Load average at the end: {machine.load_average()}")
     return 0
 
 
