@@ -5,7 +5,10 @@ import inspect
 import itertools
 import os
 import pathlib
+import re
+import subprocess
 import sys
+import time
 
 import pytest
 
@@ -35,7 +38,8 @@ BENCHMARKS = discover()
 def test_the_suite_is_not_empty():
     names = {p.id for p in BENCHMARKS}
     for expected in ("bench_store.Find", "bench_store.FindOrInsertNew", "bench_store.Export",
-                     "bench_training.PooledLookup", "bench_training.TrainingStep", "bench_training.GroupedDLRM"):
+                     "bench_training.PooledLookup", "bench_training.TrainingStep", "bench_training.GroupedDLRM",
+                     "bench_large.LargeTableForward"):
         assert expected in names
 
 
@@ -63,3 +67,60 @@ def test_benchmark_runs_once(cls, methods):
                 bench.teardown(*combo)
             ran += 1
     assert ran == len(combos) * len(methods)
+
+
+def test_flush_is_larger_than_the_last_level_cache():
+    sys.path.insert(0, str(BENCH_DIR))
+    from benchmarks import machine
+    assert machine.Flush(2).buf.nbytes >= 2 * machine.llc_bytes() > 0
+
+
+def test_background_load_keeps_every_core_busy_and_ends():
+    from benchmarks import machine
+    with machine.background_load() as n:
+        assert n == machine.cpu_count()
+        time.sleep(0.3)
+        busy = [p for p in psutil_children() if p[1] == "R"]
+        assert len(busy) >= 1, "the spinning processes are not running"
+    assert psutil_children() == []
+
+
+def psutil_children():
+    """(pid, state) of this process's live children, from /proc (no psutil needed)."""
+    out = []
+    me = str(os.getpid())
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[1] == me and fields[0] != "Z":
+            out.append((int(pid), fields[0]))
+    return out
+
+
+def test_forward_large_quick_prints_every_cell(tmp_path):
+    """asv_bench/scripts/forward_large.py --quick beside a busy process per core: every contender
+    has a speed and a bandwidth share, every ratio a number (the script first checks that all
+    contenders return EmbeddingBag's output on the same rows)."""
+    script = BENCH_DIR / "scripts" / "forward_large.py"
+    res = subprocess.run([sys.executable, str(script), "--quick", "--background-load"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    lines = res.stdout.splitlines()
+    assert "LLC" in lines[0] and "load average" in lines[0]  # the machine, printed with the table
+    head = next(i for i, ln in enumerate(lines) if ln.startswith("| rows |"))
+    cols = [c.strip() for c in lines[head].strip("|").split("|")]
+    for name in ("EB fp32", "TBE fp16", "ours fp32", "ours fp16", "ours bf16", "fp16/TBE fp16"):
+        assert name in cols
+    body = [ln for ln in lines[head + 2:] if ln.startswith("|")]
+    assert len(body) == 1
+    cells = dict(zip(cols, (c.strip() for c in body[0].strip("|").split("|"))))
+    for name in cols[4:-1]:
+        if "/" in name:
+            assert re.fullmatch(r"\*\*\d+\.\d\dx\*\*", cells[name]), (name, cells[name])
+        else:
+            assert re.fullmatch(r"\d+\.\d · \d+%", cells[name]) and float(cells[name].split()[0]) > 0, \
+                (name, cells[name])
+    assert "background load: one busy process per core" in res.stdout

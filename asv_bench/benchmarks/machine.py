@@ -116,7 +116,7 @@ def background_load(processes: int | None = None):
     n = cpu_count() if processes is None else processes
     procs = [subprocess.Popen([sys.executable, "-c", _SPIN]) for _ in range(n)]
     try:
-        time.sleep(0.5)  # let the scheduler see them before the first timing
+        time.sleep(0.2)  # let them start spinning before the first timing
         yield n
     finally:
         for p in procs:
