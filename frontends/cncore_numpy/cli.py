@@ -9,6 +9,10 @@
     cn-table diff OLD NEW [--tolerance T] [--out DIFF.npz] [--json]
     cn-table to-fixed TABLE OUT.npz            sorted ids + dense weight (last row: zeros)
     cn-table compact TABLE [OUT]               a chain (base + incremental saves) as one version
+    cn-table reshard SHARD... OUT --world-size M   N shard tables of one table (shard-R-of-N, as a
+                                               sharded collection saves them) re-split into
+                                               OUT/shard-0-of-M .. by the owner hash
+    cn-table merge-shards SHARD... OUT         N shard tables as one table (what one process loads)
 
 All of them stream through the tables in batches, so tables larger than memory work, except
 compact, which holds the table in memory (it loads the chain as a store and saves it in full).
@@ -115,10 +119,31 @@ def _parser() -> argparse.ArgumentParser:
     p["compact"] = sub.add_parser("compact", help="merge a delta chain (incremental saves) into one full version")
     p["compact"].add_argument("table")
     p["compact"].add_argument("out", nargs="?", help="write the merged table here (default: replace TABLE, atomically)")
+    p["reshard"] = sub.add_parser("reshard", help="re-split the N shard tables of one table into M by the owner hash")
+    p["merge-shards"] = sub.add_parser("merge-shards", help="the N shard tables of one table as one table")
+    for name in ("reshard", "merge-shards"):
+        p[name].add_argument("shards", nargs="+", metavar="SHARD",
+                             help="every shard table of one save: directories named shard-R-of-N, R = 0..N-1")
+        p[name].add_argument("out", help="a new or empty directory (reshard), the table to write (merge-shards)")
+        p[name].add_argument("--max-rows", type=_positive_int, metavar="N",
+                             help="row budget of each output table of a bounded table (default: the inputs' budgets "
+                                  "added and split between the outputs)")
+    p["reshard"].add_argument("--world-size", type=_positive_int, required=True, metavar="M",
+                              help="the number of shards to write")
     for q in p.values():
         q.add_argument("--quiet", action="store_true", help="no progress bar")
         q.add_argument("--no-verify", action="store_true", help="skip the SHA-256 check of the input tables")
     return ap
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def main(argv=None) -> int:
@@ -195,6 +220,17 @@ def _run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             compact_table(args.table, verify, out=args.out)
             print(f"wrote {len(open_table(args.out, verify=False)):,} rows to {args.out} ({merged}; "
                   f"{args.table} left as it is)")
+    elif cmd in ("reshard", "merge-shards"):
+        tables = [_open_base(path, verify) for path in args.shards]
+        single = cmd == "merge-shards"
+        done = tools.reshard(args.shards, tables, args.out, 1 if single else args.world_size, single=single,
+                             max_rows=args.max_rows, progress=progress)
+        if single:
+            print(f"wrote {done['rows']:,} rows of {done['world_size_in']} shards to {args.out}")
+        else:
+            print(f"wrote {done['rows']:,} rows of {done['world_size_in']} shards as {done['world_size']} to "
+                  f"{args.out}: " + ", ".join(f"shard-{j}-of-{done['world_size']} {n:,}"
+                                               for j, n in enumerate(done["rows_per_shard"])))
     return 0
 
 

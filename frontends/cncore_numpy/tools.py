@@ -21,15 +21,19 @@ keep mask (1 byte a row) for prune.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional
+import dataclasses
+import os
+import shutil
+from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
 from cncore_numpy.exchange import BATCH, NpzStreamWriter
+from cncore.routing import owner_of, parse_shard_name, shard_name
 from cncore.tablefile import TableFile, TableWriter, config_to_dict
 from cncore.tablefile_lookup import find_rows, key_index
 
-__all__ = ["inspect", "prune_mask", "prune", "merge", "diff", "to_fixed", "POLICIES",
+__all__ = ["inspect", "prune_mask", "prune", "merge", "diff", "to_fixed", "check_shards", "reshard", "POLICIES",
            "POLICY_FIELDS"]
 
 POLICIES = ("left", "right", "newer", "average")
@@ -264,3 +268,159 @@ def to_fixed(table: TableFile, out: str, progress: Callable = iter) -> None:
     with NpzStreamWriter(out) as npz:
         npz.write("ids", np.int64, (n,), [sorted_keys])
         npz.write("weight", np.float32, (n + 1, table.dim), weight())
+
+
+# --- shards: one table file per rank (`cncore.routing`), re-split by the owner hash ------------
+
+_SHARD_FIELDS = ("keys", "rows", "optimizer_state", "counts", "last_steps")
+
+
+def check_shards(paths: List[str], tables: List[TableFile], progress: Callable = iter) -> dict:
+    """Check that `tables` (opened from `paths`) are every shard of one split of one table, and
+    count their rows. Names: each path's last component is ``shard-R-of-N`` (`shard_name`),
+    one N, every R in 0..N-1 once. Contents: one dim, optimizer kind, row dtype and step;
+    every key of shard R owned by R (`owner_of(key, N) == R`), so no key is in two shards.
+    Raises ValueError naming the first path and what is wrong; reads keys only (in batches).
+    Returns {"world_size": N, "rows": total rows, "evicted": summed eviction counts}."""
+    if len(paths) != len(tables) or not paths:
+        raise ValueError("give the shard tables of one table (at least one)")
+    places = []
+    for path in paths:
+        place = parse_shard_name(os.path.basename(os.path.normpath(path)))
+        if place is None:
+            raise ValueError(f"{path}: not a shard table (its directory name must be shard-R-of-N, as a sharded "
+                             f"collection saves its ranks' shards); nothing was written")
+        places.append(place)
+    n = places[0][1]
+    for path, (_, w) in zip(paths, places):
+        if w != n:
+            raise ValueError(f"{path}: a shard of a {w}-way split, {paths[0]} of a {n}-way one; give the shards "
+                             f"of one save; nothing was written")
+    seen: Dict[int, str] = {}
+    for path, (r, _) in zip(paths, places):
+        if r in seen:
+            raise ValueError(f"{path}: shard {r} of {n} given twice (also as {seen[r]}); nothing was written")
+        seen[r] = path
+    missing = [r for r in range(n) if r not in seen]
+    if missing:
+        raise ValueError(f"shard{'s' * (len(missing) > 1)} {', '.join(map(str, missing))} of {n} missing: a "
+                         f"{n}-way split needs all {n} shard tables (shard-0-of-{n} .. shard-{n - 1}-of-{n}); "
+                         f"nothing was written")
+    first, first_path = tables[0], paths[0]
+    for path, t in zip(paths[1:], tables[1:]):
+        if t.dim != first.dim:
+            raise ValueError(f"{path}: dim {t.dim} differs from {first_path}'s {first.dim}; nothing was written")
+        if type(t.config.optimizer) is not type(first.config.optimizer):
+            raise ValueError(f"{path}: optimizer {type(t.config.optimizer).__name__} differs from {first_path}'s "
+                             f"{type(first.config.optimizer).__name__}; nothing was written")
+        if t.config.dtype != first.config.dtype:
+            raise ValueError(f"{path}: row dtype {t.config.dtype} differs from {first_path}'s {first.config.dtype}; "
+                             f"nothing was written")
+        if t.step != first.step:
+            raise ValueError(f"{path}: step {t.step} differs from {first_path}'s {first.step} (shards of one save "
+                             f"share a step); nothing was written")
+    for path, t, (r, _) in zip(paths, tables, places):
+        for _, b in progress(t.batches(BATCH, ("keys",))):
+            owners = owner_of(b["keys"], n)
+            stray = np.flatnonzero(owners != r)
+            if len(stray):
+                k = int(b["keys"][stray[0]])
+                raise ValueError(f"{path}: holds key {k}, which shard {int(owners[stray[0]])} of {n} owns, not "
+                                 f"{r}: not shard {r} of a {n}-way split (shards overlap or were renamed); "
+                                 f"nothing was written")
+    return {"world_size": n, "rows": sum(len(t) for t in tables), "evicted": sum(t.evicted_count for t in tables)}
+
+
+def _split_config(tables: List[TableFile], world_size: int, max_rows: Optional[int]):
+    """The config of each of `world_size` shards cut from `tables`: the first's, with the row
+    budget (and its headroom) the inputs' sum split ceil(sum / world_size) ways, as a sharded
+    collection splits a table's budget; `max_rows` overrides the budget. The capacity hint is
+    the inputs' largest, at most the budget."""
+    config = tables[0].config
+    capacity = max(t.config.capacity for t in tables)
+
+    def split(name: str) -> Optional[int]:
+        values = [getattr(t.config, name) for t in tables]
+        return None if any(v is None for v in values) else -(-sum(values) // world_size)
+
+    budget = max_rows if max_rows is not None else split("max_rows")
+    if budget is None:
+        return dataclasses.replace(config, capacity=capacity)
+    headroom = split("headroom")
+    return dataclasses.replace(config, max_rows=budget, capacity=min(capacity, budget),
+                               headroom=None if headroom is None else min(headroom, budget - 1))
+
+
+def reshard(paths: List[str], tables: List[TableFile], out: str, world_size: int, *, single: bool = False,
+            max_rows: Optional[int] = None, progress: Callable = iter) -> dict:
+    """Re-split the shard tables of one table (`check_shards`: every shard of an N-way split)
+    into `world_size` shards by the owner hash: ``out/shard-R-of-M`` holds every key with
+    `owner_of(key, M) == R`, its row, optimizer state, count and last step unchanged (rows of
+    16-bit tables too: decoded and encoded exactly). With `single`, `out` is one table holding
+    every row (the shards merged; what one process loads).
+
+    The outputs keep the inputs' config and step, with the row budget split as described in
+    `_split_config` (a shard past its new budget is refused: pass `max_rows`, per output
+    shard). The eviction counts, which cannot be attributed to keys, are summed onto shard 0
+    (the total over shards stays what it was).
+
+    Everything is checked before anything is written; the shards are written to a temporary
+    directory beside `out` and renamed into place, so a refusal or a crash leaves `out` as it
+    was (it must be new or an empty directory, its parents are made as needed; with `single`, new,
+    empty or a table). Reads
+    each input twice in batches (keys, then everything); holds no table in memory.
+    Returns {"world_size_in", "world_size", "rows", "rows_per_shard"}."""
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world size must be an int >= 1, got {world_size!r}")
+    if single:
+        world_size = 1
+    found = check_shards(paths, tables, progress)
+    order = sorted(range(len(paths)), key=lambda i: parse_shard_name(os.path.basename(os.path.normpath(paths[i])))[0])
+    tables = [tables[i] for i in order]
+    per_shard = np.zeros(world_size, np.int64)
+    for t in tables:
+        for _, b in t.batches(BATCH, ("keys",)):
+            per_shard += np.bincount(owner_of(b["keys"], world_size), minlength=world_size)
+    config = _split_config(tables, world_size, max_rows)
+    if config.max_rows is not None and per_shard.max() > config.max_rows:
+        j = int(per_shard.argmax())
+        raise ValueError(f"shard {j} of {world_size} would hold {int(per_shard[j]):,} rows, past its budget of "
+                         f"{config.max_rows:,} (the inputs' budgets split {world_size} ways); pass a larger "
+                         f"--max-rows (rows per output shard); nothing was written")
+    if single:
+        targets, final = [out], None
+    else:
+        if os.path.lexists(out) and not (os.path.isdir(out) and not os.listdir(out)):
+            raise ValueError(f"{out}: exists and is not an empty directory; the shards go to a new one; nothing "
+                             f"was written")
+        parent = os.path.dirname(os.path.abspath(out))
+        os.makedirs(parent, exist_ok=True)
+        final = os.path.join(parent, f".{os.path.basename(os.path.abspath(out))}.tmp-{os.getpid()}")
+        shutil.rmtree(final, ignore_errors=True)
+        os.makedirs(final)
+        targets = [os.path.join(final, shard_name(j, world_size)) for j in range(world_size)]
+    writers = []
+    try:
+        for j, target in enumerate(targets):
+            writers.append(TableWriter(target, config, int(per_shard[j]), tables[0].step,
+                                       evicted_count=found["evicted"] if j == 0 else 0))
+        for t in tables:
+            for _, b in progress(t.batches(BATCH, _SHARD_FIELDS)):
+                owners = owner_of(b["keys"], world_size)
+                for j, writer in enumerate(writers):
+                    mine = owners == j
+                    writer.write(*(b[name][mine] for name in _SHARD_FIELDS))
+        for writer in writers:
+            writer.commit()
+    except BaseException:
+        for writer in writers:
+            writer.abort()
+        if final is not None:
+            shutil.rmtree(final, ignore_errors=True)
+        raise
+    if final is not None:
+        if os.path.isdir(out):
+            os.rmdir(out)  # new or empty (checked above)
+        os.rename(final, out)
+    return {"world_size_in": found["world_size"], "world_size": world_size, "rows": found["rows"],
+            "rows_per_shard": per_shard.tolist()}

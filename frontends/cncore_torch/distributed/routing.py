@@ -1,15 +1,9 @@
 """Which rank owns a key: a hash of the raw int64 key, never the key itself.
 
-`owner = (high 32 bits of mix64(key ^ ROUTE_SALT)) * world_size >> 32`, with mix64 the core's
-64-bit mixer (SplitMix64's finaliser, `cn_mix.h`). Why each part:
-
-- a hash, not `key % world_size`: IDs are often structured (even/odd, multiples of a shard
-  count, timestamps), and `key % 2` puts every odd key on one rank;
-- salted, and the high bits: the core's key index places a key at `mix64(key) & mask` (low
-  bits). Routing by those same low bits would leave every rank with keys whose low hash bits
-  agree, i.e. half (a third, ...) of each rank's buckets never used and long probe runs. The
-  salt makes the two hashes unrelated; the high bits keep them apart even without it;
-- multiply-shift instead of `%`: uniform for any world size, no division.
+The function is defined once, in NumPy, in `cncore.routing` (the table files' offline tools
+re-split shards with it, without torch); this is the same function on torch tensors (any
+device, for the sharded lookup's input dist), built from its constants, and held equal to
+it by a test. See `cncore.routing` for why a salted multiply-shift of the core's mixer.
 
 Raw keys travel unchanged (the owner stores the key itself), so a checkpoint written by N ranks
 is re-split for M ranks by calling `owner_of(keys, M)` on its keys.
@@ -22,16 +16,16 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["ROUTE_SALT", "owner_of", "mix64"]
+from cncore.routing import MIX_C1, MIX_C2, ROUTE_SALT
 
-ROUTE_SALT = 0x5851F42D4C957F2D  # PCG's multiplier: any odd constant unrelated to the index's hash
+__all__ = ["ROUTE_SALT", "owner_of", "mix64"]
 
 
 def _signed(c: int) -> int:
     return c - (1 << 64) if c >= 1 << 63 else c
 
 
-_C1, _C2, _SALT = _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB), _signed(ROUTE_SALT)
+_C1, _C2, _SALT = _signed(MIX_C1), _signed(MIX_C2), _signed(ROUTE_SALT)
 
 
 def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
