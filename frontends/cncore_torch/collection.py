@@ -399,9 +399,13 @@ class _GroupedLookup(torch.autograd.Function):
 # feature is data-dependent) and each feature's position among its keys (known when traced).
 # The lookups' contexts cannot be tensors (they are sealed core objects); they wait in
 # _PENDING under a token, an int64 tensor the backward gets from autograd, and leave it when
-# the token dies (after the backward, or with a graph that never runs one).
+# the token dies (after the backward, or with a graph that never runs one). Eager mode keeps the
+# autograd.Functions (_GroupedLookup, _TableLookups: an operator call costs ~100 us more);
+# both ways share the lookup and update functions, so they compute the same thing. The
+# unpooled operator (further down) returns each feature's rows, of sizes known only at run
+# time (unbacked sizes when traced). These operators belong beside the modules' in _ops.py.
 
-_PENDING: Dict[int, list] = {}
+_PENDING: Dict[int, object] = {}
 _tokens = itertools.count(1)
 
 
@@ -413,6 +417,24 @@ def _token_for(lookups) -> torch.Tensor:
     return token
 
 
+def _kjt_of_parts(collection, values, lengths, weights, n_keys: int, positions: List[int]) -> KeyedJaggedTensor:
+    """The KJT an operator got in parts: the collection's features at their positions, the
+    keys it does not read named by position."""
+    names = [f"<key {i}>" for i in range(n_keys)]
+    for name, at in zip((n for group in collection._feature_names for n in group), positions):
+        names[at] = name
+    return KeyedJaggedTensor(keys=names, values=values, lengths=lengths, weights=weights)
+
+
+def _positions(collection, features: KeyedJaggedTensor) -> List[int]:
+    """Where each feature the collection reads sits among the KJT's keys (known when traced)."""
+    keys = features.keys()
+    missing = [f for names in collection._feature_names for f in names if f not in keys]
+    if missing:
+        raise ValueError(f"features: no key {missing[0]!r} (it has {keys})")
+    return [keys.index(f) for names in collection._feature_names for f in names]
+
+
 @torch.library.custom_op("cncore::collection_pooled_lookup", mutates_args=())
 def collection_pooled_lookup(anchor: torch.Tensor, handle: int, values: torch.Tensor, lengths: torch.Tensor,
                              weights: Optional[torch.Tensor], n_keys: int, positions: List[int], training: bool,
@@ -420,11 +442,8 @@ def collection_pooled_lookup(anchor: torch.Tensor, handle: int, values: torch.Te
     """CNEmbeddingBagCollection's lookup as an operator: (B, sum of dims) pooled rows and the
     token of its contexts. Checks the KJT as the eager forward does (`features_by_key`)."""
     collection = _ops.table_of(handle)
-    names = [f"<key {i}>" for i in range(n_keys)]
-    for name, at in zip((n for group in collection._feature_names for n in group), positions):
-        names[at] = name
-    features = KeyedJaggedTensor(keys=names, values=values, lengths=lengths, weights=weights)
-    by_key = features_by_key(features, collection._feature_names)
+    by_key = features_by_key(_kjt_of_parts(collection, values, lengths, weights, n_keys, positions),
+                             collection._feature_names)
     collection._require_optimizer(needs_optimizer)
     out, lookups = grouped_lookup(collection, *grouped_arrays(collection, by_key), training)
     return out, _token_for(lookups)
@@ -554,17 +573,13 @@ class CNEmbeddingBagCollection(_DynamicTables, EmbeddingBagCollectionInterface):
         return pooled_collection_lookup(self._anchor, self._handle, features, self.training)
 
     def _compiled_lookup(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        keys = features.keys()
-        missing = [f for names in self._feature_names for f in names if f not in keys]
-        if missing:
-            raise ValueError(f"features: no key {missing[0]!r} (it has {keys})")
+        positions = _positions(self, features)
         weights = features.weights_or_none() if self._is_weighted else None
         if self._is_weighted and weights is None:
             raise ValueError("features: is_weighted=True but the KJT has no weights")
         values, _ = torch.ops.cncore.collection_pooled_lookup(
-            self._anchor, self._handle, features.values(), features.lengths(), weights, len(keys),
-            [keys.index(f) for names in self._feature_names for f in names], self.training,
-            self.training and torch.is_grad_enabled())
+            self._anchor, self._handle, features.values(), features.lengths(), weights, len(features.keys()),
+            positions, self.training, self.training and torch.is_grad_enabled())
         return KeyedTensor(keys=self._embedding_names, length_per_key=self._lengths_per_embedding, values=values)
 
     def table_rows(self) -> Dict[str, int]:
@@ -576,31 +591,109 @@ class CNEmbeddingBagCollection(_DynamicTables, EmbeddingBagCollectionInterface):
         return sum(store.nbytes for store in self._stores.values())
 
 
+def unpooled_lookup(collection, keys_by_table, training: bool):
+    """Forward of both unpooled bridges: per table, the rows of its features' IDs concatenated
+    (one core call per table) and its lookup's context."""
+    outs, lookups = [], []
+    for store, keys in zip(collection._table_stores, keys_by_table):
+        out, lookup = store.pooled_lookup(keys.numpy(), lengths=np.ones(len(keys), dtype=np.int64),
+                                          insert_missing=training)
+        outs.append(torch.from_numpy(out))
+        lookups.append(lookup)
+    return outs, lookups
+
+
+def unpooled_update(collection, lookups, grads_by_table) -> None:
+    """Backward of both unpooled bridges: each table with a gradient gets one fused update."""
+    if collection.fused_optimizer is None:
+        raise no_optimizer_error(collection._owner)
+    for store, lookup, grad in zip(collection._table_stores, lookups, grads_by_table):
+        if grad is not None and len(grad):
+            store.apply_gradients(lookup, np.ascontiguousarray(grad.numpy(), dtype=np.float32),
+                                  lr=collection.fused_optimizer.lr)
+
+
 class _TableLookups(torch.autograd.Function):
     """Unpooled lookups, one core call per table (the features of a table concatenated, so a
-    table shared by features gets one update per row with the summed gradient)."""
+    table shared by features gets one update per row with the summed gradient): the eager bridge."""
 
     @staticmethod
     def forward(ctx, anchor, collection, keys_by_table, training):
-        outs, lookups = [], []
-        for store, keys in zip(collection._table_stores, keys_by_table):
-            out, lookup = store.pooled_lookup(keys.numpy(), lengths=np.ones(len(keys), dtype=np.int64),
-                                              insert_missing=training)
-            outs.append(torch.from_numpy(out))
-            lookups.append(lookup)
-        ctx.collection, ctx.lookups = collection, lookups
+        outs, ctx.lookups = unpooled_lookup(collection, keys_by_table, training)
+        ctx.collection = collection
         return tuple(outs)
 
     @staticmethod
     def backward(ctx, *grads):
-        collection = ctx.collection
-        if collection.fused_optimizer is None:
-            raise no_optimizer_error(collection._owner)
-        for store, lookup, grad in zip(collection._table_stores, ctx.lookups, grads):
-            if grad is not None and len(grad):
-                store.apply_gradients(lookup, np.ascontiguousarray(grad.numpy(), dtype=np.float32),
-                                      lr=collection.fused_optimizer.lr)
+        unpooled_update(ctx.collection, ctx.lookups, grads)
         return None, None, None, None
+
+
+@torch.library.custom_op("cncore::collection_unpooled_lookup", mutates_args=())
+def collection_unpooled_lookup(anchor: torch.Tensor, handle: int, values: torch.Tensor, lengths: torch.Tensor,
+                               n_keys: int, positions: List[int], training: bool, needs_optimizer: bool,
+                               need_indices: bool) -> List[torch.Tensor]:
+    """CNEmbeddingCollection's lookup as an operator (see collection_pooled_lookup): the (N_f,
+    dim) rows of each feature, then (need_indices) each feature's IDs, then the token."""
+    collection = _ops.table_of(handle)
+    by_key = features_by_key(_kjt_of_parts(collection, values, lengths, None, n_keys, positions),
+                             collection._feature_names)
+    collection._require_optimizer(needs_optimizer)
+    ids = [[by_key[n].values().detach() for n in names] for names in collection._feature_names]
+    outs, lookups = unpooled_lookup(collection, [torch.cat(t).to(torch.int64) for t in ids], training)
+    sizes = [[len(i) for i in t] for t in ids]
+    rows = [r.clone() for out, n in zip(outs, sizes) for r in torch.split(out, n)]  # outputs may not alias
+    indices = [i.clone() for t in ids for i in t] if need_indices else []
+    return rows + indices + [_token_for((lookups, sizes))]
+
+
+@collection_unpooled_lookup.register_fake
+def _(anchor, handle, values, lengths, n_keys, positions, training, needs_optimizer, need_indices):
+    ctx, dim = torch.library.get_ctx(), _ops.table_of(handle)._dim
+    counts = [ctx.new_dynamic_size() for _ in positions]
+    rows = [values.new_empty((n, dim), dtype=torch.float32) for n in counts]
+    indices = [values.new_empty((n,)) for n in counts] if need_indices else []
+    return rows + indices + [values.new_empty((1,), dtype=torch.int64)]
+
+
+@torch.library.custom_op("cncore::collection_unpooled_apply_gradients", mutates_args=())
+def collection_unpooled_apply_gradients(anchor: torch.Tensor, handle: int, grads: List[Optional[torch.Tensor]],
+                                        token: torch.Tensor) -> torch.Tensor:
+    """Backward of collection_unpooled_lookup: each feature's row gradients, joined per table
+    (a missing one as zeros, a table with none skipped, as in eager), one update per table."""
+    pending = _PENDING.get(int(token[0]))
+    if pending is None:
+        raise RuntimeError("this lookup's contexts are gone (its graph was freed); nothing was updated")
+    lookups, sizes = pending
+    collection = _ops.table_of(handle)
+    by_table, at = [], 0
+    for n in sizes:
+        parts = grads[at:at + len(n)]
+        at += len(n)
+        by_table.append(None if all(g is None for g in parts) else torch.cat(
+            [torch.zeros((k, collection._dim)) if g is None else g for g, k in zip(parts, n)]))
+    unpooled_update(collection, lookups, by_table)
+    return torch.zeros_like(anchor)
+
+
+@collection_unpooled_apply_gradients.register_fake
+def _(anchor, handle, grads, token):
+    return torch.empty_like(anchor)
+
+
+def _unpooled_setup_context(ctx, inputs, output):
+    ctx.handle, ctx.n_features = inputs[1], len(inputs[5])
+    ctx.save_for_backward(inputs[0], output[-1])
+
+
+def _unpooled_backward(ctx, grads):
+    anchor, token = ctx.saved_tensors
+    row_grads = [None if g is None else g.contiguous() for g in grads[:ctx.n_features]]
+    grad_anchor = collection_unpooled_apply_gradients(anchor, ctx.handle, row_grads, token)
+    return grad_anchor, None, None, None, None, None, None, None, None
+
+
+collection_unpooled_lookup.register_autograd(_unpooled_backward, setup_context=_unpooled_setup_context)
 
 
 class CNEmbeddingCollection(_DynamicTables, EmbeddingCollectionInterface):
@@ -654,6 +747,10 @@ class CNEmbeddingCollection(_DynamicTables, EmbeddingCollectionInterface):
         return self._names_by_table
 
     def forward(self, features: KeyedJaggedTensor) -> Dict[str, JaggedTensor]:
+        """{embedding name: JaggedTensor of (N, dim) rows}; `torch.compile`-able (one operator
+        each way, no graph break)."""
+        if torch.compiler.is_compiling() and not self.is_meta and not features.variable_stride_per_key():
+            return self._compiled_lookup(features)
         by_key = features_by_key(features, self._feature_names)
         keys_by_table = [torch.cat([by_key[n].values().detach().to(torch.int64) for n in names])
                          for names in self._feature_names]
@@ -672,3 +769,15 @@ class CNEmbeddingCollection(_DynamicTables, EmbeddingCollectionInterface):
                                                 weights=jt.values() if self._need_indices else None)
                 start += n
         return result
+
+    def _compiled_lookup(self, features: KeyedJaggedTensor) -> Dict[str, JaggedTensor]:
+        positions = _positions(self, features)
+        n_keys, n = len(features.keys()), len(positions)
+        outs = torch.ops.cncore.collection_unpooled_lookup(
+            self._anchor, self._handle, features.values(), features.lengths(), n_keys, positions, self.training,
+            self.training and torch.is_grad_enabled(), self._need_indices)
+        lengths = features.lengths().view(n_keys, -1)
+        emb_names = [e for names in self._names_by_table for e in names]
+        return {e: JaggedTensor(values=outs[i], lengths=lengths[positions[i]],
+                                weights=outs[n + i] if self._need_indices else None)
+                for i, e in enumerate(emb_names)}
