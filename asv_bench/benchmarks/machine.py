@@ -78,6 +78,12 @@ def describe() -> str:
             f"load average {load_average()}")
 
 
+def openmp_wait() -> str:
+    """How idle OpenMP threads wait in this process (the variables libgomp reads when it loads)."""
+    told = [f"{k}={os.environ[k]}" for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in os.environ]
+    return "OpenMP wait: " + (", ".join(told) if told else "libgomp's default spin")
+
+
 class Flush:
     """A buffer `factor` times the last-level cache; calling it reads and writes every line, so
     the next timed call starts with none of the previous call's rows in any cache."""

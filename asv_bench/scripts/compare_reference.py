@@ -18,6 +18,7 @@ import sys
 import time
 import warnings
 
+import cncore_torch  # noqa: F401,I001  (before torch: bounds torch's OpenMP spin as for a user of our modules)
 import numpy as np
 import torch
 
@@ -136,7 +137,7 @@ def main():
 
     rows_out = []
     print(f"# cncore vs torch.nn.EmbeddingBag and FBGEMM TBE (CPU), {threads}, {n_rows:,} rows, batch {batch}")
-    print(f"# {machine.describe()}")
+    print(f"# {machine.describe()}; {machine.openmp_wait()}")
     for dim in dims:
         weights = torch.from_numpy(rng.uniform(-0.05, 0.05, (n_rows, dim)).astype(np.float32))
         stores = {}

@@ -12,7 +12,9 @@ Rules, so that no contender measures cache hits it would not get in a real step:
   better kept), and each forward is printed as the share of it that the bytes it must read
   take at that speed: rows, the ID, and for us the 16-byte index bucket.
 Cells: M IDs/s (median of the rounds after two warm-ups) and that share of bandwidth; then our
-speed over each reference's. Threads: the libraries' defaults unless --threads.
+speed over each reference's. Threads: the libraries' defaults unless --threads; cncore_torch is
+imported first, so torch's OpenMP threads spin as briefly as they do for a user of our modules
+(README, "Threads on a shared machine") for every contender alike.
 
     python asv_bench/scripts/forward_large.py                      # 8M and 1M rows, dims 16/64/128
     python asv_bench/scripts/forward_large.py --background-load    # the same beside a busy process per core
@@ -193,6 +195,7 @@ def main(argv=None) -> int:
         args.rows, args.dims, args.poolings, args.batch, args.rounds = [2e5], [16], [20], 256, 2
         args.dists = args.dists[-1:]
 
+    import cncore_torch  # noqa: F401  (first: bounds torch's OpenMP spin, as every user of our modules gets it)
     import torch
 
     import cncore
@@ -205,7 +208,7 @@ def main(argv=None) -> int:
     gen = np.random.default_rng(1)
     print(f"# Pooled forward, tables beyond the cache: {machine.describe()}")
     print(f"# threads: torch {torch.get_num_threads()}, cncore {cncore.get_num_threads()}"
-          f"{' (defaults)' if args.threads is None else ''}; batch {args.batch}; {args.rounds} rounds; "
+          f"{' (defaults)' if args.threads is None else ''}, {machine.openmp_wait()}; batch {args.batch}; {args.rounds} rounds; "
           f"flush {flush.buf.nbytes >> 20} MiB before every call"
           f"{'; background load: one busy process per core' if args.background_load else ''}")
     lines = []
