@@ -55,8 +55,6 @@ def distinct_ids(steps, batch_size=256):
     (["--nproc", "2", "--max-rows", "4096", "--batch-size", "4096"],
      "--max-rows 4096 is below 2 x --batch-size 8192: one batch can bring 4096 distinct IDs to each of the 2 "
      "shards of a table"),
-    (["--nproc", "2", "--max-rows", "9000", "--checkpoint", "ck", "--incremental-checkpoint-every", "2"],
-     "--incremental-checkpoint-every does not run on 2 processes yet"),
 ])
 def test_bad_bounded_options_exit_2_with_one_line(capsys, argv, expected):
     with pytest.raises(SystemExit) as e:

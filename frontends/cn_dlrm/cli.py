@@ -100,9 +100,9 @@ def row_budget(text: Optional[str]):
 
 ROW_DTYPES = ("float32", "float16", "bfloat16")
 EVICTIONS = ("lru", "lfu", "ttl")
-# Options the distributed path (--nproc > 1, torchrun) does not run yet, with their defaults:
-# table chains are per process (one store per rank), and the job writes one checkpoint file.
-NOT_DISTRIBUTED = {"incremental_checkpoint_every": None}
+# Options the distributed path (--nproc > 1, torchrun) does not run yet, with their defaults
+# (none now: every option runs on several processes).
+NOT_DISTRIBUTED: dict = {}
 
 
 def _input_file(text: str) -> str:
@@ -260,8 +260,34 @@ def _check_bounded(ap: argparse.ArgumentParser, args: argparse.Namespace, world:
         if os.path.exists(args.checkpoint) and not os.path.isdir(args.checkpoint):
             ap.error(f"--checkpoint {args.checkpoint} is a file; with --incremental-checkpoint-every it names a "
                      f"directory")
+        saved = chains_world_size(args.checkpoint)
+        if saved is not None and saved != world:
+            ap.error(f"--checkpoint {args.checkpoint} holds table chains of {saved} process{'es' * (saved > 1)}; "
+                     f"this run has {world} (each writes its own shard): give a new directory (--resume "
+                     f"{args.checkpoint} reads it on any number of processes)")
     elif args.checkpoint and os.path.isdir(args.checkpoint):
         ap.error(f"cannot write {args.checkpoint}: it is a folder (a folder is for --incremental-checkpoint-every)")
+
+
+def chains_world_size(directory: str) -> Optional[int]:
+    """The number of processes whose table chains `directory` (an --incremental-checkpoint-every
+    directory) holds: 1 when its tables are table directories, W when they hold shard-R-of-W
+    directories; None when it holds none.
+
+    >>> chains_world_size("/no/such/directory") is None
+    True
+    """
+    tables = os.path.join(directory, "tables")
+    if not os.path.isdir(tables):
+        return None
+    for name in sorted(os.listdir(tables)):
+        entries = os.listdir(os.path.join(tables, name)) if os.path.isdir(os.path.join(tables, name)) else []
+        if "CURRENT" in entries:
+            return 1
+        for entry in entries:
+            if entry.startswith("shard-") and "-of-" in entry and entry.rsplit("-of-", 1)[1].isdigit():
+                return int(entry.rsplit("-of-", 1)[1])
+    return None
 
 
 def install_hint(missing_module: Optional[str]) -> Optional[str]:

@@ -7,6 +7,11 @@
       dense.pt          the model's other weights, the optimizers, the step, and each table's step
                         and eviction count (table files do not hold it)
 
+On W processes (`--nproc W`, torchrun) each rank writes its own shard of every table as its own
+chain, ``tables/<table>/shard-<rank>-of-<W>/`` (the names of
+`cncore_torch.distributed.checkpoint.save_shard_tables`, so `cn-table compact` then `cn-table
+reshard` / `merge-shards` work on them); rank 0 writes dense.pt once every rank has saved.
+
 Each table's save is atomic (a crash leaves the chain's last complete state); dense.pt is
 replaced atomically after every table is saved, and names the step each table must be at, so a
 resume refuses a directory whose last save was cut off between the tables and dense.pt (the
@@ -14,6 +19,8 @@ tables would be ahead of the dense weights) instead of mixing two steps. `open_c
 reads it back as one ordinary state_dict (the tables' chains loaded as one table each), and
 `cn-table` reads every table directory (`cn-table compact` merges a chain into a new base).
 The first save of a run (a resumed one too) is a full base; saves after it are deltas.
+A sharded directory opens the same way, the shards' chains merged (`merge_shards`): any number
+of processes resumes from it, each keeping the keys it owns.
 """
 from __future__ import annotations
 
@@ -23,6 +30,7 @@ from typing import Dict, Optional
 import torch
 
 import cncore
+from cncore.routing import shard_name
 from cncore.tablefile import Checkpoint, load_store, save_table
 from cncore_torch.checkpoint import table_prefixes
 from cncore_torch.dlrm.data import InputError
@@ -47,16 +55,20 @@ class TableChains:
     """Saves a run's tables as chains and its dense part beside them, every `every` steps.
 
     `save(model, optimizers, stores, step, extra)`: `stores` is {table name: store} (the
-    collection's `stores`), `model.state_dict()`'s table entries are left out of dense.pt."""
+    collection's `stores`), `model.state_dict()`'s table entries are left out of dense.pt.
+    With world_size > 1, every rank calls `save` at the same step (it has collectives): each
+    writes its shards, and rank 0 writes dense.pt after all of them (see the module docstring)."""
 
-    def __init__(self, directory: str, every: int):
+    def __init__(self, directory: str, every: int, rank: int = 0, world_size: int = 1):
         self.directory, self.every = directory, every
+        self.rank, self.world_size = rank, world_size
         self.last: Dict[str, Checkpoint] = {}
         self.saves = 0
         self.deltas = 0
 
     def table_path(self, name: str) -> str:
-        return os.path.join(self.directory, TABLES, name)
+        path = os.path.join(self.directory, TABLES, name)
+        return path if self.world_size == 1 else os.path.join(path, shard_name(self.rank, self.world_size))
 
     def save(self, model: torch.nn.Module, optimizers, stores: Dict[str, cncore.EmbeddingStore], step: int,
              extra: Optional[dict] = None) -> None:
@@ -64,14 +76,23 @@ class TableChains:
         for name, store in stores.items():
             self.last[name] = save_table(store, self.table_path(name), since=self.last.get(name))
             self.deltas += self.last[name].delta
-        state = model.state_dict()
+        steps = {name: store.step for name, store in stores.items()}
+        # table files do not hold the eviction counter: it travels here (per shard on W processes)
+        evicted = {name: int(store.evicted_count) for name, store in stores.items()}
+        state = model.state_dict()  # (under DMP: a collective, so before rank 0 goes its own way)
+        if self.world_size > 1:
+            import torch.distributed as dist
+            ranks = [None] * self.world_size
+            dist.all_gather_object(ranks, (steps, evicted))  # also the barrier: every shard is saved
+            evicted = {name: [r[1][name] for r in ranks] for name in evicted}
+            if self.rank != 0:
+                self.saves += 1
+                return
         for prefix in table_prefixes(state):
             for key in [k for k in state if k.startswith(prefix)]:
                 del state[key]
         atomic_torch_save({"dense": state, "optimizers": [o.state_dict() for o in optimizers], "step": step,
-                            "table_steps": {name: store.step for name, store in stores.items()},
-                            # table files do not hold the eviction counter: it travels here
-                            "table_evicted": {name: int(store.evicted_count) for name, store in stores.items()},
+                            "table_steps": steps, "table_evicted": evicted, "world_size": self.world_size,
                             **(extra or {})},
                            os.path.join(self.directory, DENSE))
         self.saves += 1
@@ -95,16 +116,28 @@ def open_checkpoint(directory: str, table_prefix: str) -> dict:
     except Exception as e:  # a damaged file: torch.load raises many kinds
         raise InputError(f"--resume {directory}: {DENSE} is not cn-dlrm's ({type(e).__name__})") from None
     model = dict(dense)
+    world_size = int(state.get("world_size", 1))
     for name, step in steps.items():
         path = os.path.join(directory, TABLES, name)
-        try:
-            store = load_store(path)
-        except (ValueError, OSError) as e:
-            raise InputError(f"--resume {directory}: table {name}: {e}") from None
-        if store.step != step:
-            raise InputError(f"--resume {directory}: table {name} is at step {store.step:,} but {DENSE} at "
-                             f"{step:,}: the last save was cut off between the tables and {DENSE}; resume from "
-                             f"another checkpoint")
-        store.evicted_count = int(state.get("table_evicted", {}).get(name, 0))
-        save_store(store, model, f"{table_prefix}{name}.")
+        evicted = state.get("table_evicted", {}).get(name, 0)
+        shards = []
+        for rank in range(world_size):
+            where = path if world_size == 1 else os.path.join(path, shard_name(rank, world_size))
+            try:
+                store = load_store(where)
+            except (ValueError, OSError) as e:
+                raise InputError(f"--resume {directory}: table {name}: {e}") from None
+            if store.step != step:
+                raise InputError(f"--resume {directory}: table {name}{'' if world_size == 1 else f' (shard {rank})'} "
+                                 f"is at step {store.step:,} but {DENSE} at {step:,}: the last save was cut off "
+                                 f"between the tables and {DENSE}; resume from another checkpoint")
+            store.evicted_count = int(evicted[rank] if isinstance(evicted, list) else evicted)
+            shard: dict = {}
+            save_store(store, shard, f"{table_prefix}{name}.")
+            shards.append(shard)
+        if world_size == 1:
+            model.update(shards[0])
+        else:
+            from cncore_torch.distributed.checkpoint import merge_shards
+            model.update(merge_shards(shards))
     return {**state, "model": model}

@@ -55,13 +55,21 @@ class InputError(ValueError):
     exits with code 2. Raised while training too, since the file is read as the run goes."""
 
 
-def read_criteo_tsv(path: str, batch_size: int, skip_batches: int = 0) -> Iterator[Batch]:
+def read_criteo_tsv(path: str, batch_size: int, skip_batches: int = 0, rank: int = 0,
+                    world_size: int = 1) -> Iterator[Batch]:
     r"""Stream a Criteo Kaggle / 1TB text file (optionally .gz): label (0 or 1), 13 integers, 26
     hex categories per line, tab-separated, empty fields allowed. Categories become raw IDs (their
     hex value, up to 64 bits; values of 2^63 and above wrap to negative int64, which are valid
     keys); an empty category is an empty bag; an empty or negative integer reads as 0 (Criteo's
     second column has negative values). A line that breaks these rules raises `InputError`
     naming the file and the line.
+
+    With world_size > 1, process `rank`'s view of every batch: only the lines of its
+    contiguous share of the batch (samples rank*n//world_size up to (rank+1)*n//world_size, the
+    share `cncore_torch.dlrm.distributed.share` takes) are parsed and checked; the other
+    samples are left blank (label 0, zero integers, no IDs), so the batch keeps its global size
+    and `share` picks this rank's samples out of it exactly as out of the whole batch. Every
+    process still reads (but does not parse) every line, to find its own.
 
     >>> import tempfile
     >>> with tempfile.NamedTemporaryFile("w", suffix=".tsv", delete=False) as fh:
@@ -84,11 +92,11 @@ def read_criteo_tsv(path: str, batch_size: int, skip_batches: int = 0) -> Iterat
                 lines.append(line)
                 if len(lines) == batch_size:
                     if n_batches >= skip_batches:
-                        yield _parse(lines, path, line_no - len(lines) + 1)
+                        yield _parse(lines, path, line_no - len(lines) + 1, rank, world_size)
                     n_batches += 1
                     lines = []
             if lines and n_batches >= skip_batches:
-                yield _parse(lines, path, line_no - len(lines) + 1)
+                yield _parse(lines, path, line_no - len(lines) + 1, rank, world_size)
     except UnicodeDecodeError as e:
         raise InputError(f"{path}, line {line_no + 1}: not UTF-8 text ({e.reason})") from None
     except (OSError, EOFError) as e:  # gzip.BadGzipFile is an OSError; a cut-off .gz ends in EOFError
@@ -98,13 +106,16 @@ def read_criteo_tsv(path: str, batch_size: int, skip_batches: int = 0) -> Iterat
 N_FIELDS = 1 + N_DENSE + N_SPARSE
 
 
-def _parse(lines: List[str], path: str, first_line: int) -> Batch:
+def _parse(lines: List[str], path: str, first_line: int, rank: int = 0, world_size: int = 1) -> Batch:
+    """The batch of `lines`; with world_size > 1, only rank `rank`'s share parsed (the rest blank)."""
     b = len(lines)
     labels = np.zeros(b, dtype=np.float32)
     dense = np.zeros((b, N_DENSE), dtype=np.float32)
     per_feature: List[List[int]] = [[] for _ in range(N_SPARSE)]
     lengths = np.zeros((N_SPARSE, b), dtype=np.int64)
-    for row, line in enumerate(lines):
+    lo, hi = rank * b // world_size, (rank + 1) * b // world_size
+    for row in range(lo, hi):
+        line = lines[row]
         fields = line.rstrip("\r\n").split("\t")
 
         def bad(what: str) -> InputError:

@@ -2,7 +2,11 @@
 them by `cncore_torch.distributed` under TorchRec's DistributedModelParallel.
 
 Every rank reads the same global batch (`--batch-size` samples) and trains on its contiguous
-share of it (sizes differ by at most one sample). The run is the single-process run with the
+share of it (sizes differ by at most one sample). On a Criteo file each rank parses only the
+lines of its share of each training batch (`read_criteo_tsv(..., rank, world_size)`: the
+others' samples stay blank, and `share` drops them); the ranks agree after every batch that
+none hit a bad line, so one rank's error stops them all instead of leaving the others waiting
+in a collective. The run is the single-process run with the
 work split, not a run with a larger batch: each rank's loss is its samples' summed log loss
 divided by the global batch size, and DDP sums the dense gradients over ranks (a comm hook
 replacing its default average), so dense and sparse gradients are the single-process ones up to
@@ -19,7 +23,7 @@ import io
 import math
 import os
 import warnings
-from typing import Dict, List
+from typing import Dict, Iterator, List, Optional
 
 import numpy as np
 import torch
@@ -28,7 +32,7 @@ import torchmetrics
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import cncore
-from cncore_torch.dlrm.data import Batch
+from cncore_torch.dlrm.data import Batch, InputError, read_criteo_tsv
 
 __all__ = ["run", "share"]
 
@@ -46,6 +50,26 @@ def share(batch: Batch, rank: int, world_size: int) -> Batch:
                                lengths=lengths.view(len(keys), n)[:, lo:hi].reshape(-1), stride=hi - lo)
     probabilities = None if batch.probabilities is None else batch.probabilities[lo:hi]
     return Batch(batch.dense[lo:hi], sparse, batch.labels[lo:hi], probabilities)
+
+
+def rank_batches(args, start: int, rank: int, world_size: int) -> Iterator[Batch]:
+    """Training batches start .. --steps - 1 of --criteo-tsv as rank `rank` sees them (its share
+    of each batch's lines parsed), each batch agreed on by every rank (see the module docstring)."""
+    reader = read_criteo_tsv(args.criteo_tsv, args.batch_size, skip_batches=args.eval_batches + start, rank=rank,
+                             world_size=world_size)
+    for _ in range(args.steps - start):
+        error: Optional[InputError] = None
+        try:
+            batch = next(reader, None)
+        except InputError as e:
+            batch, error = None, e
+        flags = torch.tensor([error is not None, batch is None], dtype=torch.int64)
+        dist.all_reduce(flags)
+        if flags[0]:
+            raise error or InputError(f"{args.criteo_tsv}: another process stopped at a bad line (its error names it)")
+        if batch is None:  # the file ended (at the same batch for every rank: they count the same lines)
+            return
+        yield batch
 
 
 def _sum_hook(process_group, bucket):
@@ -70,6 +94,19 @@ class DistributedRun:
         self.rank, self.world_size = rank, world_size
         self.tables = sharded  # its rows are in train.py's checkpoints (see checkpoint_state)
         self.remap, self.fixed_rows, self.dim = remap, fixed_rows, dim  # TorchRec's fixed tables (--compare)
+        # TTL tables drop their expired rows after every step (train.py does it for one process)
+        self.ttl = sharded is not None and any(isinstance(s.config.eviction, cncore.TTL)
+                                               for s in sharded.stores.values())
+        self.chains = None  # --incremental-checkpoint-every: this rank's table chains (see `keep_chains`)
+        self.at = 0  # the step reached
+
+    def keep_chains(self, directory: str, every: int, start: int, args) -> None:
+        """Save this rank's shards as table chains every `every` steps (chains.py's sharded layout)."""
+        from cncore_torch.dlrm.chains import TableChains
+        self.chains, self.at, self._args = TableChains(directory, every, self.rank, self.world_size), start, args
+
+    def save_chains(self) -> None:
+        self.chains.save(self.model, self.optimizers, self.sharded.stores, self.at, {"args": vars(self._args)})
 
     def _share(self, batch: Batch) -> Batch:
         mine = share(batch, self.rank, self.world_size)
@@ -87,6 +124,12 @@ class DistributedRun:
         (loss / len(batch.labels)).backward()
         for opt in self.optimizers:
             opt.step()
+        if self.ttl:  # expired rows go between steps, also below the budget (each shard its own)
+            from cncore_torch.dlrm.bounded import sweep_expired
+            sweep_expired(self.sharded.stores)
+        self.at += 1
+        if self.chains is not None and self.at % self.chains.every == 0:
+            self.save_chains()
         return _all_sum([loss.item()])[0] / len(batch.labels)
 
     @torch.no_grad()
@@ -231,6 +274,8 @@ def _worker(rank: int, world_size: int, args) -> None:
     with quiet:
         state = job.load_checkpoint(args.resume, args) if args.resume else None
         data = job.Data(args)
+        if args.criteo_tsv:  # each rank parses its share of the training lines (the held-out ones: all)
+            data.train = lambda start: rank_batches(args, start, rank, world_size)
         run = distributed_run(args, data, rank, world_size)
         start = 0
         if state is not None:  # any number of processes wrote it: each rank keeps the keys it owns
@@ -239,7 +284,12 @@ def _worker(rank: int, world_size: int, args) -> None:
                 opt.load_state_dict(s)
             start = int(state["step"])
             print(f"resumed from {args.resume} at step {start}")
+        run.at = start
+        if args.incremental_checkpoint_every:
+            run.keep_chains(args.checkpoint, args.incremental_checkpoint_every, start, args)
         results = [job.train(run, data, args, start)]
+        if run.chains is not None and run.at % run.chains.every:  # and at the end, as train.py does
+            run.save_chains()
         if args.compare:
             compare = torchrec_run(args, data, rank, world_size)
             checkpoint, args.checkpoint = args.checkpoint, None  # ours only, as in one process
