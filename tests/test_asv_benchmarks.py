@@ -80,12 +80,12 @@ def test_background_load_keeps_every_core_busy_and_ends():
     with machine.background_load() as n:
         assert n == machine.cpu_count()
         time.sleep(0.3)
-        busy = [p for p in psutil_children() if p[1] == "R"]
+        busy = [p for p in live_children() if p[1] == "R"]
         assert len(busy) >= 1, "the spinning processes are not running"
-    assert psutil_children() == []
+    assert live_children() == []
 
 
-def psutil_children():
+def live_children():
     """(pid, state) of this process's live children, from /proc (no psutil needed)."""
     out = []
     me = str(os.getpid())

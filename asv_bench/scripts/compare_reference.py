@@ -113,7 +113,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="small shapes, for a smoke test")
     ap.add_argument("--threads", type=int, default=None,
                     help="threads for torch and the core (default: each library's own default)")
-    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--reps", type=int, default=25)
     ap.add_argument("--dims", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--poolings", type=int, nargs="+", default=[1, 20])
     ap.add_argument("--dists", nargs="+", default=["uniform", "zipf"], choices=["uniform", "zipf"])

@@ -183,7 +183,7 @@ def main(argv=None) -> int:
     p.add_argument("--poolings", type=int, nargs="+", default=[1, 20])
     p.add_argument("--dists", nargs="+", default=["uniform", "zipf1.05"], help="uniform or zipf<exponent>")
     p.add_argument("--batch", type=int, default=4096)
-    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--rounds", type=int, default=40)
     p.add_argument("--contenders", nargs="+", default=CONTENDERS, choices=CONTENDERS)
     p.add_argument("--threads", type=int, default=None,
                    help="threads for torch and the core (default: each library's own default)")
