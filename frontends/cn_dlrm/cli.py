@@ -7,6 +7,7 @@
     cn-dlrm --checkpoint ck.pt --resume ck.pt --summary-json out.json
     cn-dlrm --max-rows 25% --evict lfu       # bounded tables: a row budget per table, rows evicted past it
     cn-dlrm --max-rows 20000 --checkpoint ck --incremental-checkpoint-every 100   # table chains in ck/
+    cn-dlrm --nproc 2 --max-rows 50% --checkpoint ck --incremental-checkpoint-every 100   # a chain per rank
 
 Bounded tables: --max-rows N gives every table a budget of N rows; --max-rows P% gives each
 table P% of the distinct IDs the training range brings to it (synthetic data: counted in a pass
@@ -168,8 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--nproc", type=_int_at_least(1), default=1,
                     help="train on this many local processes (gloo on 127.0.0.1), every table sharded row-wise "
                          "over them by key hash (TorchRec's DistributedModelParallel); --batch-size is the global "
-                         "batch, split between them; synthetic data only for now; with --compare, TorchRec's "
-                         "row-wise sharded FBGEMM tables under the same DMP")
+                         "batch, split between them (with --criteo-tsv each process parses its share of the lines); "
+                         "with --compare, TorchRec's row-wise sharded FBGEMM tables under the same DMP")
     bounded = ap.add_argument_group("bounded tables (see above)")
     bounded.add_argument("--max-rows", metavar="N|P%", type=_row_budget, default=None,
                          help="row budget of every table: N rows (at least --batch-size), or P%% of each table's "
@@ -183,8 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="an ID gets a row only once it was seen C times")
     bounded.add_argument("--incremental-checkpoint-every", metavar="K", type=_int_at_least(1), default=None,
                          help="with --checkpoint DIR: every K steps (and at the end) save each table as a table "
-                              "file chain (a delta of the rows changed since the last save) in DIR/tables/, and "
-                              "the dense model in DIR/dense.pt")
+                              "file chain (a delta of the rows changed since the last save) in DIR/tables/ (on N "
+                              "processes, each its own shard's: DIR/tables/<table>/shard-R-of-N/), and the dense "
+                              "model in DIR/dense.pt")
     tier = ap.add_argument_group("tables larger than memory (the SSD tier)")
     tier.add_argument("--ssd-path", metavar="DIR", default=None,
                       help="keep every table's rows on disk in DIR/<table>/ (DIR/rank<r>/<table>/ on several "

@@ -279,7 +279,16 @@ def _worker(rank: int, world_size: int, args) -> None:
         run = distributed_run(args, data, rank, world_size)
         start = 0
         if state is not None:  # any number of processes wrote it: each rank keeps the keys it owns
-            run.model.load_state_dict(state["model"])
+            try:
+                run.model.load_state_dict(state["model"])
+            except (ValueError, RuntimeError) as e:
+                if "max_rows" not in str(e):
+                    raise
+                saved = state.get("args", {}).get("nproc", "another number of")
+                raise InputError(f"--resume {args.resume}: the keys this process owns of a table do not fit its "
+                                 f"shard's budget (ceil(--max-rows / {world_size})): the checkpoint's tables are "
+                                 f"full, and a hash does not split a full table evenly over {world_size} processes; "
+                                 f"resume with --nproc {saved} or a larger --max-rows") from None
             for opt, s in zip(run.optimizers, state["optimizers"]):
                 opt.load_state_dict(s)
             start = int(state["step"])
@@ -314,5 +323,12 @@ def run(args) -> int:
             dist.destroy_process_group()
         return 0
     from cncore_torch.distributed.launch import spawn
-    spawn(_worker, args.nproc, args, timeout=None)
+    try:
+        spawn(_worker, args.nproc, args, timeout=None)
+    except Exception as e:  # a rank's InputError (bad data, a checkpoint that does not fit): one line, exit 2
+        last = str(e).strip().splitlines()[-1] if str(e).strip() else ""
+        marker = f"{InputError.__module__}.{InputError.__name__}: "
+        if last.startswith(marker):
+            raise InputError(last[len(marker):]) from None
+        raise
     return 0
