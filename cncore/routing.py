@@ -15,7 +15,9 @@ from the constants below, and a test holds the two equal.
 - multiply-shift instead of `%`: uniform for any world size, no division.
 
 Raw keys are stored unchanged by their owner, so N shards are re-split into M by calling
-`owner_of(keys, M)` on their keys.
+`owner_of(keys, M)` on their keys. A shard's table file is named by its place in the split,
+`shard_name(rank, world_size)` = ``shard-R-of-N``: the sharded collections save under that name
+and `cn-table reshard` / `merge-shards` read it (`parse_shard_name`).
 
 >>> import numpy as np
 >>> owner_of(np.array([0, 1, 2, 3, -1, 2**62]), 3).tolist()

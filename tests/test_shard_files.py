@@ -331,3 +331,34 @@ def test_loading_shard_files_of_another_dim_changes_nothing(tmp_path):
     shutil.rmtree(tmp_path / "t_b" / shard_name(1, 2))
     with pytest.raises(ValueError, match="shard 1 of 2 missing"):
         load_shard_tables(one, str(tmp_path))
+
+
+def test_shard_chains_load_whole_into_one_process(tmp_path):
+    """Shards saved as chains (the job's per-rank incremental checkpoints) load as their last state."""
+    pytest.importorskip("torchrec")
+    from cncore_torch.distributed.checkpoint import load_shard_tables
+    keys = np.random.default_rng(5).integers(0, 2**40, 120, dtype=np.int64)
+    want = {}
+    for name, dim in (("t_a", 4), ("t_b", 2)):
+        whole = _trained_store(keys, dim=dim)
+        e = whole.export()
+        parts = []
+        for r in range(2):
+            mine = owner_of(e.keys, 2) == r
+            shard = cncore.EmbeddingStore(whole.config)
+            shard.load(e.keys[mine], e.rows[mine], e.optimizer_state[mine], e.counts[mine], e.last_steps[mine])
+            shard.step = whole.step
+            path = str(tmp_path / name / shard_name(r, 2))
+            base = save_table(shard, path)
+            k = e.keys[mine][:5]
+            _, ctx = shard.pooled_lookup(k, lengths=np.ones(len(k), np.int64))
+            shard.apply_gradients(ctx, np.ones((len(k), dim), np.float32))
+            shard.erase(e.keys[mine][-3:])
+            assert save_table(shard, path, since=base).delta
+            parts.append({f: getattr(shard.export(), f) for f in FIELDS})
+        want[name] = {f: np.concatenate([p[f] for p in parts]) for f in FIELDS}
+    one = _model("cpu", ROOMY)
+    load_shard_tables(one, str(tmp_path))
+    for name in ("t_a", "t_b"):
+        _assert_same_rows({f: getattr(one.stores[name].export(), f) for f in FIELDS}, want[name])
+        assert one.stores[name].step == 4
