@@ -124,3 +124,18 @@ def test_forward_large_quick_prints_every_cell(tmp_path):
             assert re.fullmatch(r"\d+\.\d · \d+%", cells[name]) and float(cells[name].split()[0]) > 0, \
                 (name, cells[name])
     assert "background load: one busy process per core" in res.stdout
+
+
+def test_compare_reference_quick_prints_every_cell(tmp_path):
+    """asv_bench/scripts/compare_reference.py --quick --background-load --table-only: one row of
+    speeds and ratios, each a positive number, and the machine line."""
+    script = BENCH_DIR / "scripts" / "compare_reference.py"
+    res = subprocess.run([sys.executable, str(script), "--quick", "--background-load", "--table-only"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "LLC" in res.stdout and "background load: one busy process per core" in res.stdout
+    head = res.stdout.index("| dim |")
+    body = [ln for ln in res.stdout[head:].splitlines()[2:] if ln.startswith("|")]
+    assert len(body) == 1
+    cells = [c.strip().strip("*").rstrip("x") for c in body[0].strip("|").split("|")][3:]
+    assert len(cells) == 11 and all(float(c) > 0 for c in cells), body[0]

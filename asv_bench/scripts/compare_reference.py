@@ -8,10 +8,12 @@ cache, and at 16-bit rows, is forward_large.py's.
 
     python asv_bench/scripts/compare_reference.py            # the full table (a few minutes)
     python asv_bench/scripts/compare_reference.py --quick    # small shapes, a smoke run
+    python asv_bench/scripts/compare_reference.py --background-load --table-only   # beside a busy process per core
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -108,7 +110,7 @@ def tbe_inference(n_rows, dim):
     return m
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small shapes, for a smoke test")
     ap.add_argument("--threads", type=int, default=None,
@@ -118,8 +120,14 @@ def main():
     ap.add_argument("--poolings", type=int, nargs="+", default=[1, 20])
     ap.add_argument("--dists", nargs="+", default=["uniform", "zipf"], choices=["uniform", "zipf"])
     ap.add_argument("--table-only", action="store_true", help="skip insertion, stream and memory")
-    args = ap.parse_args()
+    ap.add_argument("--background-load", action="store_true",
+                    help="measure beside one busy process per core (the threading defaults on a shared machine)")
+    args = ap.parse_args(argv)
+    with machine.background_load() if args.background_load else contextlib.nullcontext():
+        run(args)
 
+
+def run(args):
     if args.threads is not None:
         torch.set_num_threads(args.threads)
         cncore.set_num_threads(args.threads)
@@ -137,7 +145,8 @@ def main():
 
     rows_out = []
     print(f"# cncore vs torch.nn.EmbeddingBag and FBGEMM TBE (CPU), {threads}, {n_rows:,} rows, batch {batch}")
-    print(f"# {machine.describe()}; {machine.openmp_wait()}")
+    print(f"# {machine.describe()}; {machine.openmp_wait()}"
+          f"{'; background load: one busy process per core' if args.background_load else ''}")
     for dim in dims:
         weights = torch.from_numpy(rng.uniform(-0.05, 0.05, (n_rows, dim)).astype(np.float32))
         stores = {}
