@@ -44,12 +44,13 @@ demo: setup
 	$(PY) -m cncore.demo
 
 # The one-run comparisons against torch.nn.EmbeddingBag and FBGEMM (the README's benchmark tables):
-# tables far beyond the LLC at three row dtypes, the same beside busy cores, the 1M-row training step.
+# tables far beyond the LLC at three row dtypes, the 1M-row training step, each also beside busy cores.
 # make bench BENCH_ARGS=--quick: the same scripts on small shapes (a smoke run, a minute)
 bench: setup
 	$(PY) asv_bench/scripts/forward_large.py $(BENCH_ARGS)
 	$(PY) asv_bench/scripts/forward_large.py --background-load --rows 8e6 --dims 64 $(BENCH_ARGS)
 	$(PY) asv_bench/scripts/compare_reference.py $(BENCH_ARGS)
+	$(PY) asv_bench/scripts/compare_reference.py --background-load --table-only $(BENCH_ARGS)
 
 asv: setup
 	cd asv_bench && ../$(PY) -m asv machine --yes && ../$(PY) -m asv run --python=same --quick --show-stderr
