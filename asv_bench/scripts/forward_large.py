@@ -42,7 +42,7 @@ from benchmarks.common import positions  # noqa: E402
 warnings.filterwarnings("ignore")
 
 OURS = {"ours fp32": "float32", "ours fp16": "float16", "ours bf16": "bfloat16"}
-# contender -> bytes of one row
+# contender -> bytes per row element (a row is dim of them)
 ROW_BYTES = {"EB fp32": 4, "TBE fp16": 2, "TBE-inf fp16": 2, "ours fp32": 4, "ours fp16": 2, "ours bf16": 2}
 CONTENDERS = list(ROW_BYTES)
 # (ours, reference): the ratio columns, kept when both ran
