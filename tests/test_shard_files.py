@@ -362,3 +362,16 @@ def test_shard_chains_load_whole_into_one_process(tmp_path):
     for name in ("t_a", "t_b"):
         _assert_same_rows({f: getattr(one.stores[name].export(), f) for f in FIELDS}, want[name])
         assert one.stores[name].step == 4
+
+
+def test_reshard_runs_without_torch(tmp_path, shards):
+    """cn-table (cncore_numpy) re-splits with the NumPy owner hash: no framework is imported."""
+    import subprocess
+    import sys
+    code = ("import sys; from cncore_numpy.cli import main; "
+            f"rc = main(['reshard', '--world-size', '2', *{shards!r}, {str(tmp_path / 'out')!r}, '--quiet']); "
+            "assert rc == 0; print(sorted(m for m in ('torch', 'jax', 'tensorflow') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+    assert sorted(os.listdir(tmp_path / "out")) == [shard_name(0, 2), shard_name(1, 2)]

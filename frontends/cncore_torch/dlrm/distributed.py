@@ -22,6 +22,7 @@ import contextlib
 import io
 import math
 import os
+import time
 import warnings
 from typing import Dict, Iterator, List, Optional
 
@@ -99,6 +100,7 @@ class DistributedRun:
                                                for s in sharded.stores.values())
         self.chains = None  # --incremental-checkpoint-every: this rank's table chains (see `keep_chains`)
         self.at = 0  # the step reached
+        self.seen, self.saving_s = 0, 0.0  # samples trained here, seconds spent saving chains inside `step`
 
     def keep_chains(self, directory: str, every: int, start: int, args) -> None:
         """Save this rank's shards as table chains every `every` steps (chains.py's sharded layout)."""
@@ -106,7 +108,16 @@ class DistributedRun:
         self.chains, self.at, self._args = TableChains(directory, every, self.rank, self.world_size), start, args
 
     def save_chains(self) -> None:
+        t0 = time.perf_counter()
         self.chains.save(self.model, self.optimizers, self.sharded.stores, self.at, {"args": vars(self._args)})
+        self.saving_s += time.perf_counter() - t0
+
+    def without_saves(self, result: dict) -> dict:
+        """train.py's result with the chain saves taken out of samples/s: they run inside `step`,
+        which train.py times (on one process it saves outside the timed step)."""
+        if self.saving_s and result.get("samples_per_s"):
+            result["samples_per_s"] = self.seen / (self.seen / result["samples_per_s"] - self.saving_s)
+        return result
 
     def _share(self, batch: Batch) -> Batch:
         mine = share(batch, self.rank, self.world_size)
@@ -128,6 +139,7 @@ class DistributedRun:
             from cncore_torch.dlrm.bounded import sweep_expired
             sweep_expired(self.sharded.stores)
         self.at += 1
+        self.seen += len(batch.labels)
         if self.chains is not None and self.at % self.chains.every == 0:
             self.save_chains()
         return _all_sum([loss.item()])[0] / len(batch.labels)
@@ -296,7 +308,7 @@ def _worker(rank: int, world_size: int, args) -> None:
         run.at = start
         if args.incremental_checkpoint_every:
             run.keep_chains(args.checkpoint, args.incremental_checkpoint_every, start, args)
-        results = [job.train(run, data, args, start)]
+        results = [run.without_saves(job.train(run, data, args, start))]
         if run.chains is not None and run.at % run.chains.every:  # and at the end, as train.py does
             run.save_chains()
         if args.compare:
