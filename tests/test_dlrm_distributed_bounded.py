@@ -137,3 +137,13 @@ def _read_all(rank, world_size, path):
     assert got == [10]
     expected = "line 29: the label is '7'" if rank == 1 else "another process stopped at a bad line"
     assert expected in str(e.value), str(e.value)
+
+
+def test_the_smallest_budget_the_options_allow_trains_on_two_processes(tmp_path):
+    """--max-rows 2 x --batch-size (the floor on 2 processes: a shard of ceil(budget / 2) rows
+    holds the most IDs one batch can route to it) trains, evicting, each table within budget."""
+    r = run_job(tmp_path, "--steps", "6", "--eval-every", "6", "--max-rows", "512", "--nproc", "2")
+    assert set(r["max_rows_per_table"].values()) == {512}
+    assert max(r["rows_per_table"].values()) <= 512 and r["evicted"] > 0
+    with pytest.raises(SystemExit):
+        parse_args([*SMALL, "--max-rows", "511", "--nproc", "2"])
