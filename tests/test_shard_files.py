@@ -88,6 +88,8 @@ def test_reshard_and_merge_shards_keep_every_row_exactly(tmp_path, capsys):
         mine = owner_of(want["keys"], 2) == r
         _assert_same_rows(got, {f: a[mine] for f, a in want.items()})
         assert open_table(str(tmp_path / "two" / shard_name(r, 2))).step == whole.step
+    assert cn_table(["inspect", paths[1], "--quiet"]) == 0
+    assert "shard 1 of 3: the keys of a table sharded over 3 ranks that rank 1 owns" in capsys.readouterr().out
     assert cn_table(["merge-shards", *paths, str(tmp_path / "one"), "--quiet"]) == 0
     _assert_same_rows(_arrays(str(tmp_path / "one")), want)
     assert open_table(str(tmp_path / "one")).config == whole.config

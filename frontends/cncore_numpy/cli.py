@@ -1,7 +1,7 @@
 """cn-table: offline tools for table files (see `cncore.tablefile`).
 
     cn-table inspect TABLE [--json]            rows, dim, dtype, bytes, key range, histograms,
-                                               the policy of a bounded table
+                                               the policy of a bounded table, which shard
     cn-table export TABLE OUT.{npz,npy,parquet}
     cn-table import SRC.{npz,npy,parquet} TABLE [--config-from TABLE2] [--step S]
     cn-table prune TABLE OUT [--min-count N] [--min-step S] [--min-norm X] [--top-k K]
@@ -45,6 +45,10 @@ def _print_summary(path: str, s: dict) -> None:
     print(f"{path}: {s['rows']:,} rows of dim {s['dim']} ({s['dtype']}), optimizer {s['optimizer']}, "
           f"{s['bytes']:,} bytes, step {s['step']}")
     print(f"keys from {s['key_min']} to {s['key_max']}")
+    if s.get("shard"):
+        r, n = s["shard"]
+        print(f"shard {r} of {n}: the keys of a table sharded over {n} ranks that rank {r} owns "
+              f"(cn-table reshard / merge-shards take all {n})")
     if any(s[name] is not None for name in tools.POLICY_FIELDS):
         print(f"policy: max_rows {s['max_rows']}, eviction {_spelled(s['eviction'])}, headroom {s['headroom']}, "
               f"admission {_spelled(s['admission'])}; {s['evicted_count']:,} rows evicted so far")

@@ -58,7 +58,8 @@ def inspect(table: TableFile, progress: Callable = iter) -> dict:
     A bounded table's policy is in ``max_rows``, ``eviction``, ``headroom`` and ``admission``,
     as the file's manifest spells them (``{"type": "TTL", "steps": 5}``); None where not set.
     ``evicted_count`` is the table's count of evicted rows when it was saved (0 in files
-    before format version 3).
+    before format version 3). ``shard`` is [R, N] for a shard table (a directory named
+    ``shard-R-of-N``: the keys `owner_of(key, N) == R` of a table sharded over N ranks), else None.
 
     NaN and infinite values are data: rows holding a NaN are counted in ``nan_rows``, rows
     holding an infinity (and no NaN) in ``inf_rows``; the norm histogram covers the rest.
@@ -92,6 +93,7 @@ def inspect(table: TableFile, progress: Callable = iter) -> dict:
     return {"rows": n, "dim": table.dim, "dtype": table.config.dtype,
             "optimizer": type(table.config.optimizer).__name__ if table.config.optimizer else None,
             "bytes": table.nbytes, "step": table.step, "evicted_count": table.evicted_count,
+            "shard": list(parse_shard_name(os.path.basename(os.path.normpath(table.path))) or ()) or None,
             **{name: config_to_dict(table.config).get(name) for name in POLICY_FIELDS},
             "key_min": None if lo is None else int(lo), "key_max": None if hi is None else int(hi),
             "nan_rows": nan_rows, "inf_rows": inf_rows,
