@@ -245,7 +245,8 @@ def _train_and_save(rank, world_size, folder):
     rng = np.random.default_rng(rank)
     for _ in range(8):
         ids = rng.integers(0, 400, 24)  # more IDs than the budget: every shard evicts
-        kjt = KeyedJaggedTensor.from_lengths_sync(["fa", "fb"], torch.from_numpy(ids), torch.ones(24, dtype=torch.int64))
+        kjt = KeyedJaggedTensor.from_lengths_sync(["fa", "fb"], torch.from_numpy(ids),
+                                                  torch.ones(24, dtype=torch.int64))
         dmp(kjt).wait().values().sum().backward()
     written = save_shard_tables(dmp.module[0], os.path.join(folder, "files"))
     assert written == [os.path.join(folder, "files", n, shard_name(rank, world_size)) for n in ("t_a", "t_b")]
@@ -290,7 +291,8 @@ def test_three_rank_shard_files_reshard_into_two_ranks_and_one_process(tmp_path,
         # each file is exactly that rank's state_dict shard, budget ceil(300 / 3) in its config
         for r, path in enumerate(inputs):
             t = open_table(path)
-            assert t.config.max_rows == BUDGET // 3 and t.evicted_count == int(shards[r][f"tables.{name}.evicted_count"])
+            assert t.config.max_rows == BUDGET // 3
+            assert t.evicted_count == int(shards[r][f"tables.{name}.evicted_count"])
             _assert_same_rows(_arrays(path), {f: shards[r][f"tables.{name}.{f}"].numpy().astype(
                 _arrays(path)[f].dtype) for f in FIELDS})
         assert cn_table(["reshard", "--world-size", "2", *inputs, str(tmp_path / "two" / name), "--quiet",

@@ -49,8 +49,9 @@ def _stores(module) -> dict:
 
 def save_shard_tables(module, directory: str) -> List[str]:
     """Write this rank's shard of every table of `module` (a sharded collection, pooled or not,
-    or a plain `CNEmbeddingBagCollection` / `CNEmbeddingCollection`: shard 0 of 1) to ``directory/<table>/shard-<rank>-of-<world size>``: keys, rows, optimizer
-    state, counts, last steps, step, config (this shard's budget) and eviction count, as
+    or a plain `CNEmbeddingBagCollection` / `CNEmbeddingCollection`: shard 0 of 1) to
+    ``directory/<table>/shard-<rank>-of-<world size>``: keys, rows, optimizer state, counts,
+    last steps, step, config (this shard's budget) and eviction count, as
     `cncore.tablefile.save_table` writes one table. Each rank calls it (no collective: the
     caller puts a barrier after it if another process reads the files next). Returns the
     paths written."""
