@@ -216,37 +216,50 @@ class TieredStore(EmbeddingStore):
 
     def _fault_in(self, keys, insert: bool) -> None:
         """Bring the keys on disk into the cache (and, with insert, give the absent ones their
-        initial rows), evicting only rows the call does not use."""
-        keys = np.unique(as_keys(keys))
+        initial rows), evicting only rows the call does not use.
+
+        The common case, every key in memory, costs one batched find over the keys as given
+        (duplicates and all): np.unique over a step's 16k IDs took 1.3 ms, more than the
+        in-memory step's whole lookup, so only the keys missing from memory are made unique."""
+        keys = as_keys(keys)
         if not len(keys):
             return
         cached = EmbeddingStore.find(self, keys)[1]
-        absent = keys[~cached]
-        disk_rows, on_disk = self._disk.find(absent) if len(absent) else (np.empty(0, np.int64), np.empty(0, bool))
-        self.stats["hits"] += int(cached.sum())
+        n_cached = int(cached.sum())
+        self.stats["hits"] += n_cached
+        if n_cached == len(keys):
+            return
+        absent, absent_count = np.unique(keys[~cached], return_counts=True)
+        on_disk = self._disk.contains(absent)
         disk_keys = absent[on_disk]
-        self.stats["misses"] += len(disk_keys)
+        self.stats["misses"] += int(absent_count[on_disk].sum())
         if insert:
             self.stats["new"] += int((~on_disk).sum())
-        if not len(disk_keys) and not insert:
-            return
+        if not len(disk_keys):
+            if insert and len(keys) > self.cache_rows:
+                self._check_fits(keys)
+            return  # new keys only: the call's own find_or_insert makes their rows
         # Room first (the call's keys pinned: find_or_insert evicts only others), then the disk rows.
         pinned = keys if insert else np.concatenate([keys[cached], disk_keys])
         if len(pinned) > self.cache_rows:
-            raise ValueError(f"keys: this call uses {len(pinned)} distinct keys, more than the cache's "
+            self._check_fits(pinned)
+        EmbeddingStore.find_or_insert(self, pinned)
+        slots = _decode(self._disk.read(disk_keys).rows)
+        rec = self._read_current(disk_keys, slots)
+        if (rec["key"] != disk_keys).any():
+            raise RuntimeError(f"{self._dir}: rows.dat holds another key in a slot the index gives; the tier "
+                               "is damaged")
+        EmbeddingStore.load(self, disk_keys, rec["row"], rec["state"] if "state" in rec.dtype.names else None,
+                            rec["count"], rec["last_step"])
+        self._disk.erase(disk_keys)
+        self._release(slots)
+
+    def _check_fits(self, keys: np.ndarray) -> None:
+        distinct = len(np.unique(keys))
+        if distinct > self.cache_rows:
+            raise ValueError(f"keys: this call uses {distinct} distinct keys, more than the cache's "
                              f"{self.cache_rows} rows (Tiered.cache_bytes={self._tier_config.storage.cache_bytes}); "
                              "give a larger cache_bytes or smaller batches. The table is unchanged")
-        EmbeddingStore.find_or_insert(self, pinned)
-        if len(disk_keys):
-            slots = _decode(self._disk.read(disk_keys).rows)
-            rec = self._read_current(disk_keys, slots)
-            if (rec["key"] != disk_keys).any():
-                raise RuntimeError(f"{self._dir}: rows.dat holds another key in a slot the index gives; the tier "
-                                   "is damaged")
-            EmbeddingStore.load(self, disk_keys, rec["row"], rec["state"] if "state" in rec.dtype.names else None,
-                                rec["count"], rec["last_step"])
-            self._disk.erase(disk_keys)
-            self._release(slots)
 
     # --- the verbs of a store ------------------------------------------------------------------
 
@@ -338,12 +351,6 @@ class TieredStore(EmbeddingStore):
     def read(self, keys) -> TableBatch:
         self._fault_in(keys, insert=False)
         return super().read(keys)
-
-    def pooled_lookup(self, keys, offsets=None, *, lengths=None, mode: str = "sum", per_sample_weights=None,
-                      insert_missing: bool = True, out=None):
-        self._fault_in(keys, insert=bool(insert_missing))
-        return super().pooled_lookup(keys, offsets, lengths=lengths, mode=mode, per_sample_weights=per_sample_weights,
-                                     insert_missing=insert_missing, out=out)
 
     def prefetch(self, keys) -> None:
         """Hand in the next batch's keys early: a background thread reads the records of those on
