@@ -477,8 +477,11 @@ class TieredStore(EmbeddingStore):
         meta_path = os.path.join(self._dir, "meta.json")
         if not os.path.exists(meta_path):
             return
-        with open(meta_path) as fh:
-            meta = json.load(fh)
+        try:
+            with open(meta_path) as fh:
+                meta = json.load(fh)
+        except (ValueError, UnicodeDecodeError) as exc:  # written whole by one rename: damage, not a crash
+            raise ValueError(f"Tiered.path: {meta_path} is not valid JSON ({exc}); the tier is damaged") from None
         if meta.get("format") != _FORMAT or meta.get("version") != _VERSION:
             raise ValueError(f"Tiered.path: {meta_path} is not a {_FORMAT} version {_VERSION} directory")
         if meta["config"] != _config_record(self._tier_config):
