@@ -69,6 +69,7 @@ __all__ = ["TieredStore"]
 
 _PAGE = 4096
 _SLOT_SPLIT = 1 << 20  # a slot as two floats of the index store, each an integer below 2**24 (exact)
+_CHUNK = 1 << 13  # rows a flush or compaction moves at a time (its scratch: one chunk of records, 2.5 MiB at dim 64)
 _FORMAT = "cn-tier"
 _VERSION = 1
 
@@ -124,9 +125,8 @@ class TieredStore(EmbeddingStore):
         # Keys on disk -> slot, in a small core store (batched finds in C, ~60 bytes a key).
         self._disk = EmbeddingStore(dim=2, seed=0)
         self._high_water = 0                       # slots ever used: the file's record count
-        self._page_slots = np.empty(0, np.int64)   # slots of whole free pages, taken in order
-        self._page_cursor = 0
-        self._snapshot = np.empty(0, np.int64)     # sorted slots the last flush's index refers to
+        self._free_pages = np.empty(0, np.int64)   # whole free pages, their slots taken in order
+        self._page_cursor = 0                      # slots taken from them so far
         self._flushes = 0  # flush() calls over the directory's life (meta.json "flush")
         self._commits = 0  # index versions written (a compaction commits a second one)
         self.stats = {"hits": 0, "misses": 0, "new": 0, "rows_read": 0, "rows_written": 0, "bytes_read": 0,
@@ -186,7 +186,8 @@ class TieredStore(EmbeddingStore):
 
     def _take_slots(self, n: int) -> np.ndarray:
         """n slots no live row and no row of the last flush uses, as contiguous as can be."""
-        got = self._page_slots[self._page_cursor:self._page_cursor + n]
+        i = np.arange(self._page_cursor, min(self._page_cursor + n, len(self._free_pages) * self._per_page))
+        got = self._free_pages[i // self._per_page] * self._per_page + i % self._per_page
         self._page_cursor += len(got)
         fresh = n - len(got)
         out = np.concatenate([got, np.arange(self._high_water, self._high_water + fresh, dtype=np.int64)])
@@ -197,13 +198,14 @@ class TieredStore(EmbeddingStore):
         """Slots of rows that left the disk: free for the allocation after the next flush (a
         slot the last flush refers to must not be written before the next one)."""
 
-    def _plan_free(self, used: np.ndarray) -> None:
-        """After a flush: the whole pages no row uses become the next spills' slots."""
-        free = np.flatnonzero(~used)
-        pages = free // self._per_page
-        counts = np.bincount(pages, minlength=1)
-        whole = np.flatnonzero(counts == self._per_page)
-        self._page_slots = free[np.isin(pages, whole)] if len(whole) else np.empty(0, np.int64)
+    def _plan_free(self, slots: np.ndarray) -> None:
+        """After a flush (slots: every slot its index refers to): the whole pages below the high
+        water that no row uses become the next spills' slots. Kept as pages (8 bytes a page):
+        a list of free slots with its masks took 8-16 bytes a slot of the file, which made a
+        flush's peak memory grow with the file rather than with the index."""
+        full_pages = self._high_water // self._per_page
+        used = np.bincount(slots // self._per_page, minlength=full_pages)[:full_pages]
+        self._free_pages = np.flatnonzero(used == 0).astype(np.int64)
         self._page_cursor = 0
 
     # --- moving rows between the tiers ------------------------------------------------------------
@@ -487,105 +489,128 @@ class TieredStore(EmbeddingStore):
         if meta["config"] != _config_record(self._tier_config):
             raise ValueError(f"Tiered.path: {self._dir} holds a table of another config ({meta['config']}); "
                              "open it with the config it was flushed with")
-        with open(os.path.join(self._dir, meta["index"]), "rb") as fh:
-            data = fh.read()
-        if hashlib.sha256(data).hexdigest() != meta["index_sha256"]:
+        index_path = os.path.join(self._dir, meta["index"])
+        digest = hashlib.sha256()
+        with open(index_path, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                digest.update(chunk)
+        if digest.hexdigest() != meta["index_sha256"]:
             raise ValueError(f"Tiered.path: {self._dir}/{meta['index']} fails its checksum (damaged)")
-        import io
-        with np.load(io.BytesIO(data)) as index:
+        with np.load(index_path) as index:
             keys, slots = index["keys"], index["slots"]
         self._disk.load(keys, _encode(slots))
         self._high_water = int(meta["high_water"])
-        self._snapshot = np.sort(slots)
-        used = np.zeros(self._high_water, bool)
-        used[slots] = True
-        self._plan_free(used)
+        self._plan_free(slots)
         self.step = int(meta["step"])
         self.evicted_count = int(meta["evicted"])
         self._flushes, self._commits = int(meta["flush"]), int(meta["commit"])
 
+    def _cache_batches(self, batch_size: int = _CHUNK, with_rows: bool = True) -> Iterator[TableBatch]:
+        """The cached rows, batch_size at a time (the base class's cursor walk)."""
+        cursor = None
+        while True:
+            b = EmbeddingStore.export(self, cursor, batch_size, with_rows=with_rows)
+            if len(b.keys):
+                yield b
+            cursor = b.next_cursor
+            if cursor is None:
+                return
+
     def flush(self) -> None:
         """Make the directory hold this table as it is now, crash-safely (module docstring)."""
+        keys, slots = self._flush()
+        if self._high_water > 2 * len(slots) + 4 * self._per_page:
+            self._compact_flushed(keys, slots)
+
+    def _flush(self):
+        """flush() without its compaction; returns every row's key and slot (the new index).
+
+        Scratch memory is the index (16 bytes a row) and one chunk of records: exporting the
+        whole cache and writing it from one buffer made a flush's peak RSS 1.7x the steady
+        state (130 MiB for a 32 MiB cache at 3x, asv_bench/scripts/tiered_bench.py)."""
         self._wait_prefetch()
-        cached = EmbeddingStore.export(self)
-        slots = self._take_slots(len(cached.keys))
-        self._write(slots, cached)
+        n = EmbeddingStore.__len__(self) + len(self._disk)
+        keys, slots = np.empty(n, np.int64), np.empty(n, np.int64)
+        at = 0
+        for b in self._disk.iter_export(_CHUNK):
+            keys[at:at + len(b.keys)], slots[at:at + len(b.keys)] = b.keys, _decode(b.rows)
+            at += len(b.keys)
+        for b in self._cache_batches():
+            taken = self._take_slots(len(b.keys))
+            self._write(taken, b)
+            keys[at:at + len(b.keys)], slots[at:at + len(b.keys)] = b.keys, taken
+            at += len(b.keys)
+        assert at == n, (at, n)
         os.fsync(self._fd)
-        disk = self._disk.export()
-        keys = np.concatenate([disk.keys, cached.keys])
-        all_slots = np.concatenate([_decode(disk.rows), slots])
         self._flushes += 1
-        self._commit(keys, all_slots)
+        self._commit(keys, slots)
         # The new snapshot: its slots stay untouched until the next flush; the rest is free.
-        self._snapshot = np.sort(all_slots)
-        used = np.zeros(self._high_water, bool)
-        used[self._snapshot] = True
-        self._plan_free(used)
-        self._flushed = (keys, all_slots)
+        self._plan_free(slots)
         self.stats["flushes"] += 1
-        if self._high_water > 2 * len(all_slots) + 4 * self._per_page:
-            self._compact_flushed()
+        return keys, slots
 
     def compact(self) -> int:
         """Flush, then move the records past the table's row count into the holes below it and
         truncate the file: afterwards it holds exactly one record per row. Crash-safe like a
         flush (records are copied into free slots, the new index is committed, then the file is
         cut). Returns the bytes the file gave back."""
-        self.flush()
-        return self._compact_flushed()
+        return self._compact_flushed(*self._flush())
 
-    def _compact_flushed(self) -> int:
-        """compact() right after a flush (the state is on disk, nothing cached is newer)."""
-        keys, slots = self._flushed
+    def _compact_flushed(self, keys: np.ndarray, slots: np.ndarray) -> int:
+        """compact() right after a flush (the state is on disk, nothing cached is newer): the
+        records past the row count move into the holes below it, a chunk at a time."""
         n = len(slots)
-        order = np.argsort(slots)
-        tail = slots[order][slots[order] >= n]
-        holes = np.setdiff1d(np.arange(n, dtype=np.int64), slots, assume_unique=True)
-        if len(tail):
-            rec = self._read(tail)
-            buf = rec.view(np.uint8).reshape(len(tail), -1)
-            _core.block_io(self._fd, self._offsets(holes), buf, True)
-            self.stats["rows_written"] += len(tail)
-            self.stats["bytes_written"] += buf.nbytes
+        is_tail = slots >= n
+        if is_tail.any():
+            tail = np.sort(slots[is_tail])
+            low = np.zeros(n, bool)
+            low[slots[~is_tail]] = True
+            holes = np.flatnonzero(~low)  # as many as the tail records (n slots, n rows)
+            del low
+            for a in range(0, len(tail), _CHUNK):
+                rec = self._read(tail[a:a + _CHUNK])
+                buf = rec.view(np.uint8).reshape(len(rec), -1)
+                _core.block_io(self._fd, self._offsets(holes[a:a + _CHUNK]), buf, True)
+                self.stats["rows_written"] += len(rec)
+                self.stats["bytes_written"] += buf.nbytes
             os.fsync(self._fd)
-            moved = slots.copy()
-            at = np.searchsorted(tail, slots)
-            is_tail = slots >= n
-            moved[is_tail] = holes[at[is_tail]]
-            self._commit(keys, moved)
-            slots = moved
+            slots = slots.copy()
+            slots[is_tail] = holes[np.searchsorted(tail, slots[is_tail])]
+            self._commit(keys, slots)
             on_disk = self._disk.contains(keys)
             self._disk.load(keys[on_disk], _encode(slots[on_disk]))
         before = os.fstat(self._fd).st_size
         end = 0 if n == 0 else int(self._offsets(np.array([n - 1]))[0]) + self._record.itemsize
         os.ftruncate(self._fd, end)
         os.fsync(self._fd)
-        self._high_water, self._snapshot = n, np.sort(slots)
-        self._page_slots, self._page_cursor = np.empty(0, np.int64), 0
-        self._flushed = (keys, slots)
+        self._high_water = n
+        self._free_pages, self._page_cursor = np.empty(0, np.int64), 0
         self.stats["compactions"] = self.stats.get("compactions", 0) + 1
         return before - end
 
     def _commit(self, keys: np.ndarray, all_slots: np.ndarray) -> None:
         """Write the index of every row's slot and make it the directory's state (atomic)."""
-        import io
-        buf = io.BytesIO()
-        np.savez(buf, keys=keys, slots=all_slots)
-        data = buf.getvalue()
         self._commits += 1
         index_name = f"index-{self._commits:06d}.npz"
+        index_path = os.path.join(self._dir, index_name)
+        with open(index_path, "wb") as fh:  # straight to the file: no second copy of the index in memory
+            np.savez(fh, keys=keys, slots=all_slots)
+            fh.flush()
+            os.fsync(fh.fileno())
+        digest = hashlib.sha256()
+        with open(index_path, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                digest.update(chunk)
         meta = {"format": _FORMAT, "version": _VERSION, "config": _config_record(self._tier_config),
                 "flush": self._flushes, "commit": self._commits, "index": index_name,
                 "rows": int(len(keys)), "step": int(self.step), "evicted": int(self.evicted_count),
                 "high_water": int(self._high_water), "record_bytes": int(self._record.itemsize),
-                "index_sha256": hashlib.sha256(data).hexdigest()}
+                "index_sha256": digest.hexdigest()}
         tmp_meta = os.path.join(self._dir, f".tmp-{os.getpid()}-meta.json")
-        for path, payload in ((os.path.join(self._dir, index_name), data),
-                              (tmp_meta, json.dumps(meta, indent=1).encode())):
-            with open(path, "wb") as fh:
-                fh.write(payload)
-                fh.flush()
-                os.fsync(fh.fileno())
+        with open(tmp_meta, "wb") as fh:
+            fh.write(json.dumps(meta, indent=1).encode())
+            fh.flush()
+            os.fsync(fh.fileno())
         from cncore.tablefile import _fsync_dir
         _fsync_dir(self._dir)
         os.replace(tmp_meta, os.path.join(self._dir, "meta.json"))  # the commit point
