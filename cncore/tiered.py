@@ -26,8 +26,8 @@ path (with the same config) reads only the index. No fsync in the training loop.
 Space: log-structured. A spill writes its records to whole free pages and then to the end of
 the file, in runs (one pwritev per run); slots freed since the last flush are reused after the
 next one, and a flush compacts (moves the records past the row count into the holes, then
-truncates) when the file holds more than twice as many records as rows. So after a flush the
-file is at most twice the rows (plus a few pages), and between flushes it grows by the rows
+truncates) when the file holds more than `Tiered.compact_ratio` (3 by default) records per row. So
+after a flush the file is at most that many times the rows (plus a few pages), and between flushes it grows by the rows
 spilled since. `compact()` brings it to exactly one record per row.
 
 `prefetch(keys)` reads the next batch's disk records in a background thread while the current
@@ -130,7 +130,8 @@ class TieredStore(EmbeddingStore):
         self._flushes = 0  # flush() calls over the directory's life (meta.json "flush")
         self._commits = 0  # index versions written (a compaction commits a second one)
         self.stats = {"hits": 0, "misses": 0, "new": 0, "rows_read": 0, "rows_written": 0, "bytes_read": 0,
-                      "bytes_written": 0, "flushes": 0}
+                      "bytes_written": 0, "flushes": 0, "bytes_written_by_flush": 0, "bytes_written_by_compaction": 0,
+                      "compactions": 0}
         os.makedirs(self._dir, exist_ok=True)
         self._fd = os.open(os.path.join(self._dir, "rows.dat"), os.O_RDWR | os.O_CREAT, 0o644)
         self._reopen()
@@ -181,7 +182,7 @@ class TieredStore(EmbeddingStore):
     # the file, so that they form long runs, one pwritev each. Reusing single free slots scattered
     # over the file cost 10x per record (2,500 records of 320 bytes: 3.4 ms scattered, 0.3 ms in a
     # run, page cache, this machine). The holes that leaves (slots freed in pages still partly in
-    # use) are closed by compaction, which flush() runs when the file exceeds twice the rows it
+    # use) are closed by compaction, which flush() runs when the file exceeds compact_ratio x the rows it
     # holds, and compact() on demand.
 
     def _take_slots(self, n: int) -> np.ndarray:
@@ -519,7 +520,7 @@ class TieredStore(EmbeddingStore):
     def flush(self) -> None:
         """Make the directory hold this table as it is now, crash-safely (module docstring)."""
         keys, slots = self._flush()
-        if self._high_water > 2 * len(slots) + 4 * self._per_page:
+        if self._high_water > self._tier_config.storage.compact_ratio * len(slots) + 4 * self._per_page:
             self._compact_flushed(keys, slots)
 
     def _flush(self):
@@ -538,6 +539,7 @@ class TieredStore(EmbeddingStore):
         for b in self._cache_batches():
             taken = self._take_slots(len(b.keys))
             self._write(taken, b)
+            self.stats["bytes_written_by_flush"] += len(taken) * self._record.itemsize
             keys[at:at + len(b.keys)], slots[at:at + len(b.keys)] = b.keys, taken
             at += len(b.keys)
         assert at == n, (at, n)
@@ -573,6 +575,7 @@ class TieredStore(EmbeddingStore):
                 _core.block_io(self._fd, self._offsets(holes[a:a + _CHUNK]), buf, True)
                 self.stats["rows_written"] += len(rec)
                 self.stats["bytes_written"] += buf.nbytes
+                self.stats["bytes_written_by_compaction"] += buf.nbytes
             os.fsync(self._fd)
             slots = slots.copy()
             slots[is_tail] = holes[np.searchsorted(tail, slots[is_tail])]
@@ -585,7 +588,7 @@ class TieredStore(EmbeddingStore):
         os.fsync(self._fd)
         self._high_water = n
         self._free_pages, self._page_cursor = np.empty(0, np.int64), 0
-        self.stats["compactions"] = self.stats.get("compactions", 0) + 1
+        self.stats["compactions"] += 1
         return before - end
 
     def _commit(self, keys: np.ndarray, all_slots: np.ndarray) -> None:

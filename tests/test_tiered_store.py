@@ -136,10 +136,11 @@ def test_a_table_ten_times_its_cache_trains_as_in_memory(tmp_path):
 
 def test_flush_then_reopen_and_the_file_reuses_space(tmp_path):
     """The same 200 keys rewritten over and over: the file stops growing. Spills go to whole free
-    pages and the end of the file (log-structured); every flush leaves at most twice the rows
-    (it compacts past that), and compact() exactly one record per row."""
+    pages and the end of the file (log-structured); with compact_ratio=2 every flush leaves at most
+    twice the rows (it compacts past that), and compact() exactly one record per row."""
     config = cncore.StoreConfig(dim=DIM, optimizer=cncore.SGD(lr=0.1),
-                                storage=cncore.Tiered(str(tmp_path / "t"), cache_bytes=16 * (DIM * 4 + 47)))
+                                storage=cncore.Tiered(str(tmp_path / "t"), cache_bytes=16 * (DIM * 4 + 47),
+                                                      compact_ratio=2))
     store = cncore.EmbeddingStore(config)
     sizes = []
     for round_ in range(12):
@@ -170,6 +171,9 @@ def test_bad_input_is_refused_naming_it_and_leaves_the_directory(tmp_path):
         cncore.Tiered(str(tmp_path / "t"), cache_bytes=0)
     with pytest.raises(TypeError, match="Tiered.path"):
         cncore.Tiered(None, cache_bytes=10)
+    for ratio in (0.5, float("nan"), True, "3"):
+        with pytest.raises(ValueError, match=r"Tiered.compact_ratio must be a number in \[1, 1e6\]"):
+            cncore.Tiered(str(tmp_path / "t"), cache_bytes=10**6, compact_ratio=ratio)
     other = tmp_path / "other"
     other.mkdir()
     (other / "notes.txt").write_text("mine")

@@ -87,8 +87,9 @@ def _split_storage(storage, tables) -> Dict[str, object]:
         raise TypeError(f"storage must be a cncore.Tiered or a {{table name: Tiered}} dict, got "
                         f"{type(storage).__name__}")
     total = sum(max(1, c.num_embeddings) for c in tables)
-    return {c.name: cncore.Tiered(os.path.join(storage.path, c.name),
-                                  max(1 << 16, storage.cache_bytes * max(1, c.num_embeddings) // total))
+    import dataclasses
+    return {c.name: dataclasses.replace(storage, path=os.path.join(storage.path, c.name),
+                                        cache_bytes=max(1 << 16, storage.cache_bytes * max(1, c.num_embeddings) // total))
             for c in tables}
 
 
