@@ -119,6 +119,7 @@ class TieredStore(EmbeddingStore):
                                     eviction=config.eviction or LRU(), headroom=None,
                                     capacity=min(config.capacity, self.cache_rows))
         self._dir = storage.path
+        self._io_threads = storage.io_threads
         self._check_directory()
         super().__init__(cache)
         self._layout()
@@ -161,7 +162,8 @@ class TieredStore(EmbeddingStore):
     def _read(self, slots: np.ndarray) -> np.ndarray:
         buf = np.zeros(len(slots), self._record)
         if len(slots):
-            _core.block_io(self._fd, self._offsets(slots), buf.view(np.uint8).reshape(len(slots), -1), False)
+            _core.block_io(self._fd, self._offsets(slots), buf.view(np.uint8).reshape(len(slots), -1), False,
+                           self._io_threads)
             self.stats["rows_read"] += len(slots)
             self.stats["bytes_read"] += buf.nbytes
         return buf
@@ -172,7 +174,8 @@ class TieredStore(EmbeddingStore):
         if "state" in self._record.names:
             buf["state"] = batch.optimizer_state
         if len(slots):
-            _core.block_io(self._fd, self._offsets(slots), buf.view(np.uint8).reshape(len(slots), -1), True)
+            _core.block_io(self._fd, self._offsets(slots), buf.view(np.uint8).reshape(len(slots), -1), True,
+                           self._io_threads)
             self.stats["rows_written"] += len(slots)
             self.stats["bytes_written"] += buf.nbytes
 
@@ -242,11 +245,14 @@ class TieredStore(EmbeddingStore):
             if insert and len(keys) > self.cache_rows:
                 self._check_fits(keys)
             return  # new keys only: the call's own find_or_insert makes their rows
-        # Room first (the call's keys pinned: find_or_insert evicts only others), then the disk rows.
-        pinned = keys if insert else np.concatenate([keys[cached], disk_keys])
-        if len(pinned) > self.cache_rows:
-            self._check_fits(pinned)
-        EmbeddingStore.find_or_insert(self, pinned)
+        # Room first, then the disk rows. With room for them (the cache evicts in rounds of
+        # `headroom` rows, so most steps find room) they load straight in; else find_or_insert
+        # of every key of the call (so that it evicts only others) makes it.
+        if EmbeddingStore.__len__(self) + len(disk_keys) > self.cache_rows:
+            pinned = keys if insert else np.concatenate([keys[cached], disk_keys])
+            if len(pinned) > self.cache_rows:
+                self._check_fits(pinned)
+            EmbeddingStore.find_or_insert(self, pinned)
         slots = _decode(self._disk.read(disk_keys).rows)
         rec = self._read_current(disk_keys, slots)
         if (rec["key"] != disk_keys).any():
@@ -383,7 +389,8 @@ class TieredStore(EmbeddingStore):
             slots = _decode(b.rows[b.found][first])
             buf = np.zeros(len(slots), self._record)
             if len(slots):
-                _core.block_io(self._fd, self._offsets(slots), buf.view(np.uint8).reshape(len(slots), -1), False)
+                _core.block_io(self._fd, self._offsets(slots), buf.view(np.uint8).reshape(len(slots), -1), False,
+                           self._io_threads)
             self._staged = (commit, found_keys, slots, buf)  # keys sorted (np.unique)
 
         import threading
@@ -572,7 +579,7 @@ class TieredStore(EmbeddingStore):
             for a in range(0, len(tail), _CHUNK):
                 rec = self._read(tail[a:a + _CHUNK])
                 buf = rec.view(np.uint8).reshape(len(rec), -1)
-                _core.block_io(self._fd, self._offsets(holes[a:a + _CHUNK]), buf, True)
+                _core.block_io(self._fd, self._offsets(holes[a:a + _CHUNK]), buf, True, self._io_threads)
                 self.stats["rows_written"] += len(rec)
                 self.stats["bytes_written"] += buf.nbytes
                 self.stats["bytes_written_by_compaction"] += buf.nbytes

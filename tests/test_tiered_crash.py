@@ -45,13 +45,13 @@ def die():
     os.kill(os.getpid(), signal.SIGKILL)
 
 real_block_io = _core.block_io
-def block_io(fd, offsets, buf, write):
+def block_io(fd, offsets, buf, write, threads=0):
     if event("write" if write else "read"):
         if write and len(offsets) > 1:  # a crash mid-I/O: half the records reach the file
             half = len(offsets) // 2
-            real_block_io(fd, offsets[:half], buf[:half], True)
+            real_block_io(fd, offsets[:half], buf[:half], True, threads)
         die()
-    return real_block_io(fd, offsets, buf, write)
+    return real_block_io(fd, offsets, buf, write, threads)
 _core.block_io = block_io
 
 for name in ("fsync", "replace", "remove", "ftruncate"):

@@ -174,6 +174,9 @@ def test_bad_input_is_refused_naming_it_and_leaves_the_directory(tmp_path):
     for ratio in (0.5, float("nan"), True, "3"):
         with pytest.raises(ValueError, match=r"Tiered.compact_ratio must be a number in \[1, 1e6\]"):
             cncore.Tiered(str(tmp_path / "t"), cache_bytes=10**6, compact_ratio=ratio)
+    for threads in (0, 257, 2.0, None):
+        with pytest.raises(ValueError, match=r"Tiered.io_threads must be an int in \[1, 256\]"):
+            cncore.Tiered(str(tmp_path / "t"), cache_bytes=10**6, io_threads=threads)
     other = tmp_path / "other"
     other.mkdir()
     (other / "notes.txt").write_text("mine")

@@ -73,9 +73,10 @@ def init_rows(int init_kind, uint64_t seed, float p0, float p1, float p2, float 
         cn_init_rows_of(&init, &keys[0], n, &out[0, 0], dim, cn_threads_for(n * dim // 16))
 
 
-def block_io(int fd, const int64_t[::1] offsets, uint8_t[:, ::1] buf, bint write):
+def block_io(int fd, const int64_t[::1] offsets, uint8_t[:, ::1] buf, bint write, int threads=0):
     """Read (write=False) or write the records buf[i] (each buf.shape[1] bytes) at file offsets[i],
-    in one nogil call with several I/Os in flight (cn_blockio.h). Raises OSError."""
+    in one nogil call with several I/Os in flight (cn_blockio.h) on up to `threads` threads (0:
+    the core's thread setting). Raises OSError."""
     cdef int64_t n = offsets.shape[0], rec = buf.shape[1]
     cdef int err = 0
     if buf.shape[0] != n:
@@ -83,7 +84,7 @@ def block_io(int fd, const int64_t[::1] offsets, uint8_t[:, ::1] buf, bint write
     if n == 0 or rec == 0:
         return
     with nogil:
-        err = cn_blockio(fd, &offsets[0], n, rec, &buf[0, 0], write)
+        err = cn_blockio(fd, &offsets[0], n, rec, &buf[0, 0], write, threads)
     if err:
         import os
         raise OSError(err, f"{'writing' if write else 'reading'} records: {os.strerror(err)}")

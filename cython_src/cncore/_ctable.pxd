@@ -135,4 +135,4 @@ cdef extern from "<pthread.h>" nogil:
     int pthread_rwlock_unlock(pthread_rwlock_t *lock)
 
 cdef extern from "cn_blockio.h" nogil:
-    int cn_blockio(int fd, const int64_t *offsets, int64_t n, int64_t rec, uint8_t *buf, int write)
+    int cn_blockio(int fd, const int64_t *offsets, int64_t n, int64_t rec, uint8_t *buf, int write, int threads)
