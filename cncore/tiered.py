@@ -9,7 +9,7 @@ tiers that never hold the same key at once:
   fused backward run on it exactly as on any store;
 - the disk: `path/rows.dat`, a slotted file of fixed-size records (key, count, last step,
   row, optimizer state; a record never straddles a 4 KiB page), and a key -> slot index in
-  memory (a small core store, about 60 bytes a key).
+  memory for the rows on disk (the core's hash index alone, cn_slotindex.h: 23-46 bytes a key).
 Before a call touches keys, the keys found on disk are read in one batched call (several
 I/Os in flight: cn_blockio.h) and loaded into the cache; making room for them evicts the
 cache's lowest-scoring rows that the call does not use, and those are written to free slots
@@ -68,18 +68,9 @@ from cncore.store import EmbeddingStore, TableBatch
 __all__ = ["TieredStore"]
 
 _PAGE = 4096
-_SLOT_SPLIT = 1 << 20  # a slot as two floats of the index store, each an integer below 2**24 (exact)
 _CHUNK = 1 << 13  # rows a flush or compaction moves at a time (its scratch: one chunk of records, 2.5 MiB at dim 64)
 _FORMAT = "cn-tier"
 _VERSION = 1
-
-
-def _encode(slots: np.ndarray) -> np.ndarray:
-    return np.stack([slots % _SLOT_SPLIT, slots // _SLOT_SPLIT], axis=1).astype(np.float32)
-
-
-def _decode(rows: np.ndarray) -> np.ndarray:
-    return rows[:, 0].astype(np.int64) + rows[:, 1].astype(np.int64) * _SLOT_SPLIT
 
 
 def _cache_rows(config: StoreConfig, cache_bytes: int) -> int:
@@ -123,8 +114,8 @@ class TieredStore(EmbeddingStore):
         self._check_directory()
         super().__init__(cache)
         self._layout()
-        # Keys on disk -> slot, in a small core store (batched finds in C, ~60 bytes a key).
-        self._disk = EmbeddingStore(dim=2, seed=0)
+        # Keys on disk -> slot (cn_slotindex.h: the core's hash index alone, 23-46 bytes a key).
+        self._disk = _core.SlotIndex()
         self._high_water = 0                       # slots ever used: the file's record count
         self._free_pages = np.empty(0, np.int64)   # whole free pages, their slots taken in order
         self._page_cursor = 0                      # slots taken from them so far
@@ -218,7 +209,7 @@ class TieredStore(EmbeddingStore):
         """The cache evicted these rows: write them to free slots (their keys are not on disk)."""
         slots = self._take_slots(len(batch.keys))
         self._write(slots, batch)
-        self._disk.load(batch.keys, _encode(slots))
+        self._disk.put(np.ascontiguousarray(batch.keys), slots)
 
     def _fault_in(self, keys, insert: bool) -> None:
         """Bring the keys on disk into the cache (and, with insert, give the absent ones their
@@ -236,8 +227,9 @@ class TieredStore(EmbeddingStore):
         if n_cached == len(keys):
             return
         absent, absent_count = np.unique(keys[~cached], return_counts=True)
-        on_disk = self._disk.contains(absent)
-        disk_keys = absent[on_disk]
+        disk_slots = self._disk.find(absent)
+        on_disk = disk_slots >= 0
+        disk_keys, slots = absent[on_disk], disk_slots[on_disk]
         self.stats["misses"] += int(absent_count[on_disk].sum())
         if insert:
             self.stats["new"] += int((~on_disk).sum())
@@ -253,7 +245,6 @@ class TieredStore(EmbeddingStore):
             if len(pinned) > self.cache_rows:
                 self._check_fits(pinned)
             EmbeddingStore.find_or_insert(self, pinned)
-        slots = _decode(self._disk.read(disk_keys).rows)
         rec = self._read_current(disk_keys, slots)
         if (rec["key"] != disk_keys).any():
             raise RuntimeError(f"{self._dir}: rows.dat holds another key in a slot the index gives; the tier "
@@ -293,7 +284,7 @@ class TieredStore(EmbeddingStore):
         return super().find(keys)
 
     def contains(self, keys) -> np.ndarray:
-        return EmbeddingStore.find(self, keys)[1] | self._disk.contains(keys)
+        return EmbeddingStore.find(self, keys)[1] | (self._disk.find(as_keys(keys)) >= 0)
 
     def find_or_insert(self, keys):
         present = self.contains(keys)
@@ -329,21 +320,17 @@ class TieredStore(EmbeddingStore):
     def erase(self, keys) -> np.ndarray:
         erased = super().erase(keys)
         arr = as_keys(keys)
-        disk_rows, on_disk = self._disk.find(arr)
+        on_disk = self._disk.find(arr) >= 0
         if on_disk.any():
             first = np.zeros(len(arr), bool)
             first[np.unique(arr, return_index=True)[1]] = True  # a repeated key is erased once
             erased = erased | (on_disk & first)
             gone = np.unique(arr[on_disk])
-            slots = _decode(self._disk.read(gone).rows)
-            self._disk.erase(gone)
-            self._release(slots)
+            self._release(self._disk.erase(gone))
         return erased
 
     def clear(self) -> None:
         super().clear()
-        keys = self._disk.export(with_rows=True)
-        self._release(_decode(keys.rows))
         self._disk.clear()
 
     def reserve(self, n_rows: int) -> None:
@@ -384,9 +371,10 @@ class TieredStore(EmbeddingStore):
         def read():
             # The disk index on every ID (one batched find), np.unique only over those on disk:
             # uniquing a whole step's IDs here held the GIL for 1.3 ms against the step it overlaps.
-            b = self._disk.read(keys)
-            found_keys, first = np.unique(keys[b.found], return_index=True)
-            slots = _decode(b.rows[b.found][first])
+            at = self._disk.find(keys)
+            found = at >= 0
+            found_keys, first = np.unique(keys[found], return_index=True)
+            slots = at[found][first]
             buf = np.zeros(len(slots), self._record)
             if len(slots):
                 _core.block_io(self._fd, self._offsets(slots), buf.view(np.uint8).reshape(len(slots), -1), False,
@@ -460,8 +448,8 @@ class TieredStore(EmbeddingStore):
             if cursor is None:
                 break
         sf = self._tier_config.state_floats
-        for b in self._disk.iter_export(batch_size):
-            rec = self._read(_decode(b.rows))
+        for _, disk_slots in self._disk.items(batch_size):
+            rec = self._read(disk_slots)
             dim = self.dim if with_rows else 0
             rows = rec["row"] if with_rows else np.empty((len(rec), 0), np.float32)
             state = (rec["state"] if sf else np.empty((len(rec), 0), np.float32)) if with_rows \
@@ -506,7 +494,7 @@ class TieredStore(EmbeddingStore):
             raise ValueError(f"Tiered.path: {self._dir}/{meta['index']} fails its checksum (damaged)")
         with np.load(index_path) as index:
             keys, slots = index["keys"], index["slots"]
-        self._disk.load(keys, _encode(slots))
+        self._disk.put(keys, slots)
         self._high_water = int(meta["high_water"])
         self._plan_free(slots)
         self.step = int(meta["step"])
@@ -540,9 +528,9 @@ class TieredStore(EmbeddingStore):
         n = EmbeddingStore.__len__(self) + len(self._disk)
         keys, slots = np.empty(n, np.int64), np.empty(n, np.int64)
         at = 0
-        for b in self._disk.iter_export(_CHUNK):
-            keys[at:at + len(b.keys)], slots[at:at + len(b.keys)] = b.keys, _decode(b.rows)
-            at += len(b.keys)
+        for k, disk_slots in self._disk.items(_CHUNK):
+            keys[at:at + len(k)], slots[at:at + len(k)] = k, disk_slots
+            at += len(k)
         for b in self._cache_batches():
             taken = self._take_slots(len(b.keys))
             self._write(taken, b)
@@ -587,8 +575,8 @@ class TieredStore(EmbeddingStore):
             slots = slots.copy()
             slots[is_tail] = holes[np.searchsorted(tail, slots[is_tail])]
             self._commit(keys, slots)
-            on_disk = self._disk.contains(keys)
-            self._disk.load(keys[on_disk], _encode(slots[on_disk]))
+            on_disk = self._disk.find(keys) >= 0
+            self._disk.put(keys[on_disk], slots[on_disk])
         before = os.fstat(self._fd).st_size
         end = 0 if n == 0 else int(self._offsets(np.array([n - 1]))[0]) + self._record.itemsize
         os.ftruncate(self._fd, end)

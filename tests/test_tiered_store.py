@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 import pytest
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 import cncore
@@ -324,3 +324,40 @@ def test_the_job_on_the_tier_trains_exactly_as_in_memory(tmp_path, capsys):
         with pytest.raises(SystemExit):
             parse_args(argv)
         assert expected in capsys.readouterr().err
+
+
+# --- the disk index ------------------------------------------------------------------------------
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["put", "erase"]),
+                          st.lists(st.one_of(st.integers(-40, 40), st.sampled_from([-2**63, 2**63 - 1])),
+                                   max_size=60)), max_size=30), st.integers(1, 50))
+def test_the_disk_index_is_a_dict_of_key_to_slot(ops, batch_size):
+    """cn_slotindex.h against a dict: puts (a key given twice keeps its last slot), erases (each
+    key's old slot once, -1 for a repeat or an absent key), finds, and the walk of every entry,
+    through growth past several rehashes."""
+    from cncore._core import SlotIndex
+    ix, model, next_slot = SlotIndex(), {}, 0
+    for op, keys in ops + [("put", list(range(1000, 1700)))]:  # the last one grows it past 1,024 buckets
+        arr = np.array(keys, np.int64)
+        if op == "put":
+            slots = np.arange(next_slot, next_slot + len(arr), dtype=np.int64)
+            next_slot += len(arr)
+            ix.put(arr, slots)
+            model.update(zip(keys, slots.tolist()))
+        else:
+            want = []
+            for k in keys:
+                want.append(model.pop(k, -1))
+            assert ix.erase(arr).tolist() == want
+        probe = np.array(keys + [-2**63, 2**63 - 1, 99], np.int64)
+        assert ix.find(probe).tolist() == [model.get(k, -1) for k in probe.tolist()]
+        assert len(ix) == len(model)
+    walked = {}
+    for k, s in ix.items(batch_size):
+        assert len(k) <= batch_size
+        walked.update(zip(k.tolist(), s.tolist()))
+    assert walked == model and sum(len(k) for k, _ in ix.items(batch_size)) == len(model)
+    assert ix.nbytes >= 16 * len(model) / 0.7
+    ix.clear()
+    assert len(ix) == 0 and ix.find(np.array([1000])).tolist() == [-1]
