@@ -52,10 +52,13 @@ True
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import os
+import threading
 from typing import Iterator, Optional
 
 import numpy as np
@@ -71,6 +74,17 @@ _PAGE = 4096
 _CHUNK = 1 << 13  # rows a flush or compaction moves at a time (its scratch: one chunk of records, 2.5 MiB at dim 64)
 _FORMAT = "cn-tier"
 _VERSION = 1
+
+
+def _locked(method):
+    """Run a verb under the store's lock: a verb's fault-in and its core call must not be
+    split by another thread's, which could send the rows just faulted in back to disk (a
+    lookup then read zeros, or a fresh initial row, for a key that was on its way to disk)."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return run
 
 
 def _cache_rows(config: StoreConfig, cache_bytes: int) -> int:
@@ -105,6 +119,7 @@ class TieredStore(EmbeddingStore):
             raise ValueError("max_rows: a tiered table keeps every row (on disk); its memory is bounded by "
                              "Tiered.cache_bytes instead")
         self._tier_config = config
+        self._lock = threading.RLock()  # the tiers' state: cache membership, disk index, slots, file
         self.cache_rows = _cache_rows(config, storage.cache_bytes)
         cache = dataclasses.replace(config, storage=None, max_rows=self.cache_rows,
                                     eviction=config.eviction or LRU(), headroom=None,
@@ -254,6 +269,24 @@ class TieredStore(EmbeddingStore):
         self._disk.erase(disk_keys)
         self._release(slots)
 
+    @contextlib.contextmanager
+    def faulted_in(self, keys, insert: bool):
+        """A context in which `keys` are in the memory cache (with `insert`, absent keys get
+        their initial rows) and no other thread moves rows between the tiers: run a core lookup
+        of these keys inside it (what `grouped_pooled_lookup` and the torch modules do)."""
+        with self._lock:
+            self._fault_in(keys, insert)
+            yield
+
+    @_locked
+    def evict(self, n: int) -> int:
+        """Move the `n` lowest-scoring cached rows to disk now; returns how many."""
+        return super().evict(n)
+
+    @_locked
+    def evict_expired(self) -> int:
+        return super().evict_expired()
+
     def _check_fits(self, keys: np.ndarray) -> None:
         distinct = len(np.unique(keys))
         if distinct > self.cache_rows:
@@ -279,27 +312,33 @@ class TieredStore(EmbeddingStore):
     def __reduce__(self):
         raise TypeError("a TieredStore does not pickle: flush() it and reopen the directory with its config")
 
+    @_locked
     def find(self, keys):
         self._fault_in(keys, insert=False)
         return super().find(keys)
 
+    @_locked
     def contains(self, keys) -> np.ndarray:
         return EmbeddingStore.find(self, keys)[1] | (self._disk.find(as_keys(keys)) >= 0)
 
+    @_locked
     def find_or_insert(self, keys):
         present = self.contains(keys)
         self._fault_in(keys, insert=True)
         slots, _ = super().find_or_insert(keys)
         return slots, present
 
+    @_locked
     def insert_or_assign(self, keys, rows, optimizer_state=None) -> np.ndarray:
         self._fault_in(keys, insert=False)
         return super().insert_or_assign(keys, rows, optimizer_state)
 
+    @_locked
     def assign(self, keys, rows, optimizer_state=None) -> np.ndarray:
         self._fault_in(keys, insert=False)
         return super().assign(keys, rows, optimizer_state)
 
+    @_locked
     def load(self, keys, rows, optimizer_state=None, counts=None, last_steps=None) -> np.ndarray:
         """As EmbeddingStore.load, in chunks of half the cache (restoring a table larger than the
         cache spills as it goes)."""
@@ -317,6 +356,7 @@ class TieredStore(EmbeddingStore):
                                    None if last_steps is None else np.asarray(last_steps)[part]))
         return np.concatenate(found)
 
+    @_locked
     def erase(self, keys) -> np.ndarray:
         erased = super().erase(keys)
         arr = as_keys(keys)
@@ -329,13 +369,16 @@ class TieredStore(EmbeddingStore):
             self._release(self._disk.erase(gone))
         return erased
 
+    @_locked
     def clear(self) -> None:
         super().clear()
         self._disk.clear()
 
+    @_locked
     def reserve(self, n_rows: int) -> None:
         super().reserve(min(int(n_rows), self.cache_rows))
 
+    @_locked
     def lookup(self, keys, *, insert_missing: bool = False) -> np.ndarray:
         from cncore.grouped import as_flag
         insert = as_flag(insert_missing, "insert_missing")
@@ -344,10 +387,12 @@ class TieredStore(EmbeddingStore):
             EmbeddingStore.find_or_insert(self, keys)
         return EmbeddingStore.read(self, keys).rows
 
+    @_locked
     def read(self, keys) -> TableBatch:
         self._fault_in(keys, insert=False)
         return super().read(keys)
 
+    @_locked
     def prefetch(self, keys) -> None:
         """Hand in the next batch's keys early: a background thread reads the records of those on
         disk (the read releases the GIL) while the current step runs, and the call that next needs
@@ -427,6 +472,7 @@ class TieredStore(EmbeddingStore):
     def set_optimizer(self, optimizer) -> None:
         raise TypeError("set_optimizer: not on a tiered store (its records have the optimizer's width)")
 
+    @_locked
     def export(self, cursor: Optional[tuple] = None, max_rows: Optional[int] = None, *,
                with_rows: bool = True) -> TableBatch:
         """Every row, the cache's then the disk's (no cursor: iter_export walks both tiers)."""
@@ -512,6 +558,7 @@ class TieredStore(EmbeddingStore):
             if cursor is None:
                 return
 
+    @_locked
     def flush(self) -> None:
         """Make the directory hold this table as it is now, crash-safely (module docstring)."""
         keys, slots = self._flush()
@@ -546,6 +593,7 @@ class TieredStore(EmbeddingStore):
         self.stats["flushes"] += 1
         return keys, slots
 
+    @_locked
     def compact(self) -> int:
         """Flush, then move the records past the table's row count into the holes below it and
         truncate the file: afterwards it holds exactly one record per row. Crash-safe like a
@@ -617,6 +665,7 @@ class TieredStore(EmbeddingStore):
             if (entry.startswith("index-") and entry != index_name) or entry.startswith(".tmp-"):
                 os.remove(os.path.join(self._dir, entry))
 
+    @_locked
     def close(self) -> None:
         """Close the file (without flushing)."""
         self._wait_prefetch()

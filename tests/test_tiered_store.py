@@ -361,3 +361,66 @@ def test_the_disk_index_is_a_dict_of_key_to_slot(ops, batch_size):
     assert ix.nbytes >= 16 * len(model) / 0.7
     ix.clear()
     assert len(ix) == 0 and ix.find(np.array([1000])).tolist() == [-1]
+
+
+def test_threads_reading_and_training_at_once_see_the_right_rows(tmp_path):
+    """Several threads use one tiered store (as they may use any store): lookups running
+    beside other threads' faults-in and spills return the rows the table holds, never zeros
+    or a fresh initial row for a key that was on its way to disk; training threads on
+    disjoint keys end with the rows of the same training done one thread at a time."""
+    import threading
+    opt = cncore.SGD(lr=0.1)
+    per_row = DIM * 4 + 47
+    tiered = cncore.EmbeddingStore(cncore.StoreConfig(dim=DIM, optimizer=opt, storage=cncore.Tiered(
+        str(tmp_path / "t"), cache_bytes=64 * per_row)))
+    memory = cncore.EmbeddingStore(cncore.StoreConfig(dim=DIM, optimizer=opt))
+    for start in range(0, 600, 30):
+        for s in (tiered, memory):
+            s.find_or_insert(np.arange(start, start + 30))
+    want = memory.lookup(np.arange(600))
+    errors = []
+
+    def reader(seed):
+        rng = np.random.default_rng(seed)
+        try:
+            for _ in range(300):
+                keys = rng.integers(0, 600, 12)
+                np.testing.assert_array_equal(tiered.lookup(keys), want[keys])
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    def trainer(base, seed):
+        rng = np.random.default_rng(seed)
+        try:
+            for _ in range(150):
+                keys = base + rng.integers(0, 40, 8)
+                grad = rng.standard_normal((2, DIM)).astype(np.float32)
+                while True:
+                    _, ctx = tiered.pooled_lookup(keys, lengths=np.array([4, 4]))
+                    try:
+                        tiered.apply_gradients(ctx, grad)
+                        break
+                    except RuntimeError as exc:  # another thread evicted a row of this lookup: redo it
+                        assert "since this lookup" in str(exc), exc
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=reader, args=(s,)) for s in range(3)]
+    threads += [threading.Thread(target=trainer, args=(b, s)) for s, b in ((7, 1000), (8, 2000))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+    for base, seed in ((1000, 7), (2000, 8)):  # the same training, one thread at a time
+        rng = np.random.default_rng(seed)
+        for _ in range(150):
+            keys = base + rng.integers(0, 40, 8)
+            grad = rng.standard_normal((2, DIM)).astype(np.float32)
+            _, ctx = memory.pooled_lookup(keys, lengths=np.array([4, 4]))
+            memory.apply_gradients(ctx, grad)
+    a, b = tiered.export(), memory.export()
+    ia, ib = np.argsort(a.keys), np.argsort(b.keys)
+    np.testing.assert_array_equal(a.keys[ia], b.keys[ib])
+    np.testing.assert_array_equal(a.rows[ia], b.rows[ib])
+    np.testing.assert_array_equal(a.counts[ia], b.counts[ib])
