@@ -76,6 +76,25 @@ _FORMAT = "cn-tier"
 _VERSION = 1
 
 
+_PREFETCHER = None  # the background thread of every tiered store's prefetch reads
+
+
+def _prefetcher():
+    global _PREFETCHER
+    if _PREFETCHER is None:
+        import concurrent.futures
+        _PREFETCHER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="cncore-tier-prefetch")
+    return _PREFETCHER
+
+
+def _forget_prefetcher() -> None:  # a forked child has no copy of the parent's thread
+    global _PREFETCHER
+    _PREFETCHER = None
+
+
+os.register_at_fork(after_in_child=_forget_prefetcher)
+
+
 def _locked(method):
     """Run a verb under the store's lock: a verb's fault-in and its core call must not be
     split by another thread's, which could send the rows just faulted in back to disk (a
@@ -120,6 +139,8 @@ class TieredStore(EmbeddingStore):
                              "Tiered.cache_bytes instead")
         self._tier_config = config
         self._lock = threading.RLock()  # the tiers' state: cache membership, disk index, slots, file
+        self._prefetching = None  # the Future of this store's prefetch read
+        self._staged = None       # its result: (commit, sorted keys, slots, records)
         self.cache_rows = _cache_rows(config, storage.cache_bytes)
         cache = dataclasses.replace(config, storage=None, max_rows=self.cache_rows,
                                     eviction=config.eviction or LRU(), headroom=None,
@@ -398,7 +419,10 @@ class TieredStore(EmbeddingStore):
         disk (the read releases the GIL) while the current step runs, and the call that next needs
         them takes those records instead of reading, if they are still current: the key still in
         the slot read, and no flush since (a slot is rewritten only after a flush frees it). One
-        prefetch at a time: a new one first waits for the previous one.
+        prefetch at a time per store: a new one first waits for the previous one. The reads of
+        every tiered store of the process run on one background thread (each read is itself a
+        batch over Tiered.io_threads): a thread per call cost cn-dlrm (26 tables) 1 ms a step to
+        start them and 5 ms a step waiting on them, against each other and the step, for GIL.
 
         >>> import numpy as np, tempfile, os, cncore
         >>> s = cncore.EmbeddingStore(cncore.StoreConfig(dim=2, storage=cncore.Tiered(
@@ -409,44 +433,33 @@ class TieredStore(EmbeddingStore):
         >>> s.stats["prefetched"] > 0
         True
         """
-        keys = np.array(as_keys(keys), copy=True)  # the caller may reuse its buffer; duplicates stay
+        keys = as_keys(keys)
         self._wait_prefetch()
-        commit = self._commits
+        # Which keys are on disk, and where: here, with the lock held (one batched find, a
+        # np.unique of those on disk only); only the reads go to the background.
+        at = self._disk.find(keys)
+        found = at >= 0
+        if not found.any():
+            return
+        found_keys, first = np.unique(keys[found], return_index=True)  # sorted, as _read_current wants
+        slots = at[found][first]
+        buf = np.zeros(len(slots), self._record)
+        offsets, fd, threads, commit = self._offsets(slots), self._fd, self._io_threads, self._commits
 
         def read():
-            # The disk index on every ID (one batched find), np.unique only over those on disk:
-            # uniquing a whole step's IDs here held the GIL for 1.3 ms against the step it overlaps.
-            at = self._disk.find(keys)
-            found = at >= 0
-            found_keys, first = np.unique(keys[found], return_index=True)
-            slots = at[found][first]
-            buf = np.zeros(len(slots), self._record)
-            if len(slots):
-                _core.block_io(self._fd, self._offsets(slots), buf.view(np.uint8).reshape(len(slots), -1), False,
-                           self._io_threads)
-            self._staged = (commit, found_keys, slots, buf)  # keys sorted (np.unique)
+            _core.block_io(fd, offsets, buf.view(np.uint8).reshape(len(slots), -1), False, threads)
+            return commit, found_keys, slots, buf
 
-        import threading
-        self._prefetching = threading.Thread(target=self._catching(read), name="cncore-tier-prefetch", daemon=True)
-        self._prefetching.start()
-
-    def _catching(self, fn):
-        def run():
-            try:
-                fn()
-            except BaseException as exc:  # re-raised by the call that waits for it
-                self._prefetch_error = exc
-        return run
+        self._prefetching = _prefetcher().submit(read)
 
     def _wait_prefetch(self) -> None:
-        thread = getattr(self, "_prefetching", None)
-        if thread is not None:
-            thread.join()
-            self._prefetching = None
-        error = getattr(self, "_prefetch_error", None)
-        if error is not None:
-            self._prefetch_error = None
-            raise RuntimeError("the background read of prefetch() failed") from error
+        """Take the result of this store's prefetch, if one is under way (into self._staged)."""
+        job, self._prefetching = self._prefetching, None
+        if job is not None:
+            try:
+                self._staged = job.result()
+            except BaseException as exc:
+                raise RuntimeError("the background read of prefetch() failed") from exc
 
     def _read_current(self, keys: np.ndarray, slots: np.ndarray) -> np.ndarray:
         """The records of disk keys (sorted) at slots: prefetched ones where still current, the
