@@ -55,6 +55,7 @@ def batches(stream: str, n_keys: int, steps: int, ids_per_step: int, seed: int):
 def run_one(kind: str, stream: str, multiple: float, args) -> dict:
     """One training run in this process (called in a child): JSON-able results."""
     import cncore
+    import cncore.tiered  # noqa: F401 (imported in both runs, so that the baseline RSS holds it)
     base_rss = rss_bytes()
     opt = cncore.RowWiseAdagrad(lr=0.05)
     directory = tempfile.mkdtemp(prefix="cn-tier-", dir=args.dir)
