@@ -30,12 +30,23 @@ truncates) when the file holds more than `Tiered.compact_ratio` (3 by default) r
 after a flush the file is at most that many times the rows (plus a few pages), and between flushes it grows by the rows
 spilled since. `compact()` brings it to exactly one record per row.
 
-`prefetch(keys)` reads the next batch's disk records in a background thread while the current
-step runs (TorchRec's SSD TBE pipeline does the same); the next call takes them if still current.
+`prefetch(keys)` hands in the next batch's keys: which are on disk is looked up at once, their
+records are read on a background thread (one for every tiered store of the process) while the
+current step runs (TorchRec's SSD TBE pipeline does the same); the next call takes them if
+still current (same slot, no flush since), and reads the rest.
 
-Left for later (said here so nobody relies on them): admission (MinCount) and the grouped
-lookups of the TorchRec collections are refused on a tiered store; 16-bit rows are stored as
-float32 in the records.
+Threads: every verb holds the store's lock, and a lookup's fault-in and its core call are one
+held section (`faulted_in`), so a thread's rows cannot go back to disk between them.
+
+Memory: the cache's rows (cache_bytes), the disk index (16-byte buckets at a load factor of at
+most 0.7), per call the records it moves, and per flush the new index (16 bytes a row) and
+one chunk of records. `stats` counts hits and misses (IDs found in memory / read from disk),
+rows and bytes read and written, and the bytes written by flushes and compactions apart.
+
+Left for later (said here so nobody relies on them): admission (MinCount) is refused on a
+tiered store; 16-bit rows are stored as float32 in the records; records are read through the
+page cache (no O_DIRECT), so on a machine with free memory the kernel caches the file too
+(outside the process's RSS, given back under pressure).
 
 >>> import numpy as np, tempfile, os, cncore
 >>> path = os.path.join(tempfile.mkdtemp(), "t.tier")

@@ -135,6 +135,8 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=30, help="unmeasured steps after the fill")
     ap.add_argument("--passes", type=int, default=10)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="runs of each kind per cell, alternating; the cell shows the median (shared machines)")
     ap.add_argument("--no-prefetch", dest="prefetch", action="store_false",
                     help="do not hand the next batch's keys to prefetch() during each step")
     ap.add_argument("--dir", default=None, help="where the tier files go (default: the temp dir)")
@@ -145,6 +147,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.quick:
         args.cache_mib, args.multiples, args.steps, args.passes, args.batch, args.warmup = 1, [3], 4, 2, 128, 2
+        args.repeat = 1
         args.streams = ["zipf-1.05", "uniform"]
     if args.kind:
         import cncore
@@ -155,26 +158,32 @@ def main(argv=None) -> int:
     load_before = os.getloadavg()[0]
     for multiple in args.multiples:
         for stream in args.streams:
+            runs = {"tiered": [], "memory": []}
+            for rep in range(args.repeat):  # the two kinds alternate, so that a noisy neighbour hits both
+                for kind in ("tiered", "memory"):
+                    argv_child = [sys.executable, __file__, "--kind", kind, "--stream", stream, "--multiple",
+                                  str(multiple), "--cache-mib", str(args.cache_mib), "--dim", str(args.dim),
+                                  "--batch", str(args.batch), "--bag", str(args.bag), "--steps", str(args.steps),
+                                  "--passes", str(args.passes if rep == 0 else 0), "--warmup", str(args.warmup),
+                                  "--threads", str(args.threads), "--multiples", *map(str, args.multiples)]
+                    if not args.prefetch:
+                        argv_child.append("--no-prefetch")
+                    if args.dir:
+                        argv_child += ["--dir", args.dir]
+                    done = subprocess.run(argv_child, capture_output=True, text=True)
+                    if done.returncode:
+                        raise SystemExit(f"{kind} {stream} {multiple:g}x failed:\n{done.stderr}")
+                    runs[kind].append(json.loads(done.stdout.strip().splitlines()[-1]))
             pair = {}
-            for kind in ("tiered", "memory"):
-                argv_child = [sys.executable, __file__, "--kind", kind, "--stream", stream, "--multiple", str(multiple),
-                              "--cache-mib", str(args.cache_mib), "--dim", str(args.dim), "--batch", str(args.batch),
-                              "--bag", str(args.bag), "--steps", str(args.steps), "--passes", str(args.passes),
-                              "--warmup", str(args.warmup),
-                              "--threads", str(args.threads), "--multiples", *map(str, args.multiples)]
-                if not args.prefetch:
-                    argv_child.append("--no-prefetch")
-                if args.dir:
-                    argv_child += ["--dir", args.dir]
-                done = subprocess.run(argv_child, capture_output=True, text=True)
-                if done.returncode:
-                    raise SystemExit(f"{kind} {stream} {multiple:g}x failed:\n{done.stderr}")
-                pair[kind] = json.loads(done.stdout.strip().splitlines()[-1])
+            for kind, got in runs.items():  # the run of the median step time, with the first run's extras
+                median = sorted(got, key=lambda r: r["step_ms"])[len(got) // 2]
+                pair[kind] = {**got[0], **median, "all_step_ms": [r["step_ms"] for r in got]}
             rows.append(pair)
     t0 = rows[0]["tiered"]
     print(f"cache {args.cache_mib} MiB = {t0['cache_rows']:,} rows of dim {args.dim} (row-wise Adagrad), "
           f"{args.batch} x {args.bag} IDs per step, {args.threads} thread(s), prefetch "
-          f"{'on' if args.prefetch else 'off'}, {args.warmup} warm-up + {args.steps} measured steps; load average "
+          f"{'on' if args.prefetch else 'off'}, {args.warmup} warm-up + {args.steps} measured steps, the median of "
+          f"{args.repeat} alternating runs of each kind; load average "
           f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after\n")
     print("| table / cache | stream | rows | tiered step ms (mean) | in-memory step ms (mean) | tiered / in-memory "
           "speed | hit rate (IDs) | rows read / step | rows written / step | MiB read / step | MiB written / step | "
@@ -187,6 +196,9 @@ def main(argv=None) -> int:
               f"{t['written_per_step']:,.0f} | {t['mib_read_per_step']:.2f} | {t['mib_written_per_step']:.2f} | "
               f"{t['median_step_ms']:.1f} / {m['median_step_ms']:.1f} | {t['peak_rss_mib']:.0f} | "
               f"{t['memory_parts_mib']:.0f} | {m['peak_rss_mib']:.0f} |")
+    print("\nevery run's mean step ms (tiered; in memory): " + "; ".join(
+        f"{p['tiered']['multiple']:g}x {p['tiered']['stream']}: {'/'.join(f'{v:.1f}' for v in p['tiered']['all_step_ms'])}"
+        f"; {'/'.join(f'{v:.1f}' for v in p['memory']['all_step_ms'])}" for p in rows))
     extra = [p["tiered"] for p in rows if "write_amplification" in p["tiered"]]
     if extra:
         e = extra[0]
