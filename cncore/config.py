@@ -311,9 +311,9 @@ class Tiered:
     `compact_ratio`: a flush compacts the file when it holds more than this many records per
     row. Rewritten rows go to free space, so the file holds the live rows plus those rewritten
     since the last flushes; a low ratio bounds the space but rewrites records more often (10
-    uniform passes over a table 3x its cache, a flush after each: write amplification 2.78 at
-    ratio 2, a compaction at every flush, and 1.55 at 3, none, the file 2.4x the live rows;
-    1.23 of it is the record's padding, 320 bytes for 260 of row and state).
+    uniform passes over a table 3x its cache, dim 64, a flush after each: write amplification
+    2.43 at ratio 2, a compaction at every flush, and 1.35 at 3, none, the file 2.1x the live
+    records; 1.08 of it is the record itself, 280 bytes for 260 of row and state).
     `io_threads`: threads that move a batch's records (each issues blocking preads/pwrites, so
     this many I/Os are in flight), apart from the core's compute threads: a thread waiting on a
     device uses no core. Reading 1,400 records of a step took 2.0 ms on 1 thread, 1.1 on 2 or 4,

@@ -260,7 +260,7 @@ def test_the_benchmark_script_measures_every_cell():
     for c in cells:
         rows, tiered_ms, memory_ms, hit_rate = int(c[2].replace(",", "")), float(c[3]), float(c[4]), float(c[6])
         assert rows > 3 * 3000 and tiered_ms > 0 and memory_ms > 0 and 0 < hit_rate < 1
-    assert "write amplification" in out and "after (record 320 bytes)" in out
+    assert "write amplification" in out and "after (record 280 bytes)" in out
 
 
 # --- the front ends ----------------------------------------------------------------------------
