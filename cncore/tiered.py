@@ -416,8 +416,15 @@ class TieredStore(EmbeddingStore):
 
     @_locked
     def lookup(self, keys, *, insert_missing: bool = False) -> np.ndarray:
+        """As EmbeddingStore.lookup; more keys than the cache holds go in chunks of half the
+        cache (the rows are copies, so a later chunk may send an earlier one's rows to disk)."""
         from cncore.grouped import as_flag
         insert = as_flag(insert_missing, "insert_missing")
+        keys = as_keys(keys)
+        step = max(1, self.cache_rows // 2)
+        if len(keys) > step:
+            return np.concatenate([self.lookup(keys[a:a + step], insert_missing=insert)
+                                   for a in range(0, len(keys), step)]).reshape(len(keys), self.dim)
         self._fault_in(keys, insert=insert)
         if insert:
             EmbeddingStore.find_or_insert(self, keys)
@@ -425,6 +432,13 @@ class TieredStore(EmbeddingStore):
 
     @_locked
     def read(self, keys) -> TableBatch:
+        """As EmbeddingStore.read; more keys than the cache holds go in chunks of half the cache."""
+        keys = as_keys(keys)
+        step = max(1, self.cache_rows // 2)
+        if len(keys) > step:
+            parts = [self.read(keys[a:a + step]) for a in range(0, len(keys), step)]
+            return TableBatch(*(np.concatenate([getattr(p, f) for p in parts]) for f in
+                                ("keys", "rows", "optimizer_state", "counts", "last_steps", "found")))
         self._fault_in(keys, insert=False)
         return super().read(keys)
 

@@ -132,6 +132,15 @@ def test_a_table_ten_times_its_cache_trains_as_in_memory(tmp_path):
     assert tiered.cached_rows <= 200 < len(tiered)
     assert tiered.stats["rows_written"] > 0 and tiered.stats["rows_read"] > 0
     assert_same_rows(tiered, memory)
+    # lookup / read of more keys than the cache holds go in chunks: the same answers, unknown keys included
+    keys = np.concatenate([np.arange(-50, 2100), np.arange(2000)[::-1]])
+    np.testing.assert_array_equal(tiered.lookup(keys), memory.lookup(keys))
+    a, b = tiered.read(keys), memory.read(keys)
+    for name in ("keys", "rows", "optimizer_state", "counts", "last_steps", "found"):
+        np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
+    new = np.arange(5000, 5600)
+    np.testing.assert_array_equal(tiered.lookup(new, insert_missing=True), memory.lookup(new, insert_missing=True))
+    assert_same_rows(tiered, memory)
 
 
 def test_flush_then_reopen_and_the_file_reuses_space(tmp_path):
