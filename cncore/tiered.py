@@ -117,11 +117,18 @@ def _locked(method):
     return run
 
 
-def _cache_rows(config: StoreConfig, cache_bytes: int) -> int:
-    """Rows that fit cache_bytes: the row and its state, metadata and key (24 bytes), and the
+_MIN_CACHE_ROWS = 16
+
+
+def _row_bytes(config: StoreConfig) -> int:
+    """Bytes a cached row takes: the row and its state, metadata and key (24 bytes), and the
     index's share (16-byte buckets at the 0.7 load factor, about 23 bytes)."""
-    row = config.dim * (4 if config.dtype == "float32" else 2) + 4 * config.state_floats + 24 + 23
-    return max(16, cache_bytes // row)
+    return config.dim * (4 if config.dtype == "float32" else 2) + 4 * config.state_floats + 24 + 23
+
+
+def _cache_rows(config: StoreConfig, cache_bytes: int) -> int:
+    """Rows that fit cache_bytes."""
+    return cache_bytes // _row_bytes(config)
 
 
 def _config_record(config: StoreConfig) -> dict:
@@ -153,6 +160,11 @@ class TieredStore(EmbeddingStore):
         self._prefetching = None  # the Future of this store's prefetch read
         self._staged = None       # its result: (commit, sorted keys, slots, records)
         self.cache_rows = _cache_rows(config, storage.cache_bytes)
+        if self.cache_rows < _MIN_CACHE_ROWS:
+            raise ValueError(f"Tiered.cache_bytes={storage.cache_bytes} holds {self.cache_rows} rows of this config "
+                             f"({_row_bytes(config)} bytes each: the row, its optimizer state, metadata and index "
+                             f"share); the cache needs at least {_MIN_CACHE_ROWS}: give cache_bytes >= "
+                             f"{_MIN_CACHE_ROWS * _row_bytes(config)}")
         cache = dataclasses.replace(config, storage=None, max_rows=self.cache_rows,
                                     eviction=config.eviction or LRU(), headroom=None,
                                     capacity=min(config.capacity, self.cache_rows))
@@ -171,7 +183,7 @@ class TieredStore(EmbeddingStore):
         self.stats = {"hits": 0, "misses": 0, "new": 0, "rows_read": 0, "rows_written": 0, "bytes_read": 0,
                       "bytes_written": 0, "flushes": 0, "bytes_written_by_flush": 0, "bytes_written_by_compaction": 0,
                       "compactions": 0}
-        os.makedirs(self._dir, exist_ok=True)
+        os.makedirs(self._dir, exist_ok=True)  # its parent exists (_check_directory)
         self._fd = os.open(os.path.join(self._dir, "rows.dat"), os.O_RDWR | os.O_CREAT, 0o644)
         self._reopen()
         super().on_evict(self._spill)
@@ -551,6 +563,10 @@ class TieredStore(EmbeddingStore):
     def _check_directory(self) -> None:
         """The path is new, empty, or a tier of this same table; anything else is refused."""
         if not os.path.exists(self._dir):
+            parent = os.path.dirname(os.path.abspath(self._dir))
+            if not os.path.isdir(parent):  # a typo in the path would otherwise start an empty table
+                raise ValueError(f"Tiered.path: the directory {parent} that should hold {self._dir} does not "
+                                 "exist; create it first (the tier creates only its own directory)")
             return
         if not os.path.isdir(self._dir):
             raise ValueError(f"Tiered.path: {self._dir} exists and is not a directory")

@@ -98,6 +98,7 @@ CACHE = 48 * (4 * 4 + 4 * 8 + 47)
 
 
 def run_child(path, kill_at):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     return subprocess.run([sys.executable, "-c", CHILD, path, str(kill_at)], capture_output=True, text=True,
                           timeout=120)
 

@@ -186,6 +186,17 @@ def test_bad_input_is_refused_naming_it_and_leaves_the_directory(tmp_path):
     for threads in (0, 257, 2.0, None):
         with pytest.raises(ValueError, match=r"Tiered.io_threads must be an int in \[1, 256\]"):
             cncore.Tiered(str(tmp_path / "t"), cache_bytes=10**6, io_threads=threads)
+    with pytest.raises(ValueError, match=r"the directory .*/missing that should hold .* does not exist; create it"):
+        cncore.EmbeddingStore(cncore.StoreConfig(dim=2, storage=cncore.Tiered(str(tmp_path / "missing" / "t"), 10**6)))
+    assert not (tmp_path / "missing").exists()
+    row = 64 * 4 + 4 + 47  # dim 64, row-wise Adagrad: the row, its state, metadata and index share
+    with pytest.raises(ValueError, match=rf"cache_bytes={16 * row - 1} holds 15 rows .*{row} bytes each.*"
+                                         rf"give cache_bytes >= {16 * row}"):
+        cncore.EmbeddingStore(cncore.StoreConfig(dim=64, optimizer=cncore.RowWiseAdagrad(), storage=cncore.Tiered(
+            str(tmp_path / "small"), 16 * row - 1)))
+    assert not (tmp_path / "small").exists()
+    assert cncore.EmbeddingStore(cncore.StoreConfig(dim=64, optimizer=cncore.RowWiseAdagrad(), storage=cncore.Tiered(
+        str(tmp_path / "small"), 16 * row))).cache_rows == 16
     other = tmp_path / "other"
     other.mkdir()
     (other / "notes.txt").write_text("mine")
