@@ -41,12 +41,12 @@ key_batches = st.lists(st.one_of(st.integers(-30, 30), st.sampled_from([-2**63, 
 
 
 class TieredMachine(RuleBasedStateMachine):
-    @initialize(optimizer=st.sampled_from(["adam", "rowwise"]), eviction=st.sampled_from(["lru", "lfu"]))
+    @initialize(optimizer=st.sampled_from(["adam", "rowwise"]), eviction=st.sampled_from(["lru", "lfu", "ttl"]))
     def setup(self, optimizer, eviction):
         import tempfile
         self.path = os.path.join(tempfile.mkdtemp(), "t.tier")
         opt = cncore.Adam(lr=0.05) if optimizer == "adam" else cncore.RowWiseAdagrad(lr=0.1)
-        ev = cncore.LRU() if eviction == "lru" else cncore.LFU()
+        ev = {"lru": cncore.LRU(), "lfu": cncore.LFU(), "ttl": cncore.TTL(steps=2)}[eviction]
         per_row = DIM * 4 + 4 * (2 * DIM if optimizer == "adam" else 1) + 47
         self.config = cncore.StoreConfig(dim=DIM, seed=3, optimizer=opt, eviction=ev,
                                          storage=cncore.Tiered(self.path, cache_bytes=16 * per_row))
@@ -88,6 +88,15 @@ class TieredMachine(RuleBasedStateMachine):
     def prefetch(self, keys):
         """Read ahead in the background; whatever runs next must see the current rows."""
         self.tiered.prefetch(np.array(keys, np.int64))
+
+    @rule(n=st.integers(0, 20))
+    def evict(self, n):
+        """Rows evicted on demand (and, with TTL, the expired ones) go to disk, not away."""
+        before = self.tiered.cached_rows
+        got = self.tiered.evict(n)
+        assert got == min(n, before) and self.tiered.cached_rows == before - got
+        if isinstance(self.config.eviction, cncore.TTL):
+            self.tiered.evict_expired()
 
     @rule()
     def flush(self):
