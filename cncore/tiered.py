@@ -350,6 +350,16 @@ class TieredStore(EmbeddingStore):
         return self._tier_config
 
     @property
+    def record_bytes(self) -> int:
+        """Bytes of one record in the file (key, count, last step, row, optimizer state)."""
+        return self._record.itemsize
+
+    @property
+    def disk_index_bytes(self) -> int:
+        """Memory the index of the rows on disk takes (its buckets)."""
+        return self._disk.nbytes
+
+    @property
     def cached_rows(self) -> int:
         """Rows in memory now."""
         return EmbeddingStore.__len__(self)

@@ -167,7 +167,7 @@ def test_flush_then_reopen_and_the_file_reuses_space(tmp_path):
             store.apply_gradients(ctx, np.ones((1, DIM), np.float32))
         store.flush()
         sizes.append(os.path.getsize(tmp_path / "t" / "rows.dat"))
-    rec = store._record.itemsize
+    rec = store.record_bytes
     per_page = 4096 // rec
     bound = (2 * 200 // per_page + 5) * 4096  # twice the rows, a few pages of slack, after every flush
     assert max(sizes) <= bound, sizes

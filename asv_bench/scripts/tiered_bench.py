@@ -92,7 +92,7 @@ def run_one(kind: str, stream: str, multiple: float, args) -> dict:
         s = store.stats
         d = {k: s[k] - before.get(k, 0) for k in s}
         from cncore.store import EmbeddingStore
-        out["memory_parts_mib"] = (EmbeddingStore.nbytes.fget(store) + store._disk.nbytes) / 2**20
+        out["memory_parts_mib"] = (EmbeddingStore.nbytes.fget(store) + store.disk_index_bytes) / 2**20
         out.update(hit_rate=d["hits"] / max(1, d["hits"] + d["misses"]),
                    read_per_step=d["rows_read"] / args.steps, written_per_step=d["rows_written"] / args.steps,
                    mib_read_per_step=d["bytes_read"] / args.steps / 2**20,
@@ -113,9 +113,9 @@ def run_one(kind: str, stream: str, multiple: float, args) -> dict:
             file_bytes = os.path.getsize(os.path.join(directory, "t", "rows.dat"))
             store.compact()
             after = os.path.getsize(os.path.join(directory, "t", "rows.dat"))
-            live = len(store) * store._record.itemsize
+            live = len(store) * store.record_bytes
             out.update(file_over_live_before_compact=file_bytes / live, file_over_live_after_compact=after / live,
-                       record_bytes=store._record.itemsize)
+                       record_bytes=store.record_bytes)
     return out
 
 
