@@ -289,7 +289,8 @@ def grouped_apply_gradients(ctxs: Sequence[LookupContext], grad_output, *, lr=No
     by_store = {}
     for f, ctx in enumerate(ctxs):
         by_store.setdefault(id(ctx.store), []).append(f)
-    tables, slots, offsets, weights, modes, argmaxes, grads, opt_list, metas, epochs = [], [], [], [], [], [], [], [], [], []
+    tables, slots, offsets, weights, modes, argmaxes = [], [], [], [], [], []
+    grads, opt_list, metas, epochs = [], [], [], []
     sequential = []
     for members in by_store.values():
         first = ctxs[members[0]]

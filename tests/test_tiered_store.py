@@ -3,11 +3,15 @@
 - A hypothesis state machine drives a TieredStore whose cache holds 16 rows (so rows go back
   and forth between memory and disk all the time) and an in-memory EmbeddingStore through the
   same training steps (pooled lookup + fused Adam / row-wise Adagrad backward), evaluation
-  lookups, writes, erases, background prefetches, flushes, compactions and reopenings: after every step both hold the same keys,
-  rows, optimizer state, counts and last steps, and give the same outputs.
+  lookups, writes, erases, background prefetches, evictions on demand, flushes, compactions and
+  reopenings (LRU, LFU and TTL caches): after every step both hold the same keys, rows,
+  optimizer state, counts and last steps, and give the same outputs.
+- Threads sharing one tiered store read the right rows and train as one thread would.
+- The disk index (cn_slotindex.h) against a dict.
 - Crash tests: a subprocess trains and flushes, and is SIGKILLed at a random moment (during
   training, during a flush); the directory reopens as the state of the last completed flush.
-- Bad input is refused naming the argument, and leaves the directory as it was.
+- Bad input (a missing parent directory, a cache of fewer than 16 rows, another table's
+  directory, bad options) is refused naming the argument, and leaves the directory as it was.
 """
 import json
 import os

@@ -187,7 +187,8 @@ def main(argv=None) -> int:
           f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after\n")
     print("| table / cache | stream | rows | tiered step ms (mean) | in-memory step ms (mean) | tiered / in-memory "
           "speed | hit rate (IDs) | rows read / step | rows written / step | MiB read / step | MiB written / step | "
-          "tiered median / in-memory median ms | tiered peak RSS MiB | cache + disk index MiB | in-memory peak RSS MiB |")
+          "tiered median / in-memory median ms | tiered peak RSS MiB | cache + disk index MiB | "
+          "in-memory peak RSS MiB |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for p in rows:
         t, m = p["tiered"], p["memory"]
@@ -197,7 +198,8 @@ def main(argv=None) -> int:
               f"{t['median_step_ms']:.1f} / {m['median_step_ms']:.1f} | {t['peak_rss_mib']:.0f} | "
               f"{t['memory_parts_mib']:.0f} | {m['peak_rss_mib']:.0f} |")
     print("\nevery run's mean step ms (tiered; in memory): " + "; ".join(
-        f"{p['tiered']['multiple']:g}x {p['tiered']['stream']}: {'/'.join(f'{v:.1f}' for v in p['tiered']['all_step_ms'])}"
+        f"{p['tiered']['multiple']:g}x {p['tiered']['stream']}: "
+        f"{'/'.join(f'{v:.1f}' for v in p['tiered']['all_step_ms'])}"
         f"; {'/'.join(f'{v:.1f}' for v in p['memory']['all_step_ms'])}" for p in rows))
     extra = [p["tiered"] for p in rows if "write_amplification" in p["tiered"]]
     if extra:

@@ -86,7 +86,8 @@ static void cn_blockio_range(void *ctx, int64_t begin, int64_t end) {
 }
 
 static int cn_blockio_cmp(const void *a, const void *b, void *offsets) {
-    const int64_t x = ((const int64_t *)offsets)[*(const int64_t *)a], y = ((const int64_t *)offsets)[*(const int64_t *)b];
+    const int64_t *o = (const int64_t *)offsets;
+    const int64_t x = o[*(const int64_t *)a], y = o[*(const int64_t *)b];
     return (x > y) - (x < y);
 }
 

@@ -94,8 +94,9 @@ def _split_storage(storage, tables) -> Dict[str, object]:
                          "it first")
     os.makedirs(storage.path, exist_ok=True)
     total = sum(max(1, c.num_embeddings) for c in tables)
-    return {c.name: dataclasses.replace(storage, path=os.path.join(storage.path, c.name),
-                                        cache_bytes=max(1 << 16, storage.cache_bytes * max(1, c.num_embeddings) // total))
+    return {c.name: dataclasses.replace(
+                storage, path=os.path.join(storage.path, c.name),
+                cache_bytes=max(1 << 16, storage.cache_bytes * max(1, c.num_embeddings) // total))
             for c in tables}
 
 
