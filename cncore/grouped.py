@@ -175,7 +175,6 @@ def grouped_pooled_lookup(stores: Sequence, keys: Sequence, offsets: Optional[Se
         weight_arrays.append(w)
         mode_codes.append(MODES[mode])
 
-    _fault_in_tiers(stores, key_arrays, bool(insert_missing))
     dims = [s.dim for s in stores]
     total = int(sum(dims))
     if out is None:
@@ -184,8 +183,9 @@ def grouped_pooled_lookup(stores: Sequence, keys: Sequence, offsets: Optional[Se
         out = as_output(out, "out", (n_bags, total))
     starts = np.concatenate([[0], np.cumsum(dims)]).astype(int)
     outs = [out[:, starts[f]:starts[f + 1]] for f in range(n)]
-    results = _core.grouped_forward([s._table for s in stores], key_arrays, offset_arrays, weight_arrays,
-                                    mode_codes, outs, bool(insert_missing))
+    with tiers_faulted_in(stores, key_arrays, bool(insert_missing)):
+        results = _core.grouped_forward([s._table for s in stores], key_arrays, offset_arrays, weight_arrays,
+                                        mode_codes, outs, bool(insert_missing))
     ctxs = [_sealed(LookupContext(stores[f], key_arrays[f], results[f][0], offset_arrays[f], weight_arrays[f],
                                   mode_codes[f], results[f][1], results[f][3],
                                   slice(int(starts[f]), int(starts[f + 1])), results[f][2], insert_missing,
@@ -194,16 +194,26 @@ def grouped_pooled_lookup(stores: Sequence, keys: Sequence, offsets: Optional[Se
     return out, ctxs
 
 
-def _fault_in_tiers(stores, key_arrays, insert: bool) -> None:
-    """Tiered stores (cncore/tiered.py): bring every key a call uses into the cache first, all
-    features of one store together (so that making room for one feature's keys cannot evict
-    another's)."""
+def tiers_faulted_in(stores, key_arrays, insert: bool):
+    """A context in which every key a call uses is in the memory cache of its tiered store
+    (cncore/tiered.py), all features of one store faulted in together (so that making room for
+    one feature's keys cannot evict another's), and no other thread moves a row of those stores
+    between the tiers: the caller runs its core lookup inside it. Stores are locked in one
+    order (by id), so two grouped calls over the same stores cannot deadlock. Stores that are
+    not tiered are untouched."""
+    import contextlib
     by_store = {}
     for store, k in zip(stores, key_arrays):
-        if hasattr(store, "_fault_in"):
+        if hasattr(store, "faulted_in"):
             by_store.setdefault(id(store), (store, []))[1].append(k)
-    for store, parts in by_store.values():
-        store._fault_in(np.concatenate(parts), insert=insert)
+    held = contextlib.ExitStack()  # entered here; the caller's `with` closes it
+    try:
+        for _, (store, parts) in sorted(by_store.items()):
+            held.enter_context(store.faulted_in(np.concatenate(parts) if len(parts) > 1 else parts[0], insert))
+    except BaseException:
+        held.close()
+        raise
+    return held
 
 
 def _merge(ctxs: List[LookupContext], grads: List[np.ndarray]):
@@ -279,7 +289,8 @@ def grouped_apply_gradients(ctxs: Sequence[LookupContext], grad_output, *, lr=No
     by_store = {}
     for f, ctx in enumerate(ctxs):
         by_store.setdefault(id(ctx.store), []).append(f)
-    tables, slots, offsets, weights, modes, argmaxes, grads, opt_list, metas, epochs = [], [], [], [], [], [], [], [], [], []
+    tables, slots, offsets, weights, modes, argmaxes = [], [], [], [], [], []
+    grads, opt_list, metas, epochs = [], [], [], []
     sequential = []
     for members in by_store.values():
         first = ctxs[members[0]]

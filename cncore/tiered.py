@@ -9,7 +9,7 @@ tiers that never hold the same key at once:
   fused backward run on it exactly as on any store;
 - the disk: `path/rows.dat`, a slotted file of fixed-size records (key, count, last step,
   row, optimizer state; a record never straddles a 4 KiB page), and a key -> slot index in
-  memory (a small core store, about 60 bytes a key).
+  memory for the rows on disk (the core's hash index alone, cn_slotindex.h: 23-46 bytes a key).
 Before a call touches keys, the keys found on disk are read in one batched call (several
 I/Os in flight: cn_blockio.h) and loaded into the cache; making room for them evicts the
 cache's lowest-scoring rows that the call does not use, and those are written to free slots
@@ -26,16 +26,27 @@ path (with the same config) reads only the index. No fsync in the training loop.
 Space: log-structured. A spill writes its records to whole free pages and then to the end of
 the file, in runs (one pwritev per run); slots freed since the last flush are reused after the
 next one, and a flush compacts (moves the records past the row count into the holes, then
-truncates) when the file holds more than twice as many records as rows. So after a flush the
-file is at most twice the rows (plus a few pages), and between flushes it grows by the rows
+truncates) when the file holds more than `Tiered.compact_ratio` (3 by default) records per row. So
+after a flush the file is at most that many times the rows (plus a few pages), and between flushes it grows by the rows
 spilled since. `compact()` brings it to exactly one record per row.
 
-`prefetch(keys)` reads the next batch's disk records in a background thread while the current
-step runs (TorchRec's SSD TBE pipeline does the same); the next call takes them if still current.
+`prefetch(keys)` hands in the next batch's keys: which are on disk is looked up at once, their
+records are read on a background thread (one for every tiered store of the process) while the
+current step runs (TorchRec's SSD TBE pipeline does the same); the next call takes them if
+still current (same slot, no flush since), and reads the rest.
 
-Left for later (said here so nobody relies on them): admission (MinCount) and the grouped
-lookups of the TorchRec collections are refused on a tiered store; 16-bit rows are stored as
-float32 in the records.
+Threads: every verb holds the store's lock, and a lookup's fault-in and its core call are one
+held section (`faulted_in`), so a thread's rows cannot go back to disk between them.
+
+Memory: the cache's rows (cache_bytes), the disk index (16-byte buckets at a load factor of at
+most 0.7), per call the records it moves, and per flush the new index (16 bytes a row) and
+one chunk of records. `stats` counts hits and misses (IDs found in memory / read from disk),
+rows and bytes read and written, and the bytes written by flushes and compactions apart.
+
+Left for later (said here so nobody relies on them): admission (MinCount) is refused on a
+tiered store; 16-bit rows are stored as float32 in the records; records are read through the
+page cache (no O_DIRECT), so on a machine with free memory the kernel caches the file too
+(outside the process's RSS, given back under pressure).
 
 >>> import numpy as np, tempfile, os, cncore
 >>> path = os.path.join(tempfile.mkdtemp(), "t.tier")
@@ -52,10 +63,13 @@ True
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import os
+import threading
 from typing import Iterator, Optional
 
 import numpy as np
@@ -68,24 +82,53 @@ from cncore.store import EmbeddingStore, TableBatch
 __all__ = ["TieredStore"]
 
 _PAGE = 4096
-_SLOT_SPLIT = 1 << 20  # a slot as two floats of the index store, each an integer below 2**24 (exact)
+_CHUNK = 1 << 13  # rows a flush or compaction moves at a time (its scratch: one chunk of records, 2.5 MiB at dim 64)
 _FORMAT = "cn-tier"
-_VERSION = 1
+_VERSION = 2  # 2: records packed to 8 bytes (1: to 64)
 
 
-def _encode(slots: np.ndarray) -> np.ndarray:
-    return np.stack([slots % _SLOT_SPLIT, slots // _SLOT_SPLIT], axis=1).astype(np.float32)
+_PREFETCHER = None  # the background thread of every tiered store's prefetch reads
 
 
-def _decode(rows: np.ndarray) -> np.ndarray:
-    return rows[:, 0].astype(np.int64) + rows[:, 1].astype(np.int64) * _SLOT_SPLIT
+def _prefetcher():
+    global _PREFETCHER
+    if _PREFETCHER is None:
+        import concurrent.futures
+        _PREFETCHER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="cncore-tier-prefetch")
+    return _PREFETCHER
+
+
+def _forget_prefetcher() -> None:  # a forked child has no copy of the parent's thread
+    global _PREFETCHER
+    _PREFETCHER = None
+
+
+os.register_at_fork(after_in_child=_forget_prefetcher)
+
+
+def _locked(method):
+    """Run a verb under the store's lock: a verb's fault-in and its core call must not be
+    split by another thread's, which could send the rows just faulted in back to disk (a
+    lookup then read zeros, or a fresh initial row, for a key that was on its way to disk)."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return run
+
+
+_MIN_CACHE_ROWS = 16
+
+
+def _row_bytes(config: StoreConfig) -> int:
+    """Bytes a cached row takes: the row and its state, metadata and key (24 bytes), and the
+    index's share (16-byte buckets at the 0.7 load factor, about 23 bytes)."""
+    return config.dim * (4 if config.dtype == "float32" else 2) + 4 * config.state_floats + 24 + 23
 
 
 def _cache_rows(config: StoreConfig, cache_bytes: int) -> int:
-    """Rows that fit cache_bytes: the row and its state, metadata and key (24 bytes), and the
-    index's share (16-byte buckets at the 0.7 load factor, about 23 bytes)."""
-    row = config.dim * (4 if config.dtype == "float32" else 2) + 4 * config.state_floats + 24 + 23
-    return max(16, cache_bytes // row)
+    """Rows that fit cache_bytes."""
+    return cache_bytes // _row_bytes(config)
 
 
 def _config_record(config: StoreConfig) -> dict:
@@ -113,25 +156,34 @@ class TieredStore(EmbeddingStore):
             raise ValueError("max_rows: a tiered table keeps every row (on disk); its memory is bounded by "
                              "Tiered.cache_bytes instead")
         self._tier_config = config
+        self._lock = threading.RLock()  # the tiers' state: cache membership, disk index, slots, file
+        self._prefetching = None  # the Future of this store's prefetch read
+        self._staged = None       # its result: (commit, sorted keys, slots, records)
         self.cache_rows = _cache_rows(config, storage.cache_bytes)
+        if self.cache_rows < _MIN_CACHE_ROWS:
+            raise ValueError(f"Tiered.cache_bytes={storage.cache_bytes} holds {self.cache_rows} rows of this config "
+                             f"({_row_bytes(config)} bytes each: the row, its optimizer state, metadata and index "
+                             f"share); the cache needs at least {_MIN_CACHE_ROWS}: give cache_bytes >= "
+                             f"{_MIN_CACHE_ROWS * _row_bytes(config)}")
         cache = dataclasses.replace(config, storage=None, max_rows=self.cache_rows,
                                     eviction=config.eviction or LRU(), headroom=None,
                                     capacity=min(config.capacity, self.cache_rows))
         self._dir = storage.path
+        self._io_threads = storage.io_threads
         self._check_directory()
         super().__init__(cache)
         self._layout()
-        # Keys on disk -> slot, in a small core store (batched finds in C, ~60 bytes a key).
-        self._disk = EmbeddingStore(dim=2, seed=0)
+        # Keys on disk -> slot (cn_slotindex.h: the core's hash index alone, 23-46 bytes a key).
+        self._disk = _core.SlotIndex()
         self._high_water = 0                       # slots ever used: the file's record count
-        self._page_slots = np.empty(0, np.int64)   # slots of whole free pages, taken in order
-        self._page_cursor = 0
-        self._snapshot = np.empty(0, np.int64)     # sorted slots the last flush's index refers to
+        self._free_pages = np.empty(0, np.int64)   # whole free pages, their slots taken in order
+        self._page_cursor = 0                      # slots taken from them so far
         self._flushes = 0  # flush() calls over the directory's life (meta.json "flush")
         self._commits = 0  # index versions written (a compaction commits a second one)
         self.stats = {"hits": 0, "misses": 0, "new": 0, "rows_read": 0, "rows_written": 0, "bytes_read": 0,
-                      "bytes_written": 0, "flushes": 0}
-        os.makedirs(self._dir, exist_ok=True)
+                      "bytes_written": 0, "flushes": 0, "bytes_written_by_flush": 0, "bytes_written_by_compaction": 0,
+                      "compactions": 0}
+        os.makedirs(self._dir, exist_ok=True)  # its parent exists (_check_directory)
         self._fd = os.open(os.path.join(self._dir, "rows.dat"), os.O_RDWR | os.O_CREAT, 0o644)
         self._reopen()
         super().on_evict(self._spill)
@@ -144,7 +196,11 @@ class TieredStore(EmbeddingStore):
         if c.state_floats:
             fields.append(("state", "<f4", (c.state_floats,)))
         packed = np.dtype(fields)
-        rec = -(-packed.itemsize // 64) * 64  # whole cache lines
+        # Records packed to 8 bytes (the key stays aligned), not to 64: at dim 64 with row-wise
+        # Adagrad, 276 bytes of data took 320 bytes (12 a page) and now 280 (14 a page), so every
+        # spill and flush writes 12% fewer bytes and the file is 12% smaller; a record is read
+        # into a buffer, so its alignment in the file buys nothing.
+        rec = -(-packed.itemsize // 8) * 8
         if rec > _PAGE:
             rec = -(-rec // _PAGE) * _PAGE   # a record of its own pages
         self._record = np.dtype({"names": packed.names, "formats": [packed.fields[n][0] for n in packed.names],
@@ -160,7 +216,8 @@ class TieredStore(EmbeddingStore):
     def _read(self, slots: np.ndarray) -> np.ndarray:
         buf = np.zeros(len(slots), self._record)
         if len(slots):
-            _core.block_io(self._fd, self._offsets(slots), buf.view(np.uint8).reshape(len(slots), -1), False)
+            _core.block_io(self._fd, self._offsets(slots), buf.view(np.uint8).reshape(len(slots), -1), False,
+                           self._io_threads)
             self.stats["rows_read"] += len(slots)
             self.stats["bytes_read"] += buf.nbytes
         return buf
@@ -171,7 +228,8 @@ class TieredStore(EmbeddingStore):
         if "state" in self._record.names:
             buf["state"] = batch.optimizer_state
         if len(slots):
-            _core.block_io(self._fd, self._offsets(slots), buf.view(np.uint8).reshape(len(slots), -1), True)
+            _core.block_io(self._fd, self._offsets(slots), buf.view(np.uint8).reshape(len(slots), -1), True,
+                           self._io_threads)
             self.stats["rows_written"] += len(slots)
             self.stats["bytes_written"] += buf.nbytes
 
@@ -181,12 +239,13 @@ class TieredStore(EmbeddingStore):
     # the file, so that they form long runs, one pwritev each. Reusing single free slots scattered
     # over the file cost 10x per record (2,500 records of 320 bytes: 3.4 ms scattered, 0.3 ms in a
     # run, page cache, this machine). The holes that leaves (slots freed in pages still partly in
-    # use) are closed by compaction, which flush() runs when the file exceeds twice the rows it
+    # use) are closed by compaction, which flush() runs when the file exceeds compact_ratio x the rows it
     # holds, and compact() on demand.
 
     def _take_slots(self, n: int) -> np.ndarray:
         """n slots no live row and no row of the last flush uses, as contiguous as can be."""
-        got = self._page_slots[self._page_cursor:self._page_cursor + n]
+        i = np.arange(self._page_cursor, min(self._page_cursor + n, len(self._free_pages) * self._per_page))
+        got = self._free_pages[i // self._per_page] * self._per_page + i % self._per_page
         self._page_cursor += len(got)
         fresh = n - len(got)
         out = np.concatenate([got, np.arange(self._high_water, self._high_water + fresh, dtype=np.int64)])
@@ -197,13 +256,14 @@ class TieredStore(EmbeddingStore):
         """Slots of rows that left the disk: free for the allocation after the next flush (a
         slot the last flush refers to must not be written before the next one)."""
 
-    def _plan_free(self, used: np.ndarray) -> None:
-        """After a flush: the whole pages no row uses become the next spills' slots."""
-        free = np.flatnonzero(~used)
-        pages = free // self._per_page
-        counts = np.bincount(pages, minlength=1)
-        whole = np.flatnonzero(counts == self._per_page)
-        self._page_slots = free[np.isin(pages, whole)] if len(whole) else np.empty(0, np.int64)
+    def _plan_free(self, slots: np.ndarray) -> None:
+        """After a flush (slots: every slot its index refers to): the whole pages below the high
+        water that no row uses become the next spills' slots. Kept as pages (8 bytes a page):
+        a list of free slots with its masks took 8-16 bytes a slot of the file, which made a
+        flush's peak memory grow with the file rather than with the index."""
+        full_pages = self._high_water // self._per_page
+        used = np.bincount(slots // self._per_page, minlength=full_pages)[:full_pages]
+        self._free_pages = np.flatnonzero(used == 0).astype(np.int64)
         self._page_cursor = 0
 
     # --- moving rows between the tiers ------------------------------------------------------------
@@ -212,41 +272,75 @@ class TieredStore(EmbeddingStore):
         """The cache evicted these rows: write them to free slots (their keys are not on disk)."""
         slots = self._take_slots(len(batch.keys))
         self._write(slots, batch)
-        self._disk.load(batch.keys, _encode(slots))
+        self._disk.put(np.ascontiguousarray(batch.keys), slots)
 
     def _fault_in(self, keys, insert: bool) -> None:
         """Bring the keys on disk into the cache (and, with insert, give the absent ones their
-        initial rows), evicting only rows the call does not use."""
-        keys = np.unique(as_keys(keys))
+        initial rows), evicting only rows the call does not use.
+
+        The common case, every key in memory, costs one batched find over the keys as given
+        (duplicates and all): np.unique over a step's 16k IDs took 1.3 ms, more than the
+        in-memory step's whole lookup, so only the keys missing from memory are made unique."""
+        keys = as_keys(keys)
         if not len(keys):
             return
         cached = EmbeddingStore.find(self, keys)[1]
-        absent = keys[~cached]
-        disk_rows, on_disk = self._disk.find(absent) if len(absent) else (np.empty(0, np.int64), np.empty(0, bool))
-        self.stats["hits"] += int(cached.sum())
-        disk_keys = absent[on_disk]
-        self.stats["misses"] += len(disk_keys)
+        n_cached = int(cached.sum())
+        self.stats["hits"] += n_cached
+        if n_cached == len(keys):
+            return
+        absent, absent_count = np.unique(keys[~cached], return_counts=True)
+        disk_slots = self._disk.find(absent)
+        on_disk = disk_slots >= 0
+        disk_keys, slots = absent[on_disk], disk_slots[on_disk]
+        self.stats["misses"] += int(absent_count[on_disk].sum())
         if insert:
             self.stats["new"] += int((~on_disk).sum())
-        if not len(disk_keys) and not insert:
-            return
-        # Room first (the call's keys pinned: find_or_insert evicts only others), then the disk rows.
-        pinned = keys if insert else np.concatenate([keys[cached], disk_keys])
-        if len(pinned) > self.cache_rows:
-            raise ValueError(f"keys: this call uses {len(pinned)} distinct keys, more than the cache's "
+        if not len(disk_keys):
+            if insert and len(keys) > self.cache_rows:
+                self._check_fits(keys)
+            return  # new keys only: the call's own find_or_insert makes their rows
+        # Room first, then the disk rows. With room for them (the cache evicts in rounds of
+        # `headroom` rows, so most steps find room) they load straight in; else find_or_insert
+        # of every key of the call (so that it evicts only others) makes it.
+        if EmbeddingStore.__len__(self) + len(disk_keys) > self.cache_rows:
+            pinned = keys if insert else np.concatenate([keys[cached], disk_keys])
+            if len(pinned) > self.cache_rows:
+                self._check_fits(pinned)
+            EmbeddingStore.find_or_insert(self, pinned)
+        rec = self._read_current(disk_keys, slots)
+        if (rec["key"] != disk_keys).any():
+            raise RuntimeError(f"{self._dir}: rows.dat holds another key in a slot the index gives; the tier "
+                               "is damaged")
+        EmbeddingStore.load(self, disk_keys, rec["row"], rec["state"] if "state" in rec.dtype.names else None,
+                            rec["count"], rec["last_step"])
+        self._disk.erase(disk_keys)
+        self._release(slots)
+
+    @contextlib.contextmanager
+    def faulted_in(self, keys, insert: bool):
+        """A context in which `keys` are in the memory cache (with `insert`, absent keys get
+        their initial rows) and no other thread moves rows between the tiers: run a core lookup
+        of these keys inside it (what `grouped_pooled_lookup` and the torch modules do)."""
+        with self._lock:
+            self._fault_in(keys, insert)
+            yield
+
+    @_locked
+    def evict(self, n: int) -> int:
+        """Move the `n` lowest-scoring cached rows to disk now; returns how many."""
+        return super().evict(n)
+
+    @_locked
+    def evict_expired(self) -> int:
+        return super().evict_expired()
+
+    def _check_fits(self, keys: np.ndarray) -> None:
+        distinct = len(np.unique(keys))
+        if distinct > self.cache_rows:
+            raise ValueError(f"keys: this call uses {distinct} distinct keys, more than the cache's "
                              f"{self.cache_rows} rows (Tiered.cache_bytes={self._tier_config.storage.cache_bytes}); "
                              "give a larger cache_bytes or smaller batches. The table is unchanged")
-        EmbeddingStore.find_or_insert(self, pinned)
-        if len(disk_keys):
-            slots = _decode(self._disk.read(disk_keys).rows)
-            rec = self._read_current(disk_keys, slots)
-            if (rec["key"] != disk_keys).any():
-                raise RuntimeError(f"{self._dir}: rows.dat holds another key in a slot the index gives; the tier "
-                                   "is damaged")
-            EmbeddingStore.load(self, disk_keys, rec["row"], rec["state"] if "state" in rec.dtype.names else None,
-                                rec["count"], rec["last_step"])
-            self._disk.erase(disk_keys)
-            self._release(slots)
 
     # --- the verbs of a store ------------------------------------------------------------------
 
@@ -254,6 +348,16 @@ class TieredStore(EmbeddingStore):
     def config(self) -> StoreConfig:
         """The config the store was built with (its storage included)."""
         return self._tier_config
+
+    @property
+    def record_bytes(self) -> int:
+        """Bytes of one record in the file (key, count, last step, row, optimizer state)."""
+        return self._record.itemsize
+
+    @property
+    def disk_index_bytes(self) -> int:
+        """Memory the index of the rows on disk takes (its buckets)."""
+        return self._disk.nbytes
 
     @property
     def cached_rows(self) -> int:
@@ -266,27 +370,33 @@ class TieredStore(EmbeddingStore):
     def __reduce__(self):
         raise TypeError("a TieredStore does not pickle: flush() it and reopen the directory with its config")
 
+    @_locked
     def find(self, keys):
         self._fault_in(keys, insert=False)
         return super().find(keys)
 
+    @_locked
     def contains(self, keys) -> np.ndarray:
-        return EmbeddingStore.find(self, keys)[1] | self._disk.contains(keys)
+        return EmbeddingStore.find(self, keys)[1] | (self._disk.find(as_keys(keys)) >= 0)
 
+    @_locked
     def find_or_insert(self, keys):
         present = self.contains(keys)
         self._fault_in(keys, insert=True)
         slots, _ = super().find_or_insert(keys)
         return slots, present
 
+    @_locked
     def insert_or_assign(self, keys, rows, optimizer_state=None) -> np.ndarray:
         self._fault_in(keys, insert=False)
         return super().insert_or_assign(keys, rows, optimizer_state)
 
+    @_locked
     def assign(self, keys, rows, optimizer_state=None) -> np.ndarray:
         self._fault_in(keys, insert=False)
         return super().assign(keys, rows, optimizer_state)
 
+    @_locked
     def load(self, keys, rows, optimizer_state=None, counts=None, last_steps=None) -> np.ndarray:
         """As EmbeddingStore.load, in chunks of half the cache (restoring a table larger than the
         cache spills as it goes)."""
@@ -304,53 +414,66 @@ class TieredStore(EmbeddingStore):
                                    None if last_steps is None else np.asarray(last_steps)[part]))
         return np.concatenate(found)
 
+    @_locked
     def erase(self, keys) -> np.ndarray:
         erased = super().erase(keys)
         arr = as_keys(keys)
-        disk_rows, on_disk = self._disk.find(arr)
+        on_disk = self._disk.find(arr) >= 0
         if on_disk.any():
             first = np.zeros(len(arr), bool)
             first[np.unique(arr, return_index=True)[1]] = True  # a repeated key is erased once
             erased = erased | (on_disk & first)
             gone = np.unique(arr[on_disk])
-            slots = _decode(self._disk.read(gone).rows)
-            self._disk.erase(gone)
-            self._release(slots)
+            self._release(self._disk.erase(gone))
         return erased
 
+    @_locked
     def clear(self) -> None:
         super().clear()
-        keys = self._disk.export(with_rows=True)
-        self._release(_decode(keys.rows))
         self._disk.clear()
 
+    @_locked
     def reserve(self, n_rows: int) -> None:
         super().reserve(min(int(n_rows), self.cache_rows))
 
+    @_locked
     def lookup(self, keys, *, insert_missing: bool = False) -> np.ndarray:
+        """As EmbeddingStore.lookup; more keys than the cache holds go in chunks of half the
+        cache (the rows are copies, so a later chunk may send an earlier one's rows to disk)."""
         from cncore.grouped import as_flag
         insert = as_flag(insert_missing, "insert_missing")
+        keys = as_keys(keys)
+        step = max(1, self.cache_rows // 2)
+        if len(keys) > step:
+            return np.concatenate([self.lookup(keys[a:a + step], insert_missing=insert)
+                                   for a in range(0, len(keys), step)]).reshape(len(keys), self.dim)
         self._fault_in(keys, insert=insert)
         if insert:
             EmbeddingStore.find_or_insert(self, keys)
         return EmbeddingStore.read(self, keys).rows
 
+    @_locked
     def read(self, keys) -> TableBatch:
+        """As EmbeddingStore.read; more keys than the cache holds go in chunks of half the cache."""
+        keys = as_keys(keys)
+        step = max(1, self.cache_rows // 2)
+        if len(keys) > step:
+            parts = [self.read(keys[a:a + step]) for a in range(0, len(keys), step)]
+            return TableBatch(*(np.concatenate([getattr(p, f) for p in parts]) for f in
+                                ("keys", "rows", "optimizer_state", "counts", "last_steps", "found")))
         self._fault_in(keys, insert=False)
         return super().read(keys)
 
-    def pooled_lookup(self, keys, offsets=None, *, lengths=None, mode: str = "sum", per_sample_weights=None,
-                      insert_missing: bool = True, out=None):
-        self._fault_in(keys, insert=bool(insert_missing))
-        return super().pooled_lookup(keys, offsets, lengths=lengths, mode=mode, per_sample_weights=per_sample_weights,
-                                     insert_missing=insert_missing, out=out)
-
+    @_locked
     def prefetch(self, keys) -> None:
         """Hand in the next batch's keys early: a background thread reads the records of those on
         disk (the read releases the GIL) while the current step runs, and the call that next needs
         them takes those records instead of reading, if they are still current: the key still in
         the slot read, and no flush since (a slot is rewritten only after a flush frees it). One
-        prefetch at a time: a new one first waits for the previous one.
+        prefetch at a time per store: a new one first waits for the previous one. The reads of
+        every tiered store of the process run on one background thread (each read is itself a
+        batch over Tiered.io_threads): a thread per call cost cn-dlrm (26 tables) 1 ms a step to
+        start them and 5 ms a step waiting on them, against each other and the step, for GIL.
 
         >>> import numpy as np, tempfile, os, cncore
         >>> s = cncore.EmbeddingStore(cncore.StoreConfig(dim=2, storage=cncore.Tiered(
@@ -361,39 +484,33 @@ class TieredStore(EmbeddingStore):
         >>> s.stats["prefetched"] > 0
         True
         """
-        keys = np.unique(as_keys(keys))
+        keys = as_keys(keys)
         self._wait_prefetch()
-        commit = self._commits
+        # Which keys are on disk, and where: here, with the lock held (one batched find, a
+        # np.unique of those on disk only); only the reads go to the background.
+        at = self._disk.find(keys)
+        found = at >= 0
+        if not found.any():
+            return
+        found_keys, first = np.unique(keys[found], return_index=True)  # sorted, as _read_current wants
+        slots = at[found][first]
+        buf = np.zeros(len(slots), self._record)
+        offsets, fd, threads, commit = self._offsets(slots), self._fd, self._io_threads, self._commits
 
         def read():
-            b = self._disk.read(keys)
-            found_keys, slots = keys[b.found], _decode(b.rows[b.found])
-            buf = np.zeros(len(slots), self._record)
-            if len(slots):
-                _core.block_io(self._fd, self._offsets(slots), buf.view(np.uint8).reshape(len(slots), -1), False)
-            self._staged = (commit, found_keys, slots, buf)  # keys sorted (np.unique)
+            _core.block_io(fd, offsets, buf.view(np.uint8).reshape(len(slots), -1), False, threads)
+            return commit, found_keys, slots, buf
 
-        import threading
-        self._prefetching = threading.Thread(target=self._catching(read), name="cncore-tier-prefetch", daemon=True)
-        self._prefetching.start()
-
-    def _catching(self, fn):
-        def run():
-            try:
-                fn()
-            except BaseException as exc:  # re-raised by the call that waits for it
-                self._prefetch_error = exc
-        return run
+        self._prefetching = _prefetcher().submit(read)
 
     def _wait_prefetch(self) -> None:
-        thread = getattr(self, "_prefetching", None)
-        if thread is not None:
-            thread.join()
-            self._prefetching = None
-        error = getattr(self, "_prefetch_error", None)
-        if error is not None:
-            self._prefetch_error = None
-            raise RuntimeError("the background read of prefetch() failed") from error
+        """Take the result of this store's prefetch, if one is under way (into self._staged)."""
+        job, self._prefetching = self._prefetching, None
+        if job is not None:
+            try:
+                self._staged = job.result()
+            except BaseException as exc:
+                raise RuntimeError("the background read of prefetch() failed") from exc
 
     def _read_current(self, keys: np.ndarray, slots: np.ndarray) -> np.ndarray:
         """The records of disk keys (sorted) at slots: prefetched ones where still current, the
@@ -419,6 +536,7 @@ class TieredStore(EmbeddingStore):
     def set_optimizer(self, optimizer) -> None:
         raise TypeError("set_optimizer: not on a tiered store (its records have the optimizer's width)")
 
+    @_locked
     def export(self, cursor: Optional[tuple] = None, max_rows: Optional[int] = None, *,
                with_rows: bool = True) -> TableBatch:
         """Every row, the cache's then the disk's (no cursor: iter_export walks both tiers)."""
@@ -440,8 +558,8 @@ class TieredStore(EmbeddingStore):
             if cursor is None:
                 break
         sf = self._tier_config.state_floats
-        for b in self._disk.iter_export(batch_size):
-            rec = self._read(_decode(b.rows))
+        for _, disk_slots in self._disk.items(batch_size):
+            rec = self._read(disk_slots)
             dim = self.dim if with_rows else 0
             rows = rec["row"] if with_rows else np.empty((len(rec), 0), np.float32)
             state = (rec["state"] if sf else np.empty((len(rec), 0), np.float32)) if with_rows \
@@ -455,6 +573,10 @@ class TieredStore(EmbeddingStore):
     def _check_directory(self) -> None:
         """The path is new, empty, or a tier of this same table; anything else is refused."""
         if not os.path.exists(self._dir):
+            parent = os.path.dirname(os.path.abspath(self._dir))
+            if not os.path.isdir(parent):  # a typo in the path would otherwise start an empty table
+                raise ValueError(f"Tiered.path: the directory {parent} that should hold {self._dir} does not "
+                                 "exist; create it first (the tier creates only its own directory)")
             return
         if not os.path.isdir(self._dir):
             raise ValueError(f"Tiered.path: {self._dir} exists and is not a directory")
@@ -467,112 +589,146 @@ class TieredStore(EmbeddingStore):
         meta_path = os.path.join(self._dir, "meta.json")
         if not os.path.exists(meta_path):
             return
-        with open(meta_path) as fh:
-            meta = json.load(fh)
+        try:
+            with open(meta_path) as fh:
+                meta = json.load(fh)
+        except (ValueError, UnicodeDecodeError) as exc:  # written whole by one rename: damage, not a crash
+            raise ValueError(f"Tiered.path: {meta_path} is not valid JSON ({exc}); the tier is damaged") from None
         if meta.get("format") != _FORMAT or meta.get("version") != _VERSION:
-            raise ValueError(f"Tiered.path: {meta_path} is not a {_FORMAT} version {_VERSION} directory")
+            raise ValueError(f"Tiered.path: {meta_path} is not a {_FORMAT} version {_VERSION} directory (version "
+                             f"{meta.get('version')!r}: export it with the version of cncore that wrote it)")
         if meta["config"] != _config_record(self._tier_config):
             raise ValueError(f"Tiered.path: {self._dir} holds a table of another config ({meta['config']}); "
                              "open it with the config it was flushed with")
-        with open(os.path.join(self._dir, meta["index"]), "rb") as fh:
-            data = fh.read()
-        if hashlib.sha256(data).hexdigest() != meta["index_sha256"]:
+        if meta.get("record_bytes") != self._record.itemsize:
+            raise ValueError(f"Tiered.path: {meta_path} holds records of {meta.get('record_bytes')!r} bytes, this "
+                             f"config's are {self._record.itemsize}; the directory is damaged or of another layout")
+        index_path = os.path.join(self._dir, meta["index"])
+        digest = hashlib.sha256()
+        with open(index_path, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                digest.update(chunk)
+        if digest.hexdigest() != meta["index_sha256"]:
             raise ValueError(f"Tiered.path: {self._dir}/{meta['index']} fails its checksum (damaged)")
-        import io
-        with np.load(io.BytesIO(data)) as index:
+        with np.load(index_path) as index:
             keys, slots = index["keys"], index["slots"]
-        self._disk.load(keys, _encode(slots))
+        self._disk.put(keys, slots)
         self._high_water = int(meta["high_water"])
-        self._snapshot = np.sort(slots)
-        used = np.zeros(self._high_water, bool)
-        used[slots] = True
-        self._plan_free(used)
+        self._plan_free(slots)
         self.step = int(meta["step"])
         self.evicted_count = int(meta["evicted"])
         self._flushes, self._commits = int(meta["flush"]), int(meta["commit"])
 
+    def _cache_batches(self, batch_size: int = _CHUNK, with_rows: bool = True) -> Iterator[TableBatch]:
+        """The cached rows, batch_size at a time (the base class's cursor walk)."""
+        cursor = None
+        while True:
+            b = EmbeddingStore.export(self, cursor, batch_size, with_rows=with_rows)
+            if len(b.keys):
+                yield b
+            cursor = b.next_cursor
+            if cursor is None:
+                return
+
+    @_locked
     def flush(self) -> None:
         """Make the directory hold this table as it is now, crash-safely (module docstring)."""
-        self._wait_prefetch()
-        cached = EmbeddingStore.export(self)
-        slots = self._take_slots(len(cached.keys))
-        self._write(slots, cached)
-        os.fsync(self._fd)
-        disk = self._disk.export()
-        keys = np.concatenate([disk.keys, cached.keys])
-        all_slots = np.concatenate([_decode(disk.rows), slots])
-        self._flushes += 1
-        self._commit(keys, all_slots)
-        # The new snapshot: its slots stay untouched until the next flush; the rest is free.
-        self._snapshot = np.sort(all_slots)
-        used = np.zeros(self._high_water, bool)
-        used[self._snapshot] = True
-        self._plan_free(used)
-        self._flushed = (keys, all_slots)
-        self.stats["flushes"] += 1
-        if self._high_water > 2 * len(all_slots) + 4 * self._per_page:
-            self._compact_flushed()
+        keys, slots = self._flush()
+        if self._high_water > self._tier_config.storage.compact_ratio * len(slots) + 4 * self._per_page:
+            self._compact_flushed(keys, slots)
 
+    def _flush(self):
+        """flush() without its compaction; returns every row's key and slot (the new index).
+
+        Scratch memory is the index (16 bytes a row) and one chunk of records: exporting the
+        whole cache and writing it from one buffer made a flush's peak RSS 1.7x the steady
+        state (130 MiB for a 32 MiB cache at 3x, asv_bench/scripts/tiered_bench.py)."""
+        self._wait_prefetch()
+        n = EmbeddingStore.__len__(self) + len(self._disk)
+        keys, slots = np.empty(n, np.int64), np.empty(n, np.int64)
+        at = 0
+        for k, disk_slots in self._disk.items(_CHUNK):
+            keys[at:at + len(k)], slots[at:at + len(k)] = k, disk_slots
+            at += len(k)
+        for b in self._cache_batches():
+            taken = self._take_slots(len(b.keys))
+            self._write(taken, b)
+            self.stats["bytes_written_by_flush"] += len(taken) * self._record.itemsize
+            keys[at:at + len(b.keys)], slots[at:at + len(b.keys)] = b.keys, taken
+            at += len(b.keys)
+        assert at == n, (at, n)
+        os.fsync(self._fd)
+        self._flushes += 1
+        self._commit(keys, slots)
+        # The new snapshot: its slots stay untouched until the next flush; the rest is free.
+        self._plan_free(slots)
+        self.stats["flushes"] += 1
+        return keys, slots
+
+    @_locked
     def compact(self) -> int:
         """Flush, then move the records past the table's row count into the holes below it and
         truncate the file: afterwards it holds exactly one record per row. Crash-safe like a
         flush (records are copied into free slots, the new index is committed, then the file is
         cut). Returns the bytes the file gave back."""
-        self.flush()
-        return self._compact_flushed()
+        return self._compact_flushed(*self._flush())
 
-    def _compact_flushed(self) -> int:
-        """compact() right after a flush (the state is on disk, nothing cached is newer)."""
-        keys, slots = self._flushed
+    def _compact_flushed(self, keys: np.ndarray, slots: np.ndarray) -> int:
+        """compact() right after a flush (the state is on disk, nothing cached is newer): the
+        records past the row count move into the holes below it, a chunk at a time."""
         n = len(slots)
-        order = np.argsort(slots)
-        tail = slots[order][slots[order] >= n]
-        holes = np.setdiff1d(np.arange(n, dtype=np.int64), slots, assume_unique=True)
-        if len(tail):
-            rec = self._read(tail)
-            buf = rec.view(np.uint8).reshape(len(tail), -1)
-            _core.block_io(self._fd, self._offsets(holes), buf, True)
-            self.stats["rows_written"] += len(tail)
-            self.stats["bytes_written"] += buf.nbytes
+        is_tail = slots >= n
+        if is_tail.any():
+            tail = np.sort(slots[is_tail])
+            low = np.zeros(n, bool)
+            low[slots[~is_tail]] = True
+            holes = np.flatnonzero(~low)  # as many as the tail records (n slots, n rows)
+            del low
+            for a in range(0, len(tail), _CHUNK):
+                rec = self._read(tail[a:a + _CHUNK])
+                buf = rec.view(np.uint8).reshape(len(rec), -1)
+                _core.block_io(self._fd, self._offsets(holes[a:a + _CHUNK]), buf, True, self._io_threads)
+                self.stats["rows_written"] += len(rec)
+                self.stats["bytes_written"] += buf.nbytes
+                self.stats["bytes_written_by_compaction"] += buf.nbytes
             os.fsync(self._fd)
-            moved = slots.copy()
-            at = np.searchsorted(tail, slots)
-            is_tail = slots >= n
-            moved[is_tail] = holes[at[is_tail]]
-            self._commit(keys, moved)
-            slots = moved
-            on_disk = self._disk.contains(keys)
-            self._disk.load(keys[on_disk], _encode(slots[on_disk]))
+            slots = slots.copy()
+            slots[is_tail] = holes[np.searchsorted(tail, slots[is_tail])]
+            self._commit(keys, slots)
+            on_disk = self._disk.find(keys) >= 0
+            self._disk.put(keys[on_disk], slots[on_disk])
         before = os.fstat(self._fd).st_size
         end = 0 if n == 0 else int(self._offsets(np.array([n - 1]))[0]) + self._record.itemsize
         os.ftruncate(self._fd, end)
         os.fsync(self._fd)
-        self._high_water, self._snapshot = n, np.sort(slots)
-        self._page_slots, self._page_cursor = np.empty(0, np.int64), 0
-        self._flushed = (keys, slots)
-        self.stats["compactions"] = self.stats.get("compactions", 0) + 1
+        self._high_water = n
+        self._free_pages, self._page_cursor = np.empty(0, np.int64), 0
+        self.stats["compactions"] += 1
         return before - end
 
     def _commit(self, keys: np.ndarray, all_slots: np.ndarray) -> None:
         """Write the index of every row's slot and make it the directory's state (atomic)."""
-        import io
-        buf = io.BytesIO()
-        np.savez(buf, keys=keys, slots=all_slots)
-        data = buf.getvalue()
         self._commits += 1
         index_name = f"index-{self._commits:06d}.npz"
+        index_path = os.path.join(self._dir, index_name)
+        with open(index_path, "wb") as fh:  # straight to the file: no second copy of the index in memory
+            np.savez(fh, keys=keys, slots=all_slots)
+            fh.flush()
+            os.fsync(fh.fileno())
+        digest = hashlib.sha256()
+        with open(index_path, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                digest.update(chunk)
         meta = {"format": _FORMAT, "version": _VERSION, "config": _config_record(self._tier_config),
                 "flush": self._flushes, "commit": self._commits, "index": index_name,
                 "rows": int(len(keys)), "step": int(self.step), "evicted": int(self.evicted_count),
                 "high_water": int(self._high_water), "record_bytes": int(self._record.itemsize),
-                "index_sha256": hashlib.sha256(data).hexdigest()}
+                "index_sha256": digest.hexdigest()}
         tmp_meta = os.path.join(self._dir, f".tmp-{os.getpid()}-meta.json")
-        for path, payload in ((os.path.join(self._dir, index_name), data),
-                              (tmp_meta, json.dumps(meta, indent=1).encode())):
-            with open(path, "wb") as fh:
-                fh.write(payload)
-                fh.flush()
-                os.fsync(fh.fileno())
+        with open(tmp_meta, "wb") as fh:
+            fh.write(json.dumps(meta, indent=1).encode())
+            fh.flush()
+            os.fsync(fh.fileno())
         from cncore.tablefile import _fsync_dir
         _fsync_dir(self._dir)
         os.replace(tmp_meta, os.path.join(self._dir, "meta.json"))  # the commit point
@@ -581,6 +737,7 @@ class TieredStore(EmbeddingStore):
             if (entry.startswith("index-") and entry != index_name) or entry.startswith(".tmp-"):
                 os.remove(os.path.join(self._dir, entry))
 
+    @_locked
     def close(self) -> None:
         """Close the file (without flushing)."""
         self._wait_prefetch()

@@ -3,11 +3,15 @@
 - A hypothesis state machine drives a TieredStore whose cache holds 16 rows (so rows go back
   and forth between memory and disk all the time) and an in-memory EmbeddingStore through the
   same training steps (pooled lookup + fused Adam / row-wise Adagrad backward), evaluation
-  lookups, writes, erases, background prefetches, flushes, compactions and reopenings: after every step both hold the same keys,
-  rows, optimizer state, counts and last steps, and give the same outputs.
+  lookups, writes, erases, background prefetches, evictions on demand, flushes, compactions and
+  reopenings (LRU, LFU and TTL caches): after every step both hold the same keys, rows,
+  optimizer state, counts and last steps, and give the same outputs.
+- Threads sharing one tiered store read the right rows and train as one thread would.
+- The disk index (cn_slotindex.h) against a dict.
 - Crash tests: a subprocess trains and flushes, and is SIGKILLed at a random moment (during
   training, during a flush); the directory reopens as the state of the last completed flush.
-- Bad input is refused naming the argument, and leaves the directory as it was.
+- Bad input (a missing parent directory, a cache of fewer than 16 rows, another table's
+  directory, bad options) is refused naming the argument, and leaves the directory as it was.
 """
 import json
 import os
@@ -18,7 +22,7 @@ import time
 
 import numpy as np
 import pytest
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 import cncore
@@ -41,12 +45,12 @@ key_batches = st.lists(st.one_of(st.integers(-30, 30), st.sampled_from([-2**63, 
 
 
 class TieredMachine(RuleBasedStateMachine):
-    @initialize(optimizer=st.sampled_from(["adam", "rowwise"]), eviction=st.sampled_from(["lru", "lfu"]))
+    @initialize(optimizer=st.sampled_from(["adam", "rowwise"]), eviction=st.sampled_from(["lru", "lfu", "ttl"]))
     def setup(self, optimizer, eviction):
         import tempfile
         self.path = os.path.join(tempfile.mkdtemp(), "t.tier")
         opt = cncore.Adam(lr=0.05) if optimizer == "adam" else cncore.RowWiseAdagrad(lr=0.1)
-        ev = cncore.LRU() if eviction == "lru" else cncore.LFU()
+        ev = {"lru": cncore.LRU(), "lfu": cncore.LFU(), "ttl": cncore.TTL(steps=2)}[eviction]
         per_row = DIM * 4 + 4 * (2 * DIM if optimizer == "adam" else 1) + 47
         self.config = cncore.StoreConfig(dim=DIM, seed=3, optimizer=opt, eviction=ev,
                                          storage=cncore.Tiered(self.path, cache_bytes=16 * per_row))
@@ -88,6 +92,15 @@ class TieredMachine(RuleBasedStateMachine):
     def prefetch(self, keys):
         """Read ahead in the background; whatever runs next must see the current rows."""
         self.tiered.prefetch(np.array(keys, np.int64))
+
+    @rule(n=st.integers(0, 20))
+    def evict(self, n):
+        """Rows evicted on demand (and, with TTL, the expired ones) go to disk, not away."""
+        before = self.tiered.cached_rows
+        got = self.tiered.evict(n)
+        assert got == min(n, before) and self.tiered.cached_rows == before - got
+        if isinstance(self.config.eviction, cncore.TTL):
+            self.tiered.evict_expired()
 
     @rule()
     def flush(self):
@@ -132,14 +145,24 @@ def test_a_table_ten_times_its_cache_trains_as_in_memory(tmp_path):
     assert tiered.cached_rows <= 200 < len(tiered)
     assert tiered.stats["rows_written"] > 0 and tiered.stats["rows_read"] > 0
     assert_same_rows(tiered, memory)
+    # lookup / read of more keys than the cache holds go in chunks: the same answers, unknown keys included
+    keys = np.concatenate([np.arange(-50, 2100), np.arange(2000)[::-1]])
+    np.testing.assert_array_equal(tiered.lookup(keys), memory.lookup(keys))
+    a, b = tiered.read(keys), memory.read(keys)
+    for name in ("keys", "rows", "optimizer_state", "counts", "last_steps", "found"):
+        np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
+    new = np.arange(5000, 5600)
+    np.testing.assert_array_equal(tiered.lookup(new, insert_missing=True), memory.lookup(new, insert_missing=True))
+    assert_same_rows(tiered, memory)
 
 
 def test_flush_then_reopen_and_the_file_reuses_space(tmp_path):
     """The same 200 keys rewritten over and over: the file stops growing. Spills go to whole free
-    pages and the end of the file (log-structured); every flush leaves at most twice the rows
-    (it compacts past that), and compact() exactly one record per row."""
+    pages and the end of the file (log-structured); with compact_ratio=2 every flush leaves at most
+    twice the rows (it compacts past that), and compact() exactly one record per row."""
     config = cncore.StoreConfig(dim=DIM, optimizer=cncore.SGD(lr=0.1),
-                                storage=cncore.Tiered(str(tmp_path / "t"), cache_bytes=16 * (DIM * 4 + 47)))
+                                storage=cncore.Tiered(str(tmp_path / "t"), cache_bytes=16 * (DIM * 4 + 47),
+                                                      compact_ratio=2))
     store = cncore.EmbeddingStore(config)
     sizes = []
     for round_ in range(12):
@@ -148,7 +171,7 @@ def test_flush_then_reopen_and_the_file_reuses_space(tmp_path):
             store.apply_gradients(ctx, np.ones((1, DIM), np.float32))
         store.flush()
         sizes.append(os.path.getsize(tmp_path / "t" / "rows.dat"))
-    rec = store._record.itemsize
+    rec = store.record_bytes
     per_page = 4096 // rec
     bound = (2 * 200 // per_page + 5) * 4096  # twice the rows, a few pages of slack, after every flush
     assert max(sizes) <= bound, sizes
@@ -170,6 +193,23 @@ def test_bad_input_is_refused_naming_it_and_leaves_the_directory(tmp_path):
         cncore.Tiered(str(tmp_path / "t"), cache_bytes=0)
     with pytest.raises(TypeError, match="Tiered.path"):
         cncore.Tiered(None, cache_bytes=10)
+    for ratio in (0.5, float("nan"), True, "3"):
+        with pytest.raises(ValueError, match=r"Tiered.compact_ratio must be a number in \[1, 1e6\]"):
+            cncore.Tiered(str(tmp_path / "t"), cache_bytes=10**6, compact_ratio=ratio)
+    for threads in (0, 257, 2.0, None):
+        with pytest.raises(ValueError, match=r"Tiered.io_threads must be an int in \[1, 256\]"):
+            cncore.Tiered(str(tmp_path / "t"), cache_bytes=10**6, io_threads=threads)
+    with pytest.raises(ValueError, match=r"the directory .*/missing that should hold .* does not exist; create it"):
+        cncore.EmbeddingStore(cncore.StoreConfig(dim=2, storage=cncore.Tiered(str(tmp_path / "missing" / "t"), 10**6)))
+    assert not (tmp_path / "missing").exists()
+    row = 64 * 4 + 4 + 47  # dim 64, row-wise Adagrad: the row, its state, metadata and index share
+    with pytest.raises(ValueError, match=rf"cache_bytes={16 * row - 1} holds 15 rows .*{row} bytes each.*"
+                                         rf"give cache_bytes >= {16 * row}"):
+        cncore.EmbeddingStore(cncore.StoreConfig(dim=64, optimizer=cncore.RowWiseAdagrad(), storage=cncore.Tiered(
+            str(tmp_path / "small"), 16 * row - 1)))
+    assert not (tmp_path / "small").exists()
+    assert cncore.EmbeddingStore(cncore.StoreConfig(dim=64, optimizer=cncore.RowWiseAdagrad(), storage=cncore.Tiered(
+        str(tmp_path / "small"), 16 * row))).cache_rows == 16
     other = tmp_path / "other"
     other.mkdir()
     (other / "notes.txt").write_text("mine")
@@ -253,7 +293,7 @@ def test_the_benchmark_script_measures_every_cell():
     for c in cells:
         rows, tiered_ms, memory_ms, hit_rate = int(c[2].replace(",", "")), float(c[3]), float(c[4]), float(c[6])
         assert rows > 3 * 3000 and tiered_ms > 0 and memory_ms > 0 and 0 < hit_rate < 1
-    assert "write amplification" in out and "after (record 320 bytes)" in out
+    assert "write amplification" in out and "after (record 280 bytes)" in out
 
 
 # --- the front ends ----------------------------------------------------------------------------
@@ -317,3 +357,103 @@ def test_the_job_on_the_tier_trains_exactly_as_in_memory(tmp_path, capsys):
         with pytest.raises(SystemExit):
             parse_args(argv)
         assert expected in capsys.readouterr().err
+
+
+# --- the disk index ------------------------------------------------------------------------------
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["put", "erase"]),
+                          st.lists(st.one_of(st.integers(-40, 40), st.sampled_from([-2**63, 2**63 - 1])),
+                                   max_size=60)), max_size=30), st.integers(1, 50))
+def test_the_disk_index_is_a_dict_of_key_to_slot(ops, batch_size):
+    """cn_slotindex.h against a dict: puts (a key given twice keeps its last slot), erases (each
+    key's old slot once, -1 for a repeat or an absent key), finds, and the walk of every entry,
+    through growth past several rehashes."""
+    from cncore._core import SlotIndex
+    ix, model, next_slot = SlotIndex(), {}, 0
+    for op, keys in ops + [("put", list(range(1000, 1700)))]:  # the last one grows it past 1,024 buckets
+        arr = np.array(keys, np.int64)
+        if op == "put":
+            slots = np.arange(next_slot, next_slot + len(arr), dtype=np.int64)
+            next_slot += len(arr)
+            ix.put(arr, slots)
+            model.update(zip(keys, slots.tolist()))
+        else:
+            want = []
+            for k in keys:
+                want.append(model.pop(k, -1))
+            assert ix.erase(arr).tolist() == want
+        probe = np.array(keys + [-2**63, 2**63 - 1, 99], np.int64)
+        assert ix.find(probe).tolist() == [model.get(k, -1) for k in probe.tolist()]
+        assert len(ix) == len(model)
+    walked = {}
+    for k, s in ix.items(batch_size):
+        assert len(k) <= batch_size
+        walked.update(zip(k.tolist(), s.tolist()))
+    assert walked == model and sum(len(k) for k, _ in ix.items(batch_size)) == len(model)
+    assert ix.nbytes >= 16 * len(model) / 0.7
+    ix.clear()
+    assert len(ix) == 0 and ix.find(np.array([1000])).tolist() == [-1]
+
+
+def test_threads_reading_and_training_at_once_see_the_right_rows(tmp_path):
+    """Several threads use one tiered store (as they may use any store): lookups running
+    beside other threads' faults-in and spills return the rows the table holds, never zeros
+    or a fresh initial row for a key that was on its way to disk; training threads on
+    disjoint keys end with the rows of the same training done one thread at a time."""
+    import threading
+    opt = cncore.SGD(lr=0.1)
+    per_row = DIM * 4 + 47
+    tiered = cncore.EmbeddingStore(cncore.StoreConfig(dim=DIM, optimizer=opt, storage=cncore.Tiered(
+        str(tmp_path / "t"), cache_bytes=64 * per_row)))
+    memory = cncore.EmbeddingStore(cncore.StoreConfig(dim=DIM, optimizer=opt))
+    for start in range(0, 600, 30):
+        for s in (tiered, memory):
+            s.find_or_insert(np.arange(start, start + 30))
+    want = memory.lookup(np.arange(600))
+    errors = []
+
+    def reader(seed):
+        rng = np.random.default_rng(seed)
+        try:
+            for _ in range(300):
+                keys = rng.integers(0, 600, 12)
+                np.testing.assert_array_equal(tiered.lookup(keys), want[keys])
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    def trainer(base, seed):
+        rng = np.random.default_rng(seed)
+        try:
+            for _ in range(150):
+                keys = base + rng.integers(0, 40, 8)
+                grad = rng.standard_normal((2, DIM)).astype(np.float32)
+                while True:
+                    _, ctx = tiered.pooled_lookup(keys, lengths=np.array([4, 4]))
+                    try:
+                        tiered.apply_gradients(ctx, grad)
+                        break
+                    except RuntimeError as exc:  # another thread evicted a row of this lookup: redo it
+                        assert "since this lookup" in str(exc), exc
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=reader, args=(s,)) for s in range(3)]
+    threads += [threading.Thread(target=trainer, args=(b, s)) for s, b in ((7, 1000), (8, 2000))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+    for base, seed in ((1000, 7), (2000, 8)):  # the same training, one thread at a time
+        rng = np.random.default_rng(seed)
+        for _ in range(150):
+            keys = base + rng.integers(0, 40, 8)
+            grad = rng.standard_normal((2, DIM)).astype(np.float32)
+            _, ctx = memory.pooled_lookup(keys, lengths=np.array([4, 4]))
+            memory.apply_gradients(ctx, grad)
+    a, b = tiered.export(), memory.export()
+    ia, ib = np.argsort(a.keys), np.argsort(b.keys)
+    np.testing.assert_array_equal(a.keys[ia], b.keys[ib])
+    np.testing.assert_array_equal(a.rows[ia], b.rows[ib])
+    np.testing.assert_array_equal(a.counts[ia], b.counts[ib])

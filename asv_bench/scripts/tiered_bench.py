@@ -6,7 +6,10 @@ For each table size (a multiple of the cache's rows) and each ID stream (Zipf 1.
 rank over the table's keys, uniform), two processes (so each peak RSS is its own): one trains a
 TieredStore, one the in-memory EmbeddingStore, on the same batches (`--batch` bags of `--bag`
 IDs, fused row-wise Adagrad, dim `--dim`). Each first fills the table with one pass over all its
-keys, then `--steps` measured steps; the step time is the median. Then, for the smallest
+keys, then `--warmup` steps (unmeasured: right after the fill the cache holds the last keys filled,
+not the hot ones, and the first steps fault in far more than the steady state), then `--steps`
+measured steps. Throughput is the mean step time (eviction and spills come in rounds, every few
+steps, so the median would leave them out); the median is printed too. Then, for the smallest
 multiple: `--passes` passes of uniform updates over every key (write amplification: bytes
 written to the file over the bytes of the rows and optimizer state the passes updated), and
 `compact()` (file bytes over live rows x record bytes).
@@ -52,6 +55,7 @@ def batches(stream: str, n_keys: int, steps: int, ids_per_step: int, seed: int):
 def run_one(kind: str, stream: str, multiple: float, args) -> dict:
     """One training run in this process (called in a child): JSON-able results."""
     import cncore
+    import cncore.tiered  # noqa: F401 (imported in both runs, so that the baseline RSS holds it)
     base_rss = rss_bytes()
     opt = cncore.RowWiseAdagrad(lr=0.05)
     directory = tempfile.mkdtemp(prefix="cn-tier-", dir=args.dir)
@@ -68,10 +72,12 @@ def run_one(kind: str, stream: str, multiple: float, args) -> dict:
         chunk = all_keys[start:start + ids]
         _, ctx = store.pooled_lookup(chunk, lengths=np.array([len(chunk)]))
         store.apply_gradients(ctx, grad[:1])
-    before = dict(store.stats) if kind == "tiered" else {}
+    stream_batches = list(batches(stream, n_keys, args.warmup + args.steps + 1, ids, seed=1))
     times = []
-    stream_batches = list(batches(stream, n_keys, args.steps + 1, ids, seed=1))
-    for step in range(args.steps):
+    for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            before = dict(store.stats) if kind == "tiered" else {}
+            times = []
         keys = stream_batches[step]
         t0 = time.perf_counter()
         _, ctx = store.pooled_lookup(keys, lengths=lengths)
@@ -80,10 +86,13 @@ def run_one(kind: str, stream: str, multiple: float, args) -> dict:
         store.apply_gradients(ctx, grad)
         times.append(time.perf_counter() - t0)
     out = {"kind": kind, "stream": stream, "multiple": multiple, "rows": len(store), "cache_rows": cache_rows,
-           "step_ms": float(np.median(times) * 1e3), "peak_rss_mib": (peak_rss_bytes() - base_rss) / 2**20}
+           "step_ms": float(np.mean(times) * 1e3), "median_step_ms": float(np.median(times) * 1e3),
+           "peak_rss_mib": (peak_rss_bytes() - base_rss) / 2**20}
     if kind == "tiered":
         s = store.stats
         d = {k: s[k] - before.get(k, 0) for k in s}
+        from cncore.store import EmbeddingStore
+        out["memory_parts_mib"] = (EmbeddingStore.nbytes.fget(store) + store.disk_index_bytes) / 2**20
         out.update(hit_rate=d["hits"] / max(1, d["hits"] + d["misses"]),
                    read_per_step=d["rows_read"] / args.steps, written_per_step=d["rows_written"] / args.steps,
                    mib_read_per_step=d["bytes_read"] / args.steps / 2**20,
@@ -104,9 +113,9 @@ def run_one(kind: str, stream: str, multiple: float, args) -> dict:
             file_bytes = os.path.getsize(os.path.join(directory, "t", "rows.dat"))
             store.compact()
             after = os.path.getsize(os.path.join(directory, "t", "rows.dat"))
-            live = len(store) * store._record.itemsize
+            live = len(store) * store.record_bytes
             out.update(file_over_live_before_compact=file_bytes / live, file_over_live_after_compact=after / live,
-                       record_bytes=store._record.itemsize)
+                       record_bytes=store.record_bytes)
     return out
 
 
@@ -122,9 +131,12 @@ def main(argv=None) -> int:
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--batch", type=int, default=1024)
     ap.add_argument("--bag", type=int, default=16)
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--warmup", type=int, default=30, help="unmeasured steps after the fill")
     ap.add_argument("--passes", type=int, default=10)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="runs of each kind per cell, alternating; the cell shows the median (shared machines)")
     ap.add_argument("--no-prefetch", dest="prefetch", action="store_false",
                     help="do not hand the next batch's keys to prefetch() during each step")
     ap.add_argument("--dir", default=None, help="where the tier files go (default: the temp dir)")
@@ -134,7 +146,8 @@ def main(argv=None) -> int:
     ap.add_argument("--multiple", type=float, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.quick:
-        args.cache_mib, args.multiples, args.steps, args.passes, args.batch = 1, [3], 4, 2, 128
+        args.cache_mib, args.multiples, args.steps, args.passes, args.batch, args.warmup = 1, [3], 4, 2, 128, 2
+        args.repeat = 1
         args.streams = ["zipf-1.05", "uniform"]
     if args.kind:
         import cncore
@@ -142,37 +155,52 @@ def main(argv=None) -> int:
         child(args)
         return 0
     rows = []
+    load_before = os.getloadavg()[0]
     for multiple in args.multiples:
         for stream in args.streams:
+            runs = {"tiered": [], "memory": []}
+            for rep in range(args.repeat):  # the two kinds alternate, so that a noisy neighbour hits both
+                for kind in ("tiered", "memory"):
+                    argv_child = [sys.executable, __file__, "--kind", kind, "--stream", stream, "--multiple",
+                                  str(multiple), "--cache-mib", str(args.cache_mib), "--dim", str(args.dim),
+                                  "--batch", str(args.batch), "--bag", str(args.bag), "--steps", str(args.steps),
+                                  "--passes", str(args.passes if rep == 0 else 0), "--warmup", str(args.warmup),
+                                  "--threads", str(args.threads), "--multiples", *map(str, args.multiples)]
+                    if not args.prefetch:
+                        argv_child.append("--no-prefetch")
+                    if args.dir:
+                        argv_child += ["--dir", args.dir]
+                    done = subprocess.run(argv_child, capture_output=True, text=True)
+                    if done.returncode:
+                        raise SystemExit(f"{kind} {stream} {multiple:g}x failed:\n{done.stderr}")
+                    runs[kind].append(json.loads(done.stdout.strip().splitlines()[-1]))
             pair = {}
-            for kind in ("tiered", "memory"):
-                argv_child = [sys.executable, __file__, "--kind", kind, "--stream", stream, "--multiple", str(multiple),
-                              "--cache-mib", str(args.cache_mib), "--dim", str(args.dim), "--batch", str(args.batch),
-                              "--bag", str(args.bag), "--steps", str(args.steps), "--passes", str(args.passes),
-                              "--threads", str(args.threads), "--multiples", *map(str, args.multiples)]
-                if not args.prefetch:
-                    argv_child.append("--no-prefetch")
-                if args.dir:
-                    argv_child += ["--dir", args.dir]
-                done = subprocess.run(argv_child, capture_output=True, text=True)
-                if done.returncode:
-                    raise SystemExit(f"{kind} {stream} {multiple:g}x failed:\n{done.stderr}")
-                pair[kind] = json.loads(done.stdout.strip().splitlines()[-1])
+            for kind, got in runs.items():  # the run of the median step time, with the first run's extras
+                median = sorted(got, key=lambda r: r["step_ms"])[len(got) // 2]
+                pair[kind] = {**got[0], **median, "all_step_ms": [r["step_ms"] for r in got]}
             rows.append(pair)
     t0 = rows[0]["tiered"]
     print(f"cache {args.cache_mib} MiB = {t0['cache_rows']:,} rows of dim {args.dim} (row-wise Adagrad), "
           f"{args.batch} x {args.bag} IDs per step, {args.threads} thread(s), prefetch "
-          f"{'on' if args.prefetch else 'off'}; load {os.getloadavg()[0]:.1f}\n")
-    print("| table / cache | stream | rows | tiered step ms | in-memory step ms | tiered / in-memory speed | "
-          "hit rate | rows read / step | rows written / step | MiB read / step | tiered peak RSS MiB "
-          "(cache budget " f"{args.cache_mib}) | in-memory peak RSS MiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          f"{'on' if args.prefetch else 'off'}, {args.warmup} warm-up + {args.steps} measured steps, the median of "
+          f"{args.repeat} alternating runs of each kind; load average "
+          f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after\n")
+    print("| table / cache | stream | rows | tiered step ms (mean) | in-memory step ms (mean) | tiered / in-memory "
+          "speed | hit rate (IDs) | rows read / step | rows written / step | MiB read / step | MiB written / step | "
+          "tiered median / in-memory median ms | tiered peak RSS MiB | cache + disk index MiB | "
+          "in-memory peak RSS MiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for p in rows:
         t, m = p["tiered"], p["memory"]
         print(f"| {t['multiple']:g}x | {t['stream']} | {t['rows']:,} | {t['step_ms']:.1f} | {m['step_ms']:.1f} | "
               f"{m['step_ms'] / t['step_ms']:.2f}x | {t['hit_rate']:.3f} | {t['read_per_step']:,.0f} | "
-              f"{t['written_per_step']:,.0f} | {t['mib_read_per_step']:.1f} | {t['peak_rss_mib']:.0f} | "
-              f"{m['peak_rss_mib']:.0f} |")
+              f"{t['written_per_step']:,.0f} | {t['mib_read_per_step']:.2f} | {t['mib_written_per_step']:.2f} | "
+              f"{t['median_step_ms']:.1f} / {m['median_step_ms']:.1f} | {t['peak_rss_mib']:.0f} | "
+              f"{t['memory_parts_mib']:.0f} | {m['peak_rss_mib']:.0f} |")
+    print("\nevery run's mean step ms (tiered; in memory): " + "; ".join(
+        f"{p['tiered']['multiple']:g}x {p['tiered']['stream']}: "
+        f"{'/'.join(f'{v:.1f}' for v in p['tiered']['all_step_ms'])}"
+        f"; {'/'.join(f'{v:.1f}' for v in p['memory']['all_step_ms'])}" for p in rows))
     extra = [p["tiered"] for p in rows if "write_amplification" in p["tiered"]]
     if extra:
         e = extra[0]

@@ -73,9 +73,10 @@ def init_rows(int init_kind, uint64_t seed, float p0, float p1, float p2, float 
         cn_init_rows_of(&init, &keys[0], n, &out[0, 0], dim, cn_threads_for(n * dim // 16))
 
 
-def block_io(int fd, const int64_t[::1] offsets, uint8_t[:, ::1] buf, bint write):
+def block_io(int fd, const int64_t[::1] offsets, uint8_t[:, ::1] buf, bint write, int threads=0):
     """Read (write=False) or write the records buf[i] (each buf.shape[1] bytes) at file offsets[i],
-    in one nogil call with several I/Os in flight (cn_blockio.h). Raises OSError."""
+    in one nogil call with several I/Os in flight (cn_blockio.h) on up to `threads` threads (0:
+    the core's thread setting). Raises OSError."""
     cdef int64_t n = offsets.shape[0], rec = buf.shape[1]
     cdef int err = 0
     if buf.shape[0] != n:
@@ -83,10 +84,96 @@ def block_io(int fd, const int64_t[::1] offsets, uint8_t[:, ::1] buf, bint write
     if n == 0 or rec == 0:
         return
     with nogil:
-        err = cn_blockio(fd, &offsets[0], n, rec, &buf[0, 0], write)
+        err = cn_blockio(fd, &offsets[0], n, rec, &buf[0, 0], write, threads)
     if err:
         import os
         raise OSError(err, f"{'writing' if write else 'reading'} records: {os.strerror(err)}")
+
+
+cdef class SlotIndex:
+    """A map int64 key -> int64 slot (cn_slotindex.h): the SSD tier's index of the rows on disk.
+    Every int64 is a valid key; slots are >= 0. Batch verbs only; each runs with the GIL held
+    (short batches), so the tier's prefetch thread and its training thread never race in here.
+
+    >>> import numpy as np
+    >>> ix = SlotIndex()
+    >>> ix.put(np.array([5, -1, 2**63 - 1]), np.array([0, 7, 3]))
+    >>> ix.find(np.array([-1, 4, 2**63 - 1])).tolist(), len(ix)
+    ([7, -1, 3], 3)
+    >>> ix.erase(np.array([5, 5, 6])).tolist(), len(ix)
+    ([0, -1, -1], 2)
+    """
+    cdef cn_index ix
+    cdef int64_t _nbytes
+
+    def __cinit__(self):
+        self._nbytes = 0
+        if cn_index_init(&self.ix, 16, &self._nbytes) != 0:
+            raise MemoryError("SlotIndex: no memory for 16 buckets")
+
+    def __dealloc__(self):
+        if self.ix.n_buckets:
+            cn_index_free(&self.ix, &self._nbytes)
+
+    def __len__(self):
+        return self.ix.size
+
+    @property
+    def nbytes(self):
+        """Bytes its buckets take (16 a bucket, the load factor at most 0.7)."""
+        return self._nbytes
+
+    def find(self, const int64_t[::1] keys):
+        """The slot of each key, -1 where absent (int64 array)."""
+        cdef int64_t n = keys.shape[0]
+        out = np.empty(n, dtype=np.int64)
+        cdef int64_t[::1] o = out
+        if n:
+            cn_index_find_batch(&self.ix, &keys[0], n, &o[0], 1)
+        return out
+
+    def put(self, const int64_t[::1] keys, const int64_t[::1] slots):
+        """keys[i] -> slots[i] (inserted or reassigned, in order). Raises MemoryError with the
+        index unchanged if it cannot grow."""
+        cdef int64_t n = keys.shape[0]
+        if slots.shape[0] != n:
+            raise ValueError(f"slots: expected {n}, got {slots.shape[0]}")
+        if n == 0:
+            return
+        if cn_slotindex_reserve(&self.ix, n, &self._nbytes) != 0:
+            raise MemoryError(f"SlotIndex: no memory to grow past {self.ix.size + n} keys; the index is unchanged")
+        cn_slotindex_put(&self.ix, &keys[0], &slots[0], n)
+
+    def erase(self, const int64_t[::1] keys):
+        """Remove keys; returns the slot each had (-1: absent, or a repeat of an earlier key)."""
+        cdef int64_t n = keys.shape[0]
+        out = np.empty(n, dtype=np.int64)
+        cdef int64_t[::1] o = out
+        if n:
+            cn_slotindex_erase(&self.ix, &keys[0], n, &o[0])
+        return out
+
+    def clear(self):
+        cn_index_free(&self.ix, &self._nbytes)
+        if cn_index_init(&self.ix, 16, &self._nbytes) != 0:
+            raise MemoryError("SlotIndex: no memory for 16 buckets")
+
+    def items(self, int64_t batch_size=65536):
+        """Yields (keys, slots) arrays of at most batch_size entries, every entry once (in bucket
+        order). The index must not change during the walk (the tier walks it while flushing)."""
+        cdef int64_t pos = 0, got
+        cdef int64_t[::1] k, s
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        while pos < self.ix.n_buckets:
+            keys = np.empty(min(batch_size, self.ix.size), dtype=np.int64)
+            slots = np.empty(len(keys), dtype=np.int64)
+            if len(keys) == 0:
+                return
+            k, s = keys, slots
+            got = cn_slotindex_items(&self.ix, &pos, len(keys), &k[0], &s[0])
+            if got:
+                yield keys[:got], slots[:got]
 
 
 cdef inline void _rdlock(Table t) noexcept nogil:

@@ -33,6 +33,15 @@ cdef extern from "cn_index.h" nogil:
     ctypedef struct cn_index:
         int64_t n_buckets
         int64_t size
+    int cn_index_init(cn_index *ix, int64_t n_buckets, int64_t *nbytes)
+    void cn_index_free(cn_index *ix, int64_t *nbytes)
+    void cn_index_find_batch(const cn_index *ix, const int64_t *keys, int64_t n, int64_t *slots, int nthreads)
+
+cdef extern from "cn_slotindex.h" nogil:
+    int cn_slotindex_reserve(cn_index *ix, int64_t extra, int64_t *nbytes)
+    void cn_slotindex_put(cn_index *ix, const int64_t *keys, const int64_t *slots, int64_t n)
+    void cn_slotindex_erase(cn_index *ix, const int64_t *keys, int64_t n, int64_t *slots)
+    int64_t cn_slotindex_items(const cn_index *ix, int64_t *pos, int64_t max, int64_t *keys, int64_t *slots)
 
 cdef extern from "cn_arena.h" nogil:
     ctypedef struct cn_arena:
@@ -135,4 +144,4 @@ cdef extern from "<pthread.h>" nogil:
     int pthread_rwlock_unlock(pthread_rwlock_t *lock)
 
 cdef extern from "cn_blockio.h" nogil:
-    int cn_blockio(int fd, const int64_t *offsets, int64_t n, int64_t rec, uint8_t *buf, int write)
+    int cn_blockio(int fd, const int64_t *offsets, int64_t n, int64_t rec, uint8_t *buf, int write, int threads)

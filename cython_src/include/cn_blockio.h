@@ -7,8 +7,12 @@
  * request per ~80-100 us), and a page-cache hit costs a memcpy. Records never straddle a
  * 4 KiB page (the caller lays them out so), so a record is one device read.
  * Rejected for now: io_uring (not in every kernel CI runs on, and its queue depth beyond the
- * thread count pays only on a real NVMe device, not on this machine's page cache); mmap
+ * thread count pays only on a real NVMe device, not on this machine's page cache: 1,500 random
+ * 320-byte reads from a cached 200 MiB file cost 0.81 us each by pread on one thread, 0.69 on
+ * two, 0.75 through one io_uring submission of all of them, kernel 6.18, 2 cores); mmap
  * (mapped pages count in the process's RSS, and the tier promises an RSS near its cache budget).
+ * The thread count is the tier's own (Tiered.io_threads), not the core's compute setting: a
+ * job that runs the core on one thread still wants several reads in flight.
  */
 #ifndef CN_BLOCKIO_H
 #define CN_BLOCKIO_H
@@ -82,13 +86,16 @@ static void cn_blockio_range(void *ctx, int64_t begin, int64_t end) {
 }
 
 static int cn_blockio_cmp(const void *a, const void *b, void *offsets) {
-    const int64_t x = ((const int64_t *)offsets)[*(const int64_t *)a], y = ((const int64_t *)offsets)[*(const int64_t *)b];
+    const int64_t *o = (const int64_t *)offsets;
+    const int64_t x = o[*(const int64_t *)a], y = o[*(const int64_t *)b];
     return (x > y) - (x < y);
 }
 
 /* Read (write = 0) or write n records of rec bytes between buf (n x rec) and the file at
- * offsets[i]. Returns 0 or an errno (ENOMEM: nothing was moved). */
-static inline int cn_blockio(int fd, const int64_t *offsets, int64_t n, int64_t rec, uint8_t *buf, int write) {
+ * offsets[i], on up to `threads` threads (0: the core's thread setting). Returns 0 or an errno
+ * (ENOMEM: nothing was moved). */
+static inline int cn_blockio(int fd, const int64_t *offsets, int64_t n, int64_t rec, uint8_t *buf, int write,
+                             int threads) {
     int64_t *order = (int64_t *)malloc((size_t)n * sizeof(int64_t));
     int64_t *runs = (int64_t *)malloc((size_t)(n + 1) * sizeof(int64_t));
     if (order == NULL || runs == NULL) {
@@ -104,8 +111,8 @@ static inline int cn_blockio(int fd, const int64_t *offsets, int64_t n, int64_t 
             runs[n_runs++] = i;
     runs[n_runs] = n;
     cn_blockio_job job = {fd, offsets, order, runs, rec, buf, write, 0};
-    const int threads = n_runs >= 16 ? cn_max_threads() : 1;
-    cn_parallel_for(cn_blockio_range, &job, n_runs, threads);
+    if (threads <= 0) threads = cn_max_threads();
+    cn_parallel_for(cn_blockio_range, &job, n_runs, n_runs >= 16 ? threads : 1);
     free(order);
     free(runs);
     return job.err;

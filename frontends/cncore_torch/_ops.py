@@ -17,6 +17,7 @@ import torch
 
 from cncore import _core
 from cncore.grouped import _optim_tuple as optimizer_arguments
+from cncore.grouped import tiers_faulted_in
 
 _TABLES: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
 _next_handle = [0]
@@ -54,11 +55,12 @@ def lookup_impl(handle: int, keys, offsets, weights, mode: int, training: bool):
     store's general Python API: in eager mode every microsecond here is per batch."""
     store = table_of(handle).store
     offsets_np = _np(offsets)
-    if hasattr(store, "_fault_in"):  # a tiered table (cncore/tiered.py): its disk rows come into the cache first
-        store._fault_in(_np(keys), insert=training)
     out = np.empty((len(offsets_np) - 1, store.dim), dtype=np.float32)
-    (slots, argmax, n_new, epoch), = _core.grouped_forward([store._table], [_np(keys)], [offsets_np],
-                                                            [_np(weights)], [mode], [out], training)
+    # A tiered table (cncore/tiered.py): its disk rows come into the cache first, and stay there
+    # (no other thread moves them) through the core's lookup.
+    with tiers_faulted_in([store], [_np(keys)], training):
+        (slots, argmax, n_new, epoch), = _core.grouped_forward([store._table], [_np(keys)], [offsets_np],
+                                                                [_np(weights)], [mode], [out], training)
     # The epoch is a uint64 stamp; int64 holds it as its two's complement (undone in apply_impl).
     info = torch.tensor([epoch - (1 << 64) if epoch >= 1 << 63 else epoch, store.step, n_new], dtype=torch.int64)
     argmax = torch.from_numpy(argmax) if argmax is not None else torch.empty(0, dtype=torch.int64)

@@ -79,16 +79,24 @@ def per_table_options(tables, **options) -> Dict[str, dict]:
 
 
 def _split_storage(storage, tables) -> Dict[str, object]:
-    """One Tiered for every table: a directory and a share of the cache each."""
+    """One Tiered for every table: a directory and a share of the cache each. The collection's
+    directory is made here (its parent must exist, as for one table's Tiered.path)."""
+    import dataclasses
     import os
 
     import cncore
     if not isinstance(storage, cncore.Tiered):
         raise TypeError(f"storage must be a cncore.Tiered or a {{table name: Tiered}} dict, got "
                         f"{type(storage).__name__}")
+    parent = os.path.dirname(os.path.abspath(storage.path))
+    if not os.path.isdir(parent):
+        raise ValueError(f"storage: the directory {parent} that should hold {storage.path} does not exist; create "
+                         "it first")
+    os.makedirs(storage.path, exist_ok=True)
     total = sum(max(1, c.num_embeddings) for c in tables)
-    return {c.name: cncore.Tiered(os.path.join(storage.path, c.name),
-                                  max(1 << 16, storage.cache_bytes * max(1, c.num_embeddings) // total))
+    return {c.name: dataclasses.replace(
+                storage, path=os.path.join(storage.path, c.name),
+                cache_bytes=max(1 << 16, storage.cache_bytes * max(1, c.num_embeddings) // total))
             for c in tables}
 
 

@@ -104,9 +104,16 @@ def prefetch_tables(tables, batch: Optional[Batch]) -> None:
     the background while the current step's backward and dense update do."""
     if tables is None or batch is None:
         return
+    # One split of the KJT's values by feature (indexing the KJT per feature cost 43 us each,
+    # 1.1 ms a step over 26 tables).
+    kjt = batch.sparse
+    values, lengths = kjt.values().numpy(), kjt.length_per_key()
+    ends = np.cumsum(lengths)
+    span = {k: (int(e) - n, int(e)) for k, n, e in zip(kjt.keys(), lengths, ends)}
     for name, store in tables.stores.items():
         if hasattr(store, "prefetch"):
-            store.prefetch(batch.sparse[name[len("t_"):]].values().numpy())
+            a, b = span[name[len("t_"):]]
+            store.prefetch(values[a:b])
 
 
 class Run:

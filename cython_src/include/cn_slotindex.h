@@ -1,0 +1,67 @@
+/* cn_slotindex.h: the SSD tier's disk index (cncore/tiered.py), key -> slot of the record in the
+ * tier's file, for every row that is on disk and not in the memory cache.
+ *
+ * It is cn_index.h itself (open addressing, 16-byte buckets {key, slot}, occupancy in the slot
+ * field so every int64 key is valid), with the batch verbs the tier needs. Until this, the disk
+ * index was a dim-2 EmbeddingStore holding each slot as two floats: 47 bytes a key (the key and
+ * its bucket, an 8-byte row, the metadata line and live bits that eviction needs and a disk
+ * index does not), 47 MiB for the 1M disk rows of a table 10x a 32 MiB cache. Here it is the
+ * buckets alone: 16 bytes over a load factor kept in (0.35, 0.7], 23-46 bytes a key.
+ *
+ * Concurrency: the Python class calls these with the GIL held (each call is a short batch), so
+ * the tier's prefetch thread and its training thread never run them at once.
+ */
+#ifndef CN_SLOTINDEX_H
+#define CN_SLOTINDEX_H
+
+#include <stdint.h>
+#include "cn_index.h"
+
+#define CN_SLOTINDEX_MAX_LOAD 0.7
+
+/* Grow so that `extra` more keys keep the load at or under the maximum. 0, or -1 (no memory:
+ * the index is unchanged). */
+static inline int cn_slotindex_reserve(cn_index *ix, int64_t extra, int64_t *nbytes) {
+    const int64_t need = cn_index_buckets_for(ix->size + extra, CN_SLOTINDEX_MAX_LOAD);
+    if (need < 0) return -1;
+    if (need <= ix->n_buckets) return 0;
+    return cn_index_rehash(ix, need, nbytes);
+}
+
+/* keys[i] -> slots[i], inserted or reassigned (the caller reserved room); in order, so a key
+ * given twice keeps its last slot. */
+static inline void cn_slotindex_put(cn_index *ix, const int64_t *keys, const int64_t *slots, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        int64_t pos;
+        const int64_t old = cn_index_probe(ix, keys[i], &pos);
+        if (old >= 0) {
+            uint64_t j = cn_hash_key(keys[i]) & (uint64_t)ix->mask;
+            while (ix->buckets[j].key != keys[i] || ix->buckets[j].slot < 0) j = (j + 1) & (uint64_t)ix->mask;
+            ix->buckets[j].slot = slots[i];
+        } else {
+            cn_index_put_at(ix, pos, keys[i], slots[i]);
+        }
+    }
+}
+
+/* Remove keys; slots[i] gets the slot keys[i] had, or -1 (absent, or given earlier in keys). */
+static inline void cn_slotindex_erase(cn_index *ix, const int64_t *keys, int64_t n, int64_t *slots) {
+    for (int64_t i = 0; i < n; i++) slots[i] = cn_index_erase(ix, keys[i]);
+}
+
+/* Copy up to `max` entries from bucket `*pos` on into keys/slots; returns how many, and moves
+ * *pos past the last bucket read (n_buckets when done). */
+static inline int64_t cn_slotindex_items(const cn_index *ix, int64_t *pos, int64_t max, int64_t *keys,
+                                         int64_t *slots) {
+    int64_t n = 0, i = *pos;
+    for (; i < ix->n_buckets && n < max; i++) {
+        if (ix->buckets[i].slot < 0) continue;
+        keys[n] = ix->buckets[i].key;
+        slots[n] = ix->buckets[i].slot;
+        n++;
+    }
+    *pos = i;
+    return n;
+}
+
+#endif
