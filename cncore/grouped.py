@@ -181,17 +181,31 @@ def grouped_pooled_lookup(stores: Sequence, keys: Sequence, offsets: Optional[Se
         out = np.empty((n_bags, total), dtype=np.float32)
     else:
         out = as_output(out, "out", (n_bags, total))
-    starts = np.concatenate([[0], np.cumsum(dims)]).astype(int)
+    starts = np.concatenate([[0], np.cumsum(dims)]).astype(int).tolist()
     outs = [out[:, starts[f]:starts[f + 1]] for f in range(n)]
-    with tiers_faulted_in(stores, key_arrays, bool(insert_missing)):
-        results = _core.grouped_forward([s._table for s in stores], key_arrays, offset_arrays, weight_arrays,
-                                        mode_codes, outs, bool(insert_missing))
-    ctxs = [_sealed(LookupContext(stores[f], key_arrays[f], results[f][0], offset_arrays[f], weight_arrays[f],
-                                  mode_codes[f], results[f][1], results[f][3],
-                                  slice(int(starts[f]), int(starts[f + 1])), results[f][2], insert_missing,
-                                  stores[f].step))
-            for f in range(n)]
-    return out, ctxs
+    return out, lookup_arrays(stores, key_arrays, offset_arrays, weight_arrays, mode_codes, outs, insert_missing,
+                              starts)
+
+
+def lookup_arrays(stores, keys, offsets, weights, modes, outs, insert_missing: bool, starts=None):
+    """The grouped lookup for front ends that checked their input already (the torch bridge):
+    keys[f] (int64), offsets[f] (B_f + 1, int64), weights[f] (float32 or None) and modes[f]
+    (0 sum, 1 mean, 2 max) as arrays, outs[f] the (B_f, dim_f) float32 array (or column view)
+    feature f's rows go to; `starts`: the features' first columns in one grouped output (None
+    when each has its own output). The core still checks the offsets and sizes; the arrays
+    are not copied (the caller keeps them unchanged until the backward). Returns the contexts."""
+    keys = [np.ascontiguousarray(k, dtype=np.int64) for k in keys]
+    offsets = [np.ascontiguousarray(o, dtype=np.int64) for o in offsets]
+    weights = [None if w is None else np.ascontiguousarray(w, dtype=np.float32) for w in weights]
+    insert_missing = bool(insert_missing)
+    with tiers_faulted_in(stores, keys, insert_missing):
+        results = _core.grouped_forward([s._table for s in stores], keys, offsets, weights, list(modes), outs,
+                                        insert_missing)
+    columns = ([slice(starts[f], starts[f + 1]) for f in range(len(stores))] if starts is not None
+               else [slice(0, s.dim) for s in stores])
+    return [_sealed(LookupContext(stores[f], keys[f], results[f][0], offsets[f], weights[f], modes[f], results[f][1],
+                                  results[f][3], columns[f], results[f][2], insert_missing, stores[f].step))
+            for f in range(len(stores))]
 
 
 def tiers_faulted_in(stores, key_arrays, insert: bool):

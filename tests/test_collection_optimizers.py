@@ -35,7 +35,7 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 from torchrec.optim.keyed import KeyedOptimizer  # noqa: E402
 
 import cncore  # noqa: E402
-from cncore_torch import CNEmbeddingBagCollection, CNEmbeddingCollection  # noqa: E402
+from cncore_torch import CNEmbeddingBagCollection, CNEmbeddingCollection, _ops  # noqa: E402
 from reference import assert_unchanged, snapshot  # noqa: E402
 
 ROWS = 12
@@ -475,7 +475,6 @@ def assert_same_tables(a, b):
 
 @pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
 def test_compiled_collection_trains_exactly_as_eager(weighted):
-    from cncore_torch import collection as collection_module
     make = lambda: CNEmbeddingBagCollection(tables=compile_configs(), is_weighted=weighted,  # noqa: E731
                                             optimizer=cncore.Adam(lr=0.01))
     eager, compiled = make(), make()
@@ -491,7 +490,7 @@ def test_compiled_collection_trains_exactly_as_eager(weighted):
         (b.values() * grad).sum().backward()
         assert_same_tables(eager, compiled)
     assert all(s.step == 4 for s in compiled.stores.values())
-    assert collection_module._PENDING == {}  # every lookup's contexts left with its backward
+    assert _ops._PENDING == {}  # every lookup's contexts left with its backward
 
 
 def test_compiled_collection_honours_apply_optimizer_in_backward_and_says_when_there_is_none():
@@ -516,7 +515,6 @@ def test_compiled_collection_honours_apply_optimizer_in_backward_and_says_when_t
 def test_compiled_forward_without_backward_keeps_nothing_and_bad_batches_raise_the_eager_message():
     import gc
 
-    from cncore_torch import collection as collection_module
     ours = CNEmbeddingBagCollection(tables=compile_configs(), optimizer=cncore.SGD(lr=0.1))
     run = torch.compile(ours, backend="aot_eager", fullgraph=True)
     rng = np.random.default_rng(3)
@@ -525,7 +523,7 @@ def test_compiled_forward_without_backward_keeps_nothing_and_bad_batches_raise_t
         run(random_kjt(rng, 4))
     del out
     gc.collect()
-    assert collection_module._PENDING == {}
+    assert _ops._PENDING == {}
     bad = KeyedJaggedTensor(keys=["f1", "f2", "f3"], values=torch.tensor([1, 2, 3]),
                             lengths=torch.tensor([2, -1, 1, 0, 1, 0]))
     before = {name: snapshot(store) for name, store in ours.stores.items()}
@@ -546,7 +544,6 @@ def unpooled_twins(need_indices=False):
 
 @pytest.mark.parametrize("need_indices", [False, True], ids=["rows", "rows_and_indices"])
 def test_compiled_unpooled_collection_trains_exactly_as_eager(need_indices):
-    from cncore_torch import collection as collection_module
     eager, compiled = unpooled_twins(need_indices)
     run = torch.compile(compiled, fullgraph=True)
     rng = np.random.default_rng(8)
@@ -564,4 +561,4 @@ def test_compiled_unpooled_collection_trains_exactly_as_eager(need_indices):
         for out in (a, b):
             sum((out[f].values() * s).sum() for f, s in scale.items()).backward()
         assert_same_tables(eager, compiled)
-    assert collection_module._PENDING == {}
+    assert _ops._PENDING == {}

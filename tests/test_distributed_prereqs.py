@@ -56,7 +56,7 @@ def test_moving_rows_to_meta_is_refused_and_cuda_is_refused_at_construction():
     m(kjt(1))
     with pytest.raises(ValueError, match="would drop its rows"):
         m.to("meta")
-    with pytest.raises(ValueError, match="runs on 'cpu' or 'meta'"):
+    with pytest.raises(ValueError, match="runs on 'cpu', 'meta' or 'cncard'"):
         CNEmbeddingBagCollection(configs(), device="cuda")
 
 

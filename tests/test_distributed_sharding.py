@@ -11,7 +11,9 @@ same configs and seed on their concatenation (rank order). Checked in every rank
   rows (assert_close at 1e-6, the same reassociation in the forward of the next steps) and its
   optimizer state too; every key lives on exactly one rank, the one `owner_of` names, and the
   ranks together hold exactly the single-process keys;
-- eval mode: nothing is inserted, unseen keys read as zero rows on both.
+- eval mode: nothing is inserted, unseen keys read as zero rows on both;
+- the output dist sent exactly the pools of bags holding a key on the sender, and their
+  gradients (counted from the batches: the analytic minimum).
 """
 import numpy as np
 import pytest
@@ -58,6 +60,29 @@ def _concat(kjts):
                                                weights=torch.cat(weights) if weights else None)
 
 
+DIMS = [4, 4, 3, 16]  # f1, f2 (t_shared), f3 (t_mean), f4 (t_wide)
+
+
+def _pool_bytes(kjts, rank, world_size, backward):
+    """Bytes of partial pools `rank` sends in one step, counted from the batches: forward, the
+    pool of every other rank's bag holding a key owned here; backward, the gradient of each of
+    its own bags to every other rank holding a key of it."""
+    from cncore_torch.distributed import owner_of
+    sent = 0
+    for sender_of, kjt in enumerate(kjts):
+        lengths = kjt.lengths()
+        n_bags = lengths.numel()
+        bag = torch.repeat_interleave(torch.arange(n_bags), lengths)
+        dim_of_bag = torch.tensor(DIMS).repeat_interleave(n_bags // 4)
+        owner = owner_of(kjt.values(), world_size)
+        holders = [r for r in range(world_size) if r != rank] if sender_of == rank else [rank]
+        if sender_of == rank and not backward:
+            continue
+        for r in holders:
+            sent += 4 * int(dim_of_bag[torch.unique(bag[owner == r])].sum())
+    return sent
+
+
 def _train_and_compare(rank, world_size, kind, batch_sizes, steps, use_plan, optimizer_name):
     import torch.distributed as dist
     from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -77,8 +102,10 @@ def _train_and_compare(rank, world_size, kind, batch_sizes, steps, use_plan, opt
     ref = make("cpu")
     sharded = dmp.module
     start = sum(batch_sizes[:rank])
+    pool_bytes = 0
     for step in range(steps):
         kjts = _kjts(100 * step + 1, batch_sizes, weighted, high=40 if step % 2 else 2**62)
+        pool_bytes += _pool_bytes(kjts, rank, world_size, backward=True)
         full = _concat(kjts)
         targets = torch.from_numpy(np.random.default_rng(step).standard_normal(
             (sum(batch_sizes), 4 + 4 + 3 + 16)).astype(np.float32))
@@ -91,10 +118,13 @@ def _train_and_compare(rank, world_size, kind, batch_sizes, steps, use_plan, opt
     # eval: nothing inserted anywhere, unseen keys read as zero rows on both
     dmp.eval(), ref.eval()
     kjts = _kjts(999, batch_sizes, weighted, high=2**62)
+    pool_bytes += _pool_bytes(kjts, rank, world_size, backward=False)
     rows_before = {name: len(s) for name, s in sharded.stores.items()}
     out, expected = dmp(kjts[rank]), ref(_concat(kjts))
     torch.testing.assert_close(out.values(), expected.values()[start:start + batch_sizes[rank]], rtol=1e-6, atol=1e-6)
     assert {name: len(s) for name, s in sharded.stores.items()} == rows_before
+    # Only pools of bags with a key on the sender travel (and their gradients back): the minimum.
+    assert sharded._output_dists[0].bytes_sent == (pool_bytes if world_size > 1 else 0)
     everyone = [None] * world_size
     owned = {name: store.export().keys for name, store in sharded.stores.items()}
     dist.all_gather_object(everyone, owned)

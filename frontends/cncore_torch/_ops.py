@@ -1,192 +1,322 @@
-"""The lookup as PyTorch operators: `cncore::pooled_lookup` and its backward
-`cncore::apply_gradients`, registered with `torch.library.custom_op`.
+"""The bridge between PyTorch's autograd and the tables: one forward and one backward for every
+module of this front end (`CNEmbeddingBag` / `CNEmbedding`, both TorchRec collections, the
+sharded kernels) over every kind of row storage:
 
-The table is hidden state (a store in the core, addressed by an integer handle), so the ops
-are opaque to `torch.compile` and `torch.fx`: the lookup stays one node and compiles without a
-graph break. The forward takes a zero-size `anchor` parameter of its module; its "gradient" is
-what the backward op returns, so autograd (and AOTAutograd's dead-code elimination) always runs
-the backward, where the rows are updated in place by the core.
+- tables in the core (`cncore.EmbeddingStore`, and the SSD tier's `TieredStore`, which is one):
+  every feature of a call in one grouped core call each way (`cncore.grouped`);
+- rows on an accelerator (`DeviceRows`): the core resolves keys on the host, PyTorch ops pool
+  and update on the device.
+
+A lookup reads features: feature f looks up keys[f] (int64) in bags offsets[f] (B_f + 1) with
+optional per-ID weights in tables[f], pooled by modes[f] (0 sum, 1 mean, 2 max). Its output is
+one (B, sum of dims) block, feature f in its own columns (TorchRec's KeyedTensor layout; the
+modules are the case of one feature), or with `split` one tensor per feature (the unpooled
+collection, whose features have different lengths). The backward applies the owner's fused
+optimizer (a store under several features gets one update per row, as a fused TBE does), or
+hands (unique IDs, gradient rows) to `owner._deliver_gradients` (the modules' non-fused mode),
+and returns the gradient of per-sample weights that ask for one.
+
+The owner (a module) is registered under an integer handle, so the operators below can name
+it: the tables are hidden state, opaque to `torch.compile` and `torch.fx`, and each pass stays
+one node. The forward takes a zero-size `anchor` parameter of its module; its "gradient" is
+what the backward returns, so autograd (and AOTAutograd's dead-code elimination) always runs
+the backward, where the rows are updated in place.
+
+Two ways in, one implementation (`forward_impl`, `weights_grad_impl`, `backward_impl`):
+`Lookup`, an `autograd.Function` for eager mode (a custom operator costs ~100 us more a call in
+Python), and the `cncore::` operators for `torch.compile`, where what the backward needs waits
+in `_PENDING` under a token (an int64 tensor autograd hands back; the entry leaves when the token
+dies). Accelerator rows run eagerly in both (PyTorch ops on device rows need no operator; the
+modules put a graph break around them).
 """
 from __future__ import annotations
 
+import itertools
 import weakref
-from typing import Optional
+from typing import List, Optional
 
 import numpy as np
 import torch
 
+import cncore
 from cncore import _core
-from cncore.grouped import _optim_tuple as optimizer_arguments
-from cncore.grouped import tiers_faulted_in
+from cncore.grouped import MODES, lookup_arrays
+from cncore_torch.device_rows import DeviceRows
 
 _TABLES: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
 _next_handle = [0]
 
 
-def register(table) -> int:
-    """A handle for `table`: an object with `.store`, `.dim`, `.fused_optimizer` and
-    `._deliver_gradients(ids, grads)` (the non-fused gradient delivery), i.e. a module of modules.py."""
+def register(owner) -> int:
+    """A handle for `owner`: a module with `_lookup_tables()` (the table of each feature its
+    lookup reads), `fused_optimizer` (None or an object with `.lr`) and, for the non-fused
+    mode, `_deliver_gradients(ids, grads)`."""
     _next_handle[0] += 1
-    _TABLES[_next_handle[0]] = table
+    _TABLES[_next_handle[0]] = owner
     return _next_handle[0]
 
 
 def table_of(handle: int):
-    table = _TABLES.get(handle)
-    if table is None:
+    owner = _TABLES.get(handle)
+    if owner is None:
         raise RuntimeError(f"cncore table handle {handle} is gone (its module was deleted)")
-    return table
+    return owner
+
+
+class Pending:
+    """What a lookup's backward needs: its owner, tables, per-feature contexts, layout."""
+    __slots__ = ("owner", "tables", "ctxs", "keys", "on_device", "split", "sizes")
+
+    def __init__(self, owner, tables, ctxs, keys, on_device: bool, split: bool):
+        self.owner, self.tables, self.ctxs, self.keys = owner, tables, ctxs, keys
+        self.on_device, self.split = on_device, split
+        self.sizes = None  # what a caller splits the outputs by (the unpooled collection's features)
 
 
 def _np(t: Optional[torch.Tensor]):
     return None if t is None else t.detach().numpy()
 
 
-def lookup_impl(handle: int, keys, offsets, weights, mode: int, training: bool):
-    """Pooled rows (B, dim), plus what the backward needs: slots (N,), argmax (B, dim) for max
-    pooling (else empty), and info = [erase_epoch, step, n_new]. The erase epoch is the one the
-    core read under the table's lock with the lookup; the backward checks it under the lock
-    again, together with the slots, so an erase in between (or a move of the module to another
-    device, which gives it a new table with another epoch) refuses the update instead of
-    writing freed rows.
+def forward_impl(owner, tables, keys, offsets, weights, modes, training: bool, split: bool = False):
+    """(out, Pending): the pooled rows of every feature (see the module docstring). Inputs are
+    contiguous int64 keys and offsets, float32 weights or None, on the CPU for core tables;
+    modes as codes or names ('sum', 'mean', 'max')."""
+    modes = [MODES[m] if isinstance(m, str) else m for m in modes]
+    if tables and isinstance(tables[0], DeviceRows):
+        outs, ctxs = [], []
+        for table, k, o, w, m in zip(tables, keys, offsets, weights, modes):
+            out, ctx = table.lookup(k, o, w, m, training)
+            outs.append(out)
+            ctxs.append(ctx)
+        return (outs if split else torch.cat(outs, dim=1)), Pending(owner, tables, ctxs, keys, True, split)
+    dims = [t.dim for t in tables]
+    if split:
+        views = [np.empty((len(o) - 1, d), dtype=np.float32) for o, d in zip(offsets, dims)]
+        starts = None
+    else:
+        out = np.empty((len(offsets[0]) - 1, sum(dims)), dtype=np.float32)
+        starts = np.concatenate([[0], np.cumsum(dims)]).astype(int).tolist()
+        views = [out[:, starts[f]:starts[f + 1]] for f in range(len(tables))]
+    ctxs = lookup_arrays(tables, [_np(k) for k in keys], [_np(o) for o in offsets], [_np(w) for w in weights],
+                         list(modes), views, training, starts)
+    result = [torch.from_numpy(v) for v in views] if split else torch.from_numpy(out)
+    return result, Pending(owner, tables, ctxs, keys, False, split)
 
-    The modules hand over int64 keys and B+1 offsets and float32 weights, contiguous, so this
-    calls the core's grouped entry point directly (it checks the offsets in C) rather than the
-    store's general Python API: in eager mode every microsecond here is per batch."""
-    store = table_of(handle).store
-    offsets_np = _np(offsets)
-    out = np.empty((len(offsets_np) - 1, store.dim), dtype=np.float32)
-    # A tiered table (cncore/tiered.py): its disk rows come into the cache first, and stay there
-    # (no other thread moves them) through the core's lookup.
-    with tiers_faulted_in([store], [_np(keys)], training):
-        (slots, argmax, n_new, epoch), = _core.grouped_forward([store._table], [_np(keys)], [offsets_np],
-                                                                [_np(weights)], [mode], [out], training)
-    # The epoch is a uint64 stamp; int64 holds it as its two's complement (undone in apply_impl).
-    info = torch.tensor([epoch - (1 << 64) if epoch >= 1 << 63 else epoch, store.step, n_new], dtype=torch.int64)
-    argmax = torch.from_numpy(argmax) if argmax is not None else torch.empty(0, dtype=torch.int64)
-    return torch.from_numpy(out), torch.from_numpy(slots), argmax, info
+
+def _grad_blocks(pending: Pending, grad) -> List[torch.Tensor]:
+    """Each feature's (B_f, dim_f) block of the output gradient."""
+    if pending.split:
+        return list(grad)
+    blocks, at = [], 0
+    for table in pending.tables:
+        blocks.append(grad[:, at:at + table.dim])
+        at += table.dim
+    return blocks
 
 
-def apply_impl(handle: int, grad, keys, offsets, weights, slots, argmax, info, mode: int, training: bool) -> None:
-    """Hand the output gradient to the table: the fused update straight through the core's
-    grouped backward (one call, as in lookup_impl), or the gradient hooks."""
-    table = table_of(handle)
-    store = table.store
-    if store is None:
-        raise RuntimeError("this table moved off the core (to the accelerator or meta) since this lookup; its "
+def weights_grad_impl(pending: Pending, grad, features: List[int]) -> List[Optional[torch.Tensor]]:
+    """d out[b] / d w_i = row_i . grad[b] (divided by the bag length for mean) for the features
+    listed (None for the others). Reads the rows, so it runs before backward_impl moves them."""
+    blocks = _grad_blocks(pending, grad)
+    result: List[Optional[torch.Tensor]] = [None] * len(pending.tables)
+    for f in features:
+        table, ctx, g = pending.tables[f], pending.ctxs[f], blocks[f]
+        if pending.on_device:
+            rows, lengths = table.rows_of(ctx), ctx.offsets[1:] - ctx.offsets[:-1]
+        else:  # (the context's arrays are read-only: np.diff makes a new one)
+            rows, lengths = torch.from_numpy(table.lookup(ctx.keys)), torch.from_numpy(np.diff(ctx.offsets))
+        bag = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths)
+        w = (rows * g.to(rows.device)[bag]).sum(dim=1)
+        if ctx.mode == 1:
+            w = w / lengths[bag].clamp(min=1).to(w.dtype)
+        result[f] = w
+    return result
+
+
+def _no_optimizer(owner):
+    check = getattr(owner, "_require_optimizer", None)
+    if check is not None:
+        check(True)  # raises, saying both ways to set one
+    raise RuntimeError(f"{type(owner).__name__} has no fused optimizer; its rows cannot be trained")
+
+
+def backward_impl(pending: Pending, grad) -> None:
+    """Hand the output gradient to the tables: the owner's fused optimizer, or its gradient
+    hooks (`_deliver_gradients`, one feature: the modules)."""
+    owner = pending.owner
+    optimizer = owner.fused_optimizer
+    deliver = getattr(owner, "_deliver_gradients", None)
+    if optimizer is None and deliver is None:
+        _no_optimizer(owner)
+    current = owner._lookup_tables()
+    if len(current) != len(pending.tables) or any(a is not b for a, b in zip(current, pending.tables)):
+        raise RuntimeError("this table moved off the core (or between placements) since this lookup; its "
                            "gradient cannot be applied to rows that now live elsewhere. Nothing was updated")
-    epoch, step, n_new = (int(v) for v in info.tolist())
-    epoch &= (1 << 64) - 1
-    grad_np = np.ascontiguousarray(grad.detach().numpy(), dtype=np.float32)
-    if table.fused_optimizer is None:
-        positions, grads = _core.unique_gradients(store._table, _np(slots), _np(offsets), _np(weights), mode,
-                                                  _np(argmax) if mode == 2 else None, grad_np, training, step, epoch)
-        table._deliver_gradients(keys[torch.from_numpy(positions)], torch.from_numpy(grads))
+    blocks = _grad_blocks(pending, grad)
+    if pending.on_device:
+        _device_backward(pending, blocks, optimizer, deliver)
         return
-    _core.grouped_backward([store._table], [_np(slots)], [_np(offsets)], [_np(weights)], [mode],
-                           [_np(argmax) if mode == 2 else None], [grad_np],
-                           [optimizer_arguments(store, table.fused_optimizer.lr)], [(training, step)], [epoch])
+    if optimizer is None:
+        for ctx, g, keys in zip(pending.ctxs, blocks, pending.keys):
+            g = np.ascontiguousarray(g.detach().numpy(), dtype=np.float32)
+            positions, grads = _core.unique_gradients(ctx.store._table, ctx.slots, ctx.offsets, ctx.weights, ctx.mode,
+                                                      ctx.argmax if ctx.mode == 2 else None, g, ctx.training,
+                                                      ctx.step, ctx.erase_epoch)
+            deliver(keys[torch.from_numpy(positions)], torch.from_numpy(grads))
+        return
+    if pending.split:  # one context per table, each its own block (None or empty: no gradient, no update)
+        for ctx, g in zip(pending.ctxs, blocks):
+            if g is not None and len(g):
+                cncore.grouped_apply_gradients([ctx], np.ascontiguousarray(g.detach().numpy(), dtype=np.float32),
+                                               lr=optimizer.lr)
+        return
+    cncore.grouped_apply_gradients(pending.ctxs, np.ascontiguousarray(grad.detach().numpy(), dtype=np.float32),
+                                   lr=optimizer.lr)
 
 
-def weights_grad_impl(handle: int, grad, keys, offsets, mode: int):
-    """d out[b] / d w_i = row_i . grad[b] (divided by the bag length for mean)."""
-    rows = torch.from_numpy(table_of(handle).store.lookup(_np(keys)))
-    lengths = offsets[1:] - offsets[:-1]
-    bag = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
-    g = (rows * grad[bag]).sum(dim=1)
-    if mode == 1:
-        g = g / lengths[bag].clamp(min=1).to(g.dtype)
-    return g
+def _device_backward(pending: Pending, blocks, optimizer, deliver) -> None:
+    """Per table: the gradients of every feature it served summed per row (one update per row,
+    as in the core), the rows' access recorded, then the update (or the hooks)."""
+    by_table = {}
+    for table, ctx in zip(pending.tables, pending.ctxs):
+        table.check_fresh(ctx)
+    for table, ctx, g in zip(pending.tables, pending.ctxs, blocks):
+        if pending.split and (g is None or not len(g)):
+            continue
+        idx, grads, occurrences, _ = table.gradients(ctx.rows_idx, ctx.offsets, ctx.weights, ctx.mode,
+                                                     g.contiguous().to(table.device))
+        by_table.setdefault(id(table), (table, ctx, []))[2].append((idx, grads, occurrences))
+    for table, ctx, parts in by_table.values():
+        if len(parts) == 1:
+            idx, grads, occurrences = parts[0]
+        else:
+            idx, inverse = torch.unique(torch.cat([p[0] for p in parts]), return_inverse=True)
+            grads = torch.zeros((len(idx), table.dim), device=table.device).index_add_(
+                0, inverse, torch.cat([p[1] for p in parts]))
+            occurrences = torch.zeros(len(idx), dtype=torch.int64, device=table.device).index_add_(
+                0, inverse, torch.cat([p[2] for p in parts]))
+        if ctx.training:
+            table.record_access(idx, occurrences, ctx.step)
+        with torch.no_grad():
+            if optimizer is not None:
+                table.apply(idx, grads, optimizer.lr)
+            else:
+                deliver(table.slot_keys[idx.cpu()], grads)
 
 
-@torch.library.custom_op("cncore::pooled_lookup", mutates_args=())
-def pooled_lookup(anchor: torch.Tensor, handle: int, keys: torch.Tensor, offsets: torch.Tensor,
-                  weights: Optional[torch.Tensor], mode: int, training: bool
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The lookup as an operator (see lookup_impl)."""
-    return lookup_impl(handle, keys, offsets, weights, mode, training)
+class Lookup(torch.autograd.Function):
+    """The eager way in: forward_impl, then (weights_grad_impl and) backward_impl.
+    apply(anchor, owner, modes, training, split, n, *keys, *offsets, *weights)."""
+
+    @staticmethod
+    def forward(ctx, anchor, owner, modes, training, split, n, *arrays):
+        keys, offsets, weights = arrays[:n], arrays[n:2 * n], arrays[2 * n:]
+        out, ctx.pending = forward_impl(owner, owner._lookup_tables(), keys, offsets, weights, modes, training,
+                                        split)
+        ctx.n = n
+        if split:  # an output nobody used gets None, and its table no update (as the operators do)
+            ctx.set_materialize_grads(False)
+        return tuple(out) if split else out
+
+    @staticmethod
+    def backward(ctx, *grads):
+        pending, n = ctx.pending, ctx.n
+        grad = grads if pending.split else grads[0].contiguous()
+        wanted = [f for f in range(n) if ctx.needs_input_grad[6 + 2 * n + f]]
+        weight_grads = weights_grad_impl(pending, grad, wanted) if wanted else [None] * n
+        backward_impl(pending, grad)
+        return (None,) * (6 + 2 * n) + tuple(weight_grads)
 
 
-@pooled_lookup.register_fake
-def _(anchor, handle, keys, offsets, weights, mode, training):
-    dim = table_of(handle).dim
-    n_bags = offsets.shape[0] - 1
-    out = offsets.new_empty((n_bags, dim), dtype=torch.float32)
-    argmax = offsets.new_empty((n_bags, dim) if mode == 2 else (0,), dtype=torch.int64)
-    return out, keys.new_empty(keys.shape, dtype=torch.int64), argmax, offsets.new_empty((3,), dtype=torch.int64)
+def lookup(anchor, owner, keys, offsets, weights, modes, training: bool, split: bool = False):
+    """The eager lookup of `owner`'s tables (see the module docstring); weights: a list with
+    None for unweighted features."""
+    return Lookup.apply(anchor, owner, list(modes), training, split, len(keys), *keys, *offsets, *weights)
+
+
+# --- the operators (torch.compile) -----------------------------------------------------------------
+
+_PENDING = {}
+_tokens = itertools.count(1)
+
+
+def token_for(pending) -> torch.Tensor:
+    """An int64 tensor naming `pending` until the tensor dies."""
+    number = next(_tokens)
+    _PENDING[number] = pending
+    token = torch.tensor([number], dtype=torch.int64)
+    weakref.finalize(token, _PENDING.pop, number, None)
+    return token
+
+
+def pending_of(token: torch.Tensor):
+    pending = _PENDING.get(int(token[0]))
+    if pending is None:
+        raise RuntimeError("this lookup's contexts are gone (its graph was freed); nothing was updated")
+    return pending
+
+
+@torch.library.custom_op("cncore::lookup", mutates_args=())
+def lookup_op(anchor: torch.Tensor, handle: int, keys: List[torch.Tensor], offsets: List[torch.Tensor],
+              weights: List[Optional[torch.Tensor]], modes: List[int], training: bool
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pooled lookup as an operator: (B, sum of dims) rows and the token of its contexts."""
+    owner = table_of(handle)
+    out, pending = forward_impl(owner, owner._lookup_tables(), keys, offsets, weights, modes, training)
+    return out, token_for(pending)
+
+
+@lookup_op.register_fake
+def _(anchor, handle, keys, offsets, weights, modes, training):
+    dims = sum(t.dim for t in table_of(handle)._lookup_tables())
+    return (keys[0].new_empty((offsets[0].shape[0] - 1, dims), dtype=torch.float32),
+            keys[0].new_empty((1,), dtype=torch.int64))
+
+
+@torch.library.custom_op("cncore::weights_grad", mutates_args=())
+def weights_grad_op(grad: torch.Tensor, token: torch.Tensor, keys: List[torch.Tensor]) -> List[torch.Tensor]:
+    """Every feature's per-sample-weight gradient (read from the rows before they move)."""
+    pending = pending_of(token)
+    return list(weights_grad_impl(pending, grad, list(range(len(pending.tables)))))
+
+
+@weights_grad_op.register_fake
+def _(grad, token, keys):
+    return [k.new_empty(k.shape, dtype=torch.float32) for k in keys]
 
 
 @torch.library.custom_op("cncore::apply_gradients", mutates_args=())
-def apply_gradients(anchor: torch.Tensor, handle: int, grad: torch.Tensor, keys: torch.Tensor,
-                    offsets: torch.Tensor, weights: Optional[torch.Tensor], slots: torch.Tensor,
-                    argmax: torch.Tensor, info: torch.Tensor, mode: int, training: bool,
-                    after: Optional[torch.Tensor]) -> torch.Tensor:
-    """Backward of pooled_lookup: hands the output gradient to the table (fused optimizer update
-    in the core, or the non-fused gradient hook). Returns the anchor's (zero) gradient.
-    `after` is only a data dependency: whatever must read the rows before they change (the
-    per-sample-weight gradient) is passed here, so no compiler can reorder the two."""
-    apply_impl(handle, grad, keys, offsets, weights, slots, argmax, info, mode, training)
+def apply_gradients_op(anchor: torch.Tensor, grads: List[torch.Tensor], token: torch.Tensor,
+                       after: List[torch.Tensor]) -> torch.Tensor:
+    """Backward of every lookup operator: the fused update (or the hooks) with the output's
+    gradient (one block, or one per feature of a split lookup). Returns the anchor's (zero)
+    gradient. `after` is only a data dependency: what must read the rows before they change
+    (the per-sample-weight gradient) is passed here, so no compiler reorders the two."""
+    pending = pending_of(token)
+    backward_impl(pending, grads if pending.split else grads[0])
     return torch.zeros_like(anchor)
 
 
-@apply_gradients.register_fake
-def _(anchor, handle, grad, keys, offsets, weights, slots, argmax, info, mode, training, after):
+@apply_gradients_op.register_fake
+def _(anchor, grads, token, after):
     return torch.empty_like(anchor)
 
 
 def _setup_context(ctx, inputs, output):
-    anchor, handle, keys, offsets, weights, mode, training = inputs
-    _, slots, argmax, info = output
-    ctx.handle, ctx.mode, ctx.training = handle, mode, training
-    ctx.weights_need_grad = weights is not None and weights.requires_grad
-    ctx.save_for_backward(anchor, keys, offsets, weights, slots, argmax, info)
+    anchor, handle, keys, offsets, weights, modes, training = inputs
+    ctx.weights_need_grad = any(w is not None and w.requires_grad for w in weights)
+    ctx.n = len(keys)
+    ctx.weights_given = any(w is not None for w in weights)  # a list of Nones is one leaf to autograd
+    ctx.save_for_backward(anchor, output[1], *keys)
 
 
-def _backward(ctx, grad_out, _grad_slots, _grad_argmax, _grad_info):
-    anchor, keys, offsets, weights, slots, argmax, info = ctx.saved_tensors
+def _backward(ctx, grad_out, _grad_token):
+    anchor, token, *keys = ctx.saved_tensors
     grad_out = grad_out.contiguous()
-    grad_weights = None
-    if ctx.weights_need_grad:
-        # d out[b] / d w_i = row_i (scaled by 1/len for mean): read the rows before they move.
-        grad_weights = per_sample_weights_grad(ctx.handle, grad_out, keys, offsets, ctx.mode)
-    grad_anchor = apply_gradients(anchor, ctx.handle, grad_out, keys, offsets, weights, slots, argmax, info,
-                                  ctx.mode, ctx.training, grad_weights)
-    return grad_anchor, None, None, None, grad_weights, None, None
+    weight_grads = torch.ops.cncore.weights_grad(grad_out, token, keys) if ctx.weights_need_grad else []
+    grad_anchor = torch.ops.cncore.apply_gradients(anchor, [grad_out], token, weight_grads)
+    none = [None] * ctx.n
+    return grad_anchor, None, none, none, (weight_grads or none) if ctx.weights_given else None, None, None
 
 
-pooled_lookup.register_autograd(_backward, setup_context=_setup_context)
-
-
-@torch.library.custom_op("cncore::per_sample_weights_grad", mutates_args=())
-def per_sample_weights_grad(handle: int, grad: torch.Tensor, keys: torch.Tensor, offsets: torch.Tensor,
-                            mode: int) -> torch.Tensor:
-    return weights_grad_impl(handle, grad, keys, offsets, mode)
-
-
-@per_sample_weights_grad.register_fake
-def _(handle, grad, keys, offsets, mode):
-    return grad.new_empty(keys.shape)
-
-
-class EagerLookup(torch.autograd.Function):
-    """The same lookup and backward as the operators, for eager mode: the custom-op machinery
-    costs ~100 us a call in Python, an autograd.Function a tenth of that. torch.compile and
-    torch.fx use the operators (see modules._lookup)."""
-
-    @staticmethod
-    def forward(ctx, anchor, handle, keys, offsets, weights, mode, training):
-        out, slots, argmax, info = lookup_impl(handle, keys, offsets, weights, mode, training)
-        ctx.handle, ctx.mode, ctx.training = handle, mode, training
-        ctx.save_for_backward(keys, offsets, weights, slots, argmax, info)
-        ctx.mark_non_differentiable(slots, argmax, info)
-        return out, slots, argmax, info
-
-    @staticmethod
-    def backward(ctx, grad_out, _grad_slots, _grad_argmax, _grad_info):
-        keys, offsets, weights, slots, argmax, info = ctx.saved_tensors
-        grad_out = grad_out.contiguous()
-        grad_weights = None
-        if ctx.needs_input_grad[4]:
-            grad_weights = weights_grad_impl(ctx.handle, grad_out, keys, offsets, ctx.mode)  # before rows move
-        apply_impl(ctx.handle, grad_out, keys, offsets, weights, slots, argmax, info, ctx.mode, ctx.training)
-        return None, None, None, None, grad_weights, None, None
+lookup_op.register_autograd(_backward, setup_context=_setup_context)

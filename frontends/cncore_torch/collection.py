@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
-import weakref
 import zlib
 from typing import Dict, List, Optional, Tuple
 
@@ -39,6 +37,8 @@ from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, Keyed
 
 import cncore
 from cncore_torch import _ops
+from cncore_torch.devices import Placement, resolve_device
+from cncore_torch.device_rows import DeviceRows
 from cncore_torch.modules import check_flag, store_config
 from cncore_torch.optim import (changed_optimizer_error, keyed_fused_optimizer, no_optimizer_error,
                                 optimizer_tag, resolve_optimizer)
@@ -80,22 +80,24 @@ def make_stores(tables, config_type, optimizer, initializers, capacities, seed: 
                           options).items()}
 
 
-def collection_device(device, what: str) -> torch.device:
-    """'cpu' (rows in the core) or 'meta' (no storage until `to_empty`, as DMP builds models)."""
+def collection_placement(device, what: str) -> Placement:
+    """Where the tables live: 'cpu' (the core), 'meta' (no storage until `to_empty`, as DMP
+    builds models) or 'cncard' / an accelerator device (rows in device memory, keys indexed by
+    the core on the host; `CNCORE_CNCARD=cpu` runs that path on the CPU)."""
     try:
-        dev = torch.device("cpu" if device is None else device)
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"device={device!r}: {what} runs on 'cpu' or 'meta'") from exc
-    if dev.type not in ("cpu", "meta"):
-        raise ValueError(f"device={device!r}: {what} runs on 'cpu' or 'meta' for now")
-    return dev
+        placement = resolve_device(device)
+        if placement.kind == "device":
+            torch.empty(0, device=placement.device)  # an accelerator this torch build cannot reach
+    except (ValueError, RuntimeError, AssertionError) as exc:
+        raise ValueError(f"device={device!r}: {what} runs on 'cpu', 'meta' or 'cncard' ({exc})") from exc
+    return placement
 
 
 def store_configs(tables, config_type, optimizer, initializers, capacities, seed: int, device,
                   what: str, options: Optional[dict] = None) -> Dict[str, cncore.StoreConfig]:
     """One store config per TorchRec table config (checked: type, unique names, known overrides);
     `options`: the table options of cncore_torch.table_options, each once or per table."""
-    collection_device(device, what)
+    collection_placement(device, what)
     if not isinstance(tables, (list, tuple)):
         raise TypeError(f"tables must be a list of {config_type.__name__}, got {type(tables).__name__}")
     if not tables:
@@ -143,9 +145,10 @@ def feature_names_of(tables) -> Tuple[List[List[str]], List[List[str]]]:
     return features, names
 
 
-def features_by_key(features, feature_names: List[List[str]]) -> Dict[str, JaggedTensor]:
+def features_by_key(features, feature_names: List[List[str]], rows_device=None) -> Dict[str, JaggedTensor]:
     """The KJT's JaggedTensor per key, every feature the tables read being present. The KJT is
-    checked first (TorchRec's constructor checks little): CPU tensors with values, int IDs,
+    checked first (TorchRec's constructor checks little): CPU tensors (or on `rows_device`, where
+    the tables' rows are on an accelerator) with values, int IDs,
     floating weights, lengths >= 0 adding up to the number of values."""
     if not isinstance(features, KeyedJaggedTensor):
         raise TypeError(f"features must be a KeyedJaggedTensor, got {type(features).__name__}")
@@ -153,8 +156,10 @@ def features_by_key(features, feature_names: List[List[str]]) -> Dict[str, Jagge
     for name, t in (("values", values), ("lengths", lengths), ("weights", weights)):
         if t is not None and t.is_meta:
             raise ValueError(f"features: {name} is a meta tensor, which holds no values; expected a CPU tensor")
-        if t is not None and t.device.type != "cpu":
-            raise ValueError(f"features: {name} is on {t.device}; the tables are in the core, expected the CPU")
+        if t is not None and t.device.type != "cpu" and t.device != rows_device:
+            raise ValueError(f"features: {name} is on {t.device}; the tables are in the core, expected the CPU"
+                             if rows_device is None else
+                             f"features: {name} is on {t.device}; expected the CPU or the tables' {rows_device}")
     if values.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"features: values must be int64 or int32 IDs, got {values.dtype}")
     if weights is not None and not weights.is_floating_point():
@@ -200,12 +205,18 @@ class _DynamicTables:
         self._optimizer, self._optimizer_prefix, self._owner = optimizer, optimizer_prefix, owner
         # Zero rows of one column: 2-D because apply_optimizer_in_backward builds its optimizer over
         # it, and TorchRec's RowWiseAdagrad reads a parameter's second dimension.
-        self._anchor = nn.Parameter(torch.empty(ANCHOR_SHAPE, device=collection_device(device, owner)))
+        self._placement = collection_placement(device, owner)
+        self._anchor = nn.Parameter(torch.empty(ANCHOR_SHAPE, device=self._placement.device))
         self._handle = _ops.register(self)
         self._stores: Dict[str, cncore.EmbeddingStore] = {}
         self.fused_optimizer = None
         if not self.is_meta:
             self._materialise()
+
+    @property
+    def _rows_device(self):
+        """The accelerator device the rows are on (None: the core or meta)."""
+        return self._placement.device if self._placement.kind == "device" else None
 
     @property
     def is_meta(self) -> bool:
@@ -258,8 +269,20 @@ class _DynamicTables:
             raise no_optimizer_error(self._owner)
 
     def _materialise(self) -> None:
-        """Empty stores from the configs, and the fused optimizer over the (cpu) anchor."""
-        self._stores = {name: cncore.EmbeddingStore(config) for name, config in self._store_configs.items()}
+        """Empty tables from the configs (in the core, or device rows), and the fused optimizer
+        over the anchor."""
+        if self._placement.kind == "device":
+            for name, config in self._store_configs.items():
+                if config.storage is not None:
+                    raise ValueError(f"table {name!r}: a tiered table (storage=) keeps its rows in the core and on "
+                                     f"disk; build the collection with device='cpu'")
+                if config.dtype != "float32":
+                    raise ValueError(f"table {name!r}: rows on an accelerator are float32 for now (row_dtype="
+                                     f"{config.dtype!r}); build the collection with device='cpu' (the core)")
+            self._stores = {name: DeviceRows(config, self._placement.device)
+                            for name, config in self._store_configs.items()}
+        else:
+            self._stores = {name: cncore.EmbeddingStore(config) for name, config in self._store_configs.items()}
         self.fused_optimizer = (keyed_fused_optimizer(self._anchor, self._optimizer, list(self._stores.values()),
                                                       self._optimizer_prefix) if self._optimizer else None)
         if hasattr(self, "_feature_names"):  # else the constructor binds them when it has the names
@@ -273,15 +296,18 @@ class _DynamicTables:
         moving tables that hold rows anywhere but the CPU is refused (their rows live in the core)."""
         was_meta = self.is_meta
         target = fn(torch.empty(0, device=self._anchor.device)).device
-        if target.type not in ("cpu", "meta"):
-            raise ValueError(f"{self._owner} runs on 'cpu' or 'meta', not {target}")
+        if not was_meta and target.type != "meta" and target != self._placement.device:
+            raise ValueError(f"{self._owner} keeps its rows where it was built ({self._placement.device}); moving "
+                             f"it to {target} is not supported: build it with device={target.type!r}")
         if target.type == "meta" and not was_meta and any(len(s) for s in self._stores.values()):
             raise ValueError(f"moving {self._owner} to meta would drop its rows; build a new one with device='meta' "
                              "for shape inference instead")
         result = super()._apply(fn, recurse)
         if was_meta and not self.is_meta:
+            self._placement = collection_placement(target, self._owner)
             self._materialise()
         elif self.is_meta and not was_meta:
+            self._placement = collection_placement("meta", self._owner)
             self._stores, self.fused_optimizer = {}, None
             self._bind_stores()
         return result
@@ -329,92 +355,55 @@ def pooled_collection_lookup(anchor: torch.Tensor, handle: int, features: KeyedJ
     """CNEmbeddingBagCollection's forward: one node under torch.fx (the tables are state the
     tracer cannot see; `training` is read when traced, as TorchRec's own traced modules do)."""
     collection = _ops.table_of(handle)
-    by_key = features_by_key(features, collection._feature_names)
+    by_key = features_by_key(features, collection._feature_names, collection._rows_device)
     if collection.is_meta:  # shape inference only
         values = torch.empty((features.stride(), sum(collection._lengths_per_embedding)), device="meta")
         return KeyedTensor(keys=collection._embedding_names, length_per_key=collection._lengths_per_embedding,
                            values=values)
     collection._require_optimizer(training and torch.is_grad_enabled())
     keys, offsets, weights = grouped_arrays(collection, by_key)
-    values = _GroupedLookup.apply(anchor, collection, keys, offsets, weights, training)
+    values = _eager_lookup(anchor, collection, keys, offsets, weights, training)
     return KeyedTensor(keys=collection._embedding_names, length_per_key=collection._lengths_per_embedding,
                        values=values)
 
 
+def _eager_lookup(anchor, collection, keys, offsets, weights, training: bool):
+    """The bridge's eager lookup (cncore_torch._ops); on accelerator rows a graph break for
+    torch.compile, as the modules' device path."""
+    if collection._placement.kind == "device":
+        return _device_lookup(anchor, collection, keys, offsets, weights, training)
+    return _ops.lookup(anchor, collection, keys, offsets, weights, collection._modes, training)
+
+
+@torch.compiler.disable
+def _device_lookup(anchor, collection, keys, offsets, weights, training: bool):
+    return _ops.lookup(anchor, collection, keys, offsets, weights, collection._modes, training)
+
+
 def grouped_arrays(collection, by_key: Dict[str, JaggedTensor]):
-    """(keys, offsets, weights or None): one array per feature of `collection`, in its order,
-    for the grouped core call (zero-copy views where the tensors allow)."""
+    """(keys, offsets, weights): one tensor per feature of `collection`, in its order (int64
+    keys and offsets, float32 weights or None), as the bridge takes them."""
     keys, offsets, weights = [], [], []
     is_weighted = collection._is_weighted
     for names in collection._feature_names:
         for name in names:
             jt = by_key[name]
-            # .numpy() is the cheapest zero-copy view of a CPU tensor (DLPack costs more
-            # per call, and there are 2 x 26 arrays a batch)
-            keys.append(jt.values().detach().numpy())
-            offsets.append(jt.offsets().detach().numpy())
+            keys.append(jt.values().detach().to(torch.int64).contiguous())
+            offsets.append(jt.offsets().detach().to(torch.int64).contiguous())
             w = jt.weights_or_none() if is_weighted else None
             if is_weighted and w is None:
                 raise ValueError(f"features: is_weighted=True but key {name!r} has no weights")
-            weights.append(None if w is None else w.detach().to(torch.float32).numpy())
-    return keys, offsets, weights if is_weighted else None
+            weights.append(None if w is None else w.detach().to(torch.float32).contiguous())
+    return keys, offsets, weights
 
 
-def grouped_lookup(collection, keys, offsets, weights, training: bool):
-    """Forward of both bridges: (B, sum of dims) pooled rows and the lookups' contexts."""
-    out, lookups = cncore.grouped_pooled_lookup(collection._feature_stores, keys, offsets, modes=collection._modes,
-                                                per_sample_weights=weights, insert_missing=training)
-    return torch.from_numpy(out), lookups
-
-
-def grouped_update(collection, lookups, grad_out: torch.Tensor) -> None:
-    """Backward of both bridges: every table's fused update in one grouped core call."""
-    grad = np.ascontiguousarray(grad_out.detach().numpy(), dtype=np.float32)
-    if collection.fused_optimizer is None:
-        raise no_optimizer_error(collection._owner)
-    cncore.grouped_apply_gradients(lookups, grad, lr=collection.fused_optimizer.lr)
-
-
-class _GroupedLookup(torch.autograd.Function):
-    """One grouped core call forward, one grouped core call backward (fused updates): the eager
-    bridge (the operators below cost ~100 us more a call; torch.compile uses them)."""
-
-    @staticmethod
-    def forward(ctx, anchor, collection, keys, offsets, weights, training):
-        out, ctx.lookups = grouped_lookup(collection, keys, offsets, weights, training)
-        ctx.collection = collection
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        grouped_update(ctx.collection, ctx.lookups, grad_out)
-        return None, None, None, None, None, None
-
-
-# --- the same lookup as operators, for torch.compile ----------------------------------------------
+# --- the same lookups as operators, for torch.compile ---------------------------------------------
 #
-# As the modules' `cncore::pooled_lookup` (cncore_torch/_ops.py): the tables are hidden state
-# behind an integer handle, so each pass is one opaque node and the collection compiles with
-# no graph break. The forward takes the whole KJT (values, lengths, weights: splitting it per
-# feature is data-dependent) and each feature's position among its keys (known when traced).
-# The lookups' contexts cannot be tensors (they are sealed core objects); they wait in
-# _PENDING under a token, an int64 tensor the backward gets from autograd, and leave it when
-# the token dies (after the backward, or with a graph that never runs one). Eager mode keeps the
-# autograd.Functions (_GroupedLookup, _TableLookups: an operator call costs ~100 us more);
-# both ways share the lookup and update functions, so they compute the same thing. The
-# unpooled operator (further down) returns each feature's rows, of sizes known only at run
-# time (unbacked sizes when traced). These operators belong beside the modules' in _ops.py.
-
-_PENDING: Dict[int, object] = {}
-_tokens = itertools.count(1)
-
-
-def _token_for(lookups) -> torch.Tensor:
-    number = next(_tokens)
-    _PENDING[number] = lookups
-    token = torch.tensor([number], dtype=torch.int64)
-    weakref.finalize(token, _PENDING.pop, number, None)
-    return token
+# The bridge's `cncore::lookup` takes per-feature tensors; splitting a KJT per feature is
+# data-dependent, so the collections' operators take the whole KJT (values, lengths, weights)
+# and each feature's position among its keys (known when traced), split it, and call the same
+# forward_impl; their backward is the bridge's `cncore::apply_gradients`. The unpooled operator
+# returns each feature's rows, of sizes known only at run time (unbacked sizes when traced).
 
 
 def _kjt_of_parts(collection, values, lengths, weights, n_keys: int, positions: List[int]) -> KeyedJaggedTensor:
@@ -445,8 +434,10 @@ def collection_pooled_lookup(anchor: torch.Tensor, handle: int, values: torch.Te
     by_key = features_by_key(_kjt_of_parts(collection, values, lengths, weights, n_keys, positions),
                              collection._feature_names)
     collection._require_optimizer(needs_optimizer)
-    out, lookups = grouped_lookup(collection, *grouped_arrays(collection, by_key), training)
-    return out, _token_for(lookups)
+    keys, offsets, weights = grouped_arrays(collection, by_key)
+    out, pending = _ops.forward_impl(collection, collection._lookup_tables(), keys, offsets, weights,
+                                     collection._modes, training)
+    return out, _ops.token_for(pending)
 
 
 @collection_pooled_lookup.register_fake
@@ -456,31 +447,13 @@ def _(anchor, handle, values, lengths, weights, n_keys, positions, training, nee
             values.new_empty((1,), dtype=torch.int64))
 
 
-@torch.library.custom_op("cncore::collection_apply_gradients", mutates_args=())
-def collection_apply_gradients(anchor: torch.Tensor, handle: int, grad: torch.Tensor,
-                               token: torch.Tensor) -> torch.Tensor:
-    """Backward of collection_pooled_lookup: the fused update of every table (in the core).
-    Returns the anchor's (zero) gradient, so that no compiler drops the call."""
-    lookups = _PENDING.get(int(token[0]))
-    if lookups is None:
-        raise RuntimeError("this lookup's contexts are gone (its graph was freed); nothing was updated")
-    grouped_update(_ops.table_of(handle), lookups, grad)
-    return torch.zeros_like(anchor)
-
-
-@collection_apply_gradients.register_fake
-def _(anchor, handle, grad, token):
-    return torch.empty_like(anchor)
-
-
 def _collection_setup_context(ctx, inputs, output):
-    ctx.handle = inputs[1]
     ctx.save_for_backward(inputs[0], output[1])
 
 
 def _collection_backward(ctx, grad_out, _grad_token):
     anchor, token = ctx.saved_tensors
-    grad_anchor = collection_apply_gradients(anchor, ctx.handle, grad_out.contiguous(), token)
+    grad_anchor = torch.ops.cncore.apply_gradients(anchor, [grad_out.contiguous()], token, [])
     return grad_anchor, None, None, None, None, None, None, None, None
 
 
@@ -490,7 +463,10 @@ collection_pooled_lookup.register_autograd(_collection_backward, setup_context=_
 class CNEmbeddingBagCollection(_DynamicTables, EmbeddingBagCollectionInterface):
     """TorchRec's `EmbeddingBagCollection` on dynamic tables (see the module docstring).
 
-    Args: `tables`, `is_weighted`, `device` as TorchRec (device: "cpu" only for now);
+    Args: `tables`, `is_weighted`, `device` as TorchRec: "cpu" (rows in the core), "meta" (no
+    storage until `to_empty`, as DMP builds models) or "cncard" / an accelerator device (rows,
+    optimizer state and metadata as device tensors, the key index in the core on the host, as
+    the modules' `device="cncard"`; `stores` then holds each table's `DeviceRows`);
     `optimizer`: the fused optimizer of every table (a cncore optimizer config); without it,
     the one `torchrec.optim.apply_optimizer_in_backward` puts on the collection's parameters
     (torch.optim.SGD, Adagrad, Adam or torchrec.optim.RowWiseAdagrad, mapped by
@@ -559,6 +535,10 @@ class CNEmbeddingBagCollection(_DynamicTables, EmbeddingBagCollectionInterface):
         self._feature_stores = [self._stores[c.name] for c, f in zip(self._embedding_bag_configs, self._feature_names)
                                 for _ in f] if self._stores else []
 
+    def _lookup_tables(self) -> list:
+        """The table of each feature, in the order of the lookup (see cncore_torch._ops)."""
+        return self._feature_stores
+
     def embedding_bag_configs(self) -> List[EmbeddingBagConfig]:
         return self._embedding_bag_configs
 
@@ -568,7 +548,7 @@ class CNEmbeddingBagCollection(_DynamicTables, EmbeddingBagCollectionInterface):
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         """(B, sum of dims) pooled rows as a KeyedTensor; `torch.fx.symbolic_trace`-able (one
         node) and `torch.compile`-able (one operator each way, no graph break)."""
-        if torch.compiler.is_compiling() and not self.is_meta and not features.variable_stride_per_key():
+        if torch.compiler.is_compiling() and self._placement.kind == "core" and not features.variable_stride_per_key():
             return self._compiled_lookup(features)
         return pooled_collection_lookup(self._anchor, self._handle, features, self.training)
 
@@ -591,42 +571,20 @@ class CNEmbeddingBagCollection(_DynamicTables, EmbeddingBagCollectionInterface):
         return sum(store.nbytes for store in self._stores.values())
 
 
-def unpooled_lookup(collection, keys_by_table, training: bool):
-    """Forward of both unpooled bridges: per table, the rows of its features' IDs concatenated
-    (one core call per table) and its lookup's context."""
-    outs, lookups = [], []
-    for store, keys in zip(collection._table_stores, keys_by_table):
-        out, lookup = store.pooled_lookup(keys.numpy(), lengths=np.ones(len(keys), dtype=np.int64),
-                                          insert_missing=training)
-        outs.append(torch.from_numpy(out))
-        lookups.append(lookup)
-    return outs, lookups
+def unpooled_lookup(anchor, owner, keys_by_table, training: bool):
+    """Unpooled lookups through the bridge: per table, the rows of its features' IDs
+    concatenated (one bag per ID; a table shared by features gets one update per row with the
+    summed gradient). Returns a tuple of (N_t, dim) rows, one per table."""
+    offsets = [torch.arange(len(k) + 1, dtype=torch.int64) for k in keys_by_table]
+    n = len(keys_by_table)
+    if getattr(owner, "_placement", None) is not None and owner._placement.kind == "device":
+        return _device_unpooled(anchor, owner, keys_by_table, offsets, n, training)
+    return _ops.lookup(anchor, owner, keys_by_table, offsets, [None] * n, [0] * n, training, split=True)
 
 
-def unpooled_update(collection, lookups, grads_by_table) -> None:
-    """Backward of both unpooled bridges: each table with a gradient gets one fused update."""
-    if collection.fused_optimizer is None:
-        raise no_optimizer_error(collection._owner)
-    for store, lookup, grad in zip(collection._table_stores, lookups, grads_by_table):
-        if grad is not None and len(grad):
-            store.apply_gradients(lookup, np.ascontiguousarray(grad.numpy(), dtype=np.float32),
-                                  lr=collection.fused_optimizer.lr)
-
-
-class _TableLookups(torch.autograd.Function):
-    """Unpooled lookups, one core call per table (the features of a table concatenated, so a
-    table shared by features gets one update per row with the summed gradient): the eager bridge."""
-
-    @staticmethod
-    def forward(ctx, anchor, collection, keys_by_table, training):
-        outs, ctx.lookups = unpooled_lookup(collection, keys_by_table, training)
-        ctx.collection = collection
-        return tuple(outs)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        unpooled_update(ctx.collection, ctx.lookups, grads)
-        return None, None, None, None
+@torch.compiler.disable
+def _device_unpooled(anchor, owner, keys_by_table, offsets, n: int, training: bool):
+    return _ops.lookup(anchor, owner, keys_by_table, offsets, [None] * n, [0] * n, training, split=True)
 
 
 @torch.library.custom_op("cncore::collection_unpooled_lookup", mutates_args=())
@@ -640,11 +598,14 @@ def collection_unpooled_lookup(anchor: torch.Tensor, handle: int, values: torch.
                              collection._feature_names)
     collection._require_optimizer(needs_optimizer)
     ids = [[by_key[n].values().detach() for n in names] for names in collection._feature_names]
-    outs, lookups = unpooled_lookup(collection, [torch.cat(t).to(torch.int64) for t in ids], training)
-    sizes = [[len(i) for i in t] for t in ids]
-    rows = [r.clone() for out, n in zip(outs, sizes) for r in torch.split(out, n)]  # outputs may not alias
+    keys = [torch.cat(t).to(torch.int64).contiguous() for t in ids]
+    offsets = [torch.arange(len(k) + 1, dtype=torch.int64) for k in keys]
+    outs, pending = _ops.forward_impl(collection, collection._lookup_tables(), keys, offsets, [None] * len(keys),
+                                      [0] * len(keys), training, split=True)
+    pending.sizes = [[len(i) for i in t] for t in ids]
+    rows = [r.clone() for out, n in zip(outs, pending.sizes) for r in torch.split(out, n)]  # outputs may not alias
     indices = [i.clone() for t in ids for i in t] if need_indices else []
-    return rows + indices + [_token_for((lookups, sizes))]
+    return rows + indices + [_ops.token_for(pending)]
 
 
 @collection_unpooled_lookup.register_fake
@@ -656,41 +617,37 @@ def _(anchor, handle, values, lengths, n_keys, positions, training, needs_optimi
     return rows + indices + [values.new_empty((1,), dtype=torch.int64)]
 
 
-@torch.library.custom_op("cncore::collection_unpooled_apply_gradients", mutates_args=())
-def collection_unpooled_apply_gradients(anchor: torch.Tensor, handle: int, grads: List[Optional[torch.Tensor]],
-                                        token: torch.Tensor) -> torch.Tensor:
-    """Backward of collection_unpooled_lookup: each feature's row gradients, joined per table
-    (a missing one as zeros, a table with none skipped, as in eager), one update per table."""
-    pending = _PENDING.get(int(token[0]))
-    if pending is None:
-        raise RuntimeError("this lookup's contexts are gone (its graph was freed); nothing was updated")
-    lookups, sizes = pending
-    collection = _ops.table_of(handle)
-    by_table, at = [], 0
-    for n in sizes:
-        parts = grads[at:at + len(n)]
-        at += len(n)
-        by_table.append(None if all(g is None for g in parts) else torch.cat(
-            [torch.zeros((k, collection._dim)) if g is None else g for g, k in zip(parts, n)]))
-    unpooled_update(collection, lookups, by_table)
-    return torch.zeros_like(anchor)
-
-
-@collection_unpooled_apply_gradients.register_fake
-def _(anchor, handle, grads, token):
-    return torch.empty_like(anchor)
-
-
 def _unpooled_setup_context(ctx, inputs, output):
-    ctx.handle, ctx.n_features = inputs[1], len(inputs[5])
+    ctx.n_features = len(inputs[5])
     ctx.save_for_backward(inputs[0], output[-1])
 
 
 def _unpooled_backward(ctx, grads):
     anchor, token = ctx.saved_tensors
-    row_grads = [None if g is None else g.contiguous() for g in grads[:ctx.n_features]]
-    grad_anchor = collection_unpooled_apply_gradients(anchor, ctx.handle, row_grads, token)
+    grad_anchor = torch.ops.cncore.collection_unpooled_apply_gradients(anchor, list(grads[:ctx.n_features]), token)
     return grad_anchor, None, None, None, None, None, None, None, None
+
+
+@torch.library.custom_op("cncore::collection_unpooled_apply_gradients", mutates_args=())
+def collection_unpooled_apply_gradients(anchor: torch.Tensor, grads: List[Optional[torch.Tensor]],
+                                        token: torch.Tensor) -> torch.Tensor:
+    """Each feature's row gradients joined per table (a missing one as zeros); a table none of
+    whose features has a gradient gets an empty block, which the bridge skips (as in eager,
+    where such a table's outputs are unused). Then the bridge's backward."""
+    pending = _ops.pending_of(token)
+    dim = pending.tables[0].dim
+    by_table, at = [], 0
+    for sizes in pending.sizes:
+        parts = grads[at:at + len(sizes)]
+        at += len(sizes)
+        by_table.append(torch.empty((0, dim)) if all(g is None for g in parts) else torch.cat(
+            [torch.zeros((k, dim)) if g is None else g.contiguous() for g, k in zip(parts, sizes)]))
+    return torch.ops.cncore.apply_gradients(anchor, by_table, token, [])
+
+
+@collection_unpooled_apply_gradients.register_fake
+def _(anchor, grads, token):
+    return torch.empty_like(anchor)
 
 
 collection_unpooled_lookup.register_autograd(_unpooled_backward, setup_context=_unpooled_setup_context)
@@ -734,6 +691,10 @@ class CNEmbeddingCollection(_DynamicTables, EmbeddingCollectionInterface):
     def _bind_stores(self) -> None:
         self._table_stores = [self._stores[c.name] for c in self._configs] if self._stores else []
 
+    def _lookup_tables(self) -> list:
+        """Each table once: its features' IDs are looked up together (see unpooled_lookup)."""
+        return self._table_stores
+
     def embedding_configs(self) -> List[EmbeddingConfig]:
         return self._configs
 
@@ -749,16 +710,16 @@ class CNEmbeddingCollection(_DynamicTables, EmbeddingCollectionInterface):
     def forward(self, features: KeyedJaggedTensor) -> Dict[str, JaggedTensor]:
         """{embedding name: JaggedTensor of (N, dim) rows}; `torch.compile`-able (one operator
         each way, no graph break)."""
-        if torch.compiler.is_compiling() and not self.is_meta and not features.variable_stride_per_key():
+        if torch.compiler.is_compiling() and self._placement.kind == "core" and not features.variable_stride_per_key():
             return self._compiled_lookup(features)
-        by_key = features_by_key(features, self._feature_names)
+        by_key = features_by_key(features, self._feature_names, self._rows_device)
         keys_by_table = [torch.cat([by_key[n].values().detach().to(torch.int64) for n in names])
                          for names in self._feature_names]
         if self.is_meta:  # shape inference only
             outs = [torch.empty((len(k), self._dim), device="meta") for k in keys_by_table]
         else:
             self._require_optimizer(self.training and torch.is_grad_enabled())
-            outs = _TableLookups.apply(self._anchor, self, keys_by_table, self.training)
+            outs = unpooled_lookup(self._anchor, self, keys_by_table, self.training)
         result: Dict[str, JaggedTensor] = {}
         for out, names, emb_names in zip(outs, self._feature_names, self._names_by_table):
             start = 0

@@ -25,6 +25,8 @@ initial row would need a row of its own for the pooling).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -41,6 +43,18 @@ def _encode_slots(slots: np.ndarray) -> np.ndarray:
 
 def _decode_slots(rows: np.ndarray) -> np.ndarray:
     return rows[:, 0].astype(np.int64) + rows[:, 1].astype(np.int64) * _SLOT_SPLIT
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceLookup:
+    """What the backward of a lookup on device rows needs."""
+    rows_idx: torch.Tensor   # device row of every ID (0: the zero row)
+    offsets: torch.Tensor    # B+1, on the device
+    weights: object          # per-ID weights on the device, or None
+    mode: int
+    training: bool
+    step: int                # the rows' step at the lookup (recorded as last step)
+    evictions: int           # eviction events before the lookup (a later one makes it stale)
 
 
 class DeviceRows:
@@ -72,6 +86,30 @@ class DeviceRows:
 
     def __len__(self):
         return len(self.index)
+
+    @property
+    def dim(self) -> int:
+        return self.config.dim
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: the device tensors (rows, optimizer state, metadata), the host row -> key
+        map and the host index."""
+        return sum(t.numel() * t.element_size() for t in (self.rows, self.state, self.counts, self.last_steps,
+                                                           self.slot_keys)) + self.index.nbytes
+
+    def set_optimizer(self, optimizer) -> None:
+        """As `EmbeddingStore.set_optimizer`: a table built without an optimizer gets one; rows,
+        metadata and the step stay, each row starting from the optimizer's initial state."""
+        if self.config.optimizer is not None:
+            raise ValueError(f"optimizer: this table already has {self.config.optimizer!r}; its rows' optimizer "
+                             "state would be lost (build a new table to change it)")
+        if optimizer is None:
+            raise TypeError("optimizer must be a cncore optimizer (SGD, Adagrad, RowWiseAdagrad, Adam), got None")
+        config = dataclasses.replace(self.config, optimizer=optimizer)  # checks the optimizer
+        self.state = torch.full((self.rows.shape[0], config.state_floats), float(optimizer.initial_state),
+                                device=self.device)
+        self.config = config
 
     @property
     def step(self) -> int:
@@ -202,6 +240,26 @@ class DeviceRows:
             grad_weights = grads[1] if inv_len is None else grads[1] * inv_len
         keep = unique != 0
         return unique[keep], grads[0][keep], occurrences[keep], grad_weights
+
+    # --- the lookup and its backward (called by the bridge, cncore_torch/_ops.py) ----------------
+
+    def lookup(self, keys: torch.Tensor, offsets: torch.Tensor, weights, mode: int, training: bool):
+        """(pooled rows (B, dim) on the device, the context its backward needs)."""
+        rows_idx = self.resolve(keys, training)
+        offsets = offsets.to(self.device)
+        weights = None if weights is None else weights.to(self.device)
+        with torch.no_grad():
+            out = self.pool(rows_idx, offsets, weights, mode)
+        return out, DeviceLookup(rows_idx, offsets, weights, mode, training, self.step, self.evictions)
+
+    def rows_of(self, ctx: "DeviceLookup") -> torch.Tensor:
+        """The rows the lookup read, one per ID (a key not admitted: the zero row)."""
+        return self.rows[ctx.rows_idx]
+
+    def check_fresh(self, ctx: "DeviceLookup") -> None:
+        if self.evictions != ctx.evictions:
+            raise RuntimeError("rows were evicted from this table since this lookup's forward, so its rows may "
+                               "hold other keys now; run the backward before the next lookup that can evict")
 
     def record_access(self, idx, occurrences, step: int) -> None:
         self.counts[idx] = (self.counts[idx] + occurrences).clamp(max=2**32 - 1)

@@ -114,6 +114,10 @@ class _DynamicTable(nn.Module):
         self.store = cncore.EmbeddingStore(self.config) if kind == "core" else None
         self.device_rows = DeviceRows(self.config, self.placement.device) if kind == "device" else None
 
+    def _lookup_tables(self) -> list:
+        """What the lookup reads (see cncore_torch._ops): this table's storage."""
+        return [self._stepper()]
+
     def _stepper(self):
         """What carries the optimizer step: the store or the device rows (None on meta)."""
         return self.store if self.store is not None else self.device_rows
@@ -486,8 +490,8 @@ def _check_device(placement: str, **tensors) -> None:
 def _lookup(anchor, handle, placement, dim, keys, offsets, weights, mode, training):
     if placement == "core":
         if torch.compiler.is_compiling():  # one opaque operator in the graph
-            return torch.ops.cncore.pooled_lookup(anchor, handle, keys, offsets, weights, mode, training)[0]
-        return _ops.EagerLookup.apply(anchor, handle, keys, offsets, weights, mode, training)[0]
+            return torch.ops.cncore.lookup(anchor, handle, [keys], [offsets], [weights], [mode], training)[0]
+        return _ops.lookup(anchor, _ops.table_of(handle), [keys], [offsets], [weights], [mode], training)
     if placement == "meta":  # shape inference only
         return torch.empty((offsets.shape[0] - 1, dim), device="meta")
     return _device_lookup(anchor, handle, keys, offsets, weights, mode, training)
@@ -495,42 +499,7 @@ def _lookup(anchor, handle, placement, dim, keys, offsets, weights, mode, traini
 
 @torch.compiler.disable  # the accelerator path: a clean graph break around PyTorch ops on device rows
 def _device_lookup(anchor, handle, keys, offsets, weights, mode, training):
-    return _DeviceLookup.apply(anchor, _ops.table_of(handle), keys, offsets, weights, mode, training)
-
-
-class _DeviceLookup(torch.autograd.Function):
-    """Lookup on device rows: the core resolves keys to rows, PyTorch pools; backward applies
-    the fused optimizer with PyTorch ops (or hands gradients to the hooks)."""
-
-    @staticmethod
-    def forward(ctx, anchor, table, keys, offsets, weights, mode, training):
-        rows = table.device_rows
-        rows_idx = rows.resolve(keys, training)
-        offsets = offsets.to(rows.device)
-        weights = None if weights is None else weights.to(rows.device)
-        ctx.table, ctx.mode, ctx.training, ctx.step = table, mode, training, rows.step
-        ctx.evictions = rows.evictions
-        ctx.save_for_backward(anchor, rows_idx, offsets, weights)
-        with torch.no_grad():
-            return rows.pool(rows_idx, offsets, weights, mode)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        anchor, rows_idx, offsets, weights = ctx.saved_tensors
-        table, rows = ctx.table, ctx.table.device_rows
-        if rows.evictions != ctx.evictions:
-            raise RuntimeError("rows were evicted from this table since this lookup's forward, so its rows may "
-                               "hold other keys now; run the backward before the next lookup that can evict")
-        idx, grads, occurrences, grad_weights = rows.gradients(rows_idx, offsets, weights, ctx.mode,
-                                                               grad_out.contiguous())
-        if ctx.training:
-            rows.record_access(idx, occurrences, ctx.step)
-        with torch.no_grad():
-            if table.fused_optimizer is not None:
-                rows.apply(idx, grads, table.fused_optimizer.lr)
-            else:
-                table._deliver_gradients(rows.slot_keys[idx.cpu()], grads)
-        return torch.zeros_like(anchor), None, None, None, grad_weights, None, None
+    return _ops.lookup(anchor, _ops.table_of(handle), [keys], [offsets], [weights], [mode], training)
 
 
 def _drop_padding(keys, offsets, weights, padding_idx):

@@ -11,7 +11,8 @@ the cardinality the run reaches (for throughput only: the folding collides). Eve
 its share of each global batch (equal shares: TorchRec's row-wise output dist needs equal batch
 sizes on gloo). Reported: global samples/s (rank 0's wall time over the timed steps, after
 warm-up), and for ours the bytes each rank sends per step, from the exact tensors our dists send
-to other ranks, against the analytic minimum (a key to its owner once: 8 bytes; a partial pool
+to other ranks (ids and lengths from the batches, pools as the output dist counted the tensors
+it sent), against the analytic minimum (a key to its owner once: 8 bytes; a partial pool
 only where another rank holds a key of that bag: dim x 4 bytes, and the same again for its
 gradient).
 """
@@ -38,8 +39,9 @@ def _fold(kjt, rows):
                              stride=kjt.stride())
 
 
-def _bytes(kjt, world_size, rank, dims_total, dim):
-    """(sent, minimum) bytes of rank `rank` per step for our sharded tables."""
+def _bytes(kjt, world_size, rank, pool_bytes, dim):
+    """(sent, minimum) bytes of rank `rank` per step for our sharded tables; `pool_bytes`: the
+    partial pools and their gradients this rank sent, as its output dist counted them."""
     from cncore_torch.distributed import owner_of
     values = kjt.values()
     owner = owner_of(values, world_size)
@@ -47,7 +49,7 @@ def _bytes(kjt, world_size, rank, dims_total, dim):
     n_features, stride = len(kjt.keys()), kjt.stride()
     sent_ids = int(foreign.sum()) * values.element_size()
     sent_lengths = (world_size - 1) * n_features * stride * kjt.lengths().element_size()
-    sent_pools = (world_size - 1) * stride * dims_total * 4 * 2  # forward partial pools + their gradients
+    sent_pools = pool_bytes  # forward partial pools + their gradients
     bag = torch.repeat_interleave(torch.arange(n_features * stride), kjt.lengths())
     foreign_bags = torch.unique(bag[foreign]).numel()  # (feature, sample) pairs with a key held elsewhere
     minimum = int(foreign.sum()) * 8 + foreign_bags * dim * 4 * 2
@@ -67,6 +69,7 @@ def _worker(rank, world_size, args, out_path):
     import cncore
     from cncore_torch.collection import CNEmbeddingBagCollection
     from cncore_torch.distributed import CNEmbeddingBagCollectionSharder, plan_for
+    from cncore_torch.distributed.rw_sharding import CNRwPooledEmbeddingDist
     from cncore_torch.dlrm.data import SyntheticCriteo
     from cncore_torch.dlrm.distributed import share
     from cncore_torch.dlrm.train import build_dlrm, table_configs
@@ -99,10 +102,12 @@ def _worker(rank, world_size, args, out_path):
             features = lambda kjt: _fold(kjt, rows)  # noqa: E731
         dense = [p for n, p in dmp.named_parameters() if "_anchor" not in n and "embedding_bags" not in n]
         opt = torch.optim.Adagrad(dense, lr=0.01)
+        output_dists = [m for m in dmp.modules() if isinstance(m, CNRwPooledEmbeddingDist)]
         for i, b in enumerate(batches):
             if i == args.warmup:
                 dist.barrier()
                 t0 = time.perf_counter()
+                pool_bytes_before = sum(d.bytes_sent for d in output_dists)
             logits = dmp(b.dense, features(b.sparse)).squeeze(1)
             loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, b.labels)
             opt.zero_grad()
@@ -111,7 +116,9 @@ def _worker(rank, world_size, args, out_path):
         dist.barrier()
         elapsed = time.perf_counter() - t0
         results[name] = {"samples_per_s": args.steps * args.batch_size / elapsed}
-    sent, minimum, parts = zip(*(_bytes(b.sparse, world_size, rank, 26 * args.dim, args.dim)
+        if name.startswith("cncore"):
+            pool_bytes = (sum(d.bytes_sent for d in output_dists) - pool_bytes_before) / args.steps
+    sent, minimum, parts = zip(*(_bytes(b.sparse, world_size, rank, pool_bytes, args.dim)
                                  for b in batches[args.warmup:]))
     gathered = [None] * world_size
     dist.all_gather_object(gathered, (float(np.mean(sent)), float(np.mean(minimum)),

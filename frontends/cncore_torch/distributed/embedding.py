@@ -27,7 +27,7 @@ from torchrec.optim.keyed import KeyedOptimizer
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 import cncore
-from cncore_torch.collection import CNEmbeddingCollection, _TableLookups
+from cncore_torch.collection import CNEmbeddingCollection, unpooled_lookup
 from cncore_torch.distributed.embeddingbag import (_check_plan, _keep_owned_rows, check_features, fused_anchor,
                                                   shard_store_configs, sharded_optimizer)
 from cncore_torch.distributed.routing import owner_of
@@ -73,7 +73,7 @@ class ShardedCNEmbeddingCollection(ShardedEmbeddingCollection):
         self._stores = {name: cncore.EmbeddingStore(config)
                         for name, config in shard_store_configs(configs_with_optimizer, self._world_size).items()}
         _keep_owned_rows(self._stores, module.stores, self._world_size, self._rank)
-        self._table_stores = [self._stores[c.name] for c in self._configs]  # what _TableLookups reads
+        self._table_stores = [self._stores[c.name] for c in self._configs]  # what the lookup reads
         self._optim = keyed_fused_optimizer(self._anchor, optimizer, list(self._stores.values()),
                                                       "embeddings.fused")
         self._input_dists, self._lookups, self._output_dists = [], [], []
@@ -86,6 +86,10 @@ class ShardedCNEmbeddingCollection(ShardedEmbeddingCollection):
     def stores(self) -> Dict[str, cncore.EmbeddingStore]:
         """{table name: this rank's store} (the keys this rank owns)."""
         return self._stores
+
+    def _lookup_tables(self) -> list:
+        """Each table's local store, once (see cncore_torch.collection.unpooled_lookup)."""
+        return self._table_stores
 
     @property
     def unsharded_module_type(self) -> Type[CNEmbeddingCollection]:
@@ -127,7 +131,7 @@ class ShardedCNEmbeddingCollection(ShardedEmbeddingCollection):
     def compute(self, ctx: EmbeddingCollectionContext, dist_input) -> torch.Tensor:
         keys, tables = dist_input
         positions = [torch.nonzero(tables == t).squeeze(1) for t in range(len(self._configs))]
-        rows = _TableLookups.apply(self._anchor, self, [keys[p] for p in positions], self.training)
+        rows = unpooled_lookup(self._anchor, self, [keys[p].contiguous() for p in positions], self.training)
         everything = torch.cat(rows) if rows else keys.new_empty((0, self._dim), dtype=torch.float32)
         return everything[torch.argsort(torch.cat(positions))]  # rows in the order the keys arrived
 

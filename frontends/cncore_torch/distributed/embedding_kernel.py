@@ -2,8 +2,8 @@
 
 It owns this rank's shard of every table (one `cncore.EmbeddingStore` each, holding only the
 keys this rank owns) and looks up the features it receives after the input all-to-all in one
-grouped core call, through the same autograd bridge as the single-process collection
-(`cncore_torch.collection._GroupedLookup`): its backward applies the fused optimizer to the
+grouped core call, through the bridge every module of this front end uses
+(`cncore_torch._ops`): its backward applies the fused optimizer to the
 rows here, on the owning rank, with the gradient the output all-to-all sent back.
 
 Every feature is pooled with SUM here, also for MEAN tables: a bag split across ranks is
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
-import numpy as np
 import torch
 from torch import nn
 from torchrec.distributed.embedding_kernel import BaseEmbedding
@@ -21,7 +20,7 @@ from torchrec.distributed.embedding_types import GroupedEmbeddingConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import cncore
-from cncore_torch.collection import _GroupedLookup
+from cncore_torch import _ops
 
 __all__ = ["CNEmbeddingBagKernel"]
 
@@ -65,7 +64,11 @@ class CNEmbeddingBagKernel(BaseEmbedding):
                        else None)
         offsets = torch.zeros((n_features, stride + 1), dtype=torch.int64)
         torch.cumsum(lengths, dim=1, out=offsets[:, 1:])
-        keys_np = [k.contiguous().numpy() for k in keys]
-        offsets_np = [o.numpy() for o in offsets]
-        weights_np = [w.contiguous().numpy() for w in weight_list] if weight_list is not None else None
-        return _GroupedLookup.apply(self._anchor_ref[0], self, keys_np, offsets_np, weights_np, self.training)
+        keys = [k.contiguous() for k in keys]
+        weight_list = [w.contiguous() for w in weight_list] if weight_list is not None else [None] * n_features
+        return _ops.lookup(self._anchor_ref[0], self, keys, list(offsets), weight_list, [0] * n_features,
+                           self.training)
+
+    def _lookup_tables(self) -> list:
+        """The store of each feature (see cncore_torch._ops)."""
+        return self._feature_stores

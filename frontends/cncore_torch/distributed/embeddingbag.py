@@ -33,7 +33,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 import cncore
 from cncore_torch.collection import CNEmbeddingBagCollection
 from cncore_torch.distributed.routing import owner_of
-from cncore_torch.distributed.rw_sharding import CNRwPooledEmbeddingSharding
+from cncore_torch.distributed.rw_sharding import CNRwPooledEmbeddingSharding, route_kjt
 from cncore_torch.optim import keyed_fused_optimizer, no_optimizer_error, resolve_optimizer
 from cncore_torch.state import TableState, load_tables, save_store
 
@@ -174,10 +174,16 @@ class ShardedCNEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                 for f in self._mean_features:
                     divisor[:, starts[f]:starts[f + 1]] = lengths[f].clamp(min=1).to(torch.float32).unsqueeze(1)
                 ctx.divisor = divisor
-            ctx.sharding_contexts.append(EmbeddingShardingContext(batch_size_per_rank=[stride] * self._world_size))
-            return KJTListSplitsAwaitable([self._input_dists[0](kjt)], ctx, self._module_fqn, self._sharding_types)
+            sharding_ctx = EmbeddingShardingContext(batch_size_per_rank=[stride] * self._world_size)
+            routed = route_kjt(kjt, self._world_size)
+            sharding_ctx.cn_routed = routed.lengths()  # which ranks hold keys of which of my bags
+            ctx.sharding_contexts.append(sharding_ctx)
+            return KJTListSplitsAwaitable([self._input_dists[0].send(routed)], ctx, self._module_fqn,
+                                          self._sharding_types)
 
     def compute(self, ctx: EmbeddingBagCollectionContext, dist_input: KJTList) -> List[torch.Tensor]:
+        for sharding_ctx, features in zip(ctx.sharding_contexts, dist_input):
+            sharding_ctx.cn_received = features.lengths()  # which of my partial pools are not zero
         return [lookup(features) for lookup, features in zip(self._lookups, dist_input)]
 
     def output_dist(self, ctx: EmbeddingBagCollectionContext, output: List[torch.Tensor]) -> LazyAwaitable[KeyedTensor]:
