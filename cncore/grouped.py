@@ -19,6 +19,7 @@ output, the layout of TorchRec's KeyedTensor. `grouped_apply_gradients` is its b
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
@@ -208,6 +209,9 @@ def lookup_arrays(stores, keys, offsets, weights, modes, outs, insert_missing: b
             for f in range(len(stores))]
 
 
+_NOTHING_HELD = contextlib.nullcontext()  # reusable: no tiered store in a call (the common case)
+
+
 def tiers_faulted_in(stores, key_arrays, insert: bool):
     """A context in which every key a call uses is in the memory cache of its tiered store
     (cncore/tiered.py), all features of one store faulted in together (so that making room for
@@ -215,11 +219,12 @@ def tiers_faulted_in(stores, key_arrays, insert: bool):
     between the tiers: the caller runs its core lookup inside it. Stores are locked in one
     order (by id), so two grouped calls over the same stores cannot deadlock. Stores that are
     not tiered are untouched."""
-    import contextlib
     by_store = {}
     for store, k in zip(stores, key_arrays):
         if hasattr(store, "faulted_in"):
             by_store.setdefault(id(store), (store, []))[1].append(k)
+    if not by_store:
+        return _NOTHING_HELD
     held = contextlib.ExitStack()  # entered here; the caller's `with` closes it
     try:
         for _, (store, parts) in sorted(by_store.items()):
@@ -299,16 +304,30 @@ def grouped_apply_gradients(ctxs: Sequence[LookupContext], grad_output, *, lr=No
     if len(lrs) != len(ctxs):
         raise ValueError("lr: expected one value or one per context")
     optims = [_optim_tuple(ctx.store, rate) for ctx, rate in zip(ctxs, lrs)]
+    apply_blocks(ctxs, [grad[:, ctx.columns] for ctx in ctxs], optims)
 
+
+def apply_blocks(ctxs: Sequence[LookupContext], grads: Sequence[np.ndarray], optims: Sequence[tuple]) -> None:
+    """The fused backward of contexts one grouped lookup of this process made, already checked
+    (grouped_apply_gradients checks what a caller hands in; the torch bridge calls this with
+    the contexts its own lookup made): grads[f] is feature f's (B_f, dim) float32 gradient
+    block, optims[f] its `_optim_tuple`. Features sharing a store are merged into one update
+    per row (max pooling: one after another). The core checks each context's erase epoch and
+    slots under the store's lock."""
+    if len(ctxs) == 1:  # one feature (the modules): no grouping to do
+        ctx = ctxs[0]
+        _core.grouped_backward([ctx.store._table], [ctx.slots], [ctx.offsets], [ctx.weights], [ctx.mode],
+                               [ctx.argmax], [grads[0]], [optims[0]], [(ctx.training, ctx.step)], [ctx.erase_epoch])
+        return
     by_store = {}
     for f, ctx in enumerate(ctxs):
         by_store.setdefault(id(ctx.store), []).append(f)
     tables, slots, offsets, weights, modes, argmaxes = [], [], [], [], [], []
-    grads, opt_list, metas, epochs = [], [], [], []
+    grad_list, opt_list, metas, epochs = [], [], [], []
     sequential = []
     for members in by_store.values():
         first = ctxs[members[0]]
-        blocks = [grad[:, ctxs[f].columns] for f in members]
+        blocks = [grads[f] for f in members]
         if len(members) == 1:
             tables.append(first.store._table)
             slots.append(first.slots)
@@ -316,7 +335,7 @@ def grouped_apply_gradients(ctxs: Sequence[LookupContext], grad_output, *, lr=No
             weights.append(first.weights)
             modes.append(first.mode)
             argmaxes.append(first.argmax)
-            grads.append(blocks[0])
+            grad_list.append(blocks[0])
             opt_list.append(optims[members[0]])
             metas.append((first.training, first.step))
             epochs.append(first.erase_epoch)
@@ -334,14 +353,14 @@ def grouped_apply_gradients(ctxs: Sequence[LookupContext], grad_output, *, lr=No
             weights.append(w)
             modes.append(MODES["sum"])
             argmaxes.append(None)
-            grads.append(g)
+            grad_list.append(g)
             opt_list.append(optims[members[0]])
             metas.append((first.training, first.step))
             epochs.append(first.erase_epoch)
     if tables:
-        _core.grouped_backward(tables, slots, offsets, weights, modes, argmaxes, grads, opt_list, metas, epochs)
+        _core.grouped_backward(tables, slots, offsets, weights, modes, argmaxes, grad_list, opt_list, metas,
+                               epochs)
     for f in sequential:
         ctx = ctxs[f]
         _core.grouped_backward([ctx.store._table], [ctx.slots], [ctx.offsets], [ctx.weights], [ctx.mode],
-                               [ctx.argmax], [grad[:, ctx.columns]], [optims[f]], [(ctx.training, ctx.step)],
-                               [ctx.erase_epoch])
+                               [ctx.argmax], [grads[f]], [optims[f]], [(ctx.training, ctx.step)], [ctx.erase_epoch])

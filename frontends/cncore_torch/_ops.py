@@ -38,9 +38,9 @@ from typing import List, Optional
 import numpy as np
 import torch
 
-import cncore
 from cncore import _core
-from cncore.grouped import MODES, lookup_arrays
+from cncore.grouped import MODES, apply_blocks, lookup_arrays
+from cncore.grouped import _optim_tuple as optimizer_arguments
 from cncore_torch.device_rows import DeviceRows
 
 _TABLES: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
@@ -94,9 +94,11 @@ def forward_impl(owner, tables, keys, offsets, weights, modes, training: bool, s
         views = [np.empty((len(o) - 1, d), dtype=np.float32) for o, d in zip(offsets, dims)]
         starts = None
     else:
-        out = np.empty((len(offsets[0]) - 1, sum(dims)), dtype=np.float32)
-        starts = np.concatenate([[0], np.cumsum(dims)]).astype(int).tolist()
-        views = [out[:, starts[f]:starts[f + 1]] for f in range(len(tables))]
+        starts = [0]
+        for d in dims:
+            starts.append(starts[-1] + d)
+        out = np.empty((len(offsets[0]) - 1, starts[-1]), dtype=np.float32)
+        views = [out] if len(dims) == 1 else [out[:, starts[f]:starts[f + 1]] for f in range(len(tables))]
     ctxs = lookup_arrays(tables, [_np(k) for k in keys], [_np(o) for o in offsets], [_np(w) for w in weights],
                          list(modes), views, training, starts)
     result = [torch.from_numpy(v) for v in views] if split else torch.from_numpy(out)
@@ -152,6 +154,8 @@ def backward_impl(pending: Pending, grad) -> None:
     if len(current) != len(pending.tables) or any(a is not b for a, b in zip(current, pending.tables)):
         raise RuntimeError("this table moved off the core (or between placements) since this lookup; its "
                            "gradient cannot be applied to rows that now live elsewhere. Nothing was updated")
+    if not pending.split:
+        grad = grad.contiguous()
     blocks = _grad_blocks(pending, grad)
     if pending.on_device:
         _device_backward(pending, blocks, optimizer, deliver)
@@ -164,14 +168,19 @@ def backward_impl(pending: Pending, grad) -> None:
                                                       ctx.step, ctx.erase_epoch)
             deliver(keys[torch.from_numpy(positions)], torch.from_numpy(grads))
         return
-    if pending.split:  # one context per table, each its own block (None or empty: no gradient, no update)
-        for ctx, g in zip(pending.ctxs, blocks):
-            if g is not None and len(g):
-                cncore.grouped_apply_gradients([ctx], np.ascontiguousarray(g.detach().numpy(), dtype=np.float32),
-                                               lr=optimizer.lr)
-        return
-    cncore.grouped_apply_gradients(pending.ctxs, np.ascontiguousarray(grad.detach().numpy(), dtype=np.float32),
-                                   lr=optimizer.lr)
+    ctxs, arrays = [], []
+    for ctx, g in zip(pending.ctxs, blocks):
+        if g is not None and len(g):  # (a split lookup's table without a gradient: no update)
+            ctxs.append(ctx)
+            arrays.append(g.detach().numpy().astype(np.float32, copy=False))
+    optims, by_store = [], {}
+    for ctx in ctxs:  # each store's optimizer and learning rate, checked once
+        key = id(ctx.store)
+        if key not in by_store:
+            by_store[key] = optimizer_arguments(ctx.store, optimizer.lr)
+        optims.append(by_store[key])
+    if ctxs:
+        apply_blocks(ctxs, arrays, optims)
 
 
 def _device_backward(pending: Pending, blocks, optimizer, deliver) -> None:
