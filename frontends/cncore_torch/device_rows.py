@@ -295,15 +295,51 @@ class DeviceRows:
 
     # --- moving rows in and out -----------------------------------------------------------------
 
-    def export(self) -> dict:
+    def export(self) -> cncore.TableBatch:
+        """Every row, as `EmbeddingStore.export` gives them (host NumPy arrays)."""
         keys = self.index.export().keys
         slots, _ = self.index.find(keys)
         at = torch.from_numpy(slots + 1).to(self.device)
-        return {"keys": torch.from_numpy(keys), "rows": self.rows[at].cpu(), "optimizer_state": self.state[at].cpu(),
-                "counts": self.counts[at].cpu(), "last_steps": self.last_steps[at].cpu()}
+        return cncore.TableBatch(keys, self.rows[at].cpu().numpy(), self.state[at].cpu().numpy(),
+                                 self.counts[at].cpu().numpy().astype(np.uint32),
+                                 self.last_steps[at].cpu().numpy().astype(np.uint32), np.ones(len(keys), bool))
 
-    def load(self, keys, rows, optimizer_state, counts, last_steps) -> None:
+    @property
+    def capacity(self) -> int:
+        return self.index.capacity
+
+    def insert_or_assign(self, keys, rows, optimizer_state=None) -> np.ndarray:
+        """Write rows for keys, inserting the absent ones (no admission: an explicit write);
+        returns which were present. Checked as the core store checks them."""
+        return self._write(keys, rows, optimizer_state, insert=True)
+
+    def assign(self, keys, rows, optimizer_state=None) -> np.ndarray:
+        """Write rows for the keys that are present; returns which were."""
+        return self._write(keys, rows, optimizer_state, insert=False)
+
+    def _write(self, keys, rows, optimizer_state, insert: bool) -> np.ndarray:
+        if isinstance(keys, torch.Tensor):
+            keys = keys.detach().cpu().numpy()
+        found = self.index.contains(keys)  # checks the keys as the core store does
+        host = np.asarray(keys).astype(np.int64)
+        rows = torch.as_tensor(rows).detach().cpu()
+        if rows.dtype != torch.float32:  # as the core store: no silent casts
+            raise TypeError(f"rows: expected float32, got {rows.dtype}")
+        if tuple(rows.shape) != (len(host), self.dim):
+            raise ValueError(f"rows: expected shape ({len(host)}, {self.dim}), got {tuple(rows.shape)}")
+        if optimizer_state is not None:
+            raise ValueError("optimizer_state: writes to device rows keep each row's optimizer state (load() "
+                             "replaces it)")
+        take = slice(None) if insert else found
+        at = self.resolve(torch.from_numpy(host[take]), training=True, lookup=False)
+        self.rows[at] = rows[take].to(self.device)
+        return found
+
+    def load(self, keys, rows, optimizer_state=None, counts=None, last_steps=None) -> None:
+        """Replace or add rows with their state and metadata (as `EmbeddingStore.load`)."""
         host = np.asarray(keys, dtype=np.int64)
+        counts = np.zeros(len(host), np.int64) if counts is None else counts
+        last_steps = np.zeros(len(host), np.int64) if last_steps is None else last_steps
         if self.bounded:  # the index holds the metadata the policy reads, and the device slots
             slots, _ = self.index.find_or_insert(host)
             self.index.load(host, _encode_slots(slots), None, np.asarray(counts, np.int64),

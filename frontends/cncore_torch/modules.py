@@ -92,12 +92,12 @@ class _DynamicTable(nn.Module):
             initializer=initializer if initializer is not None else cncore.Normal(0.0, 1.0),
             max_load_factor=max_load_factor, optimizer=optimizer, **(options or {}))
         self.placement = resolve_device(device)
-        self.store, self.device_rows = None, None  # rows in the core, or on the accelerator
+        self.storage = None  # the table's RowStorage (cncore.storage): in the core, or device rows; None on meta
         self._make_storage()
         # Zero-size parameter: carries the backward (see _ops) and the fused optimizer's lr.
         self._anchor = nn.Parameter(torch.empty(0, device=self.placement.device))
         self._handle = _ops.register(self)
-        self.fused_optimizer = FusedOptimizer(self._anchor, optimizer, lambda: self._stepper()) if optimizer else None
+        self.fused_optimizer = FusedOptimizer(self._anchor, optimizer, lambda: self.storage) if optimizer else None
         self._gradient_hooks: List[Callable] = []
         self.last_gradients = None
 
@@ -111,16 +111,23 @@ class _DynamicTable(nn.Module):
         if kind == "device" and self.config.dtype != "float32":
             raise ValueError(f"device={self.placement.device}: rows on an accelerator are float32 for now "
                              f"(row_dtype={self.config.dtype!r}); keep this table on device='cpu' (the core)")
-        self.store = cncore.EmbeddingStore(self.config) if kind == "core" else None
-        self.device_rows = DeviceRows(self.config, self.placement.device) if kind == "device" else None
+        self.storage = (cncore.EmbeddingStore(self.config) if kind == "core" else
+                        DeviceRows(self.config, self.placement.device) if kind == "device" else None)
+
+    @property
+    def store(self):
+        """The table's store when its rows are in the core (an EmbeddingStore, or the SSD tier's
+        TieredStore), else None."""
+        return self.storage if self.placement.kind == "core" else None
+
+    @property
+    def device_rows(self):
+        """The table's DeviceRows when its rows are on an accelerator, else None."""
+        return self.storage if self.placement.kind == "device" else None
 
     def _lookup_tables(self) -> list:
         """What the lookup reads (see cncore_torch._ops): this table's storage."""
-        return [self._stepper()]
-
-    def _stepper(self):
-        """What carries the optimizer step: the store or the device rows (None on meta)."""
-        return self.store if self.store is not None else self.device_rows
+        return [self.storage]
 
     def _require_storage(self):
         if self.placement.kind == "meta":
@@ -138,8 +145,8 @@ class _DynamicTable(nn.Module):
                              "with device='meta' for shape inference instead")
         rows = None
         if self.placement.kind != "meta":
-            rows = dataclasses.replace(TableState.from_export(self.export(), self._stepper().step),
-                                       evicted_count=self._stepper().evicted_count)  # moves with the rows
+            rows = dataclasses.replace(TableState.from_export(self.export(), self.storage.step),
+                                       evicted_count=self.storage.evicted_count)  # moves with the rows
         self.placement = target
         self._make_storage()
         if rows is not None and target.kind != "meta":
@@ -184,7 +191,7 @@ class _DynamicTable(nn.Module):
         super().__setstate__(state)
         self._handle = _ops.register(self)
         optimizer = self.config.optimizer
-        self.fused_optimizer = FusedOptimizer(self._anchor, optimizer, lambda: self._stepper()) if optimizer else None
+        self.fused_optimizer = FusedOptimizer(self._anchor, optimizer, lambda: self.storage) if optimizer else None
         if self.fused_optimizer is not None:
             self.fused_optimizer.param_groups[0]["lr"] = lr
 
@@ -210,12 +217,12 @@ class _DynamicTable(nn.Module):
     @property
     def num_rows(self) -> int:
         self._require_storage()
-        return len(self._stepper())
+        return len(self.storage)
 
     @property
     def capacity(self) -> int:
         self._require_storage()
-        return (self.store if self.store is not None else self.device_rows.index).capacity
+        return self.storage.capacity
 
     def keys(self) -> torch.Tensor:
         """Every ID in the table (int64, in no particular order)."""
@@ -224,15 +231,13 @@ class _DynamicTable(nn.Module):
     def export(self) -> dict:
         """keys, rows, optimizer_state, counts and last_steps, as CPU tensors."""
         self._require_storage()
-        if self.device_rows is not None:
-            return self.device_rows.export()
-        return export_tensors(self.store)
+        return export_tensors(self.storage)
 
     def _replace_rows(self, state: TableState) -> None:
         """Every row, its optimizer state, metadata and the step replaced (in place: the store
         object stays, so the operator handle and `module.store` references stay valid)."""
         self._require_storage()
-        state.load_into(self._stepper())
+        state.load_into(self.storage)
 
     def insert(self, ids, rows) -> torch.Tensor:
         """Write rows for IDs, inserting the absent ones; returns which were present."""
@@ -245,24 +250,12 @@ class _DynamicTable(nn.Module):
     def _write(self, ids, rows, insert: bool) -> torch.Tensor:
         self._require_storage()
         rows = torch.as_tensor(rows).detach().cpu().contiguous()
-        if self.store is not None:
-            verb = self.store.insert_or_assign if insert else self.store.assign
-            return torch.from_numpy(verb(ids, rows).copy())
-        host = torch.as_tensor(ids).cpu().numpy()
-        found = torch.from_numpy(self.device_rows.index.contains(host))  # checks the IDs as the core store does
-        host = host.astype(np.int64)
-        take = slice(None) if insert else found.numpy()
-        if rows.dtype != torch.float32:  # as the core store: no silent casts
-            raise TypeError(f"rows: expected float32, got {rows.dtype}")
-        if rows.shape != (len(host), self.dim):
-            raise ValueError(f"rows: expected shape ({len(host)}, {self.dim}), got {tuple(rows.shape)}")
-        at = self.device_rows.resolve(torch.from_numpy(host[take]), training=True, lookup=False)
-        self.device_rows.rows[at] = rows[take].to(self.device_rows.device)
-        return found
+        verb = self.storage.insert_or_assign if insert else self.storage.assign
+        return torch.from_numpy(np.array(verb(ids, rows), dtype=bool))
 
     def reserve(self, n_rows: int) -> None:
         self._require_storage()
-        (self.store if self.store is not None else self.device_rows.index).reserve(n_rows)
+        self.storage.reserve(n_rows)
 
     # --- state ----------------------------------------------------------------------------------
 
@@ -272,8 +265,8 @@ class _DynamicTable(nn.Module):
             return
         for name, value in self.export().items():
             destination[prefix + name] = value
-        destination[prefix + "step"] = torch.tensor(self._stepper().step, dtype=torch.int64)
-        save_evicted_count(self._stepper(), destination, prefix)
+        destination[prefix + "step"] = torch.tensor(self.storage.step, dtype=torch.int64)
+        save_evicted_count(self.storage, destination, prefix)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):

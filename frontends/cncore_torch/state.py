@@ -43,12 +43,10 @@ FIELDS = ("keys", "rows", "optimizer_state", "counts", "last_steps")
 ENTRIES = FIELDS + ("step",)
 
 
-def export_tensors(store: cncore.EmbeddingStore) -> dict:
-    """keys, rows, optimizer_state, counts, last_steps as CPU tensors (of a store, or of
-    DeviceRows, whose export gives them so already)."""
+def export_tensors(store) -> dict:
+    """keys, rows, optimizer_state, counts, last_steps of any row storage (cncore.storage) as
+    CPU tensors."""
     batch = store.export()
-    if isinstance(batch, dict):
-        return batch
     return {name: torch.from_numpy(np.asarray(getattr(batch, name), dtype=np.int64)
                                    if name in ("counts", "last_steps") else getattr(batch, name))
             for name in FIELDS}
