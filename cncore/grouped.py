@@ -188,13 +188,15 @@ def grouped_pooled_lookup(stores: Sequence, keys: Sequence, offsets: Optional[Se
                               starts)
 
 
-def lookup_arrays(stores, keys, offsets, weights, modes, outs, insert_missing: bool, starts=None):
+def lookup_arrays(stores, keys, offsets, weights, modes, outs, insert_missing: bool, starts=None, *,
+                  contexts: bool = True):
     """The grouped lookup for front ends that checked their input already (the torch bridge):
     keys[f] (int64), offsets[f] (B_f + 1, int64), weights[f] (float32 or None) and modes[f]
     (0 sum, 1 mean, 2 max) as arrays, outs[f] the (B_f, dim_f) float32 array (or column view)
     feature f's rows go to; `starts`: the features' first columns in one grouped output (None
     when each has its own output). The core still checks the offsets and sizes; the arrays
-    are not copied (the caller keeps them unchanged until the backward). Returns the contexts."""
+    are not copied (the caller keeps them unchanged until the backward). Returns the contexts
+    (None with `contexts=False`: no backward will follow)."""
     keys = [np.ascontiguousarray(k, dtype=np.int64) for k in keys]
     offsets = [np.ascontiguousarray(o, dtype=np.int64) for o in offsets]
     weights = [None if w is None else np.ascontiguousarray(w, dtype=np.float32) for w in weights]
@@ -202,6 +204,8 @@ def lookup_arrays(stores, keys, offsets, weights, modes, outs, insert_missing: b
     with tiers_faulted_in(stores, keys, insert_missing):
         results = _core.grouped_forward([s._table for s in stores], keys, offsets, weights, list(modes), outs,
                                         insert_missing)
+    if not contexts:
+        return None
     columns = ([slice(starts[f], starts[f + 1]) for f in range(len(stores))] if starts is not None
                else [slice(0, s.dim) for s in stores])
     return [_sealed(LookupContext(stores[f], keys[f], results[f][0], offsets[f], weights[f], modes[f], results[f][1],

@@ -77,8 +77,10 @@ def _np(t: Optional[torch.Tensor]):
     return None if t is None else t.detach().numpy()
 
 
-def forward_impl(owner, tables, keys, offsets, weights, modes, training: bool, split: bool = False):
-    """(out, Pending): the pooled rows of every feature (see the module docstring). Inputs are
+def forward_impl(owner, tables, keys, offsets, weights, modes, training: bool, split: bool = False,
+                 backward: bool = True):
+    """(out, Pending): the pooled rows of every feature (see the module docstring); with
+    `backward=False` (no backward will run) the contexts are not made. Inputs are
     contiguous int64 keys and offsets, float32 weights or None, on the CPU for core tables;
     modes as codes or names ('sum', 'mean', 'max')."""
     modes = [MODES[m] if isinstance(m, str) else m for m in modes]
@@ -100,7 +102,7 @@ def forward_impl(owner, tables, keys, offsets, weights, modes, training: bool, s
         out = np.empty((len(offsets[0]) - 1, starts[-1]), dtype=np.float32)
         views = [out] if len(dims) == 1 else [out[:, starts[f]:starts[f + 1]] for f in range(len(tables))]
     ctxs = lookup_arrays(tables, [_np(k) for k in keys], [_np(o) for o in offsets], [_np(w) for w in weights],
-                         list(modes), views, training, starts)
+                         modes, views, training, starts, contexts=backward)
     result = [torch.from_numpy(v) for v in views] if split else torch.from_numpy(out)
     return result, Pending(owner, tables, ctxs, keys, False, split)
 
@@ -239,7 +241,12 @@ class Lookup(torch.autograd.Function):
 
 def lookup(anchor, owner, keys, offsets, weights, modes, training: bool, split: bool = False):
     """The eager lookup of `owner`'s tables (see the module docstring); weights: a list with
-    None for unweighted features."""
+    None for unweighted features. Under torch.no_grad() no backward can follow: the lookup
+    runs without autograd and keeps no contexts (the evaluation path: ~30 us less a call)."""
+    if not torch.is_grad_enabled():
+        out, _ = forward_impl(owner, owner._lookup_tables(), keys, offsets, weights, modes, training, split,
+                              backward=False)
+        return tuple(out) if split else out
     return Lookup.apply(anchor, owner, list(modes), training, split, len(keys), *keys, *offsets, *weights)
 
 
