@@ -1,0 +1,89 @@
+"""The cost of the PyTorch layer over the core call it wraps, per call, on a shared machine.
+
+    python asv_bench/scripts/module_overhead.py [--batch 4096] [--pooling 1] [--calls 300] [--distinct N]
+
+`CNEmbeddingBag` (mode sum, SGD fused) against `EmbeddingStore.pooled_lookup` (+
+`apply_gradients` for the training step) on the same table, one thread each, warm rows (this
+measures the layer, not the memory system: compare_torch_modules.py and forward_large.py do
+that). Each number is the 10th percentile of `--calls` timed calls, interleaved in an order that
+reverses every call (the first call to touch the rows after the other kind pays their cache
+misses: a fixed order put up to 0.7 ms on one side at pooling 20): on a machine
+where other processes take the cores, medians move by 2x between runs and a low percentile
+does not. Prints the two ratios (module time / core time).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import numpy as np
+import torch
+
+import cncore
+from cncore_torch import CNEmbeddingBag
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=4096)
+    ap.add_argument("--pooling", type=int, default=1)
+    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--distinct", type=int, default=10**5,
+                    help="IDs drawn from this many (4096: every row in cache, the layer's cost alone)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    cncore.set_num_threads(1)
+    bag = CNEmbeddingBag(10**6, args.dim, mode="sum", optimizer=cncore.SGD(lr=0.01))
+    rng = np.random.default_rng(0)
+    ids = torch.from_numpy(rng.integers(0, args.distinct, (args.batch, args.pooling)))
+    keys, lengths = ids.reshape(-1).numpy(), np.full(args.batch, args.pooling, np.int64)
+    grad = torch.full((args.batch, args.dim), 1e-3)
+    grad_np = grad.numpy()
+    store = bag.store
+
+    def module_eval():  # eval mode: no insertion, as the core call's insert_missing=False
+        bag.eval()
+        with torch.no_grad():
+            bag(ids)
+
+    def core_eval():
+        store.pooled_lookup(keys, lengths=lengths, insert_missing=False)
+
+    def module_step():
+        bag.train()
+        bag(ids).backward(grad)
+
+    def core_step():
+        _, ctx = store.pooled_lookup(keys, lengths=lengths)
+        store.apply_gradients(ctx, grad_np)
+
+    fns = {"core eval": core_eval, "module eval": module_eval, "core step": core_step, "module step": module_step}
+    times = {name: [] for name in fns}
+    for _ in range(10):
+        for fn in fns.values():
+            fn()
+    order = list(fns.items())
+    for call in range(args.calls):
+        # Whichever runs first after the other kind of call pays the cache misses of the rows the
+        # two share: the order reverses every call (A B B A ...), so neither side gets that cost.
+        for name, fn in (order if call % 2 else order[::-1]):
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    us = {name: float(np.percentile(t, 10)) * 1e6 for name, t in times.items()}
+    print(f"# batch {args.batch}, pooling {args.pooling}, dim {args.dim}, IDs from {args.distinct:,}, 1 thread, "
+          f"p10 of {args.calls} calls, "
+          f"load average {os.getloadavg()[0]:.1f}\n")
+    print("| call | module us | core us | module / core |")
+    print("|---|---|---|---|")
+    for kind in ("eval", "step"):
+        m, c = us[f"module {kind}"], us[f"core {kind}"]
+        print(f"| {'forward (no_grad)' if kind == 'eval' else 'training step (forward + fused backward)'} | "
+              f"{m:.0f} | {c:.0f} | **{m / c:.2f}x** |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
