@@ -64,6 +64,17 @@ __all__ = ["EmbeddingStore", "TableBatch", "initial_rows"]
 _STORE_IDS = itertools.count()
 
 
+def config_with_optimizer(config: StoreConfig, optimizer) -> StoreConfig:
+    """`config` with `optimizer`, for a table built without one (`set_optimizer` of every row
+    storage); refused when it has one already (its rows' state would be lost) or for None."""
+    if config.optimizer is not None:
+        raise ValueError(f"optimizer: this table already has {config.optimizer!r}; its rows' optimizer state would "
+                         "be lost (build a new table to change it)")
+    if optimizer is None:
+        raise TypeError("optimizer must be a cncore optimizer (SGD, Adagrad, RowWiseAdagrad, Adam), got None")
+    return dataclasses.replace(config, optimizer=optimizer)  # checks the optimizer
+
+
 def initial_rows(config: StoreConfig, keys) -> np.ndarray:
     """The rows a store with `config` gives `keys` when it inserts them, without a store: for
     front ends that keep rows elsewhere (accelerator memory) and the core's index only.
@@ -443,12 +454,7 @@ class EmbeddingStore:
         >>> s.config.optimizer, s.export().optimizer_state.shape
         (RowWiseAdagrad(lr=0.1, eps=1e-08, initial_accumulator_value=0.0), (1, 1))
         """
-        if self._config.optimizer is not None:
-            raise ValueError(f"optimizer: this store already has {self._config.optimizer!r}; its rows' optimizer "
-                             "state would be lost (build a new store to change it)")
-        if optimizer is None:
-            raise TypeError("optimizer must be a cncore optimizer (SGD, Adagrad, RowWiseAdagrad, Adam), got None")
-        config = dataclasses.replace(self._config, optimizer=optimizer)  # checks the optimizer
+        config = config_with_optimizer(self._config, optimizer)
         rows = self.export()
         fresh = EmbeddingStore(config)
         fresh.reserve(len(rows.keys))

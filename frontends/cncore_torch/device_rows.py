@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 import cncore
+from cncore.store import config_with_optimizer
 
 _MODES = ("sum", "mean", "max")
 _SLOT_SPLIT = 1 << 20  # a slot number as two floats, each an integer below 2**24 (exact)
@@ -101,12 +102,7 @@ class DeviceRows:
     def set_optimizer(self, optimizer) -> None:
         """As `EmbeddingStore.set_optimizer`: a table built without an optimizer gets one; rows,
         metadata and the step stay, each row starting from the optimizer's initial state."""
-        if self.config.optimizer is not None:
-            raise ValueError(f"optimizer: this table already has {self.config.optimizer!r}; its rows' optimizer "
-                             "state would be lost (build a new table to change it)")
-        if optimizer is None:
-            raise TypeError("optimizer must be a cncore optimizer (SGD, Adagrad, RowWiseAdagrad, Adam), got None")
-        config = dataclasses.replace(self.config, optimizer=optimizer)  # checks the optimizer
+        config = config_with_optimizer(self.config, optimizer)
         self.state = torch.full((self.rows.shape[0], config.state_floats), float(optimizer.initial_state),
                                 device=self.device)
         self.config = config
