@@ -71,7 +71,8 @@ class ShardedCNEmbeddingCollection(ShardedEmbeddingCollection):
         self._anchor = fused_anchor()
         optimizer, configs_with_optimizer = sharded_optimizer(module, "ShardedCNEmbeddingCollection", fused_params)
         self._stores = {name: cncore.EmbeddingStore(config)
-                        for name, config in shard_store_configs(configs_with_optimizer, self._world_size).items()}
+                        for name, config in shard_store_configs(configs_with_optimizer, self._world_size,
+                                                                            self._rank).items()}
         _keep_owned_rows(self._stores, module.stores, self._world_size, self._rank)
         self._table_stores = [self._stores[c.name] for c in self._configs]  # what the lookup reads
         self._optim = keyed_fused_optimizer(self._anchor, optimizer, list(self._stores.values()),

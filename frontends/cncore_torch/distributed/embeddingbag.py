@@ -13,6 +13,7 @@ collection's `stores` does.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from typing import Any, Dict, Iterator, List, Optional, Type
 
@@ -31,6 +32,7 @@ from torchrec.optim.keyed import KeyedOptimizer
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 import cncore
+from cncore.routing import shard_name
 from cncore_torch.collection import CNEmbeddingBagCollection
 from cncore_torch.distributed.routing import owner_of
 from cncore_torch.distributed.rw_sharding import CNRwPooledEmbeddingSharding, route_kjt
@@ -100,7 +102,7 @@ class ShardedCNEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         self._mean_features = [i for i, mode in enumerate(module._modes) if mode == "mean"]
         self.module_sharding_plan = {c.name: table_name_to_parameter_sharding[c.name] for c in configs}
         optimizer, configs_with_optimizer = sharded_optimizer(module, "ShardedCNEmbeddingBagCollection", fused_params)
-        self._store_configs = shard_store_configs(configs_with_optimizer, self._world_size)
+        self._store_configs = shard_store_configs(configs_with_optimizer, self._world_size, self._rank)
         self._anchor = fused_anchor()
         self._stores = {name: cncore.EmbeddingStore(config) for name, config in self._store_configs.items()}
         _keep_owned_rows(self._stores, module.stores, self._world_size, self._rank)
@@ -309,13 +311,21 @@ def fused_anchor() -> nn.Parameter:
     return anchor
 
 
-def shard_store_configs(configs: Dict[str, cncore.StoreConfig], world_size: int) -> Dict[str, cncore.StoreConfig]:
+def shard_store_configs(configs: Dict[str, cncore.StoreConfig], world_size: int,
+                        rank: int = 0) -> Dict[str, cncore.StoreConfig]:
     """Each rank's config of every table: a table's row budget (max_rows, and headroom) is split
     between the ranks, ceil(max_rows / world_size) each, as row-wise sharding splits
     num_embeddings; keys spread evenly by the owner hash, so the ranks together hold about the
-    budget, and each shard evicts by its own policy when its share is full."""
+    budget, and each shard evicts by its own policy when its share is full. A tiered table
+    (storage=) gets a directory per rank, `<its path>/shard-<rank>-of-<world size>` (two ranks
+    in one directory would overwrite each other's records), with the same cache budget (each
+    process holds its own cache)."""
     out = {}
     for name, config in configs.items():
+        if config.storage is not None and world_size > 1:
+            os.makedirs(config.storage.path, exist_ok=True)
+            config = dataclasses.replace(config, storage=dataclasses.replace(
+                config.storage, path=os.path.join(config.storage.path, shard_name(rank, world_size))))
         if config.max_rows is None or world_size == 1:
             out[name] = config
             continue
