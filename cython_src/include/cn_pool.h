@@ -2,7 +2,7 @@
  *
  * Bags are split statically between threads, each bag is reduced by exactly one thread in key
  * order, so the result does not depend on the thread count. Rows are prefetched
- * cn_prefetch_keys keys ahead: the loop is bound by memory latency, not arithmetic.
+ * cn_pool_prefetch_keys keys ahead: the loop is bound by memory latency, not arithmetic.
  *
  * Sum and mean over dims that are a multiple of 16 (up to 128) keep the bag's sum in registers
  * (cn_pool_bag_fixed) instead of loading, adding and storing the output row for every key.
@@ -23,8 +23,9 @@
  *    The separate find pass keeps ~32 bucket misses in flight with a few instructions per key,
  *    and the pooling pass as many row lines: fused, the two share the same miss buffers and the
  *    dependent probe sits in the pooling loop.
- *  - Prefetch locality 2 or 0 instead of 3, and 16 or 64 lines in flight instead of 32: within
- *    the noise (1M x 64 Zipf 2590-2760 us for all five; uniform 4710-4950).
+ *  - With the find pass still prefetching into L1: prefetching rows with locality 2 or 0 instead
+ *    of 3, or 16 or 64 lines ahead instead of 32, was within the noise (1M x 64 Zipf 2590-2760 us
+ *    for all five; uniform 4710-4950). Both passes into L2, further ahead, is what paid (below).
  *  - No row prefetch at all: 1M x 64 Zipf 2545-2620 us (a little faster: its hot rows are in
  *    the cache), but uniform 4750-4770 and dim 16 Zipf 1740-1900 (slower); kept.
  */
@@ -56,6 +57,25 @@ typedef struct {
 
 #define CN_ROW(s) ((const void *)(pages[(s) >> shift] + ((s) & mask) * row_bytes))
 
+/* Rows are prefetched into L2 only (locality 2), 128 lines ahead (at most 64 keys, at least 4),
+ * for the reason and with the measurements in cn_index.h (CN_FIND_PREFETCH_LOCALITY): into L1
+ * (cn_parallel.h's cn_prefetch_read, 32 lines) the prefetches waited for L1 miss buffers. */
+#ifndef CN_POOL_PREFETCH_LINES
+#define CN_POOL_PREFETCH_LINES 128
+#endif
+#ifndef CN_POOL_PREFETCH_MAX_KEYS
+#define CN_POOL_PREFETCH_MAX_KEYS 64
+#endif
+#ifndef CN_POOL_PREFETCH_LOCALITY
+#define CN_POOL_PREFETCH_LOCALITY 2
+#endif
+
+static inline int64_t cn_pool_prefetch_keys(int64_t row_bytes) {
+    const int64_t lines = (row_bytes + 63) / 64;
+    const int64_t keys = CN_POOL_PREFETCH_LINES / (lines > 0 ? lines : 1);
+    return keys < 4 ? 4 : keys > CN_POOL_PREFETCH_MAX_KEYS ? CN_POOL_PREFETCH_MAX_KEYS : keys;
+}
+
 /* What the per-key loop of one range of bags reads: the slots, and where rows live. Rows are
  * prefetched d_row keys ahead of the key being pooled, up to the range's last key `end`. */
 typedef struct {
@@ -72,7 +92,7 @@ static inline __attribute__((always_inline)) void cn_pool_prefetch(const cn_pool
     const int64_t s = q->slots[j];
     if (s >= 0) {
         const char *r = q->pages[s >> q->shift] + (s & q->mask) * q->row_bytes;
-        for (int64_t off = 0; off < q->pf_bytes; off += 64) __builtin_prefetch(r + off, 0, CN_PREFETCH_LOCALITY);
+        for (int64_t off = 0; off < q->pf_bytes; off += 64) __builtin_prefetch(r + off, 0, CN_POOL_PREFETCH_LOCALITY);
     }
 }
 
@@ -181,7 +201,7 @@ static void cn_pool_range(void *ctx, int64_t begin, int64_t end) {
     const cn_arena *a = p->arena;
     const int64_t pf_bytes = p->dim * cn_dtype_bytes(p->row_dtype);
     const cn_pool_range_ctx q = {j->slots, a->pages, a->page_shift, a->page_mask, a->row_bytes, pf_bytes,
-                                 p->offsets[end], cn_prefetch_keys(pf_bytes)};
+                                 p->offsets[end], cn_pool_prefetch_keys(pf_bytes)};
     /* The first rows of the range, before its first key is pooled. */
     for (int64_t i = p->offsets[begin]; i < p->offsets[begin] + q.d_row && i < q.end; i++) cn_pool_prefetch(&q, i);
     const int64_t nv = p->dim / 16;
