@@ -98,3 +98,28 @@ def test_results_do_not_depend_on_the_thread_count(dtype):
         cncore.set_num_threads(None)
     np.testing.assert_array_equal(outs[0], outs[1])
     np.testing.assert_array_equal(outs[0], outs[2])
+
+
+@pytest.mark.parametrize("n", [1, 2, 127, 128, 129, 300, 5000])  # around the find's prefetch distance (128)
+def test_find_around_the_prefetch_distance(n):
+    """The batch find hashes each key once, parking its bucket position in slots[] until its
+    probe: batches shorter than, equal to and past the distance, and split between threads."""
+    rng = np.random.default_rng(n)
+    store = cncore.EmbeddingStore(dim=4)
+    present = rng.integers(-2**63, 2**63 - 1, 2000, dtype=np.int64)
+    slots_in, _ = store.find_or_insert(present)
+    where = dict(zip(present.tolist(), slots_in.tolist()))
+    keys = np.where(rng.random(n) < 0.7, rng.choice(present, n), rng.integers(-2**63, 2**63 - 1, n, dtype=np.int64))
+    slots, found = store.find(keys)
+    np.testing.assert_array_equal(slots, [where.get(k, -1) for k in keys.tolist()])
+    np.testing.assert_array_equal(found, slots >= 0)
+
+
+def test_find_refuses_slots_that_overlap_the_keys():
+    store = cncore.EmbeddingStore(dim=4)
+    store.find_or_insert(np.arange(10))
+    keys = np.arange(300, dtype=np.int64)
+    with pytest.raises(ValueError, match="must not overlap keys"):
+        store._table.find(keys, keys)
+    with pytest.raises(ValueError, match="must not overlap keys"):
+        store._table.find(keys[:200], keys[100:])

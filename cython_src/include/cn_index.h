@@ -87,16 +87,19 @@ static inline void cn_index_prefetch(const cn_index *ix, int64_t key) {
     __builtin_prefetch(&ix->buckets[cn_hash_key(key) & (uint64_t)ix->mask], 0, 3);
 }
 
-/* The slot of `key`, or -1. */
-static inline int64_t cn_index_find(const cn_index *ix, int64_t key) {
-    uint64_t i = cn_hash_key(key) & (uint64_t)ix->mask;
-    const cn_bucket *b = ix->buckets;
+/* The slot of `key`, or -1, probing from bucket i = its hash & mask (computed by the caller). */
+static inline int64_t cn_index_find_from(const cn_bucket *b, uint64_t mask, uint64_t i, int64_t key) {
     for (;;) {
         int64_t s = b[i].slot;
         if (s < 0) return -1;
         if (b[i].key == key) return s;
-        i = (i + 1) & (uint64_t)ix->mask;
+        i = (i + 1) & mask;
     }
+}
+
+/* The slot of `key`, or -1. */
+static inline int64_t cn_index_find(const cn_index *ix, int64_t key) {
+    return cn_index_find_from(ix->buckets, (uint64_t)ix->mask, cn_hash_key(key) & (uint64_t)ix->mask, key);
 }
 
 /* The slot of `key` if present; otherwise -1 and *empty_pos is where it would go. */
@@ -135,7 +138,8 @@ static inline void cn_index_put_at(cn_index *ix, int64_t pos, int64_t key, int64
 #define CN_FIND_PREFETCH_LOCALITY 2
 #endif
 
-/* Slots of keys[0..n) (-1 where absent); read-only, safe for concurrent readers. */
+/* Slots of keys[0..n) (-1 where absent); read-only, safe for concurrent readers. slots must not
+ * overlap keys (positions are parked in slots ahead of the probe, cn_index_find_range). */
 typedef struct {
     const cn_index *ix;
     const int64_t *keys;
@@ -144,13 +148,25 @@ typedef struct {
 
 static void cn_index_find_range(void *ctx, int64_t begin, int64_t end) {
     const cn_find_job *j = (const cn_find_job *)ctx;
-    const cn_index *ix = j->ix;
+    const cn_bucket *b = j->ix->buckets;
+    const uint64_t mask = (uint64_t)j->ix->mask;
     const int64_t *keys = j->keys;
+    int64_t *slots = j->slots;
+    /* Each key is hashed once: its bucket position waits in slots[] from its prefetch to its probe.
+     * Hashing it again for the probe cost 15-20 % of the pass (one thread, batch 81920, best of
+     * three: 1M rows Zipf 1015 -> 873 us, uniform 1467 -> 1206; 8M rows uniform 1806 -> 1411). */
+    for (int64_t i = begin; i < end && i < begin + CN_FIND_PREFETCH_DISTANCE; i++) {
+        const uint64_t pos = cn_hash_key(keys[i]) & mask;
+        slots[i] = (int64_t)pos;
+        __builtin_prefetch(&b[pos], 0, CN_FIND_PREFETCH_LOCALITY);
+    }
     for (int64_t i = begin; i < end; i++) {
-        if (i + CN_FIND_PREFETCH_DISTANCE < end)
-            __builtin_prefetch(&ix->buckets[cn_hash_key(keys[i + CN_FIND_PREFETCH_DISTANCE]) & (uint64_t)ix->mask], 0,
-                               CN_FIND_PREFETCH_LOCALITY);
-        j->slots[i] = cn_index_find(ix, keys[i]);
+        if (i + CN_FIND_PREFETCH_DISTANCE < end) {
+            const uint64_t pos = cn_hash_key(keys[i + CN_FIND_PREFETCH_DISTANCE]) & mask;
+            slots[i + CN_FIND_PREFETCH_DISTANCE] = (int64_t)pos;
+            __builtin_prefetch(&b[pos], 0, CN_FIND_PREFETCH_LOCALITY);
+        }
+        slots[i] = cn_index_find_from(b, mask, (uint64_t)slots[i], keys[i]);
     }
 }
 
