@@ -22,10 +22,20 @@
  *    382-407; dim 16 Zipf 1460-1490 against 1500-1520 (bucket distances 8, 16 and 32 alike).
  *    The separate find pass keeps ~32 bucket misses in flight with a few instructions per key,
  *    and the pooling pass as many row lines: fused, the two share the same miss buffers and the
- *    dependent probe sits in the pooling loop.
+ *    dependent probe sits in the pooling loop. Measured again once both passes prefetched into
+ *    L2 (below; buckets 32, 64 or 128 keys beyond the rows): within a few per cent either way,
+ *    medians 1M x 64 Zipf 2350-2980 us against 2230-2410 separate, uniform 2920-3420 against
+ *    3210-3380, 8M x 64 pooling 1 334-366 against 348-380.
  *  - With the find pass still prefetching into L1: prefetching rows with locality 2 or 0 instead
  *    of 3, or 16 or 64 lines ahead instead of 32, was within the noise (1M x 64 Zipf 2590-2760 us
  *    for all five; uniform 4710-4950). Both passes into L2, further ahead, is what paid (below).
+ *  - A second prefetch of each row into L1, 4 or 8 keys ahead, besides the one into L2 (as the
+ *    find does for buckets, cn_index.h): slower. Pooling pass alone, best of three: 1M x 64
+ *    uniform 1360 us without, 2150 (4 keys) and 2040 (8 keys) with; 8M x 128 uniform 3500
+ *    against 5180 and 5180; Zipf 985 against 1110-1380.
+ *  - Every 128 bytes of a row prefetched (or its first line only), for the L2's adjacent-line
+ *    prefetcher to bring the rest: slower (1M x 64 uniform 3020-3520 us for whole rows, 3670-4300
+ *    and 4010-4680; 8M x 128 5350-7950 against 6560-6790 and 9340-9420).
  *  - No row prefetch at all: 1M x 64 Zipf 2545-2620 us (a little faster: its hot rows are in
  *    the cache), but uniform 4750-4770 and dim 16 Zipf 1740-1900 (slower); kept.
  */
