@@ -36,6 +36,9 @@
  *  - Every 128 bytes of a row prefetched (or its first line only), for the L2's adjacent-line
  *    prefetcher to bring the rest: slower (1M x 64 uniform 3020-3520 us for whole rows, 3670-4300
  *    and 4010-4680; 8M x 128 5350-7950 against 6560-6790 and 9340-9420).
+ *  - Prefetching the output row for writing 8, 16 or 32 bags ahead (at pooling 1 each bag's
+ *    output line is a cold write): no gain (1M x 64 pooling 1 uniform 210-322 us without,
+ *    230-366 with; 8M x 128 Zipf 337-495 against 347-420).
  *  - No row prefetch at all: 1M x 64 Zipf 2545-2620 us (a little faster: its hot rows are in
  *    the cache), but uniform 4750-4770 and dim 16 Zipf 1740-1900 (slower); kept.
  */
