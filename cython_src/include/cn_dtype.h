@@ -150,45 +150,32 @@ typedef float cn_v16x __attribute__((vector_size(64)));
 typedef uint16_t cn_u16x16 __attribute__((vector_size(32)));
 typedef uint32_t cn_u32x16 __attribute__((vector_size(64)));
 
-static inline cn_v16x cn_v16x_zero(void) {
-    cn_v16x z = {0.0f};
-    return z;
-}
-
-/* Lanes 16k .. 16k+15 of a row, as float32. */
-static inline __attribute__((always_inline)) cn_v16x cn_v16x_load_row(const int dtype, const void *row, int k) {
-    cn_v16x v;
+/* Lanes 16k .. 16k+15 of a row, as float32, into *v. (Vectors go through pointers, not by value:
+ * a function that returns a 64-byte vector changes the ABI where AVX-512 is off, and GCC warns
+ * about every one in the portable build.) */
+static inline __attribute__((always_inline)) void cn_v16x_load_row(const int dtype, const void *row, int k,
+                                                                   cn_v16x *v) {
     if (dtype == CN_ROW_F32) {
-        memcpy(&v, (const float *)row + 16 * k, sizeof(v));
+        memcpy(v, (const float *)row + 16 * k, sizeof(*v));
     } else if (dtype == CN_ROW_BF16) {
         cn_u16x16 h;
         memcpy(&h, (const uint16_t *)row + 16 * k, sizeof(h));
         const cn_u32x16 u = __builtin_convertvector(h, cn_u32x16) << 16;
-        memcpy(&v, &u, sizeof(v));
+        memcpy(v, &u, sizeof(*v));
     } else {
         const uint16_t *h = (const uint16_t *)row + 16 * k;
 #ifdef CN_F16_VECTOR
         const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
         const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + 8)));
-        memcpy(&v, &lo, 32);
-        memcpy((char *)&v + 32, &hi, 32);
+        memcpy(v, &lo, 32);
+        memcpy((char *)v + 32, &hi, 32);
 #else
         float f[16];
         for (int d = 0; d < 16; d++) f[d] = cn_f16_load(h[d]);
-        memcpy(&v, f, sizeof(v));
+        memcpy(v, f, sizeof(*v));
 #endif
     }
-    return v;
 }
-
-/* acc + w * x, lane by lane: one fused multiply-add where the target has it (the compiler
- * contracts it, as it contracts cn_row_axpy's loops; cn_row_axpy's float16 path says so
- * explicitly), so both give the same bits. */
-static inline cn_v16x cn_v16x_fma(float w, cn_v16x x, cn_v16x acc) { return acc + w * x; }
-
-static inline cn_v16x cn_v16x_scale(cn_v16x x, float s) { return x * s; }
-
-static inline void cn_v16x_store(float *dst, cn_v16x x) { memcpy(dst, &x, sizeof(x)); }
 
 /* Value d of a row. */
 static inline float cn_row_get(int dtype, const void *row, int64_t d) {

@@ -4,7 +4,8 @@
  * order, so the result does not depend on the thread count. Rows are prefetched
  * cn_pool_prefetch_keys keys ahead: the loop is bound by memory latency, not arithmetic.
  *
- * Sum and mean over dims that are a multiple of 16 (up to 128) keep the bag's sum in registers
+ * Sum and mean over dims that are a multiple of 16 (up to 128; AVX-512 builds, see
+ * CN_POOL_FIXED_MAX_NV) keep the bag's sum in registers
  * (cn_pool_bag_fixed) instead of loading, adding and storing the output row for every key.
  * Measured with a C driver over this header (one thread, batch 4096, the IDs of
  * forward_large.py, a 64 MiB flush before every call; find + pool; medians of 22 calls, runs
@@ -52,6 +53,7 @@
 
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #include "cn_arena.h"
 #include "cn_init.h"
 #include "cn_dtype.h"
@@ -172,12 +174,13 @@ static inline void cn_pool_bag(const cn_pool_args *p, const cn_pool_range_ctx *r
     }
 }
 
-/* Sum and mean over dims that are a multiple of 16 up to 128, absent keys as zeros: the bag's
- * sum stays in nv vector registers (cn_v16x) and is stored once, where the general path loads,
+/* Sum and mean over dims that are a multiple of 16 up to CN_POOL_FIXED_MAX_NV * 16, absent keys as
+ * zeros: the bag's sum stays in nv vector registers (cn_v16x) and is stored once, where the general path loads,
  * adds and stores the output row for every key. The additions are the same, in the same order
  * (each a fused multiply-add where the target has one, as the compiler contracts the general
  * path's o += w * r), so the results are bit for bit those of the general path. */
-static inline __attribute__((always_inline)) void cn_pool_bag_fixed(const cn_pool_args *p, const cn_pool_range_ctx *range, int64_t b,
+static inline __attribute__((always_inline)) void cn_pool_bag_fixed(const cn_pool_args *p,
+                                                                    const cn_pool_range_ctx *range, int64_t b,
                                                                     const int nv, const int dtype) {
     const cn_pool_range_ctx local = *range, *q = &local;
     char *const *const pages = q->pages;
@@ -186,27 +189,42 @@ static inline __attribute__((always_inline)) void cn_pool_bag_fixed(const cn_poo
     const float *restrict weights = p->weights;
     const int64_t start = p->offsets[b], end = p->offsets[b + 1];
     cn_v16x acc[8];
-    for (int k = 0; k < nv; k++) acc[k] = cn_v16x_zero();
+    memset(acc, 0, sizeof(acc));
     for (int64_t i = start; i < end; i++) {
         cn_pool_step(q, i);
         const int64_t s = slots[i];
         if (s < 0) continue;
         const void *r = CN_ROW(s);
         const float w = weights ? weights[i] : 1.0f;
-        for (int k = 0; k < nv; k++) acc[k] = cn_v16x_fma(w, cn_v16x_load_row(dtype, r, k), acc[k]);
+        for (int k = 0; k < nv; k++) {
+            cn_v16x x;
+            cn_v16x_load_row(dtype, r, k, &x);
+            acc[k] += w * x; /* one fused multiply-add where the target has it, as in cn_row_axpy */
+        }
     }
     if (p->mode == CN_POOL_MEAN && end > start) {
         const float inv = 1.0f / (float)(end - start);
-        for (int k = 0; k < nv; k++) acc[k] = cn_v16x_scale(acc[k], inv);
+        for (int k = 0; k < nv; k++) acc[k] *= inv;
     }
     float *o = p->out + b * p->ld_out;
-    for (int k = 0; k < nv; k++) cn_v16x_store(o + 16 * k, acc[k]);
+    for (int k = 0; k < nv; k++) memcpy(o + 16 * k, &acc[k], sizeof(acc[k]));
 }
 
 typedef struct {
     const cn_pool_args *p;
     const int64_t *slots;
 } cn_pool_job;
+
+/* The register path is built for AVX-512 targets only (cn_v16x is one zmm register there; dim 128
+ * takes 8 of the 32). Elsewhere GCC splits each 64-byte vector into 2 ymm or 4 xmm pieces and kept
+ * the bag's sum on the stack, and the path was slower than the general one: 1M rows Zipf pooling
+ * 20, one thread, dim 32: 3970 against 1810 us with AVX2 (x86-64-v3), 3600 against 2460 in the
+ * portable build (x86-64, SSE2); dim 64 portable 5570 against 3790. */
+#if defined(__AVX512F__)
+#define CN_POOL_FIXED_MAX_NV 8
+#else
+#define CN_POOL_FIXED_MAX_NV 0
+#endif
 
 #define CN_POOL_FIXED_CASE(NV, DT)                                                 \
     case (NV) * 3 + (DT):                                                         \
@@ -223,7 +241,7 @@ static void cn_pool_range(void *ctx, int64_t begin, int64_t end) {
     /* The first rows of the range, before its first key is pooled. */
     for (int64_t i = p->offsets[begin]; i < p->offsets[begin] + q.d_row && i < q.end; i++) cn_pool_prefetch(&q, i);
     const int64_t nv = p->dim / 16;
-    if (p->mode != CN_POOL_MAX && p->absent_init == NULL && p->dim % 16 == 0 && nv >= 1 && nv <= 8) {
+    if (p->mode != CN_POOL_MAX && p->absent_init == NULL && p->dim % 16 == 0 && nv >= 1 && nv <= CN_POOL_FIXED_MAX_NV) {
         switch (nv * 3 + p->row_dtype) {
             CN_POOL_FIXED_CASE(1, CN_ROW_F32) CN_POOL_FIXED_CASE(1, CN_ROW_F16) CN_POOL_FIXED_CASE(1, CN_ROW_BF16)
             CN_POOL_FIXED_CASE(2, CN_ROW_F32) CN_POOL_FIXED_CASE(2, CN_ROW_F16) CN_POOL_FIXED_CASE(2, CN_ROW_BF16)
