@@ -297,6 +297,10 @@ cdef class Table:
     def find(self, const key_t[::1] keys, slot_t[::1] slots):
         cdef int64_t n = keys.shape[0]
         _check_len(slots, n, -1, "slots")
+        if n and <const char*> &slots[0] < <const char*> (&keys[0] + n) \
+                and <const char*> &keys[0] < <const char*> (&slots[0] + n):
+            raise ValueError("slots: must not overlap keys (the find parks bucket positions in slots ahead of "
+                             "reading those keys)")
         with nogil:
             _rdlock(self)
             cn_table_find(&self.t, &keys[0] if n else NULL, n, &slots[0] if n else NULL)

@@ -143,6 +143,40 @@ static inline void cn_row_axpy(int dtype, float w, const void *row, float *restr
     }
 }
 
+/* Sixteen float32 lanes, as the compiler's generic vectors: one zmm register with AVX-512, two
+ * ymm with AVX2, four xmm on baseline x86-64 (the portable wheel), NEON elsewhere. The pooled
+ * forward keeps a bag's sum in these (cn_pool.h). */
+typedef float cn_v16x __attribute__((vector_size(64)));
+typedef uint16_t cn_u16x16 __attribute__((vector_size(32)));
+typedef uint32_t cn_u32x16 __attribute__((vector_size(64)));
+
+/* Lanes 16k .. 16k+15 of a row, as float32, into *v. (Vectors go through pointers, not by value:
+ * a function that returns a 64-byte vector changes the ABI where AVX-512 is off, and GCC warns
+ * about every one in the portable build.) */
+static inline __attribute__((always_inline)) void cn_v16x_load_row(const int dtype, const void *row, int k,
+                                                                   cn_v16x *v) {
+    if (dtype == CN_ROW_F32) {
+        memcpy(v, (const float *)row + 16 * k, sizeof(*v));
+    } else if (dtype == CN_ROW_BF16) {
+        cn_u16x16 h;
+        memcpy(&h, (const uint16_t *)row + 16 * k, sizeof(h));
+        const cn_u32x16 u = __builtin_convertvector(h, cn_u32x16) << 16;
+        memcpy(v, &u, sizeof(*v));
+    } else {
+        const uint16_t *h = (const uint16_t *)row + 16 * k;
+#ifdef CN_F16_VECTOR
+        const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
+        const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + 8)));
+        memcpy(v, &lo, 32);
+        memcpy((char *)v + 32, &hi, 32);
+#else
+        float f[16];
+        for (int d = 0; d < 16; d++) f[d] = cn_f16_load(h[d]);
+        memcpy(v, f, sizeof(*v));
+#endif
+    }
+}
+
 /* Value d of a row. */
 static inline float cn_row_get(int dtype, const void *row, int64_t d) {
     if (dtype == CN_ROW_F32) return ((const float *)row)[d];
