@@ -404,6 +404,9 @@ def grouped_arrays(collection, by_key: Dict[str, JaggedTensor]):
 # and each feature's position among its keys (known when traced), split it, and call the same
 # forward_impl; their backward is the bridge's `cncore::apply_gradients`. The unpooled operator
 # returns each feature's rows, of sizes known only at run time (unbacked sizes when traced).
+# An operator is renamed whenever its backward changes: Inductor's on-disk cache keys a compiled
+# graph by its forward operators, and a cache written by the previous version (whose forward had
+# this operator's name) replayed a backward calling an operator that no longer exists.
 
 
 def _kjt_of_parts(collection, values, lengths, weights, n_keys: int, positions: List[int]) -> KeyedJaggedTensor:
@@ -424,8 +427,8 @@ def _positions(collection, features: KeyedJaggedTensor) -> List[int]:
     return [keys.index(f) for names in collection._feature_names for f in names]
 
 
-@torch.library.custom_op("cncore::collection_pooled_lookup", mutates_args=())
-def collection_pooled_lookup(anchor: torch.Tensor, handle: int, values: torch.Tensor, lengths: torch.Tensor,
+@torch.library.custom_op("cncore::collection_pooled_rows", mutates_args=())
+def collection_pooled_rows(anchor: torch.Tensor, handle: int, values: torch.Tensor, lengths: torch.Tensor,
                              weights: Optional[torch.Tensor], n_keys: int, positions: List[int], training: bool,
                              needs_optimizer: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     """CNEmbeddingBagCollection's lookup as an operator: (B, sum of dims) pooled rows and the
@@ -440,7 +443,7 @@ def collection_pooled_lookup(anchor: torch.Tensor, handle: int, values: torch.Te
     return out, _ops.token_for(pending)
 
 
-@collection_pooled_lookup.register_fake
+@collection_pooled_rows.register_fake
 def _(anchor, handle, values, lengths, weights, n_keys, positions, training, needs_optimizer):
     dims = sum(_ops.table_of(handle)._lengths_per_embedding)
     return (values.new_empty((lengths.shape[0] // n_keys, dims), dtype=torch.float32),
@@ -457,7 +460,7 @@ def _collection_backward(ctx, grad_out, _grad_token):
     return grad_anchor, None, None, None, None, None, None, None, None
 
 
-collection_pooled_lookup.register_autograd(_collection_backward, setup_context=_collection_setup_context)
+collection_pooled_rows.register_autograd(_collection_backward, setup_context=_collection_setup_context)
 
 
 class CNEmbeddingBagCollection(_DynamicTables, EmbeddingBagCollectionInterface):
@@ -557,7 +560,7 @@ class CNEmbeddingBagCollection(_DynamicTables, EmbeddingBagCollectionInterface):
         weights = features.weights_or_none() if self._is_weighted else None
         if self._is_weighted and weights is None:
             raise ValueError("features: is_weighted=True but the KJT has no weights")
-        values, _ = torch.ops.cncore.collection_pooled_lookup(
+        values, _ = torch.ops.cncore.collection_pooled_rows(
             self._anchor, self._handle, features.values(), features.lengths(), weights, len(features.keys()),
             positions, self.training, self.training and torch.is_grad_enabled())
         return KeyedTensor(keys=self._embedding_names, length_per_key=self._lengths_per_embedding, values=values)
@@ -587,11 +590,11 @@ def _device_unpooled(anchor, owner, keys_by_table, offsets, n: int, training: bo
     return _ops.lookup(anchor, owner, keys_by_table, offsets, [None] * n, [0] * n, training, split=True)
 
 
-@torch.library.custom_op("cncore::collection_unpooled_lookup", mutates_args=())
-def collection_unpooled_lookup(anchor: torch.Tensor, handle: int, values: torch.Tensor, lengths: torch.Tensor,
+@torch.library.custom_op("cncore::collection_unpooled_rows", mutates_args=())
+def collection_unpooled_rows(anchor: torch.Tensor, handle: int, values: torch.Tensor, lengths: torch.Tensor,
                                n_keys: int, positions: List[int], training: bool, needs_optimizer: bool,
                                need_indices: bool) -> List[torch.Tensor]:
-    """CNEmbeddingCollection's lookup as an operator (see collection_pooled_lookup): the (N_f,
+    """CNEmbeddingCollection's lookup as an operator (see collection_pooled_rows): the (N_f,
     dim) rows of each feature, then (need_indices) each feature's IDs, then the token."""
     collection = _ops.table_of(handle)
     by_key = features_by_key(_kjt_of_parts(collection, values, lengths, None, n_keys, positions),
@@ -608,7 +611,7 @@ def collection_unpooled_lookup(anchor: torch.Tensor, handle: int, values: torch.
     return rows + indices + [_ops.token_for(pending)]
 
 
-@collection_unpooled_lookup.register_fake
+@collection_unpooled_rows.register_fake
 def _(anchor, handle, values, lengths, n_keys, positions, training, needs_optimizer, need_indices):
     ctx, dim = torch.library.get_ctx(), _ops.table_of(handle)._dim
     counts = [ctx.new_dynamic_size() for _ in positions]
@@ -650,7 +653,7 @@ def _(anchor, grads, token):
     return torch.empty_like(anchor)
 
 
-collection_unpooled_lookup.register_autograd(_unpooled_backward, setup_context=_unpooled_setup_context)
+collection_unpooled_rows.register_autograd(_unpooled_backward, setup_context=_unpooled_setup_context)
 
 
 class CNEmbeddingCollection(_DynamicTables, EmbeddingCollectionInterface):
@@ -734,7 +737,7 @@ class CNEmbeddingCollection(_DynamicTables, EmbeddingCollectionInterface):
     def _compiled_lookup(self, features: KeyedJaggedTensor) -> Dict[str, JaggedTensor]:
         positions = _positions(self, features)
         n_keys, n = len(features.keys()), len(positions)
-        outs = torch.ops.cncore.collection_unpooled_lookup(
+        outs = torch.ops.cncore.collection_unpooled_rows(
             self._anchor, self._handle, features.values(), features.lengths(), n_keys, positions, self.training,
             self.training and torch.is_grad_enabled(), self._need_indices)
         lengths = features.lengths().view(n_keys, -1)
