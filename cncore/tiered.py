@@ -70,6 +70,7 @@ import hashlib
 import json
 import os
 import threading
+import weakref
 from typing import Iterator, Optional
 
 import numpy as np
@@ -79,12 +80,14 @@ from cncore._interchange import as_keys
 from cncore.config import LRU, StoreConfig, Tiered
 from cncore.store import EmbeddingStore, TableBatch
 
-__all__ = ["TieredStore"]
+__all__ = ["TieredStore", "TierFile", "open_tier"]
 
 _PAGE = 4096
 _CHUNK = 1 << 13  # rows a flush or compaction moves at a time (its scratch: one chunk of records, 2.5 MiB at dim 64)
 _FORMAT = "cn-tier"
 _VERSION = 2  # 2: records packed to 8 bytes (1: to 64)
+_META_FIELDS = ("config", "flush", "commit", "index", "rows", "step", "evicted", "high_water", "record_bytes",
+                "index_sha256")
 
 
 _PREFETCHER = None  # the background thread of every tiered store's prefetch reads
@@ -139,6 +142,73 @@ def _config_record(config: StoreConfig) -> dict:
     return json.loads(json.dumps(d))  # as meta.json holds it (tuples as lists)
 
 
+def record_layout(config: StoreConfig):
+    """(record dtype, records per 4 KiB page) of a tier of `config`."""
+    fields = [("key", "<i8"), ("count", "<u4"), ("last_step", "<u4"), ("row", "<f4", (config.dim,))]
+    if config.state_floats:
+        fields.append(("state", "<f4", (config.state_floats,)))
+    packed = np.dtype(fields)
+    # Records packed to 8 bytes (the key stays aligned), not to 64: at dim 64 with row-wise
+    # Adagrad, 276 bytes of data took 320 bytes (12 a page) and now 280 (14 a page), so every
+    # spill and flush writes 12% fewer bytes and the file is 12% smaller; a record is read
+    # into a buffer, so its alignment in the file buys nothing.
+    rec = -(-packed.itemsize // 8) * 8
+    if rec > _PAGE:
+        rec = -(-rec // _PAGE) * _PAGE   # a record of its own pages
+    record = np.dtype({"names": packed.names, "formats": [packed.fields[n][0] for n in packed.names],
+                       "offsets": [packed.fields[n][1] for n in packed.names], "itemsize": rec})
+    return record, max(1, _PAGE // rec)
+
+
+def record_offsets(slots: np.ndarray, rec: int, per_page: int) -> np.ndarray:
+    """File offsets of the records at `slots` (a record never straddles a page)."""
+    if rec >= _PAGE:
+        return slots * rec
+    return (slots // per_page) * _PAGE + (slots % per_page) * rec
+
+
+def _sha256_file(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def read_flushed(directory: str, error=ValueError, prefix: str = ""):
+    """(meta, keys, slots) of the last flush of a tier directory: meta.json parsed and checked,
+    the index checksummed. Raises `error` (its message starting with `prefix`) saying what is
+    wrong: no meta.json (never flushed), damage, another format or version."""
+    meta_path = os.path.join(directory, "meta.json")
+    try:
+        with open(meta_path) as fh:
+            meta = json.load(fh)
+    except FileNotFoundError:
+        raise error(f"{prefix}{directory} holds no flushed table (no meta.json: the tier was never flushed, or its "
+                    "first flush did not finish); TieredStore.flush() makes the directory a table") from None
+    except (ValueError, UnicodeDecodeError) as exc:  # written whole by one rename: damage, not a crash
+        raise error(f"{prefix}{meta_path} is not valid JSON ({exc}); the tier is damaged") from None
+    if not isinstance(meta, dict) or meta.get("format") != _FORMAT or meta.get("version") != _VERSION:
+        version = meta.get("version") if isinstance(meta, dict) else None
+        raise error(f"{prefix}{meta_path} is not a {_FORMAT} version {_VERSION} directory (version "
+                    f"{version!r}: export it with the version of cncore that wrote it)")
+    missing = [k for k in _META_FIELDS if k not in meta]
+    if missing or not isinstance(meta["index"], str) or not isinstance(meta["config"], dict) \
+            or not all(isinstance(meta[k], int) for k in _META_FIELDS if k not in ("config", "index", "index_sha256")):
+        raise error(f"{prefix}{meta_path} lacks or mistypes fields ({missing or 'index, config or a count'}); "
+                    "the tier is damaged")
+    index_path = os.path.join(directory, meta["index"])
+    try:
+        digest = _sha256_file(index_path)
+    except FileNotFoundError:
+        raise error(f"{prefix}{index_path} is missing (meta.json names it; the tier is damaged)") from None
+    if digest != meta.get("index_sha256"):
+        raise error(f"{prefix}{index_path} fails its checksum (damaged)")
+    with np.load(index_path) as index:
+        keys, slots = index["keys"], index["slots"]
+    return meta, keys, slots
+
+
 class TieredStore(EmbeddingStore):
     """An `EmbeddingStore` whose rows live on disk under a bounded memory cache (see the module
     docstring). Built by `EmbeddingStore(config)` when `config.storage` is a `Tiered`."""
@@ -191,27 +261,10 @@ class TieredStore(EmbeddingStore):
     # --- the layout of a record ------------------------------------------------------------------
 
     def _layout(self) -> None:
-        c = self._tier_config
-        fields = [("key", "<i8"), ("count", "<u4"), ("last_step", "<u4"), ("row", "<f4", (c.dim,))]
-        if c.state_floats:
-            fields.append(("state", "<f4", (c.state_floats,)))
-        packed = np.dtype(fields)
-        # Records packed to 8 bytes (the key stays aligned), not to 64: at dim 64 with row-wise
-        # Adagrad, 276 bytes of data took 320 bytes (12 a page) and now 280 (14 a page), so every
-        # spill and flush writes 12% fewer bytes and the file is 12% smaller; a record is read
-        # into a buffer, so its alignment in the file buys nothing.
-        rec = -(-packed.itemsize // 8) * 8
-        if rec > _PAGE:
-            rec = -(-rec // _PAGE) * _PAGE   # a record of its own pages
-        self._record = np.dtype({"names": packed.names, "formats": [packed.fields[n][0] for n in packed.names],
-                                 "offsets": [packed.fields[n][1] for n in packed.names], "itemsize": rec})
-        self._per_page = max(1, _PAGE // rec)
+        self._record, self._per_page = record_layout(self._tier_config)
 
     def _offsets(self, slots: np.ndarray) -> np.ndarray:
-        rec = self._record.itemsize
-        if rec >= _PAGE:
-            return slots * rec
-        return (slots // self._per_page) * _PAGE + (slots % self._per_page) * rec
+        return record_offsets(slots, self._record.itemsize, self._per_page)
 
     def _read(self, slots: np.ndarray) -> np.ndarray:
         buf = np.zeros(len(slots), self._record)
@@ -586,32 +639,16 @@ class TieredStore(EmbeddingStore):
                              "empty directory, or one a tiered table of this config flushed")
 
     def _reopen(self) -> None:
-        meta_path = os.path.join(self._dir, "meta.json")
-        if not os.path.exists(meta_path):
-            return
-        try:
-            with open(meta_path) as fh:
-                meta = json.load(fh)
-        except (ValueError, UnicodeDecodeError) as exc:  # written whole by one rename: damage, not a crash
-            raise ValueError(f"Tiered.path: {meta_path} is not valid JSON ({exc}); the tier is damaged") from None
-        if meta.get("format") != _FORMAT or meta.get("version") != _VERSION:
-            raise ValueError(f"Tiered.path: {meta_path} is not a {_FORMAT} version {_VERSION} directory (version "
-                             f"{meta.get('version')!r}: export it with the version of cncore that wrote it)")
+        if not os.path.exists(os.path.join(self._dir, "meta.json")):
+            return  # a new directory (or one never flushed: it holds no table yet)
+        meta, keys, slots = read_flushed(self._dir, ValueError, "Tiered.path: ")
         if meta["config"] != _config_record(self._tier_config):
             raise ValueError(f"Tiered.path: {self._dir} holds a table of another config ({meta['config']}); "
                              "open it with the config it was flushed with")
         if meta.get("record_bytes") != self._record.itemsize:
-            raise ValueError(f"Tiered.path: {meta_path} holds records of {meta.get('record_bytes')!r} bytes, this "
-                             f"config's are {self._record.itemsize}; the directory is damaged or of another layout")
-        index_path = os.path.join(self._dir, meta["index"])
-        digest = hashlib.sha256()
-        with open(index_path, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                digest.update(chunk)
-        if digest.hexdigest() != meta["index_sha256"]:
-            raise ValueError(f"Tiered.path: {self._dir}/{meta['index']} fails its checksum (damaged)")
-        with np.load(index_path) as index:
-            keys, slots = index["keys"], index["slots"]
+            raise ValueError(f"Tiered.path: {self._dir}/meta.json holds records of {meta.get('record_bytes')!r} "
+                             f"bytes, this config's are {self._record.itemsize}; the directory is damaged or of "
+                             "another layout")
         self._disk.put(keys, slots)
         self._high_water = int(meta["high_water"])
         self._plan_free(slots)
@@ -715,15 +752,11 @@ class TieredStore(EmbeddingStore):
             np.savez(fh, keys=keys, slots=all_slots)
             fh.flush()
             os.fsync(fh.fileno())
-        digest = hashlib.sha256()
-        with open(index_path, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                digest.update(chunk)
         meta = {"format": _FORMAT, "version": _VERSION, "config": _config_record(self._tier_config),
                 "flush": self._flushes, "commit": self._commits, "index": index_name,
                 "rows": int(len(keys)), "step": int(self.step), "evicted": int(self.evicted_count),
                 "high_water": int(self._high_water), "record_bytes": int(self._record.itemsize),
-                "index_sha256": digest.hexdigest()}
+                "index_sha256": _sha256_file(index_path)}
         tmp_meta = os.path.join(self._dir, f".tmp-{os.getpid()}-meta.json")
         with open(tmp_meta, "wb") as fh:
             fh.write(json.dumps(meta, indent=1).encode())
@@ -750,3 +783,175 @@ class TieredStore(EmbeddingStore):
             self.close()
         except Exception:
             pass
+
+
+# --- reading a flushed tier as a table file (cn-table, open_table, load_store) ----------------------
+
+def is_tier_directory(path: str) -> bool:
+    """Whether `path` is a tier's directory (meta.json or rows.dat, and no table file's CURRENT)."""
+    return os.path.isdir(path) and not os.path.exists(os.path.join(path, "CURRENT")) and (
+        os.path.exists(os.path.join(path, "meta.json")) or os.path.exists(os.path.join(path, "rows.dat")))
+
+
+class TierFile:
+    """A flushed tier directory read as a table file: what `open_table(path)` returns for one,
+    with `TableFile`'s reading verbs (`len`, `config`, `step`, `evicted_count`, `nbytes`,
+    `keys`, `read`, `take`, `batches`, `lookup`, `pooled_lookup`), so every `cn-table` command
+    and `load_store` read it like any table.
+
+    It holds the last flush's index in memory (16 bytes a row: the keys and their slots,
+    ordered by slot so that a walk reads rows.dat front to back) and reads records on demand,
+    a batch at a time: a tier far larger than memory walks in bounded memory. Rows come as
+    float32 whatever the table's dtype. Every record read is checked to hold the key the index
+    gives (a mismatch: the tier changed since it was opened, or is damaged). Rows cached by a
+    process that trains on the directory and not yet flushed are not in it: it is the table
+    as of the last flush; open it after that process's last flush (its next flush may reuse
+    the slots this index names).
+
+    >>> import numpy as np, tempfile, os, cncore
+    >>> from cncore.tablefile import open_table
+    >>> path = os.path.join(tempfile.mkdtemp(), "t.tier")
+    >>> store = cncore.EmbeddingStore(cncore.StoreConfig(dim=2, storage=cncore.Tiered(path, cache_bytes=2000)))
+    >>> for start in range(0, 100, 10):                  # most rows go to disk
+    ...     _ = store.find_or_insert(np.arange(start, start + 10))
+    >>> store.flush(); table = open_table(path)
+    >>> len(table), bool((table.lookup([7, 500]) == store.lookup(np.array([7, 500]))).all())
+    (100, True)
+    """
+
+    delta = None  # never a chain
+
+    def __init__(self, path: str, verify: bool = True):
+        from cncore.tablefile import TableFormatError, config_from_dict
+        meta, keys, slots = read_flushed(path, TableFormatError, "")
+        config = meta.get("config")
+        if isinstance(config, dict):
+            config = {**config, "capacity": StoreConfig.__dataclass_fields__["capacity"].default}
+        self.config = config_from_dict(config, f"{path}/meta.json")
+        self.path, self.step, self.evicted_count = path, int(meta["step"]), int(meta["evicted"])
+        self.version = str(meta["index"])
+        self._record, self._per_page = record_layout(self.config)
+        if meta.get("record_bytes") != self._record.itemsize or meta.get("rows") != len(keys) \
+                or keys.dtype != np.int64 or slots.dtype != np.int64 or keys.shape != slots.shape \
+                or keys.ndim != 1:
+            raise TableFormatError(f"{path}: meta.json (rows {meta.get('rows')!r}, record_bytes "
+                                   f"{meta.get('record_bytes')!r}) does not match its index ({len(keys)} keys) or "
+                                   f"its config (records of {self._record.itemsize} bytes); the tier is damaged")
+        order = np.argsort(slots, kind="stable")
+        self.keys, self._slots = keys[order], slots[order]
+        del keys, slots, order
+        if verify and len(self.keys):
+            ordered = np.sort(self.keys)
+            same = np.flatnonzero(ordered[1:] == ordered[:-1])
+            if len(same):
+                raise TableFormatError(f"{path}: the index holds duplicate keys ({len(same)}, e.g. "
+                                       f"{int(ordered[same[0]])}); the tier is damaged")
+            del ordered
+        if len(self._slots) and (self._slots[0] < 0 or (np.diff(self._slots) == 0).any()):
+            raise TableFormatError(f"{path}: the index gives a negative or repeated slot; the tier is damaged")
+        try:
+            self._fd = os.open(os.path.join(path, "rows.dat"), os.O_RDONLY)
+        except FileNotFoundError:
+            raise TableFormatError(f"{path}: rows.dat is missing (meta.json names {len(self.keys)} rows in it); "
+                                   "the tier is damaged") from None
+        weakref.finalize(self, os.close, self._fd)
+        end = 0 if not len(self._slots) else int(
+            record_offsets(self._slots[-1:], self._record.itemsize, self._per_page)[0]) + self._record.itemsize
+        size = os.fstat(self._fd).st_size
+        if size < end:
+            raise TableFormatError(f"{path}: rows.dat has {size} bytes, the index needs {end} (truncated)")
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    @property
+    def dim(self) -> int:
+        return self.config.dim
+
+    @property
+    def record_bytes(self) -> int:
+        """Bytes of one record in rows.dat."""
+        return self._record.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of rows.dat and the index on disk."""
+        return os.fstat(self._fd).st_size + os.path.getsize(os.path.join(self.path, self.version))
+
+    def _records(self, at: np.ndarray) -> np.ndarray:
+        """The records of row numbers `at`, checked against the index's keys."""
+        from cncore.tablefile import TableFormatError
+        slots = self._slots[at]
+        buf = np.zeros(len(slots), self._record)
+        if len(slots):
+            _core.block_io(self._fd, record_offsets(slots, self._record.itemsize, self._per_page),
+                           buf.view(np.uint8).reshape(len(slots), -1), False, 4)
+            bad = np.flatnonzero(buf["key"] != self.keys[at])
+            if len(bad):
+                raise TableFormatError(f"{self.path}: rows.dat holds key {int(buf['key'][bad[0]])} in slot "
+                                       f"{int(slots[bad[0]])}, the index says {int(self.keys[at][bad[0]])}: the tier "
+                                       "was flushed again since it was opened, or is damaged")
+        return buf
+
+    def _fields(self, rec: np.ndarray, names) -> dict:
+        out = {}
+        for name in names:
+            if name == "keys":
+                out[name] = rec["key"].copy()
+            elif name == "rows":
+                out[name] = np.ascontiguousarray(rec["row"], np.float32)
+            elif name == "optimizer_state":
+                out[name] = (np.ascontiguousarray(rec["state"]) if "state" in rec.dtype.names
+                             else np.empty((len(rec), 0), np.float32))
+            elif name == "counts":
+                out[name] = rec["count"].copy()
+            elif name == "last_steps":
+                out[name] = rec["last_step"].copy()
+            else:
+                raise ValueError(f"name: expected one of keys, rows, optimizer_state, counts, last_steps, got {name!r}")
+        return out
+
+    def read(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Entries [start, stop) of one column (row numbers in the tier's slot order), a new array."""
+        if name == "keys":
+            return self.keys[start:stop].copy()
+        return self._fields(self._records(np.arange(start, min(stop, len(self)))), (name,))[name]
+
+    def take(self, name: str, rows: np.ndarray, chunk: int = 1 << 14) -> np.ndarray:
+        """One column's entries at row numbers `rows` (any order, repeats allowed)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        if len(rows) and (rows.min() < 0 or rows.max() >= len(self)):
+            raise IndexError(f"rows: row numbers must be in [0, {len(self)})")
+        if name == "keys":
+            return self.keys[rows]
+        parts = [self._fields(self._records(rows[a:a + chunk]), (name,))[name] for a in range(0, len(rows), chunk)]
+        if parts:
+            return np.concatenate(parts)
+        return self._fields(np.zeros(0, self._record), (name,))[name]
+
+    def batches(self, batch_rows: int = 1 << 18, names=("keys", "rows", "optimizer_state", "counts", "last_steps")):
+        """(start, {name: rows [start, start + batch_rows)}) over the whole table, in slot
+        order; each batch one batched read of rows.dat (none for keys alone)."""
+        for start in range(0, len(self), batch_rows):
+            stop = min(start + batch_rows, len(self))
+            if all(n == "keys" for n in names):
+                yield start, {n: self.keys[start:stop].copy() for n in names}
+            else:
+                yield start, self._fields(self._records(np.arange(start, stop)), names)
+
+    def lookup(self, keys) -> np.ndarray:
+        """Rows (N, dim) of keys, zeros where a key is not in the table (see TableFile.lookup)."""
+        from cncore.tablefile_lookup import file_lookup
+        return file_lookup(self, keys)
+
+    def pooled_lookup(self, keys, offsets=None, *, lengths=None, mode: str = "sum",
+                      per_sample_weights=None) -> np.ndarray:
+        """Pooled rows (B, dim) of bags of keys, as TableFile.pooled_lookup."""
+        from cncore.tablefile_lookup import file_pooled_lookup
+        return file_pooled_lookup(self, keys, offsets, lengths, mode, per_sample_weights)
+
+
+def open_tier(path: str, verify: bool = True) -> TierFile:
+    """A flushed tier directory as a read-only table (TierFile); open_table(path) calls this
+    for a tier's directory."""
+    return TierFile(path, verify)
