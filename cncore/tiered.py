@@ -43,9 +43,13 @@ most 0.7), per call the records it moves, and per flush the new index (16 bytes 
 one chunk of records. `stats` counts hits and misses (IDs found in memory / read from disk),
 rows and bytes read and written, and the bytes written by flushes and compactions apart.
 
-Left for later (said here so nobody relies on them): admission (MinCount) is refused on a
-tiered store; 16-bit rows are stored as float32 in the records; records are read through the
-page cache (no O_DIRECT), so on a machine with free memory the kernel caches the file too
+Admission (`StoreConfig.admission=MinCount(...)`): a key a training lookup sees gets a row only
+once admitted, as in memory; a key on disk has a row, so it is faulted in without asking. The
+sketch lives in memory (not in the directory): reopening starts it over, as loading a table
+file does.
+
+Left for later (said here so nobody relies on them): 16-bit rows are stored as float32 in the
+records; records are read through the page cache (no O_DIRECT), so on a machine with free memory the kernel caches the file too
 (outside the process's RSS, given back under pressure).
 
 >>> import numpy as np, tempfile, os, cncore
@@ -219,9 +223,6 @@ class TieredStore(EmbeddingStore):
         storage = config.storage
         if not isinstance(storage, Tiered):
             raise TypeError(f"config.storage must be a cncore.Tiered, got {type(storage).__name__}")
-        if config.admission is not None:
-            raise ValueError("admission: not supported with storage=Tiered yet (every key a training lookup "
-                             "sees gets a row, on disk once it leaves the cache)")
         if config.max_rows is not None:
             raise ValueError("max_rows: a tiered table keeps every row (on disk); its memory is bounded by "
                              "Tiered.cache_bytes instead")
@@ -360,6 +361,12 @@ class TieredStore(EmbeddingStore):
             pinned = keys if insert else np.concatenate([keys[cached], disk_keys])
             if len(pinned) > self.cache_rows:
                 self._check_fits(pinned)
+            if insert and self._tier_config.admission is not None:
+                # Only the keys that exist: find_or_insert is not gated, so pinning a new key
+                # here would give it a row that admission may refuse it. The call's own training
+                # lookup then counts the new keys in the sketch (each once, as in memory) and
+                # makes room for those admitted, evicting only rows the call does not use.
+                pinned = np.concatenate([keys[cached], disk_keys])
             EmbeddingStore.find_or_insert(self, pinned)
         rec = self._read_current(disk_keys, slots)
         if (rec["key"] != disk_keys).any():
@@ -387,6 +394,13 @@ class TieredStore(EmbeddingStore):
     @_locked
     def evict_expired(self) -> int:
         return super().evict_expired()
+
+    @_locked
+    def decay_admission(self) -> None:
+        """Halve every counter of the admission sketch (MinCount). The sketch counts the
+        sightings of keys that have no row, in memory or on disk; it lives in memory only, so
+        reopening a tier's directory starts it over (as loading a table file does)."""
+        super().decay_admission()
 
     def _check_fits(self, keys: np.ndarray) -> None:
         distinct = len(np.unique(keys))

@@ -4,7 +4,8 @@
   and forth between memory and disk all the time) and an in-memory EmbeddingStore through the
   same training steps (pooled lookup + fused Adam / row-wise Adagrad backward), evaluation
   lookups, writes, erases, background prefetches, evictions on demand, flushes, compactions and
-  reopenings (LRU, LFU and TTL caches): after every step both hold the same keys, rows,
+  reopenings (LRU, LFU and TTL caches; without admission and with MinCount, zeros or initial
+  rows for keys not admitted, and its decay): after every step both hold the same keys, rows,
   optimizer state, counts and last steps, and give the same outputs.
 - Threads sharing one tiered store read the right rows and train as one thread would.
 - The disk index (cn_slotindex.h) against a dict.
@@ -45,18 +46,24 @@ key_batches = st.lists(st.one_of(st.integers(-30, 30), st.sampled_from([-2**63, 
 
 
 class TieredMachine(RuleBasedStateMachine):
-    @initialize(optimizer=st.sampled_from(["adam", "rowwise"]), eviction=st.sampled_from(["lru", "lfu", "ttl"]))
-    def setup(self, optimizer, eviction):
+    @initialize(optimizer=st.sampled_from(["adam", "rowwise"]), eviction=st.sampled_from(["lru", "lfu", "ttl"]),
+                admission=st.sampled_from([None, "min2", "min3-initial"]))
+    def setup(self, optimizer, eviction, admission):
         import tempfile
         self.path = os.path.join(tempfile.mkdtemp(), "t.tier")
         opt = cncore.Adam(lr=0.05) if optimizer == "adam" else cncore.RowWiseAdagrad(lr=0.1)
         ev = {"lru": cncore.LRU(), "lfu": cncore.LFU(), "ttl": cncore.TTL(steps=2)}[eviction]
+        # one sketch wide enough that keys rarely collide, one narrow (64 counters a row), so that
+        # colliding keys are admitted early too
+        adm = {None: None, "min2": cncore.MinCount(2, width=4096, depth=2),
+               "min3-initial": cncore.MinCount(3, unadmitted="initial", width=64, depth=2)}[admission]
         per_row = DIM * 4 + 4 * (2 * DIM if optimizer == "adam" else 1) + 47
-        self.config = cncore.StoreConfig(dim=DIM, seed=3, optimizer=opt, eviction=ev,
+        self.config = cncore.StoreConfig(dim=DIM, seed=3, optimizer=opt, eviction=ev, admission=adm,
                                          storage=cncore.Tiered(self.path, cache_bytes=16 * per_row))
         self.tiered = cncore.EmbeddingStore(self.config)
         assert isinstance(self.tiered, TieredStore) and self.tiered.cache_rows == 16
-        self.memory = cncore.EmbeddingStore(cncore.StoreConfig(dim=DIM, seed=3, optimizer=opt))
+        self.memory_config = cncore.StoreConfig(dim=DIM, seed=3, optimizer=opt, admission=adm)
+        self.memory = cncore.EmbeddingStore(self.memory_config)
         self.flushed = None  # the in-memory state at the last flush
 
     @rule(keys=key_batches, seed=st.integers(0, 99), mode=st.sampled_from(["sum", "mean"]))
@@ -70,6 +77,14 @@ class TieredMachine(RuleBasedStateMachine):
             store.apply_gradients(ctx, grad)
             outs.append(out)
         np.testing.assert_array_equal(outs[0], outs[1])
+
+    @rule(keys=st.lists(st.one_of(st.integers(-30, 30), st.integers(1000, 1500)), min_size=10, max_size=16,
+                        unique=True), seed=st.integers(0, 99))
+    def train_wide(self, keys, seed):
+        """A batch of up to the cache's 16 rows: many keys on disk at once, so faulting them in
+        must first make room (evicting only rows the batch does not use), beside keys seen for
+        the first time (which admission may refuse)."""
+        self.train(keys, seed, "sum")
 
     @rule(keys=key_batches)
     def evaluate(self, keys):
@@ -112,11 +127,24 @@ class TieredMachine(RuleBasedStateMachine):
         self.tiered.compact()
 
     @rule()
+    def decay_admission(self):
+        if self.config.admission is not None:
+            self.tiered.decay_admission()
+            self.memory.decay_admission()
+
+    @rule()
     def reopen_after_flush(self):
         self.tiered.flush()
         self.tiered.close()
         self.tiered = cncore.EmbeddingStore(self.config)
         assert self.tiered.cached_rows == 0  # reopening reads only the index
+        if self.config.admission is not None:
+            # the sketch lives in memory: a reopened tier starts it over, as a table loaded from a
+            # file does; so does the reference, rebuilt from its rows
+            b, step = self.memory.export(), self.memory.step
+            self.memory = cncore.EmbeddingStore(self.memory_config)
+            self.memory.load(b.keys, b.rows, b.optimizer_state, b.counts, b.last_steps)
+            self.memory.step = step
 
     @invariant()
     def same_table(self):
@@ -216,9 +244,6 @@ def test_bad_input_is_refused_naming_it_and_leaves_the_directory(tmp_path):
     with pytest.raises(ValueError, match="holds other files"):
         cncore.EmbeddingStore(cncore.StoreConfig(dim=2, storage=cncore.Tiered(str(other), 10**6)))
     assert os.listdir(other) == ["notes.txt"]
-    with pytest.raises(ValueError, match="admission: not supported with storage=Tiered"):
-        cncore.EmbeddingStore(cncore.StoreConfig(dim=2, admission=cncore.MinCount(2),
-                                                 storage=cncore.Tiered(str(tmp_path / "a"), 10**6)))
     path = str(tmp_path / "t")
     store = cncore.EmbeddingStore(cncore.StoreConfig(dim=2, storage=cncore.Tiered(path, 10**6)))
     store.find_or_insert(np.arange(5))
@@ -457,3 +482,39 @@ def test_threads_reading_and_training_at_once_see_the_right_rows(tmp_path):
     np.testing.assert_array_equal(a.keys[ia], b.keys[ib])
     np.testing.assert_array_equal(a.rows[ia], b.rows[ib])
     np.testing.assert_array_equal(a.counts[ia], b.counts[ib])
+
+
+def test_admission_keeps_unadmitted_keys_out_of_both_tiers(tmp_path):
+    """MinCount(3) on a tier whose cache holds 16 rows: a key seen twice has no row, in memory
+    or on disk (nor in the flushed directory); a key already on disk is trained on at once (it
+    exists, so admission does not ask); outputs and rows equal an in-memory store's."""
+    from cncore.tablefile import open_table
+    adm = cncore.MinCount(3)
+    config = cncore.StoreConfig(dim=DIM, optimizer=cncore.SGD(lr=0.1), admission=adm,
+                                storage=cncore.Tiered(str(tmp_path / "t"), cache_bytes=16 * (DIM * 4 + 47)))
+    tiered, memory = cncore.EmbeddingStore(config), cncore.EmbeddingStore(dim=DIM, optimizer=cncore.SGD(lr=0.1),
+                                                                         admission=adm)
+    for store in (tiered, memory):
+        for start in range(0, 100, 10):  # find_or_insert is not gated: 100 rows, most spill to disk
+            store.find_or_insert(np.arange(start, start + 10))
+    assert tiered.cached_rows <= 16 and len(tiered) == 100
+
+    def train(keys):
+        outs = []
+        for store in (tiered, memory):
+            out, ctx = store.pooled_lookup(np.array(keys), lengths=np.array([len(keys)]))
+            store.apply_gradients(ctx, np.ones((1, DIM), np.float32))
+            outs.append(out)
+        np.testing.assert_array_equal(outs[0], outs[1])
+
+    before = tiered.read(np.arange(6)).rows
+    # 0-5 are on disk, more than the cache has room for: faulting them in makes room first
+    train([0, 1, 2, 3, 4, 5, 500, 501])  # 0-5 trained at once; 500, 501 seen once
+    train([10, 11, 12, 13, 14, 15, 500, 501, 502])  # seen twice
+    assert tiered.contains(np.array([3, 500, 501, 502])).tolist() == [True, False, False, False]
+    assert not np.array_equal(tiered.read(np.arange(6)).rows, before)
+    tiered.flush()
+    assert not np.isin([500, 501, 502], open_table(str(tmp_path / "t")).keys).any()
+    train([500, 600])  # the third sighting of 500: admitted
+    assert tiered.contains(np.array([500, 501, 600])).tolist() == [True, False, False]
+    assert_same_rows(tiered, memory)
