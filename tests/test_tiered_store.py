@@ -5,7 +5,8 @@
   same training steps (pooled lookup + fused Adam / row-wise Adagrad backward), evaluation
   lookups, writes, erases, background prefetches, evictions on demand, flushes, compactions and
   reopenings (LRU, LFU and TTL caches; without admission and with MinCount, zeros or initial
-  rows for keys not admitted, and its decay): after every step both hold the same keys, rows,
+  rows for keys not admitted, and its decay; float32, float16 and bfloat16 rows, stored at
+  their size on disk): after every step both hold the same keys, rows,
   optimizer state, counts and last steps, and give the same outputs.
 - Threads sharing one tiered store read the right rows and train as one thread would.
 - The disk index (cn_slotindex.h) against a dict.
@@ -14,6 +15,7 @@
 - Bad input (a missing parent directory, a cache of fewer than 16 rows, another table's
   directory, bad options) is refused naming the argument, and leaves the directory as it was.
 """
+import dataclasses
 import json
 import os
 import signal
@@ -47,8 +49,9 @@ key_batches = st.lists(st.one_of(st.integers(-30, 30), st.sampled_from([-2**63, 
 
 class TieredMachine(RuleBasedStateMachine):
     @initialize(optimizer=st.sampled_from(["adam", "rowwise"]), eviction=st.sampled_from(["lru", "lfu", "ttl"]),
-                admission=st.sampled_from([None, "min2", "min3-initial"]))
-    def setup(self, optimizer, eviction, admission):
+                admission=st.sampled_from([None, "min2", "min3-initial"]),
+                dtype=st.sampled_from(["float32", "float16", "bfloat16"]))
+    def setup(self, optimizer, eviction, admission, dtype):
         import tempfile
         self.path = os.path.join(tempfile.mkdtemp(), "t.tier")
         opt = cncore.Adam(lr=0.05) if optimizer == "adam" else cncore.RowWiseAdagrad(lr=0.1)
@@ -57,12 +60,12 @@ class TieredMachine(RuleBasedStateMachine):
         # colliding keys are admitted early too
         adm = {None: None, "min2": cncore.MinCount(2, width=4096, depth=2),
                "min3-initial": cncore.MinCount(3, unadmitted="initial", width=64, depth=2)}[admission]
-        per_row = DIM * 4 + 4 * (2 * DIM if optimizer == "adam" else 1) + 47
-        self.config = cncore.StoreConfig(dim=DIM, seed=3, optimizer=opt, eviction=ev, admission=adm,
+        per_row = DIM * (4 if dtype == "float32" else 2) + 4 * (2 * DIM if optimizer == "adam" else 1) + 47
+        self.config = cncore.StoreConfig(dim=DIM, seed=3, optimizer=opt, eviction=ev, admission=adm, dtype=dtype,
                                          storage=cncore.Tiered(self.path, cache_bytes=16 * per_row))
         self.tiered = cncore.EmbeddingStore(self.config)
         assert isinstance(self.tiered, TieredStore) and self.tiered.cache_rows == 16
-        self.memory_config = cncore.StoreConfig(dim=DIM, seed=3, optimizer=opt, admission=adm)
+        self.memory_config = cncore.StoreConfig(dim=DIM, seed=3, optimizer=opt, admission=adm, dtype=dtype)
         self.memory = cncore.EmbeddingStore(self.memory_config)
         self.flushed = None  # the in-memory state at the last flush
 
@@ -518,3 +521,52 @@ def test_admission_keeps_unadmitted_keys_out_of_both_tiers(tmp_path):
     train([500, 600])  # the third sighting of 500: admitted
     assert tiered.contains(np.array([500, 501, 600])).tolist() == [True, False, False]
     assert_same_rows(tiered, memory)
+
+
+def test_16_bit_rows_are_stored_at_their_size_and_a_version_2_directory_still_opens(tmp_path, monkeypatch):
+    """Records of float16 / bfloat16 rows hold 2 bytes a value (dim 64, row-wise Adagrad: 152
+    bytes against float32's 280); the rows come back exactly. A directory written in format 2
+    (float32 records) reopens, keeps its layout through more training and flushes, and reads
+    as a table."""
+    import cncore.tiered as tiered_module
+    from cncore.tablefile import open_table
+    sizes = {}
+    for dtype in ("float32", "float16", "bfloat16"):
+        config = cncore.StoreConfig(dim=64, dtype=dtype, optimizer=cncore.RowWiseAdagrad(),
+                                    storage=cncore.Tiered(str(tmp_path / dtype), cache_bytes=1 << 16))
+        store = cncore.EmbeddingStore(config)
+        sizes[dtype] = store.record_bytes
+    assert sizes == {"float32": 280, "float16": 152, "bfloat16": 152}
+
+    def trained(path, dtype):
+        config = cncore.StoreConfig(dim=DIM, dtype=dtype, optimizer=cncore.Adam(lr=0.05),
+                                    storage=cncore.Tiered(path, cache_bytes=16 * (DIM * 2 + 8 * DIM + 47)))
+        tiered = cncore.EmbeddingStore(config)
+        memory = cncore.EmbeddingStore(dataclasses.replace(config, storage=None))
+        rng = np.random.default_rng(0)
+        for _ in range(30):
+            keys = rng.integers(0, 200, 12)
+            for store in (tiered, memory):
+                _, ctx = store.pooled_lookup(keys, lengths=np.array([12]))
+                store.apply_gradients(ctx, np.full((1, DIM), 0.3, np.float32))
+        return config, tiered, memory
+
+    monkeypatch.setattr(tiered_module, "_VERSION", 2)
+    config, old, memory = trained(str(tmp_path / "v2"), "bfloat16")
+    old.flush()
+    old.close()
+    assert old.record_bytes == 8 + 4 + 4 + DIM * 4 + 2 * DIM * 4  # float32 rows
+    monkeypatch.setattr(tiered_module, "_VERSION", 3)
+    again = cncore.EmbeddingStore(config)
+    assert again.record_bytes == old.record_bytes
+    for _ in range(5):
+        keys = np.arange(150, 170)[:16]
+        for store in (again, memory):
+            _, ctx = store.pooled_lookup(keys, lengths=np.array([16]))
+            store.apply_gradients(ctx, np.full((1, DIM), 0.3, np.float32))
+    again.flush()
+    assert json.load(open(tmp_path / "v2" / "meta.json"))["version"] == 2
+    assert_same_rows(again, memory)
+    b = memory.export()
+    table = open_table(str(tmp_path / "v2"))
+    np.testing.assert_array_equal(table.lookup(b.keys), b.rows)

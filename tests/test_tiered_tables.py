@@ -25,7 +25,8 @@ def trained_tier(directory, optimizer=cncore.RowWiseAdagrad(lr=0.1), dim=6, dtyp
     table also saved with save_table (as `directory`/t.cnt) at that moment; then trained on
     without a flush (so the tier's directory is its table of the flush, no newer)."""
     path = str(directory / "t.tier")
-    per_row = dim * (4 if dtype == "float32" else 2) + 4 * cncore.StoreConfig(dim=dim, optimizer=optimizer).state_floats + 47
+    state_floats = cncore.StoreConfig(dim=dim, optimizer=optimizer).state_floats
+    per_row = dim * (4 if dtype == "float32" else 2) + 4 * state_floats + 47
     store = cncore.EmbeddingStore(cncore.StoreConfig(dim=dim, dtype=dtype, optimizer=optimizer, seed=seed,
                                                      initializer=cncore.Normal(0, 1),
                                                      storage=cncore.Tiered(path, cache_bytes=cache_rows * per_row)))
@@ -60,9 +61,11 @@ def columns(table, batch_rows=1 << 18):
     return {name: v[order] for name, v in out.items()}
 
 
-@pytest.mark.parametrize("optimizer", [None, cncore.RowWiseAdagrad(lr=0.1), cncore.Adam(lr=0.01)])
-def test_open_table_reads_a_tier_as_its_saved_table(tmp_path, optimizer):
-    store, tier_path, table_path = trained_tier(tmp_path, optimizer)
+@pytest.mark.parametrize("optimizer, dtype", [(None, "float32"), (cncore.RowWiseAdagrad(lr=0.1), "float32"),
+                                              (cncore.Adam(lr=0.01), "float32"), (cncore.Adam(lr=0.01), "float16"),
+                                              (cncore.RowWiseAdagrad(lr=0.1), "bfloat16")])
+def test_open_table_reads_a_tier_as_its_saved_table(tmp_path, optimizer, dtype):
+    store, tier_path, table_path = trained_tier(tmp_path, optimizer, dtype=dtype)
     tier, table = open_table(tier_path), open_table(table_path)
     assert isinstance(tier, TierFile)
     assert (len(tier), tier.dim, tier.config, tier.step, tier.evicted_count) == (
