@@ -6,7 +6,8 @@
   lookups, writes, erases, background prefetches, evictions on demand, flushes, compactions and
   reopenings (LRU, LFU and TTL caches; without admission and with MinCount, zeros or initial
   rows for keys not admitted, and its decay; float32, float16 and bfloat16 rows, stored at
-  their size on disk): after every step both hold the same keys, rows,
+  their size on disk; spills and loads in rounds of 2 records, room made 3 rows a round, or
+  in the default rounds): after every step both hold the same keys, rows,
   optimizer state, counts and last steps, and give the same outputs.
 - Threads sharing one tiered store read the right rows and train as one thread would.
 - The disk index (cn_slotindex.h) against a dict.
@@ -50,8 +51,8 @@ key_batches = st.lists(st.one_of(st.integers(-30, 30), st.sampled_from([-2**63, 
 class TieredMachine(RuleBasedStateMachine):
     @initialize(optimizer=st.sampled_from(["adam", "rowwise"]), eviction=st.sampled_from(["lru", "lfu", "ttl"]),
                 admission=st.sampled_from([None, "min2", "min3-initial"]),
-                dtype=st.sampled_from(["float32", "float16", "bfloat16"]))
-    def setup(self, optimizer, eviction, admission, dtype):
+                dtype=st.sampled_from(["float32", "float16", "bfloat16"]), small_rounds=st.booleans())
+    def setup(self, optimizer, eviction, admission, dtype, small_rounds):
         import tempfile
         self.path = os.path.join(tempfile.mkdtemp(), "t.tier")
         opt = cncore.Adam(lr=0.05) if optimizer == "adam" else cncore.RowWiseAdagrad(lr=0.1)
@@ -63,11 +64,18 @@ class TieredMachine(RuleBasedStateMachine):
         per_row = DIM * (4 if dtype == "float32" else 2) + 4 * (2 * DIM if optimizer == "adam" else 1) + 47
         self.config = cncore.StoreConfig(dim=DIM, seed=3, optimizer=opt, eviction=ev, admission=adm, dtype=dtype,
                                          storage=cncore.Tiered(self.path, cache_bytes=16 * per_row))
-        self.tiered = cncore.EmbeddingStore(self.config)
+        self.small_rounds = small_rounds
+        self.tiered = self.open_tier()
         assert isinstance(self.tiered, TieredStore) and self.tiered.cache_rows == 16
         self.memory_config = cncore.StoreConfig(dim=DIM, seed=3, optimizer=opt, admission=adm, dtype=dtype)
         self.memory = cncore.EmbeddingStore(self.memory_config)
         self.flushed = None  # the in-memory state at the last flush
+
+    def open_tier(self):
+        tiered = cncore.EmbeddingStore(self.config)
+        if self.small_rounds:  # spills and loads 2 records at a time, room made 3 rows a round
+            tiered._io_rows, tiered._evict_chunk = 2, 3
+        return tiered
 
     @rule(keys=key_batches, seed=st.integers(0, 99), mode=st.sampled_from(["sum", "mean"]))
     def train(self, keys, seed, mode):
@@ -139,7 +147,7 @@ class TieredMachine(RuleBasedStateMachine):
     def reopen_after_flush(self):
         self.tiered.flush()
         self.tiered.close()
-        self.tiered = cncore.EmbeddingStore(self.config)
+        self.tiered = self.open_tier()
         assert self.tiered.cached_rows == 0  # reopening reads only the index
         if self.config.admission is not None:
             # the sketch lives in memory: a reopened tier starts it over, as a table loaded from a
@@ -420,6 +428,14 @@ def test_the_disk_index_is_a_dict_of_key_to_slot(ops, batch_size):
         walked.update(zip(k.tolist(), s.tolist()))
     assert walked == model and sum(len(k) for k, _ in ix.items(batch_size)) == len(model)
     assert ix.nbytes >= 16 * len(model) / 0.7
+    before = ix.nbytes
+    ix.reserve(5000)  # grown once, now: 5,000 more keys go in without another rehash
+    grown = ix.nbytes
+    assert grown >= 16 * (len(model) + 5000) / 0.7 > before
+    ix.put(np.arange(10**6, 10**6 + 5000), np.arange(5000))
+    assert ix.nbytes == grown
+    with pytest.raises(ValueError, match="extra: must be >= 0"):
+        ix.reserve(-1)
     ix.clear()
     assert len(ix) == 0 and ix.find(np.array([1000])).tolist() == [-1]
 
@@ -570,3 +586,17 @@ def test_16_bit_rows_are_stored_at_their_size_and_a_version_2_directory_still_op
     b = memory.export()
     table = open_table(str(tmp_path / "v2"))
     np.testing.assert_array_equal(table.lookup(b.keys), b.rows)
+
+
+def test_capacity_sizes_the_disk_index_once(tmp_path):
+    """StoreConfig.capacity (the rows the table will hold) reserves the disk index up front, so
+    filling a table 10x its cache never rehashes it (a rehash holds old and new buckets)."""
+    config = cncore.StoreConfig(dim=DIM, capacity=5000, storage=cncore.Tiered(
+        str(tmp_path / "t"), cache_bytes=500 * (DIM * 4 + 47)))
+    store = cncore.EmbeddingStore(config)
+    reserved = store.disk_index_bytes
+    assert reserved >= 16 * (5000 - store.cache_rows) / 0.7
+    for start in range(0, 5000, 100):
+        store.find_or_insert(np.arange(start, start + 100))
+    assert len(store) == 5000 and store.cached_rows <= store.cache_rows
+    assert store.disk_index_bytes == reserved
