@@ -155,7 +155,7 @@ def _config_record(config: StoreConfig) -> dict:
     return json.loads(json.dumps(d))  # as meta.json holds it (tuples as lists)
 
 
-_TRIM = True  # malloc_trim after a call that spilled (see _trim)
+_TRIM = True  # malloc_trim after flushes and large spills (see _trim); off only to measure without
 
 
 def _libc_trim():

@@ -14,6 +14,12 @@ multiple: `--passes` passes of uniform updates over every key (write amplificati
 written to the file over the bytes of the rows and optimizer state the passes updated), and
 `compact()` (file bytes over live rows x record bytes).
 
+Peak RSS is reported twice: from the imports ("peak RSS", the benchmark's own ID arrays
+included) and from a baseline taken after those arrays with the peak reset ("store peak", the
+store's own, against its cache and disk index). `--capacity-hint` gives both stores
+`StoreConfig(capacity=rows of the table)` (the tier then sizes its disk index once). Each run's
+tier files are removed when it ends.
+
 Say where the file lives: on this machine the file sits in the page cache (RAM is larger than
 the files), so a read is a memory copy, not a device read; the numbers are the tier's own cost.
 
