@@ -935,7 +935,11 @@ def _open_version(path: str, version: str, verify: bool) -> TableFile:
 
 def _open_chain(path: str, verify: bool = True) -> list:
     """The versions of the live chain, base first (one version for a table saved in full). A
-    save may replace the table while it is being opened: the open then starts over."""
+    save may replace the table while it is being opened: the open then starts over. A tier's
+    directory (cncore/tiered.py) is one version, as of its last flush."""
+    from cncore.tiered import is_tier_directory, open_tier
+    if is_tier_directory(path):
+        return [open_tier(path, verify)]
     for attempt in range(100):
         head = _read_current(path)
         try:
@@ -964,7 +968,13 @@ def open_table(path: str, verify: bool = True) -> TableFile:
     A save may replace the table while it is being opened: the open then starts over on the
     new version, so it sees one complete version, never a mix. A chain (base + deltas) has no
     single version to map: it is refused; `load_store` reads it, `compact_table` merges it.
+
+    A tier's directory (`StoreConfig(storage=cncore.Tiered(path, ...))`, flushed) opens as a
+    `cncore.tiered.TierFile`: the same reading verbs, as of the tier's last flush.
     """
+    from cncore.tiered import is_tier_directory, open_tier
+    if is_tier_directory(path):
+        return open_tier(path, verify)
     for attempt in range(100):
         version = _read_current(path)
         try:

@@ -39,14 +39,24 @@ Threads: every verb holds the store's lock, and a lookup's fault-in and its core
 held section (`faulted_in`), so a thread's rows cannot go back to disk between them.
 
 Memory: the cache's rows (cache_bytes), the disk index (16-byte buckets at a load factor of at
-most 0.7), per call the records it moves, and per flush the new index (16 bytes a row) and
-one chunk of records. `stats` counts hits and misses (IDs found in memory / read from disk),
-rows and bytes read and written, and the bytes written by flushes and compactions apart.
+most 0.7; sized once from StoreConfig.capacity, the rows the table will hold, if given), per
+call the records it moves (in rounds of 1/64 of the cache at most, 1,024 at a time through a
+buffer), and per flush the new index (16 bytes a row) and one chunk of records. Freed heap is
+given back with malloc_trim (glibc) after flushes and every 1/16 of the cache spilled. `stats`
+counts hits and misses (IDs found in memory / read from disk), rows and bytes read and
+written, and the bytes written by flushes and compactions apart.
 
-Left for later (said here so nobody relies on them): admission (MinCount) is refused on a
-tiered store; 16-bit rows are stored as float32 in the records; records are read through the
-page cache (no O_DIRECT), so on a machine with free memory the kernel caches the file too
-(outside the process's RSS, given back under pressure).
+Admission (`StoreConfig.admission=MinCount(...)`): a key a training lookup sees gets a row only
+once admitted, as in memory; a key on disk has a row, so it is faulted in without asking. The
+sketch lives in memory (not in the directory): reopening starts it over, as loading a table
+file does.
+
+16-bit rows (`StoreConfig(dtype="float16" | "bfloat16")`) are stored at their size in the records
+(directory format 3; a format 2 directory, float32 records, still opens and keeps its layout).
+
+Left for later (said here so nobody relies on them): records are read through the page cache
+(no O_DIRECT), so on a machine with free memory the kernel caches the file too (outside the
+process's RSS, given back under pressure).
 
 >>> import numpy as np, tempfile, os, cncore
 >>> path = os.path.join(tempfile.mkdtemp(), "t.tier")
@@ -70,6 +80,7 @@ import hashlib
 import json
 import os
 import threading
+import weakref
 from typing import Iterator, Optional
 
 import numpy as np
@@ -77,14 +88,19 @@ import numpy as np
 from cncore import _core
 from cncore._interchange import as_keys
 from cncore.config import LRU, StoreConfig, Tiered
+from cncore.row_codec import decode_rows, encode_rows
 from cncore.store import EmbeddingStore, TableBatch
 
-__all__ = ["TieredStore"]
+__all__ = ["TieredStore", "TierFile", "open_tier"]
 
 _PAGE = 4096
 _CHUNK = 1 << 13  # rows a flush or compaction moves at a time (its scratch: one chunk of records, 2.5 MiB at dim 64)
+_IO_ROWS = 1024  # records a spill writes, or a fault-in loads, at a time (287 KiB at dim 64, row-wise Adagrad)
 _FORMAT = "cn-tier"
-_VERSION = 2  # 2: records packed to 8 bytes (1: to 64)
+_VERSION = 3  # 3: 16-bit rows at their size; 2: records packed to 8 bytes (1: to 64); 2 still opens
+_READS = (2, 3)  # versions this code opens (a version 2 directory keeps its layout: float32 rows)
+_META_FIELDS = ("config", "flush", "commit", "index", "rows", "step", "evicted", "high_water", "record_bytes",
+                "index_sha256")
 
 
 _PREFETCHER = None  # the background thread of every tiered store's prefetch reads
@@ -139,6 +155,113 @@ def _config_record(config: StoreConfig) -> dict:
     return json.loads(json.dumps(d))  # as meta.json holds it (tuples as lists)
 
 
+_TRIM = True  # malloc_trim after flushes and large spills (see _trim); off only to measure without
+
+
+def _libc_trim():
+    """glibc's malloc_trim, or None where there is none (musl, macOS)."""
+    import ctypes
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (AttributeError, OSError):
+        return None
+
+
+_MALLOC_TRIM = _libc_trim()
+
+
+def _trim() -> None:
+    """Give the heap's free pages back to the system (glibc keeps freed blocks for reuse; after
+    a large spill or a flush that is megabytes of eviction batches and scratch). 0.35-0.9 ms
+    a call here, so not after every step: after a flush or compaction, and once the calls since
+    the last trim spilled 1/16 of the cache (4 rounds of rows). Without it, a table 10x a 32 MiB
+    cache under Zipf 1.05 IDs crept from 72 to 84 MiB over 90 steps in some runs (freed
+    eviction batches kept in the heap, fragmented)."""
+    if _TRIM and _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
+def record_layout(config: StoreConfig, version: int = _VERSION):
+    """(record dtype, records per 4 KiB page) of a tier of `config` in directory format `version`.
+
+    From version 3 a row is stored at its dtype's size (float16 as <f2, bfloat16 as the <u2 bit
+    patterns, as table files store them: cncore.row_codec), so a 16-bit table's records are
+    smaller: at dim 64 with row-wise Adagrad, 152 bytes instead of 280 (26 a page, not 14),
+    and every spill, read and flush moves 46% fewer bytes."""
+    from cncore.row_codec import FILE_DTYPES
+    row = FILE_DTYPES[config.dtype].str if version >= 3 else "<f4"
+    fields = [("key", "<i8"), ("count", "<u4"), ("last_step", "<u4"), ("row", row, (config.dim,))]
+    if config.state_floats:
+        fields.append(("state", "<f4", (config.state_floats,)))
+    packed = np.dtype(fields)
+    # Records packed to 8 bytes (the key stays aligned), not to 64: at dim 64 with row-wise
+    # Adagrad, 276 bytes of data took 320 bytes (12 a page) and now 280 (14 a page), so every
+    # spill and flush writes 12% fewer bytes and the file is 12% smaller; a record is read
+    # into a buffer, so its alignment in the file buys nothing.
+    rec = -(-packed.itemsize // 8) * 8
+    if rec > _PAGE:
+        rec = -(-rec // _PAGE) * _PAGE   # a record of its own pages
+    record = np.dtype({"names": packed.names, "formats": [packed.fields[n][0] for n in packed.names],
+                       "offsets": [packed.fields[n][1] for n in packed.names], "itemsize": rec})
+    return record, max(1, _PAGE // rec)
+
+
+def rows_of(rec: np.ndarray, dtype: str) -> np.ndarray:
+    """The rows of records as float32 (a new array), whatever width the records store."""
+    if rec.dtype["row"].base == np.float32:
+        return np.ascontiguousarray(rec["row"])
+    return decode_rows(rec["row"], dtype)
+
+
+def record_offsets(slots: np.ndarray, rec: int, per_page: int) -> np.ndarray:
+    """File offsets of the records at `slots` (a record never straddles a page)."""
+    if rec >= _PAGE:
+        return slots * rec
+    return (slots // per_page) * _PAGE + (slots % per_page) * rec
+
+
+def _sha256_file(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def read_flushed(directory: str, error=ValueError, prefix: str = ""):
+    """(meta, keys, slots) of the last flush of a tier directory: meta.json parsed and checked,
+    the index checksummed. Raises `error` (its message starting with `prefix`) saying what is
+    wrong: no meta.json (never flushed), damage, another format or version."""
+    meta_path = os.path.join(directory, "meta.json")
+    try:
+        with open(meta_path) as fh:
+            meta = json.load(fh)
+    except FileNotFoundError:
+        raise error(f"{prefix}{directory} holds no flushed table (no meta.json: the tier was never flushed, or its "
+                    "first flush did not finish); TieredStore.flush() makes the directory a table") from None
+    except (ValueError, UnicodeDecodeError) as exc:  # written whole by one rename: damage, not a crash
+        raise error(f"{prefix}{meta_path} is not valid JSON ({exc}); the tier is damaged") from None
+    if not isinstance(meta, dict) or meta.get("format") != _FORMAT or meta.get("version") not in _READS:
+        version = meta.get("version") if isinstance(meta, dict) else None
+        raise error(f"{prefix}{meta_path} is not a {_FORMAT} directory of version {' or '.join(map(str, _READS))} "
+                    f"(version {version!r}: export it with the version of cncore that wrote it)")
+    missing = [k for k in _META_FIELDS if k not in meta]
+    if missing or not isinstance(meta["index"], str) or not isinstance(meta["config"], dict) \
+            or not all(isinstance(meta[k], int) for k in _META_FIELDS if k not in ("config", "index", "index_sha256")):
+        raise error(f"{prefix}{meta_path} lacks or mistypes fields ({missing or 'index, config or a count'}); "
+                    "the tier is damaged")
+    index_path = os.path.join(directory, meta["index"])
+    try:
+        digest = _sha256_file(index_path)
+    except FileNotFoundError:
+        raise error(f"{prefix}{index_path} is missing (meta.json names it; the tier is damaged)") from None
+    if digest != meta.get("index_sha256"):
+        raise error(f"{prefix}{index_path} fails its checksum (damaged)")
+    with np.load(index_path) as index:
+        keys, slots = index["keys"], index["slots"]
+    return meta, keys, slots
+
+
 class TieredStore(EmbeddingStore):
     """An `EmbeddingStore` whose rows live on disk under a bounded memory cache (see the module
     docstring). Built by `EmbeddingStore(config)` when `config.storage` is a `Tiered`."""
@@ -149,9 +272,6 @@ class TieredStore(EmbeddingStore):
         storage = config.storage
         if not isinstance(storage, Tiered):
             raise TypeError(f"config.storage must be a cncore.Tiered, got {type(storage).__name__}")
-        if config.admission is not None:
-            raise ValueError("admission: not supported with storage=Tiered yet (every key a training lookup "
-                             "sees gets a row, on disk once it leaves the cache)")
         if config.max_rows is not None:
             raise ValueError("max_rows: a tiered table keeps every row (on disk); its memory is bounded by "
                              "Tiered.cache_bytes instead")
@@ -160,6 +280,9 @@ class TieredStore(EmbeddingStore):
         self._prefetching = None  # the Future of this store's prefetch read
         self._staged = None       # its result: (commit, sorted keys, slots, records)
         self.cache_rows = _cache_rows(config, storage.cache_bytes)
+        self._evict_chunk = max(_IO_ROWS, self.cache_rows // 64)
+        self._io_rows = _IO_ROWS
+        self._spilled = 0  # rows spilled since the last malloc_trim (faulted_in)
         if self.cache_rows < _MIN_CACHE_ROWS:
             raise ValueError(f"Tiered.cache_bytes={storage.cache_bytes} holds {self.cache_rows} rows of this config "
                              f"({_row_bytes(config)} bytes each: the row, its optimizer state, metadata and index "
@@ -172,6 +295,7 @@ class TieredStore(EmbeddingStore):
         self._io_threads = storage.io_threads
         self._check_directory()
         super().__init__(cache)
+        self._version = _VERSION  # of the directory's layout: a version 2 directory stays one
         self._layout()
         # Keys on disk -> slot (cn_slotindex.h: the core's hash index alone, 23-46 bytes a key).
         self._disk = _core.SlotIndex()
@@ -186,32 +310,22 @@ class TieredStore(EmbeddingStore):
         os.makedirs(self._dir, exist_ok=True)  # its parent exists (_check_directory)
         self._fd = os.open(os.path.join(self._dir, "rows.dat"), os.O_RDWR | os.O_CREAT, 0o644)
         self._reopen()
+        # StoreConfig.capacity, the rows the table is expected to hold, sizes the disk index now:
+        # growing by doubling, a rehash holds the old and new buckets at once (16 + 32 MiB at 1M
+        # disk rows), which set the peak RSS of a table 10x its cache.
+        self._disk.reserve(max(0, config.capacity - self.cache_rows - len(self._disk)))
         super().on_evict(self._spill)
 
     # --- the layout of a record ------------------------------------------------------------------
 
+    def _rows_of(self, rec: np.ndarray) -> np.ndarray:
+        return rows_of(rec, self._tier_config.dtype)
+
     def _layout(self) -> None:
-        c = self._tier_config
-        fields = [("key", "<i8"), ("count", "<u4"), ("last_step", "<u4"), ("row", "<f4", (c.dim,))]
-        if c.state_floats:
-            fields.append(("state", "<f4", (c.state_floats,)))
-        packed = np.dtype(fields)
-        # Records packed to 8 bytes (the key stays aligned), not to 64: at dim 64 with row-wise
-        # Adagrad, 276 bytes of data took 320 bytes (12 a page) and now 280 (14 a page), so every
-        # spill and flush writes 12% fewer bytes and the file is 12% smaller; a record is read
-        # into a buffer, so its alignment in the file buys nothing.
-        rec = -(-packed.itemsize // 8) * 8
-        if rec > _PAGE:
-            rec = -(-rec // _PAGE) * _PAGE   # a record of its own pages
-        self._record = np.dtype({"names": packed.names, "formats": [packed.fields[n][0] for n in packed.names],
-                                 "offsets": [packed.fields[n][1] for n in packed.names], "itemsize": rec})
-        self._per_page = max(1, _PAGE // rec)
+        self._record, self._per_page = record_layout(self._tier_config, self._version)
 
     def _offsets(self, slots: np.ndarray) -> np.ndarray:
-        rec = self._record.itemsize
-        if rec >= _PAGE:
-            return slots * rec
-        return (slots // self._per_page) * _PAGE + (slots % self._per_page) * rec
+        return record_offsets(slots, self._record.itemsize, self._per_page)
 
     def _read(self, slots: np.ndarray) -> np.ndarray:
         buf = np.zeros(len(slots), self._record)
@@ -223,15 +337,26 @@ class TieredStore(EmbeddingStore):
         return buf
 
     def _write(self, slots: np.ndarray, batch: TableBatch) -> None:
-        buf = np.zeros(len(slots), self._record)
-        buf["key"], buf["count"], buf["last_step"], buf["row"] = batch.keys, batch.counts, batch.last_steps, batch.rows
-        if "state" in self._record.names:
-            buf["state"] = batch.optimizer_state
-        if len(slots):
-            _core.block_io(self._fd, self._offsets(slots), buf.view(np.uint8).reshape(len(slots), -1), True,
-                           self._io_threads)
-            self.stats["rows_written"] += len(slots)
-            self.stats["bytes_written"] += buf.nbytes
+        """Write a batch's rows as records at slots, _IO_ROWS at a time through one buffer: the
+        records of a whole eviction (16k rows in a step that inserts 16k keys: 4.4 MiB at dim
+        64) made a spill's peak memory the batch's rows twice over."""
+        n = len(slots)
+        if not n:
+            return
+        buf = np.zeros(min(n, self._io_rows), self._record)  # zeros: the padding bytes written are zeros
+        raw = buf.view(np.uint8).reshape(len(buf), -1)
+        wide = self._record["row"].base == np.float32
+        has_state = "state" in self._record.names
+        for a in range(0, n, self._io_rows):
+            b = min(a + self._io_rows, n)
+            part = buf[:b - a]
+            part["key"], part["count"], part["last_step"] = batch.keys[a:b], batch.counts[a:b], batch.last_steps[a:b]
+            part["row"] = batch.rows[a:b] if wide else encode_rows(batch.rows[a:b], self._tier_config.dtype)
+            if has_state:
+                part["state"] = batch.optimizer_state[a:b]
+            _core.block_io(self._fd, self._offsets(slots[a:b]), raw[:b - a], True, self._io_threads)
+        self.stats["rows_written"] += n
+        self.stats["bytes_written"] += n * self._record.itemsize
 
     # --- slots ---------------------------------------------------------------------------------
 
@@ -273,6 +398,7 @@ class TieredStore(EmbeddingStore):
         slots = self._take_slots(len(batch.keys))
         self._write(slots, batch)
         self._disk.put(np.ascontiguousarray(batch.keys), slots)
+        self._spilled += len(slots)
 
     def _fault_in(self, keys, insert: bool) -> None:
         """Bring the keys on disk into the cache (and, with insert, give the absent ones their
@@ -296,24 +422,43 @@ class TieredStore(EmbeddingStore):
         self.stats["misses"] += int(absent_count[on_disk].sum())
         if insert:
             self.stats["new"] += int((~on_disk).sum())
-        if not len(disk_keys):
-            if insert and len(keys) > self.cache_rows:
+            if len(keys) > self.cache_rows:
                 self._check_fits(keys)
-            return  # new keys only: the call's own find_or_insert makes their rows
+        # New keys take room too; with admission they may not be admitted (find_or_insert is
+        # not gated, so making their rows here would give a row that admission may refuse): the
+        # call's own training lookup counts them in the sketch, each once as in memory, and
+        # makes room for those admitted.
+        new_keys = absent[~on_disk] if insert and self._tier_config.admission is None else absent[:0]
+        if not len(disk_keys) and len(new_keys) <= self._evict_chunk:
+            return  # the call's own find_or_insert makes the new rows (one round)
         # Room first, then the disk rows. With room for them (the cache evicts in rounds of
         # `headroom` rows, so most steps find room) they load straight in; else find_or_insert
-        # of every key of the call (so that it evicts only others) makes it.
-        if EmbeddingStore.__len__(self) + len(disk_keys) > self.cache_rows:
-            pinned = keys if insert else np.concatenate([keys[cached], disk_keys])
-            if len(pinned) > self.cache_rows:
-                self._check_fits(pinned)
-            EmbeddingStore.find_or_insert(self, pinned)
+        # of the call's cached keys and the incoming ones makes it, evicting only others. In
+        # rounds of `_evict_chunk` incoming keys (each round pins the call's cached keys and the
+        # rounds before): the core evicts what one call needs in one batch and holds it twice
+        # (its copy out of the table, and the arrays handed to the spill), so a step bringing
+        # in 16k rows held 8.6 MiB at once at dim 64, most of a 32 MiB cache's peak RSS
+        # overshoot; a round of 1/64 of the cache holds 3% of it.
+        incoming = np.concatenate([disk_keys, new_keys]) if len(new_keys) else disk_keys
+        if EmbeddingStore.__len__(self) + len(incoming) > self.cache_rows:
+            base = keys[cached]
+            if len(base) + len(incoming) > self.cache_rows:
+                self._check_fits(np.concatenate([base, incoming]))
+            step = self._evict_chunk
+            for end in range(step, len(incoming) + step, step):
+                EmbeddingStore.find_or_insert(self, np.concatenate([base, incoming[:end]]))
+        if not len(disk_keys):
+            return
         rec = self._read_current(disk_keys, slots)
         if (rec["key"] != disk_keys).any():
             raise RuntimeError(f"{self._dir}: rows.dat holds another key in a slot the index gives; the tier "
                                "is damaged")
-        EmbeddingStore.load(self, disk_keys, rec["row"], rec["state"] if "state" in rec.dtype.names else None,
-                            rec["count"], rec["last_step"])
+        has_state = "state" in rec.dtype.names
+        for a in range(0, len(disk_keys), self._io_rows):  # bounded copies (rows widened, state made contiguous)
+            part = rec[a:a + self._io_rows]
+            EmbeddingStore.load(self, disk_keys[a:a + self._io_rows], self._rows_of(part),
+                                part["state"] if has_state else None, part["count"], part["last_step"])
+        del rec
         self._disk.erase(disk_keys)
         self._release(slots)
 
@@ -325,6 +470,9 @@ class TieredStore(EmbeddingStore):
         with self._lock:
             self._fault_in(keys, insert)
             yield
+            if self._spilled > 4 * self._evict_chunk:  # every 1/16 of the cache spilled
+                self._spilled = 0
+                _trim()
 
     @_locked
     def evict(self, n: int) -> int:
@@ -334,6 +482,13 @@ class TieredStore(EmbeddingStore):
     @_locked
     def evict_expired(self) -> int:
         return super().evict_expired()
+
+    @_locked
+    def decay_admission(self) -> None:
+        """Halve every counter of the admission sketch (MinCount). The sketch counts the
+        sightings of keys that have no row, in memory or on disk; it lives in memory only, so
+        reopening a tier's directory starts it over (as loading a table file does)."""
+        super().decay_admission()
 
     def _check_fits(self, keys: np.ndarray) -> None:
         distinct = len(np.unique(keys))
@@ -522,9 +677,13 @@ class TieredStore(EmbeddingStore):
         _, s_keys, s_slots, s_buf = staged
         at = np.searchsorted(s_keys, keys).clip(max=len(s_keys) - 1)
         hit = (s_keys[at] == keys) & (s_slots[at] == slots)
-        out = np.zeros(len(keys), self._record)
-        out[hit] = s_buf[at[hit]]
-        out[~hit] = self._read(slots[~hit])
+        if hit.all() and len(keys) == len(s_keys):  # the usual case: exactly the records read ahead (no copy)
+            out = s_buf
+        else:
+            out = np.zeros(len(keys), self._record)
+            out[hit] = s_buf[at[hit]]
+            out[~hit] = self._read(slots[~hit])
+        del staged, s_buf
         self.stats["prefetched"] = self.stats.get("prefetched", 0) + int(hit.sum())
         self.stats["rows_read"] += int(hit.sum())
         self.stats["bytes_read"] += int(hit.sum()) * self._record.itemsize
@@ -561,7 +720,7 @@ class TieredStore(EmbeddingStore):
         for _, disk_slots in self._disk.items(batch_size):
             rec = self._read(disk_slots)
             dim = self.dim if with_rows else 0
-            rows = rec["row"] if with_rows else np.empty((len(rec), 0), np.float32)
+            rows = self._rows_of(rec) if with_rows else np.empty((len(rec), 0), np.float32)
             state = (rec["state"] if sf else np.empty((len(rec), 0), np.float32)) if with_rows \
                 else np.empty((len(rec), 0), np.float32)
             assert rows.shape[1] == dim
@@ -586,32 +745,18 @@ class TieredStore(EmbeddingStore):
                              "empty directory, or one a tiered table of this config flushed")
 
     def _reopen(self) -> None:
-        meta_path = os.path.join(self._dir, "meta.json")
-        if not os.path.exists(meta_path):
-            return
-        try:
-            with open(meta_path) as fh:
-                meta = json.load(fh)
-        except (ValueError, UnicodeDecodeError) as exc:  # written whole by one rename: damage, not a crash
-            raise ValueError(f"Tiered.path: {meta_path} is not valid JSON ({exc}); the tier is damaged") from None
-        if meta.get("format") != _FORMAT or meta.get("version") != _VERSION:
-            raise ValueError(f"Tiered.path: {meta_path} is not a {_FORMAT} version {_VERSION} directory (version "
-                             f"{meta.get('version')!r}: export it with the version of cncore that wrote it)")
+        if not os.path.exists(os.path.join(self._dir, "meta.json")):
+            return  # a new directory (or one never flushed: it holds no table yet)
+        meta, keys, slots = read_flushed(self._dir, ValueError, "Tiered.path: ")
+        self._version = int(meta["version"])
+        self._layout()
         if meta["config"] != _config_record(self._tier_config):
             raise ValueError(f"Tiered.path: {self._dir} holds a table of another config ({meta['config']}); "
                              "open it with the config it was flushed with")
         if meta.get("record_bytes") != self._record.itemsize:
-            raise ValueError(f"Tiered.path: {meta_path} holds records of {meta.get('record_bytes')!r} bytes, this "
-                             f"config's are {self._record.itemsize}; the directory is damaged or of another layout")
-        index_path = os.path.join(self._dir, meta["index"])
-        digest = hashlib.sha256()
-        with open(index_path, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                digest.update(chunk)
-        if digest.hexdigest() != meta["index_sha256"]:
-            raise ValueError(f"Tiered.path: {self._dir}/{meta['index']} fails its checksum (damaged)")
-        with np.load(index_path) as index:
-            keys, slots = index["keys"], index["slots"]
+            raise ValueError(f"Tiered.path: {self._dir}/meta.json holds records of {meta.get('record_bytes')!r} "
+                             f"bytes, this config's are {self._record.itemsize}; the directory is damaged or of "
+                             "another layout")
         self._disk.put(keys, slots)
         self._high_water = int(meta["high_water"])
         self._plan_free(slots)
@@ -636,6 +781,8 @@ class TieredStore(EmbeddingStore):
         keys, slots = self._flush()
         if self._high_water > self._tier_config.storage.compact_ratio * len(slots) + 4 * self._per_page:
             self._compact_flushed(keys, slots)
+        del keys, slots
+        _trim()  # the flush's scratch: the new index, 16 bytes a row
 
     def _flush(self):
         """flush() without its compaction; returns every row's key and slot (the new index).
@@ -671,7 +818,9 @@ class TieredStore(EmbeddingStore):
         truncate the file: afterwards it holds exactly one record per row. Crash-safe like a
         flush (records are copied into free slots, the new index is committed, then the file is
         cut). Returns the bytes the file gave back."""
-        return self._compact_flushed(*self._flush())
+        gave_back = self._compact_flushed(*self._flush())
+        _trim()
+        return gave_back
 
     def _compact_flushed(self, keys: np.ndarray, slots: np.ndarray) -> int:
         """compact() right after a flush (the state is on disk, nothing cached is newer): the
@@ -715,15 +864,11 @@ class TieredStore(EmbeddingStore):
             np.savez(fh, keys=keys, slots=all_slots)
             fh.flush()
             os.fsync(fh.fileno())
-        digest = hashlib.sha256()
-        with open(index_path, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                digest.update(chunk)
-        meta = {"format": _FORMAT, "version": _VERSION, "config": _config_record(self._tier_config),
+        meta = {"format": _FORMAT, "version": self._version, "config": _config_record(self._tier_config),
                 "flush": self._flushes, "commit": self._commits, "index": index_name,
                 "rows": int(len(keys)), "step": int(self.step), "evicted": int(self.evicted_count),
                 "high_water": int(self._high_water), "record_bytes": int(self._record.itemsize),
-                "index_sha256": digest.hexdigest()}
+                "index_sha256": _sha256_file(index_path)}
         tmp_meta = os.path.join(self._dir, f".tmp-{os.getpid()}-meta.json")
         with open(tmp_meta, "wb") as fh:
             fh.write(json.dumps(meta, indent=1).encode())
@@ -750,3 +895,175 @@ class TieredStore(EmbeddingStore):
             self.close()
         except Exception:
             pass
+
+
+# --- reading a flushed tier as a table file (cn-table, open_table, load_store) ----------------------
+
+def is_tier_directory(path: str) -> bool:
+    """Whether `path` is a tier's directory (meta.json or rows.dat, and no table file's CURRENT)."""
+    return os.path.isdir(path) and not os.path.exists(os.path.join(path, "CURRENT")) and (
+        os.path.exists(os.path.join(path, "meta.json")) or os.path.exists(os.path.join(path, "rows.dat")))
+
+
+class TierFile:
+    """A flushed tier directory read as a table file: what `open_table(path)` returns for one,
+    with `TableFile`'s reading verbs (`len`, `config`, `step`, `evicted_count`, `nbytes`,
+    `keys`, `read`, `take`, `batches`, `lookup`, `pooled_lookup`), so every `cn-table` command
+    and `load_store` read it like any table.
+
+    It holds the last flush's index in memory (16 bytes a row: the keys and their slots,
+    ordered by slot so that a walk reads rows.dat front to back) and reads records on demand,
+    a batch at a time: a tier far larger than memory walks in bounded memory. Rows come as
+    float32 whatever the table's dtype. Every record read is checked to hold the key the index
+    gives (a mismatch: the tier changed since it was opened, or is damaged). Rows cached by a
+    process that trains on the directory and not yet flushed are not in it: it is the table
+    as of the last flush; open it after that process's last flush (its next flush may reuse
+    the slots this index names).
+
+    >>> import numpy as np, tempfile, os, cncore
+    >>> from cncore.tablefile import open_table
+    >>> path = os.path.join(tempfile.mkdtemp(), "t.tier")
+    >>> store = cncore.EmbeddingStore(cncore.StoreConfig(dim=2, storage=cncore.Tiered(path, cache_bytes=2000)))
+    >>> for start in range(0, 100, 10):                  # most rows go to disk
+    ...     _ = store.find_or_insert(np.arange(start, start + 10))
+    >>> store.flush(); table = open_table(path)
+    >>> len(table), bool((table.lookup([7, 500]) == store.lookup(np.array([7, 500]))).all())
+    (100, True)
+    """
+
+    delta = None  # never a chain
+
+    def __init__(self, path: str, verify: bool = True):
+        from cncore.tablefile import TableFormatError, config_from_dict
+        meta, keys, slots = read_flushed(path, TableFormatError, "")
+        config = meta.get("config")
+        if isinstance(config, dict):
+            config = {**config, "capacity": StoreConfig.__dataclass_fields__["capacity"].default}
+        self.config = config_from_dict(config, f"{path}/meta.json")
+        self.path, self.step, self.evicted_count = path, int(meta["step"]), int(meta["evicted"])
+        self.version = str(meta["index"])
+        self._record, self._per_page = record_layout(self.config, int(meta["version"]))
+        if meta.get("record_bytes") != self._record.itemsize or meta.get("rows") != len(keys) \
+                or keys.dtype != np.int64 or slots.dtype != np.int64 or keys.shape != slots.shape \
+                or keys.ndim != 1:
+            raise TableFormatError(f"{path}: meta.json (rows {meta.get('rows')!r}, record_bytes "
+                                   f"{meta.get('record_bytes')!r}) does not match its index ({len(keys)} keys) or "
+                                   f"its config (records of {self._record.itemsize} bytes); the tier is damaged")
+        order = np.argsort(slots, kind="stable")
+        self.keys, self._slots = keys[order], slots[order]
+        del keys, slots, order
+        if verify and len(self.keys):
+            ordered = np.sort(self.keys)
+            same = np.flatnonzero(ordered[1:] == ordered[:-1])
+            if len(same):
+                raise TableFormatError(f"{path}: the index holds duplicate keys ({len(same)}, e.g. "
+                                       f"{int(ordered[same[0]])}); the tier is damaged")
+            del ordered
+        if len(self._slots) and (self._slots[0] < 0 or (np.diff(self._slots) == 0).any()):
+            raise TableFormatError(f"{path}: the index gives a negative or repeated slot; the tier is damaged")
+        try:
+            self._fd = os.open(os.path.join(path, "rows.dat"), os.O_RDONLY)
+        except FileNotFoundError:
+            raise TableFormatError(f"{path}: rows.dat is missing (meta.json names {len(self.keys)} rows in it); "
+                                   "the tier is damaged") from None
+        weakref.finalize(self, os.close, self._fd)
+        end = 0 if not len(self._slots) else int(
+            record_offsets(self._slots[-1:], self._record.itemsize, self._per_page)[0]) + self._record.itemsize
+        size = os.fstat(self._fd).st_size
+        if size < end:
+            raise TableFormatError(f"{path}: rows.dat has {size} bytes, the index needs {end} (truncated)")
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    @property
+    def dim(self) -> int:
+        return self.config.dim
+
+    @property
+    def record_bytes(self) -> int:
+        """Bytes of one record in rows.dat."""
+        return self._record.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of rows.dat and the index on disk."""
+        return os.fstat(self._fd).st_size + os.path.getsize(os.path.join(self.path, self.version))
+
+    def _records(self, at: np.ndarray) -> np.ndarray:
+        """The records of row numbers `at`, checked against the index's keys."""
+        from cncore.tablefile import TableFormatError
+        slots = self._slots[at]
+        buf = np.zeros(len(slots), self._record)
+        if len(slots):
+            _core.block_io(self._fd, record_offsets(slots, self._record.itemsize, self._per_page),
+                           buf.view(np.uint8).reshape(len(slots), -1), False, 4)
+            bad = np.flatnonzero(buf["key"] != self.keys[at])
+            if len(bad):
+                raise TableFormatError(f"{self.path}: rows.dat holds key {int(buf['key'][bad[0]])} in slot "
+                                       f"{int(slots[bad[0]])}, the index says {int(self.keys[at][bad[0]])}: the tier "
+                                       "was flushed again since it was opened, or is damaged")
+        return buf
+
+    def _fields(self, rec: np.ndarray, names) -> dict:
+        out = {}
+        for name in names:
+            if name == "keys":
+                out[name] = rec["key"].copy()
+            elif name == "rows":
+                out[name] = rows_of(rec, self.config.dtype)
+            elif name == "optimizer_state":
+                out[name] = (np.ascontiguousarray(rec["state"]) if "state" in rec.dtype.names
+                             else np.empty((len(rec), 0), np.float32))
+            elif name == "counts":
+                out[name] = rec["count"].copy()
+            elif name == "last_steps":
+                out[name] = rec["last_step"].copy()
+            else:
+                raise ValueError(f"name: expected one of keys, rows, optimizer_state, counts, last_steps, got {name!r}")
+        return out
+
+    def read(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Entries [start, stop) of one column (row numbers in the tier's slot order), a new array."""
+        if name == "keys":
+            return self.keys[start:stop].copy()
+        return self._fields(self._records(np.arange(start, min(stop, len(self)))), (name,))[name]
+
+    def take(self, name: str, rows: np.ndarray, chunk: int = 1 << 14) -> np.ndarray:
+        """One column's entries at row numbers `rows` (any order, repeats allowed)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        if len(rows) and (rows.min() < 0 or rows.max() >= len(self)):
+            raise IndexError(f"rows: row numbers must be in [0, {len(self)})")
+        if name == "keys":
+            return self.keys[rows]
+        parts = [self._fields(self._records(rows[a:a + chunk]), (name,))[name] for a in range(0, len(rows), chunk)]
+        if parts:
+            return np.concatenate(parts)
+        return self._fields(np.zeros(0, self._record), (name,))[name]
+
+    def batches(self, batch_rows: int = 1 << 18, names=("keys", "rows", "optimizer_state", "counts", "last_steps")):
+        """(start, {name: rows [start, start + batch_rows)}) over the whole table, in slot
+        order; each batch one batched read of rows.dat (none for keys alone)."""
+        for start in range(0, len(self), batch_rows):
+            stop = min(start + batch_rows, len(self))
+            if all(n == "keys" for n in names):
+                yield start, {n: self.keys[start:stop].copy() for n in names}
+            else:
+                yield start, self._fields(self._records(np.arange(start, stop)), names)
+
+    def lookup(self, keys) -> np.ndarray:
+        """Rows (N, dim) of keys, zeros where a key is not in the table (see TableFile.lookup)."""
+        from cncore.tablefile_lookup import file_lookup
+        return file_lookup(self, keys)
+
+    def pooled_lookup(self, keys, offsets=None, *, lengths=None, mode: str = "sum",
+                      per_sample_weights=None) -> np.ndarray:
+        """Pooled rows (B, dim) of bags of keys, as TableFile.pooled_lookup."""
+        from cncore.tablefile_lookup import file_pooled_lookup
+        return file_pooled_lookup(self, keys, offsets, lengths, mode, per_sample_weights)
+
+
+def open_tier(path: str, verify: bool = True) -> TierFile:
+    """A flushed tier directory as a read-only table (TierFile); open_table(path) calls this
+    for a tier's directory."""
+    return TierFile(path, verify)

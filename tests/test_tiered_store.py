@@ -4,7 +4,10 @@
   and forth between memory and disk all the time) and an in-memory EmbeddingStore through the
   same training steps (pooled lookup + fused Adam / row-wise Adagrad backward), evaluation
   lookups, writes, erases, background prefetches, evictions on demand, flushes, compactions and
-  reopenings (LRU, LFU and TTL caches): after every step both hold the same keys, rows,
+  reopenings (LRU, LFU and TTL caches; without admission and with MinCount, zeros or initial
+  rows for keys not admitted, and its decay; float32, float16 and bfloat16 rows, stored at
+  their size on disk; spills and loads in rounds of 2 records, room made 3 rows a round, or
+  in the default rounds): after every step both hold the same keys, rows,
   optimizer state, counts and last steps, and give the same outputs.
 - Threads sharing one tiered store read the right rows and train as one thread would.
 - The disk index (cn_slotindex.h) against a dict.
@@ -13,6 +16,7 @@
 - Bad input (a missing parent directory, a cache of fewer than 16 rows, another table's
   directory, bad options) is refused naming the argument, and leaves the directory as it was.
 """
+import dataclasses
 import json
 import os
 import signal
@@ -45,19 +49,33 @@ key_batches = st.lists(st.one_of(st.integers(-30, 30), st.sampled_from([-2**63, 
 
 
 class TieredMachine(RuleBasedStateMachine):
-    @initialize(optimizer=st.sampled_from(["adam", "rowwise"]), eviction=st.sampled_from(["lru", "lfu", "ttl"]))
-    def setup(self, optimizer, eviction):
+    @initialize(optimizer=st.sampled_from(["adam", "rowwise"]), eviction=st.sampled_from(["lru", "lfu", "ttl"]),
+                admission=st.sampled_from([None, "min2", "min3-initial"]),
+                dtype=st.sampled_from(["float32", "float16", "bfloat16"]), small_rounds=st.booleans())
+    def setup(self, optimizer, eviction, admission, dtype, small_rounds):
         import tempfile
         self.path = os.path.join(tempfile.mkdtemp(), "t.tier")
         opt = cncore.Adam(lr=0.05) if optimizer == "adam" else cncore.RowWiseAdagrad(lr=0.1)
         ev = {"lru": cncore.LRU(), "lfu": cncore.LFU(), "ttl": cncore.TTL(steps=2)}[eviction]
-        per_row = DIM * 4 + 4 * (2 * DIM if optimizer == "adam" else 1) + 47
-        self.config = cncore.StoreConfig(dim=DIM, seed=3, optimizer=opt, eviction=ev,
+        # one sketch wide enough that keys rarely collide, one narrow (64 counters a row), so that
+        # colliding keys are admitted early too
+        adm = {None: None, "min2": cncore.MinCount(2, width=4096, depth=2),
+               "min3-initial": cncore.MinCount(3, unadmitted="initial", width=64, depth=2)}[admission]
+        per_row = DIM * (4 if dtype == "float32" else 2) + 4 * (2 * DIM if optimizer == "adam" else 1) + 47
+        self.config = cncore.StoreConfig(dim=DIM, seed=3, optimizer=opt, eviction=ev, admission=adm, dtype=dtype,
                                          storage=cncore.Tiered(self.path, cache_bytes=16 * per_row))
-        self.tiered = cncore.EmbeddingStore(self.config)
+        self.small_rounds = small_rounds
+        self.tiered = self.open_tier()
         assert isinstance(self.tiered, TieredStore) and self.tiered.cache_rows == 16
-        self.memory = cncore.EmbeddingStore(cncore.StoreConfig(dim=DIM, seed=3, optimizer=opt))
+        self.memory_config = cncore.StoreConfig(dim=DIM, seed=3, optimizer=opt, admission=adm, dtype=dtype)
+        self.memory = cncore.EmbeddingStore(self.memory_config)
         self.flushed = None  # the in-memory state at the last flush
+
+    def open_tier(self):
+        tiered = cncore.EmbeddingStore(self.config)
+        if self.small_rounds:  # spills and loads 2 records at a time, room made 3 rows a round
+            tiered._io_rows, tiered._evict_chunk = 2, 3
+        return tiered
 
     @rule(keys=key_batches, seed=st.integers(0, 99), mode=st.sampled_from(["sum", "mean"]))
     def train(self, keys, seed, mode):
@@ -70,6 +88,14 @@ class TieredMachine(RuleBasedStateMachine):
             store.apply_gradients(ctx, grad)
             outs.append(out)
         np.testing.assert_array_equal(outs[0], outs[1])
+
+    @rule(keys=st.lists(st.one_of(st.integers(-30, 30), st.integers(1000, 1500)), min_size=10, max_size=16,
+                        unique=True), seed=st.integers(0, 99))
+    def train_wide(self, keys, seed):
+        """A batch of up to the cache's 16 rows: many keys on disk at once, so faulting them in
+        must first make room (evicting only rows the batch does not use), beside keys seen for
+        the first time (which admission may refuse)."""
+        self.train(keys, seed, "sum")
 
     @rule(keys=key_batches)
     def evaluate(self, keys):
@@ -112,11 +138,24 @@ class TieredMachine(RuleBasedStateMachine):
         self.tiered.compact()
 
     @rule()
+    def decay_admission(self):
+        if self.config.admission is not None:
+            self.tiered.decay_admission()
+            self.memory.decay_admission()
+
+    @rule()
     def reopen_after_flush(self):
         self.tiered.flush()
         self.tiered.close()
-        self.tiered = cncore.EmbeddingStore(self.config)
+        self.tiered = self.open_tier()
         assert self.tiered.cached_rows == 0  # reopening reads only the index
+        if self.config.admission is not None:
+            # the sketch lives in memory: a reopened tier starts it over, as a table loaded from a
+            # file does; so does the reference, rebuilt from its rows
+            b, step = self.memory.export(), self.memory.step
+            self.memory = cncore.EmbeddingStore(self.memory_config)
+            self.memory.load(b.keys, b.rows, b.optimizer_state, b.counts, b.last_steps)
+            self.memory.step = step
 
     @invariant()
     def same_table(self):
@@ -216,9 +255,6 @@ def test_bad_input_is_refused_naming_it_and_leaves_the_directory(tmp_path):
     with pytest.raises(ValueError, match="holds other files"):
         cncore.EmbeddingStore(cncore.StoreConfig(dim=2, storage=cncore.Tiered(str(other), 10**6)))
     assert os.listdir(other) == ["notes.txt"]
-    with pytest.raises(ValueError, match="admission: not supported with storage=Tiered"):
-        cncore.EmbeddingStore(cncore.StoreConfig(dim=2, admission=cncore.MinCount(2),
-                                                 storage=cncore.Tiered(str(tmp_path / "a"), 10**6)))
     path = str(tmp_path / "t")
     store = cncore.EmbeddingStore(cncore.StoreConfig(dim=2, storage=cncore.Tiered(path, 10**6)))
     store.find_or_insert(np.arange(5))
@@ -392,6 +428,14 @@ def test_the_disk_index_is_a_dict_of_key_to_slot(ops, batch_size):
         walked.update(zip(k.tolist(), s.tolist()))
     assert walked == model and sum(len(k) for k, _ in ix.items(batch_size)) == len(model)
     assert ix.nbytes >= 16 * len(model) / 0.7
+    before = ix.nbytes
+    ix.reserve(5000)  # grown once, now: 5,000 more keys go in without another rehash
+    grown = ix.nbytes
+    assert grown >= 16 * (len(model) + 5000) / 0.7 > before
+    ix.put(np.arange(10**6, 10**6 + 5000), np.arange(5000))
+    assert ix.nbytes == grown
+    with pytest.raises(ValueError, match="extra: must be >= 0"):
+        ix.reserve(-1)
     ix.clear()
     assert len(ix) == 0 and ix.find(np.array([1000])).tolist() == [-1]
 
@@ -457,3 +501,102 @@ def test_threads_reading_and_training_at_once_see_the_right_rows(tmp_path):
     np.testing.assert_array_equal(a.keys[ia], b.keys[ib])
     np.testing.assert_array_equal(a.rows[ia], b.rows[ib])
     np.testing.assert_array_equal(a.counts[ia], b.counts[ib])
+
+
+def test_admission_keeps_unadmitted_keys_out_of_both_tiers(tmp_path):
+    """MinCount(3) on a tier whose cache holds 16 rows: a key seen twice has no row, in memory
+    or on disk (nor in the flushed directory); a key already on disk is trained on at once (it
+    exists, so admission does not ask); outputs and rows equal an in-memory store's."""
+    from cncore.tablefile import open_table
+    adm = cncore.MinCount(3)
+    config = cncore.StoreConfig(dim=DIM, optimizer=cncore.SGD(lr=0.1), admission=adm,
+                                storage=cncore.Tiered(str(tmp_path / "t"), cache_bytes=16 * (DIM * 4 + 47)))
+    tiered, memory = cncore.EmbeddingStore(config), cncore.EmbeddingStore(dim=DIM, optimizer=cncore.SGD(lr=0.1),
+                                                                         admission=adm)
+    for store in (tiered, memory):
+        for start in range(0, 100, 10):  # find_or_insert is not gated: 100 rows, most spill to disk
+            store.find_or_insert(np.arange(start, start + 10))
+    assert tiered.cached_rows <= 16 and len(tiered) == 100
+
+    def train(keys):
+        outs = []
+        for store in (tiered, memory):
+            out, ctx = store.pooled_lookup(np.array(keys), lengths=np.array([len(keys)]))
+            store.apply_gradients(ctx, np.ones((1, DIM), np.float32))
+            outs.append(out)
+        np.testing.assert_array_equal(outs[0], outs[1])
+
+    before = tiered.read(np.arange(6)).rows
+    # 0-5 are on disk, more than the cache has room for: faulting them in makes room first
+    train([0, 1, 2, 3, 4, 5, 500, 501])  # 0-5 trained at once; 500, 501 seen once
+    train([10, 11, 12, 13, 14, 15, 500, 501, 502])  # seen twice
+    assert tiered.contains(np.array([3, 500, 501, 502])).tolist() == [True, False, False, False]
+    assert not np.array_equal(tiered.read(np.arange(6)).rows, before)
+    tiered.flush()
+    assert not np.isin([500, 501, 502], open_table(str(tmp_path / "t")).keys).any()
+    train([500, 600])  # the third sighting of 500: admitted
+    assert tiered.contains(np.array([500, 501, 600])).tolist() == [True, False, False]
+    assert_same_rows(tiered, memory)
+
+
+def test_16_bit_rows_are_stored_at_their_size_and_a_version_2_directory_still_opens(tmp_path, monkeypatch):
+    """Records of float16 / bfloat16 rows hold 2 bytes a value (dim 64, row-wise Adagrad: 152
+    bytes against float32's 280); the rows come back exactly. A directory written in format 2
+    (float32 records) reopens, keeps its layout through more training and flushes, and reads
+    as a table."""
+    import cncore.tiered as tiered_module
+    from cncore.tablefile import open_table
+    sizes = {}
+    for dtype in ("float32", "float16", "bfloat16"):
+        config = cncore.StoreConfig(dim=64, dtype=dtype, optimizer=cncore.RowWiseAdagrad(),
+                                    storage=cncore.Tiered(str(tmp_path / dtype), cache_bytes=1 << 16))
+        store = cncore.EmbeddingStore(config)
+        sizes[dtype] = store.record_bytes
+    assert sizes == {"float32": 280, "float16": 152, "bfloat16": 152}
+
+    def trained(path, dtype):
+        config = cncore.StoreConfig(dim=DIM, dtype=dtype, optimizer=cncore.Adam(lr=0.05),
+                                    storage=cncore.Tiered(path, cache_bytes=16 * (DIM * 2 + 8 * DIM + 47)))
+        tiered = cncore.EmbeddingStore(config)
+        memory = cncore.EmbeddingStore(dataclasses.replace(config, storage=None))
+        rng = np.random.default_rng(0)
+        for _ in range(30):
+            keys = rng.integers(0, 200, 12)
+            for store in (tiered, memory):
+                _, ctx = store.pooled_lookup(keys, lengths=np.array([12]))
+                store.apply_gradients(ctx, np.full((1, DIM), 0.3, np.float32))
+        return config, tiered, memory
+
+    monkeypatch.setattr(tiered_module, "_VERSION", 2)
+    config, old, memory = trained(str(tmp_path / "v2"), "bfloat16")
+    old.flush()
+    old.close()
+    assert old.record_bytes == 8 + 4 + 4 + DIM * 4 + 2 * DIM * 4  # float32 rows
+    monkeypatch.setattr(tiered_module, "_VERSION", 3)
+    again = cncore.EmbeddingStore(config)
+    assert again.record_bytes == old.record_bytes
+    for _ in range(5):
+        keys = np.arange(150, 170)[:16]
+        for store in (again, memory):
+            _, ctx = store.pooled_lookup(keys, lengths=np.array([16]))
+            store.apply_gradients(ctx, np.full((1, DIM), 0.3, np.float32))
+    again.flush()
+    assert json.load(open(tmp_path / "v2" / "meta.json"))["version"] == 2
+    assert_same_rows(again, memory)
+    b = memory.export()
+    table = open_table(str(tmp_path / "v2"))
+    np.testing.assert_array_equal(table.lookup(b.keys), b.rows)
+
+
+def test_capacity_sizes_the_disk_index_once(tmp_path):
+    """StoreConfig.capacity (the rows the table will hold) reserves the disk index up front, so
+    filling a table 10x its cache never rehashes it (a rehash holds old and new buckets)."""
+    config = cncore.StoreConfig(dim=DIM, capacity=5000, storage=cncore.Tiered(
+        str(tmp_path / "t"), cache_bytes=500 * (DIM * 4 + 47)))
+    store = cncore.EmbeddingStore(config)
+    reserved = store.disk_index_bytes
+    assert reserved >= 16 * (5000 - store.cache_rows) / 0.7
+    for start in range(0, 5000, 100):
+        store.find_or_insert(np.arange(start, start + 100))
+    assert len(store) == 5000 and store.cached_rows <= store.cache_rows
+    assert store.disk_index_bytes == reserved

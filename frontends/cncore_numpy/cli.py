@@ -17,6 +17,7 @@
 All of them stream through the tables in batches, so tables larger than memory work, except
 compact, which holds the table in memory (it loads the chain as a store and saves it in full).
 A chain is read by compact only: the other tools refuse it and say to compact it first.
+A flushed SSD-tier directory (cncore.Tiered) reads as the table of its last flush.
 Tables are checked (SHA-256, unique keys) when opened; --no-verify skips that. A refused
 command prints one line, `cn-table CMD: error: ...`, exits with status 2 and changes nothing.
 """
