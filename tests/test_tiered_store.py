@@ -379,11 +379,16 @@ def test_the_job_on_the_tier_trains_exactly_as_in_memory(tmp_path, capsys):
     small = ["--batch-size", "256", "--embedding-dim", "4", "--no-progress", "--threads", "1", "--eval-batches", "1",
              "--steps", "16", "--eval-every", "16"]
     out = {}
-    for name, extra in (("memory", []), ("tier", ["--ssd-path", str(tmp_path / "ssd"), "--cache-mb", "1"])):
+    admit = ["--admit-min-count", "2"]
+    for name, extra in (("memory", []), ("tier", ["--ssd-path", str(tmp_path / "ssd"), "--cache-mb", "1"]),
+                        ("memory-admit", admit), ("tier-admit", ["--ssd-path", str(tmp_path / "ssd2"), "--cache-mb",
+                                                                 "1", *admit])):
         assert job.main([*small, *extra, "--summary-json", str(tmp_path / f"{name}.json")]) == 0
         out[name] = json.loads((tmp_path / f"{name}.json").read_text())["runs"][0]
-    assert out["tier"]["auc"] == out["memory"]["auc"] and out["tier"]["logloss"] == out["memory"]["logloss"]
-    assert out["tier"]["rows"] == out["memory"]["rows"]
+    for tier, memory in (("tier", "memory"), ("tier-admit", "memory-admit")):
+        assert out[tier]["auc"] == out[memory]["auc"] and out[tier]["logloss"] == out[memory]["logloss"]
+        assert out[tier]["rows"] == out[memory]["rows"]
+    assert out["memory-admit"]["rows"] < out["memory"]["rows"]  # admission kept keys seen once out
     spilled = sum(os.path.getsize(tmp_path / "ssd" / t / "rows.dat") for t in os.listdir(tmp_path / "ssd"))
     assert spilled > 0  # rows went to disk
     for argv, expected in [(["--ssd-path", str(tmp_path / "x")], "--ssd-path DIR and --cache-mb N go together"),

@@ -225,15 +225,16 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 
 def _check_tier(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """--ssd-path and --cache-mb go together, on a fresh directory, without a row budget."""
+    """--ssd-path and --cache-mb go together, on a fresh directory, without a row budget
+    (admission, --admit-min-count, works on the tier as in memory)."""
     if (args.ssd_path is None) != (args.cache_mb is None):
         ap.error("--ssd-path DIR and --cache-mb N go together (the rows on disk, and the memory in front of them)")
     if args.ssd_path is None:
         return
     if os.path.exists(args.ssd_path) and (not os.path.isdir(args.ssd_path) or os.listdir(args.ssd_path)):
         ap.error(f"--ssd-path {args.ssd_path}: must be a new or empty directory (the job writes its tables there)")
-    if args.max_rows is not None or args.admit_min_count is not None:
-        ap.error("--ssd-path keeps every row (on disk): it does not go with --max-rows or --admit-min-count")
+    if args.max_rows is not None:
+        ap.error("--ssd-path keeps every row (on disk): it does not go with --max-rows (its memory is --cache-mb)")
 
 
 def _check_bounded(ap: argparse.ArgumentParser, args: argparse.Namespace, world: int = 1) -> None:
