@@ -11,8 +11,8 @@ or the buffer protocol and go out as NumPy arrays (DLPack-exportable, zero-copy)
 ((2, 4), 3)
 """
 from cncore import _core
-from cncore.config import (LFU, LRU, SGD, TTL, Adagrad, Adam, Constant, MinCount, Normal, RowWiseAdagrad,
-                           StoreConfig, Tiered, TruncatedNormal, Uniform)
+from cncore.config import (LFU, LRU, SGD, TTL, Adagrad, Adam, Constant, MinCount, Normal, Probability,
+                           RowWiseAdagrad, StoreConfig, Tiered, TruncatedNormal, Uniform)
 from cncore.grouped import LookupContext, grouped_apply_gradients, grouped_pooled_lookup
 from cncore.store import EmbeddingStore, TableBatch, initial_rows
 from cncore.threads import get_num_threads, set_num_threads, traced_bytes
@@ -23,7 +23,7 @@ __all__ = [
     "EmbeddingStore", "StoreConfig", "TableBatch", "LookupContext", "initial_rows",
     "Uniform", "Normal", "TruncatedNormal", "Constant",
     "SGD", "Adagrad", "RowWiseAdagrad", "Adam",
-    "LRU", "LFU", "TTL", "MinCount", "Tiered",
+    "LRU", "LFU", "TTL", "MinCount", "Probability", "Tiered",
     "grouped_pooled_lookup", "grouped_apply_gradients",
     "set_num_threads", "get_num_threads", "traced_bytes",
 ]

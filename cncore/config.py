@@ -15,7 +15,7 @@ from typing import Optional, Tuple, Union
 __all__ = [
     "Uniform", "Normal", "TruncatedNormal", "Constant", "Initializer",
     "SGD", "Adagrad", "RowWiseAdagrad", "Adam", "Optimizer",
-    "LRU", "LFU", "TTL", "Eviction", "MinCount", "Admission",
+    "LRU", "LFU", "TTL", "Eviction", "MinCount", "Probability", "Admission",
     "StoreConfig",
 ]
 
@@ -293,7 +293,38 @@ class MinCount:
             object.__setattr__(self, name, int(getattr(self, name)))
 
 
-Admission = MinCount
+@dataclass(frozen=True)
+class Probability:
+    """Admission by probability: a key a training lookup sees without a row gets one with
+    probability `p`, decided once per (table seed, key): it is admitted when a uniform draw in
+    [0, 1) fixed by the seed and the key (53 bits of mix64, cn_admit.h states it) is below p. No
+    memory and no counting; the same keys are admitted whatever the order or batching, and a
+    key refused once is refused every time (so about a fraction p of the distinct keys ever gets
+    a row: TFRA's and DeepRec's probability filters). A key not admitted reads as zeros
+    (``unadmitted="zeros"``) or its initial row (``"initial"``) and takes no update;
+    find_or_insert, insert_or_assign and load are not gated.
+
+    >>> Probability(0.25), Probability(1).p
+    (Probability(p=0.25, unadmitted='zeros'), 1.0)
+    """
+    p: float
+    unadmitted: str = "zeros"
+
+    def __post_init__(self):
+        if isinstance(self.p, bool) or not isinstance(self.p, numbers.Real) or not 0 < float(self.p) <= 1:
+            raise ValueError(f"Probability.p must be a number in (0, 1], got {self.p!r}")
+        if self.unadmitted not in ("zeros", "initial"):
+            raise ValueError(f"Probability.unadmitted must be 'zeros' or 'initial', got {self.unadmitted!r}")
+        object.__setattr__(self, "p", float(self.p))
+
+    @property
+    def threshold(self) -> int:
+        """ceil(p * 2^53): a key is admitted when its 53-bit draw is below it (exact: p * 2^53
+        is a float scaled by a power of two)."""
+        return math.ceil(self.p * 2**53)
+
+
+Admission = Union[MinCount, Probability]
 
 
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
@@ -370,7 +401,7 @@ class StoreConfig:
     eviction: LRU(), LFU() or TTL(steps); required with max_rows, allowed without it (then only
     the explicit ``evict`` / ``evict_expired`` verbs evict). The table then keeps each row's key
     next to its metadata (8 bytes + 1 bit per row) so eviction scans memory in order.
-    admission: MinCount(c) or None: which keys a training lookup gives a row (see MinCount).
+    admission: MinCount(c), Probability(p) or None: which keys a training lookup gives a row.
     headroom: rows freed beyond the need by one round of eviction (default max(1, max_rows // 32),
     at most max_rows - 1):
     each round scans the table a few times, so a larger headroom pays that scan over more
@@ -416,8 +447,9 @@ class StoreConfig:
                             f"got {type(self.optimizer).__name__}")
         if self.eviction is not None and not isinstance(self.eviction, (LRU, LFU, TTL)):
             raise TypeError(f"eviction must be None, LRU(), LFU() or TTL(steps), got {type(self.eviction).__name__}")
-        if self.admission is not None and not isinstance(self.admission, MinCount):
-            raise TypeError(f"admission must be None or MinCount(count), got {type(self.admission).__name__}")
+        if self.admission is not None and not isinstance(self.admission, (MinCount, Probability)):
+            raise TypeError(f"admission must be None, MinCount(count) or Probability(p), got "
+                            f"{type(self.admission).__name__}")
         if self.max_rows is not None:
             if isinstance(self.max_rows, bool) or not isinstance(self.max_rows, numbers.Integral) \
                     or not 1 <= self.max_rows <= MAX_CAPACITY:

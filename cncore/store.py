@@ -57,7 +57,7 @@ import numpy as np
 
 from cncore import _core
 from cncore._interchange import as_float_rows, as_floats, as_keys, to_numpy
-from cncore.config import ROW_DTYPES, TTL, StoreConfig
+from cncore.config import ROW_DTYPES, TTL, MinCount, Probability, StoreConfig
 
 __all__ = ["EmbeddingStore", "TableBatch", "initial_rows"]
 
@@ -177,8 +177,10 @@ class EmbeddingStore:
             init.kind, config.seed, *init.params(), float(config.max_load_factor),
             min(config.capacity, max_rows) if max_rows else config.capacity,
             ev.kind if ev is not None else 0, max_rows, max_rows - (config.headroom or 0), ttl,
-            *((adm.count, adm.width, adm.depth, adm.unadmitted == "initial") if (adm := config.admission)
-              else (0, 0, 0, False)), ROW_DTYPES[config.dtype])
+            *((adm.count, adm.width, adm.depth, adm.unadmitted == "initial") if isinstance(adm := config.admission,
+                                                                                            MinCount)
+              else (0, 0, 0, adm is not None and adm.unadmitted == "initial")), ROW_DTYPES[config.dtype],
+            adm.threshold if isinstance(adm, Probability) else 0, config.seed)
         self._evict_callbacks = []
         # For incremental saves (cncore.tablefile): which store a checkpoint is of, and how many
         # calls wrote rows without recording a step (a delta cannot see those rows).
@@ -497,6 +499,9 @@ class EmbeddingStore:
         """Halve every counter of the admission sketch (MinCount), so that old sightings fade."""
         if self._config.admission is None:
             raise TypeError("decay_admission: this store has no admission policy (StoreConfig.admission=None)")
+        if not isinstance(self._config.admission, MinCount):
+            raise TypeError(f"decay_admission: only MinCount admission counts sightings; this store's admission is "
+                            f"{self._config.admission!r}")
         self._table.decay_admission()
 
     def _require_policy(self, verb: str):

@@ -99,7 +99,7 @@ _EVICTIONS = {c.__name__: c for c in (cncore.LRU, cncore.LFU, cncore.TTL)}
 # Config fields a file holds only when they are set (bounded tables): files of unbounded tables
 # stay what they were, and files written before these fields existed read as unbounded.
 _OPTIONAL_FIELDS = ("max_rows", "eviction", "headroom", "admission")
-_ADMISSIONS = {"MinCount": cncore.MinCount}
+_ADMISSIONS = {"MinCount": cncore.MinCount, "Probability": cncore.Probability}
 
 
 class TableFormatError(ValueError):

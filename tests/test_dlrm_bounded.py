@@ -50,6 +50,10 @@ def distinct_ids(steps, batch_size=256):
     (["--max-rows", "150%"], "argument --max-rows: a percentage must be in (0, 100], got 150%"),
     (["--max-rows", "a%"], "argument --max-rows: expected rows per table (N) or a percentage (P%), got 'a%'"),
     (["--admit-min-count", "0"], "argument --admit-min-count: must be at least 1, got 0"),
+    (["--admit-probability", "0"], "argument --admit-probability: expected a number in (0, 1], got '0'"),
+    (["--admit-probability", "2", "--steps", "1"], "argument --admit-probability: expected a number in (0, 1], got '2'"),
+    (["--admit-min-count", "2", "--admit-probability", "0.5"],
+     "argument --admit-probability: not allowed with argument --admit-min-count"),
     (["--incremental-checkpoint-every", "5"], "--incremental-checkpoint-every needs --checkpoint DIR"),
     (["--row-dtype", "float64"], "argument --row-dtype: invalid choice: 'float64'"),
     (["--nproc", "2", "--max-rows", "4096", "--batch-size", "4096"],
@@ -153,6 +157,17 @@ def test_admission_gives_rows_only_to_ids_seen_twice():
         assert np.isin(values[counts >= 2], keys).all()  # admitted at the second sighting (or earlier: the sketch)
         assert np.isin(keys, values).all() and len(keys) <= len(values)
     assert sum(len(s) for s in run.tables.stores.values()) < sum(len(u) for u in ids)
+
+
+def test_admission_by_probability_gives_rows_to_the_ids_the_rule_draws():
+    from test_admission_probability import admitted
+    steps = 4
+    ids, arrays = distinct_ids(steps)
+    _, run, _ = trained("--steps", str(steps), "--admit-probability", "0.5")
+    for f, store in enumerate(run.tables.stores.values()):
+        assert store.config.admission == cncore.Probability(0.5)
+        seen = np.unique(np.concatenate([a.values[f] for a in arrays])).tolist()
+        assert sorted(store.export().keys.tolist()) == [k for k in seen if admitted(store.config.seed, k, 0.5)]
 
 
 def test_row_dtype_reaches_the_stores(capsys):

@@ -230,7 +230,8 @@ cdef class Table:
     def __cinit__(self, int64_t dim, int optimizer_kind, float state_init, int init_kind, uint64_t seed,
                   float p0, float p1, float p2, float p3, double max_load, int64_t capacity_hint,
                   int policy=0, int64_t max_rows=0, int64_t low_water=0, int64_t ttl=0, uint32_t min_count=0,
-                  int64_t sketch_width=0, int64_t sketch_depth=0, bint absent_initial=False, int row_dtype=0):
+                  int64_t sketch_width=0, int64_t sketch_depth=0, bint absent_initial=False, int row_dtype=0,
+                  uint64_t admit_threshold=0, uint64_t admit_seed=0):
         cdef cn_init init = _make_init(init_kind, seed, p0, p1, p2, p3)
         cdef cn_bound bound
         cdef int rc
@@ -242,6 +243,8 @@ cdef class Table:
         bound.sketch_width = sketch_width
         bound.sketch_depth = sketch_depth
         bound.absent_initial = absent_initial
+        bound.admit_threshold = admit_threshold
+        bound.admit_seed = admit_seed
         self.alive = False
         self.evict_sink = None
         with nogil:

@@ -85,6 +85,8 @@ cdef extern from "cn_table.h" nogil:
         int64_t sketch_width
         int64_t sketch_depth
         int absent_initial
+        uint64_t admit_threshold
+        uint64_t admit_seed
     ctypedef struct cn_evicted:
         int64_t n
         key_t *keys

@@ -85,6 +85,17 @@ static inline uint32_t cn_admit_estimate(const cn_admit *s, int64_t key) {
     return m;
 }
 
+/* Admission by probability (cncore.Probability(p)): a key without a row is admitted in a
+ * training lookup when (mix64(key ^ mix64(seed ^ 0xD1B54A32D192ED03)) >> 11) < threshold, with
+ * threshold = ceil(p * 2^53), i.e. when a uniform draw u in [0, 1) (53 bits) fixed by (seed, key)
+ * is below p. No state: the same keys are admitted whatever the order, batching or history, a
+ * key refused once is refused at every sighting (so a fraction p of the distinct keys ever gets a
+ * row, as in TFRA's and DeepRec's probability filters, replayable by a Python model), and
+ * 2^53 (p = 1) admits every key. */
+static inline int cn_admit_draw(uint64_t seed, uint64_t threshold, int64_t key) {
+    return (cn_mix64((uint64_t)key ^ cn_mix64(seed ^ 0xD1B54A32D192ED03ULL)) >> 11) < threshold;
+}
+
 static inline void cn_admit_decay(cn_admit *s) {
     for (int64_t j = 0; j < s->width * s->depth; j++) s->counters[j] >>= 1;
 }

@@ -29,7 +29,8 @@ enum { CN_OK = 0, CN_ENOMEM = -1, CN_ESTALE = -2, CN_EBADSLOT = -3, CN_EFULL = -
 
 /* A table's bound (cn_evict.h): policy NONE keeps no keys and never evicts; with a policy the
  * arena keeps keys and live bits, and with max_rows > 0 inserts evict down to low_water when
- * they would pass max_rows. Admission (cn_admit.h): min_count > 0 gates training inserts;
+ * they would pass max_rows. Admission (cn_admit.h): min_count > 0 gates training inserts by
+ * count, admit_threshold > 0 by a per-(seed, key) draw;
  * absent_initial: keys without a row read as their initial row in pooled lookups. */
 typedef struct {
     int policy;
@@ -40,6 +41,8 @@ typedef struct {
     int64_t sketch_width;
     int64_t sketch_depth;
     int absent_initial;
+    uint64_t admit_threshold; /* admission by probability (cn_admit.h, cn_admit_draw): 0 = off */
+    uint64_t admit_seed;
 } cn_bound;
 
 /* Rows a call evicted, copied out before their slots were reused (malloc'd; the caller frees
@@ -421,6 +424,10 @@ static inline int cn_table_resolve(cn_table *t, const int64_t *keys, int64_t n, 
         for (int64_t i = 0; i < n; i++) found[i] = slots[i] >= 0;
     if (!insert) return CN_OK;
     const int gate = admit && t->admit.min_count > 0;
+    const int draw = admit && t->bound.admit_threshold > 0;
+    if (draw)
+        for (int64_t i = 0; i < n; i++)
+            if (slots[i] < 0 && !cn_admit_draw(t->bound.admit_seed, t->bound.admit_threshold, keys[i])) slots[i] = -2;
     if (gate) {
         for (int64_t i = 0; i < n; i++) { /* counters are random lines of a table of MiBs: prefetch */
             if (i + CN_PREFETCH_DISTANCE < n && slots[i + CN_PREFETCH_DISTANCE] < 0)
@@ -432,9 +439,9 @@ static inline int cn_table_resolve(cn_table *t, const int64_t *keys, int64_t n, 
     }
     int rc = cn_table_make_room(t, keys, n, slots, want_rows, ev);
     if (rc == CN_OK) rc = cn_table_insert_missing(t, keys, n, slots, n_new);
-    if (gate)
+    if (gate || draw)
         for (int64_t i = 0; i < n; i++) {
-            if (rc != CN_OK && slots[i] < 0) cn_admit_add(&t->admit, keys[i], -1);
+            if (gate && rc != CN_OK && slots[i] < 0) cn_admit_add(&t->admit, keys[i], -1);
             if (slots[i] == -2) slots[i] = -1;
         }
     return rc;

@@ -15,7 +15,9 @@ over the stream before training), but never less than the most distinct IDs one 
 brings to it (a lookup never evicts its own rows). Past its budget a table evicts by --evict
 (lru: least recently used; lfu: least often used; ttl: rows unused for more than --ttl-steps
 steps, also swept every step without pressure). --admit-min-count C gives an ID a row only once
-it was seen C times (a count-min sketch; until then it reads as zeros and is not trained).
+it was seen C times (a count-min sketch; until then it reads as zeros and is not trained);
+--admit-probability P gives it a row with probability P, decided once per ID (refused IDs read as
+zeros and are never trained).
 
 Evaluation: on synthetic data, the --eval-batches batches that follow the training range (drift
 and unseen IDs included); on a Criteo file, its first --eval-batches x --batch-size lines, which
@@ -48,6 +50,17 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
         if action.default in (None, False, argparse.SUPPRESS) or "default" in (action.help or ""):
             return action.help
         return f"{action.help} (default: %(default)s)"
+
+
+def _probability(text: str) -> float:
+    """A number in (0, 1] (argparse type)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
+    return value
 
 
 def _int_at_least(low: int):
@@ -180,8 +193,12 @@ def build_parser() -> argparse.ArgumentParser:
                               "also expires rows unused for --ttl-steps steps, with or without --max-rows")
     bounded.add_argument("--ttl-steps", metavar="S", type=_int_at_least(0), default=None,
                          help="with --evict ttl: rows unused for more than S steps expire")
-    bounded.add_argument("--admit-min-count", metavar="C", type=_int_at_least(1), default=None,
-                         help="an ID gets a row only once it was seen C times")
+    admit = bounded.add_mutually_exclusive_group()
+    admit.add_argument("--admit-min-count", metavar="C", type=_int_at_least(1), default=None,
+                       help="an ID gets a row only once it was seen C times")
+    admit.add_argument("--admit-probability", metavar="P", type=_probability, default=None,
+                       help="an ID gets a row with probability P, drawn once per (table seed, ID) "
+                            "(cncore.Probability)")
     bounded.add_argument("--incremental-checkpoint-every", metavar="K", type=_int_at_least(1), default=None,
                          help="with --checkpoint DIR: every K steps (and at the end) save each table as a table "
                               "file chain (a delta of the rows changed since the last save) in DIR/tables/ (on N "

@@ -108,6 +108,8 @@ def collection_options(args, names: List[str], synthetic: Optional[SyntheticCrit
         options["eviction"] = policy(args.evict, args.ttl_steps)
     if args.admit_min_count is not None:
         options["admission"] = cncore.MinCount(args.admit_min_count)
+    if getattr(args, "admit_probability", None) is not None:
+        options["admission"] = cncore.Probability(args.admit_probability)
     if getattr(args, "row_dtype", "float32") != "float32":
         options["row_dtype"] = args.row_dtype
     return options
