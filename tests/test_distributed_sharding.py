@@ -12,8 +12,9 @@ same configs and seed on their concatenation (rank order). Checked in every rank
   optimizer state too; every key lives on exactly one rank, the one `owner_of` names, and the
   ranks together hold exactly the single-process keys;
 - eval mode: nothing is inserted, unseen keys read as zero rows on both;
-- the output dist sent exactly the pools of bags holding a key on the sender, and their
-  gradients (counted from the batches: the analytic minimum).
+- the output dist sent exactly the partial pools it should (counted from the batches): every
+  sample's by default, with pack_pools=True only those of bags holding a key on the sender (the
+  analytic minimum), and their gradients.
 """
 import numpy as np
 import pytest
@@ -83,7 +84,14 @@ def _pool_bytes(kjts, rank, world_size, backward):
     return sent
 
 
-def _train_and_compare(rank, world_size, kind, batch_sizes, steps, use_plan, optimizer_name):
+def _dense_pool_bytes(batch_sizes, rank, backward):
+    """Bytes of unpacked partial pools `rank` sends in one step: every sample of every other rank
+    forward, every own sample to every other rank backward (27 floats a sample)."""
+    others = sum(batch_sizes) - batch_sizes[rank]
+    return 4 * sum(DIMS) * (others + (len(batch_sizes) - 1) * batch_sizes[rank] * backward)
+
+
+def _train_and_compare(rank, world_size, kind, batch_sizes, steps, use_plan, optimizer_name, pack=False):
     import torch.distributed as dist
     from torchrec.distributed.model_parallel import DistributedModelParallel
 
@@ -97,15 +105,16 @@ def _train_and_compare(rank, world_size, kind, batch_sizes, steps, use_plan, opt
                                                   optimizer=optimizer, seed=7)
     model = make("meta")
     kw = dict(plan=plan_for(model, world_size)) if use_plan else {}
-    dmp = DistributedModelParallel(model, device=torch.device("cpu"), sharders=[CNEmbeddingBagCollectionSharder()],
-                                   **kw)
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"),
+                                   sharders=[CNEmbeddingBagCollectionSharder(pack_pools=pack)], **kw)
     ref = make("cpu")
     sharded = dmp.module
     start = sum(batch_sizes[:rank])
     pool_bytes = 0
     for step in range(steps):
         kjts = _kjts(100 * step + 1, batch_sizes, weighted, high=40 if step % 2 else 2**62)
-        pool_bytes += _pool_bytes(kjts, rank, world_size, backward=True)
+        pool_bytes += (_pool_bytes(kjts, rank, world_size, backward=True) if pack else
+                       _dense_pool_bytes(batch_sizes, rank, backward=True))
         full = _concat(kjts)
         targets = torch.from_numpy(np.random.default_rng(step).standard_normal(
             (sum(batch_sizes), 4 + 4 + 3 + 16)).astype(np.float32))
@@ -118,12 +127,14 @@ def _train_and_compare(rank, world_size, kind, batch_sizes, steps, use_plan, opt
     # eval: nothing inserted anywhere, unseen keys read as zero rows on both
     dmp.eval(), ref.eval()
     kjts = _kjts(999, batch_sizes, weighted, high=2**62)
-    pool_bytes += _pool_bytes(kjts, rank, world_size, backward=False)
+    pool_bytes += (_pool_bytes(kjts, rank, world_size, backward=False) if pack else
+                   _dense_pool_bytes(batch_sizes, rank, backward=False))
     rows_before = {name: len(s) for name, s in sharded.stores.items()}
     out, expected = dmp(kjts[rank]), ref(_concat(kjts))
     torch.testing.assert_close(out.values(), expected.values()[start:start + batch_sizes[rank]], rtol=1e-6, atol=1e-6)
     assert {name: len(s) for name, s in sharded.stores.items()} == rows_before
-    # Only pools of bags with a key on the sender travel (and their gradients back): the minimum.
+    # Packed: only pools of bags with a key on the sender travel (and their gradients back), the
+    # minimum; unpacked: every sample's partial pool.
     assert sharded._output_dists[0].bytes_sent == (pool_bytes if world_size > 1 else 0)
     everyone = [None] * world_size
     owned = {name: store.export().keys for name, store in sharded.stores.items()}
@@ -149,10 +160,11 @@ def _run(world_size, *args):
     spawn(_train_and_compare, world_size, *args, timeout=TIMEOUT)
 
 
-@pytest.mark.parametrize("kind", ["mean", "weighted_sum", "weighted_mean"])
-def test_two_ranks_unequal_batches_equal_one_process(kind):
-    _run(2, kind, [5, 3], 3, False, "Adagrad")
+@pytest.mark.parametrize("kind, pack", [("mean", False), ("weighted_sum", True), ("weighted_mean", False)])
+def test_two_ranks_unequal_batches_equal_one_process(kind, pack):
+    _run(2, kind, [5, 3], 3, False, "Adagrad", pack)
 
 
-def test_three_ranks_with_an_empty_batch_and_a_hand_plan():
-    _run(3, "mean", [4, 0, 6], 3, True, "RowWiseAdagrad")
+@pytest.mark.parametrize("pack", [False, True], ids=["every_pool", "packed_pools"])
+def test_three_ranks_with_an_empty_batch_and_a_hand_plan(pack):
+    _run(3, "mean", [4, 0, 6], 3, True, "RowWiseAdagrad", pack)

@@ -81,14 +81,14 @@ def _worker(rank, world_size, args, out_path):
     batches = [share(gen.batch(i), rank, world_size) for i in range(args.steps + args.warmup)]
     warnings.filterwarnings("ignore")
     results = {}
-    for name in ("cncore (hash row-wise, dynamic)", "TorchRec (row-wise, fused FBGEMM)"):
+    for name in ("cncore (hash row-wise, dynamic)", "cncore, pack_pools=True", "TorchRec (row-wise, fused FBGEMM)"):
         torch.manual_seed(0)
         if name.startswith("cncore"):
             ebc = CNEmbeddingBagCollection(table_configs(args.dim, rows), device="meta", seed=0,
                                            optimizer=cncore.RowWiseAdagrad(lr=0.05))
             model = build_dlrm(ebc, args.dim)
             dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan_for(model, world_size),
-                                           sharders=[CNEmbeddingBagCollectionSharder()])
+                                           sharders=[CNEmbeddingBagCollectionSharder(pack_pools="pack" in name)])
             features = lambda kjt: kjt  # noqa: E731
         else:
             ebc = EmbeddingBagCollection(table_configs(args.dim, rows), device=torch.device("meta"))
@@ -118,13 +118,13 @@ def _worker(rank, world_size, args, out_path):
         results[name] = {"samples_per_s": args.steps * args.batch_size / elapsed}
         if name.startswith("cncore"):
             pool_bytes = (sum(d.bytes_sent for d in output_dists) - pool_bytes_before) / args.steps
-    sent, minimum, parts = zip(*(_bytes(b.sparse, world_size, rank, pool_bytes, args.dim)
-                                 for b in batches[args.warmup:]))
-    gathered = [None] * world_size
-    dist.all_gather_object(gathered, (float(np.mean(sent)), float(np.mean(minimum)),
-                                      {k: float(np.mean([p[k] for p in parts])) for k in parts[0]}))
+            sent, minimum, parts = zip(*(_bytes(b.sparse, world_size, rank, pool_bytes, args.dim)
+                                         for b in batches[args.warmup:]))
+            gathered = [None] * world_size
+            dist.all_gather_object(gathered, (float(np.mean(sent)), float(np.mean(minimum)),
+                                              {k: float(np.mean([p[k] for p in parts])) for k in parts[0]}))
+            results[name]["bytes_per_rank_per_step"] = gathered
     if rank == 0:
-        results["bytes_per_rank_per_step"] = gathered
         with open(out_path, "w") as fh:
             json.dump(results, fh)
 
@@ -149,9 +149,9 @@ def main(argv=None) -> int:
             spawn(_worker, n, args, path, timeout=600)
             with open(path) as fh:
                 res = json.load(fh)
-        traffic = res.pop("bytes_per_rank_per_step")
         for name, r in res.items():
-            if name.startswith("cncore"):
+            traffic = r.get("bytes_per_rank_per_step")
+            if traffic is not None:
                 sent = " / ".join(f"{s:,.0f} ({p['ids']:,.0f} + {p['lengths']:,.0f} + {p['pools']:,.0f})"
                                   for s, _, p in traffic)
                 low = " / ".join(f"{m:,.0f}" for _, m, _ in traffic)

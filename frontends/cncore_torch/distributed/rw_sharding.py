@@ -11,11 +11,13 @@ replaced:
 - lookup (`CNGroupedPooledEmbeddingsLookup` over a `CNEmbeddingBagKernel`): partial pools of
   those bags, (sum of every rank's batch, sum of dims), SUM pooling for every table;
 - output dist (`CNRwPooledEmbeddingDist`): an all-to-all of the partial pools back to the
-  ranks that own the samples, then a local sum over the senders. Only the pools of bags that
-  hold a key on the sending rank travel (a bag's pool from a rank holding none of its keys is
-  zero): both ends know which those are without sending anything more, the receiver from the
-  lengths it routed, the sender from the lengths it received, so each sends the values of
-  those (sample, feature) blocks packed in order and the receiver adds them into place. TorchRec's row-wise output dist is a reduce-scatter, which gloo
+  ranks that own the samples, then a local sum over the senders. With the sharder's
+  `pack_pools=True`, only the pools of bags that hold a key on the sending rank travel (a bag's
+  pool from a rank holding none of its keys is zero): both ends know which those are without
+  sending anything more, the receiver from the lengths it routed, the sender from the lengths it
+  received, so each sends the values of those (sample, feature) blocks packed in order and the
+  receiver adds them into place (off by default: it costs more CPU than the bytes it saves on
+  loopback; see the sharder). TorchRec's row-wise output dist is a reduce-scatter, which gloo
   refuses when ranks have different batch sizes ("ProcessGroupGloo::allgather: invalid tensor
   size", the last batch of an epoch); an all-to-all with split sizes takes any batch sizes. The
   all-to-all is an autograd function (`_AllToAll`), so its backward sends the
@@ -24,11 +26,11 @@ replaced:
 
 Communication per step and rank (B_r samples, F features, N_r keys, D = sum of dims, W ranks):
 ids out = N_r keys (8 bytes, + 4 bytes of weight each) + W x F x B_r lengths (8 bytes; TorchRec's
-own row-wise input dist sends the same lengths); pooled back = dim_f floats for every bag
-(sample, feature f) of another rank holding a key here, and the same again for their gradients:
-the analytic minimum for the pools. (Before the packing, every rank sent W x B_r x D floats: the
-partial pool of every sample, also where it held none of its keys: 3.71 MB a step at global batch
-2048 against the 1.52-2.03 MB minimum in the DLRM benchmark.)
+own row-wise input dist sends the same lengths); pooled back = D floats for every sample of
+another rank, and the same again for their gradients (3.71 MB a step at global batch 2048 in the
+DLRM benchmark); packed, dim_f floats for every bag (sample, feature f) of another rank holding a
+key here, and their gradients: the analytic minimum for the pools (1.97 MB, against a 1.55-2.00
+MB minimum with the ids).
 """
 from __future__ import annotations
 
@@ -103,6 +105,9 @@ class CNRwPooledEmbeddingDist(BaseEmbeddingDist[EmbeddingShardingContext, torch.
         self._n_features = 0 if feature_dims is None else len(feature_dims)
         self._column_feature = (None if feature_dims is None else torch.repeat_interleave(
             torch.arange(len(feature_dims)), torch.tensor(feature_dims, dtype=torch.int64)))
+        # Every feature of one dim (DLRM's tables): a pool is a row of a (B x F, dim) view, and the
+        # masks are per bag, not per element (dim times fewer indices to build and follow).
+        self._bag_dim = feature_dims[0] if feature_dims and len(set(feature_dims)) == 1 else None
         self.bytes_sent, self.steps = 0, 0
 
     def forward(self, local_embs: torch.Tensor,
@@ -118,6 +123,8 @@ class CNRwPooledEmbeddingDist(BaseEmbeddingDist[EmbeddingShardingContext, torch.
         if routed is None or received is None or self._column_feature is None:
             out = _AllToAll.apply(local_embs, [mine] * world_size, splits, self._pg, self)
             return NoWait(out.view(world_size, mine, dim).sum(dim=0))
+        if self._bag_dim is not None:
+            return NoWait(self._by_bag(local_embs, routed, received, splits, rank))
         columns = self._column_feature
         # What I send: my nonzero partial pools, rank s's block being rows [B_0 + ... + B_{s-1}, + B_s).
         have = (received.view(self._n_features, sum(splits)) > 0).t()[:, columns]  # (sum of B, D)
@@ -131,6 +138,21 @@ class CNRwPooledEmbeddingDist(BaseEmbeddingDist[EmbeddingShardingContext, torch.
         pools = _AllToAll.apply(local_embs[have], out_splits, in_splits, self._pg, self)
         summed = local_embs.new_zeros(mine * dim).index_add(0, positions, pools)  # ranks added in order
         return NoWait(summed.view(mine, dim))
+
+    def _by_bag(self, local_embs, routed, received, splits, rank):
+        """The same exchange with one dim for every feature: bag (b, f)'s pool is row b * F + f
+        of the (rows, F, dim) view, so the masks and positions are per bag."""
+        world_size, n_features, dim = len(splits), self._n_features, self._bag_dim
+        mine = splits[rank]
+        have = (received.view(n_features, sum(splits)) > 0).t().reshape(-1)   # (sum of B x F)
+        starts = [0] + list(itertools.accumulate(splits))
+        in_splits = [int(have[starts[s] * n_features:starts[s + 1] * n_features].sum()) for s in range(world_size)]
+        want = (routed.view(world_size, n_features, mine) > 0).permute(0, 2, 1).reshape(world_size, -1)
+        out_splits = want.sum(dim=1).tolist()
+        positions = torch.nonzero(want, as_tuple=True)[1]                      # rank-major, then bag order
+        pools = _AllToAll.apply(local_embs.reshape(-1, dim)[have], out_splits, in_splits, self._pg, self)
+        summed = local_embs.new_zeros((mine * n_features, dim)).index_add(0, positions, pools)
+        return summed.view(mine, n_features * dim)
 
 
 class _AllToAll(torch.autograd.Function):
