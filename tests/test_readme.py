@@ -21,6 +21,18 @@ def test_the_readme_has_the_blocks_we_test():
     assert len(PYTHON) >= 6 and len(COMMANDS) >= 10
 
 
+def test_the_readme_keeps_its_sections():
+    """Every audience's quick start and the sections the brief asks for are there (a scripted
+    edit once cut three sections out between two headings, quick start blocks included, and
+    every remaining block still ran)."""
+    headings = set(re.findall(r"^## (.+)$", README, re.M))
+    for wanted in ("The two commands", "Install (your own environment)", "Quick start (NumPy)",
+                   "Quick start (PyTorch)", "Quick start (TorchRec)", "Quick start (JAX)",
+                   "Distributed training (TorchRec's DistributedModelParallel)", "Bounded tables", "Row dtypes",
+                   "Tables larger than memory (the SSD tier)", "Guarantees", "Benchmarks"):
+        assert wanted in headings, wanted
+
+
 @pytest.mark.parametrize("code, line", PYTHON, ids=[f"line{line}" for _, line in PYTHON])
 def test_python_block_runs(code, line, tmp_path, monkeypatch):
     if "jax" in code:
