@@ -100,6 +100,7 @@ class SyntheticCriteo:
         """How many item indices each feature can reach within n_batches (0 .. n-1)."""
         return [card + int(self.drift * (n_batches - 1) * card / 1000) for card in self.cardinalities]
 
-    def raw_ids(self, feature: int, n_items: int) -> np.ndarray:
-        """The raw IDs of items 0 .. n_items-1 of a feature (for collision-free baselines)."""
-        return self._raw_id(feature, np.arange(n_items))
+    def raw_ids(self, feature: int, n_items: int, start: int = 0) -> np.ndarray:
+        """The raw IDs of items start .. n_items-1 of a feature (for collision-free baselines and
+        for prefilled tables)."""
+        return self._raw_id(feature, np.arange(start, n_items))

@@ -24,3 +24,14 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def rng():
     return np.random.default_rng(12345)
+
+
+@pytest.fixture
+def cncard(monkeypatch):
+    """The accelerator placement (device="cncard") for a test. CI has no accelerator, so by
+    default CNCORE_CNCARD=cpu runs that code path on the CPU; CNCORE_TEST_ACCELERATOR=1 runs it on
+    the real one (CUDA or MLU), which the tests then compare with the core through `.cpu()`."""
+    if os.environ.get("CNCORE_TEST_ACCELERATOR") == "1":
+        monkeypatch.delenv("CNCORE_CNCARD", raising=False)
+    else:
+        monkeypatch.setenv("CNCORE_CNCARD", "cpu")

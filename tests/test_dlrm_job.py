@@ -363,3 +363,33 @@ def test_checkpoints_move_between_process_counts(tmp_path):
         assert resumed["auc"] == pytest.approx(straight["auc"], abs=1e-3)
         assert resumed["logloss"] == pytest.approx(straight["logloss"], abs=1e-3)
         assert resumed["rows"] == straight["rows"]
+
+
+def test_prefill_gives_every_table_each_reachable_item_in_memory_and_on_the_tier(tmp_path):
+    """--data-scale sizes the synthetic tables, --prefill gives them a row for every item the run
+    can reach before training; the tier run (rows on disk under a small cache) ends with the same
+    rows, AUC and log loss as the in-memory one."""
+    args = ["--steps", "6", "--eval-every", "6", "--eval-batches", "2", "--data-scale", "0.002", "--prefill"]
+    memory = run(tmp_path, *args)["runs"][0]
+    gen = SyntheticCriteo(seed=0, batch_size=256, scale=0.002)
+    assert memory["rows"] == sum(gen.items_by_batch(6 + 2))
+    tier = run(tmp_path, *args, "--ssd-path", str(tmp_path / "tier"), "--cache-mb", "1")["runs"][0]
+    assert tier["rows"] == memory["rows"]
+    assert tier["auc"] == memory["auc"] and tier["logloss"] == memory["logloss"]
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--prefill", "--max-rows", "50%"], "--prefill gives every table a row for each item, which --max-rows"),
+    (["--prefill", "--nproc", "2"], "--prefill does not run on 2 processes yet"),
+    (["--data-scale", "0"], "argument --data-scale: must be a positive number, got 0"),
+])
+def test_prefill_and_data_scale_refuse_what_they_cannot_do(capsys, tmp_path, monkeypatch, argv, expected):
+    monkeypatch.chdir(tmp_path)
+    assert expected in exit_line(capsys, *argv)
+
+
+def test_data_scale_and_prefill_refuse_a_criteo_file(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "day.tsv").write_text("0" + "\t1" * 13 + "\tab" * 26 + "\n")
+    assert "--prefill shapes the synthetic stream, not --criteo-tsv day.tsv" in exit_line(
+        capsys, "--criteo-tsv", "day.tsv", "--prefill")

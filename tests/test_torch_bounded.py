@@ -29,8 +29,8 @@ def _train_beside(bag, ref, exact: bool):
         grad = torch.cos(out.detach()) + 0.5
         out.backward(grad)
         ref_out, ctx = ref.pooled_lookup(ids.reshape(-1), lengths=np.full(len(ids), ids.shape[1]), mode="sum")
-        ref.apply_gradients(ctx, grad.numpy())
-        np.testing.assert_allclose(out.detach().numpy(), ref_out, rtol=0 if exact else 1e-6, atol=0 if exact else 1e-7)
+        ref.apply_gradients(ctx, grad.cpu().numpy())
+        np.testing.assert_allclose(out.detach().cpu().numpy(), ref_out, rtol=0 if exact else 1e-6, atol=0 if exact else 1e-7)
         yield
 
 
@@ -105,12 +105,11 @@ def test_bad_options_are_refused_naming_them(kwargs, error, match):
 
 @pytest.mark.parametrize("eviction", [cncore.LRU(), cncore.LFU(), cncore.TTL(3)], ids=["lru", "lfu", "ttl"])
 @pytest.mark.parametrize("admission", [None, cncore.MinCount(2)], ids=["all", "mincount2"])
-def test_device_rows_train_as_the_core_store_with_the_same_policy(monkeypatch, eviction, admission):
-    """Rows on the accelerator (CNCORE_CNCARD=cpu runs that code path here): the same keys
+def test_device_rows_train_as_the_core_store_with_the_same_policy(cncard, eviction, admission):
+    """Rows on the accelerator (the `cncard` fixture: on the CPU unless asked): the same keys
     evicted in the same order and handed over with their rows, state and metadata, the same
     admissions, and rows equal to the core store's up to float32 reassociation (the device
     path computes with PyTorch ops: rows within 1e-6 relative)."""
-    monkeypatch.setenv("CNCORE_CNCARD", "cpu")
     opt = cncore.RowWiseAdagrad(lr=0.1)
     bag = CNEmbeddingBag(1000, 4, mode="sum", optimizer=opt, max_rows=40, eviction=eviction, admission=admission,
                          headroom=2, device="cncard")
@@ -121,7 +120,7 @@ def test_device_rows_train_as_the_core_store_with_the_same_policy(monkeypatch, e
     ref.on_evict(ref_sink.append)
     for _ in _train_beside(bag, ref, exact=False):
         assert bag.num_rows <= 40
-    got, want = bag.export(), ref.export()
+    got, want = {k: v.cpu() for k, v in bag.export().items()}, ref.export()
     order, ref_order = np.argsort(got["keys"].numpy()), np.argsort(want.keys)
     np.testing.assert_array_equal(got["keys"].numpy()[order], want.keys[ref_order])
     for name in ("counts", "last_steps"):
@@ -139,8 +138,7 @@ def test_device_rows_train_as_the_core_store_with_the_same_policy(monkeypatch, e
     assert int(bag.state_dict()["evicted_count"]) == ref.evicted_count
 
 
-def test_device_rows_refuse_a_backward_after_an_eviction_and_keep_the_budget_across_moves(monkeypatch):
-    monkeypatch.setenv("CNCORE_CNCARD", "cpu")
+def test_device_rows_refuse_a_backward_after_an_eviction_and_keep_the_budget_across_moves(cncard):
     bag = CNEmbeddingBag(10, 2, mode="sum", optimizer=cncore.SGD(lr=0.1), max_rows=3, eviction=cncore.LRU(),
                          headroom=0, device="cncard")
     bag(torch.tensor([[1, 2, 3]])).sum().backward()  # step 0
@@ -161,8 +159,7 @@ def test_device_rows_refuse_a_backward_after_an_eviction_and_keep_the_budget_acr
     assert sorted(bag.keys().tolist()) == [1, 5, 6] and bag.device_rows.evicted_count == 3
 
 
-def test_device_rows_refuse_what_they_cannot_do_naming_it(monkeypatch):
-    monkeypatch.setenv("CNCORE_CNCARD", "cpu")
+def test_device_rows_refuse_what_they_cannot_do_naming_it(cncard):
     with pytest.raises(ValueError, match="unadmitted='zeros'"):
         CNEmbeddingBag(10, 2, device="cncard", admission=cncore.MinCount(2, unadmitted="initial"))
     with pytest.raises(ValueError, match="rows on an accelerator are float32"):

@@ -116,7 +116,7 @@ ROW_DTYPES = ("float32", "float16", "bfloat16")
 EVICTIONS = ("lru", "lfu", "ttl")
 # Options the distributed path (--nproc > 1, torchrun) does not run yet, with their defaults
 # (none now: every option runs on several processes).
-NOT_DISTRIBUTED: dict = {}
+NOT_DISTRIBUTED: dict = {"prefill": False}
 
 
 def _input_file(text: str) -> str:
@@ -210,6 +210,14 @@ def build_parser() -> argparse.ArgumentParser:
                            "processes) under a memory cache of --cache-mb; DIR must be new or empty")
     tier.add_argument("--cache-mb", metavar="N", type=_int_at_least(1), default=None,
                       help="with --ssd-path: MiB of rows held in memory, shared between the tables by their size")
+    synthetic = ap.add_argument_group("the synthetic stream")
+    synthetic.add_argument("--data-scale", metavar="S", type=_positive_float, default=None,
+                           help="each table's items as this fraction of Criteo Kaggle's cardinalities (default "
+                                "0.01; 1.0: 33.8M items, before drift)")
+    synthetic.add_argument("--prefill", action="store_true",
+                           help="before training, give every table a row for each item the run can reach (rows "
+                                "from the table's initializer): tables the size of a long-trained model's, e.g. "
+                                "--data-scale 1 --prefill, for the SSD tier")
     ap.add_argument("--row-dtype", choices=ROW_DTYPES, default="float32",
                     help="storage type of the tables' rows (optimizer state and outputs stay float32)")
     ap.add_argument("--no-progress", action="store_true",
@@ -234,11 +242,28 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                      f"(only with --nproc 1)")
     _check_bounded(ap, args, world)
     _check_tier(ap, args)
+    _check_synthetic(ap, args)
     if args.nproc > 1:
         if args.compare and args.batch_size % args.nproc:
             ap.error(f"--compare with --nproc {args.nproc} needs --batch-size a multiple of {args.nproc}: TorchRec's "
                      f"row-wise tables need equal batches on every process (gloo), {args.batch_size} does not split")
     return args
+
+
+def _check_synthetic(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--data-scale and --prefill shape the synthetic stream and its tables."""
+    if args.criteo_tsv is not None:
+        given = [f for f, v in (("--data-scale", args.data_scale), ("--prefill", args.prefill)) if v]
+        if given:
+            ap.error(f"{' and '.join(given)} shape{'s' if len(given) == 1 else ''} the synthetic stream, not "
+                     f"--criteo-tsv {args.criteo_tsv}")
+    if args.data_scale is None:
+        args.data_scale = 0.01
+    if args.prefill:
+        if args.max_rows is not None:
+            ap.error("--prefill gives every table a row for each item, which --max-rows would evict at once")
+        if args.resume is not None:
+            ap.error("--prefill builds the tables, which --resume loads from its checkpoint")
 
 
 def _check_tier(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -48,7 +48,8 @@ class Data:
     """Training batches by index, and a fixed evaluation set."""
 
     def __init__(self, args):
-        self.synthetic = None if args.criteo_tsv else SyntheticCriteo(seed=args.seed, batch_size=args.batch_size)
+        self.synthetic = None if args.criteo_tsv else SyntheticCriteo(
+            seed=args.seed, batch_size=args.batch_size, scale=getattr(args, "data_scale", None) or 0.01)
         self.args = args
         if self.synthetic is not None:
             # evaluate on batches after the training range: the "next day", drift included
@@ -82,9 +83,34 @@ class Data:
             reach = self.synthetic.items_by_batch(self.args.steps + self.args.eval_batches)
         else:
             reach = [TSV_INITIAL_ROWS] * len(SPARSE_KEYS)
+        if self.synthetic is not None and getattr(self.args, "prefill", False):
+            return {f"t_{key}": n for key, n in zip(SPARSE_KEYS, reach)}  # prefill_tables fills them all
         budgets = budgets or {}
         return {f"t_{key}": max(1, min(n, ids_per_feature, MAX_INITIAL_ROWS, budgets.get(f"t_{key}", n)))
                 for key, n in zip(SPARSE_KEYS, reach)}
+
+
+def prefill_tables(tables: CNEmbeddingBagCollection, synthetic: SyntheticCriteo, n_batches: int,
+                   chunk: int = 1 << 20) -> int:
+    """--prefill: a row in each table for every item the first `n_batches` batches can reach
+    (`items_by_batch`), inserted a chunk at a time as explicit writes (no admission, rows from
+    the table's initializer); on the SSD tier they go to disk as the cache fills. Returns the rows
+    inserted.
+
+    >>> from cncore_torch.dlrm.data import SyntheticCriteo
+    >>> gen = SyntheticCriteo(seed=0, batch_size=8, scale=1e-4)
+    >>> ebc = CNEmbeddingBagCollection(tables=table_configs(4, gen.cardinalities))
+    >>> prefill_tables(ebc, gen, 3) == sum(gen.items_by_batch(3)) == sum(len(s) for s in ebc.stores.values())
+    True
+    """
+    total = 0
+    for feature, (key, n_items) in enumerate(zip(SPARSE_KEYS, synthetic.items_by_batch(n_batches))):
+        store = tables.stores[f"t_{key}"]
+        step = min(chunk, max(1, getattr(store, "cache_rows", chunk) // 2))  # a tier's call must fit its cache
+        for start in range(0, n_items, step):
+            store.find_or_insert(synthetic.raw_ids(feature, min(n_items, start + step), start=start))
+        total += n_items
+    return total
 
 
 # --- models ------------------------------------------------------------------------------------
@@ -514,6 +540,10 @@ def _run(args) -> int:
     state = load_checkpoint(args.resume, args) if args.resume else None
     data = Data(args)
     run = dynamic_run(args, data)
+    if getattr(args, "prefill", False):
+        began = time.perf_counter()
+        rows = prefill_tables(run.tables, data.synthetic, args.steps + args.eval_batches)
+        print(f"prefilled {rows:,} rows in {time.perf_counter() - began:.1f} s")
     start = 0
     if state is not None:
         run.model.load_state_dict(state["model"])

@@ -1,0 +1,112 @@
+"""The accelerator placement against `nn.EmbeddingBag` on the same accelerator, per training step.
+
+    python asv_bench/scripts/accelerator_step.py [--rows 1000000] [--dim 64] [--batch 4096] [--pooling 20]
+
+Needs an accelerator (CUDA, or MLU through torch_mlu): `device="cncard"`. Three ways to hold
+the same table of `--rows` rows, trained with plain SGD (sum pooling) on the same batches:
+
+- `nn.EmbeddingBag(sparse=True)` on the accelerator with `torch.optim.SGD`: IDs already lie in
+  [0, rows) (a fixed table cannot take raw 64-bit IDs; hashing them would be the user's work);
+- `CNEmbeddingBag(device="cncard")`: rows, optimizer state and metadata on the accelerator, the
+  key index on the host (the core), fused SGD in the backward;
+- `CNEmbeddingBag()` in the core (host memory), for reference on the same machine.
+
+IDs come from the data loader on the host, so every step starts from host IDs (the fixed table
+pays their copy to the device too). Each round draws fresh IDs (uniform, or Zipf(1.05) with
+the hot rows scattered), the table is filled first (every row exists), and each cell is the
+median of `--steps` timed steps after `--warmup`, the device synchronised around each step.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import torch
+from torch import nn
+
+import cncore
+from cncore_torch import CNEmbeddingBag
+from cncore_torch.devices import resolve_device
+
+
+def batches(dist: str, rows: int, batch: int, pooling: int, n: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    scatter = rng.permutation(rows)  # the hot rows are not the first ones
+    out = []
+    for _ in range(n):
+        if dist == "uniform":
+            ids = rng.integers(0, rows, (batch, pooling))
+        else:
+            ids = scatter[np.minimum(rng.zipf(1.05, (batch, pooling)) - 1, rows - 1)]
+        out.append(torch.from_numpy(ids.astype(np.int64)))
+    return out
+
+
+def timed(step, inputs, warmup: int, sync) -> float:
+    for ids in inputs[:warmup]:
+        step(ids)
+    sync()
+    times = []
+    for ids in inputs[warmup:]:
+        start = time.perf_counter()
+        step(ids)
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=10**6)
+    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=4096)
+    ap.add_argument("--pooling", type=int, nargs="+", default=[1, 20])
+    ap.add_argument("--dists", nargs="+", default=["uniform", "zipf1.05"])
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--warmup", type=int, default=5)
+    args = ap.parse_args(argv)
+    device = resolve_device("cncard").device
+    sync = (torch.cuda.synchronize if device.type == "cuda" else lambda: None)
+    print(f"device {device} ({torch.cuda.get_device_name() if device.type == 'cuda' else device.type}), "
+          f"{args.rows:,} rows x dim {args.dim}, batch {args.batch}, torch {torch.__version__}, "
+          f"{cncore.get_num_threads()} core threads")
+    fill = torch.arange(args.rows).reshape(-1, 1000)
+
+    fixed = nn.EmbeddingBag(args.rows, args.dim, mode="sum", sparse=True).to(device)
+    fixed_opt = torch.optim.SGD(fixed.parameters(), lr=0.01)
+    card = CNEmbeddingBag(args.rows, args.dim, mode="sum", optimizer=cncore.SGD(lr=0.01), device="cncard")
+    core = CNEmbeddingBag(args.rows, args.dim, mode="sum", optimizer=cncore.SGD(lr=0.01))
+    for module in (card, core):
+        for chunk in fill:
+            module(chunk.reshape(1, -1))  # every row exists before timing
+    grad = torch.full((args.batch, args.dim), 1e-3)
+    grads = {"dev": grad.to(device), "cpu": grad}
+
+    def fixed_step(ids):
+        fixed_opt.zero_grad()
+        fixed(ids.to(device, non_blocking=True)).backward(grads["dev"])
+        fixed_opt.step()
+
+    def card_step(ids):
+        card(ids).backward(grads["dev"])
+
+    def core_step(ids):
+        core(ids).backward(grads["cpu"])
+
+    print("| IDs | pooling | nn.EmbeddingBag on the device, ms | CNEmbeddingBag on the device, ms | "
+          "device / EmbeddingBag | CNEmbeddingBag in host memory, ms |")
+    print("|---|---|---|---|---|---|")
+    for dist in args.dists:
+        for pooling in args.pooling:
+            inputs = batches(dist, args.rows, args.batch, pooling, args.warmup + args.steps)
+            t_fixed = timed(fixed_step, inputs, args.warmup, sync)
+            t_card = timed(card_step, inputs, args.warmup, sync)
+            t_core = timed(core_step, inputs, args.warmup, sync)
+            print(f"| {dist} | {pooling} | {t_fixed:.2f} | {t_card:.2f} | {t_card / t_fixed:.2f}x | {t_core:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
