@@ -18,10 +18,20 @@
  * bytes a key) and 8M rows at 0.48 (33.6). Now n is what the load needs, and growth multiplies n
  * by CN_INDEX_GROWTH = 1.25 (not 2): an unbounded table is 0.56..0.7 full (23..29 bytes a key),
  * and a table with a row budget stops growing at exactly ceil(max_rows / max_load) buckets, so at
- * its budget it costs 16 / 0.7 = 22.9 bytes a key and never rehashes again. The price: a
- * 64x64->128 multiply instead of an AND for the home, a compare for the wrap, and 5 moves a key
- * in rehashes over a table's growth instead of 2 (n/(1 - 1/1.25) against n/(1 - 1/2)); the
- * measured speeds are at CN_INDEX_GROWTH and in the README.
+ * its budget it costs 16 / 0.7 = 22.9 bytes a key and never rehashes again. What it costs:
+ *  - the higher load itself. A find at the same load is as fast as before (C, one thread, 8M
+ *    keys, batch 81,920, p25 of 21 rounds on a loaded 2-core machine: 17.9 ns a key with the
+ *    power of two and the AND, 18.0 with fastrange and the salt, both 0.48 full; 28.0 against
+ *    28.1 at 0.68), but probes run longer as the load rises: 18.0 ns at 0.48, 23.6 at 0.60, 28.3
+ *    at 0.70. So where a power of two happened to leave an index half empty (1M and 8M keys),
+ *    finds are 10-35 % slower now; where it had just filled up, no slower. Prefetching the next
+ *    line as well when the home is in the second half of its line did not help (25.1 against
+ *    25.4 ns at 0.70). Who needs the speed more than the bytes sets max_load_factor lower.
+ *  - growth: 5 moves a key in rehashes over a table's growth instead of 2 (n/(1 - 1/1.25)
+ *    against n/(1 - 1/2)), each a random write (below). Filling 8M keys from empty, 81,920 a
+ *    call, in C: about 300 ns a key against 100-130 with doubling; growth 1.5 (bytes a key
+ *    23-34) took 120-250. A bounded table stops growing at its budget; `capacity` or
+ *    `reserve` sizes any table once.
  *
  * Why the salt, a function of n: with fastrange a bucket's position is monotone in h, so walking
  * the buckets in order (export, table files, cn_table_scan) yields keys sorted by h. Inserting
