@@ -8,10 +8,10 @@ from the constants below, and a test holds the two equal.
 
 - a hash, not `key % world_size`: IDs are often structured (even/odd, multiples of a shard
   count, timestamps), and `key % 2` puts every odd key on one rank;
-- salted, and the high bits: the core's key index places a key at `mix64(key) & mask` (low
-  bits). Routing by those same low bits would leave every rank with keys whose low hash bits
-  agree, i.e. half (a third, ...) of each rank's buckets never used and long probe runs. The
-  salt makes the two hashes unrelated; the high bits keep them apart even without it;
+- salted: the core's key index places a key by the high bits of `mix64(key ^ mix64(n_buckets))`
+  (cn_index.h). Routing by the bits the index uses would leave every rank with keys that agree
+  in them, i.e. half (a third, ...) of each rank's buckets never used and long probe runs. The
+  two salts make the hashes unrelated (the index's also differs with its size);
 - multiply-shift instead of `%`: uniform for any world size, no division.
 
 Raw keys are stored unchanged by their owner, so N shards are re-split into M by calling

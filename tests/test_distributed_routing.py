@@ -46,13 +46,17 @@ def test_structured_keys_spread_evenly(world_size, keys):
     assert (counts - n / world_size).abs().max() < 6 * (n / world_size) ** 0.5  # key % W fails "even", "multiples"
 
 
-def test_a_ranks_keys_fill_the_cores_buckets_evenly():
-    """The key index puts a key at mix64(key) & mask: the keys one rank owns must not agree in
-    those low bits (routing by them would leave half of every rank's buckets empty)."""
+@pytest.mark.parametrize("n_buckets", [16, 1 << 20, 1_428_572])
+def test_a_ranks_keys_fill_the_cores_buckets_evenly(n_buckets):
+    """The key index puts a key at (mix64(key ^ salt) * n) >> 64, salt = mix64(n) (cn_index.h): the
+    keys one rank owns must not agree in the high bits of that hash (routing by them would leave
+    half of every rank's buckets empty). The eighth of the buckets a key's home falls in is its top
+    three bits."""
     ids = torch.arange(100_000)
     mine = ids[owner_of(ids, 2) == 0]
-    low = mix64(mine) & 7
-    counts = torch.bincount(low, minlength=8).double()
+    salt = mix64(torch.tensor([n_buckets]))
+    top = (mix64(mine ^ salt) >> 61) & 7
+    counts = torch.bincount(top, minlength=8).double()
     assert (counts / counts.sum() - 1 / 8).abs().max() < 0.01
 
 

@@ -2,13 +2,45 @@
  *
  * Design
  * ------
- * Open addressing with linear probing over a power-of-two array of 16-byte buckets
- * {key, slot}. Occupancy lives in the slot field (slot < 0 means empty), never in the key, so
+ * Open addressing with linear probing over an array of 16-byte buckets {key, slot} of any
+ * length n >= 16. Occupancy lives in the slot field (slot < 0 means empty), never in the key, so
  * every int64 value, 0, -1, INT64_MIN and INT64_MAX included, is a valid key: no key is reserved.
  *
- * Keys are spread by a 64-bit finaliser (cn_mix.h), whose avalanche makes linear probing
- * behave well even on sequential or strided IDs. Four buckets share a cache line, so a probe
- * sequence at the default load factor (<= 0.7) usually touches one line.
+ * A key's home bucket is (h * n) >> 64 on the 128-bit product ("fastrange"), h = mix64(key ^
+ * salt) (cn_mix.h), whose avalanche makes linear probing behave well even on sequential or strided
+ * IDs; probes run on from the home and wrap from n - 1 to 0. Four buckets share a cache line, so
+ * a probe sequence at the default load factor (<= 0.7) usually touches one line.
+ *
+ * Why any n and not a power of two (home = h & (n - 1), which this index used until now): the
+ * index is what a row costs beyond its values, and a power of two can only be 0.35..0.7 full at
+ * a maximum load of 0.7, i.e. 23..46 bytes a key depending on where the size falls. A bounded
+ * table (cn_evict.h) at 140,872 rows, the cn-dlrm job's 50 % budget, sat at load 0.54 (29.8
+ * bytes a key) and 8M rows at 0.48 (33.6). Now n is what the load needs, and growth multiplies n
+ * by CN_INDEX_GROWTH = 1.25 (not 2): an unbounded table is 0.56..0.7 full (23..29 bytes a key),
+ * and a table with a row budget stops growing at exactly ceil(max_rows / max_load) buckets, so at
+ * its budget it costs 16 / 0.7 = 22.9 bytes a key and never rehashes again. What it costs:
+ *  - the higher load itself. A find at the same load is as fast as before (C, one thread, 8M
+ *    keys, batch 81,920, p25 of 21 rounds on a loaded 2-core machine: 17.9 ns a key with the
+ *    power of two and the AND, 18.0 with fastrange and the salt, both 0.48 full; 28.0 against
+ *    28.1 at 0.68), but probes run longer as the load rises: 18.0 ns at 0.48, 23.6 at 0.60, 28.3
+ *    at 0.70. So where a power of two happened to leave an index half empty (1M and 8M keys),
+ *    finds are 10-35 % slower now; where it had just filled up, no slower. Prefetching the next
+ *    line as well when the home is in the second half of its line did not help (25.1 against
+ *    25.4 ns at 0.70). Who needs the speed more than the bytes sets max_load_factor lower.
+ *  - growth: 5 moves a key in rehashes over a table's growth instead of 2 (n/(1 - 1/1.25)
+ *    against n/(1 - 1/2)), each a random write (below). Filling 8M keys from empty, 81,920 a
+ *    call, in C: about 300 ns a key against 100-130 with doubling; growth 1.5 (bytes a key
+ *    23-34) took 120-250. A bounded table stops growing at its budget; `capacity` or
+ *    `reserve` sizes any table once.
+ *
+ * Why the salt, a function of n: with fastrange a bucket's position is monotone in h, so walking
+ * the buckets in order (export, table files, cn_table_scan) yields keys sorted by h. Inserting
+ * such a run a chunk at a time into a table with the same hash and a different n (loading a saved
+ * table in chunks, merging shards) put the first chunk's keys, whose h all lie in a narrow range,
+ * into a narrow range of buckets: one cluster, quadratic inserts. A power of two hid this (the
+ * low bits order keys the same way at every size, so a prefix never crowds). salt = mix64(n)
+ * makes the order of any other size unrelated to this one's, at the cost of one XOR a key.
+ * Sharded routing (cncore/routing.py) salts its own hash the same way.
  *
  * Erase uses backward-shift deletion (no tombstones), so lookups never slow down after many
  * erases and the load factor is exactly size / buckets.
@@ -35,11 +67,12 @@ typedef struct {
 
 typedef struct {
     cn_bucket *buckets;
-    int64_t n_buckets; /* a power of two */
-    int64_t mask;
+    int64_t n_buckets; /* any count >= 16 */
+    uint64_t salt;     /* mix64(n_buckets): see the design note */
     int64_t size;
 } cn_index;
 
+/* The unsalted key hash; the index's own is cn_index_hash. */
 static inline uint64_t cn_hash_key(int64_t key) { return cn_mix64((uint64_t)key); }
 
 static inline int64_t cn_pow2_at_least(int64_t n) {
@@ -48,20 +81,59 @@ static inline int64_t cn_pow2_at_least(int64_t n) {
     return p;
 }
 
+/* A key's home bucket in an index of n buckets with this salt. */
+static inline uint64_t cn_index_home_of(uint64_t salt, uint64_t n, int64_t key) {
+    return (uint64_t)(((unsigned __int128)cn_mix64((uint64_t)key ^ salt) * n) >> 64);
+}
+
+static inline uint64_t cn_index_home(const cn_index *ix, int64_t key) {
+    return cn_index_home_of(ix->salt, (uint64_t)ix->n_buckets, key);
+}
+
+/* The bucket after i, wrapping at n. */
+static inline uint64_t cn_index_next(uint64_t i, uint64_t n) {
+    i += 1;
+    return i == n ? 0 : i;
+}
+
 /* The most buckets an index may have: 2^56 buckets are 1 EiB, far past any machine, and the
- * bound keeps n_buckets * sizeof(cn_bucket) and every doubling below it free of overflow. */
+ * bound keeps n_buckets * sizeof(cn_bucket) and every growth below it free of overflow. */
 #define CN_INDEX_MAX_BUCKETS ((int64_t)1 << 56)
 
-/* Buckets needed so that n_keys keys stay at or under max_load, or -1 when that is more than
- * CN_INDEX_MAX_BUCKETS (a request no machine can hold: the caller refuses it). Without the
- * bound, n_keys near 2^62 doubled p past INT64_MAX and looped forever holding the write lock,
- * and n_keys near 2^59 wrapped n_buckets * 16 to 0 bytes. */
+/* Growth multiplies the bucket count by this much (at least): see the design note. */
+#ifndef CN_INDEX_GROWTH
+#define CN_INDEX_GROWTH 1.25
+#endif
+
+/* The fewest buckets (>= 16) that hold n_keys keys at or under max_load, or -1 when that is more
+ * than CN_INDEX_MAX_BUCKETS (a request no machine can hold: the caller refuses it). Without the
+ * bound, n_keys near 2^59 wrapped n_buckets * 16 to 0 bytes. The capacity test is the one
+ * cn_table_capacity makes, so the count returned always passes it despite rounding. */
 static inline int64_t cn_index_buckets_for(int64_t n_keys, double max_load) {
     double need = (double)n_keys / max_load;
     if (!(need <= (double)CN_INDEX_MAX_BUCKETS)) return -1;
-    int64_t p = 16;
-    while ((double)p < need) p <<= 1;
-    return p;
+    int64_t n = (int64_t)need;
+    if ((double)n < need) n++; /* ceil: 700 keys at 0.7 take 1001 buckets, as 700 / 0.7 rounds up */
+    if (n < 16) n = 16;
+    while ((int64_t)(max_load * (double)n) < n_keys) n++;
+    return n <= CN_INDEX_MAX_BUCKETS ? n : -1;
+}
+
+/* The bucket count to grow an index of `ix` to so that it holds n_keys keys at max_load: at
+ * least CN_INDEX_GROWTH times the present count (amortised rehashes), but no more than
+ * `limit_keys` need (a table's row budget; <= 0: none), and never fewer than n_keys need. -1
+ * when n_keys need more than CN_INDEX_MAX_BUCKETS. */
+static inline int64_t cn_index_growth_buckets(const cn_index *ix, int64_t n_keys, double max_load,
+                                              int64_t limit_keys) {
+    const int64_t need = cn_index_buckets_for(n_keys, max_load);
+    if (need < 0) return -1;
+    double grown = (double)ix->n_buckets * CN_INDEX_GROWTH;
+    int64_t n = grown < (double)CN_INDEX_MAX_BUCKETS ? (int64_t)grown : CN_INDEX_MAX_BUCKETS;
+    if (limit_keys > 0) {
+        const int64_t cap = cn_index_buckets_for(limit_keys, max_load);
+        if (cap > 0 && n > cap) n = cap;
+    }
+    return n > need ? n : need;
 }
 
 static inline int cn_index_init(cn_index *ix, int64_t n_buckets, int64_t *nbytes) {
@@ -70,7 +142,7 @@ static inline int cn_index_init(cn_index *ix, int64_t n_buckets, int64_t *nbytes
     if (ix->buckets == NULL) return -1;
     memset(ix->buckets, 0xff, (size_t)n_buckets * sizeof(cn_bucket)); /* slot = -1 everywhere */
     ix->n_buckets = n_buckets;
-    ix->mask = n_buckets - 1;
+    ix->salt = cn_mix64((uint64_t)n_buckets);
     ix->size = 0;
     return 0;
 }
@@ -79,41 +151,42 @@ static inline void cn_index_free(cn_index *ix, int64_t *nbytes) {
     cn_free(ix->buckets, (size_t)ix->n_buckets * sizeof(cn_bucket), nbytes);
     ix->buckets = NULL;
     ix->n_buckets = 0;
-    ix->mask = 0;
+    ix->salt = 0;
     ix->size = 0;
 }
 
 static inline void cn_index_prefetch(const cn_index *ix, int64_t key) {
-    __builtin_prefetch(&ix->buckets[cn_hash_key(key) & (uint64_t)ix->mask], 0, 3);
+    __builtin_prefetch(&ix->buckets[cn_index_home(ix, key)], 0, 3);
 }
 
-/* The slot of `key`, or -1, probing from bucket i = its hash & mask (computed by the caller). */
-static inline int64_t cn_index_find_from(const cn_bucket *b, uint64_t mask, uint64_t i, int64_t key) {
+/* The slot of `key`, or -1, probing from bucket i = its home (computed by the caller). */
+static inline int64_t cn_index_find_from(const cn_bucket *b, uint64_t n, uint64_t i, int64_t key) {
     for (;;) {
         int64_t s = b[i].slot;
         if (s < 0) return -1;
         if (b[i].key == key) return s;
-        i = (i + 1) & mask;
+        i = cn_index_next(i, n);
     }
 }
 
 /* The slot of `key`, or -1. */
 static inline int64_t cn_index_find(const cn_index *ix, int64_t key) {
-    return cn_index_find_from(ix->buckets, (uint64_t)ix->mask, cn_hash_key(key) & (uint64_t)ix->mask, key);
+    return cn_index_find_from(ix->buckets, (uint64_t)ix->n_buckets, cn_index_home(ix, key), key);
 }
 
-/* The slot of `key` if present; otherwise -1 and *empty_pos is where it would go. */
-static inline int64_t cn_index_probe(const cn_index *ix, int64_t key, int64_t *empty_pos) {
-    uint64_t i = cn_hash_key(key) & (uint64_t)ix->mask;
+/* The slot of `key` and *pos its bucket if present; otherwise -1 and *pos is the empty bucket
+ * where it would go. */
+static inline int64_t cn_index_probe(const cn_index *ix, int64_t key, int64_t *pos) {
+    const uint64_t n = (uint64_t)ix->n_buckets;
+    uint64_t i = cn_index_home(ix, key);
     const cn_bucket *b = ix->buckets;
     for (;;) {
         int64_t s = b[i].slot;
-        if (s < 0) {
-            *empty_pos = (int64_t)i;
-            return -1;
+        if (s < 0 || b[i].key == key) {
+            *pos = (int64_t)i;
+            return s < 0 ? -1 : s;
         }
-        if (b[i].key == key) return s;
-        i = (i + 1) & (uint64_t)ix->mask;
+        i = cn_index_next(i, n);
     }
 }
 
@@ -159,7 +232,7 @@ typedef struct {
 static void cn_index_find_range(void *ctx, int64_t begin, int64_t end) {
     const cn_find_job *j = (const cn_find_job *)ctx;
     const cn_bucket *b = j->ix->buckets;
-    const uint64_t mask = (uint64_t)j->ix->mask;
+    const uint64_t n = (uint64_t)j->ix->n_buckets, salt = j->ix->salt;
     const int64_t *keys = j->keys;
     int64_t *slots = j->slots;
     /* Each key is hashed once: its bucket position waits in slots[] from its prefetch to its probe.
@@ -170,20 +243,20 @@ static void cn_index_find_range(void *ctx, int64_t begin, int64_t end) {
      * 1211-1227 -> 1116-1160), but 10 % slower in the portable build, which has no 64-bit vector
      * multiply (Zipf 709-747 -> 796-819 us, uniform 1092-1130 -> 1215-1238). */
     for (int64_t i = begin; i < end && i < begin + CN_FIND_PREFETCH_DISTANCE; i++) {
-        const uint64_t pos = cn_hash_key(keys[i]) & mask;
+        const uint64_t pos = cn_index_home_of(salt, n, keys[i]);
         slots[i] = (int64_t)pos;
         __builtin_prefetch(&b[pos], 0, CN_FIND_PREFETCH_LOCALITY);
     }
     for (int64_t i = begin; i < end; i++) {
         if (i + CN_FIND_PREFETCH_DISTANCE < end) {
-            const uint64_t pos = cn_hash_key(keys[i + CN_FIND_PREFETCH_DISTANCE]) & mask;
+            const uint64_t pos = cn_index_home_of(salt, n, keys[i + CN_FIND_PREFETCH_DISTANCE]);
             slots[i + CN_FIND_PREFETCH_DISTANCE] = (int64_t)pos;
             __builtin_prefetch(&b[pos], 0, CN_FIND_PREFETCH_LOCALITY);
         }
 #if CN_FIND_L1_DISTANCE
         if (i + CN_FIND_L1_DISTANCE < end) __builtin_prefetch(&b[slots[i + CN_FIND_L1_DISTANCE]], 0, 3);
 #endif
-        slots[i] = cn_index_find_from(b, mask, (uint64_t)slots[i], keys[i]);
+        slots[i] = cn_index_find_from(b, n, (uint64_t)slots[i], keys[i]);
     }
 }
 
@@ -195,21 +268,21 @@ static inline void cn_index_find_batch(const cn_index *ix, const int64_t *keys, 
 
 /* Remove `key`; returns its slot or -1. Backward-shift deletion keeps probe chains intact. */
 static inline int64_t cn_index_erase(cn_index *ix, int64_t key) {
-    uint64_t mask = (uint64_t)ix->mask;
+    const uint64_t n = (uint64_t)ix->n_buckets;
     cn_bucket *b = ix->buckets;
-    uint64_t i = cn_hash_key(key) & mask;
+    uint64_t i = cn_index_home(ix, key);
     for (;;) {
         if (b[i].slot < 0) return -1;
         if (b[i].key == key) break;
-        i = (i + 1) & mask;
+        i = cn_index_next(i, n);
     }
     int64_t slot = b[i].slot;
     uint64_t hole = i;
     uint64_t j = i;
     for (;;) {
-        j = (j + 1) & mask;
+        j = cn_index_next(j, n);
         if (b[j].slot < 0) break;
-        uint64_t home = cn_hash_key(b[j].key) & mask;
+        uint64_t home = cn_index_home(ix, b[j].key);
         /* b[j] may move into the hole only if its home is not in (hole, j] cyclically. */
         int in_between = (hole <= j) ? (home > hole && home <= j) : (home > hole || home <= j);
         if (!in_between) {
@@ -222,18 +295,38 @@ static inline int64_t cn_index_erase(cn_index *ix, int64_t key) {
     return slot;
 }
 
+/* Place `e` (a key not in the index) at the first empty bucket from its home. */
+static inline void cn_index_place(cn_index *ix, cn_bucket e) {
+    const uint64_t n = (uint64_t)ix->n_buckets;
+    uint64_t j = cn_index_home(ix, e.key);
+    while (ix->buckets[j].slot >= 0) j = cn_index_next(j, n);
+    ix->buckets[j] = e;
+}
+
 /* Move every entry into a new array of n_buckets. On allocation failure returns -1 and the
- * index is unchanged. */
+ * index is unchanged. The new index has another salt, so the old buckets' order is a random
+ * order of the new homes: each entry's new home is prefetched CN_REHASH_AHEAD buckets ahead.
+ * Rejected: scattering the entries first into runs by the top bits of their new hash (each run
+ * one stretch of the new array, 256 KiB, so placing a run stays in L2), through a temporary
+ * array of 16 bytes a key: 49-125 ns an entry against 42-105 for this loop, one rehash of 8M
+ * keys (C, 1.25x, this shared machine); the new array's TLB misses, not its cache misses, seem
+ * to be what costs. A salt that stays with the index through growth made the old order the
+ * new one and the rehash sequential (21-30 ns an entry), but brings back the crowding the salt
+ * exists to prevent (design note). */
+#ifndef CN_REHASH_AHEAD
+#define CN_REHASH_AHEAD 16
+#endif
 static inline int cn_index_rehash(cn_index *ix, int64_t n_buckets, int64_t *nbytes) {
     cn_index fresh;
     if (cn_index_init(&fresh, n_buckets, nbytes) != 0) return -1;
     const cn_bucket *old = ix->buckets;
-    for (int64_t i = 0; i < ix->n_buckets; i++) {
-        if (old[i].slot < 0) continue;
-        int64_t pos;
-        cn_index_probe(&fresh, old[i].key, &pos);
-        cn_index_put_at(&fresh, pos, old[i].key, old[i].slot);
+    const int64_t n_old = ix->n_buckets;
+    for (int64_t i = 0; i < n_old; i++) {
+        if (i + CN_REHASH_AHEAD < n_old && old[i + CN_REHASH_AHEAD].slot >= 0)
+            cn_index_prefetch(&fresh, old[i + CN_REHASH_AHEAD].key);
+        if (old[i].slot >= 0) cn_index_place(&fresh, old[i]);
     }
+    fresh.size = ix->size;
     cn_index_free(ix, nbytes);
     *ix = fresh;
     return 0;

@@ -22,10 +22,14 @@
 /* Grow so that `extra` more keys keep the load at or under the maximum. 0, or -1 (no memory:
  * the index is unchanged). */
 static inline int cn_slotindex_reserve(cn_index *ix, int64_t extra, int64_t *nbytes) {
+    /* Still sized to powers of two (cn_index.h takes any count): the tier reserves its disk index
+     * for capacity - cache_rows keys (cncore/tiered.py), which a cache evicted down to its low
+     * water exceeds, and the power of two's slack is what keeps that from rehashing. */
     const int64_t need = cn_index_buckets_for(ix->size + extra, CN_SLOTINDEX_MAX_LOAD);
     if (need < 0) return -1;
     if (need <= ix->n_buckets) return 0;
-    return cn_index_rehash(ix, need, nbytes);
+    const int64_t n_buckets = cn_pow2_at_least(need);
+    return n_buckets > CN_INDEX_MAX_BUCKETS ? -1 : cn_index_rehash(ix, n_buckets, nbytes);
 }
 
 /* keys[i] -> slots[i], inserted or reassigned (the caller reserved room); in order, so a key
@@ -35,9 +39,7 @@ static inline void cn_slotindex_put(cn_index *ix, const int64_t *keys, const int
         int64_t pos;
         const int64_t old = cn_index_probe(ix, keys[i], &pos);
         if (old >= 0) {
-            uint64_t j = cn_hash_key(keys[i]) & (uint64_t)ix->mask;
-            while (ix->buckets[j].key != keys[i] || ix->buckets[j].slot < 0) j = (j + 1) & (uint64_t)ix->mask;
-            ix->buckets[j].slot = slots[i];
+            ix->buckets[pos].slot = slots[i];
         } else {
             cn_index_put_at(ix, pos, keys[i], slots[i]);
         }

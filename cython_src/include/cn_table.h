@@ -143,7 +143,10 @@ static inline int64_t cn_table_capacity(const cn_table *t) {
 static inline double cn_table_growth_bytes(const cn_table *t, int64_t total) {
     double more = (double)(total - t->index.size);
     double rows = more > 0 ? more * (double)(t->arena.row_bytes + t->arena.meta_bytes) : 0.0;
-    double index = total > cn_table_capacity(t) ? 16.0 * ((double)total / t->max_load) : 0.0;
+    double index = total > cn_table_capacity(t)
+                       ? (double)sizeof(cn_bucket) * (double)cn_index_growth_buckets(&t->index, total, t->max_load,
+                                                                                     t->bound.max_rows)
+                       : 0.0;
     return rows + index;
 }
 
@@ -157,7 +160,9 @@ static inline int cn_table_reserve(cn_table *t, int64_t total) {
     int64_t more = total - t->index.size;
     if (more > 0 && cn_arena_reserve(&t->arena, more, &t->nbytes) != 0) return CN_ENOMEM;
     if (total > cn_table_capacity(t)) {
-        int64_t n_buckets = cn_index_buckets_for(total, t->max_load);
+        /* A table with a row budget grows its index to the budget's buckets at most: once full
+         * it is exactly at its maximum load and never rehashes again (cn_index.h). */
+        int64_t n_buckets = cn_index_growth_buckets(&t->index, total, t->max_load, t->bound.max_rows);
         if (n_buckets < 0 || cn_index_rehash(&t->index, n_buckets, &t->nbytes) != 0) {
             cn_arena_trim(&t->arena, pages_before, &t->nbytes);
             return CN_ENOMEM;
@@ -234,7 +239,13 @@ static inline int cn_table_insert_missing(cn_table *t, const int64_t *keys, int6
     if (n_missing == 0) return CN_OK;
     int64_t *missing = (int64_t *)malloc((size_t)n_missing * sizeof(int64_t));
     int64_t *new_pos = (int64_t *)malloc((size_t)n_missing * sizeof(int64_t));
-    if (missing == NULL || new_pos == NULL || cn_table_reserve(t, t->index.size + n_missing) != CN_OK) {
+    /* n_missing counts a key given twice twice; with a row budget the room is capped at it, which
+     * holds the call's distinct keys (cn_table_make_room made sure or refused), so a batch of
+     * duplicates does not grow the index past the budget's buckets. */
+    int64_t total = t->index.size + n_missing;
+    if (t->bound.max_rows > 0 && total > t->bound.max_rows)
+        total = t->index.size > t->bound.max_rows ? t->index.size : t->bound.max_rows;
+    if (missing == NULL || new_pos == NULL || cn_table_reserve(t, total) != CN_OK) {
         free(missing);
         free(new_pos);
         return CN_ENOMEM;
