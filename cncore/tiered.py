@@ -88,7 +88,7 @@ import numpy as np
 from cncore import _core
 from cncore._interchange import as_keys
 from cncore.config import LRU, StoreConfig, Tiered
-from cncore.row_codec import decode_rows, encode_rows
+from cncore.row_codec import decode_rows
 from cncore.store import EmbeddingStore, TableBatch
 
 __all__ = ["TieredStore", "TierFile", "open_tier"]
@@ -314,7 +314,11 @@ class TieredStore(EmbeddingStore):
         # growing by doubling, a rehash holds the old and new buckets at once (16 + 32 MiB at 1M
         # disk rows), which set the peak RSS of a table 10x its cache.
         self._disk.reserve(max(0, config.capacity - self.cache_rows - len(self._disk)))
-        super().on_evict(self._spill)
+        # The cache's evictions go to the writer in C (cn_tier.h): packed from the eviction's
+        # buffer into records, written, indexed on disk; no NumPy copies, no callback.
+        self._writer = _core.RecordWriter(self._fd, self._layout_fields(), self._disk, self._spill_slots,
+                                          self._io_threads, self._io_rows)
+        self._table.evict_sink = self._writer
 
     # --- the layout of a record ------------------------------------------------------------------
 
@@ -323,6 +327,14 @@ class TieredStore(EmbeddingStore):
 
     def _layout(self) -> None:
         self._record, self._per_page = record_layout(self._tier_config, self._version)
+
+    def _layout_fields(self) -> tuple:
+        """The record layout as RecordWriter takes it (cn_tier_layout)."""
+        from cncore.config import ROW_DTYPES
+        r, f = self._record, self._record.fields
+        row_code = 0 if r["row"].base == np.float32 else ROW_DTYPES[self._tier_config.dtype]
+        return (r.itemsize, self._per_page, self.dim, self._tier_config.state_floats, row_code,
+                f["count"][1], f["last_step"][1], f["row"][1], f["state"][1] if "state" in f else 0)
 
     def _offsets(self, slots: np.ndarray) -> np.ndarray:
         return record_offsets(slots, self._record.itemsize, self._per_page)
@@ -337,24 +349,15 @@ class TieredStore(EmbeddingStore):
         return buf
 
     def _write(self, slots: np.ndarray, batch: TableBatch) -> None:
-        """Write a batch's rows as records at slots, _IO_ROWS at a time through one buffer: the
-        records of a whole eviction (16k rows in a step that inserts 16k keys: 4.4 MiB at dim
-        64) made a spill's peak memory the batch's rows twice over."""
+        """Write a batch's rows as records at slots (the writer packs them in C, _IO_ROWS at a
+        time through one buffer: the records of a whole eviction, 16k rows in a step that
+        inserts 16k keys, 4.4 MiB at dim 64, made a spill's peak memory the rows twice over)."""
         n = len(slots)
         if not n:
             return
-        buf = np.zeros(min(n, self._io_rows), self._record)  # zeros: the padding bytes written are zeros
-        raw = buf.view(np.uint8).reshape(len(buf), -1)
-        wide = self._record["row"].base == np.float32
-        has_state = "state" in self._record.names
-        for a in range(0, n, self._io_rows):
-            b = min(a + self._io_rows, n)
-            part = buf[:b - a]
-            part["key"], part["count"], part["last_step"] = batch.keys[a:b], batch.counts[a:b], batch.last_steps[a:b]
-            part["row"] = batch.rows[a:b] if wide else encode_rows(batch.rows[a:b], self._tier_config.dtype)
-            if has_state:
-                part["state"] = batch.optimizer_state[a:b]
-            _core.block_io(self._fd, self._offsets(slots[a:b]), raw[:b - a], True, self._io_threads)
+        self._writer.write(np.ascontiguousarray(slots, dtype=np.int64), np.ascontiguousarray(batch.keys),
+                           np.ascontiguousarray(batch.counts), np.ascontiguousarray(batch.last_steps),
+                           np.ascontiguousarray(batch.rows), np.ascontiguousarray(batch.optimizer_state))
         self.stats["rows_written"] += n
         self.stats["bytes_written"] += n * self._record.itemsize
 
@@ -393,12 +396,13 @@ class TieredStore(EmbeddingStore):
 
     # --- moving rows between the tiers ------------------------------------------------------------
 
-    def _spill(self, batch: TableBatch) -> None:
-        """The cache evicted these rows: write them to free slots (their keys are not on disk)."""
-        slots = self._take_slots(len(batch.keys))
-        self._write(slots, batch)
-        self._disk.put(np.ascontiguousarray(batch.keys), slots)
-        self._spilled += len(slots)
+    def _spill_slots(self, n: int) -> np.ndarray:
+        """The writer's allocator: slots for the n rows the cache is evicting (the writer then
+        writes them there and puts their keys in the disk index), counted as written."""
+        self._spilled += n
+        self.stats["rows_written"] += n
+        self.stats["bytes_written"] += n * self._record.itemsize
+        return self._take_slots(n)
 
     def _fault_in(self, keys, insert: bool) -> None:
         """Bring the keys on disk into the cache (and, with insert, give the absent ones their
@@ -431,36 +435,38 @@ class TieredStore(EmbeddingStore):
         new_keys = absent[~on_disk] if insert and self._tier_config.admission is None else absent[:0]
         if not len(disk_keys) and len(new_keys) <= self._evict_chunk:
             return  # the call's own find_or_insert makes the new rows (one round)
-        # Room first, then the disk rows. With room for them (the cache evicts in rounds of
-        # `headroom` rows, so most steps find room) they load straight in; else find_or_insert
-        # of the call's cached keys and the incoming ones makes it, evicting only others. In
-        # rounds of `_evict_chunk` incoming keys (each round pins the call's cached keys and the
-        # rounds before): the core evicts what one call needs in one batch and holds it twice
-        # (its copy out of the table, and the arrays handed to the spill), so a step bringing
-        # in 16k rows held 8.6 MiB at once at dim 64, most of a 32 MiB cache's peak RSS
-        # overshoot; a round of 1/64 of the cache holds 3% of it.
-        incoming = np.concatenate([disk_keys, new_keys]) if len(new_keys) else disk_keys
-        if EmbeddingStore.__len__(self) + len(incoming) > self.cache_rows:
-            base = keys[cached]
-            if len(base) + len(incoming) > self.cache_rows:
-                self._check_fits(np.concatenate([base, incoming]))
-            step = self._evict_chunk
-            for end in range(step, len(incoming) + step, step):
-                EmbeddingStore.find_or_insert(self, np.concatenate([base, incoming[:end]]))
-        if not len(disk_keys):
-            return
-        rec = self._read_current(disk_keys, slots)
-        if (rec["key"] != disk_keys).any():
-            raise RuntimeError(f"{self._dir}: rows.dat holds another key in a slot the index gives; the tier "
-                               "is damaged")
-        has_state = "state" in rec.dtype.names
-        for a in range(0, len(disk_keys), self._io_rows):  # bounded copies (rows widened, state made contiguous)
-            part = rec[a:a + self._io_rows]
-            EmbeddingStore.load(self, disk_keys[a:a + self._io_rows], self._rows_of(part),
-                                part["state"] if has_state else None, part["count"], part["last_step"])
-        del rec
-        self._disk.erase(disk_keys)
-        self._release(slots)
+        base = keys[cached]
+        if len(base) + len(disk_keys) + len(new_keys) > self.cache_rows:
+            self._check_fits(np.concatenate([base, disk_keys, new_keys]))
+        # The disk rows go straight into the cache (RecordWriter / Table.load_records, one C call
+        # a round: cn_tier.h), which makes their room as an insert does, evicting only rows the
+        # call does not use (the call's cached keys and the rounds before are pinned). In rounds
+        # of `_evict_chunk` rows: the core evicts what one call needs in one batch, so a step
+        # bringing in 16k rows held 8.6 MiB of evicted rows at once at dim 64, most of a 32 MiB
+        # cache's peak RSS overshoot; a round of 1/64 of the cache holds 3% of it. With room
+        # for them (the cache evicts in rounds of `headroom` rows, so most steps find room)
+        # nothing is pinned.
+        step = self._evict_chunk
+        if len(disk_keys):
+            rec = self._read_current(disk_keys, slots)
+            raw = rec.view(np.uint8).reshape(len(rec), -1)
+            if self._writer.check_keys(raw, disk_keys) >= 0:
+                raise RuntimeError(f"{self._dir}: rows.dat holds another key in a slot the index gives; the tier "
+                                   "is damaged")
+            room = EmbeddingStore.__len__(self) + len(disk_keys) <= self.cache_rows
+            for a in range(0, len(disk_keys), step):
+                pin = base[:0] if room else (np.concatenate([base, disk_keys[:a]]) if a else base)
+                self._table.load_records(self._writer, raw[a:a + step], disk_keys[a:a + step], pin)
+            self._writes += 1
+            del rec, raw
+            self._disk.erase(disk_keys)
+            self._release(slots)
+        # New keys (more than one round of them): their room in rounds too, by find_or_insert of
+        # the call's cached keys, its disk rows and the new keys so far (their initial rows).
+        if len(new_keys) > step and EmbeddingStore.__len__(self) + len(new_keys) > self.cache_rows:
+            base = np.concatenate([base, disk_keys])
+            for end in range(step, len(new_keys) + step, step):
+                EmbeddingStore.find_or_insert(self, np.concatenate([base, new_keys[:end]]))
 
     @contextlib.contextmanager
     def faulted_in(self, keys, insert: bool):
