@@ -339,8 +339,18 @@ class TieredStore(EmbeddingStore):
     def _offsets(self, slots: np.ndarray) -> np.ndarray:
         return record_offsets(slots, self._record.itemsize, self._per_page)
 
+    def _buffer(self, n: int) -> np.ndarray:
+        """n records' room: the spare buffer of the last fault-in if large enough (every byte is
+        then read from the file), else a new one."""
+        spare, self._spare = getattr(self, "_spare", None), None
+        if spare is not None and spare.base is not None:
+            spare = spare.base  # a view of a larger buffer
+        if spare is not None and len(spare) >= n and spare.dtype == self._record:
+            return spare[:n]
+        return np.zeros(n, self._record)
+
     def _read(self, slots: np.ndarray) -> np.ndarray:
-        buf = np.zeros(len(slots), self._record)
+        buf = self._buffer(len(slots))
         if len(slots):
             _core.block_io(self._fd, self._offsets(slots), buf.view(np.uint8).reshape(len(slots), -1), False,
                            self._io_threads)
@@ -414,7 +424,7 @@ class TieredStore(EmbeddingStore):
         keys = as_keys(keys)
         if not len(keys):
             return
-        cached = EmbeddingStore.find(self, keys)[1]
+        cache_slots, cached = EmbeddingStore.find(self, keys)
         n_cached = int(cached.sum())
         self.stats["hits"] += n_cached
         if n_cached == len(keys):
@@ -440,7 +450,8 @@ class TieredStore(EmbeddingStore):
             self._check_fits(np.concatenate([base, disk_keys, new_keys]))
         # The disk rows go straight into the cache (RecordWriter / Table.load_records, one C call
         # a round: cn_tier.h), which makes their room as an insert does, evicting only rows the
-        # call does not use (the call's cached keys and the rounds before are pinned). In rounds
+        # call does not use (the call's cached rows and the rounds before are pinned, by the
+        # slots found above, so no round finds the call's keys again). In rounds
         # of `_evict_chunk` rows: the core evicts what one call needs in one batch, so a step
         # bringing in 16k rows held 8.6 MiB of evicted rows at once at dim 64, most of a 32 MiB
         # cache's peak RSS overshoot; a round of 1/64 of the cache holds 3% of it. With room
@@ -453,11 +464,15 @@ class TieredStore(EmbeddingStore):
             if self._writer.check_keys(raw, disk_keys) >= 0:
                 raise RuntimeError(f"{self._dir}: rows.dat holds another key in a slot the index gives; the tier "
                                    "is damaged")
-            room = EmbeddingStore.__len__(self) + len(disk_keys) <= self.cache_rows
+            pin = cache_slots[:0] if EmbeddingStore.__len__(self) + len(disk_keys) <= self.cache_rows \
+                else cache_slots[cached]
             for a in range(0, len(disk_keys), step):
-                pin = base[:0] if room else (np.concatenate([base, disk_keys[:a]]) if a else base)
-                self._table.load_records(self._writer, raw[a:a + step], disk_keys[a:a + step], pin)
+                loaded = self._table.load_records(self._writer, raw[a:a + step], disk_keys[a:a + step], pin)
+                if a + step < len(disk_keys) and len(pin):
+                    pin = np.concatenate([pin, loaded])
             self._writes += 1
+            if rec.nbytes <= self._tier_config.storage.cache_bytes // 32:  # kept: at most 1/32 of the cache
+                self._spare = rec  # the next read's buffer (a new one faulted in its pages, 400 KiB a step)
             del rec, raw
             self._disk.erase(disk_keys)
             self._release(slots)
@@ -655,7 +670,7 @@ class TieredStore(EmbeddingStore):
             return
         found_keys, first = np.unique(keys[found], return_index=True)  # sorted, as _read_current wants
         slots = at[found][first]
-        buf = np.zeros(len(slots), self._record)
+        buf = self._buffer(len(slots))
         offsets, fd, threads, commit = self._offsets(slots), self._fd, self._io_threads, self._commits
 
         def read():

@@ -553,12 +553,12 @@ cdef class Table:
         return n_new
 
     def load_records(self, RecordWriter layout_of, const uint8_t[:, ::1] records, const key_t[::1] keys,
-                     const key_t[::1] pin):
+                     const slot_t[::1] pin):
         """Load records (their keys: keys, distinct, none in the table) into this bounded table in
-        one nogil section (cn_tier_load), keeping the present keys `pin` out of the eviction that
-        makes their room; evicted rows go to the evict sink. `layout_of`: the tier's writer (its
-        record layout)."""
-        cdef int64_t n = keys.shape[0], n_pin = pin.shape[0]
+        one nogil section (cn_tier_load), keeping the live rows at slots `pin` out of the eviction
+        that makes their room; evicted rows go to the evict sink. Returns the loaded keys' slots.
+        `layout_of`: the tier's writer (its record layout)."""
+        cdef int64_t n = keys.shape[0], n_pin = pin.shape[0], i
         cdef int rc = CN_OK
         cdef cn_evicted ev
         cdef int want = self.evict_sink is not None
@@ -566,16 +566,26 @@ cdef class Table:
             raise ValueError(f"records: expected ({n}, {layout_of.L.rec}), got {records.shape}")
         if layout_of.L.dim != self.t.dim or layout_of.L.state_floats != self.t.state_floats:
             raise ValueError("load_records: the records' layout is not this table's")
+        out = np.empty(n, dtype=np.int64)
         if n == 0:
-            return
+            return out
+        cdef slot_t[::1] o = out
         ev.n = 0
         with nogil:
             _wrlock(self)
-            rc = cn_tier_load(&self.t, &layout_of.L, &records[0, 0], &keys[0], n, &pin[0] if n_pin else NULL, n_pin,
-                              want, &ev)
+            for i in range(n_pin):  # a pin must be a live slot (the set_live of a freed one would revive it)
+                if pin[i] < 0 or pin[i] >= self.t.arena.high_water:
+                    rc = CN_EBADSLOT
+                    break
+            if rc == CN_OK:
+                rc = cn_tier_load(&self.t, &layout_of.L, &records[0, 0], &keys[0], n, &pin[0] if n_pin else NULL,
+                                  n_pin, want, &ev, &o[0])
             _unlock(self)
         self._deliver(&ev)
+        if rc == CN_EBADSLOT:
+            raise ValueError("pin: a slot outside the table")
         _raise_insert(rc, self, n)
+        return out
 
     def erase(self, const key_t[::1] keys, uint8_t[::1] erased):
         cdef int64_t n = keys.shape[0], count = 0

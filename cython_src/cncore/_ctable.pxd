@@ -165,4 +165,4 @@ cdef extern from "cn_tier.h" nogil:
                       int64_t ld_state, uint8_t *buf)
     int64_t cn_tier_check_keys(const cn_tier_layout *L, const uint8_t *buf, const int64_t *keys, int64_t n)
     int cn_tier_load(cn_table *t, const cn_tier_layout *L, const uint8_t *buf, const int64_t *keys, int64_t n,
-                     const int64_t *pin, int64_t n_pin, int want_rows, cn_evicted *ev)
+                     const int64_t *pin, int64_t n_pin, int want_rows, cn_evicted *ev, int64_t *slots)

@@ -80,63 +80,71 @@ static inline int64_t cn_tier_check_keys(const cn_tier_layout *L, const uint8_t 
 }
 
 /* Load n records (distinct keys, keys[i] the key of record i, none in the table) into a bounded
- * table, keeping the n_pin keys `pin` (all present) out of the eviction that makes their room.
- * Rows it evicts go to ev (rows and state with want_rows). Returns CN_OK, CN_EFULL (the pinned
- * and loaded rows exceed max_rows) or CN_ENOMEM; on an error nothing was loaded (an eviction
- * that had already happened is in ev, to be handed on). */
+ * table; slots[i] receives the slot of keys[i]. The live rows at the n_pin slots `pin` (the
+ * call's other rows; repeats allowed) are kept out of the eviction that makes the room: pinned by
+ * slot, not by key, as the caller found them already (a find of a step's 16k keys per round
+ * was 0.1-0.2 ms). The room is made as cn_table_make_room makes it for an insert: down to the
+ * low-water mark, rows evicted into ev (rows and state with want_rows). Returns CN_OK, CN_EFULL
+ * (the pinned and loaded rows exceed max_rows) or CN_ENOMEM; on an error nothing was loaded (an
+ * eviction that had already happened is in ev, to be handed on). */
 static inline int cn_tier_load(cn_table *t, const cn_tier_layout *L, const uint8_t *buf, const int64_t *keys,
-                               int64_t n, const int64_t *pin, int64_t n_pin, int want_rows, cn_evicted *ev) {
+                               int64_t n, const int64_t *pin, int64_t n_pin, int want_rows, cn_evicted *ev,
+                               int64_t *slots) {
     memset(ev, 0, sizeof(*ev));
     if (n == 0) return CN_OK;
-    const int64_t m = n_pin + n;
-    int64_t *all = (int64_t *)malloc((size_t)m * sizeof(int64_t));
-    int64_t *slots = (int64_t *)malloc((size_t)m * sizeof(int64_t));
-    float *tmp = (float *)malloc((size_t)L->dim * sizeof(float));
-    if (all == NULL || slots == NULL || tmp == NULL) {
-        free(all);
-        free(slots);
-        free(tmp);
-        return CN_ENOMEM;
-    }
-    if (n_pin) memcpy(all, pin, (size_t)n_pin * sizeof(int64_t));
-    memcpy(all + n_pin, keys, (size_t)n * sizeof(int64_t));
-    cn_table_find(t, all, m, slots);
-    int rc = cn_table_make_room(t, all, m, slots, want_rows, ev);
-    if (rc == CN_OK) rc = cn_table_reserve(t, t->index.size + n);
-    if (rc == CN_OK) {
-        const int64_t row_bytes = cn_dtype_bytes(t->row_dtype) * L->dim;
-        int64_t inserted = 0;
-        for (int64_t i = 0; i < n; i++) {
-            const uint8_t *p = buf + i * L->rec;
-            int64_t pos, s = cn_index_probe(&t->index, keys[i], &pos);
-            if (s < 0) {
-                s = cn_arena_take_slot(&t->arena);
-                cn_index_put_at(&t->index, pos, keys[i], s);
-                if (t->arena.key_offset) {
-                    *cn_arena_key(&t->arena, s) = keys[i];
-                    cn_arena_set_live(&t->arena, s, 1);
-                }
-                inserted++;
-            }
-            void *row = cn_arena_row(&t->arena, s);
-            if (L->row_dtype == t->row_dtype) {
-                memcpy(row, p + L->off_row, (size_t)row_bytes);
-            } else {
-                cn_row_load(L->row_dtype, p + L->off_row, tmp, L->dim);
-                cn_row_store(t->row_dtype, tmp, row, L->dim);
-            }
-            if (t->state_floats)
-                memcpy(cn_table_state(t, s), p + L->off_state, (size_t)t->state_floats * sizeof(float));
-            cn_meta *meta = cn_arena_meta(&t->arena, s);
-            memcpy(&meta->count, p + L->off_count, 4);
-            memcpy(&meta->last_step, p + L->off_step, 4);
+    int rc = CN_OK;
+    const int64_t size = t->index.size;
+    if (t->bound.max_rows > 0 && size + n > t->bound.max_rows) {
+        uint8_t *was = (uint8_t *)malloc((size_t)(n_pin ? n_pin : 1));
+        if (was == NULL) return CN_ENOMEM;
+        int64_t pinned = 0;
+        for (int64_t i = 0; i < n_pin; i++) pinned += was[i] = (uint8_t)cn_arena_set_live(&t->arena, pin[i], 0);
+        rc = CN_EFULL;
+        if (pinned + n <= t->bound.max_rows) {
+            int64_t k = size + n - t->bound.low_water;
+            if (k > size - pinned) k = size - pinned;
+            rc = cn_table_evict_lowest(t, k, size - pinned, want_rows, ev, size + n - k);
         }
-        if (inserted) t->version = cn_next_stamp();
+        for (int64_t i = 0; i < n_pin; i++)  /* only the bits this call cleared (a pin given twice: once) */
+            if (was[i]) cn_arena_set_live(&t->arena, pin[i], 1);
+        free(was);
     }
-    free(all);
-    free(slots);
-    free(tmp);
-    return rc;
+    if (rc == CN_OK) rc = cn_table_reserve(t, t->index.size + n);
+    if (rc != CN_OK) return rc;
+    float tmp[256];
+    float *wide = L->row_dtype == t->row_dtype || L->dim <= 256 ? tmp : (float *)malloc((size_t)L->dim * sizeof(float));
+    if (wide == NULL) return CN_ENOMEM;
+    const int64_t row_bytes = cn_dtype_bytes(t->row_dtype) * L->dim;
+    int64_t inserted = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const uint8_t *p = buf + i * L->rec;
+        int64_t pos, s = cn_index_probe(&t->index, keys[i], &pos);
+        if (s < 0) {
+            s = cn_arena_take_slot(&t->arena);
+            cn_index_put_at(&t->index, pos, keys[i], s);
+            if (t->arena.key_offset) {
+                *cn_arena_key(&t->arena, s) = keys[i];
+                cn_arena_set_live(&t->arena, s, 1);
+            }
+            inserted++;
+        }
+        slots[i] = s;
+        void *row = cn_arena_row(&t->arena, s);
+        if (L->row_dtype == t->row_dtype) {
+            memcpy(row, p + L->off_row, (size_t)row_bytes);
+        } else {
+            cn_row_load(L->row_dtype, p + L->off_row, wide, L->dim);
+            cn_row_store(t->row_dtype, wide, row, L->dim);
+        }
+        if (t->state_floats)
+            memcpy(cn_table_state(t, s), p + L->off_state, (size_t)t->state_floats * sizeof(float));
+        cn_meta *meta = cn_arena_meta(&t->arena, s);
+        memcpy(&meta->count, p + L->off_count, 4);
+        memcpy(&meta->last_step, p + L->off_step, 4);
+    }
+    if (wide != tmp) free(wide);
+    if (inserted) t->version = cn_next_stamp();
+    return CN_OK;
 }
 
 #endif
