@@ -320,6 +320,17 @@ class TieredStore(EmbeddingStore):
                                           self._io_threads, self._io_rows)
         self._table.evict_sink = self._writer
 
+    @property
+    def _io_rows(self) -> int:
+        """Records a spill writes, or a read reads, at a time (tests set it small)."""
+        return self._io_rows_n
+
+    @_io_rows.setter
+    def _io_rows(self, n: int) -> None:
+        self._io_rows_n = n
+        if getattr(self, "_writer", None) is not None:
+            self._writer.io_rows = n
+
     # --- the layout of a record ------------------------------------------------------------------
 
     def _rows_of(self, rec: np.ndarray) -> np.ndarray:
@@ -466,8 +477,8 @@ class TieredStore(EmbeddingStore):
         step = self._evict_chunk
         if len(disk_keys):
             staged = self._take_staged()
-            pin = cache_slots[:0] if EmbeddingStore.__len__(self) + len(disk_keys) <= self.cache_rows \
-                else cache_slots[cached]
+            room = EmbeddingStore.__len__(self) + len(disk_keys) <= self.cache_rows  # then nothing is evicted
+            pin = cache_slots[:0] if room else cache_slots[cached]
             # Read and loaded a round at a time: a uniform step at 10x brings in 14.7k rows, and
             # its records read at once held 4 MiB beside the cache (half the store's peak over
             # cache + disk index). A round's keys leave the disk index once loaded, so that an
@@ -482,7 +493,7 @@ class TieredStore(EmbeddingStore):
                 loaded = self._table.load_records(self._writer, raw, k, pin)
                 self._disk.erase(k)
                 self._release(at)
-                if a + step < len(disk_keys) and len(pin):
+                if a + step < len(disk_keys) and not room:
                     pin = np.concatenate([pin, loaded])
                 if staged is None:
                     self._keep_spare(rec)

@@ -220,6 +220,23 @@ cdef class RecordWriter:
         free(self.offs)
 
     @property
+    def io_rows(self):
+        """Records packed and written at a time (the buffer's size)."""
+        return self.io_rows
+
+    @io_rows.setter
+    def io_rows(self, int64_t n):
+        cdef uint8_t *buf = <uint8_t*> malloc(<size_t> (max(n, 1) * self.L.rec))
+        cdef int64_t *offs = <int64_t*> malloc(<size_t> max(n, 1) * sizeof(int64_t))
+        if buf == NULL or offs == NULL:
+            free(buf)
+            free(offs)
+            raise MemoryError("RecordWriter: no memory for its buffer")
+        free(self.buf)
+        free(self.offs)
+        self.buf, self.offs, self.io_rows = buf, offs, max(n, 1)
+
+    @property
     def fd(self):
         return self.fd
 
