@@ -10,10 +10,14 @@ tiers that never hold the same key at once:
 - the disk: `path/rows.dat`, a slotted file of fixed-size records (key, count, last step,
   row, optimizer state; a record never straddles a 4 KiB page), and a key -> slot index in
   memory for the rows on disk (the core's hash index alone, cn_slotindex.h: 23-46 bytes a key).
-Before a call touches keys, the keys found on disk are read in one batched call (several
-I/Os in flight: cn_blockio.h) and loaded into the cache; making room for them evicts the
-cache's lowest-scoring rows that the call does not use, and those are written to free slots
-of the file in one batched call (the "spill"). Nothing is dropped: an evicted row is on disk.
+Before a call touches keys, the keys found on disk are read in batched calls (several I/Os in
+flight: cn_blockio.h) and loaded into the cache, a round (1/64 of the cache) at a time; making
+room for them evicts the cache's lowest-scoring rows that the call does not use, and those are
+written to free slots of the file in one batched call (the "spill"). Nothing is dropped: an
+evicted row is on disk. Both directions run in C (cn_tier.h, `_core.RecordWriter` and
+`Table.load_records`): the cache's eviction buffer is packed straight into records, and read
+records go straight into the cache's rows, one nogil call a round; Python only finds which keys
+are missing, allocates slots and keeps the counts.
 
 Durability (`flush`): every cached row is written to free slots, the file is fsynced, then the
 index of every row's slot is written to a new `index-NNNNNN.npz` (fsynced) and `meta.json`
@@ -31,17 +35,20 @@ after a flush the file is at most that many times the rows (plus a few pages), a
 spilled since. `compact()` brings it to exactly one record per row.
 
 `prefetch(keys)` hands in the next batch's keys: which are on disk is looked up at once, their
-records are read on a background thread (one for every tiered store of the process) while the
-current step runs (TorchRec's SSD TBE pipeline does the same); the next call takes them if
-still current (same slot, no flush since), and reads the rest.
+records (at most 1/32 of the cache's bytes of them) are read on a background thread (one for
+every tiered store of the process) while the current step runs (TorchRec's SSD TBE pipeline does
+the same); the next call takes them if still current (same slot, no flush since), and reads the
+rest.
 
 Threads: every verb holds the store's lock, and a lookup's fault-in and its core call are one
 held section (`faulted_in`), so a thread's rows cannot go back to disk between them.
 
 Memory: the cache's rows (cache_bytes), the disk index (16-byte buckets at a load factor of at
 most 0.7; sized once from StoreConfig.capacity, the rows the table will hold, if given), per
-call the records it moves (in rounds of 1/64 of the cache at most, 1,024 at a time through a
-buffer), and per flush the new index (16 bytes a row) and one chunk of records. Freed heap is
+call the records it moves (read and evicted in rounds of 1/64 of the cache at most, written
+1,024 at a time through the writer's buffer; a read buffer of at most 1/32 of the cache is kept
+for the next call, and prefetch reads at most that much ahead), and per flush the new index (16
+bytes a row) and one chunk of records. Freed heap is
 given back with malloc_trim (glibc) after flushes and every 1/16 of the cache spilled. `stats`
 counts hits and misses (IDs found in memory / read from disk), rows and bytes read and
 written, and the bytes written by flushes and compactions apart.
