@@ -957,6 +957,8 @@ class TieredStore(EmbeddingStore):
         if getattr(self, "_fd", None) is not None:
             os.close(self._fd)
             self._fd = None
+            if getattr(self, "_writer", None) is not None:
+                self._writer.fd = -1  # a spill after close fails (EBADF), never writes to a reused descriptor
 
     def __del__(self):
         try:

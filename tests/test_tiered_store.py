@@ -648,3 +648,20 @@ def test_block_io_joins_runs_across_page_padding_and_writes_nothing_else(tmp_pat
         np.testing.assert_array_equal(back, data[pick])
     finally:
         os.close(fd)
+
+
+def test_a_closed_store_never_writes_to_a_reused_descriptor(tmp_path):
+    """The record writer holds the file's descriptor: after close() a spill must fail, not write
+    into whatever file the process opened next under the same number."""
+    store = cncore.EmbeddingStore(cncore.StoreConfig(dim=2, storage=cncore.Tiered(str(tmp_path / "t"),
+                                                                                  cache_bytes=16 * 60)))
+    store.find_or_insert(np.arange(16))
+    store.close()
+    other = os.open(str(tmp_path / "other"), os.O_RDWR | os.O_CREAT)
+    try:
+        with pytest.raises(OSError, match="Bad file descriptor"):
+            for start in range(100, 140, 8):
+                store.find_or_insert(np.arange(start, start + 8))
+        assert os.fstat(other).st_size == 0
+    finally:
+        os.close(other)
