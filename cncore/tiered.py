@@ -538,6 +538,12 @@ class TieredStore(EmbeddingStore):
         return super().evict_expired()
 
     @_locked
+    def evict_if(self, predicate, *, batch_size: int = 65536) -> int:
+        """As EmbeddingStore.evict_if, over the cached rows (the rows go to disk). Under the
+        store's lock: the spill's writer has one buffer."""
+        return super().evict_if(predicate, batch_size=batch_size)
+
+    @_locked
     def decay_admission(self) -> None:
         """Halve every counter of the admission sketch (MinCount). The sketch counts the
         sightings of keys that have no row, in memory or on disk; it lives in memory only, so
