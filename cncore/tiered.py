@@ -10,10 +10,14 @@ tiers that never hold the same key at once:
 - the disk: `path/rows.dat`, a slotted file of fixed-size records (key, count, last step,
   row, optimizer state; a record never straddles a 4 KiB page), and a key -> slot index in
   memory for the rows on disk (the core's hash index alone, cn_slotindex.h: 23-46 bytes a key).
-Before a call touches keys, the keys found on disk are read in one batched call (several
-I/Os in flight: cn_blockio.h) and loaded into the cache; making room for them evicts the
-cache's lowest-scoring rows that the call does not use, and those are written to free slots
-of the file in one batched call (the "spill"). Nothing is dropped: an evicted row is on disk.
+Before a call touches keys, the keys found on disk are read in batched calls (several I/Os in
+flight: cn_blockio.h) and loaded into the cache, a round (1/64 of the cache) at a time; making
+room for them evicts the cache's lowest-scoring rows that the call does not use, and those are
+written to free slots of the file in one batched call (the "spill"). Nothing is dropped: an
+evicted row is on disk. Both directions run in C (cn_tier.h, `_core.RecordWriter` and
+`Table.load_records`): the cache's eviction buffer is packed straight into records, and read
+records go straight into the cache's rows, one nogil call a round; Python only finds which keys
+are missing, allocates slots and keeps the counts.
 
 Durability (`flush`): every cached row is written to free slots, the file is fsynced, then the
 index of every row's slot is written to a new `index-NNNNNN.npz` (fsynced) and `meta.json`
@@ -31,17 +35,20 @@ after a flush the file is at most that many times the rows (plus a few pages), a
 spilled since. `compact()` brings it to exactly one record per row.
 
 `prefetch(keys)` hands in the next batch's keys: which are on disk is looked up at once, their
-records are read on a background thread (one for every tiered store of the process) while the
-current step runs (TorchRec's SSD TBE pipeline does the same); the next call takes them if
-still current (same slot, no flush since), and reads the rest.
+records (at most 1/32 of the cache's bytes of them) are read on a background thread (one for
+every tiered store of the process) while the current step runs (TorchRec's SSD TBE pipeline does
+the same); the next call takes them if still current (same slot, no flush since), and reads the
+rest.
 
 Threads: every verb holds the store's lock, and a lookup's fault-in and its core call are one
 held section (`faulted_in`), so a thread's rows cannot go back to disk between them.
 
 Memory: the cache's rows (cache_bytes), the disk index (16-byte buckets at a load factor of at
 most 0.7; sized once from StoreConfig.capacity, the rows the table will hold, if given), per
-call the records it moves (in rounds of 1/64 of the cache at most, 1,024 at a time through a
-buffer), and per flush the new index (16 bytes a row) and one chunk of records. Freed heap is
+call the records it moves (read and evicted in rounds of 1/64 of the cache at most, written
+1,024 at a time through the writer's buffer; a read buffer of at most 1/32 of the cache is kept
+for the next call, and prefetch reads at most that much ahead), and per flush the new index (16
+bytes a row) and one chunk of records. Freed heap is
 given back with malloc_trim (glibc) after flushes and every 1/16 of the cache spilled. `stats`
 counts hits and misses (IDs found in memory / read from disk), rows and bytes read and
 written, and the bytes written by flushes and compactions apart.
@@ -88,7 +95,7 @@ import numpy as np
 from cncore import _core
 from cncore._interchange import as_keys
 from cncore.config import LRU, StoreConfig, Tiered
-from cncore.row_codec import decode_rows, encode_rows
+from cncore.row_codec import decode_rows
 from cncore.store import EmbeddingStore, TableBatch
 
 __all__ = ["TieredStore", "TierFile", "open_tier"]
@@ -314,7 +321,22 @@ class TieredStore(EmbeddingStore):
         # growing by doubling, a rehash holds the old and new buckets at once (16 + 32 MiB at 1M
         # disk rows), which set the peak RSS of a table 10x its cache.
         self._disk.reserve(max(0, config.capacity - self.cache_rows - len(self._disk)))
-        super().on_evict(self._spill)
+        # The cache's evictions go to the writer in C (cn_tier.h): packed from the eviction's
+        # buffer into records, written, indexed on disk; no NumPy copies, no callback.
+        self._writer = _core.RecordWriter(self._fd, self._layout_fields(), self._disk, self._spill_slots,
+                                          self._io_threads, self._io_rows)
+        self._table.evict_sink = self._writer
+
+    @property
+    def _io_rows(self) -> int:
+        """Records a spill writes, or a read reads, at a time (tests set it small)."""
+        return self._io_rows_n
+
+    @_io_rows.setter
+    def _io_rows(self, n: int) -> None:
+        self._io_rows_n = n
+        if getattr(self, "_writer", None) is not None:
+            self._writer.io_rows = n
 
     # --- the layout of a record ------------------------------------------------------------------
 
@@ -324,11 +346,35 @@ class TieredStore(EmbeddingStore):
     def _layout(self) -> None:
         self._record, self._per_page = record_layout(self._tier_config, self._version)
 
+    def _layout_fields(self) -> tuple:
+        """The record layout as RecordWriter takes it (cn_tier_layout)."""
+        from cncore.config import ROW_DTYPES
+        r, f = self._record, self._record.fields
+        row_code = 0 if r["row"].base == np.float32 else ROW_DTYPES[self._tier_config.dtype]
+        return (r.itemsize, self._per_page, self.dim, self._tier_config.state_floats, row_code,
+                f["count"][1], f["last_step"][1], f["row"][1], f["state"][1] if "state" in f else 0)
+
     def _offsets(self, slots: np.ndarray) -> np.ndarray:
         return record_offsets(slots, self._record.itemsize, self._per_page)
 
+    def _keep_spare(self, rec: np.ndarray) -> None:
+        """Keep a record buffer for the next read (a new 400 KiB one faulted in its pages at
+        every step of a Zipf run), if it is at most 1/32 of the cache."""
+        base = rec if rec.base is None else rec.base
+        if isinstance(base, np.ndarray) and base.dtype == self._record and base.ndim == 1 \
+                and base.nbytes <= self._tier_config.storage.cache_bytes // 32:
+            self._spare = base
+
+    def _buffer(self, n: int) -> np.ndarray:
+        """n records' room: the spare buffer of the last fault-in if large enough (every byte is
+        then read from the file), else a new one."""
+        spare, self._spare = getattr(self, "_spare", None), None
+        if spare is not None and len(spare) >= n and spare.dtype == self._record:
+            return spare[:n]
+        return np.zeros(n, self._record)
+
     def _read(self, slots: np.ndarray) -> np.ndarray:
-        buf = np.zeros(len(slots), self._record)
+        buf = self._buffer(len(slots))
         if len(slots):
             _core.block_io(self._fd, self._offsets(slots), buf.view(np.uint8).reshape(len(slots), -1), False,
                            self._io_threads)
@@ -337,24 +383,15 @@ class TieredStore(EmbeddingStore):
         return buf
 
     def _write(self, slots: np.ndarray, batch: TableBatch) -> None:
-        """Write a batch's rows as records at slots, _IO_ROWS at a time through one buffer: the
-        records of a whole eviction (16k rows in a step that inserts 16k keys: 4.4 MiB at dim
-        64) made a spill's peak memory the batch's rows twice over."""
+        """Write a batch's rows as records at slots (the writer packs them in C, _IO_ROWS at a
+        time through one buffer: the records of a whole eviction, 16k rows in a step that
+        inserts 16k keys, 4.4 MiB at dim 64, made a spill's peak memory the rows twice over)."""
         n = len(slots)
         if not n:
             return
-        buf = np.zeros(min(n, self._io_rows), self._record)  # zeros: the padding bytes written are zeros
-        raw = buf.view(np.uint8).reshape(len(buf), -1)
-        wide = self._record["row"].base == np.float32
-        has_state = "state" in self._record.names
-        for a in range(0, n, self._io_rows):
-            b = min(a + self._io_rows, n)
-            part = buf[:b - a]
-            part["key"], part["count"], part["last_step"] = batch.keys[a:b], batch.counts[a:b], batch.last_steps[a:b]
-            part["row"] = batch.rows[a:b] if wide else encode_rows(batch.rows[a:b], self._tier_config.dtype)
-            if has_state:
-                part["state"] = batch.optimizer_state[a:b]
-            _core.block_io(self._fd, self._offsets(slots[a:b]), raw[:b - a], True, self._io_threads)
+        self._writer.write(np.ascontiguousarray(slots, dtype=np.int64), np.ascontiguousarray(batch.keys),
+                           np.ascontiguousarray(batch.counts), np.ascontiguousarray(batch.last_steps),
+                           np.ascontiguousarray(batch.rows), np.ascontiguousarray(batch.optimizer_state))
         self.stats["rows_written"] += n
         self.stats["bytes_written"] += n * self._record.itemsize
 
@@ -393,12 +430,13 @@ class TieredStore(EmbeddingStore):
 
     # --- moving rows between the tiers ------------------------------------------------------------
 
-    def _spill(self, batch: TableBatch) -> None:
-        """The cache evicted these rows: write them to free slots (their keys are not on disk)."""
-        slots = self._take_slots(len(batch.keys))
-        self._write(slots, batch)
-        self._disk.put(np.ascontiguousarray(batch.keys), slots)
-        self._spilled += len(slots)
+    def _spill_slots(self, n: int) -> np.ndarray:
+        """The writer's allocator: slots for the n rows the cache is evicting (the writer then
+        writes them there and puts their keys in the disk index), counted as written."""
+        self._spilled += n
+        self.stats["rows_written"] += n
+        self.stats["bytes_written"] += n * self._record.itemsize
+        return self._take_slots(n)
 
     def _fault_in(self, keys, insert: bool) -> None:
         """Bring the keys on disk into the cache (and, with insert, give the absent ones their
@@ -410,7 +448,7 @@ class TieredStore(EmbeddingStore):
         keys = as_keys(keys)
         if not len(keys):
             return
-        cached = EmbeddingStore.find(self, keys)[1]
+        cache_slots, cached = EmbeddingStore.find(self, keys)
         n_cached = int(cached.sum())
         self.stats["hits"] += n_cached
         if n_cached == len(keys):
@@ -431,36 +469,52 @@ class TieredStore(EmbeddingStore):
         new_keys = absent[~on_disk] if insert and self._tier_config.admission is None else absent[:0]
         if not len(disk_keys) and len(new_keys) <= self._evict_chunk:
             return  # the call's own find_or_insert makes the new rows (one round)
-        # Room first, then the disk rows. With room for them (the cache evicts in rounds of
-        # `headroom` rows, so most steps find room) they load straight in; else find_or_insert
-        # of the call's cached keys and the incoming ones makes it, evicting only others. In
-        # rounds of `_evict_chunk` incoming keys (each round pins the call's cached keys and the
-        # rounds before): the core evicts what one call needs in one batch and holds it twice
-        # (its copy out of the table, and the arrays handed to the spill), so a step bringing
-        # in 16k rows held 8.6 MiB at once at dim 64, most of a 32 MiB cache's peak RSS
-        # overshoot; a round of 1/64 of the cache holds 3% of it.
-        incoming = np.concatenate([disk_keys, new_keys]) if len(new_keys) else disk_keys
-        if EmbeddingStore.__len__(self) + len(incoming) > self.cache_rows:
-            base = keys[cached]
-            if len(base) + len(incoming) > self.cache_rows:
-                self._check_fits(np.concatenate([base, incoming]))
-            step = self._evict_chunk
-            for end in range(step, len(incoming) + step, step):
-                EmbeddingStore.find_or_insert(self, np.concatenate([base, incoming[:end]]))
-        if not len(disk_keys):
-            return
-        rec = self._read_current(disk_keys, slots)
-        if (rec["key"] != disk_keys).any():
-            raise RuntimeError(f"{self._dir}: rows.dat holds another key in a slot the index gives; the tier "
-                               "is damaged")
-        has_state = "state" in rec.dtype.names
-        for a in range(0, len(disk_keys), self._io_rows):  # bounded copies (rows widened, state made contiguous)
-            part = rec[a:a + self._io_rows]
-            EmbeddingStore.load(self, disk_keys[a:a + self._io_rows], self._rows_of(part),
-                                part["state"] if has_state else None, part["count"], part["last_step"])
-        del rec
-        self._disk.erase(disk_keys)
-        self._release(slots)
+        base = keys[cached]
+        if len(base) + len(disk_keys) + len(new_keys) > self.cache_rows:
+            self._check_fits(np.concatenate([base, disk_keys, new_keys]))
+        # The disk rows go straight into the cache (RecordWriter / Table.load_records, one C call
+        # a round: cn_tier.h), which makes their room as an insert does, evicting only rows the
+        # call does not use (the call's cached rows and the rounds before are pinned, by the
+        # slots found above, so no round finds the call's keys again). In rounds
+        # of `_evict_chunk` rows: the core evicts what one call needs in one batch, so a step
+        # bringing in 16k rows held 8.6 MiB of evicted rows at once at dim 64, most of a 32 MiB
+        # cache's peak RSS overshoot; a round of 1/64 of the cache holds 3% of it. With room
+        # for them (the cache evicts in rounds of `headroom` rows, so most steps find room)
+        # nothing is pinned.
+        step = self._evict_chunk
+        if len(disk_keys):
+            staged = self._take_staged()
+            room = EmbeddingStore.__len__(self) + len(disk_keys) <= self.cache_rows  # then nothing is evicted
+            pin = cache_slots[:0] if room else cache_slots[cached]
+            # Read and loaded a round at a time: a uniform step at 10x brings in 14.7k rows, and
+            # its records read at once held 4 MiB beside the cache (half the store's peak over
+            # cache + disk index). A round's keys leave the disk index once loaded, so that an
+            # error in a later round leaves every row in one tier.
+            for a in range(0, len(disk_keys), step):
+                k, at = disk_keys[a:a + step], slots[a:a + step]
+                rec = self._read_current(k, at, staged)
+                raw = rec.view(np.uint8).reshape(len(rec), -1)
+                if self._writer.check_keys(raw, k) >= 0:
+                    raise RuntimeError(f"{self._dir}: rows.dat holds another key in a slot the index gives; the "
+                                       "tier is damaged")
+                loaded = self._table.load_records(self._writer, raw, k, pin)
+                self._disk.erase(k)
+                self._release(at)
+                if a + step < len(disk_keys) and not room:
+                    pin = np.concatenate([pin, loaded])
+                if staged is None:
+                    self._keep_spare(rec)
+                del rec, raw
+            if staged is not None:
+                self._keep_spare(staged[2])
+            del staged
+            self._writes += 1
+        # New keys (more than one round of them): their room in rounds too, by find_or_insert of
+        # the call's cached keys, its disk rows and the new keys so far (their initial rows).
+        if len(new_keys) > step and EmbeddingStore.__len__(self) + len(new_keys) > self.cache_rows:
+            base = np.concatenate([base, disk_keys])
+            for end in range(step, len(new_keys) + step, step):
+                EmbeddingStore.find_or_insert(self, np.concatenate([base, new_keys[:end]]))
 
     @contextlib.contextmanager
     def faulted_in(self, keys, insert: bool):
@@ -482,6 +536,12 @@ class TieredStore(EmbeddingStore):
     @_locked
     def evict_expired(self) -> int:
         return super().evict_expired()
+
+    @_locked
+    def evict_if(self, predicate, *, batch_size: int = 65536) -> int:
+        """As EmbeddingStore.evict_if, over the cached rows (the rows go to disk). Under the
+        store's lock: the spill's writer has one buffer."""
+        return super().evict_if(predicate, batch_size=batch_size)
 
     @_locked
     def decay_admission(self) -> None:
@@ -648,8 +708,12 @@ class TieredStore(EmbeddingStore):
         if not found.any():
             return
         found_keys, first = np.unique(keys[found], return_index=True)  # sorted, as _read_current wants
+        # At most 1/32 of the cache read ahead (the rest is read by the call, a round at a time):
+        # a uniform step at 10x prefetched 14.7k records, 4 MiB held beside the cache.
+        cap = max(_IO_ROWS, self._tier_config.storage.cache_bytes // 32 // self._record.itemsize)
+        found_keys, first = found_keys[:cap], first[:cap]
         slots = at[found][first]
-        buf = np.zeros(len(slots), self._record)
+        buf = self._buffer(len(slots))
         offsets, fd, threads, commit = self._offsets(slots), self._fd, self._io_threads, self._commits
 
         def read():
@@ -667,26 +731,36 @@ class TieredStore(EmbeddingStore):
             except BaseException as exc:
                 raise RuntimeError("the background read of prefetch() failed") from exc
 
-    def _read_current(self, keys: np.ndarray, slots: np.ndarray) -> np.ndarray:
-        """The records of disk keys (sorted) at slots: prefetched ones where still current, the
-        rest read now."""
+    def _take_staged(self):
+        """The records this store's prefetch read, if still current (no flush since): (sorted
+        keys, slots, records), or None. Taken once: the next prefetch reads anew."""
         self._wait_prefetch()
-        staged, self._staged = getattr(self, "_staged", None), None
+        staged, self._staged = self._staged, None
         if staged is None or staged[0] != self._commits or not len(staged[1]):
+            return None
+        return staged[1:]
+
+    def _read_current(self, keys: np.ndarray, slots: np.ndarray, staged) -> np.ndarray:
+        """The records of disk keys (sorted) at slots: from `staged` (_take_staged) where still
+        current (the same key in the same slot), the rest read now."""
+        if staged is None:
             return self._read(slots)
-        _, s_keys, s_slots, s_buf = staged
+        s_keys, s_slots, s_buf = staged
         at = np.searchsorted(s_keys, keys).clip(max=len(s_keys) - 1)
         hit = (s_keys[at] == keys) & (s_slots[at] == slots)
-        if hit.all() and len(keys) == len(s_keys):  # the usual case: exactly the records read ahead (no copy)
-            out = s_buf
+        n_hit = int(hit.sum())
+        if n_hit == len(keys) and at[-1] - at[0] == len(keys) - 1:  # the usual case: a run of them (no copy)
+            out = s_buf[at[0]:at[0] + len(keys)]
+        elif n_hit == 0:
+            out = self._read(slots)
         else:
-            out = np.zeros(len(keys), self._record)
+            out = self._buffer(len(keys))
             out[hit] = s_buf[at[hit]]
-            out[~hit] = self._read(slots[~hit])
-        del staged, s_buf
-        self.stats["prefetched"] = self.stats.get("prefetched", 0) + int(hit.sum())
-        self.stats["rows_read"] += int(hit.sum())
-        self.stats["bytes_read"] += int(hit.sum()) * self._record.itemsize
+            if n_hit < len(keys):
+                out[~hit] = self._read(slots[~hit])
+        self.stats["prefetched"] = self.stats.get("prefetched", 0) + n_hit
+        self.stats["rows_read"] += n_hit
+        self.stats["bytes_read"] += n_hit * self._record.itemsize
         return out
 
     def on_evict(self, callback) -> None:
@@ -889,6 +963,8 @@ class TieredStore(EmbeddingStore):
         if getattr(self, "_fd", None) is not None:
             os.close(self._fd)
             self._fd = None
+            if getattr(self, "_writer", None) is not None:
+                self._writer.fd = -1  # a spill after close fails (EBADF), never writes to a reused descriptor
 
     def __del__(self):
         try:

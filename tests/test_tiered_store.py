@@ -605,3 +605,63 @@ def test_capacity_sizes_the_disk_index_once(tmp_path):
         store.find_or_insert(np.arange(start, start + 100))
     assert len(store) == 5000 and store.cached_rows <= store.cache_rows
     assert store.disk_index_bytes == reserved
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_block_io_joins_runs_across_page_padding_and_writes_nothing_else(tmp_path, seed):
+    """cn_blockio.h: a run of records crosses the gap at a page's end (shorter than a record, so
+    padding), written as zeros; every other byte of the file is left as it was, and a read of
+    any records (runs across gaps too) returns exactly what was written."""
+    from cncore import _core
+    from cncore.tiered import record_offsets
+    rng = np.random.default_rng(seed)
+    rec, per_page, n_slots = 280, 14, 14 * 40
+    path = str(tmp_path / "f")
+    before = np.full(40 * 4096, 0xAA, np.uint8)
+    before.tofile(path)
+    slots = np.sort(rng.choice(n_slots, size=int(rng.integers(1, n_slots)), replace=False))
+    order = rng.permutation(len(slots))  # records in any buffer order
+    data = rng.integers(0, 255, (len(slots), rec), dtype=np.uint8)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        _core.block_io(fd, record_offsets(slots[order], rec, per_page), data[order], True, int(rng.integers(1, 4)))
+        after = np.fromfile(path, np.uint8)
+        expect = before.copy()
+        offsets = record_offsets(slots, rec, per_page)
+        for o, row in zip(offsets, data):
+            expect[o:o + rec] = row
+        written = np.zeros(len(after), bool)
+        for o in offsets:
+            written[o:o + rec] = True
+        untouched = ~written
+        padding = np.zeros(len(after), bool)
+        for page in range(40):
+            padding[page * 4096 + per_page * rec:(page + 1) * 4096] = True
+        assert (after[written] == expect[written]).all()
+        # outside the records only padding may change, and only to zeros
+        changed = untouched & (after != before)
+        assert (padding[changed]).all() and (after[changed] == 0).all()
+        assert (after[untouched & ~padding] == 0xAA).all()
+        pick = rng.permutation(len(slots))[:int(rng.integers(1, len(slots) + 1))]
+        back = np.zeros((len(pick), rec), np.uint8)
+        _core.block_io(fd, record_offsets(slots[pick], rec, per_page), back, False, int(rng.integers(1, 4)))
+        np.testing.assert_array_equal(back, data[pick])
+    finally:
+        os.close(fd)
+
+
+def test_a_closed_store_never_writes_to_a_reused_descriptor(tmp_path):
+    """The record writer holds the file's descriptor: after close() a spill must fail, not write
+    into whatever file the process opened next under the same number."""
+    store = cncore.EmbeddingStore(cncore.StoreConfig(dim=2, storage=cncore.Tiered(str(tmp_path / "t"),
+                                                                                  cache_bytes=16 * 60)))
+    store.find_or_insert(np.arange(16))
+    store.close()
+    other = os.open(str(tmp_path / "other"), os.O_RDWR | os.O_CREAT)
+    try:
+        with pytest.raises(OSError, match="Bad file descriptor"):
+            for start in range(100, 140, 8):
+                store.find_or_insert(np.arange(start, start + 8))
+        assert os.fstat(other).st_size == 0
+    finally:
+        os.close(other)

@@ -185,6 +185,133 @@ cdef class SlotIndex:
                 yield keys[:got], slots[:got]
 
 
+cdef class RecordWriter:
+    """Moves rows between a tiered store's memory cache and its record file (cn_tier.h): packs
+    the rows the cache evicts straight into records and writes them (set it as the cache
+    table's `evict_sink`: the table hands it its eviction buffer, no NumPy copies), writes
+    given rows (a flush), and loads records read from the file into the cache
+    (`Table.load_records`). `take_slots(n)` is the tier's slot allocator (its free pages and the
+    file's end; it also counts the rows written). The spilled keys go into `disk`. One buffer of
+    `io_rows` records is reused, so calls must not run at once: the tier holds its lock around
+    every verb.
+
+    layout: (record bytes, records a page, dim, state floats, row dtype code, offset of count,
+    of last step, of row, of state)."""
+    cdef cn_tier_layout L
+    cdef int fd, threads
+    cdef int64_t io_rows
+    cdef uint8_t *buf
+    cdef int64_t *offs
+    cdef SlotIndex disk
+    cdef object take_slots
+
+    def __cinit__(self, int fd, tuple layout, SlotIndex disk, take_slots, int threads, int64_t io_rows):
+        (self.L.rec, self.L.per_page, self.L.dim, self.L.state_floats, self.L.row_dtype, self.L.off_count,
+         self.L.off_step, self.L.off_row, self.L.off_state) = layout
+        self.fd, self.threads, self.io_rows = fd, threads, max(io_rows, 1)
+        self.disk, self.take_slots = disk, take_slots
+        self.buf = <uint8_t*> malloc(<size_t> (self.io_rows * self.L.rec))
+        self.offs = <int64_t*> malloc(<size_t> self.io_rows * sizeof(int64_t))
+        if self.buf == NULL or self.offs == NULL:
+            raise MemoryError("RecordWriter: no memory for its buffer")
+
+    def __dealloc__(self):
+        free(self.buf)
+        free(self.offs)
+
+    @property
+    def io_rows(self):
+        """Records packed and written at a time (the buffer's size)."""
+        return self.io_rows
+
+    @io_rows.setter
+    def io_rows(self, int64_t n):
+        cdef uint8_t *buf = <uint8_t*> malloc(<size_t> (max(n, 1) * self.L.rec))
+        cdef int64_t *offs = <int64_t*> malloc(<size_t> max(n, 1) * sizeof(int64_t))
+        if buf == NULL or offs == NULL:
+            free(buf)
+            free(offs)
+            raise MemoryError("RecordWriter: no memory for its buffer")
+        free(self.buf)
+        free(self.offs)
+        self.buf, self.offs, self.io_rows = buf, offs, max(n, 1)
+
+    @property
+    def fd(self):
+        return self.fd
+
+    @fd.setter
+    def fd(self, int value):
+        self.fd = value
+
+    cdef int _write(self, const int64_t *slots, int64_t n, const int64_t *keys, const uint32_t *counts,
+                    const uint32_t *steps, const weight_t *rows, const weight_t *state) noexcept nogil:
+        """Pack and write n rows at slots, io_rows at a time; 0 or an errno."""
+        cdef int64_t a, m, i
+        cdef int err = 0
+        cdef int64_t dim = self.L.dim, sf = self.L.state_floats
+        a = 0
+        while a < n and err == 0:
+            m = min(self.io_rows, n - a)
+            cn_tier_pack(&self.L, m, keys + a, counts + a, steps + a, rows + a * dim, dim,
+                         state + a * sf if state != NULL else NULL, sf, self.buf)
+            for i in range(m):
+                self.offs[i] = cn_tier_offset(&self.L, slots[a + i])
+            err = cn_blockio(self.fd, self.offs, m, self.L.rec, self.buf, 1, self.threads)
+            a += m
+        return err
+
+    cdef spill(self, cn_evicted *ev):
+        """Write an eviction's rows to slots the allocator gives, and index them on disk."""
+        cdef int64_t n = ev.n
+        cdef int err
+        slots_arr = np.ascontiguousarray(self.take_slots(n), dtype=np.int64)
+        cdef const int64_t[::1] slots = slots_arr
+        if slots.shape[0] != n:
+            raise RuntimeError(f"take_slots gave {slots.shape[0]} slots for {n} rows")
+        with nogil:
+            err = self._write(&slots[0], n, ev.keys, ev.counts, ev.last_steps, ev.rows,
+                              ev.state if self.L.state_floats else NULL)
+        if err:
+            import os
+            raise OSError(err, f"writing evicted records: {os.strerror(err)}")
+        if cn_slotindex_reserve(&self.disk.ix, n, &self.disk._nbytes) != 0:
+            raise MemoryError(f"SlotIndex: no memory to grow past {self.disk.ix.size + n} keys")
+        cn_slotindex_put(&self.disk.ix, ev.keys, &slots[0], n)
+
+    def write(self, const int64_t[::1] slots, const int64_t[::1] keys, const uint32_t[::1] counts,
+              const uint32_t[::1] last_steps, const weight_t[:, ::1] rows, state):
+        """Write rows (N, dim) with their state (N, state floats), counts and last steps as
+        records at slots (a flush's cached rows). Raises OSError."""
+        cdef int64_t n = slots.shape[0]
+        cdef int err
+        cdef const weight_t* sp = NULL
+        cdef const weight_t[:, ::1] sv
+        if keys.shape[0] != n or counts.shape[0] != n or last_steps.shape[0] != n or rows.shape[0] != n \
+                or rows.shape[1] != self.L.dim:
+            raise ValueError(f"write: expected {n} keys, counts, steps and rows of {self.L.dim}")
+        if n == 0:
+            return
+        if self.L.state_floats:
+            sv = state
+            if sv.shape[0] != n or sv.shape[1] != self.L.state_floats:
+                raise ValueError(f"write: expected state of shape ({n}, {self.L.state_floats})")
+            sp = &sv[0, 0]
+        with nogil:
+            err = self._write(&slots[0], n, &keys[0], &counts[0], &last_steps[0], &rows[0, 0], sp)
+        if err:
+            import os
+            raise OSError(err, f"writing records: {os.strerror(err)}")
+
+    def check_keys(self, const uint8_t[:, ::1] buf, const int64_t[::1] keys):
+        """Index of the first record in buf whose key is not keys[i], or -1."""
+        if buf.shape[0] != keys.shape[0] or buf.shape[1] != self.L.rec:
+            raise ValueError("check_keys: buf must be (len(keys), record bytes)")
+        if keys.shape[0] == 0:
+            return -1
+        return cn_tier_check_keys(&self.L, &buf[0, 0], &keys[0], keys.shape[0])
+
+
 cdef inline void _rdlock(Table t) noexcept nogil:
     pthread_rwlock_rdlock(&t.t.lock)
 
@@ -341,6 +468,12 @@ cdef class Table:
         if n == 0:
             cn_evicted_free(ev)
             return
+        if isinstance(self.evict_sink, RecordWriter):  # a tier: packed straight from the buffer, no copies
+            try:
+                (<RecordWriter> self.evict_sink).spill(ev)
+            finally:
+                cn_evicted_free(ev)
+            return
         try:
             keys = np.asarray(<key_t[:n]> ev.keys).copy()
             counts = np.asarray(<count_t[:n]> ev.counts).copy()
@@ -435,6 +568,41 @@ cdef class Table:
         self._deliver(&ev)
         _raise_insert(rc, self, n)
         return n_new
+
+    def load_records(self, RecordWriter layout_of, const uint8_t[:, ::1] records, const key_t[::1] keys,
+                     const slot_t[::1] pin):
+        """Load records (their keys: keys, distinct, none in the table) into this bounded table in
+        one nogil section (cn_tier_load), keeping the live rows at slots `pin` out of the eviction
+        that makes their room; evicted rows go to the evict sink. Returns the loaded keys' slots.
+        `layout_of`: the tier's writer (its record layout)."""
+        cdef int64_t n = keys.shape[0], n_pin = pin.shape[0], i
+        cdef int rc = CN_OK
+        cdef cn_evicted ev
+        cdef int want = self.evict_sink is not None
+        if records.shape[0] != n or records.shape[1] != layout_of.L.rec:
+            raise ValueError(f"records: expected ({n}, {layout_of.L.rec}), got {records.shape}")
+        if layout_of.L.dim != self.t.dim or layout_of.L.state_floats != self.t.state_floats:
+            raise ValueError("load_records: the records' layout is not this table's")
+        out = np.empty(n, dtype=np.int64)
+        if n == 0:
+            return out
+        cdef slot_t[::1] o = out
+        ev.n = 0
+        with nogil:
+            _wrlock(self)
+            for i in range(n_pin):  # a pin must be a live slot (the set_live of a freed one would revive it)
+                if pin[i] < 0 or pin[i] >= self.t.arena.high_water:
+                    rc = CN_EBADSLOT
+                    break
+            if rc == CN_OK:
+                rc = cn_tier_load(&self.t, &layout_of.L, &records[0, 0], &keys[0], n, &pin[0] if n_pin else NULL,
+                                  n_pin, want, &ev, &o[0])
+            _unlock(self)
+        self._deliver(&ev)
+        if rc == CN_EBADSLOT:
+            raise ValueError("pin: a slot outside the table")
+        _raise_insert(rc, self, n)
+        return out
 
     def erase(self, const key_t[::1] keys, uint8_t[::1] erased):
         cdef int64_t n = keys.shape[0], count = 0

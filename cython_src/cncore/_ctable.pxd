@@ -147,3 +147,22 @@ cdef extern from "<pthread.h>" nogil:
 
 cdef extern from "cn_blockio.h" nogil:
     int cn_blockio(int fd, const int64_t *offsets, int64_t n, int64_t rec, uint8_t *buf, int write, int threads)
+
+cdef extern from "cn_tier.h" nogil:
+    ctypedef struct cn_tier_layout:
+        int64_t rec
+        int64_t per_page
+        int64_t dim
+        int64_t state_floats
+        int row_dtype
+        int64_t off_count
+        int64_t off_step
+        int64_t off_row
+        int64_t off_state
+    int64_t cn_tier_offset(const cn_tier_layout *L, int64_t slot)
+    void cn_tier_pack(const cn_tier_layout *L, int64_t n, const int64_t *keys, const uint32_t *counts,
+                      const uint32_t *steps, const weight_t *rows, int64_t ld_rows, const weight_t *state,
+                      int64_t ld_state, uint8_t *buf)
+    int64_t cn_tier_check_keys(const cn_tier_layout *L, const uint8_t *buf, const int64_t *keys, int64_t n)
+    int cn_tier_load(cn_table *t, const cn_tier_layout *L, const uint8_t *buf, const int64_t *keys, int64_t n,
+                     const int64_t *pin, int64_t n_pin, int want_rows, cn_evicted *ev, int64_t *slots)

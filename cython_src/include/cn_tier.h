@@ -1,0 +1,153 @@
+/* cn_tier.h: the SSD tier's records (cncore/tiered.py) packed and loaded in C, one call a batch.
+ *
+ * A record is {int64 key, uint32 count, uint32 last step, row (dim values of the record's row
+ * dtype), state (state_floats float32)}, packed to 8 bytes, zero padding; records never straddle
+ * a 4 KiB page (tiered.record_layout decides the layout and hands its field offsets here, so
+ * the two cannot disagree). Two paths move rows between the memory cache (a bounded cn_table)
+ * and the file:
+ *  - spill (cn_tier_pack): the rows the cache evicts (cn_evicted: float32 rows, state,
+ *    metadata) are packed straight into the write buffer, then written by cn_blockio;
+ *  - fault-in (cn_tier_load): the records read from disk go straight into the table: the
+ *    room is made as any insert makes it (cn_table_make_room, with the call's other keys
+ *    pinned), then each key takes a slot and its row, state and metadata are copied from
+ *    the record, without drawing the initial row it would overwrite.
+ *
+ * Why here and not in NumPy (measured, asv_bench/scripts/tiered_bench.py, table 3x its 32 MiB
+ * cache, Zipf 1.05, ~1,460 rows in and out a step, no prefetch): the Python path copied an
+ * evicted row three times (the core's eviction buffer -> NumPy arrays -> a TableBatch's
+ * fields -> the structured record buffer, one NumPy pass per field) and a faulted-in row
+ * three more (record -> contiguous row and state arrays -> the initial row find_or_insert
+ * drew -> the loaded row): the spill and the load cost 0.6 and 0.25 ms a step on top of the
+ * eviction itself. Here a row is copied once each way (out of the eviction buffer, in from the
+ * read buffer). Measured on the cache of that benchmark (109k rows): evict(4900) of a tiered
+ * store, rows spilled to the file, took 6.65 ms through NumPy and 2.4-2.5 ms here, against 0.7
+ * for choosing and dropping the rows in memory and 1.2-1.4 with a Python on_evict sink.
+ *
+ * Rejected: reading records through an mmap of the file instead of pread (cn_blockio.h). On
+ * this machine (file in the page cache, 1,460 random 280-byte records): pread 0.75-0.9 us a
+ * record; a copy from the mapping 0.35-0.45 us when each record's page faults in, 0.02 us once
+ * mapped. But the mapped pages stay in the process's RSS (the whole file, 92 MiB at 3x, where
+ * the tier promises RSS near its cache), and dropping them after each batch (MADV_DONTNEED)
+ * cost 260-320 us per 1,460 records: 0.6-0.7 us a record in all, no better than pread.
+ */
+#ifndef CN_TIER_H
+#define CN_TIER_H
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include "cn_dtype.h"
+#include "cn_table.h"
+
+#define CN_TIER_PAGE 4096
+
+typedef struct {
+    int64_t rec;       /* bytes of a record */
+    int64_t per_page;  /* records a 4 KiB page holds (a record of a page or more: whole pages each) */
+    int64_t dim, state_floats;
+    int row_dtype;     /* of the record's row field (CN_ROW_*): version 2 directories keep float32 */
+    int64_t off_count, off_step, off_row, off_state;  /* the key is at 0 */
+} cn_tier_layout;
+
+static inline int64_t cn_tier_offset(const cn_tier_layout *L, int64_t slot) {
+    if (L->rec >= CN_TIER_PAGE) return slot * L->rec;
+    return (slot / L->per_page) * CN_TIER_PAGE + (slot % L->per_page) * L->rec;
+}
+
+/* Pack n rows (float32, row i at rows + i * ld_rows; state likewise, NULL for none) into n
+ * records at buf, padding zeroed. */
+static inline void cn_tier_pack(const cn_tier_layout *L, int64_t n, const int64_t *keys, const uint32_t *counts,
+                                const uint32_t *steps, const float *rows, int64_t ld_rows, const float *state,
+                                int64_t ld_state, uint8_t *buf) {
+    memset(buf, 0, (size_t)(n * L->rec));
+    for (int64_t i = 0; i < n; i++) {
+        uint8_t *p = buf + i * L->rec;
+        memcpy(p, &keys[i], 8);
+        memcpy(p + L->off_count, &counts[i], 4);
+        memcpy(p + L->off_step, &steps[i], 4);
+        cn_row_store(L->row_dtype, rows + i * ld_rows, p + L->off_row, L->dim);
+        if (state && L->state_floats)
+            memcpy(p + L->off_state, state + i * ld_state, (size_t)L->state_floats * sizeof(float));
+    }
+}
+
+/* Index of the first of n records whose key is not keys[i], or -1. */
+static inline int64_t cn_tier_check_keys(const cn_tier_layout *L, const uint8_t *buf, const int64_t *keys,
+                                         int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        int64_t k;
+        memcpy(&k, buf + i * L->rec, 8);
+        if (k != keys[i]) return i;
+    }
+    return -1;
+}
+
+/* Load n records (distinct keys, keys[i] the key of record i, none in the table) into a bounded
+ * table; slots[i] receives the slot of keys[i]. The live rows at the n_pin slots `pin` (the
+ * call's other rows; repeats allowed) are kept out of the eviction that makes the room: pinned by
+ * slot, not by key, as the caller found them already (a find of a step's 16k keys per round
+ * was 0.1-0.2 ms). The room is made as cn_table_make_room makes it for an insert: down to the
+ * low-water mark, rows evicted into ev (rows and state with want_rows). Returns CN_OK, CN_EFULL
+ * (the pinned and loaded rows exceed max_rows) or CN_ENOMEM; on an error nothing was loaded (an
+ * eviction that had already happened is in ev, to be handed on). */
+static inline int cn_tier_load(cn_table *t, const cn_tier_layout *L, const uint8_t *buf, const int64_t *keys,
+                               int64_t n, const int64_t *pin, int64_t n_pin, int want_rows, cn_evicted *ev,
+                               int64_t *slots) {
+    memset(ev, 0, sizeof(*ev));
+    if (n == 0) return CN_OK;
+    int rc = CN_OK;
+    const int64_t size = t->index.size;
+    if (t->bound.max_rows > 0 && size + n > t->bound.max_rows) {
+        uint8_t *was = (uint8_t *)malloc((size_t)(n_pin ? n_pin : 1));
+        if (was == NULL) return CN_ENOMEM;
+        int64_t pinned = 0;
+        for (int64_t i = 0; i < n_pin; i++) pinned += was[i] = (uint8_t)cn_arena_set_live(&t->arena, pin[i], 0);
+        rc = CN_EFULL;
+        if (pinned + n <= t->bound.max_rows) {
+            int64_t k = size + n - t->bound.low_water;
+            if (k > size - pinned) k = size - pinned;
+            rc = cn_table_evict_lowest(t, k, size - pinned, want_rows, ev, size + n - k);
+        }
+        for (int64_t i = 0; i < n_pin; i++)  /* only the bits this call cleared (a pin given twice: once) */
+            if (was[i]) cn_arena_set_live(&t->arena, pin[i], 1);
+        free(was);
+    }
+    if (rc == CN_OK) rc = cn_table_reserve(t, t->index.size + n);
+    if (rc != CN_OK) return rc;
+    float tmp[256];
+    float *wide = L->row_dtype == t->row_dtype || L->dim <= 256 ? tmp : (float *)malloc((size_t)L->dim * sizeof(float));
+    if (wide == NULL) return CN_ENOMEM;
+    const int64_t row_bytes = cn_dtype_bytes(t->row_dtype) * L->dim;
+    int64_t inserted = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const uint8_t *p = buf + i * L->rec;
+        int64_t pos, s = cn_index_probe(&t->index, keys[i], &pos);
+        if (s < 0) {
+            s = cn_arena_take_slot(&t->arena);
+            cn_index_put_at(&t->index, pos, keys[i], s);
+            if (t->arena.key_offset) {
+                *cn_arena_key(&t->arena, s) = keys[i];
+                cn_arena_set_live(&t->arena, s, 1);
+            }
+            inserted++;
+        }
+        slots[i] = s;
+        void *row = cn_arena_row(&t->arena, s);
+        if (L->row_dtype == t->row_dtype) {
+            memcpy(row, p + L->off_row, (size_t)row_bytes);
+        } else {
+            cn_row_load(L->row_dtype, p + L->off_row, wide, L->dim);
+            cn_row_store(t->row_dtype, wide, row, L->dim);
+        }
+        if (t->state_floats)
+            memcpy(cn_table_state(t, s), p + L->off_state, (size_t)t->state_floats * sizeof(float));
+        cn_meta *meta = cn_arena_meta(&t->arena, s);
+        memcpy(&meta->count, p + L->off_count, 4);
+        memcpy(&meta->last_step, p + L->off_step, 4);
+    }
+    if (wide != tmp) free(wide);
+    if (inserted) t->version = cn_next_stamp();
+    return CN_OK;
+}
+
+#endif
