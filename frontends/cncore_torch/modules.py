@@ -395,6 +395,14 @@ def embedding_bag_lookup(anchor: torch.Tensor, handle: int, placement: str, dim:
                          include_last_offset: bool, padding_idx: Optional[int], training: bool) -> torch.Tensor:
     """CNEmbeddingBag's forward: nn.EmbeddingBag's input conventions turned into (keys, B+1
     offsets, weights) for the core. One node under torch.fx (`torch.fx.wrap`)."""
+    if (offsets is None and per_sample_weights is None and padding_idx is None and placement == "core"
+            and type(input) is torch.Tensor and input.dtype == torch.int64 and input.dim() == 2
+            and input.device.type == "cpu" and not torch.compiler.is_compiling()):
+        # The common eager call, a (B, L) batch of int64 IDs on the CPU: every check below holds
+        # for it (an int64 tensor, not meta as it is on the CPU; no offsets or weights to check;
+        # no padding to drop) and the offsets are the shared fixed ones (_fixed_offsets).
+        return _ops.lookup(anchor, _ops.table_of(handle), [input.reshape(-1).contiguous()],
+                           [_fixed_offsets(input.shape[0], input.shape[1])], [None], [_MODES[mode]], training)
     input = _as_ids(input)
     if offsets is not None:
         offsets = _as_ids(offsets, "offsets")
@@ -440,6 +448,24 @@ def embedding_bag_lookup(anchor: torch.Tensor, handle: int, placement: str, dim:
     if padding_idx is not None:
         keys, offsets, weights = _drop_padding(keys, offsets, weights, padding_idx)
     return _lookup(anchor, handle, placement, dim, keys, offsets, weights, _MODES[mode], training)
+
+
+_FIXED_OFFSETS = {}  # (B, L): the read-only offsets 0, L, ..., B * L
+
+
+def _fixed_offsets(n_bags: int, length: int) -> np.ndarray:
+    """The offsets of B bags of L IDs each (a 2-D input), one read-only array per shape, made
+    once: a training loop sees one or two shapes. Building them per call (torch.arange * L)
+    cost 10 us warm, ~20 in a step whose rows just went through the cache; nothing writes to
+    them (the core, the contexts and the backward only read offsets). At most 64 shapes kept."""
+    offsets = _FIXED_OFFSETS.get((n_bags, length))
+    if offsets is None:
+        if len(_FIXED_OFFSETS) >= 64:
+            _FIXED_OFFSETS.clear()
+        offsets = np.arange(n_bags + 1, dtype=np.int64) * length
+        offsets.flags.writeable = False
+        _FIXED_OFFSETS[(n_bags, length)] = offsets
+    return offsets
 
 
 def _check_offsets(offsets: torch.Tensor, n_keys: int) -> None:
