@@ -65,10 +65,10 @@ def table_of(handle: int):
 
 class Pending:
     """What a lookup's backward needs: its owner, tables, per-feature contexts, layout."""
-    __slots__ = ("owner", "tables", "ctxs", "keys", "on_device", "split", "sizes")
+    __slots__ = ("owner", "tables", "ctxs", "on_device", "split", "sizes")
 
-    def __init__(self, owner, tables, ctxs, keys, on_device: bool, split: bool):
-        self.owner, self.tables, self.ctxs, self.keys = owner, tables, ctxs, keys
+    def __init__(self, owner, tables, ctxs, on_device: bool, split: bool):
+        self.owner, self.tables, self.ctxs = owner, tables, ctxs
         self.on_device, self.split = on_device, split
         self.sizes = None  # what a caller splits the outputs by (the unpooled collection's features)
 
@@ -82,8 +82,16 @@ def forward_impl(owner, tables, keys, offsets, weights, modes, training: bool, s
                  backward: bool = True):
     """(out, Pending): the pooled rows of every feature (see the module docstring); with
     `backward=False` (no backward will run) the contexts are not made. Inputs are
-    contiguous int64 keys and offsets, float32 weights or None, on the CPU for core tables;
+    contiguous int64 keys and offsets, float32 weights or None, on the CPU for core tables
+    (tensors, or NumPy arrays there: the modules pass their keys and shared offsets so);
     modes as codes or names ('sum', 'mean', 'max')."""
+    if len(tables) == 1 and not split and not isinstance(tables[0], DeviceRows):  # the modules
+        table, mode = tables[0], modes[0]
+        out = np.empty((len(offsets[0]) - 1, table.dim), dtype=np.float32)
+        ctxs = lookup_arrays(tables, [_np(keys[0])], [_np(offsets[0])], [_np(weights[0])],
+                             [MODES[mode] if isinstance(mode, str) else mode], [out], training, [0, table.dim],
+                             contexts=backward)
+        return torch.from_numpy(out), Pending(owner, tables, ctxs, False, False)
     modes = [MODES[m] if isinstance(m, str) else m for m in modes]
     if tables and isinstance(tables[0], DeviceRows):
         outs, ctxs = [], []
@@ -91,7 +99,7 @@ def forward_impl(owner, tables, keys, offsets, weights, modes, training: bool, s
             out, ctx = table.lookup(k, o, w, m, training)
             outs.append(out)
             ctxs.append(ctx)
-        return (outs if split else torch.cat(outs, dim=1)), Pending(owner, tables, ctxs, keys, True, split)
+        return (outs if split else torch.cat(outs, dim=1)), Pending(owner, tables, ctxs, True, split)
     dims = [t.dim for t in tables]
     if split:
         views = [np.empty((len(o) - 1, d), dtype=np.float32) for o, d in zip(offsets, dims)]
@@ -105,7 +113,7 @@ def forward_impl(owner, tables, keys, offsets, weights, modes, training: bool, s
     ctxs = lookup_arrays(tables, [_np(k) for k in keys], [_np(o) for o in offsets], [_np(w) for w in weights],
                          modes, views, training, starts, contexts=backward)
     result = [torch.from_numpy(v) for v in views] if split else torch.from_numpy(out)
-    return result, Pending(owner, tables, ctxs, keys, False, split)
+    return result, Pending(owner, tables, ctxs, False, split)
 
 
 def _grad_blocks(pending: Pending, grad) -> List[torch.Tensor]:
@@ -172,8 +180,9 @@ def backward_impl(pending: Pending, grad) -> None:
     deliver = getattr(owner, "_deliver_gradients", None) if optimizer is None else None
     if optimizer is None and deliver is None:
         _no_optimizer(owner)
-    current = owner._lookup_tables()
-    if len(current) != len(pending.tables) or any(a is not b for a, b in zip(current, pending.tables)):
+    current, tables = owner._lookup_tables(), pending.tables
+    if len(current) != len(tables) or (current[0] is not tables[0] if len(tables) == 1 else
+                                       any(a is not b for a, b in zip(current, tables))):
         raise RuntimeError("this table moved off the core (or between placements) since this lookup; its "
                            "gradient cannot be applied to rows that now live elsewhere. Nothing was updated")
     if not pending.split:
@@ -183,12 +192,18 @@ def backward_impl(pending: Pending, grad) -> None:
         _device_backward(pending, blocks, optimizer, deliver)
         return
     if optimizer is None:
-        for ctx, g, keys in zip(pending.ctxs, blocks, pending.keys):
+        for ctx, g in zip(pending.ctxs, blocks):
             g = np.ascontiguousarray(g.detach().numpy(), dtype=np.float32)
             positions, grads = _core.unique_gradients(ctx.store._table, ctx.slots, ctx.offsets, ctx.weights, ctx.mode,
                                                       ctx.argmax if ctx.mode == 2 else None, g, ctx.training,
                                                       ctx.step, ctx.erase_epoch)
-            deliver(keys[torch.from_numpy(positions)], torch.from_numpy(grads))
+            deliver(torch.from_numpy(ctx.keys[positions]), torch.from_numpy(grads))
+        return
+    if len(blocks) == 1:  # one table (the modules)
+        ctx, g = pending.ctxs[0], blocks[0]
+        if len(g):  # (no bags: no update, as below)
+            apply_blocks(pending.ctxs, [g.detach().numpy().astype(np.float32, copy=False)],
+                         [_optimizer_arguments(ctx.store, optimizer.lr)])
         return
     ctxs, arrays = [], []
     for ctx, g in zip(pending.ctxs, blocks):

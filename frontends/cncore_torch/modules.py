@@ -400,9 +400,11 @@ def embedding_bag_lookup(anchor: torch.Tensor, handle: int, placement: str, dim:
             and input.device.type == "cpu" and not torch.compiler.is_compiling()):
         # The common eager call, a (B, L) batch of int64 IDs on the CPU: every check below holds
         # for it (an int64 tensor, not meta as it is on the CPU; no offsets or weights to check;
-        # no padding to drop) and the offsets are the shared fixed ones (_fixed_offsets).
-        return _ops.lookup(anchor, _ops.table_of(handle), [input.reshape(-1).contiguous()],
-                           [_fixed_offsets(input.shape[0], input.shape[1])], [None], [_MODES[mode]], training)
+        # no padding to drop). The bridge takes its keys as the NumPy view (int64 never needs
+        # a gradient; lookup_arrays makes a strided one contiguous) and the shared fixed offsets.
+        n_bags, length = input.shape
+        return _ops.lookup(anchor, _ops.table_of(handle), [input.numpy().reshape(-1)],
+                           [_fixed_offsets(n_bags, length)], [None], [_MODES[mode]], training)
     input = _as_ids(input)
     if offsets is not None:
         offsets = _as_ids(offsets, "offsets")
