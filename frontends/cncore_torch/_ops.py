@@ -202,7 +202,8 @@ def backward_impl(pending: Pending, grad) -> None:
     if len(blocks) == 1:  # one table (the modules)
         ctx, g = pending.ctxs[0], blocks[0]
         if len(g):  # (no bags: no update, as below)
-            apply_blocks(pending.ctxs, [g.detach().numpy().astype(np.float32, copy=False)],
+            g = (g.detach() if g.requires_grad else g).numpy()  # (requires grad: create_graph=True)
+            apply_blocks(pending.ctxs, [g.astype(np.float32, copy=False)],
                          [_optimizer_arguments(ctx.store, optimizer.lr)])
         return
     ctxs, arrays = [], []
@@ -262,7 +263,7 @@ class Lookup(torch.autograd.Function):
     def forward(ctx, anchor, owner, modes, training, split, keys, offsets, *weights):
         out, ctx.pending = forward_impl(owner, owner._lookup_tables(), keys, offsets, weights, modes, training,
                                         split)
-        ctx.weighted = any(w is not None for w in weights)
+        ctx.weighted = weights[0] is not None if len(weights) == 1 else any(w is not None for w in weights)
         if split:  # an output nobody used gets None, and its table no update (as the operators do)
             ctx.set_materialize_grads(False)
         return tuple(out) if split else out
