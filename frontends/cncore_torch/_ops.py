@@ -165,6 +165,11 @@ def _optimizer_arguments(store, lr: float) -> tuple:
     return arguments
 
 
+def _moved():
+    raise RuntimeError("this table moved off the core (or between placements) since this lookup; its gradient "
+                       "cannot be applied to rows that now live elsewhere. Nothing was updated")
+
+
 def _no_optimizer(owner):
     check = getattr(owner, "_require_optimizer", None)
     if check is not None:
@@ -175,16 +180,25 @@ def _no_optimizer(owner):
 def backward_impl(pending: Pending, grad) -> None:
     """Hand the output gradient to the tables: the owner's fused optimizer, or its gradient
     hooks (`_deliver_gradients`, one feature: the modules)."""
-    owner = pending.owner
+    owner, tables = pending.owner, pending.tables
     optimizer = owner.fused_optimizer
+    current = owner._lookup_tables()
+    if optimizer is not None and len(tables) == 1 and not pending.split and not pending.on_device:
+        # The modules' step: one table in the core, fused. The checks below, in one pass; the
+        # gradient to the core as it came (autograd made it float32 and (B, dim); a strided one
+        # is copied by NumPy). The general path cost this step ~10 us more (module_overhead.py).
+        if len(current) != 1 or current[0] is not tables[0]:
+            _moved()
+        if len(grad):  # (no bags: no update, as below)
+            g = (grad.detach() if grad.requires_grad else grad).numpy()  # (requires grad: create_graph=True)
+            apply_blocks(pending.ctxs, [np.ascontiguousarray(g, dtype=np.float32)],
+                         [_optimizer_arguments(tables[0], optimizer.lr)])
+        return
     deliver = getattr(owner, "_deliver_gradients", None) if optimizer is None else None
     if optimizer is None and deliver is None:
         _no_optimizer(owner)
-    current, tables = owner._lookup_tables(), pending.tables
-    if len(current) != len(tables) or (current[0] is not tables[0] if len(tables) == 1 else
-                                       any(a is not b for a, b in zip(current, tables))):
-        raise RuntimeError("this table moved off the core (or between placements) since this lookup; its "
-                           "gradient cannot be applied to rows that now live elsewhere. Nothing was updated")
+    if len(current) != len(tables) or any(a is not b for a, b in zip(current, tables)):
+        _moved()
     if not pending.split:
         grad = grad.contiguous()
     blocks = _grad_blocks(pending, grad)
@@ -198,13 +212,6 @@ def backward_impl(pending: Pending, grad) -> None:
                                                       ctx.argmax if ctx.mode == 2 else None, g, ctx.training,
                                                       ctx.step, ctx.erase_epoch)
             deliver(torch.from_numpy(ctx.keys[positions]), torch.from_numpy(grads))
-        return
-    if len(blocks) == 1:  # one table (the modules)
-        ctx, g = pending.ctxs[0], blocks[0]
-        if len(g):  # (no bags: no update, as below)
-            g = (g.detach() if g.requires_grad else g).numpy()  # (requires grad: create_graph=True)
-            apply_blocks(pending.ctxs, [g.astype(np.float32, copy=False)],
-                         [_optimizer_arguments(ctx.store, optimizer.lr)])
         return
     ctxs, arrays = [], []
     for ctx, g in zip(pending.ctxs, blocks):
@@ -273,9 +280,10 @@ class Lookup(torch.autograd.Function):
         pending = ctx.pending
         grad = grads if pending.split else grads[0]
         wants = ctx.needs_input_grad[_ARGS:]  # (per feature: a weight that needs its gradient)
-        weight_grads = [None] * len(wants)
-        if any(wants):
-            weight_grads = weights_grad_impl(pending, grad, [f for f, want in enumerate(wants) if want])
+        if True not in wants:
+            backward_impl(pending, grad)
+            return (None,) * (_ARGS + len(wants))
+        weight_grads = weights_grad_impl(pending, grad, [f for f, want in enumerate(wants) if want])
         backward_impl(pending, grad)
         return (None,) * _ARGS + tuple(weight_grads)
 
