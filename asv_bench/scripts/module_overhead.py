@@ -35,6 +35,13 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     cncore.set_num_threads(1)
+    # glibc maps each block over its mmap threshold afresh (a page fault per 4 KiB on first
+    # touch) and raises the threshold to the size of a mapped block that is freed: whether a 1 MiB
+    # output or a keys copy costs those faults depended on what the process had freed before
+    # (at pooling 20 the core's eval call measured 1.0 ms or 2.6 ms, the same code, after a
+    # different first training step). One 16 MiB block freed here puts both sides in the same
+    # state, no faults: this measures the layer, not the allocator.
+    np.empty(16 << 20, dtype=np.uint8)
     bag = CNEmbeddingBag(10**6, args.dim, mode="sum", optimizer=cncore.SGD(lr=0.01))
     rng = np.random.default_rng(0)
     ids = torch.from_numpy(rng.integers(0, args.distinct, (args.batch, args.pooling)))
