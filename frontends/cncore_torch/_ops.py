@@ -31,12 +31,12 @@ them).
 
 Eager cost (README "The PyTorch layer", `asv_bench/scripts/module_overhead.py`, pooling 1,
 batch 4096, 1 thread): a training step through `CNEmbeddingBag` is ~1.17x the core's
-`pooled_lookup` + `apply_gradients` (~38 us more, p10). Autograd itself (`Function.apply` and the
-engine's backward) takes ~55 us of the step, about what the core spends on the Python checks
-of its input that the bridge skips (a bare `autograd.Function` around the same two core calls,
-with no checks and no contexts, is 1.02-1.04x the core's step); the ~38 us are this layer's Python: the module's
-input checks, the contexts and `Pending` the backward needs, the backward's checks (an
-optimizer, the table not moved). Eager through the operators instead
+`pooled_lookup` + `apply_gradients` (35-38 us more, p10). Autograd itself (`Function.apply`
+and the engine's backward) takes ~55 us of the step, about what the core spends on the Python
+checks of its input that the bridge skips (a bare `autograd.Function` around the same two core
+calls, with no checks and no contexts, is 1.02-1.04x the core's step); the 35-38 us are this
+layer's Python: the module's input checks, the contexts and `Pending` the backward needs, the
+backward's checks (an optimizer, the table not moved). Eager through the operators instead
 (`torch.library.custom_op` + `register_autograd`): ~260 us more a step (560 against 298 us,
 p10), so eager mode keeps `Lookup`. Neither pass uses saved-tensor hooks or `retain_graph`.
 """
