@@ -139,3 +139,20 @@ def test_compare_reference_quick_prints_every_cell(tmp_path):
     assert len(body) == 1
     cells = [c.strip().strip("*").rstrip("x") for c in body[0].strip("|").split("|")][3:]
     assert len(cells) == 11 and all(float(c) > 0 for c in cells), body[0]
+
+
+def test_module_overhead_prints_both_ratios(tmp_path):
+    """asv_bench/scripts/module_overhead.py on a small batch: the two rows (forward, training
+    step), each with positive times and a ratio."""
+    script = BENCH_DIR / "scripts" / "module_overhead.py"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "frontends"),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    res = subprocess.run([sys.executable, str(script), "--batch", "64", "--calls", "6"], capture_output=True,
+                         text=True, timeout=300, cwd=tmp_path, env=env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "load average" in res.stdout
+    rows = [ln for ln in res.stdout.splitlines() if ln.startswith("| forward") or ln.startswith("| training")]
+    assert len(rows) == 2, res.stdout
+    for row in rows:
+        m = re.fullmatch(r"\| [^|]+ \| (\d+) \| (\d+) \| \*\*(\d+\.\d\d)x\*\* \|", row)
+        assert m and int(m[1]) > 0 and int(m[2]) > 0 and float(m[3]) > 0, row

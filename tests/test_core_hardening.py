@@ -299,6 +299,10 @@ def test_a_context_is_opaque_copies_and_replacements_are_refused():
     _, ctx = store.pooled_lookup(np.array([1, 2, 3]), lengths=np.array([3]))
     _, other_ctx = other.pooled_lookup(np.array([1, 2, 3]), lengths=np.array([3]))
     assert ctx.erase_epoch != other_ctx.erase_epoch
+    # A lookup writes its context's fields straight into __dict__ (cncore.grouped._sealed): the
+    # dataclass's fields, every one, and nothing else beside the seal.
+    assert set(vars(ctx)) == {f.name for f in dataclasses.fields(ctx)} | {"_seal"}
+    assert (ctx.store, ctx.mode, ctx.columns, ctx.n_new, ctx.training, ctx.step) == (store, 0, slice(0, 2), 3, True, 0)
     before = snapshot(other)
     grad = np.ones((1, 2), np.float32)
     with pytest.raises(ValueError, match="another store"):

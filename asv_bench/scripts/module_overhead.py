@@ -5,11 +5,11 @@
 `CNEmbeddingBag` (mode sum, SGD fused) against `EmbeddingStore.pooled_lookup` (+
 `apply_gradients` for the training step) on the same table, one thread each, warm rows (this
 measures the layer, not the memory system: compare_torch_modules.py and forward_large.py do
-that). Each number is the 10th percentile of `--calls` timed calls, interleaved in an order that
-reverses every call (the first call to touch the rows after the other kind pays their cache
-misses: a fixed order put up to 0.7 ms on one side at pooling 20): on a machine
-where other processes take the cores, medians move by 2x between runs and a low percentile
-does not. Prints the two ratios (module time / core time).
+that). Each number is the 10th percentile of `--calls` timed calls, the module's and the core's
+interleaved in an order that reverses every call (the first call to touch the rows after the
+other kind pays their cache misses: a fixed order put up to 0.7 ms on one side at pooling 20):
+on a machine where other processes take the cores, medians move by 2x between runs and a low
+percentile does not. Prints the two ratios (module time / core time).
 """
 from __future__ import annotations
 
@@ -35,6 +35,13 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     cncore.set_num_threads(1)
+    # glibc maps each block over its mmap threshold afresh (a page fault per 4 KiB on first
+    # touch) and raises the threshold to the size of a mapped block that is freed: whether a 1 MiB
+    # output or a keys copy costs those faults depended on what the process had freed before
+    # (at pooling 20 the core's eval call measured 1.0 ms or 2.6 ms, the same code, after a
+    # different first training step). One 16 MiB block freed here puts both sides in the same
+    # state, no faults: this measures the layer, not the allocator.
+    np.empty(16 << 20, dtype=np.uint8)
     bag = CNEmbeddingBag(10**6, args.dim, mode="sum", optimizer=cncore.SGD(lr=0.01))
     rng = np.random.default_rng(0)
     ids = torch.from_numpy(rng.integers(0, args.distinct, (args.batch, args.pooling)))
@@ -44,7 +51,6 @@ def main(argv=None) -> int:
     store = bag.store
 
     def module_eval():  # eval mode: no insertion, as the core call's insert_missing=False
-        bag.eval()
         with torch.no_grad():
             bag(ids)
 
@@ -52,26 +58,36 @@ def main(argv=None) -> int:
         store.pooled_lookup(keys, lengths=lengths, insert_missing=False)
 
     def module_step():
-        bag.train()
         bag(ids).backward(grad)
 
     def core_step():
         _, ctx = store.pooled_lookup(keys, lengths=lengths)
         store.apply_gradients(ctx, grad_np)
 
-    fns = {"core eval": core_eval, "module eval": module_eval, "core step": core_step, "module step": module_step}
-    times = {name: [] for name in fns}
-    for _ in range(10):
-        for fn in fns.values():
-            fn()
-    order = list(fns.items())
-    for call in range(args.calls):
-        # Whichever runs first after the other kind of call pays the cache misses of the rows the
-        # two share: the order reverses every call (A B B A ...), so neither side gets that cost.
-        for name, fn in (order if call % 2 else order[::-1]):
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
+    # Each comparison is its own pair, core and module interleaved in an order that reverses
+    # every call (A B B A A B ...): each side follows itself and the other alike, so neither
+    # finds the rows or its own Python warmer. (All four kinds in one reversing order let the
+    # module's step follow itself half the time and the core's step never: 0.07x in the
+    # module's favour.) The module's mode is set once per pair, as a training loop sets it once
+    # per phase (the core takes it per call, insert_missing); bag.train() before every timed
+    # step added 8 us, a cost of the harness, not of the layer.
+    pairs = {"eval": (bag.eval, ("core eval", core_eval), ("module eval", module_eval)),
+             "step": (bag.train, ("core step", core_step), ("module step", module_step))}
+    times = {}
+    bag.train()
+    module_step()  # every row the calls read is in the table before anything is timed (warm rows)
+    for set_mode, *pair in pairs.values():
+        set_mode()
+        for _ in range(10):
+            for _, fn in pair:
+                fn()
+        for name, _ in pair:
+            times[name] = []
+        for call in range(args.calls):
+            for name, fn in (pair if call % 2 else pair[::-1]):
+                start = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - start)
     us = {name: float(np.percentile(t, 10)) * 1e6 for name, t in times.items()}
     print(f"# batch {args.batch}, pooling {args.pooling}, dim {args.dim}, IDs from {args.distinct:,}, 1 thread, "
           f"p10 of {args.calls} calls, "

@@ -23,11 +23,22 @@ what the backward returns, so autograd (and AOTAutograd's dead-code elimination)
 the backward, where the rows are updated in place.
 
 Two ways in, one implementation (`forward_impl`, `weights_grad_impl`, `backward_impl`):
-`Lookup`, an `autograd.Function` for eager mode (a custom operator costs ~100 us more a call in
-Python), and the `cncore::` operators for `torch.compile`, where what the backward needs waits
-in `_PENDING` under a token (an int64 tensor autograd hands back; the entry leaves when the token
-dies). Accelerator rows run eagerly in both (PyTorch ops on device rows need no operator; the
-modules put a graph break around them).
+`Lookup`, an `autograd.Function` for eager mode, and the `cncore::` operators for
+`torch.compile`, where what the backward needs waits in `_PENDING` under a token (an int64
+tensor autograd hands back; the entry leaves when the token dies). Accelerator rows run eagerly
+in both (PyTorch ops on device rows need no operator; the modules put a graph break around
+them).
+
+Eager cost (README "The PyTorch layer", `asv_bench/scripts/module_overhead.py`, pooling 1,
+batch 4096, 1 thread): a training step through `CNEmbeddingBag` is ~1.17x the core's
+`pooled_lookup` + `apply_gradients` (35-38 us more, p10). Autograd itself (`Function.apply`
+and the engine's backward) takes ~55 us of the step, about what the core spends on the Python
+checks of its input that the bridge skips (a bare `autograd.Function` around the same two core
+calls, with no checks and no contexts, is 1.02-1.04x the core's step); the 35-38 us are this
+layer's Python: the module's input checks, the contexts and `Pending` the backward needs, the
+backward's checks (an optimizer, the table not moved). Eager through the operators instead
+(`torch.library.custom_op` + `register_autograd`): ~260 us more a step (560 against 298 us,
+p10), so eager mode keeps `Lookup`. Neither pass uses saved-tensor hooks or `retain_graph`.
 """
 from __future__ import annotations
 
@@ -65,24 +76,33 @@ def table_of(handle: int):
 
 class Pending:
     """What a lookup's backward needs: its owner, tables, per-feature contexts, layout."""
-    __slots__ = ("owner", "tables", "ctxs", "keys", "on_device", "split", "sizes")
+    __slots__ = ("owner", "tables", "ctxs", "on_device", "split", "sizes")
 
-    def __init__(self, owner, tables, ctxs, keys, on_device: bool, split: bool):
-        self.owner, self.tables, self.ctxs, self.keys = owner, tables, ctxs, keys
+    def __init__(self, owner, tables, ctxs, on_device: bool, split: bool):
+        self.owner, self.tables, self.ctxs = owner, tables, ctxs
         self.on_device, self.split = on_device, split
         self.sizes = None  # what a caller splits the outputs by (the unpooled collection's features)
 
 
-def _np(t: Optional[torch.Tensor]):
-    return None if t is None else t.detach().numpy()
+def _np(t):
+    """A tensor's NumPy view (no copy); arrays (the modules' shared offsets) pass as they are."""
+    return t if t is None or isinstance(t, np.ndarray) else t.detach().numpy()
 
 
 def forward_impl(owner, tables, keys, offsets, weights, modes, training: bool, split: bool = False,
                  backward: bool = True):
     """(out, Pending): the pooled rows of every feature (see the module docstring); with
     `backward=False` (no backward will run) the contexts are not made. Inputs are
-    contiguous int64 keys and offsets, float32 weights or None, on the CPU for core tables;
+    contiguous int64 keys and offsets, float32 weights or None, on the CPU for core tables
+    (tensors, or NumPy arrays there: the modules pass their keys and shared offsets so);
     modes as codes or names ('sum', 'mean', 'max')."""
+    if len(tables) == 1 and not split and not isinstance(tables[0], DeviceRows):  # the modules
+        table, mode = tables[0], modes[0]
+        out = np.empty((len(offsets[0]) - 1, table.dim), dtype=np.float32)
+        ctxs = lookup_arrays(tables, [_np(keys[0])], [_np(offsets[0])], [_np(weights[0])],
+                             [MODES[mode] if isinstance(mode, str) else mode], [out], training, [0, table.dim],
+                             contexts=backward)
+        return torch.from_numpy(out), Pending(owner, tables, ctxs, False, False)
     modes = [MODES[m] if isinstance(m, str) else m for m in modes]
     if tables and isinstance(tables[0], DeviceRows):
         outs, ctxs = [], []
@@ -90,7 +110,7 @@ def forward_impl(owner, tables, keys, offsets, weights, modes, training: bool, s
             out, ctx = table.lookup(k, o, w, m, training)
             outs.append(out)
             ctxs.append(ctx)
-        return (outs if split else torch.cat(outs, dim=1)), Pending(owner, tables, ctxs, keys, True, split)
+        return (outs if split else torch.cat(outs, dim=1)), Pending(owner, tables, ctxs, True, split)
     dims = [t.dim for t in tables]
     if split:
         views = [np.empty((len(o) - 1, d), dtype=np.float32) for o, d in zip(offsets, dims)]
@@ -104,13 +124,15 @@ def forward_impl(owner, tables, keys, offsets, weights, modes, training: bool, s
     ctxs = lookup_arrays(tables, [_np(k) for k in keys], [_np(o) for o in offsets], [_np(w) for w in weights],
                          modes, views, training, starts, contexts=backward)
     result = [torch.from_numpy(v) for v in views] if split else torch.from_numpy(out)
-    return result, Pending(owner, tables, ctxs, keys, False, split)
+    return result, Pending(owner, tables, ctxs, False, split)
 
 
 def _grad_blocks(pending: Pending, grad) -> List[torch.Tensor]:
     """Each feature's (B_f, dim_f) block of the output gradient."""
     if pending.split:
         return list(grad)
+    if len(pending.tables) == 1:  # the modules: the whole gradient (autograd checked its shape)
+        return [grad]
     blocks, at = [], 0
     for table in pending.tables:
         blocks.append(grad[:, at:at + table.dim])
@@ -137,6 +159,28 @@ def weights_grad_impl(pending: Pending, grad, features: List[int]) -> List[Optio
     return result
 
 
+_last_arguments = (None, None, None)  # (optimizer config, lr, their checked tuple)
+
+
+def _optimizer_arguments(store, lr: float) -> tuple:
+    """`optimizer_arguments(store, lr)`, a pure function of the store's optimizer config (a
+    frozen dataclass, replaced whole by set_optimizer) and lr, so the last answer is reused
+    while both are the same (~2 us a step less; one tuple, rebound at once, so threads never
+    see a config paired with another's answer)."""
+    global _last_arguments
+    opt, last_lr, arguments = _last_arguments
+    config = store.config.optimizer
+    if config is not opt or config is None or lr != last_lr:
+        arguments = optimizer_arguments(store, lr)  # raises for a bad lr or no optimizer
+        _last_arguments = (config, lr, arguments)
+    return arguments
+
+
+def _moved():
+    raise RuntimeError("this table moved off the core (or between placements) since this lookup; its gradient "
+                       "cannot be applied to rows that now live elsewhere. Nothing was updated")
+
+
 def _no_optimizer(owner):
     check = getattr(owner, "_require_optimizer", None)
     if check is not None:
@@ -147,15 +191,26 @@ def _no_optimizer(owner):
 def backward_impl(pending: Pending, grad) -> None:
     """Hand the output gradient to the tables: the owner's fused optimizer, or its gradient
     hooks (`_deliver_gradients`, one feature: the modules)."""
-    owner = pending.owner
+    owner, tables = pending.owner, pending.tables
     optimizer = owner.fused_optimizer
-    deliver = getattr(owner, "_deliver_gradients", None)
+    current = owner._lookup_tables()
+    if optimizer is not None and len(tables) == 1 and not pending.split and not pending.on_device:
+        # The modules' step: one table in the core, fused. The checks below, in one pass; the
+        # gradient to the core as it came (autograd made it float32 and (B, dim); a strided one
+        # is copied by NumPy). The general path's lists and loops cost ~2 us more (perf_counter
+        # marks in a step: 8.8 us from entering Lookup.backward to the core call, against 11.5).
+        if len(current) != 1 or current[0] is not tables[0]:
+            _moved()
+        if len(grad):  # (no bags: no update, as below)
+            g = (grad.detach() if grad.requires_grad else grad).numpy()  # (requires grad: create_graph=True)
+            apply_blocks(pending.ctxs, [np.ascontiguousarray(g, dtype=np.float32)],
+                         [_optimizer_arguments(tables[0], optimizer.lr)])
+        return
+    deliver = getattr(owner, "_deliver_gradients", None) if optimizer is None else None
     if optimizer is None and deliver is None:
         _no_optimizer(owner)
-    current = owner._lookup_tables()
-    if len(current) != len(pending.tables) or any(a is not b for a, b in zip(current, pending.tables)):
-        raise RuntimeError("this table moved off the core (or between placements) since this lookup; its "
-                           "gradient cannot be applied to rows that now live elsewhere. Nothing was updated")
+    if len(current) != len(tables) or any(a is not b for a, b in zip(current, tables)):
+        _moved()
     if not pending.split:
         grad = grad.contiguous()
     blocks = _grad_blocks(pending, grad)
@@ -163,23 +218,24 @@ def backward_impl(pending: Pending, grad) -> None:
         _device_backward(pending, blocks, optimizer, deliver)
         return
     if optimizer is None:
-        for ctx, g, keys in zip(pending.ctxs, blocks, pending.keys):
+        for ctx, g in zip(pending.ctxs, blocks):
             g = np.ascontiguousarray(g.detach().numpy(), dtype=np.float32)
             positions, grads = _core.unique_gradients(ctx.store._table, ctx.slots, ctx.offsets, ctx.weights, ctx.mode,
                                                       ctx.argmax if ctx.mode == 2 else None, g, ctx.training,
                                                       ctx.step, ctx.erase_epoch)
-            deliver(keys[torch.from_numpy(positions)], torch.from_numpy(grads))
+            deliver(torch.from_numpy(ctx.keys[positions]), torch.from_numpy(grads))
         return
     ctxs, arrays = [], []
     for ctx, g in zip(pending.ctxs, blocks):
         if g is not None and len(g):  # (a split lookup's table without a gradient: no update)
             ctxs.append(ctx)
             arrays.append(g.detach().numpy().astype(np.float32, copy=False))
+    lr = optimizer.lr
     optims, by_store = [], {}
     for ctx in ctxs:  # each store's optimizer and learning rate, checked once
         key = id(ctx.store)
         if key not in by_store:
-            by_store[key] = optimizer_arguments(ctx.store, optimizer.lr)
+            by_store[key] = _optimizer_arguments(ctx.store, lr)
         optims.append(by_store[key])
     if ctxs:
         apply_blocks(ctxs, arrays, optims)
@@ -217,26 +273,34 @@ def _device_backward(pending: Pending, blocks, optimizer, deliver) -> None:
 
 class Lookup(torch.autograd.Function):
     """The eager way in: forward_impl, then (weights_grad_impl and) backward_impl.
-    apply(anchor, owner, modes, training, split, n, *keys, *offsets, *weights)."""
+    apply(anchor, (owner, modes, training, split, keys, offsets), *weights): autograd sees the
+    anchor and the weights (the only inputs with a gradient) and one tuple it does not look
+    into. It walks every argument of apply in both passes: the 8 arguments of one feature, with
+    keys and offsets as tensors, cost a step ~2 us warm more than 3 (and 6+2F for F features)."""
 
     @staticmethod
-    def forward(ctx, anchor, owner, modes, training, split, n, *arrays):
-        keys, offsets, weights = arrays[:n], arrays[n:2 * n], arrays[2 * n:]
+    def forward(ctx, anchor, call, *weights):
+        owner, modes, training, split, keys, offsets = call
         out, ctx.pending = forward_impl(owner, owner._lookup_tables(), keys, offsets, weights, modes, training,
                                         split)
-        ctx.n = n
         if split:  # an output nobody used gets None, and its table no update (as the operators do)
             ctx.set_materialize_grads(False)
         return tuple(out) if split else out
 
     @staticmethod
     def backward(ctx, *grads):
-        pending, n = ctx.pending, ctx.n
-        grad = grads if pending.split else grads[0].contiguous()
-        wanted = [f for f in range(n) if ctx.needs_input_grad[6 + 2 * n + f]]
-        weight_grads = weights_grad_impl(pending, grad, wanted) if wanted else [None] * n
+        pending = ctx.pending
+        grad = grads if pending.split else grads[0]
+        wants = ctx.needs_input_grad[_ARGS:]  # (per feature: a weight that needs its gradient)
+        if True not in wants:
+            backward_impl(pending, grad)
+            return (None,) * (_ARGS + len(wants))
+        weight_grads = weights_grad_impl(pending, grad, [f for f, want in enumerate(wants) if want])
         backward_impl(pending, grad)
-        return (None,) * (6 + 2 * n) + tuple(weight_grads)
+        return (None,) * _ARGS + tuple(weight_grads)
+
+
+_ARGS = 2  # Lookup.apply's arguments before the weights
 
 
 def lookup(anchor, owner, keys, offsets, weights, modes, training: bool, split: bool = False):
@@ -247,7 +311,7 @@ def lookup(anchor, owner, keys, offsets, weights, modes, training: bool, split: 
         out, _ = forward_impl(owner, owner._lookup_tables(), keys, offsets, weights, modes, training, split,
                               backward=False)
         return tuple(out) if split else out
-    return Lookup.apply(anchor, owner, list(modes), training, split, len(keys), *keys, *offsets, *weights)
+    return Lookup.apply(anchor, (owner, modes, training, split, keys, offsets), *weights)
 
 
 # --- the operators (torch.compile) -----------------------------------------------------------------
