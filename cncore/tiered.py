@@ -288,7 +288,6 @@ class TieredStore(EmbeddingStore):
         self._staged = None       # its result: (commit, sorted keys, slots, records)
         self.cache_rows = _cache_rows(config, storage.cache_bytes)
         self._evict_chunk = max(_IO_ROWS, self.cache_rows // 64)
-        self._io_rows = _IO_ROWS
         self._spilled = 0  # rows spilled since the last malloc_trim (faulted_in)
         if self.cache_rows < _MIN_CACHE_ROWS:
             raise ValueError(f"Tiered.cache_bytes={storage.cache_bytes} holds {self.cache_rows} rows of this config "
@@ -324,19 +323,17 @@ class TieredStore(EmbeddingStore):
         # The cache's evictions go to the writer in C (cn_tier.h): packed from the eviction's
         # buffer into records, written, indexed on disk; no NumPy copies, no callback.
         self._writer = _core.RecordWriter(self._fd, self._layout_fields(), self._disk, self._spill_slots,
-                                          self._io_threads, self._io_rows)
+                                          self._io_threads, _IO_ROWS)
         self._table.evict_sink = self._writer
 
     @property
     def _io_rows(self) -> int:
-        """Records a spill writes, or a read reads, at a time (tests set it small)."""
-        return self._io_rows_n
+        """Records the writer packs and writes at a time (its buffer; tests set it small)."""
+        return self._writer.io_rows
 
     @_io_rows.setter
     def _io_rows(self, n: int) -> None:
-        self._io_rows_n = n
-        if getattr(self, "_writer", None) is not None:
-            self._writer.io_rows = n
+        self._writer.io_rows = n
 
     # --- the layout of a record ------------------------------------------------------------------
 
