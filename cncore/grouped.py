@@ -205,6 +205,10 @@ def lookup_arrays(stores, keys, offsets, weights, modes, outs, insert_missing: b
     when each has its own output). The core still checks the offsets and sizes; the arrays
     are not copied (the caller keeps them unchanged until the backward). Returns the contexts
     (None with `contexts=False`: no backward will follow)."""
+    if len(stores) == 1:
+        ctx = lookup_one(stores[0], keys[0], offsets[0], weights[0], modes[0], outs[0], insert_missing,
+                         None if starts is None else slice(starts[0], starts[1]), context=contexts)
+        return [ctx] if contexts else None
     keys = [np.ascontiguousarray(k, dtype=np.int64) for k in keys]
     offsets = [np.ascontiguousarray(o, dtype=np.int64) for o in offsets]
     weights = [None if w is None else np.ascontiguousarray(w, dtype=np.float32) for w in weights]
@@ -219,6 +223,55 @@ def lookup_arrays(stores, keys, offsets, weights, modes, outs, insert_missing: b
     return [_sealed(stores[f], keys[f], results[f][0], offsets[f], weights[f], modes[f], results[f][1], results[f][3],
                     columns[f], results[f][2], insert_missing, stores[f].step)
             for f in range(len(stores))]
+
+
+def lookup_one(store, keys, offsets, weights, mode: int, out, insert_missing: bool, columns: Optional[slice] = None,
+               *, context: bool = True) -> Optional[LookupContext]:
+    """`lookup_arrays` for one feature (`EmbeddingStore.pooled_lookup`, the torch bridge): the
+    same core call and context without the per-feature lists. `columns`: its block of a
+    grouped output (default: all of `out`). Returns its context (None with `context=False`)."""
+    record = forward_one(store, keys, offsets, weights, mode, out, insert_missing)
+    return context_of(store, record, columns) if context else None
+
+
+# One feature's lookup as the core returned it, in one tuple (forward_one): what its backward
+# needs, as a LookupContext carries it (context_of). A caller that keeps the lookup to itself
+# (the torch modules' autograd node) keeps the tuple and hands it to backward_one: sealing a
+# context cost 2.5 us a step (three setflags, the instance's dict, the call), 1% of a training
+# step at batch 4096, pooling 1 (module_overhead.py), where the core checks what the backward
+# reads under the store's lock either way.
+RECORD_FIELDS = ("keys", "offsets", "weights", "mode", "slots", "argmax", "n_new", "erase_epoch", "training", "step")
+
+
+def forward_one(store, keys, offsets, weights, mode: int, out, insert_missing: bool) -> tuple:
+    """The pooled lookup of one feature, its input checked by the caller (as lookup_arrays'):
+    rows into `out`; returns its record (RECORD_FIELDS)."""
+    keys = np.ascontiguousarray(keys, dtype=np.int64)
+    offsets = np.ascontiguousarray(offsets, dtype=np.int64)
+    if weights is not None:
+        weights = np.ascontiguousarray(weights, dtype=np.float32)
+    insert_missing = bool(insert_missing)
+    # (A tiered store holds the keys in memory around the call; see tiers_faulted_in.)
+    with store.faulted_in(keys, insert_missing) if hasattr(store, "faulted_in") else _NOTHING_HELD:
+        slots, argmax, n_new, epoch = _core.grouped_forward([store._table], [keys], [offsets], [weights], [mode],
+                                                            [out], insert_missing)[0]
+    return keys, offsets, weights, mode, slots, argmax, n_new, epoch, insert_missing, store.step
+
+
+def context_of(store, record: tuple, columns: Optional[slice] = None) -> LookupContext:
+    """The LookupContext of a lookup of `store` from its record (forward_one)."""
+    keys, offsets, weights, mode, slots, argmax, n_new, epoch, training, step = record
+    return _sealed(store, keys, slots, offsets, weights, mode, argmax, epoch,
+                   slice(0, store.dim) if columns is None else columns, n_new, training, step)
+
+
+def backward_one(store, record: tuple, grad: np.ndarray, optim: tuple) -> None:
+    """The fused backward of one lookup of `store` from its record (forward_one): its (B, dim)
+    float32 gradient, its `_optim_tuple`. The core checks the record against the store under
+    its lock (erase epoch, offsets, slots), as it does a context's."""
+    keys, offsets, weights, mode, slots, argmax, n_new, epoch, training, step = record
+    _core.grouped_backward([store._table], [slots], [offsets], [weights], [mode], [argmax], [grad], [optim],
+                           [(training, step)], [epoch])
 
 
 _NOTHING_HELD = contextlib.nullcontext()  # reusable: no tiered store in a call (the common case)
@@ -327,9 +380,7 @@ def apply_blocks(ctxs: Sequence[LookupContext], grads: Sequence[np.ndarray], opt
     per row (max pooling: one after another). The core checks each context's erase epoch and
     slots under the store's lock."""
     if len(ctxs) == 1:  # one feature (the modules): no grouping to do
-        ctx = ctxs[0]
-        _core.grouped_backward([ctx.store._table], [ctx.slots], [ctx.offsets], [ctx.weights], [ctx.mode],
-                               [ctx.argmax], [grads[0]], [optims[0]], [(ctx.training, ctx.step)], [ctx.erase_epoch])
+        apply_one(ctxs[0], grads[0], optims[0])
         return
     by_store = {}
     for f, ctx in enumerate(ctxs):
@@ -373,6 +424,11 @@ def apply_blocks(ctxs: Sequence[LookupContext], grads: Sequence[np.ndarray], opt
         _core.grouped_backward(tables, slots, offsets, weights, modes, argmaxes, grad_list, opt_list, metas,
                                epochs)
     for f in sequential:
-        ctx = ctxs[f]
-        _core.grouped_backward([ctx.store._table], [ctx.slots], [ctx.offsets], [ctx.weights], [ctx.mode],
-                               [ctx.argmax], [grads[f]], [optims[f]], [(ctx.training, ctx.step)], [ctx.erase_epoch])
+        apply_one(ctxs[f], grads[f], optims[f])
+
+
+def apply_one(ctx: LookupContext, grad: np.ndarray, optim: tuple) -> None:
+    """`apply_blocks` for one context (checked already): its (B, dim) float32 gradient, its
+    `_optim_tuple`."""
+    backward_one(ctx.store, (ctx.keys, ctx.offsets, ctx.weights, ctx.mode, ctx.slots, ctx.argmax, ctx.n_new,
+                             ctx.erase_epoch, ctx.training, ctx.step), grad, optim)

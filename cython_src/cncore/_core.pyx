@@ -9,9 +9,11 @@ from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport malloc, calloc, free
 from cncore._typedefs cimport key_t, slot_t, offset_t, weight_t, count_t
 from cncore._ctable cimport *
-
+cimport numpy as cnp
 
 import numpy as np
+
+cnp.import_array()
 
 
 def traced_bytes():
@@ -742,7 +744,14 @@ cdef class Table:
 
 
 cdef inline int64_t _ptr(object arr):
-    return <int64_t> arr.ctypes.data if arr is not None else 0
+    """The address of an array's first element (0 for None). Read from the array object
+    itself: `arr.ctypes.data` built a ctypes object each time, 1.3 us a call, 4-5 calls a
+    forward and 3-4 a backward (~9 us of a training step at any batch size)."""
+    if arr is None:
+        return 0
+    if not cnp.PyArray_Check(arr):
+        raise TypeError(f"expected a NumPy array, got {type(arr).__name__}")
+    return <int64_t> <size_t> cnp.PyArray_DATA(<cnp.ndarray> arr)
 
 
 cdef _check_vector(object arr, object dtype, int64_t n, str name):

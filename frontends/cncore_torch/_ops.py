@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 from cncore import _core
-from cncore.grouped import MODES, apply_blocks, lookup_arrays
+from cncore.grouped import MODES, apply_blocks, apply_one, backward_one, context_of, forward_one, lookup_arrays
 from cncore.grouped import _optim_tuple as optimizer_arguments
 from cncore_torch.device_rows import DeviceRows
 
@@ -188,6 +188,14 @@ def _no_optimizer(owner):
     raise RuntimeError(f"{type(owner).__name__} has no fused optimizer; its rows cannot be trained")
 
 
+def _grad_rows(grad: torch.Tensor, dim: int) -> np.ndarray:
+    """A non-empty output gradient as the core reads it: autograd made it float32 and the
+    output's shape ((B, dim), or a CNEmbedding's input.shape + (dim,), read as (B, dim)); a
+    strided one (an expanded sum's) is copied by NumPy."""
+    g = (grad.detach() if grad.requires_grad else grad).numpy()  # (requires grad: create_graph=True)
+    return np.ascontiguousarray(g, dtype=np.float32).reshape(-1, dim)
+
+
 def backward_impl(pending: Pending, grad) -> None:
     """Hand the output gradient to the tables: the owner's fused optimizer, or its gradient
     hooks (`_deliver_gradients`, one feature: the modules)."""
@@ -195,16 +203,10 @@ def backward_impl(pending: Pending, grad) -> None:
     optimizer = owner.fused_optimizer
     current = owner._lookup_tables()
     if optimizer is not None and len(tables) == 1 and not pending.split and not pending.on_device:
-        # The modules' step: one table in the core, fused. The checks below, in one pass; the
-        # gradient to the core as it came (autograd made it float32 and (B, dim); a strided one
-        # is copied by NumPy). The general path's lists and loops cost ~2 us more (perf_counter
-        # marks in a step: 8.8 us from entering Lookup.backward to the core call, against 11.5).
         if len(current) != 1 or current[0] is not tables[0]:
             _moved()
-        if len(grad):  # (no bags: no update, as below)
-            g = (grad.detach() if grad.requires_grad else grad).numpy()  # (requires grad: create_graph=True)
-            apply_blocks(pending.ctxs, [np.ascontiguousarray(g, dtype=np.float32)],
-                         [_optimizer_arguments(tables[0], optimizer.lr)])
+        if grad.numel():  # (no bags: no update, as below)
+            apply_one(pending.ctxs[0], _grad_rows(grad, tables[0].dim), _optimizer_arguments(tables[0], optimizer.lr))
         return
     deliver = getattr(owner, "_deliver_gradients", None) if optimizer is None else None
     if optimizer is None and deliver is None:
@@ -219,7 +221,7 @@ def backward_impl(pending: Pending, grad) -> None:
         return
     if optimizer is None:
         for ctx, g in zip(pending.ctxs, blocks):
-            g = np.ascontiguousarray(g.detach().numpy(), dtype=np.float32)
+            g = np.ascontiguousarray(g.detach().numpy(), dtype=np.float32).reshape(ctx.n_bags, ctx.store.dim)
             positions, grads = _core.unique_gradients(ctx.store._table, ctx.slots, ctx.offsets, ctx.weights, ctx.mode,
                                                       ctx.argmax if ctx.mode == 2 else None, g, ctx.training,
                                                       ctx.step, ctx.erase_epoch)
@@ -303,15 +305,85 @@ class Lookup(torch.autograd.Function):
 _ARGS = 2  # Lookup.apply's arguments before the weights
 
 
+class TableLookup(torch.autograd.Function):
+    """The modules' common lookup (`lookup_table`): one table in the core, no per-sample
+    weights. apply(anchor, (owner, keys, offsets, mode, training, shape)): keys and offsets
+    as NumPy arrays (int64; offsets B+1), `shape` the output's (None: (B, dim)). What
+    Lookup does for this case without its lists, loops and weights: the forward is one
+    `forward_one`, whose record the node keeps (no LookupContext), the fused backward one
+    `backward_one` once the table is found where it was; anything else (no fused optimizer:
+    the hooks; a moved table: the error) goes through backward_impl, as Lookup's does."""
+
+    @staticmethod
+    def forward(ctx, anchor, call):
+        owner, keys, offsets, mode, training, shape = call
+        table = owner.storage
+        out = np.empty((len(offsets) - 1, table.dim) if shape is None else shape, dtype=np.float32)
+        # (an output of input.shape + (dim,) is written through its (B, dim) view)
+        ctx.lookup = owner, table, forward_one(table, keys, offsets, None, mode,
+                                               out if shape is None else out.reshape(-1, table.dim), training)
+        return torch.from_numpy(out)  # (never kept in ctx: the node would keep its own output alive)
+
+    @staticmethod
+    def backward(ctx, grad):
+        owner, table, record = ctx.lookup
+        optimizer = owner.fused_optimizer
+        if optimizer is None or owner.storage is not table:
+            backward_impl(Pending(owner, [table], [context_of(table, record)], False, False), grad)
+        elif grad.numel():  # (no bags: no update)
+            backward_one(table, record, _grad_rows(grad, table.dim), _optimizer_arguments(table, optimizer.lr))
+        return None, None
+
+
+class _NoNode:
+    """Where TableLookup.forward leaves its record when no backward will follow (one a call)."""
+    __slots__ = ("lookup",)
+
+
+# Function.apply minus its Python wrapper, which checks for functorch transforms and their
+# dead wrappers and then calls this: 2.4 us of a 7 us apply (a bare Function, batch 1). The
+# call tuple holds no tensor and the anchor is the module's own parameter, so with no
+# transform active the wrapper has nothing to do; with one active, TableLookup.apply runs.
+_apply_table = super(torch.autograd.Function, TableLookup).apply
+
+
+def lookup_table(owner, keys, offsets, mode: int, training: bool, shape=None) -> torch.Tensor:
+    """The modules' eager lookup of their one table in the core, no per-sample weights (see
+    TableLookup): keys (N,) int64 and offsets (B+1,) int64 as NumPy arrays the caller leaves
+    unchanged until the backward. Under torch.no_grad() no context is kept."""
+    call = (owner, keys, offsets, mode, training, shape)
+    if not torch.is_grad_enabled():  # (its record dies here)
+        return TableLookup.forward(_NoNode(), None, call)
+    if torch._C._are_functorch_transforms_active():
+        return TableLookup.apply(owner._parameters["_anchor"], call)
+    return _apply_table(owner._parameters["_anchor"], call)
+
+
 def lookup(anchor, owner, keys, offsets, weights, modes, training: bool, split: bool = False):
     """The eager lookup of `owner`'s tables (see the module docstring); weights: a list with
     None for unweighted features. Under torch.no_grad() no backward can follow: the lookup
     runs without autograd and keeps no contexts (the evaluation path: ~30 us less a call)."""
+    if torch.jit.is_tracing():
+        _refuse_jit_trace(owner)
     if not torch.is_grad_enabled():
         out, _ = forward_impl(owner, owner._lookup_tables(), keys, offsets, weights, modes, training, split,
                               backward=False)
         return tuple(out) if split else out
     return Lookup.apply(anchor, (owner, modes, training, split, keys, offsets), *weights)
+
+
+def _refuse_jit_trace(owner):
+    """torch.jit.trace records tensor operations; this lookup runs in the core, where the tracer
+    cannot see it: the IDs reach it inside a Python tuple, which a trace would keep as a
+    constant. Unrefused, tracing failed with errors that named nothing of ours (`TypeError:
+    unsupported operand type(s) for *: 'numpy.ndarray' and 'Tensor'` through the modules'
+    fast path, `RuntimeError: unordered_map::at` through Lookup), and the operator
+    (`cncore::lookup`) is refused by the tracer for its list of optional weights. Refused
+    before any table changes."""
+    raise RuntimeError(f"torch.jit.trace cannot record the lookup of {type(owner).__name__}: its rows live in the "
+                       "cncore tables, outside TorchScript, so a trace would replay the IDs it was traced with. Run "
+                       "the model eagerly, with torch.compile (the lookup is one operator), or torch.fx.symbolic_trace "
+                       "(one node); the table is unchanged")
 
 
 # --- the operators (torch.compile) -----------------------------------------------------------------

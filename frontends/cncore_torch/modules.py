@@ -354,25 +354,39 @@ class CNEmbeddingBag(_DynamicTable):
 
     def forward(self, input: torch.Tensor, offsets: Optional[torch.Tensor] = None,
                 per_sample_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if (offsets is None and per_sample_weights is None and type(input) is torch.Tensor
-                and input.dtype is torch.int64 and input.ndim == 2 and input.is_cpu and self.padding_idx is None
-                and self.placement.kind == "core" and not torch.compiler.is_compiling()):
-            # The common eager call, a (B, L) batch of int64 IDs on the CPU, goes straight to the
-            # bridge: every check of embedding_bag_lookup holds for it (an int64 tensor, not meta
-            # as it is on the CPU; no offsets or weights; no padding to drop; a table in the core,
-            # not compiling), and it takes the keys as their NumPy view (int64 never needs a
-            # gradient; lookup_arrays makes a strided one contiguous) with the shared offsets of
-            # the shape (_fixed_offsets). A torch.fx Proxy or a tensor subclass takes the general
-            # path. (The anchor read from _parameters: nn.Module.__getattr__ costs 0.6 us.) The
-            # module's input handling took 38 us of a training step through the general path, 7
-            # here (perf_counter marks); with the bridge's own cuts the step went from 1.5x the
-            # core's to 1.17x (module_overhead.py; README "The PyTorch layer").
-            n_bags, length = input.shape
-            return _ops.lookup(self._parameters["_anchor"], self, [input.numpy().reshape(-1)],
-                               [_fixed_offsets(n_bags, length)], [None], [_MODES[self.mode]], self.training)
+        if per_sample_weights is None and _fast_ids(self, input):
+            # The common eager calls go straight to the bridge (_ops.lookup_table), with the
+            # keys as their NumPy view: a (B, L) batch with the shared offsets of its shape
+            # (_fixed_offsets), or 1-D IDs with int64 CPU offsets (include_last_offset=False:
+            # N appended, as the general path does; the core checks the offsets' values, as it
+            # does there). Every check of embedding_bag_lookup holds for them (see _fast_ids;
+            # no weights; offsets only with 1-D input), so they need none of it.
+            if offsets is None:
+                if input.ndim == 2:
+                    n_bags, length = input.shape
+                    return _ops.lookup_table(self, input.numpy().reshape(-1), _fixed_offsets(n_bags, length),
+                                             _MODES[self.mode], self.training)
+            elif (input.ndim == 1 and type(offsets) is torch.Tensor and offsets.dtype is torch.int64
+                  and offsets.ndim == 1 and offsets.is_cpu and (not self.include_last_offset or len(offsets))):
+                offsets = offsets.numpy()
+                if not self.include_last_offset:
+                    offsets = np.append(offsets, len(input))
+                return _ops.lookup_table(self, input.numpy(), offsets, _MODES[self.mode], self.training)
         return embedding_bag_lookup(self._anchor, self._handle, self.placement.kind, self.embedding_dim, input,
                                     offsets, per_sample_weights, self.mode, self.include_last_offset,
                                     self.padding_idx, self.training)
+
+
+def _fast_ids(module: _DynamicTable, input) -> bool:
+    """Whether `input` can go to the bridge as it is (the modules' fast path): a plain int64
+    CPU tensor (not meta, as it is on the CPU; an int64 never needs a gradient), a table in
+    the core with no padding ID to drop, in eager mode: not compiling (the graph takes the
+    operator) and not under torch.jit.trace (the general path refuses it: _ops.lookup). A
+    torch.fx Proxy or a tensor subclass takes the general path. The module's input handling took 38 us of a training step through the
+    general path, 7 here (perf_counter marks, batch 4096; README "The PyTorch layer")."""
+    return (type(input) is torch.Tensor and input.dtype is torch.int64 and input.is_cpu
+            and module.padding_idx is None and module.placement.kind == "core" and not torch.compiler.is_compiling()
+            and not torch.jit.is_tracing())
 
 
 class CNEmbedding(_DynamicTable):
@@ -401,6 +415,10 @@ class CNEmbedding(_DynamicTable):
         return cls(embeddings.shape[0], embeddings.shape[1], _weight=embeddings, _freeze=freeze, **kwargs)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if _fast_ids(self, input):  # the fast path (see CNEmbeddingBag.forward): each ID a bag of one
+            keys = input.numpy().reshape(-1)
+            return _ops.lookup_table(self, keys, _unit_offsets(len(keys)), _MODES["sum"], self.training,
+                                     input.shape + (self.embedding_dim,))
         return embedding_lookup(self._anchor, self._handle, self.placement.kind, self.embedding_dim, input,
                                 self.padding_idx, self.training)
 
@@ -474,6 +492,21 @@ def _fixed_offsets(n_bags: int, length: int) -> np.ndarray:
         offsets.flags.writeable = False
         _FIXED_OFFSETS[(n_bags, length)] = offsets
     return offsets
+
+
+_UNIT_OFFSETS = [np.zeros(1, dtype=np.int64)]  # 0, 1, 2, ...: read-only, grown by doubling
+
+
+def _unit_offsets(n: int) -> np.ndarray:
+    """The offsets of n bags of one ID each (CNEmbedding's), 0..n: a prefix of one shared
+    read-only range, grown by doubling past the largest n seen (8-16 MiB at a million IDs a call),
+    so no call builds them (torch.arange cost 4 us at n = 4096, cache misses excluded)."""
+    offsets = _UNIT_OFFSETS[0]
+    if len(offsets) <= n:
+        offsets = np.arange(max(n + 1, 2 * len(offsets)), dtype=np.int64)
+        offsets.flags.writeable = False
+        _UNIT_OFFSETS[0] = offsets
+    return offsets[:n + 1]
 
 
 def _check_offsets(offsets: torch.Tensor, n_keys: int) -> None:
