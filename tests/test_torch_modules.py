@@ -121,47 +121,6 @@ def test_non_fused_hook_receives_torch_gradients():
     torch.testing.assert_close(rows(ours), ref.weight.detach())  # the hook owns the update
 
 
-@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
-@pytest.mark.parametrize("fused", [True, False])
-def test_a_2d_batch_takes_the_fast_path_and_does_what_the_general_path_does(mode, fused, monkeypatch):
-    """CNEmbeddingBag.forward sends a (B, L) int64 CPU batch straight to the bridge: the same
-    outputs, row updates, hook gradients and per-call inserts as the same bags given 1-D with
-    offsets (the general path), for a strided batch and an expanded gradient too."""
-    from cncore_torch import modules
-    rng = np.random.default_rng(7)
-    opt = cncore.SGD(lr=0.1) if fused else None
-    fast, ref = (CNEmbeddingBag(N, DIM, mode=mode, optimizer=opt, seed=3) for _ in range(2))
-    got = {id(fast): [], id(ref): []}
-    if not fused:
-        for m in (fast, ref):
-            m.register_gradient_hook(lambda ids, grads, out=got[id(m)]: out.append((ids.clone(), grads.clone())))
-    general = modules.embedding_bag_lookup
-    for step in range(4):
-        big = torch.from_numpy(rng.integers(0, N, (6, 8)))
-        batch = big[:, ::2] if step % 2 else big[:, :4].contiguous()  # strided, then contiguous
-        calls = []
-        monkeypatch.setattr(modules, "embedding_bag_lookup", lambda *a: calls.append(a) or general(*a))
-        out = fast(batch)
-        assert calls == []  # the fast path ran
-        monkeypatch.setattr(modules, "embedding_bag_lookup", general)
-        expected = ref(batch.reshape(-1), torch.arange(0, batch.numel(), 4))
-        torch.testing.assert_close(out, expected)
-        if step == 3:  # an expanded (stride 0) gradient
-            out.sum().backward()
-            expected.sum().backward()
-        else:
-            g = torch.randn(out.shape)
-            out.backward(g)
-            expected.backward(g)
-        assert fast.num_rows == ref.num_rows
-        torch.testing.assert_close(rows(fast), rows(ref))
-        for (a, ga), (b, gb) in zip(got[id(fast)], got[id(ref)]):
-            torch.testing.assert_close(a, b)
-            torch.testing.assert_close(ga, gb)
-    assert len(got[id(fast)]) == (0 if fused else 4)
-    assert not modules._fixed_offsets(6, 4).flags.writeable  # shared between calls: nobody writes them
-
-
 def test_small_model_trains_like_embedding_bag():
     """An MLP over two bags: same data, same initial rows, same loss curve."""
     def model(bag_a, bag_b):

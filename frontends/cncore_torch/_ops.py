@@ -342,20 +342,19 @@ class _NoNode:
 
 # Function.apply minus its Python wrapper, which checks for functorch transforms and their
 # dead wrappers and then calls this: 2.4 us of a 7 us apply (a bare Function, batch 1). The
-# call tuple holds no tensor and the anchor is the module's own parameter, so with no
-# transform active the wrapper has nothing to do; with one active, TableLookup.apply runs.
+# call tuple holds no tensor and the anchor is the module's own parameter, and the modules
+# never take this path under a transform (modules._fast_ids), so the wrapper has nothing to do.
 _apply_table = super(torch.autograd.Function, TableLookup).apply
 
 
 def lookup_table(owner, keys, offsets, mode: int, training: bool, shape=None) -> torch.Tensor:
     """The modules' eager lookup of their one table in the core, no per-sample weights (see
-    TableLookup): keys (N,) int64 and offsets (B+1,) int64 as NumPy arrays the caller leaves
-    unchanged until the backward. Under torch.no_grad() no context is kept."""
+    TableLookup), with no functorch transform active: keys (N,) int64 and offsets (B+1,)
+    int64 as NumPy arrays the caller leaves unchanged until the backward. Under
+    torch.no_grad() no context is kept."""
     call = (owner, keys, offsets, mode, training, shape)
     if not torch.is_grad_enabled():  # (its record dies here)
         return TableLookup.forward(_NoNode(), None, call)
-    if torch._C._are_functorch_transforms_active():
-        return TableLookup.apply(owner._parameters["_anchor"], call)
     return _apply_table(owner._parameters["_anchor"], call)
 
 

@@ -381,12 +381,15 @@ def _fast_ids(module: _DynamicTable, input) -> bool:
     """Whether `input` can go to the bridge as it is (the modules' fast path): a plain int64
     CPU tensor (not meta, as it is on the CPU; an int64 never needs a gradient), a table in
     the core with no padding ID to drop, in eager mode: not compiling (the graph takes the
-    operator) and not under torch.jit.trace (the general path refuses it: _ops.lookup). A
-    torch.fx Proxy or a tensor subclass takes the general path. The module's input handling took 38 us of a training step through the
+    operator), not under torch.jit.trace (the general path refuses it: _ops.lookup) nor a
+    functorch transform (torch.func.grad, vmap: there `.numpy()` of any tensor failed, "Cannot
+    access data pointer of Tensor that doesn't have storage"; the general path's
+    autograd.Function says what functorch needs). A torch.fx Proxy or a tensor subclass takes
+    the general path. The module's input handling took 38 us of a training step through the
     general path, 7 here (perf_counter marks, batch 4096; README "The PyTorch layer")."""
     return (type(input) is torch.Tensor and input.dtype is torch.int64 and input.is_cpu
             and module.padding_idx is None and module.placement.kind == "core" and not torch.compiler.is_compiling()
-            and not torch.jit.is_tracing())
+            and not torch.jit.is_tracing() and not torch._C._are_functorch_transforms_active())
 
 
 class CNEmbedding(_DynamicTable):
