@@ -237,9 +237,9 @@ def lookup_one(store, keys, offsets, weights, mode: int, out, insert_missing: bo
 # One feature's lookup as the core returned it, in one tuple (forward_one): what its backward
 # needs, as a LookupContext carries it (context_of). A caller that keeps the lookup to itself
 # (the torch modules' autograd node) keeps the tuple and hands it to backward_one: sealing a
-# context cost 2.5 us a step (three setflags, the instance's dict, the call), 1% of a training
-# step at batch 4096, pooling 1 (module_overhead.py), where the core checks what the backward
-# reads under the store's lock either way.
+# context cost ~3 us a step warm (three setflags, the instance's dict, the call; timeit), about
+# 1% of a training step at batch 4096, pooling 1 (module_overhead.py), and the core checks what
+# the backward reads under the store's lock either way.
 RECORD_FIELDS = ("keys", "offsets", "weights", "mode", "slots", "argmax", "n_new", "erase_epoch", "training", "step")
 
 

@@ -149,3 +149,43 @@ def test_empty_batch():
     assert out.shape == (0, 3)
     out, ctx = store.pooled_lookup(np.zeros(0, np.int64), lengths=np.zeros(3, np.int64), mode="max")
     assert out.shape == (3, 3) and not out.any()
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+def test_a_record_carries_what_a_context_does_and_its_backward_applies_the_same_update(mode):
+    """grouped.forward_one's record (what the torch modules' autograd node keeps) makes the
+    LookupContext pooled_lookup makes (context_of), and backward_one with it updates the rows
+    exactly as apply_gradients with the context; a record from before an erase is refused
+    with the rows unchanged, as a context is."""
+    from dataclasses import fields
+
+    from cncore.grouped import RECORD_FIELDS, LookupContext, backward_one, context_of, forward_one, _optim_tuple
+    rng = np.random.default_rng(3)
+    keys = rng.integers(0, 50, 40)
+    offsets = np.array([0, 10, 10, 25, 40])
+    grad = rng.standard_normal((4, 6)).astype(np.float32)
+    stores = [cncore.EmbeddingStore(dim=6, seed=9, optimizer=cncore.Adagrad(lr=0.3)) for _ in range(2)]
+    out_ref, ctx = stores[0].pooled_lookup(keys, offsets, mode=mode)
+    out = np.empty((4, 6), np.float32)
+    record = forward_one(stores[1], keys, offsets, None, cncore.grouped.MODES[mode], out, True)
+    assert len(record) == len(RECORD_FIELDS) and set(RECORD_FIELDS) <= {f.name for f in fields(LookupContext)}
+    np.testing.assert_array_equal(out, out_ref)
+    made = context_of(stores[1], record)
+    for name in RECORD_FIELDS:  # (the erase epoch is each store's own: compared with its own lookup's)
+        a = getattr(made, name)
+        b = (stores[1].pooled_lookup(keys[:1], np.array([0, 1]), insert_missing=False)[1] if name == "erase_epoch"
+             else ctx).__getattribute__(name)
+        assert (np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b), name
+    stores[0].apply_gradients(ctx, grad)
+    backward_one(stores[1], record, grad, _optim_tuple(stores[1], None))
+    a, b = stores[0].export(), stores[1].export()
+    np.testing.assert_array_equal(a.keys, b.keys)
+    np.testing.assert_array_equal(a.rows, b.rows)
+    np.testing.assert_array_equal(a.optimizer_state, b.optimizer_state)
+    assert stores[0].step == stores[1].step == 1
+    record = forward_one(stores[1], keys, offsets, None, cncore.grouped.MODES[mode], out, True)
+    stores[1].erase(keys[:1])
+    before = stores[1].export()
+    with pytest.raises(RuntimeError, match="erased"):
+        backward_one(stores[1], record, grad, _optim_tuple(stores[1], None))
+    np.testing.assert_array_equal(stores[1].export().rows, before.rows)

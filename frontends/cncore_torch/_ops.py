@@ -27,18 +27,27 @@ Two ways in, one implementation (`forward_impl`, `weights_grad_impl`, `backward_
 `torch.compile`, where what the backward needs waits in `_PENDING` under a token (an int64
 tensor autograd hands back; the entry leaves when the token dies). Accelerator rows run eagerly
 in both (PyTorch ops on device rows need no operator; the modules put a graph break around
-them).
+them). The modules' common call (one table in the core, no per-sample weights: a (B, L)
+batch, 1-D IDs with offsets, CNEmbedding's IDs of any shape) has a third, leaner way in,
+`lookup_table` / `TableLookup`: the same core calls, with one `forward_one` record kept by the
+autograd node instead of a `Pending` of LookupContexts, and Function.apply without its Python
+wrapper. torch.jit.trace is refused (`_refuse_jit_trace`).
 
 Eager cost (README "The PyTorch layer", `asv_bench/scripts/module_overhead.py`, pooling 1,
-batch 4096, 1 thread): a training step through `CNEmbeddingBag` is ~1.17x the core's
-`pooled_lookup` + `apply_gradients` (35-38 us more, p10). Autograd itself (`Function.apply`
-and the engine's backward) takes ~55 us of the step, about what the core spends on the Python
-checks of its input that the bridge skips (a bare `autograd.Function` around the same two core
-calls, with no checks and no contexts, is 1.02-1.04x the core's step); the 35-38 us are this
-layer's Python: the module's input checks, the contexts and `Pending` the backward needs, the
-backward's checks (an optimizer, the table not moved). Eager through the operators instead
-(`torch.library.custom_op` + `register_autograd`): ~260 us more a step (560 against 298 us,
-p10), so eager mode keeps `Lookup`. Neither pass uses saved-tensor hooks or `retain_graph`.
+batch 4096, 1 thread, p10, 8 alternated runs at load 1.4-1.7): a training step through
+`CNEmbeddingBag` is 1.06-1.10x the core's `pooled_lookup` + `apply_gradients` (median 1.10x;
+436 against 396 us), from 1.16-1.19x (486 against 414 us) before `TableLookup`. What is left
+is mostly autograd's: `Tensor.backward`'s Python (`_make_grads` checks the given gradient's
+shape), the engine and `Function.apply` take ~30 us of a step warm (a bare Function at batch
+1) and about twice that at batch 4096, where the core's work has emptied the caches; the
+core's own Python checks, which the bridge skips, balance most of it. Rejected: eager
+through the operators (`torch.library.custom_op` + `register_autograd`), ~260 us more a step
+(560 against 298 us, p10), so eager mode keeps autograd.Function; calling `_core` from here
+with no record at all (1.09-1.14x in the same alternation as 1.08-1.16x: no gain to measure
+for reaching into the core's private module); `np.from_dlpack(t)` for a tensor's NumPy view
+(5.4 us against 1.9 for `t.numpy()`), `torch.empty` + `.numpy()` for the output (3.2 us
+against ~2 for `np.empty` + `torch.from_numpy`). Neither pass uses saved-tensor hooks or
+`retain_graph`.
 """
 from __future__ import annotations
 

@@ -370,7 +370,7 @@ class CNEmbeddingBag(_DynamicTable):
                   and offsets.ndim == 1 and offsets.is_cpu and (not self.include_last_offset or len(offsets))):
                 offsets = offsets.numpy()
                 if not self.include_last_offset:
-                    offsets = np.append(offsets, len(input))
+                    offsets = np.concatenate((offsets, [len(input)]))  # (np.append: 2.7 us, this 2.1)
                 return _ops.lookup_table(self, input.numpy(), offsets, _MODES[self.mode], self.training)
         return embedding_bag_lookup(self._anchor, self._handle, self.placement.kind, self.embedding_dim, input,
                                     offsets, per_sample_weights, self.mode, self.include_last_offset,
@@ -503,7 +503,8 @@ _UNIT_OFFSETS = [np.zeros(1, dtype=np.int64)]  # 0, 1, 2, ...: read-only, grown 
 def _unit_offsets(n: int) -> np.ndarray:
     """The offsets of n bags of one ID each (CNEmbedding's), 0..n: a prefix of one shared
     read-only range, grown by doubling past the largest n seen (8-16 MiB at a million IDs a call),
-    so no call builds them (torch.arange cost 4 us at n = 4096, cache misses excluded)."""
+    so no call builds them: the general path's torch.arange(n + 1) took 6.5 us at n = 4096,
+    the slice takes 0.2 (timeit, warm, load 1.7)."""
     offsets = _UNIT_OFFSETS[0]
     if len(offsets) <= n:
         offsets = np.arange(max(n + 1, 2 * len(offsets)), dtype=np.int64)
