@@ -275,8 +275,9 @@ def test_jit_trace_is_refused_with_the_table_unchanged(case):
     else:
         module = CNEmbeddingBag(N, DIM, mode="sum", optimizer=cncore.SGD(lr=0.1))
         args = (torch.tensor([[1, 2]]),) if case == "bag_2d" else (torch.tensor([1, 2, 3]), torch.tensor([0, 1]))
-    module(torch.tensor([7]) if case != "bag_2d" else torch.tensor([[7]]), *(
-        (torch.tensor([0]),) if case == "bag_1d" else ()))
+    first = {"bag_2d": (torch.tensor([[7]]),), "bag_1d": (torch.tensor([7]), torch.tensor([0])),
+             "embedding": (torch.tensor([7]),)}[case]
+    module(*first)  # (row 7: the only key, before and after)
     before = rows(module).clone()
 
     class Model(torch.nn.Module):
