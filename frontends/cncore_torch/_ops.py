@@ -40,7 +40,11 @@ batch 4096, 1 thread, p10, 8 alternated runs at load 1.4-1.7): a training step t
 is mostly autograd's: `Tensor.backward`'s Python (`_make_grads` checks the given gradient's
 shape), the engine and `Function.apply` take ~30 us of a step warm (a bare Function at batch
 1) and about twice that at batch 4096, where the core's work has emptied the caches; the
-core's own Python checks, which the bridge skips, balance most of it. Rejected: eager
+core's own Python checks, which the bridge skips, balance most of it. A bare autograd.Function
+around the same two `_core` calls (no checks, no record, fixed offsets) measured 1.03-1.12x
+(median 1.06x) in the same alternation as this path's 1.10-1.12x (load 6.0-6.4): the Python
+this layer still runs (the fast-path checks, the NumPy views, the record) is ~5% of a step.
+Rejected: eager
 through the operators (`torch.library.custom_op` + `register_autograd`), ~260 us more a step
 (560 against 298 us, p10), so eager mode keeps autograd.Function; calling `_core` from here
 with no record at all (1.09-1.14x in the same alternation as 1.08-1.16x: no gain to measure
