@@ -294,3 +294,39 @@ def test_jit_trace_is_refused_with_the_table_unchanged(case):
         torch.jit.trace(Model(), args)
     assert module.keys().tolist() == [7]
     torch.testing.assert_close(rows(module), before, rtol=0, atol=0)
+
+
+
+
+@pytest.mark.parametrize("path", ["fast", "general"])
+@pytest.mark.parametrize("changed", ["ids", "offsets", "weights"])
+@pytest.mark.parametrize("fused", [True, False])
+def test_an_input_changed_in_place_before_the_backward_is_refused_as_nn_embedding_bag_does(
+        path, changed, fused, monkeypatch):
+    """The backward reads the forward's offsets, weights and (for the hooks) IDs again: a caller
+    that writes the next batch into the same tensors before this backward gets autograd's error
+    for a modified saved tensor, as nn.EmbeddingBag raises it, and nothing is updated or handed
+    to the hooks. (The fast path takes no weights: "weights" goes the general way.)"""
+    paths = Paths(monkeypatch)
+    bag, _, ref = bags("sum", cncore.SGD(lr=0.5) if fused else None, include_last_offset=True)
+    if path == "general":
+        paths.force_general(bag)
+    got = {} if fused else hooks(bag)
+    ids = torch.tensor([1, 2, 3, 4, 5, 6], dtype=torch.int64)
+    offsets = torch.tensor([0, 2, 2, 6], dtype=torch.int64)
+    weights = torch.arange(1.0, 7.0) if changed == "weights" else None
+    inputs = dict(ids=ids, offsets=offsets, weights=weights)
+    before = rows(bag)
+    g = torch.ones(3, DIM)
+    out = bag(ids, offsets, per_sample_weights=weights)
+    expected_out = ref(ids, offsets, per_sample_weights=weights)
+    torch.testing.assert_close(out, expected_out)
+    assert paths.general == ([] if path == "fast" and weights is None else [bag if path == "general" else "other"])
+    inputs[changed][1] = 0  # the next batch written into the same buffer
+    with pytest.raises(RuntimeError, match="modified by an inplace operation") as caught:
+        expected_out.backward(g)  # (the reference's own error, for the record)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation.*Nothing was updated"):
+        out.backward(g)
+    assert "is at version 1; expected version 0" in str(caught.value)
+    torch.testing.assert_close(rows(bag), before, rtol=0, atol=0)
+    assert got.get(id(bag), []) == []

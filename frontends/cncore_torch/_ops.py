@@ -296,6 +296,7 @@ class Lookup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, anchor, call, *weights):
         owner, modes, training, split, keys, offsets = call
+        ctx.versions = input_versions(*keys, *offsets, *weights)
         out, ctx.pending = forward_impl(owner, owner._lookup_tables(), keys, offsets, weights, modes, training,
                                         split)
         if split:  # an output nobody used gets None, and its table no update (as the operators do)
@@ -304,6 +305,7 @@ class Lookup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
+        check_versions(ctx.versions)
         pending = ctx.pending
         grad = grads if pending.split else grads[0]
         wants = ctx.needs_input_grad[_ARGS:]  # (per feature: a weight that needs its gradient)
@@ -329,7 +331,8 @@ class TableLookup(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, anchor, call):
-        owner, keys, offsets, mode, training, shape = call
+        owner, keys, offsets, mode, training, shape, inputs = call
+        ctx.versions = input_versions(*inputs)
         table = owner.storage
         out = np.empty((len(offsets) - 1, table.dim) if shape is None else shape, dtype=np.float32)
         # (an output of input.shape + (dim,) is written through its (B, dim) view)
@@ -339,6 +342,7 @@ class TableLookup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        check_versions(ctx.versions)
         owner, table, record = ctx.lookup
         optimizer = owner.fused_optimizer
         if optimizer is None or owner.storage is not table:
@@ -350,7 +354,28 @@ class TableLookup(torch.autograd.Function):
 
 class _NoNode:
     """Where TableLookup.forward leaves its record when no backward will follow (one a call)."""
-    __slots__ = ("lookup",)
+    __slots__ = ("lookup", "versions")
+
+
+def input_versions(*inputs) -> tuple:
+    """(tensor, its version counter) for each tensor among `inputs` (None and NumPy arrays
+    skipped): the IDs, offsets and weights a lookup's backward reads again (the slots come from
+    the forward, but the bags, the weights and the hooks' IDs from these arrays). 0.1 us a
+    tensor; torch's own saved tensors cost more and must be inputs or outputs."""
+    return tuple((t, t._version) for t in inputs if isinstance(t, torch.Tensor))
+
+
+def check_versions(versions: tuple) -> None:
+    """What autograd does for the tensors a node saved (nn.EmbeddingBag raises so): a tensor
+    the forward read and the backward reads again was changed in place in between. Raised
+    before any row or hook sees the gradient: the tables are unchanged."""
+    for tensor, version in versions:
+        if tensor._version != version:
+            raise RuntimeError(
+                "one of the inputs of a cncore lookup (its IDs, offsets or per-sample weights, "
+                f"{tensor.dtype} of shape {tuple(tensor.shape)}) was modified by an inplace operation between the "
+                f"forward and the backward: it is at version {tensor._version}; expected version {version}. The "
+                "backward reads them again; clone them before reusing their memory. Nothing was updated")
 
 
 # Function.apply minus its Python wrapper, which checks for functorch transforms and their
@@ -360,12 +385,13 @@ class _NoNode:
 _apply_table = super(torch.autograd.Function, TableLookup).apply
 
 
-def lookup_table(owner, keys, offsets, mode: int, training: bool, shape=None) -> torch.Tensor:
+def lookup_table(owner, keys, offsets, mode: int, training: bool, shape=None, inputs=()) -> torch.Tensor:
     """The modules' eager lookup of their one table in the core, no per-sample weights (see
     TableLookup), with no functorch transform active: keys (N,) int64 and offsets (B+1,)
-    int64 as NumPy arrays the caller leaves unchanged until the backward. Under
-    torch.no_grad() no context is kept."""
-    call = (owner, keys, offsets, mode, training, shape)
+    int64 as NumPy arrays; `inputs`: the caller's tensors they are views of, which the backward
+    checks were not changed in place since (check_versions). Under torch.no_grad() no context
+    is kept."""
+    call = (owner, keys, offsets, mode, training, shape, inputs)
     if not torch.is_grad_enabled():  # (its record dies here)
         return TableLookup.forward(_NoNode(), None, call)
     return _apply_table(owner._parameters["_anchor"], call)

@@ -365,13 +365,14 @@ class CNEmbeddingBag(_DynamicTable):
                 if input.ndim == 2:
                     n_bags, length = input.shape
                     return _ops.lookup_table(self, input.numpy().reshape(-1), _fixed_offsets(n_bags, length),
-                                             _MODES[self.mode], self.training)
+                                             _MODES[self.mode], self.training, inputs=(input,))
             elif (input.ndim == 1 and type(offsets) is torch.Tensor and offsets.dtype is torch.int64
                   and offsets.ndim == 1 and offsets.is_cpu and (not self.include_last_offset or len(offsets))):
-                offsets = offsets.numpy()
+                offsets_np = offsets.numpy()
                 if not self.include_last_offset:
-                    offsets = np.concatenate((offsets, [len(input)]))  # (np.append: 2.7 us, this 2.1)
-                return _ops.lookup_table(self, input.numpy(), offsets, _MODES[self.mode], self.training)
+                    offsets_np = np.concatenate((offsets_np, [len(input)]))  # (np.append: 2.7 us, this 2.1)
+                return _ops.lookup_table(self, input.numpy(), offsets_np, _MODES[self.mode], self.training,
+                                         inputs=(input, offsets))
         return embedding_bag_lookup(self._anchor, self._handle, self.placement.kind, self.embedding_dim, input,
                                     offsets, per_sample_weights, self.mode, self.include_last_offset,
                                     self.padding_idx, self.training)
@@ -421,7 +422,7 @@ class CNEmbedding(_DynamicTable):
         if _fast_ids(self, input):  # the fast path (see CNEmbeddingBag.forward): each ID a bag of one
             keys = input.numpy().reshape(-1)
             return _ops.lookup_table(self, keys, _unit_offsets(len(keys)), _MODES["sum"], self.training,
-                                     input.shape + (self.embedding_dim,))
+                                     input.shape + (self.embedding_dim,), inputs=(input,))
         return embedding_lookup(self._anchor, self._handle, self.placement.kind, self.embedding_dim, input,
                                 self.padding_idx, self.training)
 
