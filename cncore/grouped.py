@@ -20,6 +20,7 @@ output, the layout of TorchRec's KeyedTensor. `grouped_apply_gradients` is its b
 from __future__ import annotations
 
 import contextlib
+import itertools
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
@@ -147,53 +148,61 @@ def grouped_pooled_lookup(stores: Sequence, keys: Sequence, offsets: Optional[Se
     modes = _per_feature(modes, n, "modes")
 
     key_arrays, offset_arrays, weight_arrays, mode_codes = [], [], [], []
-    n_bags = None
     for f in range(n):
-        # Copies: the context keeps them for the backward, and the caller may reuse its arrays.
-        k = np.array(as_keys(keys[f], f"keys[{f}]"), copy=True)
-        if (offsets[f] is None) == (lengths[f] is None):
-            raise ValueError(f"feature {f}: give exactly one of offsets (B+1) or lengths (B)")
-        if offsets[f] is not None:
-            o = np.array(as_offsets(offsets[f], f"offsets[{f}]"), copy=True)
-            if len(o) == 0:
-                raise ValueError(f"offsets[{f}]: needs B+1 >= 1 entries (the last is len(keys))")
-        else:
-            ln = as_offsets(lengths[f], f"lengths[{f}]")
-            # Each length within [0, len(keys)] first, so the cumulative sum cannot wrap around
-            # (lengths of 2**63 once added up to 4).
-            if ln.size and (ln.min() < 0 or ln.max() > len(k)):
-                raise ValueError(f"lengths[{f}]: must be in [0, len(keys[{f}])] = [0, {len(k)}]")
-            o = np.zeros(len(ln) + 1, dtype=np.int64)
-            np.cumsum(ln, out=o[1:])
-            if o[-1] != len(k):
-                raise ValueError(f"lengths[{f}]: must add up to len(keys[{f}]) = {len(k)}, they add up to {o[-1]}")
-        if n_bags is None:
-            n_bags = len(o) - 1
-        elif len(o) - 1 != n_bags:
-            raise ValueError(f"feature {f}: has {len(o) - 1} bags, feature 0 has {n_bags}; all features share B")
-        mode = modes[f]
-        if not isinstance(mode, str) or mode not in MODES:
-            raise ValueError(f"modes[{f}]: expected 'sum', 'mean' or 'max', got {mode!r}")
-        w = None
-        if weights[f] is not None:
-            if mode == "max":
-                raise ValueError(f"per_sample_weights[{f}]: weights apply to 'sum' and 'mean' pooling, not 'max'")
-            w = np.array(as_floats(weights[f], f"per_sample_weights[{f}]", (len(k),)), copy=True)
+        k, o, w, code = feature_arrays(f, keys[f], offsets[f], lengths[f], weights[f], modes[f])
+        if f and len(o) - 1 != len(offset_arrays[0]) - 1:
+            raise ValueError(f"feature {f}: has {len(o) - 1} bags, feature 0 has {len(offset_arrays[0]) - 1}; all "
+                             "features share B")
         key_arrays.append(k)
         offset_arrays.append(o)
         weight_arrays.append(w)
-        mode_codes.append(MODES[mode])
+        mode_codes.append(code)
 
-    dims = [s.dim for s in stores]
-    total = int(sum(dims))
-    if out is None:
-        out = np.empty((n_bags, total), dtype=np.float32)
+    # Plain Python for the columns: NumPy's concatenate/cumsum/tolist took 9 us warm and ~100 with
+    # the caches cold, for a few small ints. One feature writes to `out` itself, not a view of it.
+    starts = list(itertools.accumulate((s.dim for s in stores), initial=0))
+    out = output_array(out, len(offset_arrays[0]) - 1, starts[-1])
+    outs = [out] if n == 1 else [out[:, starts[f]:starts[f + 1]] for f in range(n)]
+    return out, lookup_checked(stores, key_arrays, offset_arrays, weight_arrays, mode_codes, outs, insert_missing,
+                               starts)
+
+
+def feature_arrays(f: int, keys, offsets, lengths, weights, mode: str):
+    """Feature f's checked input as the core reads it: (keys, offsets, weights or None, mode
+    code), each array a copy (the context keeps them for the backward, and the caller may reuse
+    its arrays). Errors name the argument as `keys[f]`, `offsets[f]`, ..."""
+    k = np.array(as_keys(keys, f"keys[{f}]"), copy=True)
+    if (offsets is None) == (lengths is None):
+        raise ValueError(f"feature {f}: give exactly one of offsets (B+1) or lengths (B)")
+    if offsets is not None:
+        o = np.array(as_offsets(offsets, f"offsets[{f}]"), copy=True)
+        if len(o) == 0:
+            raise ValueError(f"offsets[{f}]: needs B+1 >= 1 entries (the last is len(keys))")
     else:
-        out = as_output(out, "out", (n_bags, total))
-    starts = np.concatenate([[0], np.cumsum(dims)]).astype(int).tolist()
-    outs = [out[:, starts[f]:starts[f + 1]] for f in range(n)]
-    return out, lookup_arrays(stores, key_arrays, offset_arrays, weight_arrays, mode_codes, outs, insert_missing,
-                              starts)
+        ln = as_offsets(lengths, f"lengths[{f}]")
+        # Each length within [0, len(keys)] first, so the cumulative sum cannot wrap around
+        # (lengths of 2**63 once added up to 4).
+        if ln.size and (ln.min() < 0 or ln.max() > len(k)):
+            raise ValueError(f"lengths[{f}]: must be in [0, len(keys[{f}])] = [0, {len(k)}]")
+        o = np.zeros(len(ln) + 1, dtype=np.int64)
+        np.cumsum(ln, out=o[1:])
+        if o[-1] != len(k):
+            raise ValueError(f"lengths[{f}]: must add up to len(keys[{f}]) = {len(k)}, they add up to {o[-1]}")
+    if not isinstance(mode, str) or mode not in MODES:
+        raise ValueError(f"modes[{f}]: expected 'sum', 'mean' or 'max', got {mode!r}")
+    w = None
+    if weights is not None:
+        if mode == "max":
+            raise ValueError(f"per_sample_weights[{f}]: weights apply to 'sum' and 'mean' pooling, not 'max'")
+        w = np.array(as_floats(weights, f"per_sample_weights[{f}]", (len(k),)), copy=True)
+    return k, o, w, MODES[mode]
+
+
+def output_array(out, n_bags: int, width: int) -> np.ndarray:
+    """The (n_bags, width) float32 output of a lookup: a new one, or the caller's `out` checked."""
+    if out is None:
+        return np.empty((n_bags, width), dtype=np.float32)
+    return as_output(out, "out", (n_bags, width))
 
 
 def lookup_arrays(stores, keys, offsets, weights, modes, outs, insert_missing: bool, starts=None, *,
@@ -205,14 +214,19 @@ def lookup_arrays(stores, keys, offsets, weights, modes, outs, insert_missing: b
     when each has its own output). The core still checks the offsets and sizes; the arrays
     are not copied (the caller keeps them unchanged until the backward). Returns the contexts
     (None with `contexts=False`: no backward will follow)."""
-    if len(stores) == 1:
-        ctx = lookup_one(stores[0], keys[0], offsets[0], weights[0], modes[0], outs[0], insert_missing,
-                         None if starts is None else slice(starts[0], starts[1]), context=contexts)
-        return [ctx] if contexts else None
     keys = [np.ascontiguousarray(k, dtype=np.int64) for k in keys]
     offsets = [np.ascontiguousarray(o, dtype=np.int64) for o in offsets]
     weights = [None if w is None else np.ascontiguousarray(w, dtype=np.float32) for w in weights]
-    insert_missing = bool(insert_missing)
+    return lookup_checked(stores, keys, offsets, weights, modes, outs, bool(insert_missing), starts, contexts)
+
+
+def lookup_checked(stores, keys, offsets, weights, modes, outs, insert_missing: bool, starts, contexts: bool = True):
+    """lookup_arrays on arrays that are already C-contiguous int64 keys and offsets and float32
+    weights (feature_arrays' copies: converting them again cost a NumPy call each)."""
+    if len(stores) == 1:
+        ctx = lookup_one(stores[0], keys[0], offsets[0], weights[0], modes[0], outs[0], bool(insert_missing),
+                         None if starts is None else slice(starts[0], starts[1]), context=contexts)
+        return [ctx] if contexts else None
     with tiers_faulted_in(stores, keys, insert_missing):
         results = _core.grouped_forward([s._table for s in stores], keys, offsets, weights, list(modes), outs,
                                         insert_missing)

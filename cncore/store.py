@@ -58,6 +58,8 @@ import numpy as np
 from cncore import _core
 from cncore._interchange import as_float_rows, as_floats, as_keys, to_numpy
 from cncore.config import ROW_DTYPES, TTL, MinCount, Probability, StoreConfig
+from cncore.grouped import (as_flag, check_context, feature_arrays, grouped_apply_gradients, lookup_checked,
+                            output_array)
 
 __all__ = ["EmbeddingStore", "TableBatch", "initial_rows"]
 
@@ -321,7 +323,6 @@ class EmbeddingStore:
     def lookup(self, keys, *, insert_missing: bool = False) -> np.ndarray:
         """Rows (N, dim) of keys; absent keys read as zeros, or are inserted first when
         `insert_missing`. Does not count as a training access."""
-        from cncore.grouped import as_flag
         if as_flag(insert_missing, "insert_missing"):
             self.find_or_insert(keys)
         return self.read(keys).rows
@@ -365,7 +366,6 @@ class EmbeddingStore:
                 raise TypeError("cursor must be the next_cursor of a previous export (a tuple of two ints)")
             position = _count(cursor[0], "cursor position", 0, 2**63)
             version = _count(cursor[1], "cursor version", 0, 2**64)
-        from cncore.grouped import as_flag
         nxt, done, version, keys, rows, state, counts, steps = self._table.export(
             position, max_rows, version, as_flag(with_rows, "with_rows"), cursor is None, whole)
         return TableBatch(keys, rows, state, counts, steps, np.ones(len(keys), dtype=bool),
@@ -405,19 +405,18 @@ class EmbeddingStore:
         >>> out.tolist()
         [[2.0, 2.0], [0.0, 0.0], [1.0, 1.0]]
         """
-        from cncore.grouped import grouped_pooled_lookup
-        weights = None if per_sample_weights is None else [per_sample_weights]
-        lens = None if lengths is None else [lengths]
-        offs = None if offsets is None else [offsets]
-        out, ctxs = grouped_pooled_lookup([self], [keys], offs, lengths=lens, modes=[mode],
-                                          per_sample_weights=weights, insert_missing=insert_missing, out=out)
-        return out, ctxs[0]
+        # grouped_pooled_lookup([self], ...) without its per-list checks: one feature's steps, called
+        # directly (its Python steps cost ~1-5 us each once the caches are cold, as they are
+        # after a model's dense layers).
+        insert_missing = as_flag(insert_missing, "insert_missing")
+        k, o, w, code = feature_arrays(0, keys, offsets, lengths, per_sample_weights, mode)
+        out = output_array(out, len(o) - 1, self.dim)
+        return out, lookup_checked([self], [k], [o], [w], [code], [out], insert_missing, [0, self.dim])[0]
 
     def apply_gradients(self, ctx, grad_output, *, lr: Optional[float] = None) -> None:
         """Fused backward: given d(loss)/d(out) (B, dim), update every row the lookup used
         (and its optimizer state) in place, with the configured optimizer (`lr` overrides
         its learning rate for this step). Advances `step` by one."""
-        from cncore.grouped import grouped_apply_gradients
         grouped_apply_gradients([ctx], grad_output, lr=lr, stores=[self])
 
     def accumulate_gradients(self, ctx, grad_output):
@@ -432,7 +431,6 @@ class EmbeddingStore:
         >>> k.tolist(), g.ravel().tolist()
         ([4, 9], [2.0, 10.0])
         """
-        from cncore.grouped import check_context
         check_context(ctx, self)
         grad = as_float_rows(grad_output, "grad_output", (ctx.n_bags, self.dim))
         if not isinstance(ctx.keys, np.ndarray) or ctx.keys.shape != getattr(ctx.slots, "shape", None):

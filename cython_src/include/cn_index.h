@@ -217,6 +217,26 @@ static inline void cn_index_put_at(cn_index *ix, int64_t pos, int64_t key, int64
 #ifndef CN_FIND_L1_DISTANCE
 #define CN_FIND_L1_DISTANCE 16
 #endif
+/* Measured again on a 2-core Xeon VM (Ice Lake class, L2 1.25 MiB a core, L3 48 MiB; issue 12),
+ * with the C driver of cn_pool.h (1M rows x 16, 81,920 IDs at pooling 20, a 96 MiB flush before
+ * each pass, one thread, medians of 12):
+ *  - Distances and localities: 128/L2 + 16/L1 (these) 2480-2720 us; 16, 32 or 64 into L1 with no
+ *    second prefetch 2160-2770; 128/L2 alone 2610-2700; 32/L2 + 8/L1 2100-2620: all within the
+ *    noise. The find pass is not bound by its misses there: run again with its lines in the
+ *    cache it took as long (2250 us cold, 2250 warm), and on a 10,000-key index (L2-resident)
+ *    still 980-1150 us, 12-14 ns a key, against 7.5 for the pool pass over the same IDs.
+ *  - Prefetching the next line too (a probe runs into it for 19 % of the keys at load 0.7: mean
+ *    probe 2.17 buckets, 35 % of keys need more than one): when the home is in the last one,
+ *    two or three buckets of its line, 2280-2740 us against 2250-2630 without. Rejected.
+ *  - Probing the home line with AVX-512 (one compare of the 4 keys and 4 slots, the first hit or
+ *    empty bucket from the home by a bit scan; the next line only when the home line has
+ *    neither), which takes the probe loop's mispredicted exit branch from 35 % of keys to 19 %:
+ *    Zipf 1790-1930 us against 1340-1710 for this loop, uniform 3250 against 2780, 10,000 keys
+ *    1122 against 1123. Rejected: the branch is not what the pass waits on.
+ * On this machine random reads cost more the larger the region they fall in, prefetched or not
+ * (C loop, one thread, 81,920 random lines, huge pages: 24 MiB 9.5 ns a line, 64 MiB 12.5,
+ * 183 MiB 22.7, 512 MiB 36.8, 2 GiB 72.5; a guest on host pages, so translation misses): the
+ * 8M-key index (183 MiB) costs about a third of what a row line of a 2 GiB table does. */
 #if CN_FIND_L1_DISTANCE >= CN_FIND_PREFETCH_DISTANCE
 #error "CN_FIND_L1_DISTANCE must be under CN_FIND_PREFETCH_DISTANCE (it reads the positions parked that far ahead)"
 #endif

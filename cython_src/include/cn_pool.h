@@ -47,6 +47,19 @@
  *    230-366 with; 8M x 128 Zipf 337-495 against 347-420).
  *  - No row prefetch at all: 1M x 64 Zipf 2545-2620 us (a little faster: its hot rows are in
  *    the cache), but uniform 4750-4770 and dim 16 Zipf 1740-1900 (slower); kept.
+ *  - Waking the core's sleeping workers at the start of a lookup (before the Python layer's
+ *    checks), so that the futex wake-up overlaps them: slower on the shared 2-core VM of issue
+ *    12 (load 2.5): with 50-150 us of work between the wake and the find, 4096 IDs at pooling 1,
+ *    1M x 16, find + pool took 780-1300 us against 590-740 without, the woken worker spinning on
+ *    a core the caller needed. What was kept instead: a lookup of fewer than 16384 keys does not
+ *    wake them at all (cn_table.h, CN_LOOKUP_MIN_TO_WAKE).
+ *
+ * Where the forward's time goes against nn.EmbeddingBag (issue 12; C driver over these headers,
+ * 81,920 IDs, flushed, one thread): the pool pass alone runs as fast as the same kernel over a
+ * flat array addressed by row position (direct addressing, the layout EmbeddingBag has) on huge
+ * pages: 1M x 16 uniform 1203 against 1243 us, Zipf 905 against 882; with 4 KiB pages (as torch
+ * allocates its weight) the direct pool took 2687 and 2032. What the hash index adds is the
+ * find pass (2606 and 1629 us there), more than the pool pass itself at dim 16.
  */
 #ifndef CN_POOL_H
 #define CN_POOL_H

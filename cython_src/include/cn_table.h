@@ -200,8 +200,15 @@ static inline void cn_table_init_row(const cn_table *t, int64_t slot, int64_t ke
     for (int64_t j = 0; j < t->state_floats; j++) st[j] = t->state_init;
 }
 
+/* Keys (of a find) or keys + bags (of a pool) under which a lookup does not wake sleeping
+ * workers (cn_threads_unless_asleep): a batch of 4096 IDs at pooling 1 or 2 runs on the calling
+ * thread unless the workers are awake anyway. */
+#ifndef CN_LOOKUP_MIN_TO_WAKE
+#define CN_LOOKUP_MIN_TO_WAKE 16384
+#endif
+
 static inline void cn_table_find(const cn_table *t, const int64_t *keys, int64_t n, int64_t *slots) {
-    cn_index_find_batch(&t->index, keys, n, slots, cn_threads_for(n));
+    cn_index_find_batch(&t->index, keys, n, slots, cn_threads_unless_asleep(n, CN_LOOKUP_MIN_TO_WAKE));
 }
 
 typedef struct {
@@ -466,7 +473,8 @@ static inline void cn_table_pool(const cn_table *t, const int64_t *keys, const i
                                  const int64_t *slots) {
     cn_pool_args p = {&t->arena, t->dim, offsets, weights, mode, out, ld_out, argmax,
                       t->bound.absent_initial ? &t->init : NULL, keys, t->row_dtype};
-    cn_pool_forward(&p, n_bags, slots, cn_threads_for(offsets[n_bags] + n_bags));
+    const int64_t work = offsets[n_bags] + n_bags;
+    cn_pool_forward(&p, n_bags, slots, cn_threads_unless_asleep(work, CN_LOOKUP_MIN_TO_WAKE));
 }
 
 /* Explicit evictions: the k lowest-scoring rows (all rows are candidates), or, for TTL, every
