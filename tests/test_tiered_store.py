@@ -665,3 +665,51 @@ def test_a_closed_store_never_writes_to_a_reused_descriptor(tmp_path):
         assert os.fstat(other).st_size == 0
     finally:
         os.close(other)
+
+
+@pytest.mark.parametrize("held", [True, False])
+def test_a_prefetch_never_brings_back_a_row_older_than_memory(tmp_path, held):
+    """The prefetch's find and reads run on the background thread (RecordWriter.stage), while
+    the foreground goes on with verbs that need no disk row (a fault-in waits for the job).
+    Rows that change and go back to disk meanwhile come back as they are in memory, never as a
+    record the prefetch staged before. `held`: the background thread is kept busy, so the
+    job's find runs after the rows went back to disk (it finds them at their new slots and
+    reads their current records: all 30 taken); otherwise the job ran first, and the records
+    it staged for the 10 rows erased and made anew (new slots) are stale: reread, 20 taken."""
+    import threading
+    from cncore import tiered
+    config = cncore.StoreConfig(dim=DIM, optimizer=cncore.SGD(lr=0.5), storage=cncore.Tiered(
+        str(tmp_path / "t"), cache_bytes=80 * (DIM * 4 + 47)))
+    store = cncore.EmbeddingStore(config)
+    memory = cncore.EmbeddingStore(dataclasses.replace(config, storage=None))
+    both = (store, memory)
+
+    def train(keys, grad=1.0):
+        for s in both:
+            _, ctx = s.pooled_lookup(np.asarray(keys, np.int64), lengths=np.ones(len(keys), np.int64))
+            s.apply_gradients(ctx, np.full((len(keys), DIM), grad, np.float32))
+
+    wanted = np.arange(0, 30)
+    for start in range(0, 400, 40):  # 400 rows, most on disk
+        train(np.arange(start, start + 40))
+    if held:
+        train(wanted[:10], grad=-3.0)  # in memory when the prefetch is handed in
+    assert (store._disk.find(wanted[10:]) >= 0).all()
+    gate = threading.Event()
+    if held:
+        tiered._prefetcher().submit(gate.wait)  # the prefetch's job queues behind this
+    store.prefetch(wanted)
+    if not held:
+        store._wait_prefetch()
+        assert len(store._staged[1]) == 30  # all 30 staged
+        for s in both:
+            s.erase(wanted[:10])
+        train(wanted[:10], grad=-3.0)  # made anew, in memory
+    for start in (1000, 1040):  # new keys: wanted[:10] go back to disk, to new slots
+        train(np.arange(start, start + 40))
+    assert (store._disk.find(wanted) >= 0).all()
+    gate.set()
+    before = store.stats.get("prefetched", 0)
+    np.testing.assert_array_equal(store.lookup(wanted), memory.lookup(wanted))
+    assert store.stats.get("prefetched", 0) - before == (30 if held else 20)
+    assert_same_rows(store, memory)

@@ -92,8 +92,9 @@ def block_io(int fd, const int64_t[::1] offsets, uint8_t[:, ::1] buf, bint write
 
 cdef class SlotIndex:
     """A map int64 key -> int64 slot (cn_slotindex.h): the SSD tier's index of the rows on disk.
-    Every int64 is a valid key; slots are >= 0. Batch verbs only; each runs with the GIL held
-    (short batches), so the tier's prefetch thread and its training thread never race in here.
+    Every int64 is a valid key; slots are >= 0. Batch verbs only; each holds the index's mutex,
+    which the tier's prefetch job (RecordWriter.stage, run without the GIL on the prefetch
+    thread) holds too, so the two threads never race in here.
 
     >>> import numpy as np
     >>> ix = SlotIndex()
@@ -105,15 +106,18 @@ cdef class SlotIndex:
     """
     cdef cn_index ix
     cdef int64_t _nbytes
+    cdef pthread_mutex_t mu
 
     def __cinit__(self):
         self._nbytes = 0
+        pthread_mutex_init(&self.mu, NULL)
         if cn_index_init(&self.ix, 16, &self._nbytes) != 0:
             raise MemoryError("SlotIndex: no memory for 16 buckets")
 
     def __dealloc__(self):
         if self.ix.n_buckets:
             cn_index_free(&self.ix, &self._nbytes)
+        pthread_mutex_destroy(&self.mu)
 
     def __len__(self):
         return self.ix.size
@@ -129,7 +133,10 @@ cdef class SlotIndex:
         out = np.empty(n, dtype=np.int64)
         cdef int64_t[::1] o = out
         if n:
-            cn_index_find_batch(&self.ix, &keys[0], n, &o[0], 1)
+            with nogil:
+                pthread_mutex_lock(&self.mu)
+                cn_index_find_batch(&self.ix, &keys[0], n, &o[0], 1)
+                pthread_mutex_unlock(&self.mu)
         return out
 
     def reserve(self, int64_t extra):
@@ -138,7 +145,13 @@ cdef class SlotIndex:
         index unchanged if it cannot grow."""
         if extra < 0:
             raise ValueError(f"extra: must be >= 0, got {extra}")
-        if extra and cn_slotindex_reserve(&self.ix, extra, &self._nbytes) != 0:
+        cdef int rc = 0
+        if extra:
+            with nogil:
+                pthread_mutex_lock(&self.mu)
+                rc = cn_slotindex_reserve(&self.ix, extra, &self._nbytes)
+                pthread_mutex_unlock(&self.mu)
+        if rc != 0:
             raise MemoryError(f"SlotIndex: no memory to grow past {self.ix.size + extra} keys; the index is unchanged")
 
     def put(self, const int64_t[::1] keys, const int64_t[::1] slots):
@@ -149,9 +162,15 @@ cdef class SlotIndex:
             raise ValueError(f"slots: expected {n}, got {slots.shape[0]}")
         if n == 0:
             return
-        if cn_slotindex_reserve(&self.ix, n, &self._nbytes) != 0:
+        cdef int rc
+        with nogil:
+            pthread_mutex_lock(&self.mu)
+            rc = cn_slotindex_reserve(&self.ix, n, &self._nbytes)
+            if rc == 0:
+                cn_slotindex_put(&self.ix, &keys[0], &slots[0], n)
+            pthread_mutex_unlock(&self.mu)
+        if rc != 0:
             raise MemoryError(f"SlotIndex: no memory to grow past {self.ix.size + n} keys; the index is unchanged")
-        cn_slotindex_put(&self.ix, &keys[0], &slots[0], n)
 
     def erase(self, const int64_t[::1] keys):
         """Remove keys; returns the slot each had (-1: absent, or a repeat of an earlier key)."""
@@ -159,12 +178,20 @@ cdef class SlotIndex:
         out = np.empty(n, dtype=np.int64)
         cdef int64_t[::1] o = out
         if n:
-            cn_slotindex_erase(&self.ix, &keys[0], n, &o[0])
+            with nogil:
+                pthread_mutex_lock(&self.mu)
+                cn_slotindex_erase(&self.ix, &keys[0], n, &o[0])
+                pthread_mutex_unlock(&self.mu)
         return out
 
     def clear(self):
-        cn_index_free(&self.ix, &self._nbytes)
-        if cn_index_init(&self.ix, 16, &self._nbytes) != 0:
+        cdef int rc
+        with nogil:
+            pthread_mutex_lock(&self.mu)
+            cn_index_free(&self.ix, &self._nbytes)
+            rc = cn_index_init(&self.ix, 16, &self._nbytes)
+            pthread_mutex_unlock(&self.mu)
+        if rc != 0:
             raise MemoryError("SlotIndex: no memory for 16 buckets")
 
     def items(self, int64_t batch_size=65536):
@@ -180,7 +207,10 @@ cdef class SlotIndex:
             if len(keys) == 0:
                 return
             k, s = keys, slots
-            got = cn_slotindex_items(&self.ix, &pos, len(keys), &k[0], &s[0])
+            with nogil:
+                pthread_mutex_lock(&self.mu)
+                got = cn_slotindex_items(&self.ix, &pos, k.shape[0], &k[0], &s[0])
+                pthread_mutex_unlock(&self.mu)
             if got:
                 yield keys[:got], slots[:got]
 
@@ -275,9 +305,14 @@ cdef class RecordWriter:
         if err:
             import os
             raise OSError(err, f"writing evicted records: {os.strerror(err)}")
-        if cn_slotindex_reserve(&self.disk.ix, n, &self.disk._nbytes) != 0:
+        with nogil:
+            pthread_mutex_lock(&self.disk.mu)
+            err = cn_slotindex_reserve(&self.disk.ix, n, &self.disk._nbytes)
+            if err == 0:
+                cn_slotindex_put(&self.disk.ix, ev.keys, &slots[0], n)
+            pthread_mutex_unlock(&self.disk.mu)
+        if err != 0:
             raise MemoryError(f"SlotIndex: no memory to grow past {self.disk.ix.size + n} keys")
-        cn_slotindex_put(&self.disk.ix, ev.keys, &slots[0], n)
 
     def write(self, const int64_t[::1] slots, const int64_t[::1] keys, const uint32_t[::1] counts,
               const uint32_t[::1] last_steps, const weight_t[:, ::1] rows, state):
@@ -302,6 +337,25 @@ cdef class RecordWriter:
         if err:
             import os
             raise OSError(err, f"writing records: {os.strerror(err)}")
+
+    def stage(self, const int64_t[::1] keys, int64_t cap, uint8_t[:, ::1] buf, int threads):
+        """The prefetch job (cn_tier_stage), without the GIL: of `keys`, those on disk (distinct,
+        sorted, the first `cap`) and their records read into buf (at least min(len(keys), cap)
+        records). Returns (keys, slots) of the records read, buf's first rows. Raises OSError."""
+        cdef int64_t n = keys.shape[0], room = min(n, max(cap, 0)), m = 0
+        if buf.shape[0] < room or (room and buf.shape[1] != self.L.rec):
+            raise ValueError(f"buf: expected at least ({room}, {self.L.rec})")
+        out_keys = np.empty(room, dtype=np.int64)
+        out_slots = np.empty(room, dtype=np.int64)
+        cdef int64_t[::1] ok = out_keys, os_ = out_slots
+        if room:
+            with nogil:
+                m = cn_tier_stage(&self.L, self.fd, threads, &self.disk.ix, &self.disk.mu, &keys[0], n, room,
+                                  &ok[0], &os_[0], &buf[0, 0])
+        if m < 0:
+            import os
+            raise OSError(-m, f"reading prefetched records: {os.strerror(-m)}")
+        return out_keys[:m], out_slots[:m]
 
     def check_keys(self, const uint8_t[:, ::1] buf, const int64_t[::1] keys):
         """Index of the first record in buf whose key is not keys[i], or -1."""

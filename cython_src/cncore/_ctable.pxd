@@ -141,6 +141,12 @@ cdef extern from "cn_table.h" nogil:
     int64_t cn_check_offsets(const offset_t *offsets, int64_t n_bags, int64_t n_keys)
 
 cdef extern from "<pthread.h>" nogil:
+    ctypedef struct pthread_mutex_t:
+        pass
+    int pthread_mutex_init(pthread_mutex_t *mu, const void *attr)
+    int pthread_mutex_destroy(pthread_mutex_t *mu)
+    int pthread_mutex_lock(pthread_mutex_t *mu)
+    int pthread_mutex_unlock(pthread_mutex_t *mu)
     int pthread_rwlock_rdlock(pthread_rwlock_t *lock)
     int pthread_rwlock_wrlock(pthread_rwlock_t *lock)
     int pthread_rwlock_unlock(pthread_rwlock_t *lock)
@@ -166,3 +172,6 @@ cdef extern from "cn_tier.h" nogil:
     int64_t cn_tier_check_keys(const cn_tier_layout *L, const uint8_t *buf, const int64_t *keys, int64_t n)
     int cn_tier_load(cn_table *t, const cn_tier_layout *L, const uint8_t *buf, const int64_t *keys, int64_t n,
                      const int64_t *pin, int64_t n_pin, int want_rows, cn_evicted *ev, int64_t *slots)
+    int64_t cn_tier_stage(const cn_tier_layout *L, int fd, int threads, const cn_index *disk, pthread_mutex_t *mu,
+                          const int64_t *keys, int64_t n, int64_t cap, int64_t *keys_out, int64_t *slots_out,
+                          uint8_t *buf)
