@@ -316,10 +316,10 @@ class TieredStore(EmbeddingStore):
         os.makedirs(self._dir, exist_ok=True)  # its parent exists (_check_directory)
         self._fd = os.open(os.path.join(self._dir, "rows.dat"), os.O_RDWR | os.O_CREAT, 0o644)
         self._reopen()
-        # StoreConfig.capacity, the rows the table is expected to hold, sizes the disk index now:
-        # growing by doubling, a rehash holds the old and new buckets at once (16 + 32 MiB at 1M
-        # disk rows), which set the peak RSS of a table 10x its cache.
-        self._disk.reserve(max(0, config.capacity - self.cache_rows - len(self._disk)))
+        # StoreConfig.capacity, the rows the table is expected to hold, sizes the disk index now,
+        # exactly (cn_slotindex.h): growing, a rehash holds the old and new buckets at once (16 +
+        # 32 MiB at 1M disk rows, doubling), which set the peak RSS of a table 10x its cache.
+        self._disk.reserve(max(0, self.disk_keys_at_most(config.capacity) - len(self._disk)))
         # The cache's evictions go to the writer in C (cn_tier.h): packed from the eviction's
         # buffer into records, written, indexed on disk; no NumPy copies, no callback.
         self._writer = _core.RecordWriter(self._fd, self._layout_fields(), self._disk, self._spill_slots,
@@ -565,6 +565,14 @@ class TieredStore(EmbeddingStore):
     def record_bytes(self) -> int:
         """Bytes of one record in the file (key, count, last step, row, optimizer state)."""
         return self._record.itemsize
+
+    def disk_keys_at_most(self, rows: int) -> int:
+        """The most keys the disk index holds at once in a table of `rows` rows: all but the
+        cache's low-water mark (eviction takes the cache down to max_rows - headroom), plus one
+        round of a fault-in's loads (its keys leave the disk index after they are loaded, and
+        the rows evicted to make their room are indexed on disk before that)."""
+        low_water = self.cache_rows - self._config.headroom  # the cache's own config
+        return max(0, int(rows) - low_water + self._evict_chunk)
 
     @property
     def disk_index_bytes(self) -> int:

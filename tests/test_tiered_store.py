@@ -593,18 +593,51 @@ def test_16_bit_rows_are_stored_at_their_size_and_a_version_2_directory_still_op
     np.testing.assert_array_equal(table.lookup(b.keys), b.rows)
 
 
-def test_capacity_sizes_the_disk_index_once(tmp_path):
-    """StoreConfig.capacity (the rows the table will hold) reserves the disk index up front, so
-    filling a table 10x its cache never rehashes it (a rehash holds old and new buckets)."""
-    config = cncore.StoreConfig(dim=DIM, capacity=5000, storage=cncore.Tiered(
+def bucket_bytes(n_buckets: int) -> int:
+    """What n 16-byte buckets take (cn_alloc.h rounds an allocation up to 64 bytes)."""
+    return -(-16 * n_buckets // 64) * 64
+
+
+def test_capacity_sizes_the_disk_index_once_and_exactly(tmp_path):
+    """StoreConfig.capacity (the rows the table will hold) reserves the disk index up front, to
+    exactly the buckets the most keys it can hold at once need (all rows but the cache's
+    low-water mark, plus a fault-in's round): filling a table 10x its cache and then training
+    on it (every step faults in hundreds of rows while the cache evicts) never rehashes it,
+    and it takes no power-of-two slack."""
+    from cncore._core import SlotIndex
+    config = cncore.StoreConfig(dim=DIM, optimizer=cncore.SGD(lr=0.1), capacity=5000, storage=cncore.Tiered(
         str(tmp_path / "t"), cache_bytes=500 * (DIM * 4 + 47)))
     store = cncore.EmbeddingStore(config)
+    most = store.disk_keys_at_most(5000)
+    low_water = store.cache_rows - store._config.headroom
+    assert most == 5000 - low_water + store._evict_chunk
     reserved = store.disk_index_bytes
-    assert reserved >= 16 * (5000 - store.cache_rows) / 0.7
+    assert SlotIndex.buckets_for(most) == -(-most * 10 // 7)
+    assert reserved == bucket_bytes(SlotIndex.buckets_for(most))
     for start in range(0, 5000, 100):
         store.find_or_insert(np.arange(start, start + 100))
     assert len(store) == 5000 and store.cached_rows <= store.cache_rows
     assert store.disk_index_bytes == reserved
+    rng = np.random.default_rng(0)
+    lengths = np.full(40, 10)
+    for _ in range(30):  # 400 IDs a step over 5,000 rows: ~330 read from disk a step, evicting as many
+        _, ctx = store.pooled_lookup(rng.integers(0, 5000, 400), lengths=lengths)
+        store.apply_gradients(ctx, np.ones((40, DIM), np.float32))
+        assert store.disk_index_bytes == reserved
+    assert store.stats["rows_read"] > 30 * 250 and len(store) == 5000
+
+
+def test_the_disk_index_grows_by_the_index_growth_rule_without_a_hint():
+    """Without a reservation, put() grows the disk index by cn_index.h's rule (x1.25 of the
+    buckets at least, the keys' exact need at most when more), not to powers of two."""
+    from cncore._core import SlotIndex
+    ix = SlotIndex()
+    ix.put(np.arange(700), np.arange(700))
+    assert ix.nbytes == bucket_bytes(SlotIndex.buckets_for(700))  # one batch from 16 buckets: its exact need
+    ix.put(np.arange(700, 701), np.arange(1))                       # one more key: 1.25x, not 2048
+    assert ix.nbytes == bucket_bytes(int(SlotIndex.buckets_for(700) * 1.25))
+    ix.reserve(5000 - len(ix))
+    assert ix.nbytes == bucket_bytes(SlotIndex.buckets_for(5000))
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -139,17 +139,28 @@ cdef class SlotIndex:
                 pthread_mutex_unlock(&self.mu)
         return out
 
+    @staticmethod
+    def buckets_for(int64_t n_keys):
+        """Buckets (16 bytes each) that hold n_keys at the index's maximum load (0.7): what
+        reserve(n_keys) of an empty index allocates (at least 16).
+
+        >>> SlotIndex.buckets_for(700), SlotIndex.buckets_for(1)   # 700 / 0.7 rounds up in floating point
+        (1001, 16)
+        """
+        return cn_slotindex_buckets_for(n_keys)
+
     def reserve(self, int64_t extra):
-        """Grow now so that `extra` more keys go in without a rehash (a rehash holds the old and
-        the new buckets at once: 48 MiB for a moment at 1M keys). Raises MemoryError with the
-        index unchanged if it cannot grow."""
+        """Grow now, to exactly the buckets they need, so that `extra` more keys go in without a
+        rehash (a rehash holds the old and the new buckets at once: 48 MiB for a moment at 1M
+        keys). Growth by put() beyond that follows cn_index.h's rule (x1.25 at least). Raises
+        MemoryError with the index unchanged if it cannot grow."""
         if extra < 0:
             raise ValueError(f"extra: must be >= 0, got {extra}")
         cdef int rc = 0
         if extra:
             with nogil:
                 pthread_mutex_lock(&self.mu)
-                rc = cn_slotindex_reserve(&self.ix, extra, &self._nbytes)
+                rc = cn_slotindex_reserve(&self.ix, extra, 1, &self._nbytes)
                 pthread_mutex_unlock(&self.mu)
         if rc != 0:
             raise MemoryError(f"SlotIndex: no memory to grow past {self.ix.size + extra} keys; the index is unchanged")
@@ -165,7 +176,7 @@ cdef class SlotIndex:
         cdef int rc
         with nogil:
             pthread_mutex_lock(&self.mu)
-            rc = cn_slotindex_reserve(&self.ix, n, &self._nbytes)
+            rc = cn_slotindex_reserve(&self.ix, n, 0, &self._nbytes)
             if rc == 0:
                 cn_slotindex_put(&self.ix, &keys[0], &slots[0], n)
             pthread_mutex_unlock(&self.mu)
@@ -307,7 +318,7 @@ cdef class RecordWriter:
             raise OSError(err, f"writing evicted records: {os.strerror(err)}")
         with nogil:
             pthread_mutex_lock(&self.disk.mu)
-            err = cn_slotindex_reserve(&self.disk.ix, n, &self.disk._nbytes)
+            err = cn_slotindex_reserve(&self.disk.ix, n, 0, &self.disk._nbytes)
             if err == 0:
                 cn_slotindex_put(&self.disk.ix, ev.keys, &slots[0], n)
             pthread_mutex_unlock(&self.disk.mu)

@@ -38,7 +38,8 @@ cdef extern from "cn_index.h" nogil:
     void cn_index_find_batch(const cn_index *ix, const int64_t *keys, int64_t n, int64_t *slots, int nthreads)
 
 cdef extern from "cn_slotindex.h" nogil:
-    int cn_slotindex_reserve(cn_index *ix, int64_t extra, int64_t *nbytes)
+    int cn_slotindex_reserve(cn_index *ix, int64_t extra, int exact, int64_t *nbytes)
+    int64_t cn_slotindex_buckets_for(int64_t n)
     void cn_slotindex_put(cn_index *ix, const int64_t *keys, const int64_t *slots, int64_t n)
     void cn_slotindex_erase(cn_index *ix, const int64_t *keys, int64_t n, int64_t *slots)
     int64_t cn_slotindex_items(const cn_index *ix, int64_t *pos, int64_t max, int64_t *keys, int64_t *slots)
