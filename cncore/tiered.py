@@ -221,10 +221,10 @@ def rows_of(rec: np.ndarray, dtype: str) -> np.ndarray:
 
 
 def record_offsets(slots: np.ndarray, rec: int, per_page: int) -> np.ndarray:
-    """File offsets of the records at `slots` (a record never straddles a page)."""
-    if rec >= _PAGE:
-        return slots * rec
-    return (slots // per_page) * _PAGE + (slots % per_page) * rec
+    """File offsets of the records at `slots` (a record never straddles a page): the C
+    formula the writer uses (cn_tier_offset, through _core.record_offsets), so that reads and
+    writes cannot disagree."""
+    return _core.record_offsets(slots, rec, per_page)
 
 
 def _sha256_file(path: str) -> str:

@@ -746,3 +746,24 @@ def test_a_prefetch_never_brings_back_a_row_older_than_memory(tmp_path, held):
     np.testing.assert_array_equal(store.lookup(wanted), memory.lookup(wanted))
     assert store.stats.get("prefetched", 0) - before == (30 if held else 20)
     assert_same_rows(store, memory)
+
+
+@pytest.mark.parametrize("rec", [8, 152, 280, 4000, 4096, 4104, 9000])
+def test_record_offsets_is_the_one_formula_and_never_straddles_a_page(rec):
+    """tiered.record_offsets (the reads) is cn_tier_offset (the writer's spills) itself; here it
+    is checked against the layout written out by hand: page = slot // per_page, the record at
+    (slot % per_page) * rec within it, or whole pages for records of a page or more."""
+    from cncore.tiered import record_offsets
+    rec_bytes = rec if rec < 4096 else -(-rec // 4096) * 4096
+    per_page = max(1, 4096 // rec_bytes)
+    slots = np.concatenate([np.arange(40), np.random.default_rng(rec).integers(0, 2**40 // rec_bytes, 200)])
+    want = [s * rec_bytes if rec_bytes >= 4096 else (s // per_page) * 4096 + (s % per_page) * rec_bytes
+            for s in slots.tolist()]
+    got = record_offsets(slots, rec_bytes, per_page)
+    assert got.dtype == np.int64 and got.tolist() == want
+    if rec_bytes < 4096:  # each record's first and last byte on one page
+        assert ((got // 4096) == ((got + rec_bytes - 1) // 4096)).all()
+    else:
+        assert (got % 4096 == 0).all()
+    with pytest.raises(ValueError, match="per_page"):
+        record_offsets(slots, rec_bytes, per_page + 1)

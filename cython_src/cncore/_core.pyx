@@ -90,6 +90,31 @@ def block_io(int fd, const int64_t[::1] offsets, uint8_t[:, ::1] buf, bint write
         raise OSError(err, f"{'writing' if write else 'reading'} records: {os.strerror(err)}")
 
 
+def record_offsets(slots, int64_t rec, int64_t per_page):
+    """File offsets (int64 array) of the SSD tier's records at `slots`: records of `rec` bytes,
+    `per_page` to a 4 KiB page, never straddling one (a record of a page or more: whole pages
+    each). cn_tier_offset (cn_tier.h) is the one formula: the writer's spills use it in C, and
+    the tier's reads (cncore.tiered.record_offsets) through this.
+
+    >>> record_offsets([0, 13, 14, 15], 280, 14).tolist()   # 14 records of 280 bytes a page
+    [0, 3640, 4096, 4376]
+    """
+    cdef const int64_t[::1] s = np.ascontiguousarray(slots, dtype=np.int64).reshape(-1)
+    cdef int64_t n = s.shape[0], i
+    cdef cn_tier_layout L
+    if rec < 1 or per_page < 1 or (rec < CN_TIER_PAGE and per_page != CN_TIER_PAGE // rec) \
+            or (rec >= CN_TIER_PAGE and per_page != 1):
+        raise ValueError(f"rec, per_page: a layout has per_page = 4096 // rec records a page (or 1 for records of "
+                         f"a page or more), got rec={rec}, per_page={per_page}")
+    L.rec, L.per_page = rec, per_page
+    out = np.empty(n, dtype=np.int64)
+    cdef int64_t[::1] o = out
+    with nogil:
+        for i in range(n):
+            o[i] = cn_tier_offset(&L, s[i])
+    return out
+
+
 cdef class SlotIndex:
     """A map int64 key -> int64 slot (cn_slotindex.h): the SSD tier's index of the rows on disk.
     Every int64 is a valid key; slots are >= 0. Batch verbs only; each holds the index's mutex,

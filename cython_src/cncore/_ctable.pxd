@@ -156,6 +156,7 @@ cdef extern from "cn_blockio.h" nogil:
     int cn_blockio(int fd, const int64_t *offsets, int64_t n, int64_t rec, uint8_t *buf, int write, int threads)
 
 cdef extern from "cn_tier.h" nogil:
+    enum: CN_TIER_PAGE
     ctypedef struct cn_tier_layout:
         int64_t rec
         int64_t per_page
