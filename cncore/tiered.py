@@ -44,7 +44,9 @@ Threads: every verb holds the store's lock, and a lookup's fault-in and its core
 held section (`faulted_in`), so a thread's rows cannot go back to disk between them.
 
 Memory: the cache's rows (cache_bytes), the disk index (16-byte buckets at a load factor of at
-most 0.7; sized once from StoreConfig.capacity, the rows the table will hold, if given), per
+most 0.7; sized once and exactly from StoreConfig.capacity, the rows the table will hold, if
+given: all of them but the cache's low-water mark, plus a fault-in's round, `disk_keys_at_most`;
+else grown by 1.25x at least), per
 call the records it moves (read and evicted in rounds of 1/64 of the cache at most, written
 1,024 at a time through the writer's buffer; a read buffer of at most 1/32 of the cache is kept
 for the next call, and prefetch reads at most that much ahead), and per flush the new index (16

@@ -162,7 +162,20 @@ static inline int cn_tier_load(cn_table *t, const cn_tier_layout *L, const uint8
  * read), its GIL-holding parts convoyed with the training thread's own Python: the backward
  * of a 3x zipf-1.05 step (tiered_bench) took 2.6-4.4 ms instead of 1.2-1.9 while it ran; done
  * in Python on the training thread (the code before), the find and unique cost the step
- * 0.45-0.65 ms of the ~1.0 ms of reads it hid. */
+ * 0.45-0.65 ms of the ~1.0 ms of reads it hid (main-thread CPU a step 6.3-6.5 ms before, 5.7
+ * now; wall time on this 2-core machine, shared and at load 1.1-2.5, moved within its noise).
+ * Measured and rejected in the same round (3x table, 32 MiB cache, --capacity-hint):
+ *  - the background read on 1 thread instead of Tiered.io_threads (4): main-thread CPU 6.05
+ *    against 5.72 ms a step, wall time within noise;
+ *  - prefetching at most 1/64 of the cache instead of 1/32: the uniform run's store peak 44.6
+ *    -> 43.9 MiB (1.174 -> 1.156 of cache + disk index), short of the 1.10 goal, while the 10x
+ *    zipf-1.05 step's 2,630 reads would no longer fit one prefetch;
+ *  - a prefetch buffer of its own kept between calls (the fault-in's rounds keeping theirs):
+ *    no change (steady RSS 43.6 -> 44.0 MiB, within run-to-run spread). What the prefetch adds
+ *    to the uniform run's steady RSS (2.1 MiB: 43.6 against 41.5 without it) is glibc keeping
+ *    freed large blocks in the heap once its dynamic mmap threshold rose past them: with
+ *    MALLOC_MMAP_THRESHOLD_=131072 the steady RSS is 41.4 MiB with prefetch too. Not adopted:
+ *    a process-wide allocator setting is the user's, not the tier's. */
 typedef struct { int64_t key, slot; } cn_tier_kv;
 
 static int cn_tier_kv_cmp(const void *a, const void *b) {
