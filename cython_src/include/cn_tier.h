@@ -162,8 +162,11 @@ static inline int cn_tier_load(cn_table *t, const cn_tier_layout *L, const uint8
  * read), its GIL-holding parts convoyed with the training thread's own Python: the backward
  * of a 3x zipf-1.05 step (tiered_bench) took 2.6-4.4 ms instead of 1.2-1.9 while it ran; done
  * in Python on the training thread (the code before), the find and unique cost the step
- * 0.45-0.65 ms of the ~1.0 ms of reads it hid (main-thread CPU a step 6.3-6.5 ms before, 5.7
- * now; wall time on this 2-core machine, shared and at load 1.1-2.5, moved within its noise).
+ * 0.45-0.65 ms of the ~1.0 ms of reads it hid. Measured on this 2-core machine, shared: the
+ * step's main-thread CPU with prefetch (medians of alternated runs) 6.32 ms before and 5.67
+ * after (5 each, load 1.8-2.2), 6.74 and 6.38 (6 each, load 4.3-5.3), where the no-prefetch
+ * path, unchanged, gave 6.65 / 5.86 and 6.16 / 6.83: the gain is about the noise; wall time did
+ * not move beyond it (no idle core for the background thread on a machine this loaded).
  * Measured and rejected in the same round (3x table, 32 MiB cache, --capacity-hint):
  *  - the background read on 1 thread instead of Tiered.io_threads (4): main-thread CPU 6.05
  *    against 5.72 ms a step, wall time within noise;
