@@ -34,17 +34,19 @@ truncates) when the file holds more than `Tiered.compact_ratio` (3 by default) r
 after a flush the file is at most that many times the rows (plus a few pages), and between flushes it grows by the rows
 spilled since. `compact()` brings it to exactly one record per row.
 
-`prefetch(keys)` hands in the next batch's keys: which are on disk is looked up at once, their
-records (at most 1/32 of the cache's bytes of them) are read on a background thread (one for
-every tiered store of the process) while the current step runs (TorchRec's SSD TBE pipeline does
-the same); the next call takes them if still current (same slot, no flush since), and reads the
-rest.
+`prefetch(keys)` hands in the next batch's keys: a background thread (one for every tiered
+store of the process) finds which are on disk and reads their records (at most 1/32 of the
+cache's bytes of them), in one C call without the GIL, while the current step runs (TorchRec's
+SSD TBE pipeline does the same); the next call takes them if still current (same slot, no
+flush since), and reads the rest.
 
 Threads: every verb holds the store's lock, and a lookup's fault-in and its core call are one
 held section (`faulted_in`), so a thread's rows cannot go back to disk between them.
 
 Memory: the cache's rows (cache_bytes), the disk index (16-byte buckets at a load factor of at
-most 0.7; sized once from StoreConfig.capacity, the rows the table will hold, if given), per
+most 0.7; sized once and exactly from StoreConfig.capacity, the rows the table will hold, if
+given: all of them but the cache's low-water mark, plus a fault-in's round, `disk_keys_at_most`;
+else grown by 1.25x at least), per
 call the records it moves (read and evicted in rounds of 1/64 of the cache at most, written
 1,024 at a time through the writer's buffer; a read buffer of at most 1/32 of the cache is kept
 for the next call, and prefetch reads at most that much ahead), and per flush the new index (16
@@ -221,10 +223,10 @@ def rows_of(rec: np.ndarray, dtype: str) -> np.ndarray:
 
 
 def record_offsets(slots: np.ndarray, rec: int, per_page: int) -> np.ndarray:
-    """File offsets of the records at `slots` (a record never straddles a page)."""
-    if rec >= _PAGE:
-        return slots * rec
-    return (slots // per_page) * _PAGE + (slots % per_page) * rec
+    """File offsets of the records at `slots` (a record never straddles a page): the C
+    formula the writer uses (cn_tier_offset, through _core.record_offsets), so that reads and
+    writes cannot disagree."""
+    return _core.record_offsets(slots, rec, per_page)
 
 
 def _sha256_file(path: str) -> str:
@@ -316,10 +318,10 @@ class TieredStore(EmbeddingStore):
         os.makedirs(self._dir, exist_ok=True)  # its parent exists (_check_directory)
         self._fd = os.open(os.path.join(self._dir, "rows.dat"), os.O_RDWR | os.O_CREAT, 0o644)
         self._reopen()
-        # StoreConfig.capacity, the rows the table is expected to hold, sizes the disk index now:
-        # growing by doubling, a rehash holds the old and new buckets at once (16 + 32 MiB at 1M
-        # disk rows), which set the peak RSS of a table 10x its cache.
-        self._disk.reserve(max(0, config.capacity - self.cache_rows - len(self._disk)))
+        # StoreConfig.capacity, the rows the table is expected to hold, sizes the disk index now,
+        # exactly (cn_slotindex.h): growing, a rehash holds the old and new buckets at once (16 +
+        # 32 MiB at 1M disk rows, doubling), which set the peak RSS of a table 10x its cache.
+        self._disk.reserve(max(0, self.disk_keys_at_most(config.capacity) - len(self._disk)))
         # The cache's evictions go to the writer in C (cn_tier.h): packed from the eviction's
         # buffer into records, written, indexed on disk; no NumPy copies, no callback.
         self._writer = _core.RecordWriter(self._fd, self._layout_fields(), self._disk, self._spill_slots,
@@ -566,6 +568,14 @@ class TieredStore(EmbeddingStore):
         """Bytes of one record in the file (key, count, last step, row, optimizer state)."""
         return self._record.itemsize
 
+    def disk_keys_at_most(self, rows: int) -> int:
+        """The most keys the disk index holds at once in a table of `rows` rows: all but the
+        cache's low-water mark (eviction takes the cache down to max_rows - headroom), plus one
+        round of a fault-in's loads (its keys leave the disk index after they are loaded, and
+        the rows evicted to make their room are indexed on disk before that)."""
+        low_water = self.cache_rows - self._config.headroom  # the cache's own config
+        return max(0, int(rows) - low_water + self._evict_chunk)
+
     @property
     def disk_index_bytes(self) -> int:
         """Memory the index of the rows on disk takes (its buckets)."""
@@ -678,8 +688,8 @@ class TieredStore(EmbeddingStore):
 
     @_locked
     def prefetch(self, keys) -> None:
-        """Hand in the next batch's keys early: a background thread reads the records of those on
-        disk (the read releases the GIL) while the current step runs, and the call that next needs
+        """Hand in the next batch's keys early: a background thread finds those on disk and reads
+        their records (one C call without the GIL) while the current step runs, and the call that next needs
         them takes those records instead of reading, if they are still current: the key still in
         the slot read, and no flush since (a slot is rewritten only after a flush frees it). One
         prefetch at a time per store: a new one first waits for the previous one. The reads of
@@ -696,26 +706,30 @@ class TieredStore(EmbeddingStore):
         >>> s.stats["prefetched"] > 0
         True
         """
-        keys = as_keys(keys)
+        # A copy: the caller may reuse its array while the background job reads it.
+        keys = np.array(as_keys(keys), dtype=np.int64, copy=True)
         self._wait_prefetch()
-        # Which keys are on disk, and where: here, with the lock held (one batched find, a
-        # np.unique of those on disk only); only the reads go to the background.
-        at = self._disk.find(keys)
-        found = at >= 0
-        if not found.any():
+        if not len(keys):
             return
-        found_keys, first = np.unique(keys[found], return_index=True)  # sorted, as _read_current wants
+        # The rest runs on the background thread, in one C call without the GIL
+        # (RecordWriter.stage, cn_tier.h): which keys are on disk (one batched find of the disk
+        # index, under its mutex), the distinct ones in key order, their reads. What it finds
+        # is checked where it is used (_read_current takes a record only for the same key in the
+        # same slot, with no flush since `commit`; between flushes a slot is written once,
+        # before its key is indexed). Done here, on the caller's thread (the code before), the
+        # find and np.unique of a 16k-ID step cost 0.45-0.65 ms of the ~1.0 ms of reads they hid;
+        # done in Python on the background thread, their GIL-holding parts slowed the training
+        # thread's backward from 1.2-1.9 to 2.6-4.4 ms (3x zipf-1.05, tiered_bench).
+        writer, record, commit = self._writer, self._record, self._commits
         # At most 1/32 of the cache read ahead (the rest is read by the call, a round at a time):
         # a uniform step at 10x prefetched 14.7k records, 4 MiB held beside the cache.
-        cap = max(_IO_ROWS, self._tier_config.storage.cache_bytes // 32 // self._record.itemsize)
-        found_keys, first = found_keys[:cap], first[:cap]
-        slots = at[found][first]
-        buf = self._buffer(len(slots))
-        offsets, fd, threads, commit = self._offsets(slots), self._fd, self._io_threads, self._commits
+        cap = min(len(keys), max(_IO_ROWS, self._tier_config.storage.cache_bytes // 32 // record.itemsize))
+        buf = self._buffer(cap)
+        threads = self._io_threads
 
         def read():
-            _core.block_io(fd, offsets, buf.view(np.uint8).reshape(len(slots), -1), False, threads)
-            return commit, found_keys, slots, buf
+            found_keys, slots = writer.stage(keys, cap, buf.view(np.uint8).reshape(cap, -1), threads)
+            return commit, found_keys, slots, buf[:len(slots)]
 
         self._prefetching = _prefetcher().submit(read)
 
@@ -733,7 +747,10 @@ class TieredStore(EmbeddingStore):
         keys, slots, records), or None. Taken once: the next prefetch reads anew."""
         self._wait_prefetch()
         staged, self._staged = self._staged, None
-        if staged is None or staged[0] != self._commits or not len(staged[1]):
+        if staged is None:
+            return None
+        if staged[0] != self._commits or not len(staged[1]):
+            self._keep_spare(staged[3])  # its buffer serves the next read
             return None
         return staged[1:]
 

@@ -593,18 +593,51 @@ def test_16_bit_rows_are_stored_at_their_size_and_a_version_2_directory_still_op
     np.testing.assert_array_equal(table.lookup(b.keys), b.rows)
 
 
-def test_capacity_sizes_the_disk_index_once(tmp_path):
-    """StoreConfig.capacity (the rows the table will hold) reserves the disk index up front, so
-    filling a table 10x its cache never rehashes it (a rehash holds old and new buckets)."""
-    config = cncore.StoreConfig(dim=DIM, capacity=5000, storage=cncore.Tiered(
+def bucket_bytes(n_buckets: int) -> int:
+    """What n 16-byte buckets take (cn_alloc.h rounds an allocation up to 64 bytes)."""
+    return -(-16 * n_buckets // 64) * 64
+
+
+def test_capacity_sizes_the_disk_index_once_and_exactly(tmp_path):
+    """StoreConfig.capacity (the rows the table will hold) reserves the disk index up front, to
+    exactly the buckets the most keys it can hold at once need (all rows but the cache's
+    low-water mark, plus a fault-in's round): filling a table 10x its cache and then training
+    on it (every step faults in hundreds of rows while the cache evicts) never rehashes it,
+    and it takes no power-of-two slack."""
+    from cncore._core import SlotIndex
+    config = cncore.StoreConfig(dim=DIM, optimizer=cncore.SGD(lr=0.1), capacity=5000, storage=cncore.Tiered(
         str(tmp_path / "t"), cache_bytes=500 * (DIM * 4 + 47)))
     store = cncore.EmbeddingStore(config)
+    most = store.disk_keys_at_most(5000)
+    low_water = store.cache_rows - store._config.headroom
+    assert most == 5000 - low_water + store._evict_chunk
     reserved = store.disk_index_bytes
-    assert reserved >= 16 * (5000 - store.cache_rows) / 0.7
+    assert SlotIndex.buckets_for(most) == -(-most * 10 // 7)
+    assert reserved == bucket_bytes(SlotIndex.buckets_for(most))
     for start in range(0, 5000, 100):
         store.find_or_insert(np.arange(start, start + 100))
     assert len(store) == 5000 and store.cached_rows <= store.cache_rows
     assert store.disk_index_bytes == reserved
+    rng = np.random.default_rng(0)
+    lengths = np.full(40, 10)
+    for _ in range(30):  # 400 IDs a step over 5,000 rows: ~330 read from disk a step, evicting as many
+        _, ctx = store.pooled_lookup(rng.integers(0, 5000, 400), lengths=lengths)
+        store.apply_gradients(ctx, np.ones((40, DIM), np.float32))
+        assert store.disk_index_bytes == reserved
+    assert store.stats["rows_read"] > 30 * 250 and len(store) == 5000
+
+
+def test_the_disk_index_grows_by_the_index_growth_rule_without_a_hint():
+    """Without a reservation, put() grows the disk index by cn_index.h's rule (x1.25 of the
+    buckets at least, the keys' exact need at most when more), not to powers of two."""
+    from cncore._core import SlotIndex
+    ix = SlotIndex()
+    ix.put(np.arange(700), np.arange(700))
+    assert ix.nbytes == bucket_bytes(SlotIndex.buckets_for(700))  # one batch from 16 buckets: its exact need
+    ix.put(np.arange(700, 701), np.arange(1))                       # one more key: 1.25x, not 2048
+    assert ix.nbytes == bucket_bytes(int(SlotIndex.buckets_for(700) * 1.25))
+    ix.reserve(5000 - len(ix))
+    assert ix.nbytes == bucket_bytes(SlotIndex.buckets_for(5000))
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -665,3 +698,72 @@ def test_a_closed_store_never_writes_to_a_reused_descriptor(tmp_path):
         assert os.fstat(other).st_size == 0
     finally:
         os.close(other)
+
+
+@pytest.mark.parametrize("held", [True, False])
+def test_a_prefetch_never_brings_back_a_row_older_than_memory(tmp_path, held):
+    """The prefetch's find and reads run on the background thread (RecordWriter.stage), while
+    the foreground goes on with verbs that need no disk row (a fault-in waits for the job).
+    Rows that change and go back to disk meanwhile come back as they are in memory, never as a
+    record the prefetch staged before. `held`: the background thread is kept busy, so the
+    job's find runs after the rows went back to disk (it finds them at their new slots and
+    reads their current records: all 30 taken); otherwise the job ran first, and the records
+    it staged for the 10 rows erased and made anew (new slots) are stale: reread, 20 taken."""
+    import threading
+    from cncore import tiered
+    config = cncore.StoreConfig(dim=DIM, optimizer=cncore.SGD(lr=0.5), storage=cncore.Tiered(
+        str(tmp_path / "t"), cache_bytes=80 * (DIM * 4 + 47)))
+    store = cncore.EmbeddingStore(config)
+    memory = cncore.EmbeddingStore(dataclasses.replace(config, storage=None))
+    both = (store, memory)
+
+    def train(keys, grad=1.0):
+        for s in both:
+            _, ctx = s.pooled_lookup(np.asarray(keys, np.int64), lengths=np.ones(len(keys), np.int64))
+            s.apply_gradients(ctx, np.full((len(keys), DIM), grad, np.float32))
+
+    wanted = np.arange(0, 30)
+    for start in range(0, 400, 40):  # 400 rows, most on disk
+        train(np.arange(start, start + 40))
+    if held:
+        train(wanted[:10], grad=-3.0)  # in memory when the prefetch is handed in
+    assert (store._disk.find(wanted[10:]) >= 0).all()
+    gate = threading.Event()
+    if held:
+        tiered._prefetcher().submit(gate.wait)  # the prefetch's job queues behind this
+    store.prefetch(wanted)
+    if not held:
+        store._wait_prefetch()
+        assert len(store._staged[1]) == 30  # all 30 staged
+        for s in both:
+            s.erase(wanted[:10])
+        train(wanted[:10], grad=-3.0)  # made anew, in memory
+    for start in (1000, 1040):  # new keys: wanted[:10] go back to disk, to new slots
+        train(np.arange(start, start + 40))
+    assert (store._disk.find(wanted) >= 0).all()
+    gate.set()
+    before = store.stats.get("prefetched", 0)
+    np.testing.assert_array_equal(store.lookup(wanted), memory.lookup(wanted))
+    assert store.stats.get("prefetched", 0) - before == (30 if held else 20)
+    assert_same_rows(store, memory)
+
+
+@pytest.mark.parametrize("rec", [8, 152, 280, 4000, 4096, 4104, 9000])
+def test_record_offsets_is_the_one_formula_and_never_straddles_a_page(rec):
+    """tiered.record_offsets (the reads) is cn_tier_offset (the writer's spills) itself; here it
+    is checked against the layout written out by hand: page = slot // per_page, the record at
+    (slot % per_page) * rec within it, or whole pages for records of a page or more."""
+    from cncore.tiered import record_offsets
+    rec_bytes = rec if rec < 4096 else -(-rec // 4096) * 4096
+    per_page = max(1, 4096 // rec_bytes)
+    slots = np.concatenate([np.arange(40), np.random.default_rng(rec).integers(0, 2**40 // rec_bytes, 200)])
+    want = [s * rec_bytes if rec_bytes >= 4096 else (s // per_page) * 4096 + (s % per_page) * rec_bytes
+            for s in slots.tolist()]
+    got = record_offsets(slots, rec_bytes, per_page)
+    assert got.dtype == np.int64 and got.tolist() == want
+    if rec_bytes < 4096:  # each record's first and last byte on one page
+        assert ((got // 4096) == ((got + rec_bytes - 1) // 4096)).all()
+    else:
+        assert (got % 4096 == 0).all()
+    with pytest.raises(ValueError, match="per_page"):
+        record_offsets(slots, rec_bytes, per_page + 1)

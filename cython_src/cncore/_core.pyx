@@ -92,10 +92,36 @@ def block_io(int fd, const int64_t[::1] offsets, uint8_t[:, ::1] buf, bint write
         raise OSError(err, f"{'writing' if write else 'reading'} records: {os.strerror(err)}")
 
 
+def record_offsets(slots, int64_t rec, int64_t per_page):
+    """File offsets (int64 array) of the SSD tier's records at `slots`: records of `rec` bytes,
+    `per_page` to a 4 KiB page, never straddling one (a record of a page or more: whole pages
+    each). cn_tier_offset (cn_tier.h) is the one formula: the writer's spills use it in C, and
+    the tier's reads (cncore.tiered.record_offsets) through this.
+
+    >>> record_offsets([0, 13, 14, 15], 280, 14).tolist()   # 14 records of 280 bytes a page
+    [0, 3640, 4096, 4376]
+    """
+    cdef const int64_t[::1] s = np.ascontiguousarray(slots, dtype=np.int64).reshape(-1)
+    cdef int64_t n = s.shape[0], i
+    cdef cn_tier_layout L
+    if rec < 1 or per_page < 1 or (rec < CN_TIER_PAGE and per_page != CN_TIER_PAGE // rec) \
+            or (rec >= CN_TIER_PAGE and per_page != 1):
+        raise ValueError(f"rec, per_page: a layout has per_page = 4096 // rec records a page (or 1 for records of "
+                         f"a page or more), got rec={rec}, per_page={per_page}")
+    L.rec, L.per_page = rec, per_page
+    out = np.empty(n, dtype=np.int64)
+    cdef int64_t[::1] o = out
+    with nogil:
+        for i in range(n):
+            o[i] = cn_tier_offset(&L, s[i])
+    return out
+
+
 cdef class SlotIndex:
     """A map int64 key -> int64 slot (cn_slotindex.h): the SSD tier's index of the rows on disk.
-    Every int64 is a valid key; slots are >= 0. Batch verbs only; each runs with the GIL held
-    (short batches), so the tier's prefetch thread and its training thread never race in here.
+    Every int64 is a valid key; slots are >= 0. Batch verbs only; each holds the index's mutex,
+    which the tier's prefetch job (RecordWriter.stage, run without the GIL on the prefetch
+    thread) holds too, so the two threads never race in here.
 
     >>> import numpy as np
     >>> ix = SlotIndex()
@@ -107,15 +133,18 @@ cdef class SlotIndex:
     """
     cdef cn_index ix
     cdef int64_t _nbytes
+    cdef pthread_mutex_t mu
 
     def __cinit__(self):
         self._nbytes = 0
+        pthread_mutex_init(&self.mu, NULL)
         if cn_index_init(&self.ix, 16, &self._nbytes) != 0:
             raise MemoryError("SlotIndex: no memory for 16 buckets")
 
     def __dealloc__(self):
         if self.ix.n_buckets:
             cn_index_free(&self.ix, &self._nbytes)
+        pthread_mutex_destroy(&self.mu)
 
     def __len__(self):
         return self.ix.size
@@ -131,16 +160,36 @@ cdef class SlotIndex:
         out = np.empty(n, dtype=np.int64)
         cdef int64_t[::1] o = out
         if n:
-            cn_index_find_batch(&self.ix, &keys[0], n, &o[0], 1)
+            with nogil:
+                pthread_mutex_lock(&self.mu)
+                cn_index_find_batch(&self.ix, &keys[0], n, &o[0], 1)
+                pthread_mutex_unlock(&self.mu)
         return out
 
+    @staticmethod
+    def buckets_for(int64_t n_keys):
+        """Buckets (16 bytes each) that hold n_keys at the index's maximum load (0.7): what
+        reserve(n_keys) of an empty index allocates (at least 16).
+
+        >>> SlotIndex.buckets_for(700), SlotIndex.buckets_for(1)   # 700 / 0.7 rounds up in floating point
+        (1001, 16)
+        """
+        return cn_slotindex_buckets_for(n_keys)
+
     def reserve(self, int64_t extra):
-        """Grow now so that `extra` more keys go in without a rehash (a rehash holds the old and
-        the new buckets at once: 48 MiB for a moment at 1M keys). Raises MemoryError with the
-        index unchanged if it cannot grow."""
+        """Grow now, to exactly the buckets they need, so that `extra` more keys go in without a
+        rehash (a rehash holds the old and the new buckets at once: 48 MiB for a moment at 1M
+        keys). Growth by put() beyond that follows cn_index.h's rule (x1.25 at least). Raises
+        MemoryError with the index unchanged if it cannot grow."""
         if extra < 0:
             raise ValueError(f"extra: must be >= 0, got {extra}")
-        if extra and cn_slotindex_reserve(&self.ix, extra, &self._nbytes) != 0:
+        cdef int rc = 0
+        if extra:
+            with nogil:
+                pthread_mutex_lock(&self.mu)
+                rc = cn_slotindex_reserve(&self.ix, extra, 1, &self._nbytes)
+                pthread_mutex_unlock(&self.mu)
+        if rc != 0:
             raise MemoryError(f"SlotIndex: no memory to grow past {self.ix.size + extra} keys; the index is unchanged")
 
     def put(self, const int64_t[::1] keys, const int64_t[::1] slots):
@@ -151,9 +200,15 @@ cdef class SlotIndex:
             raise ValueError(f"slots: expected {n}, got {slots.shape[0]}")
         if n == 0:
             return
-        if cn_slotindex_reserve(&self.ix, n, &self._nbytes) != 0:
+        cdef int rc
+        with nogil:
+            pthread_mutex_lock(&self.mu)
+            rc = cn_slotindex_reserve(&self.ix, n, 0, &self._nbytes)
+            if rc == 0:
+                cn_slotindex_put(&self.ix, &keys[0], &slots[0], n)
+            pthread_mutex_unlock(&self.mu)
+        if rc != 0:
             raise MemoryError(f"SlotIndex: no memory to grow past {self.ix.size + n} keys; the index is unchanged")
-        cn_slotindex_put(&self.ix, &keys[0], &slots[0], n)
 
     def erase(self, const int64_t[::1] keys):
         """Remove keys; returns the slot each had (-1: absent, or a repeat of an earlier key)."""
@@ -161,12 +216,20 @@ cdef class SlotIndex:
         out = np.empty(n, dtype=np.int64)
         cdef int64_t[::1] o = out
         if n:
-            cn_slotindex_erase(&self.ix, &keys[0], n, &o[0])
+            with nogil:
+                pthread_mutex_lock(&self.mu)
+                cn_slotindex_erase(&self.ix, &keys[0], n, &o[0])
+                pthread_mutex_unlock(&self.mu)
         return out
 
     def clear(self):
-        cn_index_free(&self.ix, &self._nbytes)
-        if cn_index_init(&self.ix, 16, &self._nbytes) != 0:
+        cdef int rc
+        with nogil:
+            pthread_mutex_lock(&self.mu)
+            cn_index_free(&self.ix, &self._nbytes)
+            rc = cn_index_init(&self.ix, 16, &self._nbytes)
+            pthread_mutex_unlock(&self.mu)
+        if rc != 0:
             raise MemoryError("SlotIndex: no memory for 16 buckets")
 
     def items(self, int64_t batch_size=65536):
@@ -182,7 +245,10 @@ cdef class SlotIndex:
             if len(keys) == 0:
                 return
             k, s = keys, slots
-            got = cn_slotindex_items(&self.ix, &pos, len(keys), &k[0], &s[0])
+            with nogil:
+                pthread_mutex_lock(&self.mu)
+                got = cn_slotindex_items(&self.ix, &pos, k.shape[0], &k[0], &s[0])
+                pthread_mutex_unlock(&self.mu)
             if got:
                 yield keys[:got], slots[:got]
 
@@ -277,9 +343,14 @@ cdef class RecordWriter:
         if err:
             import os
             raise OSError(err, f"writing evicted records: {os.strerror(err)}")
-        if cn_slotindex_reserve(&self.disk.ix, n, &self.disk._nbytes) != 0:
+        with nogil:
+            pthread_mutex_lock(&self.disk.mu)
+            err = cn_slotindex_reserve(&self.disk.ix, n, 0, &self.disk._nbytes)
+            if err == 0:
+                cn_slotindex_put(&self.disk.ix, ev.keys, &slots[0], n)
+            pthread_mutex_unlock(&self.disk.mu)
+        if err != 0:
             raise MemoryError(f"SlotIndex: no memory to grow past {self.disk.ix.size + n} keys")
-        cn_slotindex_put(&self.disk.ix, ev.keys, &slots[0], n)
 
     def write(self, const int64_t[::1] slots, const int64_t[::1] keys, const uint32_t[::1] counts,
               const uint32_t[::1] last_steps, const weight_t[:, ::1] rows, state):
@@ -304,6 +375,25 @@ cdef class RecordWriter:
         if err:
             import os
             raise OSError(err, f"writing records: {os.strerror(err)}")
+
+    def stage(self, const int64_t[::1] keys, int64_t cap, uint8_t[:, ::1] buf, int threads):
+        """The prefetch job (cn_tier_stage), without the GIL: of `keys`, those on disk (distinct,
+        sorted, the first `cap`) and their records read into buf (at least min(len(keys), cap)
+        records). Returns (keys, slots) of the records read, buf's first rows. Raises OSError."""
+        cdef int64_t n = keys.shape[0], room = min(n, max(cap, 0)), m = 0
+        if buf.shape[0] < room or (room and buf.shape[1] != self.L.rec):
+            raise ValueError(f"buf: expected at least ({room}, {self.L.rec})")
+        out_keys = np.empty(room, dtype=np.int64)
+        out_slots = np.empty(room, dtype=np.int64)
+        cdef int64_t[::1] ok = out_keys, os_ = out_slots
+        if room:
+            with nogil:
+                m = cn_tier_stage(&self.L, self.fd, threads, &self.disk.ix, &self.disk.mu, &keys[0], n, room,
+                                  &ok[0], &os_[0], &buf[0, 0])
+        if m < 0:
+            import os
+            raise OSError(-m, f"reading prefetched records: {os.strerror(-m)}")
+        return out_keys[:m], out_slots[:m]
 
     def check_keys(self, const uint8_t[:, ::1] buf, const int64_t[::1] keys):
         """Index of the first record in buf whose key is not keys[i], or -1."""

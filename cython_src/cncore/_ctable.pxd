@@ -38,7 +38,8 @@ cdef extern from "cn_index.h" nogil:
     void cn_index_find_batch(const cn_index *ix, const int64_t *keys, int64_t n, int64_t *slots, int nthreads)
 
 cdef extern from "cn_slotindex.h" nogil:
-    int cn_slotindex_reserve(cn_index *ix, int64_t extra, int64_t *nbytes)
+    int cn_slotindex_reserve(cn_index *ix, int64_t extra, int exact, int64_t *nbytes)
+    int64_t cn_slotindex_buckets_for(int64_t n)
     void cn_slotindex_put(cn_index *ix, const int64_t *keys, const int64_t *slots, int64_t n)
     void cn_slotindex_erase(cn_index *ix, const int64_t *keys, int64_t n, int64_t *slots)
     int64_t cn_slotindex_items(const cn_index *ix, int64_t *pos, int64_t max, int64_t *keys, int64_t *slots)
@@ -141,6 +142,12 @@ cdef extern from "cn_table.h" nogil:
     int64_t cn_check_offsets(const offset_t *offsets, int64_t n_bags, int64_t n_keys)
 
 cdef extern from "<pthread.h>" nogil:
+    ctypedef struct pthread_mutex_t:
+        pass
+    int pthread_mutex_init(pthread_mutex_t *mu, const void *attr)
+    int pthread_mutex_destroy(pthread_mutex_t *mu)
+    int pthread_mutex_lock(pthread_mutex_t *mu)
+    int pthread_mutex_unlock(pthread_mutex_t *mu)
     int pthread_rwlock_rdlock(pthread_rwlock_t *lock)
     int pthread_rwlock_wrlock(pthread_rwlock_t *lock)
     int pthread_rwlock_unlock(pthread_rwlock_t *lock)
@@ -149,6 +156,7 @@ cdef extern from "cn_blockio.h" nogil:
     int cn_blockio(int fd, const int64_t *offsets, int64_t n, int64_t rec, uint8_t *buf, int write, int threads)
 
 cdef extern from "cn_tier.h" nogil:
+    enum: CN_TIER_PAGE
     ctypedef struct cn_tier_layout:
         int64_t rec
         int64_t per_page
@@ -166,3 +174,6 @@ cdef extern from "cn_tier.h" nogil:
     int64_t cn_tier_check_keys(const cn_tier_layout *L, const uint8_t *buf, const int64_t *keys, int64_t n)
     int cn_tier_load(cn_table *t, const cn_tier_layout *L, const uint8_t *buf, const int64_t *keys, int64_t n,
                      const int64_t *pin, int64_t n_pin, int want_rows, cn_evicted *ev, int64_t *slots)
+    int64_t cn_tier_stage(const cn_tier_layout *L, int fd, int threads, const cn_index *disk, pthread_mutex_t *mu,
+                          const int64_t *keys, int64_t n, int64_t cap, int64_t *keys_out, int64_t *slots_out,
+                          uint8_t *buf)

@@ -19,17 +19,29 @@
 
 #define CN_SLOTINDEX_MAX_LOAD 0.7
 
-/* Grow so that `extra` more keys keep the load at or under the maximum. 0, or -1 (no memory:
- * the index is unchanged). */
-static inline int cn_slotindex_reserve(cn_index *ix, int64_t extra, int64_t *nbytes) {
-    /* Still sized to powers of two (cn_index.h takes any count): the tier reserves its disk index
-     * for capacity - cache_rows keys (cncore/tiered.py), which a cache evicted down to its low
-     * water exceeds, and the power of two's slack is what keeps that from rehashing. */
+/* Grow so that `extra` more keys keep the load at or under the maximum: to exactly the buckets
+ * they need when `exact` (a reservation: the tier reserves, from StoreConfig.capacity, the most
+ * keys its disk can ever hold, cncore/tiered.py), else by cn_index.h's growth rule (at least
+ * CN_INDEX_GROWTH times the present buckets, so that growing key by key rehashes a bounded
+ * number of times). 0, or -1 (no memory: the index is unchanged).
+ * Until this, every size was rounded up to a power of two, because the tier reserved
+ * capacity - cache_rows keys, which a cache evicted down to its low-water mark exceeds (by the
+ * headroom and a round of loads), and the power of two's slack kept that from rehashing: up to
+ * 2x the buckets needed. asv_bench/scripts/tiered_bench.py --capacity-hint (a 32 MiB cache):
+ * the 10x table's disk index took 32 MiB for its at most 0.99M disk keys, exactly 21.6 MiB now;
+ * the 3x table's 8 MiB, now 4.9. */
+static inline int cn_slotindex_reserve(cn_index *ix, int64_t extra, int exact, int64_t *nbytes) {
     const int64_t need = cn_index_buckets_for(ix->size + extra, CN_SLOTINDEX_MAX_LOAD);
     if (need < 0) return -1;
     if (need <= ix->n_buckets) return 0;
-    const int64_t n_buckets = cn_pow2_at_least(need);
-    return n_buckets > CN_INDEX_MAX_BUCKETS ? -1 : cn_index_rehash(ix, n_buckets, nbytes);
+    const int64_t n_buckets = exact ? need : cn_index_growth_buckets(ix, ix->size + extra, CN_SLOTINDEX_MAX_LOAD, 0);
+    return n_buckets < 0 ? -1 : cn_index_rehash(ix, n_buckets, nbytes);
+}
+
+/* Buckets (16 bytes each) an index reserved for n keys holds: what SlotIndex.reserve(n) of an
+ * empty index gives (a test pins the tier's disk index to it). */
+static inline int64_t cn_slotindex_buckets_for(int64_t n) {
+    return cn_index_buckets_for(n, CN_SLOTINDEX_MAX_LOAD);
 }
 
 /* keys[i] -> slots[i], inserted or reassigned (the caller reserved room); in order, so a key
