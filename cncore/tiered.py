@@ -120,7 +120,28 @@ def _prefetcher():
     if _PREFETCHER is None:
         import concurrent.futures
         _PREFETCHER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="cncore-tier-prefetch")
+        global _DRAIN_REGISTERED
+        if not _DRAIN_REGISTERED:
+            # Registered after concurrent.futures' own before-fork hook (it takes the lock that
+            # submit() takes), so ours runs first: "before" hooks run in reverse order.
+            os.register_at_fork(before=_drain_prefetcher)
+            _DRAIN_REGISTERED = True
     return _PREFETCHER
+
+
+_DRAIN_REGISTERED = False
+
+
+def _drain_prefetcher() -> None:
+    """Before a fork: let the prefetch thread finish what it was given. Its job holds a disk
+    index's mutex in C (SlotIndex) for up to a few ms; a child forked meanwhile would inherit the
+    mutex locked by a thread it does not have, and deadlock on its first use of that store.
+    (One worker, first in first out: a no-op job's end means every earlier job's.)"""
+    if _PREFETCHER is not None and not threading.current_thread().name.startswith("cncore-tier-prefetch"):
+        try:
+            _PREFETCHER.submit(int).result()
+        except RuntimeError:  # the executor was shut down (interpreter exit): no job runs
+            pass
 
 
 def _forget_prefetcher() -> None:  # a forked child has no copy of the parent's thread

@@ -700,6 +700,43 @@ def test_a_closed_store_never_writes_to_a_reused_descriptor(tmp_path):
         os.close(other)
 
 
+_FORK_DURING_PREFETCH = """
+import os, sys, time, threading
+import numpy as np
+import cncore, cncore.tiered as tiered
+store = cncore.EmbeddingStore(cncore.StoreConfig(dim=4, seed=1, storage=cncore.Tiered(sys.argv[1], cache_bytes=64 * 60)))
+for start in range(0, 2000, 40):  # most of them on disk
+    store.find_or_insert(np.arange(start, start + 40))
+expected = np.concatenate([store.lookup(np.arange(s, s + 40)) for s in range(0, 2000, 40)])
+done = threading.Event()
+tiered._prefetcher().submit(lambda: (time.sleep(0.3), done.set()))  # a job still running at the fork
+store.prefetch(np.arange(40))  # queued behind it: its disk-index lookup holds the index's mutex
+pid = os.fork()
+if pid == 0:  # the child: every job given before the fork has ended, and the store works
+    rows = np.concatenate([store.lookup(np.arange(s, s + 40)) for s in range(0, 2000, 40)])
+    ok = done.is_set() and np.array_equal(rows, expected)
+    os._exit(0 if ok else 1)
+deadline = time.monotonic() + 60
+while time.monotonic() < deadline:
+    got, status = os.waitpid(pid, os.WNOHANG)
+    if got:
+        sys.exit(os.waitstatus_to_exitcode(status))
+    time.sleep(0.05)
+os.kill(pid, 9)
+sys.exit(3)
+"""
+
+
+def test_a_fork_waits_for_the_prefetch_thread_so_the_child_can_use_the_store(tmp_path):
+    """The prefetch thread's job holds a disk index's mutex in C; a child forked meanwhile would
+    inherit it locked and hang on the store. A fork first lets the thread finish its jobs: the
+    child sees the job given before the fork done, and looks rows up from disk. (In a
+    subprocess, bounded in time: 3 = the child hung.)"""
+    run = subprocess.run([sys.executable, "-c", _FORK_DURING_PREFETCH, str(tmp_path / "t")], capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+
+
 @pytest.mark.parametrize("held", [True, False])
 def test_a_prefetch_never_brings_back_a_row_older_than_memory(tmp_path, held):
     """The prefetch's find and reads run on the background thread (RecordWriter.stage), while
