@@ -214,17 +214,19 @@ def lookup_arrays(stores, keys, offsets, weights, modes, outs, insert_missing: b
     when each has its own output). The core still checks the offsets and sizes; the arrays
     are not copied (the caller keeps them unchanged until the backward). Returns the contexts
     (None with `contexts=False`: no backward will follow)."""
-    keys = [np.ascontiguousarray(k, dtype=np.int64) for k in keys]
-    offsets = [np.ascontiguousarray(o, dtype=np.int64) for o in offsets]
-    weights = [None if w is None else np.ascontiguousarray(w, dtype=np.float32) for w in weights]
+    if len(stores) > 1:  # (one store: lookup_checked hands its arrays to forward_one, which converts them)
+        keys = [np.ascontiguousarray(k, dtype=np.int64) for k in keys]
+        offsets = [np.ascontiguousarray(o, dtype=np.int64) for o in offsets]
+        weights = [None if w is None else np.ascontiguousarray(w, dtype=np.float32) for w in weights]
     return lookup_checked(stores, keys, offsets, weights, modes, outs, bool(insert_missing), starts, contexts)
 
 
 def lookup_checked(stores, keys, offsets, weights, modes, outs, insert_missing: bool, starts, contexts: bool = True):
     """lookup_arrays on arrays that are already C-contiguous int64 keys and offsets and float32
-    weights (feature_arrays' copies: converting them again cost a NumPy call each)."""
+    weights (feature_arrays' copies: converting them again cost a NumPy call each); one store's
+    go to forward_one, which converts them (a no-op for those)."""
     if len(stores) == 1:
-        ctx = lookup_one(stores[0], keys[0], offsets[0], weights[0], modes[0], outs[0], bool(insert_missing),
+        ctx = lookup_one(stores[0], keys[0], offsets[0], weights[0], modes[0], outs[0], insert_missing,
                          None if starts is None else slice(starts[0], starts[1]), context=contexts)
         return [ctx] if contexts else None
     with tiers_faulted_in(stores, keys, insert_missing):
