@@ -142,8 +142,9 @@ def test_compare_reference_quick_prints_every_cell(tmp_path):
 
 
 def test_module_overhead_prints_both_ratios(tmp_path):
-    """asv_bench/scripts/module_overhead.py on a small batch: the two rows (forward, training
-    step), each with positive times and a ratio."""
+    """asv_bench/scripts/module_overhead.py on a small batch: the three rows (forward, training
+    step, the step against the core's step plus an empty autograd.Function), each with positive times and a
+    ratio, and autograd's own share."""
     script = BENCH_DIR / "scripts" / "module_overhead.py"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "frontends"),
                                                        os.environ.get("PYTHONPATH", "")]))
@@ -152,7 +153,8 @@ def test_module_overhead_prints_both_ratios(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     assert "load average" in res.stdout
     rows = [ln for ln in res.stdout.splitlines() if ln.startswith("| forward") or ln.startswith("| training")]
-    assert len(rows) == 2, res.stdout
+    assert len(rows) == 3 and "empty autograd.Function" in rows[2], res.stdout
+    assert re.search(r"autograd's own cost, .*: \d+\.\d\dx the core's step;", res.stdout), res.stdout
     for row in rows:
         m = re.fullmatch(r"\| [^|]+ \| (\d+) \| (\d+) \| \*\*(\d+\.\d\d)x\*\* \|", row)
         assert m and int(m[1]) > 0 and int(m[2]) > 0 and float(m[3]) > 0, row

@@ -70,7 +70,7 @@ class Tables:
     """The same rows (uniform in +-0.05, drawn in chunks) in every contender: ours at each dtype
     under table_keys(rows), the references at positions 0..rows-1."""
 
-    def __init__(self, rows: int, dim: int, names, seed: int = 0):
+    def __init__(self, rows: int, dim: int, names, seed: int = 0, max_load_factor: float = 0.7):
         import torch
 
         import cncore
@@ -78,7 +78,8 @@ class Tables:
 
         self.rows, self.dim, self.names = rows, dim, list(names)
         self.keys = table_keys(rows)
-        self.stores = {n: cncore.EmbeddingStore(cncore.StoreConfig(dim=dim, dtype=OURS[n], capacity=rows))
+        self.stores = {n: cncore.EmbeddingStore(cncore.StoreConfig(dim=dim, dtype=OURS[n], capacity=rows,
+                                                                max_load_factor=max_load_factor))
                        for n in self.names if n in OURS}
         self.eb = torch.nn.EmbeddingBag(rows, dim, mode="sum", include_last_offset=True) \
             if "EB fp32" in self.names else None
@@ -189,6 +190,8 @@ def main(argv=None) -> int:
                    help="threads for torch and the core (default: each library's own default)")
     p.add_argument("--background-load", action="store_true",
                    help="measure beside one busy process per core (the threading defaults on a shared machine)")
+    p.add_argument("--max-load-factor", type=float, default=0.7,
+                   help="our tables' index load (StoreConfig.max_load_factor; default the store's 0.7)")
     p.add_argument("--quick", action="store_true", help="small shapes and few rounds: a smoke run")
     args = p.parse_args(argv)
     if args.quick:
@@ -209,7 +212,7 @@ def main(argv=None) -> int:
     print(f"# Pooled forward, tables beyond the cache: {machine.describe()}")
     print(f"# threads: torch {torch.get_num_threads()}, cncore {cncore.get_num_threads()}"
           f"{' (defaults)' if args.threads is None else ''}, {machine.openmp_wait()}; batch {args.batch}; {args.rounds} rounds; "
-          f"flush {flush.buf.nbytes >> 20} MiB before every call"
+          f"flush {flush.buf.nbytes >> 20} MiB before every call; our index load {args.max_load_factor}"
           f"{'; background load: one busy process per core' if args.background_load else ''}")
     lines = []
     for rows in args.rows:
@@ -218,7 +221,7 @@ def main(argv=None) -> int:
             budget = machine.available_memory() // 2
             if memory_needed(rows_here, dim, names) > budget:
                 rows_here = int(rows_here * budget / memory_needed(rows_here, dim, names)) // 1000 * 1000
-            tables = Tables(rows_here, dim, names)
+            tables = Tables(rows_here, dim, names, max_load_factor=args.max_load_factor)
             fp32_bytes = rows_here * dim * 4
             load = machine.background_load() if args.background_load else contextlib.nullcontext()
             with load:

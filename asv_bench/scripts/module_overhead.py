@@ -9,7 +9,11 @@ that). Each number is the 10th percentile of `--calls` timed calls, the module's
 interleaved in an order that reverses every call (the first call to touch the rows after the
 other kind pays their cache misses: a fixed order put up to 0.7 ms on one side at pooling 20):
 on a machine where other processes take the cores, medians move by 2x between runs and a low
-percentile does not. Prints the two ratios (module time / core time).
+percentile does not. Prints the two ratios (module time / core time), and the module's step
+against the core's step followed by an empty `torch.autograd.Function`'s forward and backward
+(the least any module that trains through autograd pays: `Function.apply`,
+`torch.autograd.backward`'s Python and the engine), which splits the step's ratio into torch's
+share and our layer's.
 """
 from __future__ import annotations
 
@@ -64,6 +68,25 @@ def main(argv=None) -> int:
         _, ctx = store.pooled_lookup(keys, lengths=lengths)
         store.apply_gradients(ctx, grad_np)
 
+    class Empty(torch.autograd.Function):
+        """A node that does nothing, its output the shape of the module's: what autograd costs
+        any module per step (Function.apply, torch.autograd.backward's Python, the engine), run
+        right after the core's step so that it meets the caches as a real step leaves them."""
+
+        @staticmethod
+        def forward(ctx, anchor):
+            return torch.from_numpy(np.empty((args.batch, args.dim), np.float32))
+
+        @staticmethod
+        def backward(ctx, g):
+            return None
+
+    anchor = torch.nn.Parameter(torch.empty(0))
+
+    def floor_step():  # the core's step plus autograd's own cost: no autograd module can be faster
+        core_step()
+        Empty.apply(anchor).backward(grad)
+
     # Each comparison is its own pair, core and module interleaved in an order that reverses
     # every call (A B B A A B ...): each side follows itself and the other alike, so neither
     # finds the rows or its own Python warmer. (All four kinds in one reversing order let the
@@ -72,7 +95,8 @@ def main(argv=None) -> int:
     # per phase (the core takes it per call, insert_missing); bag.train() before every timed
     # step added 8 us, a cost of the harness, not of the layer.
     pairs = {"eval": (bag.eval, ("core eval", core_eval), ("module eval", module_eval)),
-             "step": (bag.train, ("core step", core_step), ("module step", module_step))}
+             "step": (bag.train, ("core step", core_step), ("module step", module_step)),
+             "floor": (bag.train, ("floor step", floor_step), ("module step 2", module_step))}
     times = {}
     bag.train()
     module_step()  # every row the calls read is in the table before anything is timed (warm rows)
@@ -98,6 +122,11 @@ def main(argv=None) -> int:
         m, c = us[f"module {kind}"], us[f"core {kind}"]
         print(f"| {'forward (no_grad)' if kind == 'eval' else 'training step (forward + fused backward)'} | "
               f"{m:.0f} | {c:.0f} | **{m / c:.2f}x** |")
+    m, c = us["module step 2"], us["floor step"]
+    print(f"| training step, against the core's step + an empty autograd.Function | {m:.0f} | {c:.0f} | "
+          f"**{m / c:.2f}x** |")
+    print(f"\n(autograd's own cost, an empty Function's forward and backward after the core's step: "
+          f"{us['floor step'] / us['core step']:.2f}x the core's step; the last row is our layer's own cost)")
     return 0
 
 
