@@ -378,7 +378,25 @@ def test_prefill_gives_every_table_each_reachable_item_in_memory_and_on_the_tier
     assert tier["auc"] == memory["auc"] and tier["logloss"] == memory["logloss"]
 
 
+def test_zipf_alpha_sets_the_streams_skew(tmp_path):
+    """--zipf-alpha is the exponent of the synthetic stream's item ranks: the run's tables end
+    with exactly the distinct IDs of SyntheticCriteo(zipf_alpha=...)'s training batches, more at
+    1.05 (a longer tail) than at the default 1.2."""
+    def distinct_ids(alpha, steps):
+        gen = SyntheticCriteo(seed=0, batch_size=256, zipf_alpha=alpha)
+        return len(np.unique(np.concatenate([gen.batch(i).sparse.values().numpy() for i in range(steps)])))
+
+    args = ["--steps", "4", "--eval-every", "4", "--eval-batches", "1"]
+    flat = run(tmp_path, *args, "--zipf-alpha", "1.05")["runs"][0]
+    default = run(tmp_path, *args)["runs"][0]
+    assert flat["rows"] == distinct_ids(1.05, 4)
+    assert default["rows"] == distinct_ids(1.2, 4) < flat["rows"]
+
+
 @pytest.mark.parametrize("argv, expected", [
+    (["--zipf-alpha", "1"], "argument --zipf-alpha: must be a number above 1 (a Zipf exponent), got 1"),
+    (["--zipf-alpha", "inf"], "argument --zipf-alpha: must be a number above 1 (a Zipf exponent), got inf"),
+    (["--zipf-alpha", "steep"], "argument --zipf-alpha: expected a number above 1, got 'steep'"),
     (["--prefill", "--max-rows", "50%"], "--prefill gives every table a row for each item, which --max-rows"),
     (["--prefill", "--nproc", "2"], "--prefill does not run on 2 processes yet"),
     (["--data-scale", "0"], "argument --data-scale: must be a positive number, got 0"),
@@ -393,3 +411,5 @@ def test_data_scale_and_prefill_refuse_a_criteo_file(capsys, tmp_path, monkeypat
     (tmp_path / "day.tsv").write_text("0" + "\t1" * 13 + "\tab" * 26 + "\n")
     assert "--prefill shapes the synthetic stream, not --criteo-tsv day.tsv" in exit_line(
         capsys, "--criteo-tsv", "day.tsv", "--prefill")
+    assert "--zipf-alpha shapes the synthetic stream, not --criteo-tsv day.tsv" in exit_line(
+        capsys, "--criteo-tsv", "day.tsv", "--zipf-alpha", "1.1")

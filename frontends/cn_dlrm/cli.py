@@ -86,6 +86,17 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _zipf_alpha(text: str) -> float:
+    """--zipf-alpha: a Zipf exponent, a finite number above 1 (NumPy's Zipf sampler needs it)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number above 1, got {text!r}") from None
+    if not 1 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number above 1 (a Zipf exponent), got {text}")
+    return value
+
+
 def _row_budget(text: str) -> str:
     """--max-rows: 'N' (rows per table, N >= 1) or 'P%' (0 < P <= 100); returned in canonical form."""
     t = text.strip()
@@ -214,6 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
     synthetic.add_argument("--data-scale", metavar="S", type=_positive_float, default=None,
                            help="each table's items as this fraction of Criteo Kaggle's cardinalities (default "
                                 "0.01; 1.0: 33.8M items, before drift)")
+    synthetic.add_argument("--zipf-alpha", metavar="A", type=_zipf_alpha, default=None,
+                           help="how skewed the items' popularity is: the Zipf exponent of each feature's item "
+                                "ranks (above 1; default 1.2; 1.05: a longer tail, more distinct IDs a batch)")
     synthetic.add_argument("--prefill", action="store_true",
                            help="before training, give every table a row for each item the run can reach (rows "
                                 "from the table's initializer): tables the size of a long-trained model's, e.g. "
@@ -251,14 +265,17 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 
 def _check_synthetic(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """--data-scale and --prefill shape the synthetic stream and its tables."""
+    """--data-scale, --zipf-alpha and --prefill shape the synthetic stream and its tables."""
     if args.criteo_tsv is not None:
-        given = [f for f, v in (("--data-scale", args.data_scale), ("--prefill", args.prefill)) if v]
+        given = [f for f, v in (("--data-scale", args.data_scale), ("--zipf-alpha", args.zipf_alpha),
+                                ("--prefill", args.prefill)) if v]
         if given:
             ap.error(f"{' and '.join(given)} shape{'s' if len(given) == 1 else ''} the synthetic stream, not "
                      f"--criteo-tsv {args.criteo_tsv}")
     if args.data_scale is None:
         args.data_scale = 0.01
+    if args.zipf_alpha is None:
+        args.zipf_alpha = 1.2
     if args.prefill:
         if args.max_rows is not None:
             ap.error("--prefill gives every table a row for each item, which --max-rows would evict at once")

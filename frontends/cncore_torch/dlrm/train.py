@@ -49,7 +49,8 @@ class Data:
 
     def __init__(self, args):
         self.synthetic = None if args.criteo_tsv else SyntheticCriteo(
-            seed=args.seed, batch_size=args.batch_size, scale=getattr(args, "data_scale", None) or 0.01)
+            seed=args.seed, batch_size=args.batch_size, scale=getattr(args, "data_scale", None) or 0.01,
+            zipf_alpha=getattr(args, "zipf_alpha", None) or 1.2)
         self.args = args
         if self.synthetic is not None:
             # evaluate on batches after the training range: the "next day", drift included
