@@ -376,6 +376,12 @@ def test_prefill_gives_every_table_each_reachable_item_in_memory_and_on_the_tier
     tier = run(tmp_path, *args, "--ssd-path", str(tmp_path / "tier"), "--cache-mb", "1")["runs"][0]
     assert tier["rows"] == memory["rows"]
     assert tier["auc"] == memory["auc"] and tier["logloss"] == memory["logloss"]
+    # the report's tier totals: the caches hold a part of the rows, so lookups read some from disk
+    # (no more rows than IDs missed), and prefill's rows went to disk as the caches filled
+    assert 0 < tier["tier_cache_rows"] < tier["rows"]
+    assert 0 < tier["tier_rows_read"] <= tier["tier_misses"] and tier["tier_hits"] > 0
+    assert tier["tier_rows_written"] >= tier["rows"] - tier["tier_cache_rows"]
+    assert "tier_cache_rows" not in memory
 
 
 def test_zipf_alpha_sets_the_streams_skew(tmp_path):

@@ -31,7 +31,7 @@ import cncore
 from cncore.synthetic import N_SPARSE, SyntheticCriteo
 
 __all__ = ["StreamCounts", "stream_counts", "percent_budgets", "policy", "table_budgets", "collection_options",
-           "sweep_expired", "eviction_summary"]
+           "sweep_expired", "eviction_summary", "tier_summary"]
 
 
 @dataclass
@@ -132,6 +132,17 @@ def sweep_expired(stores: Dict[str, cncore.EmbeddingStore]) -> int:
     """TTL tables: evict the rows expired at this step, also below the budget; returns how many."""
     return sum(store.evict_expired() for store in stores.values()
                if isinstance(store.config.eviction, cncore.TTL))
+
+
+def tier_summary(stores: Dict[str, cncore.EmbeddingStore]) -> dict:
+    """The SSD tier's totals over the tables on it (for the job's report): the rows their memory
+    caches hold at most, IDs found in memory (hits) and read from disk (misses) over every
+    lookup of the run (prefill, training, evaluation), rows read and written."""
+    tiered = [store for store in stores.values() if hasattr(store, "cache_rows")]
+    totals = {key: sum(int(store.stats[key]) for store in tiered)
+              for key in ("hits", "misses", "rows_read", "rows_written")}
+    return {"tier_cache_rows": float(sum(store.cache_rows for store in tiered)),
+            **{f"tier_{key}": float(value) for key, value in totals.items()}}
 
 
 def eviction_summary(stores: Dict[str, cncore.EmbeddingStore]) -> dict:

@@ -189,6 +189,8 @@ class Run:
             if any(s.config.eviction is not None or s.config.admission is not None
                    for s in self.tables.stores.values()):
                 summary.update(bounded.eviction_summary(self.tables.stores))
+            if any(hasattr(s, "cache_rows") for s in self.tables.stores.values()):  # tiered tables
+                summary.update(bounded.tier_summary(self.tables.stores))
             return summary
         if self.fixed_rows is not None:  # fixed tables: rows x (dim floats + one row-wise Adagrad float)
             rows = sum(self.fixed_rows)
@@ -524,6 +526,13 @@ def report(results: List[Dict], best: Optional[float], args) -> None:
                 f"{name} {rows:,}" + (f" / {r['max_rows_per_table'][name]:,}" if r['max_rows_per_table'][name] else "")
                 + (f" ({r['evicted_per_table'][name]:,})" if r['evicted_per_table'][name] else "")
                 for name, rows in r["rows_per_table"].items()))
+    for r in results:
+        if "tier_cache_rows" in r:
+            looked_up = r["tier_hits"] + r["tier_misses"]
+            print(f"{r['name']}: SSD tier: memory caches of {r['tier_cache_rows']:,.0f} rows for {r['rows']:,.0f} "
+                  f"(1/{r['rows'] / max(1.0, r['tier_cache_rows']):.1f}); IDs found in memory "
+                  f"{r['tier_hits'] / max(1.0, looked_up):.3f} of {looked_up:,.0f} (every lookup of the run); "
+                  f"rows read {r['tier_rows_read']:,.0f}, written {r['tier_rows_written']:,.0f}")
     if args.summary_json:
         with open(args.summary_json, "w") as fh:
             json.dump({"runs": results, "best_attainable_auc": best, "args": vars(args)}, fh, indent=2)
