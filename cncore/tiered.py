@@ -326,6 +326,7 @@ class TieredStore(EmbeddingStore):
         self._lock = threading.RLock()  # the tiers' state: cache membership, disk index, slots, file
         self._prefetching = None  # the Future of this store's prefetch read
         self._staged = None       # its result: (commit, sorted keys, slots, records)
+        self._stage_job = None    # its shared reads (_core.StageJob)
         self.cache_rows = _cache_rows(config, storage.cache_bytes)
         self._evict_chunk = max(_IO_ROWS, self.cache_rows // 64)
         self._spilled = 0  # rows spilled since the last malloc_trim (faulted_in)
@@ -841,9 +842,12 @@ class TieredStore(EmbeddingStore):
         cap = min(len(keys), max(_IO_ROWS, self._tier_config.storage.cache_bytes // 32 // record.itemsize))
         buf = self._buffer(cap)
         threads = self._io_threads
+        # Shared with this thread: a call that needs the records before they are all read reads
+        # the rest alongside the background thread (StageJob.help, cn_tier_share in cn_tier.h).
+        job = self._stage_job = _core.StageJob()
 
         def read():
-            found_keys, slots = writer.stage(keys, cap, buf.view(np.uint8).reshape(cap, -1), threads)
+            found_keys, slots = writer.stage(keys, cap, buf.view(np.uint8).reshape(cap, -1), threads, job)
             return commit, found_keys, slots, buf[:len(slots)]
 
         self._prefetching = _prefetcher().submit(read)
@@ -852,6 +856,8 @@ class TieredStore(EmbeddingStore):
         """Take the result of this store's prefetch, if one is under way (into self._staged)."""
         job, self._prefetching = self._prefetching, None
         if job is not None:
+            if not job.done():
+                self._stage_job.help()  # read its unclaimed records here rather than wait for them
             try:
                 self._staged = job.result()
             except BaseException as exc:

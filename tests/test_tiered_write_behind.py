@@ -179,3 +179,40 @@ def test_a_fork_with_writes_queued_gives_a_child_a_whole_table(tmp_path):
         _, status = os.waitpid(pid, 0)
         assert status == 0, status
     """)
+
+
+def test_a_prefetch_read_helped_by_the_training_thread_reads_the_same_records(tmp_path):
+    """A prefetch's reads are shared (StageJob, cn_tier_share): the training thread, needing the
+    records early, claims chunks beside the background thread. Run against each other many times
+    (the helper spinning on help() until the job is over), the records and keys equal those of
+    an unshared read, and the lookups after a helped prefetch equal memory's."""
+    run_case(tmp_path, """
+        gate.set()
+        store._wait_writes()
+        keys_on_disk = next(store._disk.items(1 << 20))[0]
+        assert len(keys_on_disk) > 200  # several chunks of 64 records
+        w, rec = store._writer, store.record_bytes
+        plain = np.zeros((len(keys_on_disk), rec), np.uint8)
+        k0, s0 = w.stage(keys_on_disk, len(keys_on_disk), plain, 1)
+        helped_any = 0
+        for trial in range(30):
+            job = _core.StageJob()
+            buf = np.zeros_like(plain)
+            out = {}
+            t = threading.Thread(target=lambda: out.update(r=w.stage(keys_on_disk, len(keys_on_disk), buf, 1, job)))
+            t.start()
+            while job.state != 2:
+                job.help()
+                helped_any += job.state == 1
+            t.join(timeout=30)
+            assert not t.is_alive()
+            k, s = out["r"]
+            np.testing.assert_array_equal(k, k0)
+            np.testing.assert_array_equal(s, s0)
+            np.testing.assert_array_equal(buf[:len(k)], plain[:len(k0)])
+        want = keys_on_disk[:40]
+        store.prefetch(np.concatenate([want, want]))
+        store._stage_job.help()
+        np.testing.assert_array_equal(store.lookup(want), memory.lookup(want))
+        assert store.stats.get("prefetched", 0) > 0
+    """)

@@ -297,6 +297,24 @@ cdef class SpillJob:
             cn_evicted_free(&self.ev)  # the records are in the file (page cache): the rows' memory goes now
 
 
+cdef class StageJob:
+    """The shared state of one prefetch job (cn_tier_share): RecordWriter.stage(..., job) runs it
+    on the background thread; `help()`, from another thread, reads unclaimed chunks of its
+    records meanwhile (one thread, nogil) and returns when none is left to claim (the job may
+    still be finishing a chunk: wait for its result as usual)."""
+    cdef cn_tier_share share
+    cdef object buf
+
+    def help(self):
+        with nogil:
+            cn_tier_share_help(&self.share)
+
+    @property
+    def state(self):
+        """0: finding the keys on disk, 1: reading, 2: over."""
+        return self.share.state
+
+
 cdef class RecordWriter:
     """Moves rows between a tiered store's memory cache and its record file (cn_tier.h): packs
     the rows the cache evicts straight into records and writes them (set it as the cache
@@ -455,20 +473,26 @@ cdef class RecordWriter:
             import os
             raise OSError(err, f"writing records: {os.strerror(err)}")
 
-    def stage(self, const int64_t[::1] keys, int64_t cap, uint8_t[:, ::1] buf, int threads):
+    def stage(self, const int64_t[::1] keys, int64_t cap, uint8_t[:, ::1] buf, int threads, StageJob job=None):
         """The prefetch job (cn_tier_stage), without the GIL: of `keys`, those on disk (distinct,
         sorted, the first `cap`) and their records read into buf (at least min(len(keys), cap)
-        records). Returns (keys, slots) of the records read, buf's first rows. Raises OSError."""
+        records). Returns (keys, slots) of the records read, buf's first rows. Raises OSError.
+        With `job`, another thread may read part of the records meanwhile (job.help())."""
         cdef int64_t n = keys.shape[0], room = min(n, max(cap, 0)), m = 0
+        cdef cn_tier_share *share = &job.share if job is not None else NULL
         if buf.shape[0] < room or (room and buf.shape[1] != self.L.rec):
             raise ValueError(f"buf: expected at least ({room}, {self.L.rec})")
+        if job is not None:
+            job.buf = buf  # the helper writes into it: kept alive by the job too
         out_keys = np.empty(room, dtype=np.int64)
         out_slots = np.empty(room, dtype=np.int64)
         cdef int64_t[::1] ok = out_keys, os_ = out_slots
         if room:
             with nogil:
                 m = cn_tier_stage(&self.L, self.fd, threads, &self.disk.ix, &self.disk.mu, &keys[0], n, room,
-                                  &ok[0], &os_[0], &buf[0, 0])
+                                  &ok[0], &os_[0], &buf[0, 0], share)
+        elif job is not None:
+            job.share.state = 2
         if m < 0:
             import os
             raise OSError(-m, f"reading prefetched records: {os.strerror(-m)}")
