@@ -243,6 +243,36 @@ static int cn_tier_kv_cmp(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
+/* The distinct values of keys[0..n) into out (first seen first); how many, or -1 (no memory).
+ * An open-addressing set of at least 2n entries (8 bytes each and an occupancy byte). Measured
+ * on the prefetch job of the 3x Zipf 1.05 benchmark's steps (16,384 IDs, ~6.2k keys, ~1,460 of
+ * them on disk; RecordWriter.stage on 1 thread, medians of 60 jobs, three alternated pairs with
+ * the find over every ID): 2.34 / 2.02 / 2.56 ms against 2.98 / 2.37 / 2.95. */
+static inline int64_t cn_tier_distinct(const int64_t *keys, int64_t n, int64_t *out) {
+    uint64_t cap = 16;
+    while (cap < (uint64_t)n * 2) cap <<= 1;
+    int64_t *set = (int64_t *)malloc(cap * sizeof(int64_t));
+    uint8_t *used = (uint8_t *)calloc(cap, 1);
+    if (set == NULL || used == NULL) {
+        free(set);
+        free(used);
+        return -1;
+    }
+    int64_t m = 0;
+    for (int64_t i = 0; i < n; i++) {
+        uint64_t h = cn_mix64((uint64_t)keys[i]) & (cap - 1);
+        while (used[h] && set[h] != keys[i]) h = (h + 1) & (cap - 1);
+        if (!used[h]) {
+            used[h] = 1;
+            set[h] = keys[i];
+            out[m++] = keys[i];
+        }
+    }
+    free(set);
+    free(used);
+    return m;
+}
+
 static inline int64_t cn_tier_stage(const cn_tier_layout *L, int fd, int threads, const cn_index *disk,
                                     pthread_mutex_t *mu, const int64_t *keys, int64_t n, int64_t cap,
                                     int64_t *keys_out, int64_t *slots_out, uint8_t *buf, cn_tier_share *share) {
@@ -258,15 +288,27 @@ static inline int64_t cn_tier_stage(const cn_tier_layout *L, int fd, int threads
         if (share) __atomic_store_n(&share->state, 2, __ATOMIC_RELEASE);
         return -ENOMEM;
     }
+    /* The distinct keys first: a step's IDs repeat (16k Zipf 1.05 IDs are ~6.2k keys), and each
+     * find in the disk index (megabytes) is a cache miss, where the set below stays in L2. */
+    int64_t *uniq = (int64_t *)malloc((size_t)n * sizeof(int64_t));
+    const int64_t n_uniq = uniq == NULL ? -1 : cn_tier_distinct(keys, n, uniq);
+    if (n_uniq < 0) {
+        free(uniq);
+        free(at);
+        free(kv);
+        if (share) __atomic_store_n(&share->state, 2, __ATOMIC_RELEASE);
+        return -ENOMEM;
+    }
     pthread_mutex_lock(mu);
-    cn_index_find_batch(disk, keys, n, at, 1);
+    cn_index_find_batch(disk, uniq, n_uniq, at, 1);
     pthread_mutex_unlock(mu);
     int64_t found = 0, m = 0;
-    for (int64_t i = 0; i < n; i++)
+    for (int64_t i = 0; i < n_uniq; i++)
         if (at[i] >= 0) {
-            kv[found].key = keys[i];
+            kv[found].key = uniq[i];
             kv[found++].slot = at[i];
         }
+    free(uniq);
     qsort(kv, (size_t)found, sizeof(cn_tier_kv), cn_tier_kv_cmp);
     for (int64_t i = 0; i < found && m < cap; i++)
         if (m == 0 || kv[i].key != keys_out[m - 1]) {
