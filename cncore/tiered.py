@@ -841,7 +841,15 @@ class TieredStore(EmbeddingStore):
         # a uniform step at 10x prefetched 14.7k records, 4 MiB held beside the cache.
         cap = min(len(keys), max(_IO_ROWS, self._tier_config.storage.cache_bytes // 32 // record.itemsize))
         buf = self._buffer(cap)
-        threads = self._io_threads
+        # The job reads on its own thread (1), not on Tiered.io_threads of the core's pool: its
+        # point is the core the training thread leaves idle, and pool workers it wakes compete
+        # with the training thread for the cores it computes on (and spin 200 us after each
+        # batch). 3x Zipf 1.05 (tiered_bench's step, prefetch on, this 2-core machine, load
+        # 1.0-1.1, three alternated pairs): 3.41-4.39 ms a step on 1 thread against 5.22-6.02 on
+        # 4, the backward 0.90-1.29 against 1.49-1.89 ms (its CPU time 0.90-1.28 either way).
+        # A call needing the records before they are read reads the rest beside it (StageJob).
+        # (On a real SSD more reads in flight would pay: not measured here, page-cache files.)
+        threads = 1
         # Shared with this thread: a call that needs the records before they are all read reads
         # the rest alongside the background thread (StageJob.help, cn_tier_share in cn_tier.h).
         job = self._stage_job = _core.StageJob()
