@@ -540,6 +540,15 @@ class TieredStore(EmbeddingStore):
                 pass
             self._pending[0][1] = None
         if not job.written:
+            # Retried here, through the writer's buffer, which this store's later jobs on the
+            # background thread use too: those end first.
+            for entry in self._pending[1:]:
+                if entry[1] is not None:
+                    try:
+                        entry[1].result()
+                    except BaseException:
+                        pass
+                    entry[1] = None
             job.run()
         if not job.written:
             raise OSError(job.err, f"{self._dir}/rows.dat: writing {len(job)} evicted rows failed "

@@ -277,7 +277,9 @@ cdef class SpillJob:
         return self.ev.n
 
     def run(self, int64_t upto=-1):
-        """Write the records (nogil); sets `written`, or `err` (an errno) and keeps the rows.
+        """Write the records (nogil) through the writer's buffer (no other call of the writer may
+        run meanwhile: the tier writes through it itself only once its queued jobs are over, and
+        one job runs at a time); sets `written`, or `err` (an errno) and keeps the rows.
         `upto` (tests: a crash in the middle of a write) writes only the first `upto` records
         and leaves the job unwritten."""
         cdef int64_t n = self.ev.n if upto < 0 else min(upto, self.ev.n)
@@ -288,7 +290,7 @@ cdef class SpillJob:
             return
         if n:
             with nogil:
-                err = w._write_through(w.bbuf, w.boffs, w.behind_threads, &slots[0], n, self.ev.keys, self.ev.counts,
+                err = w._write_through(w.buf, w.offs, w.behind_threads, &slots[0], n, self.ev.keys, self.ev.counts,
                                        self.ev.last_steps, self.ev.rows,
                                        self.ev.state if w.L.state_floats else NULL)
         self.err = err
@@ -332,8 +334,6 @@ cdef class RecordWriter:
     cdef int64_t io_rows
     cdef uint8_t *buf
     cdef int64_t *offs
-    cdef uint8_t *bbuf     # the background writes' buffer (SpillJob.run): one job runs at a time
-    cdef int64_t *boffs
     cdef SlotIndex disk
     cdef object take_slots
     cdef public object behind  # None: a spill is written before it returns; else behind(job) queues it
@@ -347,16 +347,12 @@ cdef class RecordWriter:
         self.behind, self.behind_threads = None, 1
         self.buf = <uint8_t*> malloc(<size_t> (self.io_rows * self.L.rec))
         self.offs = <int64_t*> malloc(<size_t> self.io_rows * sizeof(int64_t))
-        self.bbuf = <uint8_t*> malloc(<size_t> (self.io_rows * self.L.rec))
-        self.boffs = <int64_t*> malloc(<size_t> self.io_rows * sizeof(int64_t))
-        if self.buf == NULL or self.offs == NULL or self.bbuf == NULL or self.boffs == NULL:
+        if self.buf == NULL or self.offs == NULL:
             raise MemoryError("RecordWriter: no memory for its buffer")
 
     def __dealloc__(self):
         free(self.buf)
         free(self.offs)
-        free(self.bbuf)
-        free(self.boffs)
 
     @property
     def io_rows(self):
@@ -365,22 +361,16 @@ cdef class RecordWriter:
 
     @io_rows.setter
     def io_rows(self, int64_t n):
-        """(The tier's queued writes must have ended: they use the background buffer.)"""
+        """(The tier's queued writes must have ended: they use this buffer.)"""
         cdef uint8_t *buf = <uint8_t*> malloc(<size_t> (max(n, 1) * self.L.rec))
         cdef int64_t *offs = <int64_t*> malloc(<size_t> max(n, 1) * sizeof(int64_t))
-        cdef uint8_t *bbuf = <uint8_t*> malloc(<size_t> (max(n, 1) * self.L.rec))
-        cdef int64_t *boffs = <int64_t*> malloc(<size_t> max(n, 1) * sizeof(int64_t))
-        if buf == NULL or offs == NULL or bbuf == NULL or boffs == NULL:
+        if buf == NULL or offs == NULL:
             free(buf)
             free(offs)
-            free(bbuf)
-            free(boffs)
             raise MemoryError("RecordWriter: no memory for its buffer")
         free(self.buf)
         free(self.offs)
-        free(self.bbuf)
-        free(self.boffs)
-        self.buf, self.offs, self.bbuf, self.boffs, self.io_rows = buf, offs, bbuf, boffs, max(n, 1)
+        self.buf, self.offs, self.io_rows = buf, offs, max(n, 1)
 
     @property
     def fd(self):
