@@ -348,7 +348,10 @@ class Tiered:
     `io_threads`: threads that move a batch's records (each issues blocking preads/pwrites, so
     this many I/Os are in flight), apart from the core's compute threads: a thread waiting on a
     device uses no core. Reading 1,400 records of a step took 2.0 ms on 1 thread, 1.1 on 2 or 4,
-    1.4 on 8 (page cache, 2 cores); a real SSD wants more in flight.
+    1.4 on 8 (page cache, 2 cores); a real SSD wants more in flight. The reads of `prefetch`
+    and the writes of evicted rows run on the tier's background thread alone (plus the training
+    thread reading beside it when it needs the records early): pool workers woken there took
+    the cores the training thread computes on (cncore/tiered.py, TieredStore.prefetch).
 
     >>> Tiered(path="/tmp/users.tier", cache_bytes=2**30).cache_bytes
     1073741824

@@ -40,6 +40,11 @@ cache's bytes of them), in one C call without the GIL, while the current step ru
 SSD TBE pipeline does the same); the next call takes them if still current (same slot, no
 flush since), and reads the rest.
 
+Write-behind: the rows the cache evicts are written by that same background thread, after the
+call that evicted them returned (their keys are indexed on disk at once; a read of one on the
+training thread, a flush and close first wait for the queued writes, and a prefetch handed in
+later reads after them: one thread, first in first out). See TieredStore._write_behind.
+
 Threads: every verb holds the store's lock, and a lookup's fault-in and its core call are one
 held section (`faulted_in`), so a thread's rows cannot go back to disk between them.
 
@@ -84,6 +89,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import functools
 import hashlib
 import json
@@ -142,6 +148,17 @@ def _drain_prefetcher() -> None:
             _PREFETCHER.submit(int).result()
         except RuntimeError:  # the executor was shut down (interpreter exit): no job runs
             pass
+
+
+def _run_spill(job) -> None:
+    """A queued spill's write, on the background thread (tests wrap it: a crash mid-write)."""
+    job.run()
+
+
+def _submit_write(job):
+    """Queue a spill's write on the background thread (the prefetch reads' thread: one worker,
+    first in first out, so a prefetch handed in after a spill reads the file after its write)."""
+    return _prefetcher().submit(_run_spill, job)
 
 
 def _forget_prefetcher() -> None:  # a forked child has no copy of the parent's thread
@@ -309,6 +326,7 @@ class TieredStore(EmbeddingStore):
         self._lock = threading.RLock()  # the tiers' state: cache membership, disk index, slots, file
         self._prefetching = None  # the Future of this store's prefetch read
         self._staged = None       # its result: (commit, sorted keys, slots, records)
+        self._stage_job = None    # its shared reads (_core.StageJob)
         self.cache_rows = _cache_rows(config, storage.cache_bytes)
         self._evict_chunk = max(_IO_ROWS, self.cache_rows // 64)
         self._spilled = 0  # rows spilled since the last malloc_trim (faulted_in)
@@ -348,6 +366,11 @@ class TieredStore(EmbeddingStore):
         self._writer = _core.RecordWriter(self._fd, self._layout_fields(), self._disk, self._spill_slots,
                                           self._io_threads, _IO_ROWS)
         self._table.evict_sink = self._writer
+        # Write-behind: the rows the cache evicts are written by the background thread, not by
+        # the call that evicted them (RecordWriter.behind, SpillJob); see _write_behind.
+        self._pending = []  # queued spills, oldest first: [job, its Future or None]
+        self._pending_rows = 0
+        self._writer.behind = self._write_behind
 
     @property
     def _io_rows(self) -> int:
@@ -356,6 +379,7 @@ class TieredStore(EmbeddingStore):
 
     @_io_rows.setter
     def _io_rows(self, n: int) -> None:
+        self._wait_writes()  # the queued writes use the writer's background buffer
         self._writer.io_rows = n
 
     # --- the layout of a record ------------------------------------------------------------------
@@ -394,6 +418,7 @@ class TieredStore(EmbeddingStore):
         return np.zeros(n, self._record)
 
     def _read(self, slots: np.ndarray) -> np.ndarray:
+        self._wait_writes()  # a slot read may be one a queued spill has not written yet
         buf = self._buffer(len(slots))
         if len(slots):
             _core.block_io(self._fd, self._offsets(slots), buf.view(np.uint8).reshape(len(slots), -1), False,
@@ -453,10 +478,89 @@ class TieredStore(EmbeddingStore):
     def _spill_slots(self, n: int) -> np.ndarray:
         """The writer's allocator: slots for the n rows the cache is evicting (the writer then
         writes them there and puts their keys in the disk index), counted as written."""
+        if self._fd is None:  # closed: the writer's descriptor is -1 (never a reused number)
+            raise OSError(errno.EBADF, f"writing evicted records: {os.strerror(errno.EBADF)} ({self._dir} was closed)")
+        if self._prefetching is not None:
+            # A prefetch's find must not see the keys this spill indexes (their records are
+            # written behind, after it: _write_behind).
+            try:
+                self._wait_prefetch()
+            except RuntimeError:  # its read failed: nothing staged (the call reads, and reports, itself)
+                self._staged = None
         self._spilled += n
         self.stats["rows_written"] += n
         self.stats["bytes_written"] += n * self._record.itemsize
         return self._take_slots(n)
+
+    def _write_behind(self, job) -> None:
+        """The writer's `behind`: queue a spill's write (a SpillJob, owning the evicted rows) on
+        the background thread, once the writer has indexed its keys on disk. Called with the GIL
+        and the store's lock held, from the eviction of a call. Never raises (the keys are
+        indexed already): a job that cannot be queued is written by the next _wait_writes.
+
+        Why: the training thread wrote every evicted record itself (pack, then pwritev into the
+        page cache: 0.5-0.7 ms of a 3x Zipf 1.05 step's 1,440 records, asv_bench/scripts/
+        tiered_bench.py), while the machine's other core idled. Safe because:
+        - a read of the file on this thread waits for the queued writes first (_read);
+        - a prefetch's read runs on the same background thread after the writes queued before
+          it, and a prefetch still running is waited for before a spill indexes its keys
+          (_spill_slots), so its find never sees a key whose record is queued after it;
+        - a flush waits for them before its fsync, and a write lands only on a slot the last
+          flush does not refer to (as before), so a crash with writes queued leaves the last
+          flush; a fork first lets the background thread finish (_drain_prefetcher).
+        Memory: at most two eviction rounds' rows wait (2 x (headroom + a fault-in round), 2.8
+        MiB at a 32 MiB cache); more, and this waits for the oldest first."""
+        self._reap_writes()
+        bound = 2 * (self._config.headroom + self._evict_chunk)
+        try:
+            while self._pending and self._pending_rows + len(job) > bound:
+                self._wait_oldest_write()
+        except OSError:  # an older write failed again: this one waits behind it (raised by _wait_writes)
+            pass
+        try:
+            future = _submit_write(job)
+        except RuntimeError:  # the executor is shut down (interpreter exit): written by _wait_writes
+            future = None
+        self._pending.append([job, future])
+        self._pending_rows += len(job)
+
+    def _reap_writes(self) -> None:
+        """Forget the queued spills that the background thread has written."""
+        while self._pending and self._pending[0][0].written:
+            self._pending_rows -= len(self._pending.pop(0)[0])
+
+    def _wait_oldest_write(self) -> None:
+        """Wait for the oldest queued spill; a failed (or never queued) write is run again here.
+        Raises OSError if it fails again; its rows stay queued (in memory) for the next try."""
+        job, future = self._pending[0]
+        if future is not None:
+            try:
+                future.result()
+            except BaseException:  # (job.run records its error in the job; this is the executor's own)
+                pass
+            self._pending[0][1] = None
+        if not job.written:
+            # Retried here, through the writer's buffer, which this store's later jobs on the
+            # background thread use too: those end first.
+            for entry in self._pending[1:]:
+                if entry[1] is not None:
+                    try:
+                        entry[1].result()
+                    except BaseException:
+                        pass
+                    entry[1] = None
+            job.run()
+        if not job.written:
+            raise OSError(job.err, f"{self._dir}/rows.dat: writing {len(job)} evicted rows failed "
+                                   f"({os.strerror(job.err)}); they are kept in memory and written by the next "
+                                   "call that reads the file or flushes; the table is unchanged")
+        self._pending_rows -= len(self._pending.pop(0)[0])
+
+    def _wait_writes(self) -> None:
+        """Wait until every queued spill is in the file (before a read on this thread, a flush,
+        close). Raises OSError if one cannot be written (its rows stay in memory, queued)."""
+        while self._pending:
+            self._wait_oldest_write()
 
     def _fault_in(self, keys, insert: bool) -> None:
         """Bring the keys on disk into the cache (and, with insert, give the absent ones their
@@ -746,10 +850,21 @@ class TieredStore(EmbeddingStore):
         # a uniform step at 10x prefetched 14.7k records, 4 MiB held beside the cache.
         cap = min(len(keys), max(_IO_ROWS, self._tier_config.storage.cache_bytes // 32 // record.itemsize))
         buf = self._buffer(cap)
-        threads = self._io_threads
+        # The job reads on its own thread (1), not on Tiered.io_threads of the core's pool: its
+        # point is the core the training thread leaves idle, and pool workers it wakes compete
+        # with the training thread for the cores it computes on (and spin 200 us after each
+        # batch). 3x Zipf 1.05 (tiered_bench's step, prefetch on, this 2-core machine, load
+        # 1.0-1.1, three alternated pairs): 3.41-4.39 ms a step on 1 thread against 5.22-6.02 on
+        # 4, the backward 0.90-1.29 against 1.49-1.89 ms (its CPU time 0.90-1.28 either way).
+        # A call needing the records before they are read reads the rest beside it (StageJob).
+        # (On a real SSD more reads in flight would pay: not measured here, page-cache files.)
+        threads = 1
+        # Shared with this thread: a call that needs the records before they are all read reads
+        # the rest alongside the background thread (StageJob.help, cn_tier_share in cn_tier.h).
+        job = self._stage_job = _core.StageJob()
 
         def read():
-            found_keys, slots = writer.stage(keys, cap, buf.view(np.uint8).reshape(cap, -1), threads)
+            found_keys, slots = writer.stage(keys, cap, buf.view(np.uint8).reshape(cap, -1), threads, job)
             return commit, found_keys, slots, buf[:len(slots)]
 
         self._prefetching = _prefetcher().submit(read)
@@ -758,6 +873,8 @@ class TieredStore(EmbeddingStore):
         """Take the result of this store's prefetch, if one is under way (into self._staged)."""
         job, self._prefetching = self._prefetching, None
         if job is not None:
+            if not job.done():
+                self._stage_job.help()  # read its unclaimed records here rather than wait for them
             try:
                 self._staged = job.result()
             except BaseException as exc:
@@ -900,6 +1017,7 @@ class TieredStore(EmbeddingStore):
         whole cache and writing it from one buffer made a flush's peak RSS 1.7x the steady
         state (130 MiB for a 32 MiB cache at 3x, asv_bench/scripts/tiered_bench.py)."""
         self._wait_prefetch()
+        self._wait_writes()  # before the fsync: every spilled row in the file
         n = EmbeddingStore.__len__(self) + len(self._disk)
         keys, slots = np.empty(n, np.int64), np.empty(n, np.int64)
         at = 0
@@ -993,8 +1111,11 @@ class TieredStore(EmbeddingStore):
 
     @_locked
     def close(self) -> None:
-        """Close the file (without flushing)."""
+        """Close the file (without flushing). Queued spills are written first (OSError if one
+        cannot be: the file stays open, its rows in memory)."""
         self._wait_prefetch()
+        if getattr(self, "_pending", None):
+            self._wait_writes()
         if getattr(self, "_fd", None) is not None:
             os.close(self._fd)
             self._fd = None

@@ -3,8 +3,8 @@
 A child process trains a tiered table (a cache of 48 rows over 600 keys, so rows go to disk and
 back all the time), flushes once, trains on (rewriting every row several times, so that the
 second flush also compacts: the file passes twice the rows), then flushes again. Every file
-operation the tier makes (a batch of record reads or writes, fsync, rename, remove, truncate) is
-an *event*; the child is told to SIGKILL itself at event N: a record write is cut in the middle
+operation the tier makes (a batch of record reads or writes, a spill's write on the background
+thread, fsync, rename, remove, truncate) is an *event*; the child is told to SIGKILL itself at event N: a record write is cut in the middle
 (the first half of its records written, then the kill), as a crash mid-I/O leaves it. Events
 before the second flush are training (spills); those inside it are the flush, the index commit
 and the compaction.
@@ -53,6 +53,22 @@ def block_io(fd, offsets, buf, write, threads=0):
         die()
     return real_block_io(fd, offsets, buf, write, threads)
 _core.block_io = block_io
+
+# Spills are written behind, on the background thread (tiered._run_spill): an event too, cut in
+# the middle as a crash mid-I/O leaves it. The child waits for each queued write, so that the
+# events come in the same order in every run.
+from cncore import tiered
+real_run_spill, real_submit_write = tiered._run_spill, tiered._submit_write
+def run_spill(job):
+    if event("spill"):
+        job.run(len(job) // 2)
+        die()
+    real_run_spill(job)
+def submit_write(job):
+    future = real_submit_write(job)
+    future.result()
+    return future
+tiered._run_spill, tiered._submit_write = run_spill, submit_write
 
 for name in ("fsync", "replace", "remove", "ftruncate"):
     real = getattr(os, name)
@@ -136,6 +152,7 @@ def test_a_kill_at_every_file_operation_leaves_the_last_completed_flush(tmp_path
     events, first_flush_end = the_event_list(tmp_path)
     kinds = {k for k, _ in events[first_flush_end:]}
     assert {"write", "read", "fsync", "replace", "remove", "ftruncate"} <= kinds, kinds
+    assert "spill" in {k for k, where in events[first_flush_end:] if where == "train"}
     flush_events = [i for i, (_, where) in enumerate(events, 1) if where == "flush"]
     renames = [i for i, (k, where) in enumerate(events, 1) if k == "replace"]
     # The second flush's commit point: its first rename of meta.json (a compaction commits again).

@@ -7,6 +7,7 @@ takes the table's lock, runs one nogil section, and turns return codes into exce
 """
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport malloc, calloc, free
+from libc.string cimport memset
 from cncore._typedefs cimport key_t, slot_t, offset_t, weight_t, count_t
 from cncore._ctable cimport *
 cimport numpy as cnp
@@ -253,6 +254,69 @@ cdef class SlotIndex:
                 yield keys[:got], slots[:got]
 
 
+cdef class RecordWriter
+
+
+cdef class SpillJob:
+    """The rows one eviction sent to disk, on their way there (write-behind, cncore/tiered.py):
+    it owns the eviction's buffer (rows, state, metadata, as the cache copied them out) and the
+    slots the allocator gave; `run()` packs and writes them (nogil, through the writer's
+    background buffer) and frees the rows once written. Until then a read of those keys must
+    wait for it. A failed write keeps the rows (`err`, `written` False) so that it can be run
+    again: nothing evicted is dropped while the process lives."""
+    cdef RecordWriter writer
+    cdef cn_evicted ev
+    cdef object slots  # int64 array
+    cdef readonly int err
+    cdef readonly bint written
+
+    def __dealloc__(self):
+        cn_evicted_free(&self.ev)
+
+    def __len__(self):
+        return self.ev.n
+
+    def run(self, int64_t upto=-1):
+        """Write the records (nogil) through the writer's buffer (no other call of the writer may
+        run meanwhile: the tier writes through it itself only once its queued jobs are over, and
+        one job runs at a time); sets `written`, or `err` (an errno) and keeps the rows.
+        `upto` (tests: a crash in the middle of a write) writes only the first `upto` records
+        and leaves the job unwritten."""
+        cdef int64_t n = self.ev.n if upto < 0 else min(upto, self.ev.n)
+        cdef int err = 0
+        cdef const int64_t[::1] slots = self.slots
+        cdef RecordWriter w = self.writer
+        if self.written:
+            return
+        if n:
+            with nogil:
+                err = w._write_through(w.buf, w.offs, w.behind_threads, &slots[0], n, self.ev.keys, self.ev.counts,
+                                       self.ev.last_steps, self.ev.rows,
+                                       self.ev.state if w.L.state_floats else NULL)
+        self.err = err
+        if err == 0 and n == self.ev.n:
+            self.written = True
+            cn_evicted_free(&self.ev)  # the records are in the file (page cache): the rows' memory goes now
+
+
+cdef class StageJob:
+    """The shared state of one prefetch job (cn_tier_share): RecordWriter.stage(..., job) runs it
+    on the background thread; `help()`, from another thread, reads unclaimed chunks of its
+    records meanwhile (one thread, nogil) and returns when none is left to claim (the job may
+    still be finishing a chunk: wait for its result as usual)."""
+    cdef cn_tier_share share
+    cdef object buf
+
+    def help(self):
+        with nogil:
+            cn_tier_share_help(&self.share)
+
+    @property
+    def state(self):
+        """0: finding the keys on disk, 1: reading, 2: over."""
+        return self.share.state
+
+
 cdef class RecordWriter:
     """Moves rows between a tiered store's memory cache and its record file (cn_tier.h): packs
     the rows the cache evicts straight into records and writes them (set it as the cache
@@ -272,12 +336,15 @@ cdef class RecordWriter:
     cdef int64_t *offs
     cdef SlotIndex disk
     cdef object take_slots
+    cdef public object behind  # None: a spill is written before it returns; else behind(job) queues it
+    cdef public int behind_threads  # I/O threads of a queued spill's write (its own thread: 1)
 
     def __cinit__(self, int fd, tuple layout, SlotIndex disk, take_slots, int threads, int64_t io_rows):
         (self.L.rec, self.L.per_page, self.L.dim, self.L.state_floats, self.L.row_dtype, self.L.off_count,
          self.L.off_step, self.L.off_row, self.L.off_state) = layout
         self.fd, self.threads, self.io_rows = fd, threads, max(io_rows, 1)
         self.disk, self.take_slots = disk, take_slots
+        self.behind, self.behind_threads = None, 1
         self.buf = <uint8_t*> malloc(<size_t> (self.io_rows * self.L.rec))
         self.offs = <int64_t*> malloc(<size_t> self.io_rows * sizeof(int64_t))
         if self.buf == NULL or self.offs == NULL:
@@ -294,6 +361,7 @@ cdef class RecordWriter:
 
     @io_rows.setter
     def io_rows(self, int64_t n):
+        """(The tier's queued writes must have ended: they use this buffer.)"""
         cdef uint8_t *buf = <uint8_t*> malloc(<size_t> (max(n, 1) * self.L.rec))
         cdef int64_t *offs = <int64_t*> malloc(<size_t> max(n, 1) * sizeof(int64_t))
         if buf == NULL or offs == NULL:
@@ -315,6 +383,11 @@ cdef class RecordWriter:
     cdef int _write(self, const int64_t *slots, int64_t n, const int64_t *keys, const uint32_t *counts,
                     const uint32_t *steps, const weight_t *rows, const weight_t *state) noexcept nogil:
         """Pack and write n rows at slots, io_rows at a time; 0 or an errno."""
+        return self._write_through(self.buf, self.offs, self.threads, slots, n, keys, counts, steps, rows, state)
+
+    cdef int _write_through(self, uint8_t *buf, int64_t *offs, int threads, const int64_t *slots, int64_t n,
+                            const int64_t *keys, const uint32_t *counts, const uint32_t *steps, const weight_t *rows,
+                            const weight_t *state) noexcept nogil:
         cdef int64_t a, m, i
         cdef int err = 0
         cdef int64_t dim = self.L.dim, sf = self.L.state_floats
@@ -322,35 +395,49 @@ cdef class RecordWriter:
         while a < n and err == 0:
             m = min(self.io_rows, n - a)
             cn_tier_pack(&self.L, m, keys + a, counts + a, steps + a, rows + a * dim, dim,
-                         state + a * sf if state != NULL else NULL, sf, self.buf)
+                         state + a * sf if state != NULL else NULL, sf, buf)
             for i in range(m):
-                self.offs[i] = cn_tier_offset(&self.L, slots[a + i])
-            err = cn_blockio(self.fd, self.offs, m, self.L.rec, self.buf, 1, self.threads)
+                offs[i] = cn_tier_offset(&self.L, slots[a + i])
+            err = cn_blockio(self.fd, offs, m, self.L.rec, buf, 1, threads)
             a += m
         return err
 
     cdef spill(self, cn_evicted *ev):
-        """Write an eviction's rows to slots the allocator gives, and index them on disk."""
+        """Write an eviction's rows to slots the allocator gives, and index them on disk. With
+        `behind` set, the rows are not written here: the keys are indexed, then a SpillJob takes the
+        rows over (the eviction's buffer itself, no copy) and behind(job) queues its write (a read
+        of one of those keys must first wait for the queued writes: the tier's _wait_writes;
+        take_slots must see that no read of the disk index is under way on another thread)."""
         cdef int64_t n = ev.n
-        cdef int err
+        cdef int err = 0
+        cdef SpillJob job
+        cdef const int64_t *keys = ev.keys
         slots_arr = np.ascontiguousarray(self.take_slots(n), dtype=np.int64)
         cdef const int64_t[::1] slots = slots_arr
         if slots.shape[0] != n:
             raise RuntimeError(f"take_slots gave {slots.shape[0]} slots for {n} rows")
-        with nogil:
-            err = self._write(&slots[0], n, ev.keys, ev.counts, ev.last_steps, ev.rows,
-                              ev.state if self.L.state_floats else NULL)
-        if err:
-            import os
-            raise OSError(err, f"writing evicted records: {os.strerror(err)}")
+        if self.behind is None:
+            with nogil:
+                err = self._write(&slots[0], n, ev.keys, ev.counts, ev.last_steps, ev.rows,
+                                  ev.state if self.L.state_floats else NULL)
+            if err:
+                import os
+                raise OSError(err, f"writing evicted records: {os.strerror(err)}")
         with nogil:
             pthread_mutex_lock(&self.disk.mu)
             err = cn_slotindex_reserve(&self.disk.ix, n, 0, &self.disk._nbytes)
             if err == 0:
-                cn_slotindex_put(&self.disk.ix, ev.keys, &slots[0], n)
+                cn_slotindex_put(&self.disk.ix, keys, &slots[0], n)
             pthread_mutex_unlock(&self.disk.mu)
         if err != 0:
             raise MemoryError(f"SlotIndex: no memory to grow past {self.disk.ix.size + n} keys")
+        if self.behind is not None:
+            # Queued only now: the job frees the rows (and so `keys`) once written, which the
+            # background thread may do before this thread would have indexed them.
+            job = SpillJob.__new__(SpillJob)
+            job.writer, job.slots, job.ev = self, slots_arr, ev[0]
+            memset(ev, 0, sizeof(cn_evicted))  # the job frees them, once written
+            self.behind(job)
 
     def write(self, const int64_t[::1] slots, const int64_t[::1] keys, const uint32_t[::1] counts,
               const uint32_t[::1] last_steps, const weight_t[:, ::1] rows, state):
@@ -376,20 +463,26 @@ cdef class RecordWriter:
             import os
             raise OSError(err, f"writing records: {os.strerror(err)}")
 
-    def stage(self, const int64_t[::1] keys, int64_t cap, uint8_t[:, ::1] buf, int threads):
+    def stage(self, const int64_t[::1] keys, int64_t cap, uint8_t[:, ::1] buf, int threads, StageJob job=None):
         """The prefetch job (cn_tier_stage), without the GIL: of `keys`, those on disk (distinct,
         sorted, the first `cap`) and their records read into buf (at least min(len(keys), cap)
-        records). Returns (keys, slots) of the records read, buf's first rows. Raises OSError."""
+        records). Returns (keys, slots) of the records read, buf's first rows. Raises OSError.
+        With `job`, another thread may read part of the records meanwhile (job.help())."""
         cdef int64_t n = keys.shape[0], room = min(n, max(cap, 0)), m = 0
+        cdef cn_tier_share *share = &job.share if job is not None else NULL
         if buf.shape[0] < room or (room and buf.shape[1] != self.L.rec):
             raise ValueError(f"buf: expected at least ({room}, {self.L.rec})")
+        if job is not None:
+            job.buf = buf  # the helper writes into it: kept alive by the job too
         out_keys = np.empty(room, dtype=np.int64)
         out_slots = np.empty(room, dtype=np.int64)
         cdef int64_t[::1] ok = out_keys, os_ = out_slots
         if room:
             with nogil:
                 m = cn_tier_stage(&self.L, self.fd, threads, &self.disk.ix, &self.disk.mu, &keys[0], n, room,
-                                  &ok[0], &os_[0], &buf[0, 0])
+                                  &ok[0], &os_[0], &buf[0, 0], share)
+        elif job is not None:
+            job.share.state = 2
         if m < 0:
             import os
             raise OSError(-m, f"reading prefetched records: {os.strerror(-m)}")

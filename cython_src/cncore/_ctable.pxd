@@ -174,6 +174,11 @@ cdef extern from "cn_tier.h" nogil:
     int64_t cn_tier_check_keys(const cn_tier_layout *L, const uint8_t *buf, const int64_t *keys, int64_t n)
     int cn_tier_load(cn_table *t, const cn_tier_layout *L, const uint8_t *buf, const int64_t *keys, int64_t n,
                      const int64_t *pin, int64_t n_pin, int want_rows, cn_evicted *ev, int64_t *slots)
+    ctypedef struct cn_tier_share:
+        int64_t m
+        int64_t done
+        int state
+    void cn_tier_share_help(cn_tier_share *s)
     int64_t cn_tier_stage(const cn_tier_layout *L, int fd, int threads, const cn_index *disk, pthread_mutex_t *mu,
                           const int64_t *keys, int64_t n, int64_t cap, int64_t *keys_out, int64_t *slots_out,
-                          uint8_t *buf)
+                          uint8_t *buf, cn_tier_share *share)

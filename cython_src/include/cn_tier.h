@@ -23,6 +23,18 @@
  * store, rows spilled to the file, took 6.65 ms through NumPy and 2.4-2.5 ms here, against 0.7
  * for choosing and dropping the rows in memory and 1.2-1.4 with a Python on_evict sink.
  *
+ * Write-behind (SpillJob in _core.pyx, TieredStore._write_behind): with a tier's writer in
+ * `behind` mode, cn_tier_pack and the pwritev of a spill run on the tier's background thread,
+ * from the eviction's own buffer (no copy), after the keys were indexed; the training thread
+ * only chooses, copies out and indexes. Measured on the 3x Zipf 1.05 benchmark: the queued
+ * writes took 0.22-0.23 us a record there (0.32-0.34 ms a step of 1,440 records).
+ * Rejected with it: reusing, before the next flush, pages written since the last one once all
+ * their records were read back (crash-safe, as the last flush refers to none of them, and it
+ * bounds the file's growth between flushes: high water 509k slots instead of ~658k after 230
+ * steps). The same run's writes took 0.28-0.31 us a record instead of 0.22-0.23 (reused pages
+ * are scattered, so the runs are short, where appends are one run), and the page bookkeeping
+ * (per-page live counts in NumPy) cost the training thread 0.2 ms a step.
+ *
  * Rejected: reading records through an mmap of the file instead of pread (cn_blockio.h). On
  * this machine (file in the page cache, 1,460 random 280-byte records): pread 0.75-0.9 us a
  * record; a copy from the mapping 0.35-0.45 us when each record's page faults in, 0.02 us once
@@ -40,6 +52,7 @@
 #include "cn_table.h"
 #include "cn_blockio.h"
 #include <errno.h>
+#include <sched.h>
 
 #define CN_TIER_PAGE 4096
 
@@ -181,31 +194,123 @@ static inline int cn_tier_load(cn_table *t, const cn_tier_layout *L, const uint8
  *    a process-wide allocator setting is the user's, not the tier's. */
 typedef struct { int64_t key, slot; } cn_tier_kv;
 
+/* A prefetch's reads, shared: the background thread (cn_tier_stage) and a helper (the training
+ * thread, when its next call needs the records before they are all read: cn_tier_share_help)
+ * claim chunks of CN_TIER_SHARE_CHUNK records with one atomic add, so the training thread reads
+ * alongside instead of waiting. Why: on the 3x Zipf 1.05 benchmark (asv_bench/scripts/
+ * tiered_bench.py) the job (find of 16k IDs, then ~1,460 preads at 1.3 us) took 2.2-2.7 ms from
+ * its start, the step gave it ~1.7 (the backward and the next fault-in's finds), and the training
+ * thread then waited 0.2-1.3 ms for it with the machine's second core busy on the reads. The
+ * record buffer, offsets and counters belong to the job's owner (_core.StageJob), which both
+ * threads hold; the background thread frees the offsets only once every claimed chunk is done. */
+#define CN_TIER_SHARE_CHUNK 64
+typedef struct {
+    int64_t m;                 /* records to read, set before `state` becomes 1 */
+    const int64_t *offsets;    /* record i's offset, i < m */
+    uint8_t *buf;
+    int64_t rec;
+    int fd;
+    int64_t next;              /* next chunk to claim (atomic) */
+    int64_t done;              /* records done, read or failed (atomic) */
+    int state;                 /* 0: finding, 1: reading (chunks to claim), 2: over (atomic) */
+    int err;                   /* first errno (atomic) */
+} cn_tier_share;
+
+static inline void cn_tier_share_work(cn_tier_share *s, int threads) {
+    const int64_t n_chunks = (s->m + CN_TIER_SHARE_CHUNK - 1) / CN_TIER_SHARE_CHUNK;
+    for (;;) {
+        const int64_t c = __atomic_fetch_add(&s->next, 1, __ATOMIC_ACQ_REL);
+        if (c >= n_chunks) return;
+        const int64_t a = c * CN_TIER_SHARE_CHUNK;
+        const int64_t k = s->m - a < CN_TIER_SHARE_CHUNK ? s->m - a : CN_TIER_SHARE_CHUNK;
+        const int e = cn_blockio(s->fd, s->offsets + a, k, s->rec, s->buf + a * s->rec, 0, threads);
+        if (e) {
+            int zero = 0;
+            __atomic_compare_exchange_n(&s->err, &zero, e, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+        }
+        __atomic_fetch_add(&s->done, k, __ATOMIC_ACQ_REL);
+    }
+}
+
+/* The training thread's part: read unclaimed chunks of a job that is reading (on one thread, the
+ * caller's); returns at once if it is still finding or over. */
+static inline void cn_tier_share_help(cn_tier_share *s) {
+    if (__atomic_load_n(&s->state, __ATOMIC_ACQUIRE) == 1) cn_tier_share_work(s, 1);
+}
+
 static int cn_tier_kv_cmp(const void *a, const void *b) {
     const int64_t x = ((const cn_tier_kv *)a)->key, y = ((const cn_tier_kv *)b)->key;
     return (x > y) - (x < y);
 }
 
+/* The distinct values of keys[0..n) into out (first seen first); how many, or -1 (no memory).
+ * An open-addressing set of at least 2n entries (8 bytes each and an occupancy byte). Measured
+ * on the prefetch job of the 3x Zipf 1.05 benchmark's steps (16,384 IDs, ~6.2k keys, ~1,460 of
+ * them on disk; RecordWriter.stage on 1 thread, medians of 60 jobs, three alternated pairs with
+ * the find over every ID): 2.34 / 2.02 / 2.56 ms against 2.98 / 2.37 / 2.95. */
+static inline uint64_t cn_tier_distinct_cap(int64_t n) {
+    uint64_t cap = 16;
+    while (cap < (uint64_t)n * 2) cap <<= 1;
+    return cap;
+}
+
+/* scratch: cn_tier_distinct_cap(n) * 9 bytes (the set's keys and occupancy bytes; the caller's,
+ * so that the prefetch job reuses it afterwards instead of holding a second buffer). */
+static inline int64_t cn_tier_distinct(const int64_t *keys, int64_t n, int64_t *out, void *scratch) {
+    const uint64_t cap = cn_tier_distinct_cap(n);
+    int64_t *set = (int64_t *)scratch;
+    uint8_t *used = (uint8_t *)(set + cap);
+    memset(used, 0, cap);
+    int64_t m = 0;
+    for (int64_t i = 0; i < n; i++) {
+        uint64_t h = cn_mix64((uint64_t)keys[i]) & (cap - 1);
+        while (used[h] && set[h] != keys[i]) h = (h + 1) & (cap - 1);
+        if (!used[h]) {
+            used[h] = 1;
+            set[h] = keys[i];
+            out[m++] = keys[i];
+        }
+    }
+    return m;
+}
+
 static inline int64_t cn_tier_stage(const cn_tier_layout *L, int fd, int threads, const cn_index *disk,
                                     pthread_mutex_t *mu, const int64_t *keys, int64_t n, int64_t cap,
-                                    int64_t *keys_out, int64_t *slots_out, uint8_t *buf) {
-    if (n == 0 || cap <= 0) return 0;
+                                    int64_t *keys_out, int64_t *slots_out, uint8_t *buf, cn_tier_share *share) {
+    if (n == 0 || cap <= 0) {
+        if (share) __atomic_store_n(&share->state, 2, __ATOMIC_RELEASE);
+        return 0;
+    }
     int64_t *at = (int64_t *)malloc((size_t)n * sizeof(int64_t));
-    cn_tier_kv *kv = (cn_tier_kv *)malloc((size_t)n * sizeof(cn_tier_kv));
+    const size_t kv_bytes = (size_t)n * sizeof(cn_tier_kv), set_bytes = (size_t)cn_tier_distinct_cap(n) * 9;
+    cn_tier_kv *kv = (cn_tier_kv *)malloc(kv_bytes > set_bytes ? kv_bytes : set_bytes);  /* first the set */
     if (at == NULL || kv == NULL) {
         free(at);
         free(kv);
+        if (share) __atomic_store_n(&share->state, 2, __ATOMIC_RELEASE);
+        return -ENOMEM;
+    }
+    /* The distinct keys first: a step's IDs repeat (16k Zipf 1.05 IDs are ~6.2k keys), and each
+     * find in the disk index (megabytes) is a cache miss, where the set below stays in L2. */
+    int64_t *uniq = (int64_t *)malloc((size_t)n * sizeof(int64_t));
+    const int64_t n_uniq = uniq == NULL ? -1 : cn_tier_distinct(keys, n, uniq, kv);
+    if (n_uniq < 0) {
+        free(uniq);
+        free(at);
+        free(kv);
+        if (share) __atomic_store_n(&share->state, 2, __ATOMIC_RELEASE);
         return -ENOMEM;
     }
     pthread_mutex_lock(mu);
-    cn_index_find_batch(disk, keys, n, at, 1);
+    cn_index_find_batch(disk, uniq, n_uniq, at, 1);
     pthread_mutex_unlock(mu);
     int64_t found = 0, m = 0;
-    for (int64_t i = 0; i < n; i++)
+    for (int64_t i = 0; i < n_uniq; i++)
         if (at[i] >= 0) {
-            kv[found].key = keys[i];
+            kv[found].key = uniq[i];
             kv[found++].slot = at[i];
         }
+    free(uniq);
     qsort(kv, (size_t)found, sizeof(cn_tier_kv), cn_tier_kv_cmp);
     for (int64_t i = 0; i < found && m < cap; i++)
         if (m == 0 || kv[i].key != keys_out[m - 1]) {
@@ -214,7 +319,21 @@ static inline int64_t cn_tier_stage(const cn_tier_layout *L, int fd, int threads
             at[m++] = cn_tier_offset(L, kv[i].slot);  /* at: now the records' offsets */
         }
     free(kv);
-    const int err = m ? cn_blockio(fd, at, m, L->rec, buf, 0, threads) : 0;
+    int err = 0;
+    if (share == NULL) {
+        err = m ? cn_blockio(fd, at, m, L->rec, buf, 0, threads) : 0;
+    } else {
+        share->m = m;
+        share->offsets = at;
+        share->buf = buf;
+        share->rec = L->rec;
+        share->fd = fd;
+        __atomic_store_n(&share->state, 1, __ATOMIC_RELEASE);  /* a helper may claim chunks from here */
+        cn_tier_share_work(share, threads);
+        while (__atomic_load_n(&share->done, __ATOMIC_ACQUIRE) < m) sched_yield();  /* a helper's last chunk */
+        __atomic_store_n(&share->state, 2, __ATOMIC_RELEASE);
+        err = __atomic_load_n(&share->err, __ATOMIC_ACQUIRE);
+    }
     free(at);
     return err ? -(int64_t)err : m;
 }
