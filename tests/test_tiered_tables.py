@@ -47,6 +47,9 @@ def trained_tier(directory, optimizer=cncore.RowWiseAdagrad(lr=0.1), dim=6, dtyp
     save_table(store, str(directory / "t.cnt"))
     assert 0 < store.cached_rows < len(store)
     train(5)  # spills into slots the flush does not use
+    # (those spills are written behind, by the tier's background thread: wait for them, so that
+    # the directory the tests compare before and after a cn-table command is the store's last word)
+    store._wait_writes()
     return store, path, str(directory / "t.cnt")
 
 
@@ -184,6 +187,7 @@ def test_a_tier_never_flushed_or_damaged_is_refused_and_left_as_it_was(tmp_path,
     store = cncore.EmbeddingStore(config)
     for start in range(0, 200, 10):  # rows spilled to rows.dat, never flushed
         store.find_or_insert(np.arange(start, start + 10))
+    store._wait_writes()  # (written behind: in the file before the listings below are taken)
     assert os.path.getsize(os.path.join(path, "rows.dat")) > 0
 
     def refused(match):
