@@ -161,6 +161,18 @@ def _submit_write(job):
     return _prefetcher().submit(_run_spill, job)
 
 
+def _settle(entry) -> None:
+    """Wait until a queued spill ([job, its Future or None]) has run on the background thread,
+    and forget its Future. A write's error is the job's (job.err, job.written), not raised here;
+    the Future's own (the executor's) is dropped the same way."""
+    if entry[1] is not None:
+        try:
+            entry[1].result()
+        except BaseException:
+            pass
+        entry[1] = None
+
+
 def _forget_prefetcher() -> None:  # a forked child has no copy of the parent's thread
     global _PREFETCHER
     _PREFETCHER = None
@@ -369,7 +381,6 @@ class TieredStore(EmbeddingStore):
         # Write-behind: the rows the cache evicts are written by the background thread, not by
         # the call that evicted them (RecordWriter.behind, SpillJob); see _write_behind.
         self._pending = []  # queued spills, oldest first: [job, its Future or None]
-        self._pending_rows = 0
         self._writer.behind = self._write_behind
 
     @property
@@ -522,39 +533,33 @@ class TieredStore(EmbeddingStore):
         except RuntimeError:  # the executor is shut down (interpreter exit): written by _wait_writes
             future = None
         self._pending.append([job, future])
-        self._pending_rows += len(job)
+
+    @property
+    def _pending_rows(self) -> int:
+        """Rows of the queued spills (at most a few jobs: derived, not kept)."""
+        return sum(len(job) for job, _ in self._pending)
 
     def _reap_writes(self) -> None:
         """Forget the queued spills that the background thread has written."""
         while self._pending and self._pending[0][0].written:
-            self._pending_rows -= len(self._pending.pop(0)[0])
+            self._pending.pop(0)
 
     def _wait_oldest_write(self) -> None:
         """Wait for the oldest queued spill; a failed (or never queued) write is run again here.
         Raises OSError if it fails again; its rows stay queued (in memory) for the next try."""
-        job, future = self._pending[0]
-        if future is not None:
-            try:
-                future.result()
-            except BaseException:  # (job.run records its error in the job; this is the executor's own)
-                pass
-            self._pending[0][1] = None
+        job = self._pending[0][0]
+        _settle(self._pending[0])
         if not job.written:
             # Retried here, through the writer's buffer, which this store's later jobs on the
             # background thread use too: those end first.
             for entry in self._pending[1:]:
-                if entry[1] is not None:
-                    try:
-                        entry[1].result()
-                    except BaseException:
-                        pass
-                    entry[1] = None
+                _settle(entry)
             job.run()
         if not job.written:
             raise OSError(job.err, f"{self._dir}/rows.dat: writing {len(job)} evicted rows failed "
                                    f"({os.strerror(job.err)}); they are kept in memory and written by the next "
                                    "call that reads the file or flushes; the table is unchanged")
-        self._pending_rows -= len(self._pending.pop(0)[0])
+        self._pending.pop(0)
 
     def _wait_writes(self) -> None:
         """Wait until every queued spill is in the file (before a read on this thread, a flush,
