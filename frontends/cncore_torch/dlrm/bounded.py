@@ -137,8 +137,11 @@ def sweep_expired(stores: Dict[str, cncore.EmbeddingStore]) -> int:
 def tier_summary(stores: Dict[str, cncore.EmbeddingStore]) -> dict:
     """The SSD tier's totals over the tables on it (for the job's report): the rows their memory
     caches hold at most, IDs found in memory (hits) and read from disk (misses) over every
-    lookup of the run (prefill, training, evaluation), rows read and written."""
+    lookup of the run (prefill, training, evaluation), rows read and written; {} when no table
+    is on the tier."""
     tiered = [store for store in stores.values() if hasattr(store, "cache_rows")]
+    if not tiered:
+        return {}
     totals = {key: sum(int(store.stats[key]) for store in tiered)
               for key in ("hits", "misses", "rows_read", "rows_written")}
     return {"tier_cache_rows": float(sum(store.cache_rows for store in tiered)),

@@ -189,8 +189,7 @@ class Run:
             if any(s.config.eviction is not None or s.config.admission is not None
                    for s in self.tables.stores.values()):
                 summary.update(bounded.eviction_summary(self.tables.stores))
-            if any(hasattr(s, "cache_rows") for s in self.tables.stores.values()):  # tiered tables
-                summary.update(bounded.tier_summary(self.tables.stores))
+            summary.update(bounded.tier_summary(self.tables.stores))  # (nothing unless on the tier)
             return summary
         if self.fixed_rows is not None:  # fixed tables: rows x (dim floats + one row-wise Adagrad float)
             rows = sum(self.fixed_rows)
