@@ -788,6 +788,31 @@ def test_a_prefetch_never_brings_back_a_row_older_than_memory(tmp_path, held):
     assert_same_rows(store, memory)
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_the_prefetch_job_stages_each_disk_key_once_in_key_order_with_its_record(tmp_path, seed):
+    """RecordWriter.stage (cn_tier_stage, its sorts in cn_sort.h): of a batch of IDs with
+    repeats, exactly the distinct keys on disk, in ascending (signed) key order, each with its
+    disk slot and the record at that slot; `cap` keeps the first cap of them."""
+    rng = np.random.default_rng(seed)
+    config = cncore.StoreConfig(dim=DIM, optimizer=cncore.SGD(lr=0.5), storage=cncore.Tiered(
+        str(tmp_path / "t"), cache_bytes=80 * (DIM * 4 + 47)))
+    store = cncore.EmbeddingStore(config)
+    keys = rng.choice(np.arange(-2**62, 2**62, 2**52), 600, replace=False)
+    for start in range(0, 600, 40):
+        store.find_or_insert(keys[start:start + 40])
+    store._wait_writes()
+    ids = rng.choice(np.concatenate([keys, rng.integers(-2**62, 2**62, 50)]), 2000)  # repeats, some absent
+    slots_all = store._disk.find(ids)
+    want = np.unique(ids[slots_all >= 0])
+    for cap in (len(ids), 7):
+        buf = np.zeros((cap, store._record.itemsize), np.uint8)
+        got_keys, got_slots = store._writer.stage(np.ascontiguousarray(ids), cap, buf, 1)
+        np.testing.assert_array_equal(got_keys, want[:cap])
+        np.testing.assert_array_equal(got_slots, store._disk.find(want[:cap]))
+        np.testing.assert_array_equal(buf[:len(got_keys)], store._read(got_slots).view(np.uint8).reshape(len(got_keys), -1))
+    store.close()
+
+
 @pytest.mark.parametrize("rec", [8, 152, 280, 4000, 4096, 4104, 9000])
 def test_record_offsets_is_the_one_formula_and_never_straddles_a_page(rec):
     """tiered.record_offsets (the reads) is cn_tier_offset (the writer's spills) itself; here it

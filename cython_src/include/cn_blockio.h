@@ -17,13 +17,14 @@
 #ifndef CN_BLOCKIO_H
 #define CN_BLOCKIO_H
 
-#define _GNU_SOURCE 1 /* qsort_r, preadv, pwritev */
+#define _GNU_SOURCE 1 /* preadv, pwritev */
 #include <errno.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <sys/uio.h>
 #include <unistd.h>
 #include "cn_parallel.h"
+#include "cn_sort.h"
 
 /* A run: records whose file ranges follow each other (their buffer rows need not), moved by one
  * preadv/pwritev. Spills take free slots in ascending order and fresh slots at the end of the
@@ -101,28 +102,28 @@ static void cn_blockio_range(void *ctx, int64_t begin, int64_t end) {
     }
 }
 
-static int cn_blockio_cmp(const void *a, const void *b, void *offsets) {
-    const int64_t *o = (const int64_t *)offsets;
-    const int64_t x = o[*(const int64_t *)a], y = o[*(const int64_t *)b];
-    return (x > y) - (x < y);
-}
-
 /* Read (write = 0) or write n records of rec bytes between buf (n x rec) and the file at
  * offsets[i], on up to `threads` threads (0: the core's thread setting). Returns 0 or an errno
  * (ENOMEM: nothing was moved). */
 static inline int cn_blockio(int fd, const int64_t *offsets, int64_t n, int64_t rec, uint8_t *buf, int write,
                              int threads) {
-    int64_t *order = (int64_t *)malloc((size_t)n * sizeof(int64_t));
+    /* The records in offset order: (offset, record) pairs sorted, then the records alone. */
+    cn_pair *by_offset = (cn_pair *)malloc((size_t)n * sizeof(cn_pair));
+    int64_t *order = (int64_t *)by_offset;
     int64_t *runs = (int64_t *)malloc((size_t)(n + 1) * sizeof(int64_t));
     uint8_t *sink = write || rec >= 4096 ? NULL : (uint8_t *)malloc((size_t)rec);
-    if (order == NULL || runs == NULL || (sink == NULL && !write && rec < 4096)) {
-        free(order);
+    if (by_offset == NULL || runs == NULL || (sink == NULL && !write && rec < 4096)) {
+        free(by_offset);
         free(runs);
         free(sink);
         return ENOMEM;
     }
-    for (int64_t i = 0; i < n; i++) order[i] = i;
-    qsort_r(order, (size_t)n, sizeof(int64_t), cn_blockio_cmp, (void *)offsets);
+    for (int64_t i = 0; i < n; i++) {
+        by_offset[i].key = offsets[i];
+        by_offset[i].value = i;
+    }
+    cn_pair_sort(by_offset, n);
+    for (int64_t i = 0; i < n; i++) order[i] = by_offset[i].value; /* in place: order[i] is read after */
     int64_t n_runs = 0, iovs = 0;
     for (int64_t i = 0; i < n; i++) {
         const int64_t gap = i ? offsets[order[i]] - offsets[order[i - 1]] - rec : -1;
