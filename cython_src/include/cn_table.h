@@ -355,12 +355,15 @@ static inline int cn_table_take_victims(cn_table *t, const cn_victim *victims, i
     return CN_OK;
 }
 
-/* Evict the k live rows (live bit set) with the lowest (score, key) (cn_evict.h). */
+/* Evict the k live rows (live bit set) with the lowest (score, key) (cn_evict.h). want_rows:
+ * 0, keys and metadata only; 1, rows and state too, in eviction order; 2, rows and state in
+ * any order (the caller's sink does not observe it: the tier's record writer). */
 static inline int cn_table_evict_lowest(cn_table *t, int64_t k, int64_t n_live, int want_rows, cn_evicted *ev,
                                         int64_t reserve_total) {
     memset(ev, 0, sizeof(*ev));
     cn_victim *victims = (cn_victim *)malloc((size_t)(k > 0 ? k : 1) * sizeof(cn_victim));
-    if (victims == NULL || cn_evict_select(&t->arena, t->bound.policy, k, n_live, victims, want_rows) != 0) {
+    /* want_rows 2: the rows in any order (a tier's writer), so the victims are not sorted. */
+    if (victims == NULL || cn_evict_select(&t->arena, t->bound.policy, k, n_live, victims, want_rows == 1) != 0) {
         free(victims);
         return CN_ENOMEM;
     }
