@@ -267,10 +267,11 @@ def forward_one(store, keys, offsets, weights, mode: int, out, insert_missing: b
     if weights is not None:
         weights = np.ascontiguousarray(weights, dtype=np.float32)
     insert_missing = bool(insert_missing)
-    # (A tiered store holds the keys in memory around the call; see tiers_faulted_in.)
-    with store.faulted_in(keys, insert_missing) if hasattr(store, "faulted_in") else _NOTHING_HELD:
+    # (A tiered store holds the keys in memory around the call, and hands over the slots its
+    # fault-in found, so that the lookup does not find them again; see TieredStore._fault_in.)
+    with store.faulted_in(keys, insert_missing) if hasattr(store, "faulted_in") else _NOTHING_HELD as found:
         slots, argmax, n_new, epoch = _core.grouped_forward([store._table], [keys], [offsets], [weights], [mode],
-                                                            [out], insert_missing)[0]
+                                                            [out], insert_missing, None if found is None else [found])[0]
     return keys, offsets, weights, mode, slots, argmax, n_new, epoch, insert_missing, store.step
 
 

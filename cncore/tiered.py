@@ -567,22 +567,25 @@ class TieredStore(EmbeddingStore):
         while self._pending:
             self._wait_oldest_write()
 
-    def _fault_in(self, keys, insert: bool) -> None:
+    def _fault_in(self, keys, insert: bool) -> Optional[np.ndarray]:
         """Bring the keys on disk into the cache (and, with insert, give the absent ones their
-        initial rows), evicting only rows the call does not use.
+        initial rows), evicting only rows the call does not use. Returns the cache slot of every
+        key when each has one now (the call's lookup then pools them without a second find:
+        _core.grouped_forward's found_slots; valid while the store's lock is held), else None
+        (keys the call's own lookup inserts, or not admitted).
 
         The common case, every key in memory, costs one batched find over the keys as given
         (duplicates and all): np.unique over a step's 16k IDs took 1.3 ms, more than the
         in-memory step's whole lookup, so only the keys missing from memory are made unique."""
         keys = as_keys(keys)
         if not len(keys):
-            return
+            return None
         cache_slots, cached = EmbeddingStore.find(self, keys)
         n_cached = int(cached.sum())
         self.stats["hits"] += n_cached
         if n_cached == len(keys):
-            return
-        absent, absent_count = np.unique(keys[~cached], return_counts=True)
+            return cache_slots
+        absent, where, absent_count = np.unique(keys[~cached], return_inverse=True, return_counts=True)
         disk_slots = self._disk.find(absent)
         on_disk = disk_slots >= 0
         disk_keys, slots = absent[on_disk], disk_slots[on_disk]
@@ -597,7 +600,7 @@ class TieredStore(EmbeddingStore):
         # makes room for those admitted.
         new_keys = absent[~on_disk] if insert and self._tier_config.admission is None else absent[:0]
         if not len(disk_keys) and len(new_keys) <= self._evict_chunk:
-            return  # the call's own find_or_insert makes the new rows (one round)
+            return None  # the call's own find_or_insert makes the new rows (one round)
         base = keys[cached]
         if len(base) + len(disk_keys) + len(new_keys) > self.cache_rows:
             self._check_fits(np.concatenate([base, disk_keys, new_keys]))
@@ -619,6 +622,7 @@ class TieredStore(EmbeddingStore):
             # its records read at once held 4 MiB beside the cache (half the store's peak over
             # cache + disk index). A round's keys leave the disk index once loaded, so that an
             # error in a later round leaves every row in one tier.
+            loaded_slots = []
             for a in range(0, len(disk_keys), step):
                 k, at = disk_keys[a:a + step], slots[a:a + step]
                 rec = self._read_current(k, at, staged)
@@ -627,6 +631,7 @@ class TieredStore(EmbeddingStore):
                     raise RuntimeError(f"{self._dir}: rows.dat holds another key in a slot the index gives; the "
                                        "tier is damaged")
                 loaded = self._table.load_records(self._writer, raw, k, pin)
+                loaded_slots.append(loaded)
                 self._disk.erase(k)
                 self._release(at)
                 if a + step < len(disk_keys) and not room:
@@ -644,15 +649,21 @@ class TieredStore(EmbeddingStore):
             base = np.concatenate([base, disk_keys])
             for end in range(step, len(new_keys) + step, step):
                 EmbeddingStore.find_or_insert(self, np.concatenate([base, new_keys[:end]]))
+        if len(disk_keys) < len(absent):
+            return None  # keys with no row yet: the call's lookup finds (and makes) them
+        # Every key has a slot: the cached ones where the find above gave it (pinned, or nothing
+        # was evicted), the loaded ones where loading put them (absent is disk_keys here).
+        cache_slots[~cached] = np.concatenate(loaded_slots)[where] if len(loaded_slots) > 1 else loaded_slots[0][where]
+        return cache_slots
 
     @contextlib.contextmanager
     def faulted_in(self, keys, insert: bool):
         """A context in which `keys` are in the memory cache (with `insert`, absent keys get
         their initial rows) and no other thread moves rows between the tiers: run a core lookup
-        of these keys inside it (what `grouped_pooled_lookup` and the torch modules do)."""
+        of these keys inside it (what `grouped_pooled_lookup` and the torch modules do). It
+        gives the cache slot of every key, or None (see _fault_in)."""
         with self._lock:
-            self._fault_in(keys, insert)
-            yield
+            yield self._fault_in(keys, insert)
             if self._spilled > 4 * self._evict_chunk:  # every 1/16 of the cache spilled
                 self._spilled = 0
                 _trim()

@@ -813,6 +813,64 @@ def test_the_prefetch_job_stages_each_disk_key_once_in_key_order_with_its_record
     store.close()
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_the_fault_in_hands_the_lookup_every_keys_slot_or_none(tmp_path, seed):
+    """faulted_in gives each key's cache slot once every key has a row in memory (found, or read
+    in over several rounds while the cache evicts), which the lookup pools without a second find
+    (grouped_forward's found_slots); None when some key has no row yet. Checked against a find
+    inside the same held section, and the lookups against an in-memory store."""
+    from cncore.store import EmbeddingStore
+    rng = np.random.default_rng(seed)
+    config = cncore.StoreConfig(dim=DIM, optimizer=cncore.SGD(lr=0.5), storage=cncore.Tiered(
+        str(tmp_path / "t"), cache_bytes=80 * (DIM * 4 + 47)))
+    store, memory = cncore.EmbeddingStore(config), cncore.EmbeddingStore(dataclasses.replace(config, storage=None))
+    for start in range(0, 300, 30):
+        for s in (store, memory):
+            s.find_or_insert(np.arange(start, start + 30))
+    store._evict_chunk = 8  # rounds of 8 rows: a fault-in of tens of disk rows takes several
+    gave = {"slots": 0, "none": 0}
+    for _ in range(30):
+        keys = rng.integers(0, 320, int(rng.integers(1, 40)))  # repeats; keys 300+ have no row yet
+        insert = bool(rng.integers(0, 2))
+        with store.faulted_in(keys, insert) as found:
+            if found is None:
+                gave["none"] += 1
+            else:
+                gave["slots"] += 1
+                slots, present = EmbeddingStore.find(store, keys)
+                assert present.all()
+                np.testing.assert_array_equal(found, slots)
+        lengths = np.ones(len(keys), np.int64)
+        if not insert:
+            keys = keys[memory.contains(keys)]
+            lengths = np.ones(len(keys), np.int64)
+        outs = [s.pooled_lookup(keys, lengths=lengths, insert_missing=insert)[0] for s in (store, memory)]
+        np.testing.assert_array_equal(outs[0], outs[1])
+    assert gave["slots"] > 0 and gave["none"] > 0
+    store.close()
+
+
+def test_found_slots_must_be_live_slots_of_the_table():
+    """_core.grouped_forward's found_slots: a slot out of range or not live is refused with a
+    ValueError naming it, and the table is unchanged."""
+    from cncore import _core
+    store = cncore.EmbeddingStore(cncore.StoreConfig(dim=4))
+    slots = store.find_or_insert(np.arange(10))[0]
+    store.erase(np.array([3]))
+    before = store.lookup(np.arange(10)[np.arange(10) != 3])
+    keys, offsets = np.array([0, 1], np.int64), np.array([0, 1, 2], np.int64)
+    for bad in ([slots[0], 10**6], [slots[0], -1], [slots[0], slots[3]]):
+        out = np.zeros((2, 4), np.float32)
+        with pytest.raises(ValueError, match=r"found_slots\[0\]: a slot that holds no row"):
+            _core.grouped_forward([store._table], [keys], [offsets], [None], [0], [out], False,
+                                  [np.array(bad, np.int64)])
+    out = np.zeros((2, 4), np.float32)
+    _core.grouped_forward([store._table], [keys], [offsets], [None], [0], [out], False,
+                          [np.array(slots[[1, 0]], np.int64)])
+    np.testing.assert_array_equal(out, store.lookup(np.array([1, 0])))  # pooled from the slots given
+    np.testing.assert_array_equal(store.lookup(np.arange(10)[np.arange(10) != 3]), before)
+
+
 @pytest.mark.parametrize("rec", [8, 152, 280, 4000, 4096, 4104, 9000])
 def test_record_offsets_is_the_one_formula_and_never_straddles_a_page(rec):
     """tiered.record_offsets (the reads) is cn_tier_offset (the writer's spills) itself; here it

@@ -430,6 +430,20 @@ static inline int cn_table_make_room(cn_table *t, const int64_t *keys, int64_t n
     return rc;
 }
 
+/* The slots a caller found (under a lock it holds since: a tier's fault-in) as a lookup's
+ * slots: copied into slots after checking that each is a live slot. CN_EBADSLOT otherwise.
+ * A live-bit test reads 1 bit a slot (14 KiB for 109k rows); checking the key stored at the
+ * slot instead would be a cache miss an ID, as costly as the find it replaces. */
+static inline int cn_table_take_found(const cn_table *t, const int64_t *found, int64_t n, int64_t *slots) {
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t s = found[i];
+        if (s < 0 || s >= t->arena.high_water || !(*cn_arena_live_word(&t->arena, s) >> (s & 63) & 1))
+            return CN_EBADSLOT;
+        slots[i] = s;
+    }
+    return CN_OK;
+}
+
 /* slots[i] = the slot of keys[i]; with insert, the keys not yet present are inserted (and
  * initialised), after making room in a bounded table (rows evicted into ev). With admit (a
  * training lookup) and admission configured, only the keys admitted by the sketch are
