@@ -339,6 +339,7 @@ class TieredStore(EmbeddingStore):
         self._prefetching = None  # the Future of this store's prefetch read
         self._staged = None       # its result: (commit, sorted keys, slots, records)
         self._stage_job = None    # its shared reads (_core.StageJob)
+        self._prefound = None     # the prefetch's find of its keys in the cache (_cache_find)
         self.cache_rows = _cache_rows(config, storage.cache_bytes)
         self._evict_chunk = max(_IO_ROWS, self.cache_rows // 64)
         self._spilled = 0  # rows spilled since the last malloc_trim (faulted_in)
@@ -580,7 +581,7 @@ class TieredStore(EmbeddingStore):
         keys = as_keys(keys)
         if not len(keys):
             return None
-        cache_slots, cached = EmbeddingStore.find(self, keys)
+        cache_slots, cached = self._cache_find(keys)
         n_cached = int(cached.sum())
         self.stats["hits"] += n_cached
         if n_cached == len(keys):
@@ -655,6 +656,19 @@ class TieredStore(EmbeddingStore):
         # was evicted), the loaded ones where loading put them (absent is disk_keys here).
         cache_slots[~cached] = np.concatenate(loaded_slots)[where] if len(loaded_slots) > 1 else loaded_slots[0][where]
         return cache_slots
+
+    def _cache_find(self, keys: np.ndarray):
+        """(slots, found) of keys in the cache: the prefetch's find of the same keys when the
+        cache's keys have not changed since (the table's version: a fresh stamp at every insert,
+        eviction, erase or rehash), else a find now. Taken once; kept across calls with other
+        keys that leave the cache's keys as they are."""
+        pre = self._prefound
+        if pre is not None and pre[0] != self._table.version:
+            pre = self._prefound = None
+        if pre is not None and len(pre[1]) == len(keys) and np.array_equal(pre[1], keys):
+            self._prefound = None
+            return pre[2], pre[3]
+        return EmbeddingStore.find(self, keys)
 
     @contextlib.contextmanager
     def faulted_in(self, keys, insert: bool):
@@ -850,6 +864,17 @@ class TieredStore(EmbeddingStore):
         # A copy: the caller may reuse its array while the background job reads it.
         keys = np.array(as_keys(keys), dtype=np.int64, copy=True)
         self._wait_prefetch()
+        self._prefound = None
+        if not len(keys):
+            return
+        # The keys are found in the cache here, and only those missing go to the background job;
+        # the call that looks these keys up takes this find instead of its own while the cache's
+        # keys are unchanged (the backward between them changes rows, not keys: _cache_find).
+        # The job then deduplicates and finds in the disk index ~1.5k IDs, not 16k (~6.2k keys,
+        # each a cache miss in the disk index): 0.4 ms less of its ~2.3 ms a 3x Zipf 1.05 step.
+        slots, found = EmbeddingStore.find(self, keys)
+        self._prefound = (self._table.version, keys, slots, found)
+        keys = keys[~found]
         if not len(keys):
             return
         # The rest runs on the background thread, in one C call without the GIL

@@ -850,6 +850,45 @@ def test_the_fault_in_hands_the_lookup_every_keys_slot_or_none(tmp_path, seed):
     store.close()
 
 
+@pytest.mark.parametrize("between", ["nothing", "backward", "other keys", "erase", "flush"])
+def test_a_lookup_takes_the_prefetchs_cache_find_only_while_the_caches_keys_are_unchanged(tmp_path, monkeypatch,
+                                                                                          between):
+    """prefetch(keys) finds the keys in the cache (only the missing ones go to the background
+    job); the lookup of the same keys takes that find instead of its own unless the cache's keys
+    changed since (the table's version). Whatever happened between, the lookup equals an
+    in-memory store's."""
+    from cncore.store import EmbeddingStore
+    config = cncore.StoreConfig(dim=DIM, optimizer=cncore.SGD(lr=0.5), storage=cncore.Tiered(
+        str(tmp_path / "t"), cache_bytes=80 * (DIM * 4 + 47)))
+    store, memory = cncore.EmbeddingStore(config), cncore.EmbeddingStore(dataclasses.replace(config, storage=None))
+    both = (store, memory)
+    for start in range(0, 300, 30):
+        for s in both:
+            s.find_or_insert(np.arange(start, start + 30))
+    keys = np.array([5, 290, 7, 5, 299, 150, 290], np.int64)  # some cached (the last filled), some on disk
+    store.prefetch(keys)
+    ctxs = [s.pooled_lookup(np.array([290, 291], np.int64), lengths=np.array([2]))[1] for s in both]
+    if between == "backward":
+        for s, c in zip(both, ctxs):
+            s.apply_gradients(c, np.ones((1, DIM), np.float32))
+    elif between == "other keys":  # faults rows in, evicting others: the cache's keys change
+        for s in both:
+            s.lookup(np.arange(100, 140))
+    elif between == "erase":
+        for s in both:
+            s.erase(np.array([299]))
+    elif between == "flush":
+        store.flush()
+    finds = []
+    real_find = EmbeddingStore.find
+    monkeypatch.setattr(EmbeddingStore, "find", lambda self, k: finds.append(len(k)) or real_find(self, k))
+    outs = [s.pooled_lookup(keys, lengths=np.ones(len(keys), np.int64), insert_missing=True)[0] for s in both]
+    np.testing.assert_array_equal(outs[0], outs[1])
+    took_prefound = len(keys) not in finds[:1]
+    assert took_prefound == (between in ("nothing", "backward", "flush")), (between, finds)
+    store.close()
+
+
 def test_found_slots_must_be_live_slots_of_the_table():
     """_core.grouped_forward's found_slots: a slot out of range or not live is refused with a
     ValueError naming it, and the table is unchanged."""
