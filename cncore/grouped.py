@@ -229,9 +229,10 @@ def lookup_checked(stores, keys, offsets, weights, modes, outs, insert_missing: 
         ctx = lookup_one(stores[0], keys[0], offsets[0], weights[0], modes[0], outs[0], insert_missing,
                          None if starts is None else slice(starts[0], starts[1]), context=contexts)
         return [ctx] if contexts else None
-    with tiers_faulted_in(stores, keys, insert_missing):
+    held, found = tiers_faulted_in(stores, keys, insert_missing)
+    with held:
         results = _core.grouped_forward([s._table for s in stores], keys, offsets, weights, list(modes), outs,
-                                        insert_missing)
+                                        insert_missing, found)
     if not contexts:
         return None
     columns = ([slice(starts[f], starts[f + 1]) for f in range(len(stores))] if starts is not None
@@ -300,21 +301,31 @@ def tiers_faulted_in(stores, key_arrays, insert: bool):
     one feature's keys cannot evict another's), and no other thread moves a row of those stores
     between the tiers: the caller runs its core lookup inside it. Stores are locked in one
     order (by id), so two grouped calls over the same stores cannot deadlock. Stores that are
-    not tiered are untouched."""
+    not tiered are untouched.
+
+    Returns (the context, found): found[f] is the cache slots of feature f's keys when its store
+    is tiered, used by f alone in this call, and gave them (TieredStore._fault_in), else None;
+    `found` is None when no store gave any (_core.grouped_forward's found_slots)."""
     by_store = {}
-    for store, k in zip(stores, key_arrays):
+    for f, (store, k) in enumerate(zip(stores, key_arrays)):
         if hasattr(store, "faulted_in"):
-            by_store.setdefault(id(store), (store, []))[1].append(k)
+            entry = by_store.setdefault(id(store), (store, [], []))
+            entry[1].append(k)
+            entry[2].append(f)
     if not by_store:
-        return _NOTHING_HELD
+        return _NOTHING_HELD, None
     held = contextlib.ExitStack()  # entered here; the caller's `with` closes it
+    found = None
     try:
-        for _, (store, parts) in sorted(by_store.items()):
-            held.enter_context(store.faulted_in(np.concatenate(parts) if len(parts) > 1 else parts[0], insert))
+        for _, (store, parts, features) in sorted(by_store.items()):
+            slots = held.enter_context(store.faulted_in(np.concatenate(parts) if len(parts) > 1 else parts[0], insert))
+            if slots is not None and len(features) == 1:
+                found = found or [None] * len(stores)
+                found[features[0]] = slots
     except BaseException:
         held.close()
         raise
-    return held
+    return held, found
 
 
 def _merge(ctxs: List[LookupContext], grads: List[np.ndarray]):

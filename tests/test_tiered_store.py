@@ -889,6 +889,39 @@ def test_a_lookup_takes_the_prefetchs_cache_find_only_while_the_caches_keys_are_
     store.close()
 
 
+def test_a_grouped_lookup_hands_each_tiered_feature_alone_on_its_store_its_found_slots(tmp_path):
+    """grouped.tiers_faulted_in (the collections' path): a tiered store used by one feature of
+    the call gives that feature's cache slots to the core lookup; a store shared by two
+    features, or not tiered, gives none. The grouped lookup equals per-store in-memory lookups."""
+    from cncore import grouped
+    from cncore.store import EmbeddingStore
+
+    def tier(name):
+        return cncore.StoreConfig(dim=DIM, optimizer=cncore.SGD(lr=0.5), storage=cncore.Tiered(
+            str(tmp_path / name), cache_bytes=80 * (DIM * 4 + 47)))
+    a, b = cncore.EmbeddingStore(tier("a")), cncore.EmbeddingStore(tier("b"))
+    plain = cncore.EmbeddingStore(cncore.StoreConfig(dim=DIM))
+    refs = {id(s): cncore.EmbeddingStore(dataclasses.replace(s.config, storage=None)) for s in (a, b)}
+    refs[id(plain)] = plain
+    for start in range(0, 300, 30):  # most rows of a and b on disk
+        for s in (a, b, refs[id(a)], refs[id(b)], plain):
+            s.find_or_insert(np.arange(start, start + 30))
+    rng = np.random.default_rng(0)
+    stores = [a, b, b, plain]
+    keys = [rng.integers(0, 300, 12) for _ in stores]
+    held, found = grouped.tiers_faulted_in(stores, keys, False)
+    with held:
+        assert found[1] is None and found[2] is None and found[3] is None  # b twice; plain not tiered
+        np.testing.assert_array_equal(found[0], EmbeddingStore.find(a, keys[0])[0])
+    offsets = [np.array([0, 5, 12], np.int64) for _ in stores]
+    outs = [np.zeros((2, DIM), np.float32) for _ in stores]
+    grouped.lookup_arrays(stores, keys, offsets, [None] * 4, [0] * 4, outs, False, contexts=False)
+    for s, k, o, out in zip(stores, keys, offsets, outs):
+        np.testing.assert_array_equal(out, refs[id(s)].pooled_lookup(k, o)[0])
+    a.close()
+    b.close()
+
+
 def test_found_slots_must_be_live_slots_of_the_table():
     """_core.grouped_forward's found_slots: a slot out of range or not live is refused with a
     ValueError naming it, and the table is unchanged."""

@@ -96,7 +96,11 @@ def _run_one(kind: str, stream: str, multiple: float, args, directory: str) -> d
     reset_peak_rss()
     storage = cncore.Tiered(os.path.join(directory, "t"), args.cache_mib << 20) if kind == "tiered" else None
     capacity = {"capacity": n_keys} if args.capacity_hint else {}
-    store = cncore.EmbeddingStore(cncore.StoreConfig(dim=args.dim, optimizer=opt, storage=storage, **capacity))
+    # The policy of the tier's cache (its eviction). The in-memory store has none, as before (the
+    # fastest in-memory table: no metadata kept for a policy).
+    eviction = {"eviction": cncore.LFU() if args.eviction == "lfu" else cncore.LRU()} if kind == "tiered" else {}
+    store = cncore.EmbeddingStore(cncore.StoreConfig(dim=args.dim, optimizer=opt, storage=storage, **eviction,
+                                                     **capacity))
     assert kind != "tiered" or store.cache_rows == cache_rows
     for start in range(0, n_keys, ids):  # fill: every key once
         chunk = all_keys[start:start + ids]
@@ -170,6 +174,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-prefetch", dest="prefetch", action="store_false",
                     help="do not hand the next batch's keys to prefetch() during each step")
     ap.add_argument("--dir", default=None, help="where the tier files go (default: the temp dir)")
+    ap.add_argument("--eviction", choices=["lru", "lfu"], default="lru",
+                    help="the tier cache's policy (StoreConfig.eviction; LRU is the tier's default)")
     ap.add_argument("--capacity-hint", action="store_true",
                     help="StoreConfig(capacity=rows of the table) in both runs (the tier sizes its disk index once)")
     ap.add_argument("--quick", action="store_true", help="a smoke run: 1 MiB cache, 3x, 4 steps, 2 passes")
@@ -197,7 +203,8 @@ def main(argv=None) -> int:
                                   str(multiple), "--cache-mib", str(args.cache_mib), "--dim", str(args.dim),
                                   "--batch", str(args.batch), "--bag", str(args.bag), "--steps", str(args.steps),
                                   "--passes", str(args.passes if rep == 0 else 0), "--warmup", str(args.warmup),
-                                  "--threads", str(args.threads), "--multiples", *map(str, args.multiples)]
+                                  "--threads", str(args.threads), "--eviction", args.eviction,
+                                  "--multiples", *map(str, args.multiples)]
                     if args.capacity_hint:
                         argv_child.append("--capacity-hint")
                     if not args.prefetch:
@@ -218,6 +225,7 @@ def main(argv=None) -> int:
           f"{args.batch} x {args.bag} IDs per step, {args.threads} thread(s), prefetch "
           f"{'on' if args.prefetch else 'off'}, {args.warmup} warm-up + {args.steps} measured steps, the median of "
           f"{args.repeat} alternating runs of each kind; capacity hint {'on' if args.capacity_hint else 'off'}; "
+          f"cache eviction {args.eviction.upper()}; "
           f"load average "
           f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after\n")
     print("| table / cache | stream | rows | tiered step ms (mean) | in-memory step ms (mean) | tiered / in-memory "
