@@ -922,6 +922,31 @@ def test_a_grouped_lookup_hands_each_tiered_feature_alone_on_its_store_its_found
     b.close()
 
 
+def test_a_prefetch_of_a_few_ids_hands_in_a_job_only_for_keys_on_disk(tmp_path):
+    """prefetch: when few IDs are missing from memory, the disk index is asked on the caller's
+    thread and no background job is handed in unless some are on disk; the job then stages
+    exactly those. Lookups equal an in-memory store's either way."""
+    config = cncore.StoreConfig(dim=DIM, optimizer=cncore.SGD(lr=0.5), storage=cncore.Tiered(
+        str(tmp_path / "t"), cache_bytes=80 * (DIM * 4 + 47)))
+    store, memory = cncore.EmbeddingStore(config), cncore.EmbeddingStore(dataclasses.replace(config, storage=None))
+    for start in range(0, 300, 30):
+        for s in (store, memory):
+            s.find_or_insert(np.arange(start, start + 30))
+    cached_and_new = np.array([299, 298, 1000, 1001, 299], np.int64)  # in memory, or no row anywhere
+    store.prefetch(cached_and_new)
+    assert store._prefetching is None
+    with_disk = np.array([299, 3, 1000, 4, 3], np.int64)  # 3 and 4 on disk
+    store.prefetch(with_disk)
+    assert store._prefetching is not None
+    store._wait_prefetch()
+    np.testing.assert_array_equal(store._staged[1], [3, 4])
+    for keys in (with_disk, cached_and_new):
+        outs = [s.pooled_lookup(keys, lengths=np.ones(len(keys), np.int64), insert_missing=True)[0]
+                for s in (store, memory)]
+        np.testing.assert_array_equal(outs[0], outs[1])
+    store.close()
+
+
 def test_found_slots_must_be_live_slots_of_the_table():
     """_core.grouped_forward's found_slots: a slot out of range or not live is refused with a
     ValueError naming it, and the table is unchanged."""

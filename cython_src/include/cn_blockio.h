@@ -11,6 +11,11 @@
  * 320-byte reads from a cached 200 MiB file cost 0.81 us each by pread on one thread, 0.69 on
  * two, 0.75 through one io_uring submission of all of them, kernel 6.18, 2 cores); mmap
  * (mapped pages count in the process's RSS, and the tier promises an RSS near its cache budget).
+ * mmap measured again (C, AMD EPYC guest, 1,435 random 280-byte records of a cached 100 MiB
+ * file, as a 3x Zipf 1.05 step reads, 60 rounds with a 64 MiB flush between): pread 0.83-0.90
+ * us a record; a copy from a mapping 0.39-0.46 where each record's page faults in, but giving
+ * the pages back to keep RSS bounded costs more than it saves: madvise(MADV_DONTNEED) a record
+ * 1.2-1.3 us, a fresh mapping per batch (mmap, copy, munmap) 0.75-0.84 in all.
  * The thread count is the tier's own (Tiered.io_threads), not the core's compute setting: a
  * job that runs the core on one thread still wants several reads in flight.
  */
