@@ -236,7 +236,12 @@ def _trim() -> None:
     a call here, so not after every step: after a flush or compaction, and once the calls since
     the last trim spilled 1/16 of the cache (4 rounds of rows). Without it, a table 10x a 32 MiB
     cache under Zipf 1.05 IDs crept from 72 to 84 MiB over 90 steps in some runs (freed
-    eviction batches kept in the heap, fragmented)."""
+    eviction batches kept in the heap, fragmented). Rejected (round 4, 300-step runs): the
+    eviction's row buffers mapped and unmapped directly instead (no trim needed for them): page
+    faults 57k trimmed heap -> 67k mapped untrimmed, 105k mapped and trimmed; and trimming 4x
+    less often: no faster, the 3x store peak 41.3-42.0 -> 42.4-42.6 MiB. In cn-dlrm (26 small
+    tables, each trimming torch's heap too: 1.2-1.35 ms a call) the trim costs ~10% of the tier's
+    samples/s; a process-wide trigger is a lead (README)."""
     if _TRIM and _MALLOC_TRIM is not None:
         _MALLOC_TRIM(0)
 
