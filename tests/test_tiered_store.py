@@ -119,6 +119,15 @@ class TieredMachine(RuleBasedStateMachine):
         """Read ahead in the background; whatever runs next must see the current rows."""
         self.tiered.prefetch(np.array(keys, np.int64))
 
+    @rule(keys=st.lists(st.one_of(st.integers(-30, 30), st.integers(1000, 1500)), min_size=1, max_size=16),
+          seed=st.integers(0, 99))
+    def prefetch_then_train(self, keys, seed):
+        """The pipeline's order: the batch's keys handed in early, then its step. The step takes
+        the prefetch's cache find, makes its room before waiting for the job, pools from the slots
+        its fault-in found."""
+        self.tiered.prefetch(np.array(keys, np.int64))
+        self.train(keys, seed, "sum")
+
     @rule(n=st.integers(0, 20))
     def evict(self, n):
         """Rows evicted on demand (and, with TTL, the expired ones) go to disk, not away."""
@@ -944,6 +953,42 @@ def test_a_prefetch_of_a_few_ids_hands_in_a_job_only_for_keys_on_disk(tmp_path):
         outs = [s.pooled_lookup(keys, lengths=np.ones(len(keys), np.int64), insert_missing=True)[0]
                 for s in (store, memory)]
         np.testing.assert_array_equal(outs[0], outs[1])
+    store.close()
+
+
+@pytest.mark.parametrize("prefetched", ["the call's keys", "other keys"])
+def test_a_fault_in_makes_room_before_waiting_only_for_its_own_prefetch(tmp_path, prefetched):
+    """A fault-in whose keys are the running prefetch's (its cache find matched) evicts the room
+    its disk rows need before it waits for the job's reads, and that spill does not wait for the
+    job (the job looks up only this call's keys missing from memory; the eviction takes only rows
+    the call does not use). With another prefetch running, the spill waits for it first, as
+    before. The background thread is held (0.4 s) so that the job is provably still to run.
+    Lookups equal an in-memory store's."""
+    import threading
+    import time
+    from cncore import tiered
+    config = cncore.StoreConfig(dim=DIM, optimizer=cncore.SGD(lr=0.5), storage=cncore.Tiered(
+        str(tmp_path / "t"), cache_bytes=80 * (DIM * 4 + 47)))
+    store, memory = cncore.EmbeddingStore(config), cncore.EmbeddingStore(dataclasses.replace(config, storage=None))
+    for start in range(0, 300, 30):
+        for s in (store, memory):
+            s.find_or_insert(np.arange(start, start + 30))
+    assert store.cached_rows + 12 > store.cache_rows  # 12 disk rows need an eviction
+    keys = np.concatenate([np.arange(290, 300), np.arange(0, 12)])  # 10 in memory, 12 on disk
+    spilled_at = []
+    behind = store._writer.behind
+    store._writer.behind = lambda job: (spilled_at.append(time.monotonic()), behind(job))[1]
+    gate = threading.Event()
+    tiered._prefetcher().submit(gate.wait)  # the prefetch's job queues behind this
+    opened = []
+    threading.Timer(0.4, lambda: (opened.append(time.monotonic()), gate.set())).start()
+    store.prefetch(keys if prefetched == "the call's keys" else np.arange(20, 32))
+    outs = [s.pooled_lookup(keys, lengths=np.ones(len(keys), np.int64))[0] for s in (store, memory)]
+    gate.set()
+    np.testing.assert_array_equal(outs[0], outs[1])
+    assert spilled_at and opened
+    assert (spilled_at[0] < opened[0]) == (prefetched == "the call's keys"), (spilled_at, opened)
+    assert_same_rows(store, memory)
     store.close()
 
 

@@ -764,6 +764,34 @@ cdef class Table:
         _raise_insert(rc, self, n)
         return n_new
 
+    def make_room(self, int64_t n, const slot_t[::1] pin):
+        """Room for n more rows in this bounded table now (cn_tier_make_room): evict down to the
+        low-water mark after them, keeping the live rows at slots `pin` out of the choice; the
+        evicted rows go to the evict sink. Returns how many were evicted. A tier's fault-in
+        makes the room of the rows it will load before it waits for their reads."""
+        cdef int64_t n_pin = pin.shape[0], i, evicted = 0
+        cdef int rc = CN_OK
+        cdef cn_evicted ev
+        cdef int want = _sink_want(self)
+        ev.n = 0
+        if n <= 0:
+            return 0
+        with nogil:
+            _wrlock(self)
+            for i in range(n_pin):  # a pin must be a live slot (the set_live of a freed one would revive it)
+                if pin[i] < 0 or pin[i] >= self.t.arena.high_water:
+                    rc = CN_EBADSLOT
+                    break
+            if rc == CN_OK:
+                rc = cn_tier_make_room(&self.t, n, &pin[0] if n_pin else NULL, n_pin, want, &ev)
+            _unlock(self)
+        evicted = ev.n
+        self._deliver(&ev)
+        if rc == CN_EBADSLOT:
+            raise ValueError("pin: a slot outside the table")
+        _raise_insert(rc, self, n)
+        return evicted
+
     def load_records(self, RecordWriter layout_of, const uint8_t[:, ::1] records, const key_t[::1] keys,
                      const slot_t[::1] pin):
         """Load records (their keys: keys, distinct, none in the table) into this bounded table in

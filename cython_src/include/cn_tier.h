@@ -105,28 +105,37 @@ static inline int64_t cn_tier_check_keys(const cn_tier_layout *L, const uint8_t 
  * low-water mark, rows evicted into ev (rows and state with want_rows). Returns CN_OK, CN_EFULL
  * (the pinned and loaded rows exceed max_rows) or CN_ENOMEM; on an error nothing was loaded (an
  * eviction that had already happened is in ev, to be handed on). */
+/* Room for n more rows in a bounded table (nothing to do when it has it): evict down to the
+ * low-water mark after them, keeping the live rows at the n_pin slots `pin` (repeats allowed)
+ * out of the choice, as cn_table_make_room does for an insert. Evicted rows go into ev. Returns
+ * CN_OK, CN_EFULL (the pinned rows and the n exceed max_rows: nothing evicted) or CN_ENOMEM. */
+static inline int cn_tier_make_room(cn_table *t, int64_t n, const int64_t *pin, int64_t n_pin, int want_rows,
+                                    cn_evicted *ev) {
+    memset(ev, 0, sizeof(*ev));
+    const int64_t size = t->index.size;
+    if (t->bound.max_rows <= 0 || size + n <= t->bound.max_rows) return CN_OK;
+    uint8_t *was = (uint8_t *)malloc((size_t)(n_pin ? n_pin : 1));
+    if (was == NULL) return CN_ENOMEM;
+    int64_t pinned = 0;
+    for (int64_t i = 0; i < n_pin; i++) pinned += was[i] = (uint8_t)cn_arena_set_live(&t->arena, pin[i], 0);
+    int rc = CN_EFULL;
+    if (pinned + n <= t->bound.max_rows) {
+        int64_t k = size + n - t->bound.low_water;
+        if (k > size - pinned) k = size - pinned;
+        rc = cn_table_evict_lowest(t, k, size - pinned, want_rows, ev, size + n - k);
+    }
+    for (int64_t i = 0; i < n_pin; i++)  /* only the bits this call cleared (a pin given twice: once) */
+        if (was[i]) cn_arena_set_live(&t->arena, pin[i], 1);
+    free(was);
+    return rc;
+}
+
 static inline int cn_tier_load(cn_table *t, const cn_tier_layout *L, const uint8_t *buf, const int64_t *keys,
                                int64_t n, const int64_t *pin, int64_t n_pin, int want_rows, cn_evicted *ev,
                                int64_t *slots) {
     memset(ev, 0, sizeof(*ev));
     if (n == 0) return CN_OK;
-    int rc = CN_OK;
-    const int64_t size = t->index.size;
-    if (t->bound.max_rows > 0 && size + n > t->bound.max_rows) {
-        uint8_t *was = (uint8_t *)malloc((size_t)(n_pin ? n_pin : 1));
-        if (was == NULL) return CN_ENOMEM;
-        int64_t pinned = 0;
-        for (int64_t i = 0; i < n_pin; i++) pinned += was[i] = (uint8_t)cn_arena_set_live(&t->arena, pin[i], 0);
-        rc = CN_EFULL;
-        if (pinned + n <= t->bound.max_rows) {
-            int64_t k = size + n - t->bound.low_water;
-            if (k > size - pinned) k = size - pinned;
-            rc = cn_table_evict_lowest(t, k, size - pinned, want_rows, ev, size + n - k);
-        }
-        for (int64_t i = 0; i < n_pin; i++)  /* only the bits this call cleared (a pin given twice: once) */
-            if (was[i]) cn_arena_set_live(&t->arena, pin[i], 1);
-        free(was);
-    }
+    int rc = cn_tier_make_room(t, n, pin, n_pin, want_rows, ev);
     if (rc == CN_OK) rc = cn_table_reserve(t, t->index.size + n);
     if (rc != CN_OK) return rc;
     float tmp[256];
