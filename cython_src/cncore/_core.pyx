@@ -1039,8 +1039,9 @@ def grouped_forward(list tables, list keys, list offsets, list weights, list mod
     found_slots (a tier's fault-in, cncore/tiered.py): per feature None, or the slot of every
     one of its keys, found by the caller under a lock it still holds: the lookup pools those
     rows without finding the keys again (16k IDs: 0.19 ms of a 3x Zipf 1.05 tier step found
-    twice). Only for a feature alone on its table; every slot must be live (ValueError, the
-    table unchanged: a slot not handed out by it, or freed since).
+    twice); -1 for a key to find here (one the caller brought in since its find). Only for a
+    feature alone on its table; every slot must be live and every -1 key present (ValueError,
+    the table unchanged: a slot not handed out by it, or freed since).
     """
     cdef int64_t F = len(tables), f, u, U
     cdef Table tab
@@ -1156,7 +1157,8 @@ def grouped_forward(list tables, list keys, list offsets, list weights, list mod
                         pthread_rwlock_rdlock(&tp[u].lock)
                     if u_found[u]:
                         u_nnew[u] = 0
-                        rc = cn_table_take_found(tp[u], <slot_t*> u_found[u], u_n[u], <slot_t*> u_slots[u])
+                        rc = cn_table_take_found(tp[u], <key_t*> u_keys[u], <slot_t*> u_found[u], u_n[u],
+                                                 <slot_t*> u_slots[u])
                     else:
                         rc = cn_table_resolve(tp[u], <key_t*> u_keys[u], u_n[u], <slot_t*> u_slots[u], NULL,
                                               insert_missing, insert_missing, <int> u_want[u], &evs[u],

@@ -119,7 +119,7 @@ cdef extern from "cn_table.h" nogil:
     int64_t cn_table_capacity(const cn_table *t)
     int cn_table_reserve(cn_table *t, int64_t total)
     void cn_table_find(const cn_table *t, const key_t *keys, int64_t n, slot_t *slots)
-    int cn_table_take_found(const cn_table *t, const slot_t *found, int64_t n, slot_t *slots)
+    int cn_table_take_found(const cn_table *t, const key_t *keys, const slot_t *found, int64_t n, slot_t *slots)
     int cn_table_resolve(cn_table *t, const key_t *keys, int64_t n, slot_t *slots, uint8_t *found, int insert,
                          int admit, int want_rows, cn_evicted *ev, int64_t *n_new)
     void cn_table_pool(const cn_table *t, const key_t *keys, const offset_t *offsets, int64_t n_bags,
