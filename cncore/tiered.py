@@ -580,6 +580,8 @@ class TieredStore(EmbeddingStore):
             self._wait_oldest_write()
 
     def _fault_in(self, keys, insert: bool) -> Optional[np.ndarray]:
+        """_fault_in_rows; whatever happens, the running prefetch is no longer the call's own
+        after it (_job_is_this_calls: later spills wait for the job again)."""
         try:
             return self._fault_in_rows(keys, insert)
         finally:
