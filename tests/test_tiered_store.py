@@ -797,6 +797,18 @@ def test_a_prefetch_never_brings_back_a_row_older_than_memory(tmp_path, held):
     assert_same_rows(store, memory)
 
 
+def small_tier_and_memory(tmp_path, rows: int = 300):
+    """A tiered store of 80 cached rows (SGD) holding keys 0..rows-1, most of them on disk (the
+    last filled in memory), and an in-memory store with the same rows."""
+    config = cncore.StoreConfig(dim=DIM, optimizer=cncore.SGD(lr=0.5), storage=cncore.Tiered(
+        str(tmp_path / "t"), cache_bytes=80 * (DIM * 4 + 47)))
+    store, memory = cncore.EmbeddingStore(config), cncore.EmbeddingStore(dataclasses.replace(config, storage=None))
+    for start in range(0, rows, 30):
+        for s in (store, memory):
+            s.find_or_insert(np.arange(start, min(start + 30, rows)))
+    return store, memory
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_the_prefetch_job_stages_each_disk_key_once_in_key_order_with_its_record(tmp_path, seed):
     """RecordWriter.stage (cn_tier_stage, its sorts in cn_sort.h): of a batch of IDs with
@@ -831,12 +843,7 @@ def test_the_fault_in_hands_the_lookup_every_keys_slot_or_none(tmp_path, seed):
     against an in-memory store."""
     from cncore.store import EmbeddingStore
     rng = np.random.default_rng(seed)
-    config = cncore.StoreConfig(dim=DIM, optimizer=cncore.SGD(lr=0.5), storage=cncore.Tiered(
-        str(tmp_path / "t"), cache_bytes=80 * (DIM * 4 + 47)))
-    store, memory = cncore.EmbeddingStore(config), cncore.EmbeddingStore(dataclasses.replace(config, storage=None))
-    for start in range(0, 300, 30):
-        for s in (store, memory):
-            s.find_or_insert(np.arange(start, start + 30))
+    store, memory = small_tier_and_memory(tmp_path)
     store._evict_chunk = 8  # rounds of 8 rows: a fault-in of tens of disk rows takes several
     gave = {"slots": 0, "none": 0}
     for _ in range(30):
@@ -870,13 +877,8 @@ def test_a_lookup_takes_the_prefetchs_cache_find_only_while_the_caches_keys_are_
     changed since (the table's version). Whatever happened between, the lookup equals an
     in-memory store's."""
     from cncore.store import EmbeddingStore
-    config = cncore.StoreConfig(dim=DIM, optimizer=cncore.SGD(lr=0.5), storage=cncore.Tiered(
-        str(tmp_path / "t"), cache_bytes=80 * (DIM * 4 + 47)))
-    store, memory = cncore.EmbeddingStore(config), cncore.EmbeddingStore(dataclasses.replace(config, storage=None))
+    store, memory = small_tier_and_memory(tmp_path)
     both = (store, memory)
-    for start in range(0, 300, 30):
-        for s in both:
-            s.find_or_insert(np.arange(start, start + 30))
     keys = np.array([5, 290, 7, 5, 299, 150, 290], np.int64)  # some cached (the last filled), some on disk
     store.prefetch(keys)
     ctxs = [s.pooled_lookup(np.array([290, 291], np.int64), lengths=np.array([2]))[1] for s in both]
@@ -939,12 +941,7 @@ def test_a_prefetch_of_a_few_ids_hands_in_a_job_only_for_keys_on_disk(tmp_path):
     """prefetch: when few IDs are missing from memory, the disk index is asked on the caller's
     thread and no background job is handed in unless some are on disk; the job then stages
     exactly those. Lookups equal an in-memory store's either way."""
-    config = cncore.StoreConfig(dim=DIM, optimizer=cncore.SGD(lr=0.5), storage=cncore.Tiered(
-        str(tmp_path / "t"), cache_bytes=80 * (DIM * 4 + 47)))
-    store, memory = cncore.EmbeddingStore(config), cncore.EmbeddingStore(dataclasses.replace(config, storage=None))
-    for start in range(0, 300, 30):
-        for s in (store, memory):
-            s.find_or_insert(np.arange(start, start + 30))
+    store, memory = small_tier_and_memory(tmp_path)
     cached_and_new = np.array([299, 298, 1000, 1001, 299], np.int64)  # in memory, or no row anywhere
     store.prefetch(cached_and_new)
     assert store._prefetching is None
@@ -971,12 +968,7 @@ def test_a_fault_in_makes_room_before_waiting_only_for_its_own_prefetch(tmp_path
     import threading
     import time
     from cncore import tiered
-    config = cncore.StoreConfig(dim=DIM, optimizer=cncore.SGD(lr=0.5), storage=cncore.Tiered(
-        str(tmp_path / "t"), cache_bytes=80 * (DIM * 4 + 47)))
-    store, memory = cncore.EmbeddingStore(config), cncore.EmbeddingStore(dataclasses.replace(config, storage=None))
-    for start in range(0, 300, 30):
-        for s in (store, memory):
-            s.find_or_insert(np.arange(start, start + 30))
+    store, memory = small_tier_and_memory(tmp_path)
     assert store.cached_rows + 12 > store.cache_rows  # 12 disk rows need an eviction
     keys = np.concatenate([np.arange(290, 300), np.arange(0, 12)])  # 10 in memory, 12 on disk
     spilled_at = []

@@ -538,6 +538,13 @@ cdef inline const weight_t* _opt_ptr(object arr):
     return &view[0, 0] if view.shape[0] > 0 else NULL
 
 
+cdef _raise_tier_load(int rc, Table tab, int64_t n):
+    """The error of a tier's load or room (cn_tier_load, cn_tier_make_room), if any."""
+    if rc == CN_EBADSLOT:
+        raise ValueError("pin: a slot outside the table")
+    _raise_insert(rc, tab, n)
+
+
 cdef _raise_insert(int rc, Table tab, int64_t n):
     if rc == CN_EFULL:
         raise ValueError(f"the call's distinct keys exceed the table's max_rows ({tab.t.bound.max_rows}): its own rows "
@@ -769,7 +776,7 @@ cdef class Table:
         low-water mark after them, keeping the live rows at slots `pin` out of the choice; the
         evicted rows go to the evict sink. Returns how many were evicted. A tier's fault-in
         makes the room of the rows it will load before it waits for their reads."""
-        cdef int64_t n_pin = pin.shape[0], i, evicted = 0
+        cdef int64_t n_pin = pin.shape[0], evicted = 0
         cdef int rc = CN_OK
         cdef cn_evicted ev
         cdef int want = _sink_want(self)
@@ -778,18 +785,11 @@ cdef class Table:
             return 0
         with nogil:
             _wrlock(self)
-            for i in range(n_pin):  # a pin must be a live slot (the set_live of a freed one would revive it)
-                if pin[i] < 0 or pin[i] >= self.t.arena.high_water:
-                    rc = CN_EBADSLOT
-                    break
-            if rc == CN_OK:
-                rc = cn_tier_make_room(&self.t, n, &pin[0] if n_pin else NULL, n_pin, want, &ev)
+            rc = cn_tier_make_room(&self.t, n, &pin[0] if n_pin else NULL, n_pin, want, &ev)
             _unlock(self)
         evicted = ev.n
         self._deliver(&ev)
-        if rc == CN_EBADSLOT:
-            raise ValueError("pin: a slot outside the table")
-        _raise_insert(rc, self, n)
+        _raise_tier_load(rc, self, n)
         return evicted
 
     def load_records(self, RecordWriter layout_of, const uint8_t[:, ::1] records, const key_t[::1] keys,
@@ -798,7 +798,7 @@ cdef class Table:
         one nogil section (cn_tier_load), keeping the live rows at slots `pin` out of the eviction
         that makes their room; evicted rows go to the evict sink. Returns the loaded keys' slots.
         `layout_of`: the tier's writer (its record layout)."""
-        cdef int64_t n = keys.shape[0], n_pin = pin.shape[0], i
+        cdef int64_t n = keys.shape[0], n_pin = pin.shape[0]
         cdef int rc = CN_OK
         cdef cn_evicted ev
         cdef int want = _sink_want(self)
@@ -813,18 +813,11 @@ cdef class Table:
         ev.n = 0
         with nogil:
             _wrlock(self)
-            for i in range(n_pin):  # a pin must be a live slot (the set_live of a freed one would revive it)
-                if pin[i] < 0 or pin[i] >= self.t.arena.high_water:
-                    rc = CN_EBADSLOT
-                    break
-            if rc == CN_OK:
-                rc = cn_tier_load(&self.t, &layout_of.L, &records[0, 0], &keys[0], n, &pin[0] if n_pin else NULL,
-                                  n_pin, want, &ev, &o[0])
+            rc = cn_tier_load(&self.t, &layout_of.L, &records[0, 0], &keys[0], n, &pin[0] if n_pin else NULL,
+                              n_pin, want, &ev, &o[0])
             _unlock(self)
         self._deliver(&ev)
-        if rc == CN_EBADSLOT:
-            raise ValueError("pin: a slot outside the table")
-        _raise_insert(rc, self, n)
+        _raise_tier_load(rc, self, n)
         return out
 
     def erase(self, const key_t[::1] keys, uint8_t[::1] erased):

@@ -50,6 +50,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "cn_arena.h"
+#include "cn_sort.h"
 
 enum { CN_EVICT_NONE = 0, CN_EVICT_LRU = 1, CN_EVICT_LFU = 2, CN_EVICT_TTL = 3 };
 
@@ -114,31 +115,9 @@ static inline int64_t cn_victim_partition(cn_victim *v, int64_t lo, int64_t hi) 
     return store;
 }
 
-/* Ascending by order. Quicksort with median-of-three (slot order often follows score order,
- * which a first-element pivot would turn quadratic) and insertion sort below 16; inline, where
- * qsort's comparator call per comparison was a fifth of an eviction round. */
-static inline void cn_victim_sort(cn_victim *v, int64_t n) {
-    int64_t lo = 0, hi = n - 1;
-    while (hi - lo >= 16) {
-        const int64_t p = cn_victim_partition(v, lo, hi);
-        if (p - lo < hi - p) { /* recurse on the smaller side: depth O(log n) */
-            cn_victim_sort(v + lo, p - lo);
-            lo = p + 1;
-        } else {
-            cn_victim_sort(v + p + 1, hi - p);
-            hi = p - 1;
-        }
-    }
-    for (int64_t i = lo + 1; i <= hi; i++) {
-        const cn_victim x = v[i];
-        int64_t j = i - 1;
-        while (j >= lo && v[j].order > x.order) {
-            v[j + 1] = v[j];
-            j--;
-        }
-        v[j + 1] = x;
-    }
-}
+/* Ascending by order (cn_sort.h). */
+#define CN_VICTIM_LESS(a, b) ((a).order < (b).order)
+CN_DEFINE_SORT(cn_victim_sort, cn_victim, CN_VICTIM_LESS)
 
 /* Reorder v so that v[nth] is the nth smallest, with smaller ones before it (quickselect). */
 static inline void cn_victim_nth(cn_victim *v, int64_t n, int64_t nth) {

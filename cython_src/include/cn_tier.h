@@ -97,21 +97,17 @@ static inline int64_t cn_tier_check_keys(const cn_tier_layout *L, const uint8_t 
     return -1;
 }
 
-/* Load n records (distinct keys, keys[i] the key of record i, none in the table) into a bounded
- * table; slots[i] receives the slot of keys[i]. The live rows at the n_pin slots `pin` (the
- * call's other rows; repeats allowed) are kept out of the eviction that makes the room: pinned by
- * slot, not by key, as the caller found them already (a find of a step's 16k keys per round
- * was 0.1-0.2 ms). The room is made as cn_table_make_room makes it for an insert: down to the
- * low-water mark, rows evicted into ev (rows and state with want_rows). Returns CN_OK, CN_EFULL
- * (the pinned and loaded rows exceed max_rows) or CN_ENOMEM; on an error nothing was loaded (an
- * eviction that had already happened is in ev, to be handed on). */
 /* Room for n more rows in a bounded table (nothing to do when it has it): evict down to the
  * low-water mark after them, keeping the live rows at the n_pin slots `pin` (repeats allowed)
  * out of the choice, as cn_table_make_room does for an insert. Evicted rows go into ev. Returns
- * CN_OK, CN_EFULL (the pinned rows and the n exceed max_rows: nothing evicted) or CN_ENOMEM. */
+ * CN_OK, CN_EBADSLOT (a pin outside the table: setting the live bit of a freed slot would revive
+ * it), CN_EFULL (the pinned rows and the n exceed max_rows) or CN_ENOMEM; on an error nothing
+ * was evicted. */
 static inline int cn_tier_make_room(cn_table *t, int64_t n, const int64_t *pin, int64_t n_pin, int want_rows,
                                     cn_evicted *ev) {
     memset(ev, 0, sizeof(*ev));
+    for (int64_t i = 0; i < n_pin; i++)
+        if (pin[i] < 0 || pin[i] >= t->arena.high_water) return CN_EBADSLOT;
     const int64_t size = t->index.size;
     if (t->bound.max_rows <= 0 || size + n <= t->bound.max_rows) return CN_OK;
     uint8_t *was = (uint8_t *)malloc((size_t)(n_pin ? n_pin : 1));
@@ -130,6 +126,15 @@ static inline int cn_tier_make_room(cn_table *t, int64_t n, const int64_t *pin, 
     return rc;
 }
 
+/* Load n records (distinct keys, keys[i] the key of record i, none in the table) into a bounded
+ * table; slots[i] receives the slot of keys[i]. The live rows at the n_pin slots `pin` (the
+ * call's other rows; repeats allowed) are kept out of the eviction that makes the room: pinned by
+ * slot, not by key, as the caller found them already (a find of a step's 16k keys per round
+ * was 0.1-0.2 ms). The room is made as cn_table_make_room makes it for an insert: down to the
+ * low-water mark, rows evicted into ev (rows and state with want_rows). Returns CN_OK, CN_EFULL
+ * (the pinned and loaded rows exceed max_rows), CN_EBADSLOT (a pin outside the table) or
+ * CN_ENOMEM; on an error nothing was loaded (an eviction that had already happened is in ev, to
+ * be handed on). */
 static inline int cn_tier_load(cn_table *t, const cn_tier_layout *L, const uint8_t *buf, const int64_t *keys,
                                int64_t n, const int64_t *pin, int64_t n_pin, int want_rows, cn_evicted *ev,
                                int64_t *slots) {
