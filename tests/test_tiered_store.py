@@ -1007,6 +1007,11 @@ def test_found_slots_must_be_live_slots_of_the_table():
     with pytest.raises(ValueError, match=r"found_slots\[0\]: a slot that holds no row"):
         _core.grouped_forward([store._table], [np.array([0, 3], np.int64)], [offsets], [None], [0], [out], False,
                               [np.array([slots[0], -1], np.int64)])  # key 3 (-1: to find) has no row
+    with pytest.raises(ValueError, match=r"found_slots: one entry \(slots or None\) per table, got 2 for 1"):
+        _core.grouped_forward([store._table], [keys], [offsets], [None], [0], [out], False, [None, None])
+    with pytest.raises(ValueError, match=r"found_slots\[0\]: expected"):
+        _core.grouped_forward([store._table], [keys], [offsets], [None], [0], [out], False,
+                              [np.array([slots[0]], np.int64)])  # one slot for two keys
     out = np.zeros((2, 4), np.float32)
     _core.grouped_forward([store._table], [keys], [offsets], [None], [0], [out], False,
                           [np.array(slots[[1, 0]], np.int64)])

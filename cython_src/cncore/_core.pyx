@@ -1040,6 +1040,8 @@ def grouped_forward(list tables, list keys, list offsets, list weights, list mod
     cdef Table tab
     if not (len(keys) == len(offsets) == len(weights) == len(modes) == len(outs) == F):
         raise ValueError("grouped_forward: one keys, offsets, weights, mode and out per table")
+    if found_slots is not None and len(found_slots) != F:
+        raise ValueError(f"found_slots: one entry (slots or None) per table, got {len(found_slots)} for {F}")
     # Distinct tables in order of first appearance, and each feature's place in its table's keys.
     unit_of, members = {}, []
     for f in range(F):
