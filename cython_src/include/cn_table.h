@@ -372,33 +372,44 @@ static inline int cn_table_evict_lowest(cn_table *t, int64_t k, int64_t n_live, 
     return rc;
 }
 
-/* Distinct keys among those with slots[i] == -1; -1 when out of memory. A batch-sized set. */
-static inline int64_t cn_count_distinct_missing(const int64_t *keys, const int64_t *slots, int64_t n) {
-    int64_t n_missing = 0;
-    for (int64_t i = 0; i < n; i++) n_missing += slots[i] == -1;
-    if (n_missing <= 1) return n_missing;
-    const int64_t cap = cn_pow2_at_least(2 * n_missing);
-    int64_t *set = (int64_t *)malloc((size_t)cap * sizeof(int64_t));
-    uint8_t *used = (uint8_t *)calloc((size_t)cap, 1);
-    if (set == NULL || used == NULL) {
-        free(set);
-        free(used);
-        return -1;
-    }
+/* Scratch bytes of cn_distinct_keys over up to n keys: an open-addressing set of at least 2n
+ * entries (8 bytes each and an occupancy byte). */
+static inline size_t cn_distinct_scratch(int64_t n) { return (size_t)cn_pow2_at_least(2 * n) * 9; }
+
+/* The distinct keys among keys[0..n) (only those with slots[i] == -1 when slots is given) into
+ * out when given (first seen first); returns how many. scratch: cn_distinct_scratch(m) bytes for
+ * the m keys considered (the caller's, so that a caller can reuse it afterwards). A batch-sized
+ * set that stays in L2, where an index of the whole table would not. */
+static inline int64_t cn_distinct_keys(const int64_t *keys, const int64_t *slots, int64_t n, int64_t m,
+                                       int64_t *out, void *scratch) {
+    const uint64_t cap = (uint64_t)cn_pow2_at_least(2 * m), mask = cap - 1;
+    int64_t *set = (int64_t *)scratch;
+    uint8_t *used = (uint8_t *)(set + cap);
+    memset(used, 0, cap);
     int64_t distinct = 0;
-    const uint64_t mask = (uint64_t)cap - 1;
     for (int64_t i = 0; i < n; i++) {
-        if (slots[i] != -1) continue;
+        if (slots != NULL && slots[i] != -1) continue;
         uint64_t h = cn_hash_key(keys[i]) & mask;
         while (used[h] && set[h] != keys[i]) h = (h + 1) & mask;
         if (!used[h]) {
             used[h] = 1;
             set[h] = keys[i];
+            if (out != NULL) out[distinct] = keys[i];
             distinct++;
         }
     }
-    free(set);
-    free(used);
+    return distinct;
+}
+
+/* Distinct keys among those with slots[i] == -1; -1 when out of memory. */
+static inline int64_t cn_count_distinct_missing(const int64_t *keys, const int64_t *slots, int64_t n) {
+    int64_t n_missing = 0;
+    for (int64_t i = 0; i < n; i++) n_missing += slots[i] == -1;
+    if (n_missing <= 1) return n_missing;
+    void *scratch = malloc(cn_distinct_scratch(n_missing));
+    if (scratch == NULL) return -1;
+    const int64_t distinct = cn_distinct_keys(keys, slots, n, n_missing, NULL, scratch);
+    free(scratch);
     return distinct;
 }
 

@@ -252,37 +252,6 @@ static inline void cn_tier_share_help(cn_tier_share *s) {
     if (__atomic_load_n(&s->state, __ATOMIC_ACQUIRE) == 1) cn_tier_share_work(s, 1);
 }
 
-/* The distinct values of keys[0..n) into out (first seen first); how many, or -1 (no memory).
- * An open-addressing set of at least 2n entries (8 bytes each and an occupancy byte). Measured
- * on the prefetch job of the 3x Zipf 1.05 benchmark's steps (16,384 IDs, ~6.2k keys, ~1,460 of
- * them on disk; RecordWriter.stage on 1 thread, medians of 60 jobs, three alternated pairs with
- * the find over every ID): 2.34 / 2.02 / 2.56 ms against 2.98 / 2.37 / 2.95. */
-static inline uint64_t cn_tier_distinct_cap(int64_t n) {
-    uint64_t cap = 16;
-    while (cap < (uint64_t)n * 2) cap <<= 1;
-    return cap;
-}
-
-/* scratch: cn_tier_distinct_cap(n) * 9 bytes (the set's keys and occupancy bytes; the caller's,
- * so that the prefetch job reuses it afterwards instead of holding a second buffer). */
-static inline int64_t cn_tier_distinct(const int64_t *keys, int64_t n, int64_t *out, void *scratch) {
-    const uint64_t cap = cn_tier_distinct_cap(n);
-    int64_t *set = (int64_t *)scratch;
-    uint8_t *used = (uint8_t *)(set + cap);
-    memset(used, 0, cap);
-    int64_t m = 0;
-    for (int64_t i = 0; i < n; i++) {
-        uint64_t h = cn_mix64((uint64_t)keys[i]) & (cap - 1);
-        while (used[h] && set[h] != keys[i]) h = (h + 1) & (cap - 1);
-        if (!used[h]) {
-            used[h] = 1;
-            set[h] = keys[i];
-            out[m++] = keys[i];
-        }
-    }
-    return m;
-}
-
 static inline int64_t cn_tier_stage(const cn_tier_layout *L, int fd, int threads, const cn_index *disk,
                                     pthread_mutex_t *mu, const int64_t *keys, int64_t n, int64_t cap,
                                     int64_t *keys_out, int64_t *slots_out, uint8_t *buf, cn_tier_share *share) {
@@ -291,7 +260,7 @@ static inline int64_t cn_tier_stage(const cn_tier_layout *L, int fd, int threads
         return 0;
     }
     int64_t *at = (int64_t *)malloc((size_t)n * sizeof(int64_t));
-    const size_t kv_bytes = (size_t)n * sizeof(cn_tier_kv), set_bytes = (size_t)cn_tier_distinct_cap(n) * 9;
+    const size_t kv_bytes = (size_t)n * sizeof(cn_tier_kv), set_bytes = cn_distinct_scratch(n);
     cn_tier_kv *kv = (cn_tier_kv *)malloc(kv_bytes > set_bytes ? kv_bytes : set_bytes);  /* first the set */
     if (at == NULL || kv == NULL) {
         free(at);
@@ -299,10 +268,13 @@ static inline int64_t cn_tier_stage(const cn_tier_layout *L, int fd, int threads
         if (share) __atomic_store_n(&share->state, 2, __ATOMIC_RELEASE);
         return -ENOMEM;
     }
-    /* The distinct keys first: a step's IDs repeat (16k Zipf 1.05 IDs are ~6.2k keys), and each
-     * find in the disk index (megabytes) is a cache miss, where the set below stays in L2. */
+    /* The distinct keys first (cn_distinct_keys, cn_table.h): a step's IDs repeat (16k Zipf 1.05
+     * IDs are ~6.2k keys), and each find in the disk index (megabytes) is a cache miss, where the
+     * set stays in L2. Measured on the 3x Zipf 1.05 benchmark's prefetch jobs when they were
+     * handed every ID (RecordWriter.stage on 1 thread, medians of 60 jobs, three alternated pairs
+     * with the find over every ID): 2.34 / 2.02 / 2.56 ms against 2.98 / 2.37 / 2.95. */
     int64_t *uniq = (int64_t *)malloc((size_t)n * sizeof(int64_t));
-    const int64_t n_uniq = uniq == NULL ? -1 : cn_tier_distinct(keys, n, uniq, kv);
+    const int64_t n_uniq = uniq == NULL ? -1 : cn_distinct_keys(keys, NULL, n, n, uniq, kv);
     if (n_uniq < 0) {
         free(uniq);
         free(at);
