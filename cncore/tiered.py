@@ -56,7 +56,8 @@ call the records it moves (read and evicted in rounds of 1/64 of the cache at mo
 1,024 at a time through the writer's buffer; a read buffer of at most 1/32 of the cache is kept
 for the next call, and prefetch reads at most that much ahead), and per flush the new index (16
 bytes a row) and one chunk of records. Freed heap is
-given back with malloc_trim (glibc) after flushes and every 1/16 of the cache spilled. `stats`
+given back with malloc_trim (glibc) after flushes and whenever the process's tiered stores
+have spilled 1/16 of their caches together (_HeapTrim). `stats`
 counts hits and misses (IDs found in memory / read from disk), rows and bytes read and
 written, and the bytes written by flushes and compactions apart.
 
@@ -233,17 +234,69 @@ _MALLOC_TRIM = _libc_trim()
 def _trim() -> None:
     """Give the heap's free pages back to the system (glibc keeps freed blocks for reuse; after
     a large spill or a flush that is megabytes of eviction batches and scratch). 0.35-0.9 ms
-    a call here, so not after every step: after a flush or compaction, and once the calls since
-    the last trim spilled 1/16 of the cache (4 rounds of rows). Without it, a table 10x a 32 MiB
-    cache under Zipf 1.05 IDs crept from 72 to 84 MiB over 90 steps in some runs (freed
-    eviction batches kept in the heap, fragmented). Rejected (round 4, 300-step runs): the
-    eviction's row buffers mapped and unmapped directly instead (no trim needed for them): page
-    faults 57k trimmed heap -> 67k mapped untrimmed, 105k mapped and trimmed; and trimming 4x
-    less often: no faster, the 3x store peak 41.3-42.0 -> 42.4-42.6 MiB. In cn-dlrm (26 small
-    tables, each trimming torch's heap too: 1.2-1.35 ms a call) the trim costs ~10% of the tier's
-    samples/s; a process-wide trigger is a lead (README)."""
+    a call here (1.2-1.35 ms in cn-dlrm, whose heap holds torch's too), so not after every step:
+    after a flush or compaction, and when the process's tiered stores have spilled 1/16 of their
+    caches (_HeapTrim). Without it, a table 10x a 32 MiB cache under Zipf 1.05 IDs crept from 72
+    to 84 MiB over 90 steps in some runs (freed eviction batches kept in the heap, fragmented).
+    Rejected (round 4, 300-step runs): the eviction's row buffers mapped and unmapped directly
+    instead (no trim needed for them): page faults 57k trimmed heap -> 67k mapped untrimmed,
+    105k mapped and trimmed; and trimming 4x less often: no faster, the 3x store peak 41.3-42.0
+    -> 42.4-42.6 MiB."""
     if _TRIM and _MALLOC_TRIM is not None:
         _MALLOC_TRIM(0)
+        _HEAP_TRIM.trimmed()
+
+
+class _HeapTrim:
+    """When the spills call malloc_trim: once the process's tiered stores together have spilled
+    as many bytes as 1/16 of their caches together (each store's share, `_trim_every`: 4
+    eviction rounds of its rows). The heap is the process's, so the trigger is too. Until round
+    5 each store counted its own spills: cn-dlrm's 26 tables then trimmed 26x as often as one
+    store of their total cache would (0.28 trims a step of 1.2-1.35 ms, ~10% of the job's
+    samples/s), for the same freed bytes. A single store trims exactly as before.
+
+    Plain counts under a reentrant lock: a store's __del__ (close, then `discard`) may run from
+    a garbage collection inside any allocation, also one made while the lock is held.
+
+    >>> h = _HeapTrim(); h.spilled(100); h.due()   # no store: never due
+    False
+    """
+
+    def __init__(self):
+        self._lock = threading.RLock()
+        self._shares = {}  # id(store) -> its share (bytes), for the live stores
+        self._every = 0    # their sum
+        self._bytes = 0    # spilled by all of them since the last trim
+
+    def add(self, store) -> None:
+        with self._lock:
+            self.discard(store)
+            self._shares[id(store)] = store._trim_every
+            self._every += store._trim_every
+
+    def discard(self, store) -> None:
+        with self._lock:
+            self._every -= self._shares.pop(id(store), 0)
+
+    def spilled(self, nbytes: int) -> None:
+        with self._lock:
+            self._bytes += nbytes
+
+    def due(self) -> bool:
+        """Whether to trim now (then the count starts over)."""
+        with self._lock:
+            if not self._shares or self._bytes <= self._every:
+                return False
+            self._bytes = 0
+            return True
+
+    def trimmed(self) -> None:
+        """A flush or compaction trimmed: the count starts over."""
+        with self._lock:
+            self._bytes = 0
+
+
+_HEAP_TRIM = _HeapTrim()
 
 
 def record_layout(config: StoreConfig, version: int = _VERSION):
@@ -349,7 +402,8 @@ class TieredStore(EmbeddingStore):
         self._job_is_this_calls = False  # in a fault-in whose keys are the running prefetch's (_spill_slots)
         self.cache_rows = _cache_rows(config, storage.cache_bytes)
         self._evict_chunk = max(_IO_ROWS, self.cache_rows // 64)
-        self._spilled = 0  # rows spilled since the last malloc_trim (faulted_in)
+        # Spilled bytes that make this store's share of a heap trim: 1/16 of the cache (_HeapTrim).
+        self._trim_every = 4 * self._evict_chunk * _row_bytes(config)
         if self.cache_rows < _MIN_CACHE_ROWS:
             raise ValueError(f"Tiered.cache_bytes={storage.cache_bytes} holds {self.cache_rows} rows of this config "
                              f"({_row_bytes(config)} bytes each: the row, its optimizer state, metadata and index "
@@ -390,6 +444,7 @@ class TieredStore(EmbeddingStore):
         # the call that evicted them (RecordWriter.behind, SpillJob); see _write_behind.
         self._pending = []  # queued spills, oldest first: [job, its Future or None]
         self._writer.behind = self._write_behind
+        _HEAP_TRIM.add(self)
 
     @property
     def _io_rows(self) -> int:
@@ -510,7 +565,7 @@ class TieredStore(EmbeddingStore):
                 self._wait_prefetch()
             except RuntimeError:  # its read failed: nothing staged (the call reads, and reports, itself)
                 self._staged = None
-        self._spilled += n
+        _HEAP_TRIM.spilled(n * _row_bytes(self._tier_config))
         self.stats["rows_written"] += n
         self.stats["bytes_written"] += n * self._record.itemsize
         return self._take_slots(n)
@@ -581,11 +636,16 @@ class TieredStore(EmbeddingStore):
 
     def _fault_in(self, keys, insert: bool) -> Optional[np.ndarray]:
         """_fault_in_rows; whatever happens, the running prefetch is no longer the call's own
-        after it (_job_is_this_calls: later spills wait for the job again)."""
+        after it (_job_is_this_calls: later spills wait for the job again). Then the heap is
+        trimmed if the process's tiered stores have spilled enough since the last trim
+        (_HeapTrim: every verb's spills count, and every verb faults in first)."""
         try:
-            return self._fault_in_rows(keys, insert)
+            found = self._fault_in_rows(keys, insert)
         finally:
             self._job_is_this_calls = False
+        if _HEAP_TRIM.due():
+            _trim()
+        return found
 
     def _fault_in_rows(self, keys, insert: bool) -> Optional[np.ndarray]:
         """Bring the keys on disk into the cache (and, with insert, give the absent ones their
@@ -705,9 +765,6 @@ class TieredStore(EmbeddingStore):
         gives the cache slot of every key, or None (see _fault_in)."""
         with self._lock:
             yield self._fault_in(keys, insert)
-            if self._spilled > 4 * self._evict_chunk:  # every 1/16 of the cache spilled
-                self._spilled = 0
-                _trim()
 
     @_locked
     def evict(self, n: int) -> int:
@@ -1190,6 +1247,7 @@ class TieredStore(EmbeddingStore):
         self._wait_prefetch()
         if getattr(self, "_pending", None):
             self._wait_writes()
+        _HEAP_TRIM.discard(self)  # its share of the trigger (_HeapTrim) goes with it
         if getattr(self, "_fd", None) is not None:
             os.close(self._fd)
             self._fd = None
@@ -1200,6 +1258,10 @@ class TieredStore(EmbeddingStore):
         try:
             self.close()
         except Exception:
+            pass
+        try:
+            _HEAP_TRIM.discard(self)  # also when close failed: the store is gone
+        except Exception:  # interpreter exit: the module's globals may be gone
             pass
 
 

@@ -1041,3 +1041,39 @@ def test_record_offsets_is_the_one_formula_and_never_straddles_a_page(rec):
         assert (got % 4096 == 0).all()
     with pytest.raises(ValueError, match="per_page"):
         record_offsets(slots, rec_bytes, per_page + 1)
+
+
+def test_the_heap_is_trimmed_once_the_processs_tiered_stores_together_spilled_their_shares(tmp_path,
+                                                                                           monkeypatch):
+    """_HeapTrim: malloc_trim runs at the first fault-in at which the bytes spilled by every
+    tiered store of the process since the last trim exceed the sum of their shares (not one
+    store's own share: 26 small tables trimmed 26x too often), counted by a literal model from
+    each call's rows written; a closed store's share leaves the sum."""
+    import cncore.tiered as tiered
+    trims = []
+    monkeypatch.setattr(tiered, "_MALLOC_TRIM", lambda pad: trims.append(pad) or 1)
+    monkeypatch.setattr(tiered, "_HEAP_TRIM", tiered._HeapTrim())
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a, _ = small_tier_and_memory(tmp_path / "a", rows=0)
+    b, _ = small_tier_and_memory(tmp_path / "b", rows=0)
+    row = tiered._row_bytes(a._tier_config)
+    a._trim_every, b._trim_every = 50 * row, 120 * row
+    for s in (a, b):
+        tiered._HEAP_TRIM.add(s)  # again, with the shares set above
+    since, expected, key = 0, 0, 0
+    for call in range(60):
+        if call == 40:
+            b.close()  # the sum is a's share alone from now on
+        if since > (170 if call < 40 else 50) * row:  # checked at the call's fault-in, before its inserts
+            expected, since = expected + 1, 0
+        before = a.stats["rows_written"]
+        a.lookup(np.arange(key, key + 30), insert_missing=True)
+        key += 30
+        since += (a.stats["rows_written"] - before) * row
+        assert len(trims) == expected, call
+    assert expected >= 8  # trims under both sums (about 5 of them, then 1 in 2 calls)
+    assert len(a) == 60 * 30
+    a.flush()  # a flush trims, and the count starts over
+    assert len(trims) == expected + 1 and tiered._HEAP_TRIM._bytes == 0
+    a.close()
