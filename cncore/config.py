@@ -231,10 +231,39 @@ class LRU:
     kind = 1
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class LFU:
-    """Evict the least frequently used rows first: score = (count, last_step), ties by key."""
+    """Evict the least frequently used rows first: score = (count, last_step), ties by key.
+
+    halve_every (a power of two, or None): aging. A row's count then counts half for every
+    `halve_every` steps since its last use: score = (count >> ((step - last_step) //
+    halve_every), last_step) at the eviction's step (no more than 32 halvings). Without it, rows
+    that were popular once keep their place however long they go unused, so LFU suits only
+    streams whose popular IDs never change. The stored counts are left as they are (export shows
+    the lookups); the decay is in the eviction order alone, so a row on a tier's disk ages too.
+
+    >>> LFU(halve_every=1024).halve_every
+    1024
+    """
+    halve_every: Optional[int] = None
     kind = 2
+
+    def __post_init__(self):
+        h = self.halve_every
+        if h is None:
+            return
+        if isinstance(h, bool) or not isinstance(h, numbers.Integral) or not 1 <= h <= 2**31 or h & (h - 1):
+            raise ValueError(f"LFU.halve_every must be None or a power of two in [1, 2**31] (the decay is a shift "
+                             f"in the eviction's scan), got {h!r}")
+        object.__setattr__(self, "halve_every", int(h))
+
+    def __repr__(self) -> str:  # LFU() as before aging existed (reports, cn-table inspect)
+        return "LFU()" if self.halve_every is None else f"LFU(halve_every={self.halve_every})"
+
+    @property
+    def halve_shift(self) -> int:
+        """log2(halve_every), or -1 without aging (the core's form)."""
+        return -1 if self.halve_every is None else self.halve_every.bit_length() - 1
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,7 @@ import numpy as np
 
 from cncore import _core
 from cncore._interchange import as_float_rows, as_floats, as_keys, to_numpy
-from cncore.config import ROW_DTYPES, TTL, MinCount, Probability, StoreConfig
+from cncore.config import LFU, ROW_DTYPES, TTL, MinCount, Probability, StoreConfig
 from cncore.grouped import (as_flag, check_context, feature_arrays, grouped_apply_gradients, lookup_checked,
                             output_array)
 
@@ -182,7 +182,8 @@ class EmbeddingStore:
             *((adm.count, adm.width, adm.depth, adm.unadmitted == "initial") if isinstance(adm := config.admission,
                                                                                             MinCount)
               else (0, 0, 0, adm is not None and adm.unadmitted == "initial")), ROW_DTYPES[config.dtype],
-            adm.threshold if isinstance(adm, Probability) else 0, config.seed)
+            adm.threshold if isinstance(adm, Probability) else 0, config.seed,
+            ev.halve_shift if isinstance(ev, LFU) else -1)
         self._evict_callbacks = []
         # For incremental saves (cncore.tablefile): which store a checkpoint is of, and how many
         # calls wrote rows without recording a step (a delta cannot see those rows).

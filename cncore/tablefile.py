@@ -100,6 +100,9 @@ _EVICTIONS = {c.__name__: c for c in (cncore.LRU, cncore.LFU, cncore.TTL)}
 # stay what they were, and files written before these fields existed read as unbounded.
 _OPTIONAL_FIELDS = ("max_rows", "eviction", "headroom", "admission")
 _ADMISSIONS = {"MinCount": cncore.MinCount, "Probability": cncore.Probability}
+# Policy fields a file holds only when set (added later): a file of a policy without them reads
+# and writes as before, also by older versions of this package, which refuse unknown fields.
+_POLICY_OPTIONAL_FIELDS = {"LFU": ("halve_every",)}
 
 
 class TableFormatError(ValueError):
@@ -134,7 +137,9 @@ def config_to_dict(config: cncore.StoreConfig) -> dict:
     d["optimizer"] = (None if config.optimizer is None else
                       {"type": type(config.optimizer).__name__, **dataclasses.asdict(config.optimizer)})
     d["eviction"] = (None if config.eviction is None else
-                     {"type": type(config.eviction).__name__, **dataclasses.asdict(config.eviction)})
+                     {"type": type(config.eviction).__name__, **{
+                         k: v for k, v in dataclasses.asdict(config.eviction).items()
+                         if v is not None or k not in _POLICY_OPTIONAL_FIELDS.get(type(config.eviction).__name__, ())}})
     d["admission"] = (None if config.admission is None else
                       {"type": type(config.admission).__name__, **dataclasses.asdict(config.admission)})
     for name in _OPTIONAL_FIELDS:
@@ -176,7 +181,9 @@ def _from_whitelist(d, classes: dict, what: str, where: str):
     if not isinstance(kind, str) or kind not in classes:
         raise _error(where, f"{what}.type must be one of {sorted(classes)}, got {_show(kind)}")
     cls = classes[kind]
-    _fields_exactly(d, ("type",) + tuple(f.name for f in dataclasses.fields(cls)), where, what)
+    optional = _POLICY_OPTIONAL_FIELDS.get(kind, ())
+    _fields_exactly({n: None for n in optional} | d if isinstance(d, dict) else d,
+                    ("type",) + tuple(f.name for f in dataclasses.fields(cls)), where, what)
     values = {k: v for k, v in d.items() if k != "type"}
     for k, v in values.items():  # numbers (betas: a list of them); the constructor checks ranges
         if k == "unadmitted" and isinstance(v, str):  # MinCount's one word; its constructor checks it

@@ -6,7 +6,7 @@ rows, state and counters, and reach the sink; a key gets a row once its sketch e
 reaches the count (a 16-wide sketch, so collisions and early admissions happen)."""
 import numpy as np
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -28,17 +28,24 @@ class Full(Exception):
 class BoundedModel(DictStore):
     """DictStore plus the budget, the policy and the sink, as the docs state them."""
 
-    def __init__(self, policy, max_rows, headroom, ttl=0, min_count=0, width=16, depth=2, initial=False):
+    def __init__(self, policy, max_rows, headroom, ttl=0, min_count=0, width=16, depth=2, initial=False,
+                 halve_every=None):
         super().__init__(DIM, SEED, LOW, HIGH, state_floats=1, state_init=0.25)
         self.min_count, self.width, self.depth, self.absent_initial = min_count, width, depth, initial
         self.sketch = np.zeros((depth, width), dtype=np.int64)
         self.policy, self.max_rows, self.low_water, self.ttl = policy, max_rows, max_rows - headroom, ttl
+        self.halve_every = halve_every  # LFU's aging: the count halves for every halve_every steps unused
         self.sink = []  # one list of (key, row, state, count, last_step) per eviction
         self.evicted = self.admitted = self.erased = 0
 
     def order(self, k):
-        score = (self.counts[k], self.last_steps[k]) if self.policy == "lfu" else (self.last_steps[k],)
-        return score + (k,)
+        if self.policy != "lfu":
+            return self.last_steps[k], k
+        count = self.counts[k]
+        if self.halve_every:
+            halvings = max(0, self.step - self.last_steps[k]) // self.halve_every
+            count = 0 if halvings >= 32 else count >> halvings
+        return count, self.last_steps[k], k
 
     def evict_keys(self, keys):
         out = [(k, self.rows[k], self.state[k], self.counts[k], self.last_steps[k]) for k in keys]
@@ -115,9 +122,9 @@ def batch_of(sink_entry):
 class BoundedMachine(RuleBasedStateMachine):
     @initialize(policy=st.sampled_from(["lru", "lfu", "ttl"]), max_rows=st.integers(3, 10),
                 headroom=st.integers(0, 2), ttl=st.integers(0, 3), min_count=st.sampled_from([0, 2, 3]),
-                initial=st.booleans())
-    def setup(self, policy, max_rows, headroom, ttl, min_count, initial):
-        eviction = {"lru": cncore.LRU(), "lfu": cncore.LFU(), "ttl": cncore.TTL(ttl)}[policy]
+                initial=st.booleans(), halve_every=st.sampled_from([None, 1, 2, 4]))
+    def setup(self, policy, max_rows, headroom, ttl, min_count, initial, halve_every):
+        eviction = {"lru": cncore.LRU(), "lfu": cncore.LFU(halve_every), "ttl": cncore.TTL(ttl)}[policy]
         opt = cncore.RowWiseAdagrad(lr=LR, eps=EPS, initial_accumulator_value=0.25)
         admission = (cncore.MinCount(min_count, "initial" if initial else "zeros", width=16, depth=2)
                      if min_count else None)
@@ -125,7 +132,7 @@ class BoundedMachine(RuleBasedStateMachine):
                                            max_rows=max_rows, eviction=eviction, headroom=min(headroom, max_rows - 1),
                                            admission=admission)
         self.ref = BoundedModel(policy, max_rows, min(headroom, max_rows - 1), ttl, min_count, 16, 2,
-                                initial and bool(min_count))
+                                initial and bool(min_count), halve_every)
         self.sink = []
         self.store.on_evict(self.sink.append)
         self.unordered = set()  # sink entries from evict_if: export order, compared as sets
@@ -315,6 +322,50 @@ def test_lfu_orders_by_count_then_last_step_then_key_and_headroom_frees_beyond_t
     assert s.evicted_count == 3 and len(s) == 4
 
 
+def test_lfu_with_aging_halves_a_rows_count_for_every_period_it_goes_unused():
+    """LFU(halve_every=2): at step 6, key 1 (count 9, unused since step 0: three halvings, 1) goes
+    before key 2 (count 2, used at step 4: one halving, 1; the later last step breaks the tie);
+    plain LFU evicts key 2. The stored counts are unchanged."""
+    evicted = {}
+    for aging in (None, 2):
+        s = cncore.EmbeddingStore(dim=1, max_rows=2, eviction=cncore.LFU(halve_every=aging), headroom=0)
+        s.load(np.array([1, 2]), np.zeros((2, 1), np.float32), counts=np.array([9, 2]), last_steps=np.array([0, 4]))
+        s.step = 6
+        sink = []
+        s.on_evict(sink.append)
+        s.find_or_insert(np.array([3]))
+        evicted[aging] = sink[0].keys.tolist()
+        assert sink[0].counts.tolist() == ([2] if aging is None else [9])
+    assert evicted == {None: [2], 2: [1]}
+
+
+@settings(max_examples=150, deadline=None)
+@given(batches=st.lists(st.lists(st.integers(0, 7), min_size=1, max_size=6), min_size=1, max_size=30),
+       halve_every=st.sampled_from([1, 2, 4]), max_rows=st.integers(2, 5), headroom=st.integers(0, 1))
+def test_lfu_with_aging_evicts_in_the_models_order_over_training_steps(batches, halve_every, max_rows, headroom):
+    """Training steps on few keys (so counts and idle times differ) against BoundedModel's literal
+    order (count >> ((step - last_step) // halve_every), last_step, key): the same keys leave in
+    the same order, and the same keys stay. (The state machine draws aging too, but its steps
+    rarely make the aged order differ from the plain one.)"""
+    from collections import Counter
+    store = cncore.EmbeddingStore(dim=1, max_rows=max_rows, headroom=headroom, optimizer=cncore.SGD(lr=0.1),
+                                  eviction=cncore.LFU(halve_every=halve_every))
+    sink = []
+    store.on_evict(lambda b: sink.extend(b.keys.tolist()))
+    ref = BoundedModel("lfu", max_rows, headroom, halve_every=halve_every)
+    for keys in batches:
+        if len(set(keys)) > max_rows:
+            continue  # refused (the state machine covers it)
+        lookup_step = store.step
+        ref.insert(keys)
+        _, ctx = store.pooled_lookup(np.array(keys), lengths=np.array([len(keys)]))
+        store.apply_gradients(ctx, np.zeros((1, 1), np.float32))
+        ref.record_access(Counter(keys), lookup_step)
+        ref.step += 1
+    assert sink == [e[0] for batch in ref.sink for e in batch]
+    assert sorted(store.export().keys.tolist()) == sorted(ref.rows)
+
+
 def test_no_callback_drops_but_counts_and_erase_is_not_an_eviction():
     s = lru_store(2)
     s.find_or_insert(np.array([1, 2]))
@@ -331,6 +382,17 @@ def test_config_is_validated_and_saved_with_the_table(tmp_path):
         cncore.StoreConfig(dim=2, max_rows=10, eviction=cncore.LRU(), headroom=10)
     with pytest.raises(ValueError, match="TTL.steps"):
         cncore.TTL(-1)
+    for bad in (0, 3, 1000, 2**32, True, 2.0, "64"):
+        with pytest.raises(ValueError, match=r"LFU.halve_every must be None or a power of two in \[1, 2\*\*31\]"):
+            cncore.LFU(halve_every=bad)
+    aging = cncore.EmbeddingStore(dim=2, max_rows=8, eviction=cncore.LFU(halve_every=64))
+    aging.find_or_insert(np.arange(3))
+    save_table(aging, str(tmp_path / "aging"))
+    assert load_store(str(tmp_path / "aging")).config.eviction == cncore.LFU(halve_every=64)
+    # plain LFU is written as before (no halve_every: older readers refuse unknown fields), and read so
+    from cncore.tablefile import config_from_dict, config_to_dict
+    plain = config_to_dict(cncore.StoreConfig(dim=2, max_rows=8, eviction=cncore.LFU()))
+    assert plain["eviction"] == {"type": "LFU"} and config_from_dict(plain).eviction == cncore.LFU()
     with pytest.raises(TypeError, match="eviction must be"):
         cncore.StoreConfig(dim=2, eviction="lru")
     assert cncore.StoreConfig(dim=2, max_rows=1000, eviction=cncore.LRU()).headroom == 31

@@ -1,7 +1,8 @@
 """The victim selection at sizes where it samples or runs its radix passes (the state
 machine's tables are small enough to be decided by the final sort alone): evict(k) on tens of
 thousands of rows equals a full lexsort by (score, key), for spread scores, one shared score
-(ties decided by the keys' digits), and LFU counts near 2^32 (scores using all 64 bits); with
+(ties decided by the keys' digits), LFU counts near 2^32 (scores using all 64 bits), and LFU with
+aging (counts halved by the steps since the last use, at the table's step); with
 the sampled threshold (4096 rows), with the radix select alone (0), and with a sample too small
 to guess well (16 rows: its misses fall back to the radix select)."""
 import numpy as np
@@ -18,13 +19,19 @@ def sample_rows(request):
     _core.set_evict_sample_rows(before)
 
 
+NOW, HALVE = 5000, 256  # lfu-aging: the table's step, and LFU's halving period
+
+
 def expected_order(keys, counts, steps, policy):
+    if policy == "lfu-aging":  # the count halves for every HALVE steps since the last use
+        halvings = (NOW - steps) // HALVE
+        counts = np.where(halvings >= 32, 0, counts >> np.minimum(halvings, 31))
     primary = [steps] if policy == "lru" else [steps, counts]  # lexsort: last key is primary
     return keys[np.lexsort([keys] + primary)]
 
 
 @pytest.mark.parametrize("policy,spread", [("lru", "spread"), ("lru", "one_step"), ("lfu", "spread"),
-                                           ("lfu", "huge_counts"), ("lru", "few_steps")])
+                                           ("lfu", "huge_counts"), ("lru", "few_steps"), ("lfu-aging", "recent")])
 def test_evict_k_equals_a_full_sort(policy, spread, sample_rows):
     rng = np.random.default_rng(7)
     n = 40_000
@@ -32,11 +39,15 @@ def test_evict_k_equals_a_full_sort(policy, spread, sample_rows):
                                       np.array([-2**63, 2**63 - 1, 0, -1])]), n, replace=False)
     counts = rng.integers(0, 5, n).astype(np.uint32)
     steps = {"spread": rng.integers(0, 2**32 - 1, n, dtype=np.uint64), "one_step": np.full(n, 77),
-             "huge_counts": rng.integers(0, 3, n), "few_steps": rng.integers(100, 104, n)}[spread].astype(np.uint32)
+             "huge_counts": rng.integers(0, 3, n), "few_steps": rng.integers(100, 104, n),
+             "recent": rng.integers(0, NOW + 1, n)}[spread].astype(np.uint32)
     if spread == "huge_counts":
         counts = rng.choice(np.array([0, 2**31, 2**32 - 1], dtype=np.uint32), n)
-    eviction = cncore.LRU() if policy == "lru" else cncore.LFU()
+    if spread == "recent":  # 0-19 halvings; counts with many bits, so that halved counts still differ
+        counts = rng.integers(0, 2**20, n).astype(np.uint32)
+    eviction = {"lru": cncore.LRU(), "lfu": cncore.LFU(), "lfu-aging": cncore.LFU(halve_every=HALVE)}[policy]
     s = cncore.EmbeddingStore(dim=1, eviction=eviction, capacity=n)
+    s.step = NOW
     s.load(keys, keys[:, None].astype(np.float32), counts=counts, last_steps=steps)
     sink = []
     s.on_evict(sink.append)

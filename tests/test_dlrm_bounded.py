@@ -1,4 +1,4 @@
-"""cn-dlrm's bounded tables: --max-rows / --evict / --ttl-steps / --admit-min-count checked and
+"""cn-dlrm's bounded tables: --max-rows / --evict / --ttl-steps / --lfu-halve-every / --admit-min-count checked and
 applied (tables within budget, evictions reported), --incremental-checkpoint-every writing table
 chains that reload exactly and resume, --row-dtype passed to the collection."""
 import contextlib
@@ -45,6 +45,10 @@ def distinct_ids(steps, batch_size=256):
     (["--max-rows", "4096", "--evict", "lru", "--ttl-steps", "5"], "--ttl-steps applies to --evict ttl, not lru"),
     (["--evict", "ttl"], "--evict ttl needs --ttl-steps S"),
     (["--evict", "lfu"], "--evict lfu needs --max-rows"),
+    (["--max-rows", "4096", "--lfu-halve-every", "64"], "--lfu-halve-every applies to --evict lfu, not lru"),
+    (["--max-rows", "4096", "--evict", "lfu", "--lfu-halve-every", "48"],
+     "--lfu-halve-every must be a power of two up to 2**31, got 48"),
+    (["--lfu-halve-every", "0"], "argument --lfu-halve-every: must be at least 1, got 0"),
     (["--max-rows", "100", "--batch-size", "256"], "--max-rows 100 is below --batch-size 256"),
     (["--max-rows", "0"], "argument --max-rows: must be at least 1, got 0"),
     (["--max-rows", "150%"], "argument --max-rows: a percentage must be in (0, 100], got 150%"),
@@ -97,6 +101,8 @@ def test_good_bounded_options():
     options = bounded.collection_options(args, ["a", "b"], None)
     assert options == {"max_rows": {"a": 4096, "b": 4096}, "eviction": cncore.TTL(0), "admission": cncore.MinCount(3)}
     assert bounded.collection_options(parse_args(["--row-dtype", "bfloat16"]), ["a"], None) == {"row_dtype": "bfloat16"}
+    aging = parse_args(["--max-rows", "4096", "--evict", "lfu", "--lfu-halve-every", "64"])
+    assert bounded.collection_options(aging, ["a"], None)["eviction"] == cncore.LFU(halve_every=64)
 
 
 def test_percent_budgets_count_the_training_stream():

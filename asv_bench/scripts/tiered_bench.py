@@ -49,9 +49,11 @@ def reset_peak_rss() -> None:
         fh.write("5")
 
 
-def batches(stream: str, n_keys: int, steps: int, ids_per_step: int, seed: int):
+def batches(stream: str, n_keys: int, steps: int, ids_per_step: int, seed: int, drift_every: int = 100):
     """`steps` batches of IDs: Zipf(a) by rank (rank r with probability ~ 1/r^a) or uniform,
-    over n_keys keys scattered over int64."""
+    over n_keys keys scattered over int64. "zipf-A-drift": the popular keys change every
+    `drift_every` steps (the ranks move to other keys: the key list rolled by a random quarter
+    to three quarters of its length), as trending items come and go; the set of keys stays."""
     rng = np.random.default_rng(seed)
     keys = np.random.default_rng(99).integers(-2**62, 2**62, n_keys)
     if stream == "uniform":
@@ -59,9 +61,12 @@ def batches(stream: str, n_keys: int, steps: int, ids_per_step: int, seed: int):
             yield keys[rng.integers(0, n_keys, ids_per_step)]
         return
     a = float(stream.split("-")[1])
+    drift = stream.endswith("-drift")
     cdf = np.cumsum(1.0 / np.arange(1, n_keys + 1) ** a)
     cdf /= cdf[-1]
-    for _ in range(steps):
+    for step in range(steps):
+        if drift and step and step % drift_every == 0:
+            keys = np.roll(keys, int(rng.integers(n_keys // 4, 3 * n_keys // 4)))
         yield keys[np.searchsorted(cdf, rng.random(ids_per_step))]
 
 
@@ -90,7 +95,8 @@ def _run_one(kind: str, stream: str, multiple: float, args, directory: str) -> d
     # the baseline and a reset of the peak (VmHWM, /proc/self/clear_refs), so that "store peak"
     # is the store's alone; "peak RSS" counts from the imports, the IDs included, as before.
     all_keys = np.random.default_rng(99).integers(-2**62, 2**62, n_keys)
-    stream_batches = list(batches(stream, n_keys, args.warmup + args.steps + 1, ids, seed=1))
+    stream_batches = list(batches(stream, n_keys, args.warmup + args.steps + 1, ids, seed=1,
+                                  drift_every=args.drift_every))
     peak_before_store = peak_rss_bytes()
     base_rss = rss_bytes()
     reset_peak_rss()
@@ -98,7 +104,8 @@ def _run_one(kind: str, stream: str, multiple: float, args, directory: str) -> d
     capacity = {"capacity": n_keys} if args.capacity_hint else {}
     # The policy of the tier's cache (its eviction). The in-memory store has none, as before (the
     # fastest in-memory table: no metadata kept for a policy).
-    eviction = {"eviction": cncore.LFU() if args.eviction == "lfu" else cncore.LRU()} if kind == "tiered" else {}
+    eviction = {"eviction": cncore.LFU(halve_every=args.lfu_halve_every) if args.eviction == "lfu" else cncore.LRU()
+                } if kind == "tiered" else {}
     store = cncore.EmbeddingStore(cncore.StoreConfig(dim=args.dim, optimizer=opt, storage=storage, **eviction,
                                                      **capacity))
     assert kind != "tiered" or store.cache_rows == cache_rows
@@ -176,6 +183,10 @@ def main(argv=None) -> int:
     ap.add_argument("--dir", default=None, help="where the tier files go (default: the temp dir)")
     ap.add_argument("--eviction", choices=["lru", "lfu"], default="lru",
                     help="the tier cache's policy (StoreConfig.eviction; LRU is the tier's default)")
+    ap.add_argument("--lfu-halve-every", type=int, default=None, metavar="STEPS",
+                    help="with --eviction lfu: LFU(halve_every=STEPS), counts aged (a power of two)")
+    ap.add_argument("--drift-every", type=int, default=100, metavar="STEPS",
+                    help="the zipf-A-drift streams: the popular keys change every STEPS steps")
     ap.add_argument("--capacity-hint", action="store_true",
                     help="StoreConfig(capacity=rows of the table) in both runs (the tier sizes its disk index once)")
     ap.add_argument("--quick", action="store_true", help="a smoke run: 1 MiB cache, 3x, 4 steps, 2 passes")
@@ -204,9 +215,12 @@ def main(argv=None) -> int:
                                   "--batch", str(args.batch), "--bag", str(args.bag), "--steps", str(args.steps),
                                   "--passes", str(args.passes if rep == 0 else 0), "--warmup", str(args.warmup),
                                   "--threads", str(args.threads), "--eviction", args.eviction,
+                                  "--drift-every", str(args.drift_every),
                                   "--multiples", *map(str, args.multiples)]
                     if args.capacity_hint:
                         argv_child.append("--capacity-hint")
+                    if args.lfu_halve_every:
+                        argv_child += ["--lfu-halve-every", str(args.lfu_halve_every)]
                     if not args.prefetch:
                         argv_child.append("--no-prefetch")
                     if args.dir:
@@ -225,7 +239,9 @@ def main(argv=None) -> int:
           f"{args.batch} x {args.bag} IDs per step, {args.threads} thread(s), prefetch "
           f"{'on' if args.prefetch else 'off'}, {args.warmup} warm-up + {args.steps} measured steps, the median of "
           f"{args.repeat} alternating runs of each kind; capacity hint {'on' if args.capacity_hint else 'off'}; "
-          f"cache eviction {args.eviction.upper()}; "
+          f"cache eviction {args.eviction.upper()}"
+          f"{f' (halve_every={args.lfu_halve_every})' if args.lfu_halve_every else ''}; "
+          f"{f'drift every {args.drift_every} steps; ' if any(s.endswith('-drift') for s in args.streams) else ''}"
           f"load average "
           f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after\n")
     print("| table / cache | stream | rows | tiered step ms (mean) | in-memory step ms (mean) | tiered / in-memory "

@@ -560,7 +560,7 @@ cdef class Table:
                   float p0, float p1, float p2, float p3, double max_load, int64_t capacity_hint,
                   int policy=0, int64_t max_rows=0, int64_t low_water=0, int64_t ttl=0, uint32_t min_count=0,
                   int64_t sketch_width=0, int64_t sketch_depth=0, bint absent_initial=False, int row_dtype=0,
-                  uint64_t admit_threshold=0, uint64_t admit_seed=0):
+                  uint64_t admit_threshold=0, uint64_t admit_seed=0, int lfu_halve_shift=-1):
         cdef cn_init init = _make_init(init_kind, seed, p0, p1, p2, p3)
         cdef cn_bound bound
         cdef int rc
@@ -568,6 +568,7 @@ cdef class Table:
         bound.max_rows = max_rows
         bound.low_water = low_water
         bound.ttl = ttl
+        bound.lfu_halve_shift = lfu_halve_shift
         bound.min_count = min_count
         bound.sketch_width = sketch_width
         bound.sketch_depth = sketch_depth

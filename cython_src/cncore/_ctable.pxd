@@ -82,6 +82,7 @@ cdef extern from "cn_table.h" nogil:
         int64_t max_rows
         int64_t low_water
         int64_t ttl
+        int lfu_halve_shift
         uint32_t min_count
         int64_t sketch_width
         int64_t sketch_depth

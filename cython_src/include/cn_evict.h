@@ -5,7 +5,14 @@
  * Each live row has a score, and rows leave in ascending (score, key) order, keys compared as
  * signed int64:
  *   LRU: score = last_step.
- *   LFU: score = (count, last_step), i.e. count * 2^32 + last_step.
+ *   LFU: score = (count, last_step), i.e. count * 2^32 + last_step. With aging (LFU(halve_every
+ *        = 2^h)), the count counts half for every 2^h steps since the row's last use:
+ *        score = (count >> min(32, (step - last_step) >> h), last_step), at the step of the
+ *        eviction. A row popular long ago then loses to rows in use now; without aging its
+ *        count keeps it forever (the stored counts are never changed: the decay is in the score
+ *        alone, so a row on an SSD tier's disk ages while it is there). A power of two, so the
+ *        decay is a shift in the scan: a 64-bit division per row costs ~15 cycles over a scan
+ *        that takes ~2 ns a row.
  *   TTL: score = last_step (so under pressure the expired rows, the oldest, go first); an
  *        explicit sweep evicts every row with step - last_step > ttl.
  * The rows a call itself uses are not candidates (the caller clears their live bits for the
@@ -59,12 +66,27 @@ enum { CN_EVICT_NONE = 0, CN_EVICT_LRU = 1, CN_EVICT_LFU = 2, CN_EVICT_TTL = 3 }
 
 typedef unsigned __int128 cn_u128;
 
-static inline uint64_t cn_evict_score(int policy, const cn_meta *m) {
-    return policy == CN_EVICT_LFU ? ((uint64_t)m->count << 32) | m->last_step : m->last_step;
+/* What a selection orders by: the policy, and for LFU's aging the step and the halving period's
+ * log2 (halve_shift < 0: no aging). */
+typedef struct {
+    int policy;
+    int halve_shift;
+    int64_t step;
+} cn_evict_rule;
+
+static inline uint64_t cn_evict_score(const cn_evict_rule *r, const cn_meta *m) {
+    if (r->policy != CN_EVICT_LFU) return m->last_step;
+    uint64_t count = m->count;
+    if (r->halve_shift >= 0) {
+        const int64_t idle = r->step - (int64_t)m->last_step;
+        const int64_t halvings = idle > 0 ? idle >> r->halve_shift : 0;
+        count = halvings >= 32 ? 0 : count >> halvings;
+    }
+    return (count << 32) | m->last_step;
 }
 
-static inline cn_u128 cn_evict_order(int policy, const cn_arena *a, int64_t slot) {
-    return ((cn_u128)cn_evict_score(policy, cn_arena_meta(a, slot)) << 64) |
+static inline cn_u128 cn_evict_order(const cn_evict_rule *r, const cn_arena *a, int64_t slot) {
+    return ((cn_u128)cn_evict_score(r, cn_arena_meta(a, slot)) << 64) |
            ((uint64_t)*cn_arena_key(a, slot) ^ CN_EVICT_KEY_BIAS);
 }
 
@@ -140,7 +162,7 @@ static int64_t cn_evict_sample_rows = 4096;
  * k smallest overall are among them. Returns 1 when done, 0 when the guess missed (fewer than
  * k rows at or below T, or more than the buffer holds: the caller runs the radix select), -1
  * when out of memory. One full pass instead of the radix select's three to six. */
-static inline int cn_evict_sampled(const cn_arena *a, int policy, int64_t k, int64_t n_live, cn_victim *victims) {
+static inline int cn_evict_sampled(const cn_arena *a, const cn_evict_rule *rule, int64_t k, int64_t n_live, cn_victim *victims) {
     const int64_t hw = a->high_water;
     const int64_t m = cn_evict_sample_rows < n_live ? cn_evict_sample_rows : n_live;
     cn_victim *sample = (cn_victim *)malloc((size_t)(m + 1) * sizeof(cn_victim));
@@ -149,7 +171,7 @@ static inline int cn_evict_sampled(const cn_arena *a, int policy, int64_t k, int
     for (int64_t j = 0; j < m; j++) {
         const int64_t slot = (int64_t)((double)j * (double)hw / (double)m);
         if (*cn_arena_live_word(a, slot) >> (slot & 63) & 1) {
-            sample[got].order = cn_evict_order(policy, a, slot);
+            sample[got].order = cn_evict_order(rule, a, slot);
             sample[got++].slot = slot;
         }
     }
@@ -167,7 +189,7 @@ static inline int cn_evict_sampled(const cn_arena *a, int policy, int64_t k, int
     if (buf == NULL) return -1;
     int64_t n = 0;
     CN_FOR_EACH_LIVE(a, slot, {
-        const cn_u128 c = cn_evict_order(policy, a, slot);
+        const cn_u128 c = cn_evict_order(rule, a, slot);
         if (c <= threshold) {
             if (n < cap) {
                 buf[n].order = c;
@@ -190,11 +212,11 @@ static inline int cn_evict_sampled(const cn_arena *a, int policy, int64_t k, int
  * `in_order` (the order is what a sink sees; without one it is not observable, and the sort
  * was a fifth of an eviction round's time). The caller makes sure that at least k rows are
  * live. Returns 0, or -1 when out of memory. */
-static inline int cn_evict_select(const cn_arena *a, int policy, int64_t k, int64_t n_live, cn_victim *victims,
+static inline int cn_evict_select(const cn_arena *a, const cn_evict_rule *rule, int64_t k, int64_t n_live, cn_victim *victims,
                                   int in_order) {
     if (k <= 0) return 0;
     if (cn_evict_sample_rows > 0 && n_live > 2 * CN_EVICT_TIE_MAX) {
-        const int rc = cn_evict_sampled(a, policy, k, n_live, victims);
+        const int rc = cn_evict_sampled(a, rule, k, n_live, victims);
         if (rc < 0) return -1;
         if (rc == 1) {
             if (in_order) cn_victim_sort(victims, k);
@@ -204,7 +226,7 @@ static inline int cn_evict_select(const cn_arena *a, int policy, int64_t k, int6
     uint64_t lo = UINT64_MAX, hi = 0;
     n_live = 0;
     CN_FOR_EACH_LIVE(a, slot, {
-        const uint64_t s = cn_evict_score(policy, cn_arena_meta(a, slot));
+        const uint64_t s = cn_evict_score(rule, cn_arena_meta(a, slot));
         lo = s < lo ? s : lo;
         hi = s > hi ? s : hi;
         n_live++;
@@ -219,7 +241,7 @@ static inline int cn_evict_select(const cn_arena *a, int policy, int64_t k, int6
         const int w = p < 16 ? p : 16;
         memset(hist, 0, (size_t)65536 * sizeof(int64_t));
         CN_FOR_EACH_LIVE(a, slot, {
-            const cn_u128 c = cn_evict_order(policy, a, slot);
+            const cn_u128 c = cn_evict_order(rule, a, slot);
             if (cn_u128_shr(c, p) == prefix) hist[(uint64_t)(c >> (p - w)) & ((1u << w) - 1)]++;
         });
         int64_t d = 0;
@@ -235,7 +257,7 @@ static inline int cn_evict_select(const cn_arena *a, int policy, int64_t k, int6
     if (ties == NULL) return -1;
     int64_t n_below = 0, n_ties = 0;
     CN_FOR_EACH_LIVE(a, slot, {
-        const cn_u128 c = cn_evict_order(policy, a, slot);
+        const cn_u128 c = cn_evict_order(rule, a, slot);
         const cn_u128 top = cn_u128_shr(c, p);
         if (top < prefix) {
             victims[n_below].order = c;

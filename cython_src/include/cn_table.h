@@ -37,6 +37,7 @@ typedef struct {
     int64_t max_rows;
     int64_t low_water;
     int64_t ttl;
+    int lfu_halve_shift; /* LFU's aging: counts halve every 2^shift steps unused (cn_evict.h); -1: never */
     uint32_t min_count;
     int64_t sketch_width;
     int64_t sketch_depth;
@@ -363,7 +364,8 @@ static inline int cn_table_evict_lowest(cn_table *t, int64_t k, int64_t n_live, 
     memset(ev, 0, sizeof(*ev));
     cn_victim *victims = (cn_victim *)malloc((size_t)(k > 0 ? k : 1) * sizeof(cn_victim));
     /* want_rows 2: the rows in any order (a tier's writer), so the victims are not sorted. */
-    if (victims == NULL || cn_evict_select(&t->arena, t->bound.policy, k, n_live, victims, want_rows == 1) != 0) {
+    const cn_evict_rule rule = {t->bound.policy, t->bound.lfu_halve_shift, t->step};
+    if (victims == NULL || cn_evict_select(&t->arena, &rule, k, n_live, victims, want_rows == 1) != 0) {
         free(victims);
         return CN_ENOMEM;
     }

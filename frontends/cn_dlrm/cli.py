@@ -204,6 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
                               "also expires rows unused for --ttl-steps steps, with or without --max-rows")
     bounded.add_argument("--ttl-steps", metavar="S", type=_int_at_least(0), default=None,
                          help="with --evict ttl: rows unused for more than S steps expire")
+    bounded.add_argument("--lfu-halve-every", metavar="S", type=_int_at_least(1), default=None,
+                         help="with --evict lfu: a row's count counts half for every S steps it goes unused "
+                              "(cncore.LFU(halve_every=S); a power of two), so rows popular once do not stay forever")
     admit = bounded.add_mutually_exclusive_group()
     admit.add_argument("--admit-min-count", metavar="C", type=_int_at_least(1), default=None,
                        help="an ID gets a row only once it was seen C times")
@@ -307,6 +310,12 @@ def _check_bounded(ap: argparse.ArgumentParser, args: argparse.Namespace, world:
         ap.error("--evict ttl needs --ttl-steps S (rows unused for more than S steps expire)")
     if args.ttl_steps is not None and args.evict != "ttl":
         ap.error(f"--ttl-steps applies to --evict ttl, not {'no --evict' if args.evict is None else args.evict}")
+    if args.lfu_halve_every is not None:
+        if args.evict != "lfu":
+            ap.error(f"--lfu-halve-every applies to --evict lfu, not "
+                     f"{'no --evict' if args.evict is None else args.evict}")
+        if args.lfu_halve_every & (args.lfu_halve_every - 1) or args.lfu_halve_every > 2**31:
+            ap.error(f"--lfu-halve-every must be a power of two up to 2**31, got {args.lfu_halve_every}")
     if rows is not None and rows < args.batch_size * world:
         shard = f" to each of the {world} shards of a table (ceil(max_rows / {world}) rows each)" if world > 1 else \
             " to a table"

@@ -73,11 +73,13 @@ def percent_budgets(counts: StreamCounts, percent: float) -> List[int]:
     return [min(d, max(math.ceil(d * percent / 100), p, 1)) for d, p in zip(counts.distinct, counts.peak_batch)]
 
 
-def policy(evict: Optional[str], ttl_steps: Optional[int]):
+def policy(evict: Optional[str], ttl_steps: Optional[int], lfu_halve_every: Optional[int] = None):
     """The cncore eviction object of --evict (None: no policy)."""
     if evict is None:
         return None
-    return {"lru": cncore.LRU, "lfu": cncore.LFU}[evict]() if evict != "ttl" else cncore.TTL(ttl_steps)
+    if evict == "lfu":
+        return cncore.LFU(halve_every=lfu_halve_every)
+    return cncore.LRU() if evict == "lru" else cncore.TTL(ttl_steps)
 
 
 def table_budgets(args, names: List[str], synthetic: Optional[SyntheticCriteo],
@@ -105,7 +107,7 @@ def collection_options(args, names: List[str], synthetic: Optional[SyntheticCrit
     if budgets is not None:
         options["max_rows"] = budgets
     if args.evict is not None:
-        options["eviction"] = policy(args.evict, args.ttl_steps)
+        options["eviction"] = policy(args.evict, args.ttl_steps, getattr(args, "lfu_halve_every", None))
     if args.admit_min_count is not None:
         options["admission"] = cncore.MinCount(args.admit_min_count)
     if getattr(args, "admit_probability", None) is not None:
