@@ -67,25 +67,31 @@ enum { CN_EVICT_NONE = 0, CN_EVICT_LRU = 1, CN_EVICT_LFU = 2, CN_EVICT_TTL = 3 }
 typedef unsigned __int128 cn_u128;
 
 /* What a selection orders by: the policy, and for LFU's aging the step and the halving period's
- * log2 (halve_shift < 0: no aging). */
+ * log2 (halve_shift < 0: no aging). Passed by value (the core builds with -fno-strict-aliasing,
+ * so through a pointer the scan would reload it after every victim written). Measured in a C
+ * harness (cn_evict_select of 6,250 of 200k rows, random counts and steps, minimum of 300
+ * selections, four alternated runs): LRU 0.353-0.356 ms before aging existed, 0.349-0.350 now;
+ * LFU 0.409-0.415 -> 0.445-0.450; LFU with aging 0.54-0.55 (the shift per row). Rejected: one
+ * copy of the selection per kind of score (a dispatcher over always_inline copies): LRU 0.38,
+ * LFU 0.40-0.44 depending on inlining; code layout moved either by +-7%. */
 typedef struct {
     int policy;
     int halve_shift;
     int64_t step;
 } cn_evict_rule;
 
-static inline uint64_t cn_evict_score(const cn_evict_rule *r, const cn_meta *m) {
-    if (r->policy != CN_EVICT_LFU) return m->last_step;
+static inline uint64_t cn_evict_score(cn_evict_rule r, const cn_meta *m) {
+    if (r.policy != CN_EVICT_LFU) return m->last_step;
     uint64_t count = m->count;
-    if (r->halve_shift >= 0) {
-        const int64_t idle = r->step - (int64_t)m->last_step;
-        const int64_t halvings = idle > 0 ? idle >> r->halve_shift : 0;
+    if (r.halve_shift >= 0) {
+        const int64_t idle = r.step - (int64_t)m->last_step;
+        const int64_t halvings = idle > 0 ? idle >> r.halve_shift : 0;
         count = halvings >= 32 ? 0 : count >> halvings;
     }
     return (count << 32) | m->last_step;
 }
 
-static inline cn_u128 cn_evict_order(const cn_evict_rule *r, const cn_arena *a, int64_t slot) {
+static inline cn_u128 cn_evict_order(cn_evict_rule r, const cn_arena *a, int64_t slot) {
     return ((cn_u128)cn_evict_score(r, cn_arena_meta(a, slot)) << 64) |
            ((uint64_t)*cn_arena_key(a, slot) ^ CN_EVICT_KEY_BIAS);
 }
@@ -162,7 +168,8 @@ static int64_t cn_evict_sample_rows = 4096;
  * k smallest overall are among them. Returns 1 when done, 0 when the guess missed (fewer than
  * k rows at or below T, or more than the buffer holds: the caller runs the radix select), -1
  * when out of memory. One full pass instead of the radix select's three to six. */
-static inline int cn_evict_sampled(const cn_arena *a, const cn_evict_rule *rule, int64_t k, int64_t n_live, cn_victim *victims) {
+static inline int cn_evict_sampled(const cn_arena *a, cn_evict_rule rule, int64_t k, int64_t n_live,
+                                   cn_victim *victims) {
     const int64_t hw = a->high_water;
     const int64_t m = cn_evict_sample_rows < n_live ? cn_evict_sample_rows : n_live;
     cn_victim *sample = (cn_victim *)malloc((size_t)(m + 1) * sizeof(cn_victim));
@@ -212,7 +219,7 @@ static inline int cn_evict_sampled(const cn_arena *a, const cn_evict_rule *rule,
  * `in_order` (the order is what a sink sees; without one it is not observable, and the sort
  * was a fifth of an eviction round's time). The caller makes sure that at least k rows are
  * live. Returns 0, or -1 when out of memory. */
-static inline int cn_evict_select(const cn_arena *a, const cn_evict_rule *rule, int64_t k, int64_t n_live, cn_victim *victims,
+static inline int cn_evict_select(const cn_arena *a, cn_evict_rule rule, int64_t k, int64_t n_live, cn_victim *victims,
                                   int in_order) {
     if (k <= 0) return 0;
     if (cn_evict_sample_rows > 0 && n_live > 2 * CN_EVICT_TIE_MAX) {

@@ -365,7 +365,7 @@ static inline int cn_table_evict_lowest(cn_table *t, int64_t k, int64_t n_live, 
     cn_victim *victims = (cn_victim *)malloc((size_t)(k > 0 ? k : 1) * sizeof(cn_victim));
     /* want_rows 2: the rows in any order (a tier's writer), so the victims are not sorted. */
     const cn_evict_rule rule = {t->bound.policy, t->bound.lfu_halve_shift, t->step};
-    if (victims == NULL || cn_evict_select(&t->arena, &rule, k, n_live, victims, want_rows == 1) != 0) {
+    if (victims == NULL || cn_evict_select(&t->arena, rule, k, n_live, victims, want_rows == 1) != 0) {
         free(victims);
         return CN_ENOMEM;
     }
