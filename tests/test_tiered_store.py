@@ -1077,3 +1077,28 @@ def test_the_heap_is_trimmed_once_the_processs_tiered_stores_together_spilled_th
     a.flush()  # a flush trims, and the count starts over
     assert len(trims) == expected + 1 and tiered._HEAP_TRIM._bytes == 0
     a.close()
+
+
+def test_the_record_file_opens_without_access_times_where_allowed(tmp_path, monkeypatch):
+    """_open_rows: O_NOATIME (no access-time check on every read) for the file's owner; where the
+    kernel refuses it (EPERM: another owner's file) the file opens without it and works."""
+    import cncore.tiered as tiered
+    store, memory = small_tier_and_memory(tmp_path, rows=200)
+    flags = int(open(f"/proc/self/fdinfo/{store._fd}").read().split("flags:")[1].split()[0], 8)
+    assert flags & os.O_NOATIME
+    store.flush()
+    store.close()
+    real_open = os.open
+
+    def refuse_noatime(path, flags, *args):
+        if flags & os.O_NOATIME:
+            raise PermissionError(1, "Operation not permitted", path)
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(tiered.os, "open", refuse_noatime)
+    again = cncore.EmbeddingStore(store.config)
+    flags = int(open(f"/proc/self/fdinfo/{again._fd}").read().split("flags:")[1].split()[0], 8)
+    assert not flags & os.O_NOATIME
+    keys = np.arange(200)
+    np.testing.assert_array_equal(again.lookup(keys), memory.lookup(keys))
+    again.close()

@@ -148,7 +148,19 @@ static inline int cn_tier_load(cn_table *t, const cn_tier_layout *L, const uint8
     if (wide == NULL) return CN_ENOMEM;
     const int64_t row_bytes = cn_dtype_bytes(t->row_dtype) * L->dim;
     int64_t inserted = 0;
+    /* Prefetched CN_PREFETCH_DISTANCE keys ahead: the key's index bucket and the slot it will
+     * take (the free stack's, popped in order; its row, metadata and key), all scattered. */
+    const int64_t ahead = CN_PREFETCH_DISTANCE;
     for (int64_t i = 0; i < n; i++) {
+        if (i + ahead < n) {
+            __builtin_prefetch(&t->index.buckets[cn_index_home(&t->index, keys[i + ahead])], 1, 3);
+            if (t->arena.n_free > ahead) {
+                const int64_t next = t->arena.free_slots[t->arena.n_free - 1 - ahead];
+                cn_prefetch_write(cn_arena_row(&t->arena, next), t->arena.row_bytes);
+                __builtin_prefetch(cn_arena_meta(&t->arena, next), 1, 3);
+                if (t->arena.key_offset) __builtin_prefetch(cn_arena_key(&t->arena, next), 1, 3);
+            }
+        }
         const uint8_t *p = buf + i * L->rec;
         int64_t pos, s = cn_index_probe(&t->index, keys[i], &pos);
         if (s < 0) {
