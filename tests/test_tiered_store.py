@@ -7,7 +7,8 @@
   reopenings (LRU, LFU and TTL caches; without admission and with MinCount, zeros or initial
   rows for keys not admitted, and its decay; float32, float16 and bfloat16 rows, stored at
   their size on disk; spills and loads in rounds of 2 records, room made 3 rows a round, or
-  in the default rounds): after every step both hold the same keys, rows,
+  in the default rounds; disk-index erases of loaded rows left to the background thread
+  for every one-round fault-in, or only for large ones): after every step both hold the same keys, rows,
   optimizer state, counts and last steps, and give the same outputs.
 - Threads sharing one tiered store read the right rows and train as one thread would.
 - The disk index (cn_slotindex.h) against a dict.
@@ -51,8 +52,9 @@ key_batches = st.lists(st.one_of(st.integers(-30, 30), st.sampled_from([-2**63, 
 class TieredMachine(RuleBasedStateMachine):
     @initialize(optimizer=st.sampled_from(["adam", "rowwise"]), eviction=st.sampled_from(["lru", "lfu", "ttl"]),
                 admission=st.sampled_from([None, "min2", "min3-initial"]),
-                dtype=st.sampled_from(["float32", "float16", "bfloat16"]), small_rounds=st.booleans())
-    def setup(self, optimizer, eviction, admission, dtype, small_rounds):
+                dtype=st.sampled_from(["float32", "float16", "bfloat16"]), small_rounds=st.booleans(),
+                erase_behind=st.booleans())
+    def setup(self, optimizer, eviction, admission, dtype, small_rounds, erase_behind):
         import tempfile
         self.path = os.path.join(tempfile.mkdtemp(), "t.tier")
         opt = cncore.Adam(lr=0.05) if optimizer == "adam" else cncore.RowWiseAdagrad(lr=0.1)
@@ -64,7 +66,7 @@ class TieredMachine(RuleBasedStateMachine):
         per_row = DIM * (4 if dtype == "float32" else 2) + 4 * (2 * DIM if optimizer == "adam" else 1) + 47
         self.config = cncore.StoreConfig(dim=DIM, seed=3, optimizer=opt, eviction=ev, admission=adm, dtype=dtype,
                                          storage=cncore.Tiered(self.path, cache_bytes=16 * per_row))
-        self.small_rounds = small_rounds
+        self.small_rounds, self.erase_behind = small_rounds, erase_behind
         self.tiered = self.open_tier()
         assert isinstance(self.tiered, TieredStore) and self.tiered.cache_rows == 16
         self.memory_config = cncore.StoreConfig(dim=DIM, seed=3, optimizer=opt, admission=adm, dtype=dtype)
@@ -75,6 +77,8 @@ class TieredMachine(RuleBasedStateMachine):
         tiered = cncore.EmbeddingStore(self.config)
         if self.small_rounds:  # spills and loads 2 records at a time, room made 3 rows a round
             tiered._io_rows, tiered._evict_chunk = 2, 3
+        if self.erase_behind:  # every one-round fault-in leaves its disk-index erase behind
+            tiered._erase_behind_at = 1
         return tiered
 
     @rule(keys=key_batches, seed=st.integers(0, 99), mode=st.sampled_from(["sum", "mean"]))
@@ -412,12 +416,13 @@ def test_the_job_on_the_tier_trains_exactly_as_in_memory(tmp_path, capsys):
 # --- the disk index ------------------------------------------------------------------------------
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["put", "erase"]),
+@given(st.lists(st.tuples(st.sampled_from(["put", "erase", "erase_at"]),
                           st.lists(st.one_of(st.integers(-40, 40), st.sampled_from([-2**63, 2**63 - 1])),
                                    max_size=60)), max_size=30), st.integers(1, 50))
 def test_the_disk_index_is_a_dict_of_key_to_slot(ops, batch_size):
     """cn_slotindex.h against a dict: puts (a key given twice keeps its last slot), erases (each
-    key's old slot once, -1 for a repeat or an absent key), finds, and the walk of every entry,
+    key's old slot once, -1 for a repeat or an absent key), erases of keys still at a given slot
+    (half the slots given are the key's own, half another's), finds, and the walk of every entry,
     through growth past several rehashes."""
     from cncore._core import SlotIndex
     ix, model, next_slot = SlotIndex(), {}, 0
@@ -428,6 +433,14 @@ def test_the_disk_index_is_a_dict_of_key_to_slot(ops, batch_size):
             next_slot += len(arr)
             ix.put(arr, slots)
             model.update(zip(keys, slots.tolist()))
+        elif op == "erase_at":
+            at = np.array([model.get(k, -1) + (i % 2) for i, k in enumerate(keys)], np.int64)
+            removed = 0
+            for k, s in zip(keys, at.tolist()):
+                if k in model and model[k] == s:
+                    del model[k]
+                    removed += 1
+            assert ix.erase_at(arr, at) == removed
         else:
             want = []
             for k in keys:
@@ -610,7 +623,8 @@ def bucket_bytes(n_buckets: int) -> int:
 def test_capacity_sizes_the_disk_index_once_and_exactly(tmp_path):
     """StoreConfig.capacity (the rows the table will hold) reserves the disk index up front, to
     exactly the buckets the most keys it can hold at once need (all rows but the cache's
-    low-water mark, plus a fault-in's round): filling a table 10x its cache and then training
+    low-water mark, plus a fault-in's round and two rounds whose erase is left behind): filling
+    a table 10x its cache and then training, prefetching the next batch,
     on it (every step faults in hundreds of rows while the cache evicts) never rehashes it,
     and it takes no power-of-two slack."""
     from cncore._core import SlotIndex
@@ -619,7 +633,7 @@ def test_capacity_sizes_the_disk_index_once_and_exactly(tmp_path):
     store = cncore.EmbeddingStore(config)
     most = store.disk_keys_at_most(5000)
     low_water = store.cache_rows - store._config.headroom
-    assert most == 5000 - low_water + store._evict_chunk
+    assert most == 5000 - low_water + 3 * store._evict_chunk
     reserved = store.disk_index_bytes
     assert SlotIndex.buckets_for(most) == -(-most * 10 // 7)
     assert reserved == bucket_bytes(SlotIndex.buckets_for(most))
@@ -629,8 +643,11 @@ def test_capacity_sizes_the_disk_index_once_and_exactly(tmp_path):
     assert store.disk_index_bytes == reserved
     rng = np.random.default_rng(0)
     lengths = np.full(40, 10)
-    for _ in range(30):  # 400 IDs a step over 5,000 rows: ~330 read from disk a step, evicting as many
-        _, ctx = store.pooled_lookup(rng.integers(0, 5000, 400), lengths=lengths)
+    store._erase_behind_at = 1  # the loads' disk-index erases left to the background thread too
+    batches = [rng.integers(0, 5000, 400) for _ in range(31)]
+    for step in range(30):  # 400 IDs a step over 5,000 rows: ~330 read from disk a step, evicting as many
+        _, ctx = store.pooled_lookup(batches[step], lengths=lengths)
+        store.prefetch(batches[step + 1])
         store.apply_gradients(ctx, np.ones((40, DIM), np.float32))
         assert store.disk_index_bytes == reserved
     assert store.stats["rows_read"] > 30 * 250 and len(store) == 5000
@@ -1101,4 +1118,44 @@ def test_the_record_file_opens_without_access_times_where_allowed(tmp_path, monk
     assert not flags & os.O_NOATIME
     keys = np.arange(200)
     np.testing.assert_array_equal(again.lookup(keys), memory.lookup(keys))
+    again.close()
+
+
+def test_a_loaded_rows_disk_entry_is_erased_behind_and_never_a_newer_one(tmp_path):
+    """_erase_behind: a one-round fault-in leaves the disk-index erase of the rows it loaded to the
+    background thread, handed over by the next prefetch. Until it runs, the rows are in memory and
+    their old disk entries stay. Here the background thread is held, the rows are evicted again
+    meanwhile (indexed anew at other slots), and then the erase runs: it leaves the newer entries
+    (a plain erase would drop them: rows lost). Rows, len and a reopened flush equal an in-memory
+    store's."""
+    import threading
+    from cncore import tiered
+    store, memory = small_tier_and_memory(tmp_path)
+    store._erase_behind_at = 1
+    store._wait_writes()
+    keys = np.arange(0, 12)
+    old = store._disk.find(keys)
+    assert (old >= 0).all()  # on disk
+    for s in (store, memory):
+        _, ctx = s.pooled_lookup(keys, lengths=np.ones(12, np.int64))
+        s.apply_gradients(ctx, np.ones((12, DIM), np.float32))
+    assert store.contains(keys).all() and (store._disk.find(keys) == old).all()  # loaded; still indexed
+    gate = threading.Event()
+    tiered._prefetcher().submit(gate.wait)
+    try:
+        store.prefetch(keys)  # all in memory: no read job, only the erase, queued behind the gate
+        assert store._erasing is not None and not store._erasing.done()
+        store.evict(store.cached_rows)  # the loaded rows go back to disk, at other slots
+        new = store._disk.find(keys)
+        assert (new >= 0).all() and not np.isin(new, old).any()
+    finally:
+        gate.set()
+    store._erasing.result()
+    assert (store._disk.find(keys) == new).all()
+    assert len(store) == len(memory) == 300
+    assert_same_rows(store, memory)
+    store.flush()
+    store.close()
+    again = cncore.EmbeddingStore(store.config)
+    assert_same_rows(again, memory)
     again.close()

@@ -223,6 +223,19 @@ cdef class SlotIndex:
                 pthread_mutex_unlock(&self.mu)
         return out
 
+    def erase_at(self, const int64_t[::1] keys, const int64_t[::1] slots):
+        """Remove each keys[i] whose slot is still slots[i] (one indexed anew at another slot
+        stays); returns how many were removed. Without the GIL."""
+        cdef int64_t n = keys.shape[0], removed = 0
+        if slots.shape[0] != n:
+            raise ValueError(f"slots: expected {n}, got {slots.shape[0]}")
+        if n:
+            with nogil:
+                pthread_mutex_lock(&self.mu)
+                removed = cn_slotindex_erase_at(&self.ix, &keys[0], &slots[0], n)
+                pthread_mutex_unlock(&self.mu)
+        return removed
+
     def clear(self):
         cdef int rc
         with nogil:

@@ -42,6 +42,7 @@ cdef extern from "cn_slotindex.h" nogil:
     int64_t cn_slotindex_buckets_for(int64_t n)
     void cn_slotindex_put(cn_index *ix, const int64_t *keys, const int64_t *slots, int64_t n)
     void cn_slotindex_erase(cn_index *ix, const int64_t *keys, int64_t n, int64_t *slots)
+    int64_t cn_slotindex_erase_at(cn_index *ix, const int64_t *keys, const int64_t *slots, int64_t n)
     int64_t cn_slotindex_items(const cn_index *ix, int64_t *pos, int64_t max, int64_t *keys, int64_t *slots)
 
 cdef extern from "cn_arena.h" nogil:

@@ -78,6 +78,23 @@ static inline void cn_slotindex_erase(cn_index *ix, const int64_t *keys, int64_t
     }
 }
 
+/* Remove each key whose slot is still slots[i] (a key indexed again at another slot since, by a
+ * spill that wrote it there, stays); returns how many were removed. The tier's training thread
+ * hands the keys it loaded into memory to its background thread this way (cncore/tiered.py,
+ * TieredStore._erase_behind). */
+static inline int64_t cn_slotindex_erase_at(cn_index *ix, const int64_t *keys, const int64_t *slots, int64_t n) {
+    int64_t removed = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (i + CN_SLOTINDEX_AHEAD < n) __builtin_prefetch(&ix->buckets[cn_index_home(ix, keys[i + CN_SLOTINDEX_AHEAD])], 1, 3);
+        int64_t pos;
+        if (slots[i] >= 0 && cn_index_probe(ix, keys[i], &pos) == slots[i]) {
+            cn_index_erase(ix, keys[i]);
+            removed++;
+        }
+    }
+    return removed;
+}
+
 /* Copy up to `max` entries from bucket `*pos` on into keys/slots; returns how many, and moves
  * *pos past the last bucket read (n_buckets when done). */
 static inline int64_t cn_slotindex_items(const cn_index *ix, int64_t *pos, int64_t max, int64_t *keys,
