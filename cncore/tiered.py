@@ -1103,18 +1103,23 @@ class TieredStore(EmbeddingStore):
         if staged is None:
             return self._read(slots)
         s_keys, s_slots, s_buf = staged
-        at = np.searchsorted(s_keys, keys).clip(max=len(s_keys) - 1)
-        hit = (s_keys[at] == keys) & (s_slots[at] == slots)
-        n_hit = int(hit.sum())
-        if n_hit == len(keys) and at[-1] - at[0] == len(keys) - 1:  # the usual case: a run of them (no copy)
-            out = s_buf[at[0]:at[0] + len(keys)]
-        elif n_hit == 0:
-            out = self._read(slots)
+        if len(s_keys) == len(keys) and np.array_equal(s_keys, keys) and np.array_equal(s_slots, slots):
+            # The call's own prefetch, which read exactly its disk rows (two compares: 6 us for
+            # 1.4k keys, where the match below took 0.09-0.1 ms of a 3x Zipf 1.05 step).
+            out, n_hit = s_buf, len(keys)
         else:
-            out = self._buffer(len(keys))
-            out[hit] = s_buf[at[hit]]
-            if n_hit < len(keys):
-                out[~hit] = self._read(slots[~hit])
+            at = np.searchsorted(s_keys, keys).clip(max=len(s_keys) - 1)
+            hit = (s_keys[at] == keys) & (s_slots[at] == slots)
+            n_hit = int(hit.sum())
+            if n_hit == len(keys) and at[-1] - at[0] == len(keys) - 1:  # a run of them (no copy)
+                out = s_buf[at[0]:at[0] + len(keys)]
+            elif n_hit == 0:
+                out = self._read(slots)
+            else:
+                out = self._buffer(len(keys))
+                out[hit] = s_buf[at[hit]]
+                if n_hit < len(keys):
+                    out[~hit] = self._read(slots[~hit])
         self.stats["prefetched"] = self.stats.get("prefetched", 0) + n_hit
         self.stats["rows_read"] += n_hit
         self.stats["bytes_read"] += n_hit * self._record.itemsize
