@@ -417,6 +417,8 @@ class TieredStore(EmbeddingStore):
         self._unindexed = None  # (keys, slots) loaded into memory, still indexed on disk (_erase_behind)
         self._erasing = None    # the background task erasing the last batch handed over (its Future)
         self._erase_behind_at = _ERASE_BEHIND_AT  # (tests set it to 1)
+        self._find_on_disk_here = _FIND_ON_DISK_HERE  # (tests set it to 0)
+        self._job_has_all = False  # the running prefetch's job was handed every ID missing from memory
         self.cache_rows = _cache_rows(config, storage.cache_bytes)
         self._evict_chunk = max(_IO_ROWS, self.cache_rows // 64)
         # Spilled bytes that make this store's share of a heap trim: 1/16 of the cache (_HeapTrim).
@@ -683,24 +685,29 @@ class TieredStore(EmbeddingStore):
         self.stats["hits"] += n_cached
         if n_cached == len(keys):
             return cache_slots
-        absent, absent_count = np.unique(keys[~cached], return_counts=True)
-        disk_slots = self._disk.find(absent)
-        on_disk = disk_slots >= 0
-        disk_keys, slots = absent[on_disk], disk_slots[on_disk]
-        self.stats["misses"] += int(absent_count[on_disk].sum())
+        n_disk = self._own_plan()
+        if n_disk is None:
+            disk_keys, slots, absent_new, misses = self._missing_rows(keys, cached)
+            n_disk = len(disk_keys)
+        else:  # every ID missing from memory is on disk, and this call's prefetch reads them
+            disk_keys = slots = None  # its keys and slots, taken after its reads
+            absent_new, misses = keys[:0], len(keys) - n_cached
+        self.stats["misses"] += misses
         if insert:
-            self.stats["new"] += int((~on_disk).sum())
+            self.stats["new"] += len(absent_new)
             if len(keys) > self.cache_rows:
                 self._check_fits(keys)
         # New keys take room too; with admission they may not be admitted (find_or_insert is
         # not gated, so making their rows here would give a row that admission may refuse): the
         # call's own training lookup counts them in the sketch, each once as in memory, and
         # makes room for those admitted.
-        new_keys = absent[~on_disk] if insert and self._tier_config.admission is None else absent[:0]
-        if not len(disk_keys) and len(new_keys) <= self._evict_chunk:
+        new_keys = absent_new if insert and self._tier_config.admission is None else absent_new[:0]
+        if not n_disk and len(new_keys) <= self._evict_chunk:
             return None  # the call's own find_or_insert makes the new rows (one round)
         base = keys[cached]
-        if len(base) + len(disk_keys) + len(new_keys) > self.cache_rows:
+        if len(base) + n_disk + len(new_keys) > self.cache_rows:
+            if disk_keys is None:
+                disk_keys, slots, _, _ = self._missing_rows(keys, cached)
             self._check_fits(np.concatenate([base, disk_keys, new_keys]))
         # The disk rows go straight into the cache (RecordWriter / Table.load_records, one C call
         # a round: cn_tier.h), which makes their room as an insert does, evicting only rows the
@@ -712,17 +719,22 @@ class TieredStore(EmbeddingStore):
         # for them (the cache evicts in rounds of `headroom` rows, so most steps find room)
         # nothing is pinned.
         step = self._evict_chunk
-        if len(disk_keys):
-            room = EmbeddingStore.__len__(self) + len(disk_keys) <= self.cache_rows  # then nothing is evicted
-            if not room and len(disk_keys) <= step and self._job_is_this_calls:
+        if n_disk:
+            room = EmbeddingStore.__len__(self) + n_disk <= self.cache_rows  # then nothing is evicted
+            if not room and n_disk <= step and self._job_is_this_calls:
                 # One round, and the running prefetch is this call's: its room is made now, before
                 # waiting for the job's reads, which go on meanwhile (the spill needs not wait for
                 # the job: _spill_slots). An eviction round is ~1.3 ms of the training thread's
                 # (a 3x Zipf 1.05 step, one in ~3.5), during which the job read what the training
                 # thread otherwise read beside it after the wait (_take_staged).
-                self._table.make_room(len(disk_keys), cache_slots[cached])
+                self._table.make_room(n_disk, cache_slots[cached])
                 room = True
             staged = self._take_staged()
+            if disk_keys is None:  # the plan's: the keys the job read, in key order, and their slots
+                if staged is not None and len(staged[0]) == n_disk:
+                    disk_keys, slots = staged[0], staged[1]
+                else:  # its records are no longer current (a flush since): found here
+                    disk_keys, slots, _, _ = self._missing_rows(keys, cached)
             pin = cache_slots[:0] if room else cache_slots[cached]
             # Read and loaded a round at a time: a uniform step at 10x brings in 14.7k rows, and
             # its records read at once held 4 MiB beside the cache (half the store's peak over
@@ -757,12 +769,40 @@ class TieredStore(EmbeddingStore):
             base = np.concatenate([base, disk_keys])
             for end in range(step, len(new_keys) + step, step):
                 EmbeddingStore.find_or_insert(self, np.concatenate([base, new_keys[:end]]))
-        if len(disk_keys) < len(absent):
+        if len(absent_new):
             return None  # keys with no row yet: the call's lookup finds (and makes) them
         # Every key has a row in memory now: the cached ones where the find above gave it (pinned,
         # or nothing was evicted); the loaded ones keep -1, which the core lookup finds (mapping
         # the loaded slots back to the IDs here took 0.13 ms a 3x Zipf 1.05 step).
         return cache_slots
+
+    def _missing_rows(self, keys: np.ndarray, cached: np.ndarray):
+        """Of the keys missing from memory (~cached): those on disk (distinct, in key order),
+        their slots, the distinct others, and how many of the IDs are disk keys (with repeats)."""
+        absent, absent_count = np.unique(keys[~cached], return_counts=True)
+        disk_slots = self._disk.find(absent)
+        on_disk = disk_slots >= 0
+        return absent[on_disk], disk_slots[on_disk], absent[~on_disk], int(absent_count[on_disk].sum())
+
+    def _own_plan(self) -> Optional[int]:
+        """The rows on disk of a fault-in whose running prefetch is its own, from that prefetch's
+        find, so that it does not find them itself (np.unique and the disk index's find of its
+        ~1.5k missing IDs: 0.13-0.16 ms of a 3x Zipf 1.05 step). Only when the job was handed
+        every ID missing from memory (more than _FIND_ON_DISK_HERE of them), has found them
+        (StageJob.plan: never waits), found every distinct one on disk (no new keys), reads all
+        of them (within its cap), and the disk index is unchanged since its find (its version:
+        an erase, say, of a key it found; a spill since would have changed the cache's keys,
+        and the find would not have matched). Else None."""
+        job = self._stage_job
+        if not (self._job_is_this_calls and self._job_has_all) or job is None:
+            return None
+        plan = job.plan()
+        if plan is None:
+            return None
+        n_distinct, n_found, m, version = plan
+        if n_found != n_distinct or m != n_found or version != self._disk.version:
+            return None
+        return m
 
     def _cache_find(self, keys: np.ndarray):
         """(slots, found) of keys in the cache: the prefetch's find of the same keys when the
@@ -1023,6 +1063,7 @@ class TieredStore(EmbeddingStore):
         keys = np.array(as_keys(keys), dtype=np.int64, copy=True)
         self._wait_prefetch()
         self._prefound = None
+        self._stage_job, self._job_has_all = None, False
         if not len(keys):
             return
         # The keys are found in the cache here, and only those missing go to the background job;
@@ -1033,7 +1074,8 @@ class TieredStore(EmbeddingStore):
         slots, found = EmbeddingStore.find(self, keys)
         self._prefound = (self._table.version, keys, slots, found)
         keys = keys[~found]
-        if len(keys) <= _FIND_ON_DISK_HERE:
+        has_all = len(keys) > self._find_on_disk_here
+        if not has_all:
             # A few missing IDs (cn-dlrm: 512 IDs a table a step, tens missing, mostly new keys):
             # the disk index is asked here (a few us), and a background job is handed in only for
             # keys on disk. 26 tables' jobs that found nothing cost the step their submits and
@@ -1067,6 +1109,7 @@ class TieredStore(EmbeddingStore):
         # Shared with this thread: a call that needs the records before they are all read reads
         # the rest alongside the background thread (StageJob.help, cn_tier_share in cn_tier.h).
         job = self._stage_job = _core.StageJob()
+        self._job_has_all = has_all
 
         def read():
             found_keys, slots = writer.stage(keys, cap, buf.view(np.uint8).reshape(cap, -1), threads, job)

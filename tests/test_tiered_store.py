@@ -8,7 +8,9 @@
   rows for keys not admitted, and its decay; float32, float16 and bfloat16 rows, stored at
   their size on disk; spills and loads in rounds of 2 records, room made 3 rows a round, or
   in the default rounds; disk-index erases of loaded rows left to the background thread
-  for every one-round fault-in, or only for large ones): after every step both hold the same keys, rows,
+  for every one-round fault-in, or only for large ones; prefetch jobs handed every ID missing
+  from memory, whose find the fault-in takes, or only the keys on disk of a few): after every
+  step both hold the same keys, rows,
   optimizer state, counts and last steps, and give the same outputs.
 - Threads sharing one tiered store read the right rows and train as one thread would.
 - The disk index (cn_slotindex.h) against a dict.
@@ -53,8 +55,8 @@ class TieredMachine(RuleBasedStateMachine):
     @initialize(optimizer=st.sampled_from(["adam", "rowwise"]), eviction=st.sampled_from(["lru", "lfu", "ttl"]),
                 admission=st.sampled_from([None, "min2", "min3-initial"]),
                 dtype=st.sampled_from(["float32", "float16", "bfloat16"]), small_rounds=st.booleans(),
-                erase_behind=st.booleans())
-    def setup(self, optimizer, eviction, admission, dtype, small_rounds, erase_behind):
+                erase_behind=st.booleans(), whole_jobs=st.booleans())
+    def setup(self, optimizer, eviction, admission, dtype, small_rounds, erase_behind, whole_jobs):
         import tempfile
         self.path = os.path.join(tempfile.mkdtemp(), "t.tier")
         opt = cncore.Adam(lr=0.05) if optimizer == "adam" else cncore.RowWiseAdagrad(lr=0.1)
@@ -66,7 +68,7 @@ class TieredMachine(RuleBasedStateMachine):
         per_row = DIM * (4 if dtype == "float32" else 2) + 4 * (2 * DIM if optimizer == "adam" else 1) + 47
         self.config = cncore.StoreConfig(dim=DIM, seed=3, optimizer=opt, eviction=ev, admission=adm, dtype=dtype,
                                          storage=cncore.Tiered(self.path, cache_bytes=16 * per_row))
-        self.small_rounds, self.erase_behind = small_rounds, erase_behind
+        self.small_rounds, self.erase_behind, self.whole_jobs = small_rounds, erase_behind, whole_jobs
         self.tiered = self.open_tier()
         assert isinstance(self.tiered, TieredStore) and self.tiered.cache_rows == 16
         self.memory_config = cncore.StoreConfig(dim=DIM, seed=3, optimizer=opt, admission=adm, dtype=dtype)
@@ -79,6 +81,8 @@ class TieredMachine(RuleBasedStateMachine):
             tiered._io_rows, tiered._evict_chunk = 2, 3
         if self.erase_behind:  # every one-round fault-in leaves its disk-index erase behind
             tiered._erase_behind_at = 1
+        if self.whole_jobs:  # every prefetch hands its job all IDs missing from memory, and the
+            tiered._find_on_disk_here = 0  # fault-in of the same keys takes the job's find (_own_plan)
         return tiered
 
     @rule(keys=key_batches, seed=st.integers(0, 99), mode=st.sampled_from(["sum", "mean"]))
@@ -1159,3 +1163,52 @@ def test_a_loaded_rows_disk_entry_is_erased_behind_and_never_a_newer_one(tmp_pat
     again = cncore.EmbeddingStore(store.config)
     assert_same_rows(again, memory)
     again.close()
+
+
+def test_a_fault_in_takes_its_prefetchs_find_only_while_the_disk_index_is_unchanged(tmp_path, monkeypatch):
+    """_own_plan: a fault-in whose running prefetch was handed every ID missing from memory takes
+    that job's find instead of its own when every missing key is on disk and the disk index is
+    unchanged since. An erase of one of those keys in between (it leaves the cache's keys as they
+    were, so the prefetch's cache find still matches) makes the fault-in find them itself, and
+    the erased key stays erased (a new key: its initial row); so do new keys among them. Rows
+    equal an in-memory store's throughout."""
+    import time
+    store, memory = small_tier_and_memory(tmp_path)
+    store._find_on_disk_here = 0
+    own_finds = []
+    real = store._missing_rows
+    monkeypatch.setattr(store, "_missing_rows", lambda *a: (own_finds.append(len(a[0])), real(*a))[1])
+
+    def prefetched(keys):
+        store.prefetch(keys)
+        deadline = time.monotonic() + 30
+        while store._stage_job.plan() is None and time.monotonic() < deadline:  # its find done
+            time.sleep(0.001)
+
+    def train(keys):
+        outs = []
+        for s in (store, memory):
+            out, ctx = s.pooled_lookup(keys, lengths=np.ones(len(keys), np.int64), insert_missing=True)
+            s.apply_gradients(ctx, np.ones((len(keys), DIM), np.float32))
+            outs.append(out)
+        np.testing.assert_array_equal(outs[0], outs[1])
+
+    train(np.arange(0, 24))  # rows no longer their initial ones (so a resurrected row would show)
+    store.evict(store.cached_rows)
+    own_finds.clear()
+    keys = np.arange(0, 12)  # on disk
+    prefetched(keys)
+    train(keys)
+    assert own_finds == [] and store.stats["prefetched"] >= 12
+    keys = np.arange(12, 24)
+    prefetched(keys)
+    for s in (store, memory):
+        s.erase(np.array([15]))
+    train(keys)
+    assert own_finds == [12]
+    keys = np.array([24, 25, 26, 10**6])  # a new key among them
+    prefetched(keys)
+    train(keys)
+    assert own_finds == [12, 4]
+    assert_same_rows(store, memory)
+    store.close()

@@ -135,9 +135,11 @@ cdef class SlotIndex:
     cdef cn_index ix
     cdef int64_t _nbytes
     cdef pthread_mutex_t mu
+    cdef uint64_t _version  # bumped, under mu, by every put, erase and clear (not erase_at)
 
     def __cinit__(self):
         self._nbytes = 0
+        self._version = 0
         pthread_mutex_init(&self.mu, NULL)
         if cn_index_init(&self.ix, 16, &self._nbytes) != 0:
             raise MemoryError("SlotIndex: no memory for 16 buckets")
@@ -154,6 +156,13 @@ cdef class SlotIndex:
     def nbytes(self):
         """Bytes its buckets take (16 a bucket, the load factor at most 0.7)."""
         return self._nbytes
+
+    @property
+    def version(self):
+        """A count of the puts, erases and clears so far (erase_at does not count: the tier
+        erases that way only keys that are also in its memory cache, which no disk lookup of keys
+        missing from memory concerns). A prefetch job records it at its find (StageJob.plan)."""
+        return self._version
 
     def find(self, const int64_t[::1] keys):
         """The slot of each key, -1 where absent (int64 array)."""
@@ -207,6 +216,7 @@ cdef class SlotIndex:
             rc = cn_slotindex_reserve(&self.ix, n, 0, &self._nbytes)
             if rc == 0:
                 cn_slotindex_put(&self.ix, &keys[0], &slots[0], n)
+                self._version += 1
             pthread_mutex_unlock(&self.mu)
         if rc != 0:
             raise MemoryError(f"SlotIndex: no memory to grow past {self.ix.size + n} keys; the index is unchanged")
@@ -220,6 +230,7 @@ cdef class SlotIndex:
             with nogil:
                 pthread_mutex_lock(&self.mu)
                 cn_slotindex_erase(&self.ix, &keys[0], n, &o[0])
+                self._version += 1
                 pthread_mutex_unlock(&self.mu)
         return out
 
@@ -242,6 +253,7 @@ cdef class SlotIndex:
             pthread_mutex_lock(&self.mu)
             cn_index_free(&self.ix, &self._nbytes)
             rc = cn_index_init(&self.ix, 16, &self._nbytes)
+            self._version += 1
             pthread_mutex_unlock(&self.mu)
         if rc != 0:
             raise MemoryError("SlotIndex: no memory for 16 buckets")
@@ -328,6 +340,16 @@ cdef class StageJob:
     def state(self):
         """0: finding the keys on disk, 1: reading, 2: over."""
         return self.share.state
+
+    def plan(self):
+        """Once the job has found its keys (else None: still finding, or ended by an error;
+        never waits): (distinct keys handed in, distinct keys found on disk, records it reads,
+        the disk index's version at its find)."""
+        cdef int64_t n_distinct = 0, n_found = 0, m = 0
+        cdef uint64_t version = 0
+        if not cn_tier_share_plan(&self.share, &n_distinct, &n_found, &m, &version):
+            return None
+        return n_distinct, n_found, m, version
 
 
 cdef class RecordWriter:
@@ -441,6 +463,7 @@ cdef class RecordWriter:
             err = cn_slotindex_reserve(&self.disk.ix, n, 0, &self.disk._nbytes)
             if err == 0:
                 cn_slotindex_put(&self.disk.ix, keys, &slots[0], n)
+                self.disk._version += 1
             pthread_mutex_unlock(&self.disk.mu)
         if err != 0:
             raise MemoryError(f"SlotIndex: no memory to grow past {self.disk.ix.size + n} keys")
@@ -492,7 +515,8 @@ cdef class RecordWriter:
         cdef int64_t[::1] ok = out_keys, os_ = out_slots
         if room:
             with nogil:
-                m = cn_tier_stage(&self.L, self.fd, threads, &self.disk.ix, &self.disk.mu, &keys[0], n, room,
+                m = cn_tier_stage(&self.L, self.fd, threads, &self.disk.ix, &self.disk.mu, &self.disk._version,
+                                  &keys[0], n, room,
                                   &ok[0], &os_[0], &buf[0, 0], share)
         elif job is not None:
             job.share.state = 2

@@ -183,6 +183,8 @@ cdef extern from "cn_tier.h" nogil:
         int64_t done
         int state
     void cn_tier_share_help(cn_tier_share *s)
+    int cn_tier_share_plan(const cn_tier_share *s, int64_t *n_distinct, int64_t *n_found, int64_t *m,
+                           uint64_t *disk_version)
     int64_t cn_tier_stage(const cn_tier_layout *L, int fd, int threads, const cn_index *disk, pthread_mutex_t *mu,
-                          const int64_t *keys, int64_t n, int64_t cap, int64_t *keys_out, int64_t *slots_out,
-                          uint8_t *buf, cn_tier_share *share)
+                          const uint64_t *disk_version, const int64_t *keys, int64_t n, int64_t cap,
+                          int64_t *keys_out, int64_t *slots_out, uint8_t *buf, cn_tier_share *share)

@@ -240,7 +240,26 @@ typedef struct {
     int64_t done;              /* records done, read or failed (atomic) */
     int state;                 /* 0: finding, 1: reading (chunks to claim), 2: over (atomic) */
     int err;                   /* first errno (atomic) */
+    /* The find's outcome, set before `state` becomes 1 (planned = 1): the distinct keys handed in,
+     * the distinct ones found on disk (m of them read: at most the job's cap), and the disk
+     * index's version at the find. A fault-in of the same keys uses it instead of finding them
+     * itself (cncore/tiered.py, TieredStore._own_plan). */
+    int64_t n_distinct, n_found;
+    uint64_t disk_version;
+    int planned;
 } cn_tier_share;
+
+/* The find's outcome if the job has got past it: 1, else 0 (still finding, or it ended without
+ * one: an error). Never waits. */
+static inline int cn_tier_share_plan(const cn_tier_share *s, int64_t *n_distinct, int64_t *n_found, int64_t *m,
+                                     uint64_t *disk_version) {
+    if (__atomic_load_n(&s->state, __ATOMIC_ACQUIRE) == 0 || !s->planned) return 0;
+    *n_distinct = s->n_distinct;
+    *n_found = s->n_found;
+    *m = s->m;
+    *disk_version = s->disk_version;
+    return 1;
+}
 
 static inline void cn_tier_share_work(cn_tier_share *s, int threads) {
     const int64_t n_chunks = (s->m + CN_TIER_SHARE_CHUNK - 1) / CN_TIER_SHARE_CHUNK;
@@ -265,7 +284,8 @@ static inline void cn_tier_share_help(cn_tier_share *s) {
 }
 
 static inline int64_t cn_tier_stage(const cn_tier_layout *L, int fd, int threads, const cn_index *disk,
-                                    pthread_mutex_t *mu, const int64_t *keys, int64_t n, int64_t cap,
+                                    pthread_mutex_t *mu, const uint64_t *disk_version, const int64_t *keys,
+                                    int64_t n, int64_t cap,
                                     int64_t *keys_out, int64_t *slots_out, uint8_t *buf, cn_tier_share *share) {
     if (n == 0 || cap <= 0) {
         if (share) __atomic_store_n(&share->state, 2, __ATOMIC_RELEASE);
@@ -296,6 +316,7 @@ static inline int64_t cn_tier_stage(const cn_tier_layout *L, int fd, int threads
     }
     pthread_mutex_lock(mu);
     cn_index_find_batch(disk, uniq, n_uniq, at, 1);
+    const uint64_t version_found = *disk_version;
     pthread_mutex_unlock(mu);
     int64_t found = 0, m = 0;
     for (int64_t i = 0; i < n_uniq; i++)
@@ -317,6 +338,10 @@ static inline int64_t cn_tier_stage(const cn_tier_layout *L, int fd, int threads
         err = m ? cn_blockio(fd, at, m, L->rec, buf, 0, threads) : 0;
     } else {
         share->m = m;
+        share->n_distinct = n_uniq;
+        share->n_found = found;
+        share->disk_version = version_found;
+        share->planned = 1;
         share->offsets = at;
         share->buf = buf;
         share->rec = L->rec;
