@@ -38,7 +38,9 @@ spilled since. `compact()` brings it to exactly one record per row.
 store of the process) finds which are on disk and reads their records (at most 1/32 of the
 cache's bytes of them), in one C call without the GIL, while the current step runs (TorchRec's
 SSD TBE pipeline does the same); the next call takes them if still current (same slot, no
-flush since), and reads the rest.
+flush since), and reads the rest. A call of the same keys also takes the job's find of them
+(`_own_plan`), and leaves the disk index's erase of the rows it loaded to the background thread
+(`_erase_behind`).
 
 Write-behind: the rows the cache evicts are written by that same background thread, after the
 call that evicted them returned (their keys are indexed on disk at once; a read of one on the
