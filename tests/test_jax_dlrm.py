@@ -1,9 +1,12 @@
 """The JAX DLRM example: its NumPy stream is cn-dlrm's stream, its AUC is torchmetrics', it
 runs end to end in one command with tiny settings, and the boundary benchmark measures."""
+import glob
 import math
+import os
 import shutil
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -64,7 +67,10 @@ def test_bad_options_exit_2_with_one_line():
 
 
 def test_the_benchmark_measures_every_column():
+    build_folders = set(glob.glob(os.path.join(tempfile.gettempdir(), "cncore_jax_ffi_*")))
     rows = bench.measure(n_bags=32, poolings=(1, 20), dim=8, vocab=1000, repeats=2, number=2)
+    # the FFI no-op's build folder is removed once its library is loaded
+    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "cncore_jax_ffi_*"))) <= build_folders
     for row in rows:
         for key, value in row.items():
             if key.startswith("ffi_") and shutil.which("g++") is None:

@@ -72,14 +72,17 @@ def ffi_noop() -> Optional[Callable]:
     if shutil.which("g++") is None:
         return None
     folder = tempfile.mkdtemp(prefix="cncore_jax_ffi_")
-    src, lib = os.path.join(folder, "noop.cc"), os.path.join(folder, "noop.so")
-    with open(src, "w") as fh:
-        fh.write(_FFI_SOURCE)
-    done = subprocess.run(["g++", "-O2", "-std=c++17", "-shared", "-fPIC", f"-I{jax.ffi.include_dir()}", src, "-o",
-                           lib], capture_output=True)
-    if done.returncode != 0:
-        return None
-    handler = ctypes.cdll.LoadLibrary(lib).cn_noop
+    try:  # the build folder goes once the library is loaded (a loaded library outlives its file)
+        src, lib = os.path.join(folder, "noop.cc"), os.path.join(folder, "noop.so")
+        with open(src, "w") as fh:
+            fh.write(_FFI_SOURCE)
+        done = subprocess.run(["g++", "-O2", "-std=c++17", "-shared", "-fPIC", f"-I{jax.ffi.include_dir()}", src,
+                               "-o", lib], capture_output=True)
+        if done.returncode != 0:
+            return None
+        handler = ctypes.cdll.LoadLibrary(lib).cn_noop
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
     jax.ffi.register_ffi_target("cn_noop", jax.ffi.pycapsule(handler), platform="cpu")
 
     def call(ids, n_bags, dim):
