@@ -22,6 +22,7 @@
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -179,6 +180,12 @@ class TieredMachine(RuleBasedStateMachine):
         if hasattr(self, "tiered"):
             assert self.tiered.cached_rows <= self.tiered.cache_rows
             assert_same_rows(self.tiered, self.memory)
+
+    def teardown(self):
+        """Each example's directory goes with it (every run of the suite left one per example)."""
+        if hasattr(self, "tiered"):
+            self.tiered.close()
+            shutil.rmtree(os.path.dirname(self.path), ignore_errors=True)
 
 
 TestTieredMachine = TieredMachine.TestCase
