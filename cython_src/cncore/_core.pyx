@@ -212,14 +212,20 @@ cdef class SlotIndex:
             return
         cdef int rc
         with nogil:
-            pthread_mutex_lock(&self.mu)
-            rc = cn_slotindex_reserve(&self.ix, n, 0, &self._nbytes)
-            if rc == 0:
-                cn_slotindex_put(&self.ix, &keys[0], &slots[0], n)
-                self._version += 1
-            pthread_mutex_unlock(&self.mu)
+            rc = self._put(&keys[0], &slots[0], n)
         if rc != 0:
             raise MemoryError(f"SlotIndex: no memory to grow past {self.ix.size + n} keys; the index is unchanged")
+
+    cdef int _put(self, const int64_t *keys, const int64_t *slots, int64_t n) noexcept nogil:
+        """put() under the mutex, counted in the version (also a spill's, RecordWriter.spill):
+        0, or -1 with the index unchanged (no memory to grow)."""
+        pthread_mutex_lock(&self.mu)
+        cdef int rc = cn_slotindex_reserve(&self.ix, n, 0, &self._nbytes)
+        if rc == 0:
+            cn_slotindex_put(&self.ix, keys, slots, n)
+            self._version += 1
+        pthread_mutex_unlock(&self.mu)
+        return rc
 
     def erase(self, const int64_t[::1] keys):
         """Remove keys; returns the slot each had (-1: absent, or a repeat of an earlier key)."""
@@ -459,12 +465,7 @@ cdef class RecordWriter:
                 import os
                 raise OSError(err, f"writing evicted records: {os.strerror(err)}")
         with nogil:
-            pthread_mutex_lock(&self.disk.mu)
-            err = cn_slotindex_reserve(&self.disk.ix, n, 0, &self.disk._nbytes)
-            if err == 0:
-                cn_slotindex_put(&self.disk.ix, keys, &slots[0], n)
-                self.disk._version += 1
-            pthread_mutex_unlock(&self.disk.mu)
+            err = self.disk._put(keys, &slots[0], n)
         if err != 0:
             raise MemoryError(f"SlotIndex: no memory to grow past {self.disk.ix.size + n} keys")
         if self.behind is not None:
