@@ -474,6 +474,9 @@ def test_the_disk_index_is_a_dict_of_key_to_slot(ops, batch_size):
     assert ix.nbytes == grown
     with pytest.raises(ValueError, match="extra: must be >= 0"):
         ix.reserve(-1)
+    with pytest.raises(ValueError, match="slots: expected 1, got 2"):  # erase_at's lengths must match
+        ix.erase_at(np.array([10**6], np.int64), np.array([0, 1], np.int64))
+    assert ix.find(np.array([10**6])).tolist() == [0]  # unchanged
     ix.clear()
     assert len(ix) == 0 and ix.find(np.array([1000])).tolist() == [-1]
 
