@@ -746,6 +746,11 @@ class TieredStore(EmbeddingStore):
             for a in range(0, len(disk_keys), step):
                 k, at = disk_keys[a:a + step], slots[a:a + step]
                 rec = self._read_current(k, at, staged)
+                if staged is not None and a + step < len(disk_keys) and k[-1] >= staged[0][-1]:
+                    # Past the prefetch's keys (sorted, as the rounds are): its buffer serves the
+                    # later rounds' reads (_buffer) rather than staying beside a new one.
+                    self._keep_spare(staged[2])
+                    staged = None
                 raw = rec.view(np.uint8).reshape(len(rec), -1)
                 if self._writer.check_keys(raw, k) >= 0:
                     raise RuntimeError(f"{self._dir}: rows.dat holds another key in a slot the index gives; the "

@@ -1,6 +1,9 @@
 """Growth never loses or changes a row; results do not depend on thread count; concurrent
 readers see consistent data; reported memory is what was allocated."""
 import gc
+import subprocess
+import sys
+import textwrap
 import threading
 
 import numpy as np
@@ -130,6 +133,44 @@ def test_nbytes_is_what_the_allocator_traced():
     del store
     gc.collect()
     assert cncore.traced_bytes() == base
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc and mmap")
+def test_large_blocks_are_mapped_on_their_own_not_taken_from_the_heap():
+    """A table's blocks of 2 MiB and more (row pages, index buckets) are mapped by themselves,
+    even after the process freed a large array (glibc then serves blocks up to that size from its
+    heap), and unmapped when the table goes: none of them in the heap, between short-lived buffers
+    whose holes stay resident. In a child: a clean allocator, and mallinfo2 (glibc 2.33+)."""
+    code = textwrap.dedent("""
+        import ctypes, gc, numpy as np, cncore
+        libc = ctypes.CDLL(None)
+        if not hasattr(libc, "mallinfo2"):
+            print("skip"); raise SystemExit
+        class Info(ctypes.Structure):
+            _fields_ = [(n, ctypes.c_size_t) for n in
+                        "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+        libc.mallinfo2.restype = Info
+        big = np.ones(2 << 20)  # 16 MiB, mapped by malloc, then freed: glibc's threshold rises to it
+        del big
+        heap = libc.mallinfo2().arena
+        store = cncore.EmbeddingStore(dim=64, capacity=200_000)
+        store.find_or_insert(np.arange(200_000))
+        grown = libc.mallinfo2().arena - heap
+        rss = lambda: int(open("/proc/self/statm").read().split()[1]) * 4096
+        before = rss(); nbytes = store.nbytes
+        del store; gc.collect()
+        print(nbytes, grown, before - rss())
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    if proc.stdout.strip() == "skip":
+        pytest.skip("no mallinfo2 (glibc before 2.33)")
+    nbytes, heap_grown, returned = map(int, proc.stdout.split())
+    assert nbytes > 50 << 20
+    # The blocks under 2 MiB (the growth steps' smaller indexes, the free-slot stack) and the
+    # call's NumPy arrays still come from the heap: 6.5 MB here, against 111 MB before.
+    assert heap_grown < nbytes // 4, f"the heap grew by {heap_grown} bytes for a table of {nbytes}"
+    assert returned > nbytes - (4 << 20), f"{returned} of the table's {nbytes} bytes went back to the system"
 
 
 def test_impossible_reservation_raises_memory_error_and_keeps_the_store():

@@ -865,6 +865,43 @@ def test_the_prefetch_job_stages_each_disk_key_once_in_key_order_with_its_record
     store.close()
 
 
+def test_the_rounds_past_the_prefetchs_keys_read_into_its_buffer(tmp_path, monkeypatch):
+    """A fault-in of several rounds whose prefetch read only the first keys (its cap, 1/32 of
+    the cache): once a round is past them, the prefetch's buffer is let go (or serves the later
+    rounds' reads) and the later rounds share one buffer, instead of a new one each beside the
+    prefetch's (a uniform step at 10x held both); every row still equals the reference."""
+    config = cncore.StoreConfig(dim=DIM, optimizer=cncore.SGD(lr=0.5), storage=cncore.Tiered(
+        str(tmp_path / "t"), cache_bytes=1024 * (DIM * 4 + 47)))
+    store, memory = cncore.EmbeddingStore(config), cncore.EmbeddingStore(dataclasses.replace(config, storage=None))
+    for start in range(0, 3000, 500):
+        for s in (store, memory):
+            s.find_or_insert(np.arange(start, start + 500))
+    from cncore import tiered
+    monkeypatch.setattr(tiered, "_IO_ROWS", 8)  # the prefetch's cap is then the cache's 1/32
+    store._evict_chunk = 8  # rounds of 8 rows
+    keys = np.arange(0, 100)
+    assert (store._disk.find(keys) >= 0).all()
+    staged_buffers, round_buffers = [], []
+    take, buffer = store._take_staged, store._buffer
+    monkeypatch.setattr(store, "_take_staged", lambda: staged_buffers.append(take()) or staged_buffers[-1])
+    monkeypatch.setattr(store, "_buffer", lambda n: round_buffers.append(buffer(n)) or round_buffers[-1])
+    store.prefetch(keys)
+    out = store.lookup(keys)
+    (staged,) = staged_buffers
+    assert staged is not None and 8 < len(staged[0]) < 100 - 16
+    round_buffers = round_buffers[1:]  # the first: the prefetch's own, which it read into
+    # The round that crosses the prefetch's last key takes a buffer (and one for the record it
+    # lacks); every later round reads into that one (the spy keeps each buffer alive, so new
+    # ones could not reuse freed memory). Before, each later round took a new buffer too.
+    blocks = []
+    for b in round_buffers:
+        if not any(np.shares_memory(b, other) for other in blocks):
+            blocks.append(b)
+    assert len(round_buffers) >= (100 - len(staged[0])) // 8 and len(blocks) == 2
+    np.testing.assert_array_equal(out, memory.lookup(keys))
+    store.close()
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_the_fault_in_hands_the_lookup_every_keys_slot_or_none(tmp_path, seed):
     """faulted_in gives, once every key has a row in memory, the cache slot of each key that was
