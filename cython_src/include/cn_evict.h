@@ -194,15 +194,23 @@ static inline int cn_evict_sampled(const cn_arena *a, cn_evict_rule rule, int64_
     const int64_t cap = 2 * (int64_t)((double)(r + 1) * (double)n_live / (double)got) + 4096;
     cn_victim *buf = (cn_victim *)malloc((size_t)cap * sizeof(cn_victim));
     if (buf == NULL) return -1;
+    /* The score decides for every row but those with the threshold's own score: a row's key
+     * (another array of the page, cn_arena.h) is read only for the rows at or below it. The C
+     * harness above (6,250 of 200k rows, minimum of 300, six alternated runs): LRU 0.348-0.352
+     * -> 0.296-0.298 ms, LFU 0.439-0.453 -> 0.379-0.389, the same victims. */
+    const uint64_t threshold_score = (uint64_t)(threshold >> 64);
     int64_t n = 0;
     CN_FOR_EACH_LIVE(a, slot, {
-        const cn_u128 c = cn_evict_order(rule, a, slot);
-        if (c <= threshold) {
-            if (n < cap) {
-                buf[n].order = c;
-                buf[n].slot = slot;
+        const uint64_t score = cn_evict_score(rule, cn_arena_meta(a, slot));
+        if (score <= threshold_score) {
+            const cn_u128 c = ((cn_u128)score << 64) | ((uint64_t)*cn_arena_key(a, slot) ^ CN_EVICT_KEY_BIAS);
+            if (c <= threshold) {
+                if (n < cap) {
+                    buf[n].order = c;
+                    buf[n].slot = slot;
+                }
+                n++;
             }
-            n++;
         }
     });
     if (n < k || n > cap) {

@@ -453,9 +453,24 @@ static inline int cn_table_make_room(cn_table *t, const int64_t *keys, int64_t n
  * Zipf 1.05 step). */
 static inline int cn_table_take_found(const cn_table *t, const int64_t *keys, const int64_t *found, int64_t n,
                                       int64_t *slots) {
+    /* The -1 keys' buckets are prefetched CN_PREFETCH_DISTANCE such keys ahead: a cursor runs
+     * ahead over found[] to the next -1 key each time one is found. A pooled lookup of 16k Zipf
+     * 1.05 IDs of a 109k-row table, 9% of them -1, 8 MiB written between calls (one thread,
+     * minimum of 15 rounds of 20 batches, three alternated runs): 0.230-0.241 -> 0.224-0.225 ms. */
+    int64_t ahead = 0;
+    for (int64_t primed = 0; ahead < n && primed < CN_PREFETCH_DISTANCE; ahead++)
+        if (found[ahead] == -1) {
+            cn_index_prefetch(&t->index, keys[ahead]);
+            primed++;
+        }
     for (int64_t i = 0; i < n; i++) {
         int64_t s = found[i];
         if (s == -1) {
+            for (; ahead < n; ahead++)
+                if (found[ahead] == -1) {
+                    cn_index_prefetch(&t->index, keys[ahead++]);
+                    break;
+                }
             s = cn_index_find(&t->index, keys[i]);
             if (s < 0) return CN_EBADSLOT;
         } else if (s < 0 || s >= t->arena.high_water || !(*cn_arena_live_word(&t->arena, s) >> (s & 63) & 1)) {
