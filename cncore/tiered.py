@@ -706,11 +706,10 @@ class TieredStore(EmbeddingStore):
         new_keys = absent_new if insert and self._tier_config.admission is None else absent_new[:0]
         if not n_disk and len(new_keys) <= self._evict_chunk:
             return None  # the call's own find_or_insert makes the new rows (one round)
-        base = keys[cached]
-        if len(base) + n_disk + len(new_keys) > self.cache_rows:
+        if n_cached + n_disk + len(new_keys) > self.cache_rows:  # (IDs, not keys: a cheap bound first)
             if disk_keys is None:
                 disk_keys, slots, _, _ = self._missing_rows(keys, cached)
-            self._check_fits(np.concatenate([base, disk_keys, new_keys]))
+            self._check_fits(np.concatenate([keys[cached], disk_keys, new_keys]))
         # The disk rows go straight into the cache (RecordWriter / Table.load_records, one C call
         # a round: cn_tier.h), which makes their room as an insert does, evicting only rows the
         # call does not use (the call's cached rows and the rounds before are pinned, by the
@@ -773,7 +772,7 @@ class TieredStore(EmbeddingStore):
         # New keys (more than one round of them): their room in rounds too, by find_or_insert of
         # the call's cached keys, its disk rows and the new keys so far (their initial rows).
         if len(new_keys) > step and EmbeddingStore.__len__(self) + len(new_keys) > self.cache_rows:
-            base = np.concatenate([base, disk_keys])
+            base = np.concatenate([keys[cached], disk_keys])
             for end in range(step, len(new_keys) + step, step):
                 EmbeddingStore.find_or_insert(self, np.concatenate([base, new_keys[:end]]))
         if len(absent_new):
