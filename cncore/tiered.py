@@ -785,10 +785,7 @@ class TieredStore(EmbeddingStore):
     def _missing_rows(self, keys: np.ndarray, cached: np.ndarray):
         """Of the keys missing from memory (~cached): those on disk (distinct, in key order),
         their slots, the distinct others, and how many of the IDs are disk keys (with repeats)."""
-        absent, absent_count = np.unique(keys[~cached], return_counts=True)
-        disk_slots = self._disk.find(absent)
-        on_disk = disk_slots >= 0
-        return absent[on_disk], disk_slots[on_disk], absent[~on_disk], int(absent_count[on_disk].sum())
+        return self._disk.missing(keys, cached.view(np.uint8))
 
     def _own_plan(self) -> Optional[int]:
         """The rows on disk of a fault-in whose running prefetch is its own, from that prefetch's

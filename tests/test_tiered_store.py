@@ -481,6 +481,33 @@ def test_the_disk_index_is_a_dict_of_key_to_slot(ops, batch_size):
     assert len(ix) == 0 and ix.find(np.array([1000])).tolist() == [-1]
 
 
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.one_of(st.integers(-30, 30), st.sampled_from([-2**63, 2**63 - 1])), max_size=40),
+       st.lists(st.one_of(st.integers(-30, 30), st.sampled_from([-2**63, 2**63 - 1])), max_size=200),
+       st.integers(0, 2**32 - 1))
+def test_the_disk_indexs_missing_split_is_a_dict_model_of_the_uncached_ids(on_disk, ids, seed):
+    """SlotIndex.missing (a fault-in's split of the IDs missing from memory): of the IDs not
+    flagged cached, the distinct keys on disk in ascending signed order with their slots, the
+    distinct others in ascending order, and how many of the IDs are keys on disk (repeats
+    counted), against a dict and sorted(); a flag array of another length is refused, naming it."""
+    from cncore._core import SlotIndex
+    ix, model = SlotIndex(), {}
+    for i, k in enumerate(on_disk):
+        model[k] = 3 * i
+    if model:
+        ix.put(np.array(list(model), np.int64), np.array(list(model.values()), np.int64))
+    keys = np.array(ids, np.int64)
+    cached = (np.random.default_rng(seed).random(len(keys)) < 0.3).astype(np.uint8)
+    uncached = [k for k, c in zip(ids, cached.tolist()) if not c]
+    disk_keys, slots, absent, n_ids = ix.missing(keys, cached)
+    assert disk_keys.tolist() == sorted({k for k in uncached if k in model})
+    assert slots.tolist() == [model[k] for k in disk_keys.tolist()]
+    assert absent.tolist() == sorted({k for k in uncached if k not in model})
+    assert n_ids == sum(k in model for k in uncached)
+    with pytest.raises(ValueError, match=r"cached: expected %d flags, got %d" % (len(keys), len(keys) + 1)):
+        ix.missing(keys, np.zeros(len(keys) + 1, np.uint8))
+
+
 def test_threads_reading_and_training_at_once_see_the_right_rows(tmp_path):
     """Several threads use one tiered store (as they may use any store): lookups running
     beside other threads' faults-in and spills return the rows the table holds, never zeros

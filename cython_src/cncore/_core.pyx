@@ -176,6 +176,49 @@ cdef class SlotIndex:
                 pthread_mutex_unlock(&self.mu)
         return out
 
+    def missing(self, const int64_t[::1] keys, const uint8_t[::1] cached):
+        """Of the IDs not cached (cached[i] == 0): (their distinct keys on disk, in ascending
+        order; those keys' slots; their distinct keys not on disk, ascending; how many of the IDs
+        are keys on disk, repeats counted). What np.unique(..., return_counts=True) and find()
+        gave, in one call (cn_tier_distinct_counted).
+
+        >>> import numpy as np
+        >>> ix = SlotIndex(); ix.put(np.array([4, 9]), np.array([0, 1]))
+        >>> ix.missing(np.array([9, 3, 9, 4, 5]), np.array([0, 0, 0, 1, 0], np.uint8))
+        (array([9]), array([1]), array([3, 5]), 2)
+        """
+        cdef int64_t n = keys.shape[0], d = 0, i, n_on = 0, n_off = 0, ids_on = 0
+        if cached.shape[0] != n:
+            raise ValueError(f"cached: expected {n} flags, got {cached.shape[0]}")
+        pairs = np.empty((max(n, 1), 2), dtype=np.int64)
+        cdef int64_t[:, ::1] pv = pairs
+        if n:
+            with nogil:
+                d = cn_tier_distinct_counted(&keys[0], &cached[0], n, <cn_tier_kv*> &pv[0, 0])
+            if d < 0:
+                raise MemoryError("SlotIndex.missing: no memory for the set of missing keys")
+        distinct = np.ascontiguousarray(pairs[:d, 0])
+        slots = np.empty(d, dtype=np.int64)
+        on_keys = np.empty(d, dtype=np.int64)
+        on_slots = np.empty(d, dtype=np.int64)
+        off_keys = np.empty(d, dtype=np.int64)
+        cdef int64_t[::1] dv = distinct, sv = slots, ok = on_keys, osl = on_slots, fk = off_keys
+        if d:
+            with nogil:
+                pthread_mutex_lock(&self.mu)
+                cn_index_find_batch(&self.ix, &dv[0], d, &sv[0], 1)
+                pthread_mutex_unlock(&self.mu)
+                for i in range(d):
+                    if sv[i] >= 0:
+                        ok[n_on] = dv[i]
+                        osl[n_on] = sv[i]
+                        n_on += 1
+                        ids_on += pv[i, 1]
+                    else:
+                        fk[n_off] = dv[i]
+                        n_off += 1
+        return on_keys[:n_on], on_slots[:n_on], off_keys[:n_off], ids_on
+
     @staticmethod
     def buckets_for(int64_t n_keys):
         """Buckets (16 bytes each) that hold n_keys at the index's maximum load (0.7): what

@@ -175,6 +175,10 @@ cdef extern from "cn_tier.h" nogil:
                       const uint32_t *steps, const weight_t *rows, int64_t ld_rows, const weight_t *state,
                       int64_t ld_state, uint8_t *buf)
     int64_t cn_tier_check_keys(const cn_tier_layout *L, const uint8_t *buf, const int64_t *keys, int64_t n)
+    ctypedef struct cn_tier_kv:
+        int64_t key
+        int64_t value
+    int64_t cn_tier_distinct_counted(const int64_t *keys, const uint8_t *skip, int64_t n, cn_tier_kv *pairs)
     int cn_tier_make_room(cn_table *t, int64_t n, const int64_t *pin, int64_t n_pin, int want_rows, cn_evicted *ev)
     int cn_tier_load(cn_table *t, const cn_tier_layout *L, const uint8_t *buf, const int64_t *keys, int64_t n,
                      const int64_t *pin, int64_t n_pin, int want_rows, cn_evicted *ev, int64_t *slots)

@@ -191,6 +191,36 @@ static inline int cn_tier_load(cn_table *t, const cn_tier_layout *L, const uint8
     return CN_OK;
 }
 
+/* The distinct keys among keys[i] with skip[i] == 0, in ascending (signed) order, each with how
+ * many of the IDs it is, into pairs[0..m) as (key, count); returns m, or -1 (no memory). A
+ * fault-in's missing IDs (TieredStore._missing_rows, then SlotIndex.missing): np.unique with its
+ * counts took 20-40 us for the few dozen IDs a cn-dlrm table misses a step (26 tables a step). */
+static inline int64_t cn_tier_distinct_counted(const int64_t *keys, const uint8_t *skip, int64_t n, cn_pair *pairs) {
+    int64_t m = 0;
+    for (int64_t i = 0; i < n; i++) m += !skip[i];
+    if (m == 0) return 0;
+    const uint64_t cap = (uint64_t)cn_pow2_at_least(2 * m), mask = cap - 1;
+    int64_t *at = (int64_t *)malloc(cap * sizeof(int64_t)); /* a bucket's pair, or -1 */
+    if (at == NULL) return -1;
+    memset(at, 0xff, cap * sizeof(int64_t));
+    int64_t d = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (skip[i]) continue;
+        uint64_t h = cn_hash_key(keys[i]) & mask;
+        while (at[h] >= 0 && pairs[at[h]].key != keys[i]) h = (h + 1) & mask;
+        if (at[h] < 0) {
+            at[h] = d;
+            pairs[d].key = keys[i];
+            pairs[d++].value = 1;
+        } else {
+            pairs[at[h]].value++;
+        }
+    }
+    free(at);
+    cn_pair_sort(pairs, d);
+    return d;
+}
+
 /* The whole background job of prefetch() (cncore/tiered.py) in one call, run without the GIL:
  * of n keys, those the disk index `disk` holds (distinct, in key order, the first `cap` of them)
  * go to keys_out / slots_out (room for min(n, cap)) and their records are read into buf (as
