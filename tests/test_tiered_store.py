@@ -508,6 +508,24 @@ def test_the_disk_indexs_missing_split_is_a_dict_model_of_the_uncached_ids(on_di
         ix.missing(keys, np.zeros(len(keys) + 1, np.uint8))
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(-2**63, 2**63 - 1), max_size=30), st.lists(st.integers(-2**63, 2**63 - 1), max_size=30),
+       st.booleans())
+def test_same_int64_is_numpys_array_equal(a, b, copy):
+    """_core.same_int64 (the tier's compare of a prefetch's keys, and of staged keys and slots,
+    with a call's): np.array_equal on int64 arrays, over equal arrays, arrays of other lengths,
+    and arrays that differ in one value anywhere (in the high or the low bytes)."""
+    from cncore._core import same_int64
+    x = np.array(a, np.int64)
+    y = x.copy() if copy else np.array(b, np.int64)
+    assert same_int64(x, y) == np.array_equal(x, y)
+    for i in range(len(x)):
+        for delta in (1, 2**40):
+            z = x.copy()
+            z[i] = np.int64(int(z[i]) ^ delta)
+            assert same_int64(x, z) is False
+
+
 def test_threads_reading_and_training_at_once_see_the_right_rows(tmp_path):
     """Several threads use one tiered store (as they may use any store): lookups running
     beside other threads' faults-in and spills return the rows the table holds, never zeros

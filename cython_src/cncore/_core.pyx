@@ -7,7 +7,7 @@ takes the table's lock, runs one nogil section, and turns return codes into exce
 """
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport malloc, calloc, free
-from libc.string cimport memset
+from libc.string cimport memcmp, memset
 from cncore._typedefs cimport key_t, slot_t, offset_t, weight_t, count_t
 from cncore._ctable cimport *
 cimport numpy as cnp
@@ -74,6 +74,21 @@ def init_rows(int init_kind, uint64_t seed, float p0, float p1, float p2, float 
         return
     with nogil:
         cn_init_rows_of(&init, &keys[0], n, &out[0, 0], dim, cn_threads_for(n * dim // 16))
+
+
+def same_int64(const int64_t[::1] a, const int64_t[::1] b):
+    """Whether a and b hold the same values (one memcmp). The tier compares a prefetch's keys
+    with the lookup's, and staged records' keys and slots, at every fault-in: np.array_equal
+    took 2.1 us for 512 keys (a cn-dlrm table's batch) and 7.7 for 16k.
+
+    >>> import numpy as np
+    >>> same_int64(np.array([1, 2]), np.array([1, 2])), same_int64(np.array([1, 2]), np.array([1, 3]))
+    (True, False)
+    """
+    cdef int64_t n = a.shape[0]
+    if b.shape[0] != n:
+        return False
+    return n == 0 or memcmp(&a[0], &b[0], <size_t> n * 8) == 0
 
 
 def block_io(int fd, const int64_t[::1] offsets, uint8_t[:, ::1] buf, bint write, int threads=0):
