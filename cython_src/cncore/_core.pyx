@@ -76,6 +76,15 @@ def init_rows(int init_kind, uint64_t seed, float p0, float p1, float p2, float 
         cn_init_rows_of(&init, &keys[0], n, &out[0, 0], dim, cn_threads_for(n * dim // 16))
 
 
+# SlotIndex calls over fewer keys than this keep the GIL: their C part takes microseconds, and a
+# call that lets the GIL go waits, to take it back, for whatever Python the tier's background
+# thread runs meanwhile. Safe because the index's mutex is only ever held inside C, never while
+# waiting for the GIL. SlotIndex.missing of 512 IDs (a cn-dlrm table's step): 4.3 -> 3.5 us alone
+# (timeit), 20.5-22 -> 11.4 us a call under line_profiler in a loop of lookups with a prefetch a
+# step. cn-dlrm's samples/s did not move beyond its noise (two alternated pairs).
+DEF _NOGIL_FROM = 4096
+
+
 def same_int64(const int64_t[::1] a, const int64_t[::1] b):
     """Whether a and b hold the same values (one memcmp). The tier compares a prefetch's keys
     with the lookup's, and staged records' keys and slots, at every fault-in: np.array_equal
@@ -184,55 +193,73 @@ cdef class SlotIndex:
         cdef int64_t n = keys.shape[0]
         out = np.empty(n, dtype=np.int64)
         cdef int64_t[::1] o = out
-        if n:
+        if n >= _NOGIL_FROM:
             with nogil:
-                pthread_mutex_lock(&self.mu)
-                cn_index_find_batch(&self.ix, &keys[0], n, &o[0], 1)
-                pthread_mutex_unlock(&self.mu)
+                self._find(&keys[0], n, &o[0])
+        elif n:
+            self._find(&keys[0], n, &o[0])
         return out
+
+    cdef void _find(self, const int64_t *keys, int64_t n, int64_t *slots) noexcept nogil:
+        pthread_mutex_lock(&self.mu)
+        cn_index_find_batch(&self.ix, keys, n, slots, 1)
+        pthread_mutex_unlock(&self.mu)
 
     def missing(self, const int64_t[::1] keys, const uint8_t[::1] cached):
         """Of the IDs not cached (cached[i] == 0): (their distinct keys on disk, in ascending
         order; those keys' slots; their distinct keys not on disk, ascending; how many of the IDs
         are keys on disk, repeats counted). What np.unique(..., return_counts=True) and find()
-        gave, in one call (cn_tier_distinct_counted).
+        gave, in one call (cn_tier_distinct_counted). Under _NOGIL_FROM IDs it keeps the GIL.
 
         >>> import numpy as np
         >>> ix = SlotIndex(); ix.put(np.array([4, 9]), np.array([0, 1]))
         >>> ix.missing(np.array([9, 3, 9, 4, 5]), np.array([0, 0, 0, 1, 0], np.uint8))
         (array([9]), array([1]), array([3, 5]), 2)
         """
-        cdef int64_t n = keys.shape[0], d = 0, i, n_on = 0, n_off = 0, ids_on = 0
+        cdef int64_t n = keys.shape[0]
+        cdef int64_t counts[4]  # distinct, on disk, not on disk, IDs on disk
         if cached.shape[0] != n:
             raise ValueError(f"cached: expected {n} flags, got {cached.shape[0]}")
-        pairs = np.empty((max(n, 1), 2), dtype=np.int64)
+        m = max(n, 1)
+        pairs = np.empty((m, 2), dtype=np.int64)
+        on_keys = np.empty(m, dtype=np.int64)
+        on_slots = np.empty(m, dtype=np.int64)
+        off_keys = np.empty(m, dtype=np.int64)
         cdef int64_t[:, ::1] pv = pairs
-        if n:
+        cdef int64_t[::1] ok = on_keys, osl = on_slots, fk = off_keys
+        counts[0] = counts[1] = counts[2] = counts[3] = 0
+        if n >= _NOGIL_FROM:
             with nogil:
-                d = cn_tier_distinct_counted(&keys[0], &cached[0], n, <cn_tier_kv*> &pv[0, 0])
-            if d < 0:
-                raise MemoryError("SlotIndex.missing: no memory for the set of missing keys")
-        distinct = np.ascontiguousarray(pairs[:d, 0])
-        slots = np.empty(d, dtype=np.int64)
-        on_keys = np.empty(d, dtype=np.int64)
-        on_slots = np.empty(d, dtype=np.int64)
-        off_keys = np.empty(d, dtype=np.int64)
-        cdef int64_t[::1] dv = distinct, sv = slots, ok = on_keys, osl = on_slots, fk = off_keys
-        if d:
-            with nogil:
-                pthread_mutex_lock(&self.mu)
-                cn_index_find_batch(&self.ix, &dv[0], d, &sv[0], 1)
-                pthread_mutex_unlock(&self.mu)
-                for i in range(d):
-                    if sv[i] >= 0:
-                        ok[n_on] = dv[i]
-                        osl[n_on] = sv[i]
-                        n_on += 1
-                        ids_on += pv[i, 1]
-                    else:
-                        fk[n_off] = dv[i]
-                        n_off += 1
-        return on_keys[:n_on], on_slots[:n_on], off_keys[:n_off], ids_on
+                self._missing(&keys[0], &cached[0], n, &pv[0, 0], &ok[0], &osl[0], &fk[0], counts)
+        elif n:
+            self._missing(&keys[0], &cached[0], n, &pv[0, 0], &ok[0], &osl[0], &fk[0], counts)
+        if counts[0] < 0:
+            raise MemoryError("SlotIndex.missing: no memory for the set of missing keys")
+        return on_keys[:counts[1]], on_slots[:counts[1]], off_keys[:counts[2]], counts[3]
+
+    cdef void _missing(self, const int64_t *keys, const uint8_t *cached, int64_t n, int64_t *pairs,
+                       int64_t *on_keys, int64_t *on_slots, int64_t *off_keys, int64_t *counts) noexcept nogil:
+        """missing()'s C part: the distinct uncached keys into pairs (key, count), their slots
+        found (into on_slots, then compacted), split into on_keys/on_slots and off_keys."""
+        cdef int64_t d = cn_tier_distinct_counted(keys, cached, n, <cn_tier_kv*> pairs), i, s
+        counts[0] = d
+        if d <= 0:
+            return
+        for i in range(d):
+            on_keys[i] = pairs[2 * i]
+        pthread_mutex_lock(&self.mu)
+        cn_index_find_batch(&self.ix, on_keys, d, on_slots, 1)
+        pthread_mutex_unlock(&self.mu)
+        for i in range(d):
+            s = on_slots[i]
+            if s >= 0:
+                on_keys[counts[1]] = pairs[2 * i]
+                on_slots[counts[1]] = s
+                counts[1] += 1
+                counts[3] += pairs[2 * i + 1]
+            else:
+                off_keys[counts[2]] = pairs[2 * i]
+                counts[2] += 1
 
     @staticmethod
     def buckets_for(int64_t n_keys):
@@ -290,13 +317,18 @@ cdef class SlotIndex:
         cdef int64_t n = keys.shape[0]
         out = np.empty(n, dtype=np.int64)
         cdef int64_t[::1] o = out
-        if n:
+        if n >= _NOGIL_FROM:
             with nogil:
-                pthread_mutex_lock(&self.mu)
-                cn_slotindex_erase(&self.ix, &keys[0], n, &o[0])
-                self._version += 1
-                pthread_mutex_unlock(&self.mu)
+                self._erase(&keys[0], n, &o[0])
+        elif n:
+            self._erase(&keys[0], n, &o[0])
         return out
+
+    cdef void _erase(self, const int64_t *keys, int64_t n, int64_t *slots) noexcept nogil:
+        pthread_mutex_lock(&self.mu)
+        cn_slotindex_erase(&self.ix, keys, n, slots)
+        self._version += 1
+        pthread_mutex_unlock(&self.mu)
 
     def erase_at(self, const int64_t[::1] keys, const int64_t[::1] slots):
         """Remove each keys[i] whose slot is still slots[i] (one indexed anew at another slot
