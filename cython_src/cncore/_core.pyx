@@ -82,7 +82,7 @@ def init_rows(int init_kind, uint64_t seed, float p0, float p1, float p2, float 
 # waiting for the GIL. SlotIndex.missing of 512 IDs (a cn-dlrm table's step): 4.3 -> 3.5 us alone
 # (timeit), 20.5-22 -> 11.4 us a call under line_profiler in a loop of lookups with a prefetch a
 # step. cn-dlrm's samples/s did not move beyond its noise (two alternated pairs).
-DEF _NOGIL_FROM = 4096
+cdef enum: _NOGIL_FROM = 4096
 
 
 def same_int64(const int64_t[::1] a, const int64_t[::1] b):
