@@ -190,19 +190,28 @@ cdef class SlotIndex:
 
     def find(self, const int64_t[::1] keys):
         """The slot of each key, -1 where absent (int64 array)."""
+        return self._slots_of(keys, False)
+
+    cdef _slots_of(self, const int64_t[::1] keys, bint erase):
+        """find() (erase False) or erase(): each key's slot, under the mutex, keeping the GIL
+        under _NOGIL_FROM keys."""
         cdef int64_t n = keys.shape[0]
         out = np.empty(n, dtype=np.int64)
         cdef int64_t[::1] o = out
         if n >= _NOGIL_FROM:
             with nogil:
-                self._find(&keys[0], n, &o[0])
+                self._locked_slots_of(&keys[0], n, &o[0], erase)
         elif n:
-            self._find(&keys[0], n, &o[0])
+            self._locked_slots_of(&keys[0], n, &o[0], erase)
         return out
 
-    cdef void _find(self, const int64_t *keys, int64_t n, int64_t *slots) noexcept nogil:
+    cdef void _locked_slots_of(self, const int64_t *keys, int64_t n, int64_t *slots, bint erase) noexcept nogil:
         pthread_mutex_lock(&self.mu)
-        cn_index_find_batch(&self.ix, keys, n, slots, 1)
+        if erase:
+            cn_slotindex_erase(&self.ix, keys, n, slots)
+            self._version += 1
+        else:
+            cn_index_find_batch(&self.ix, keys, n, slots, 1)
         pthread_mutex_unlock(&self.mu)
 
     def missing(self, const int64_t[::1] keys, const uint8_t[::1] cached):
@@ -247,9 +256,7 @@ cdef class SlotIndex:
             return
         for i in range(d):
             on_keys[i] = pairs[2 * i]
-        pthread_mutex_lock(&self.mu)
-        cn_index_find_batch(&self.ix, on_keys, d, on_slots, 1)
-        pthread_mutex_unlock(&self.mu)
+        self._locked_slots_of(on_keys, d, on_slots, False)
         for i in range(d):
             s = on_slots[i]
             if s >= 0:
@@ -314,21 +321,7 @@ cdef class SlotIndex:
 
     def erase(self, const int64_t[::1] keys):
         """Remove keys; returns the slot each had (-1: absent, or a repeat of an earlier key)."""
-        cdef int64_t n = keys.shape[0]
-        out = np.empty(n, dtype=np.int64)
-        cdef int64_t[::1] o = out
-        if n >= _NOGIL_FROM:
-            with nogil:
-                self._erase(&keys[0], n, &o[0])
-        elif n:
-            self._erase(&keys[0], n, &o[0])
-        return out
-
-    cdef void _erase(self, const int64_t *keys, int64_t n, int64_t *slots) noexcept nogil:
-        pthread_mutex_lock(&self.mu)
-        cn_slotindex_erase(&self.ix, keys, n, slots)
-        self._version += 1
-        pthread_mutex_unlock(&self.mu)
+        return self._slots_of(keys, True)
 
     def erase_at(self, const int64_t[::1] keys, const int64_t[::1] slots):
         """Remove each keys[i] whose slot is still slots[i] (one indexed anew at another slot
