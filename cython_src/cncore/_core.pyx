@@ -82,6 +82,11 @@ def init_rows(int init_kind, uint64_t seed, float p0, float p1, float p2, float 
 # waiting for the GIL. SlotIndex.missing of 512 IDs (a cn-dlrm table's step): 4.3 -> 3.5 us alone
 # (timeit), 20.5-22 -> 11.4 us a call under line_profiler in a loop of lookups with a prefetch a
 # step. cn-dlrm's samples/s did not move beyond its noise (two alternated pairs).
+# Table.find too (the table's rwlock is likewise only held inside C: nothing in this module runs
+# `with gil`): the tier's cache find of a cn-dlrm table's 512 IDs, twice a table a step (the
+# prefetch's and the fault-in's), took 0.51-0.60 ms of wall time a step over 26 tables, 0.36-0.39
+# after (three alternated runs of `cn-dlrm --batch-size 512 --zipf-alpha 1.05 --cache-mb 15`
+# with the call timed); its CPU time is the same, the difference was the wait for the GIL.
 cdef enum: _NOGIL_FROM = 4096
 
 
@@ -640,6 +645,12 @@ cdef inline void _unlock(Table t) noexcept nogil:
     pthread_rwlock_unlock(&t.t.lock)
 
 
+cdef inline void _find_locked(Table t, const key_t *keys, int64_t n, slot_t *slots) noexcept nogil:
+    _rdlock(t)
+    cn_table_find(&t.t, keys, n, slots)
+    _unlock(t)
+
+
 cdef _check_len(object arr, int64_t n, int64_t width, str name):
     """arr (if given) has n rows (and `width` columns when width >= 0): the C side writes or
     reads n of them through a raw pointer."""
@@ -764,10 +775,11 @@ cdef class Table:
                 and <const char*> &keys[0] < <const char*> (&slots[0] + n):
             raise ValueError("slots: must not overlap keys (the find parks bucket positions in slots ahead of "
                              "reading those keys)")
-        with nogil:
-            _rdlock(self)
-            cn_table_find(&self.t, &keys[0] if n else NULL, n, &slots[0] if n else NULL)
-            _unlock(self)
+        if n >= _NOGIL_FROM:
+            with nogil:
+                _find_locked(self, &keys[0], n, &slots[0])
+        elif n:  # keeps the GIL (as SlotIndex's small calls: _NOGIL_FROM); the table's lock is only held in C
+            _find_locked(self, &keys[0], n, &slots[0])
 
     def find_or_insert(self, const key_t[::1] keys, slot_t[::1] slots, uint8_t[::1] found):
         cdef int64_t n = keys.shape[0], n_new = 0
