@@ -37,41 +37,42 @@ typedef struct {
     int64_t *unique_pos;  /* [n_unique] the first key position of each unique row */
     int64_t *group_start; /* [n_unique + 1] */
     int64_t *group_pos;   /* [n] key positions grouped by unique row, in key order */
+    void *block;          /* the allocation behind them (cn_groups_build); NULL in a caller's scratch */
 } cn_groups;
 
 static inline void cn_groups_free(cn_groups *g) {
-    free(g->unique_pos);
-    free(g->group_start);
-    free(g->group_pos);
+    free(g->block);
     memset(g, 0, sizeof(*g));
 }
 
-/* Group the key positions `positions[0..m)` (NULL: 0..m-1, which must be increasing) by slot.
- * Keys with slot < 0 (unseen in evaluation) take no gradient. Returns 0, or -1 when out of
- * memory (nothing left allocated). */
-static inline int cn_groups_build(const int64_t *restrict slots, const int64_t *restrict positions, int64_t m,
-                                  cn_groups *g) {
-    /* slot -> unique id; one 16-byte entry, so a probe touches one cache line */
-    typedef struct {
-        int64_t slot;
-        int64_t uid;
-    } entry;
+/* slot -> unique id; one 16-byte entry, so a probe touches one cache line */
+typedef struct {
+    int64_t slot;
+    int64_t uid;
+} cn_groups_entry;
+
+/* Bytes of scratch that grouping m positions uses: the map (first, so it is 16-byte aligned in
+ * a malloc'd block), its temporaries uid_of and cursor, and the kept arrays. */
+static inline size_t cn_groups_scratch_bytes(int64_t m) {
+    const size_t mm = (size_t)(m ? m : 1);
+    return (size_t)cn_pow2_at_least(2 * m + 1) * sizeof(cn_groups_entry) + (5 * mm + 2) * sizeof(int64_t);
+}
+
+/* Group the key positions `positions[0..m)` (NULL: 0..m-1, which must be increasing) by slot,
+ * in `scratch` (cn_groups_scratch_bytes(m), 16-byte aligned; g's arrays point into it). Keys
+ * with slot < 0 (unseen in evaluation) take no gradient. */
+static inline void cn_groups_build_in(const int64_t *restrict slots, const int64_t *restrict positions, int64_t m,
+                                      cn_groups *g, void *scratch) {
+    typedef cn_groups_entry entry;
     memset(g, 0, sizeof(*g));
     const int64_t cap = cn_pow2_at_least(2 * m + 1);
     const size_t mm = (size_t)(m ? m : 1);
-    entry *map = (entry *)malloc((size_t)cap * sizeof(entry));
-    int64_t *uid_of = (int64_t *)malloc(mm * sizeof(int64_t));
-    int64_t *cursor = (int64_t *)malloc(mm * sizeof(int64_t));
-    g->unique_pos = (int64_t *)malloc(mm * sizeof(int64_t));
-    g->group_start = (int64_t *)malloc((mm + 2) * sizeof(int64_t));
-    g->group_pos = (int64_t *)malloc(mm * sizeof(int64_t));
-    if (!map || !uid_of || !cursor || !g->unique_pos || !g->group_start || !g->group_pos) {
-        free(map);
-        free(uid_of);
-        free(cursor);
-        cn_groups_free(g);
-        return -1;
-    }
+    entry *map = (entry *)scratch;
+    int64_t *uid_of = (int64_t *)(map + cap);
+    int64_t *cursor = uid_of + mm;
+    g->unique_pos = cursor + mm;
+    g->group_start = g->unique_pos + mm;
+    g->group_pos = g->group_start + mm + 2;
     for (int64_t h = 0; h < cap; h++) map[h].slot = -1;
     const uint64_t mask = (uint64_t)cap - 1;
     int64_t n_unique = 0;
@@ -105,9 +106,19 @@ static inline int cn_groups_build(const int64_t *restrict slots, const int64_t *
     for (int64_t j = 0; j < m; j++)
         if (uid_of[j] >= 0) g->group_pos[cursor[uid_of[j]]++] = positions ? positions[j] : j;
     g->n_unique = n_unique;
-    free(map);
-    free(uid_of);
-    free(cursor);
+}
+
+/* cn_groups_build_in in a block of its own (cn_groups_free frees it). Returns 0, or -1 when out
+ * of memory (nothing allocated). */
+static inline int cn_groups_build(const int64_t *restrict slots, const int64_t *restrict positions, int64_t m,
+                                  cn_groups *g) {
+    void *block = malloc(cn_groups_scratch_bytes(m));
+    if (block == NULL) {
+        memset(g, 0, sizeof(*g));
+        return -1;
+    }
+    cn_groups_build_in(slots, positions, m, g, block);
+    g->block = block;
     return 0;
 }
 
@@ -247,14 +258,26 @@ static inline void cn_grad_apply_sgd_direct(const cn_arena *a, int64_t dim, cons
 
 /* The fused backward's work for one share of the rows (the rows cn_row_owner gives to `share`
  * of n_shares): the share's key positions in key order, and for the non-SGD optimizers their
- * grouping by row. Shares are built for every share first and applied only when all built, so
- * that running out of memory changes no row. */
+ * grouping by row.
+ *
+ * Memory: every share's arrays lie in one block that the calling thread allocates once the
+ * shares have counted their keys, so none is malloc'd on a pool worker. A worker's malloc
+ * comes from that thread's own glibc arena, which keeps the freed bytes resident: glibc raises
+ * its trim threshold with its mmap threshold (to twice a freed mapped block, up to 64 MiB; see
+ * cn_alloc.h), so an arena is returned only by malloc_trim. Each worker's arena then held its
+ * largest backward's scratch (n positions per share, whatever its count, and a map of 16 bytes
+ * per 2m slots: ~1 MiB a share at 16k IDs) between trims, beside the caller's. The SSD tier's
+ * 3x uniform benchmark step (32 MiB cache, the core on 2 threads) held 1.19-1.21x of cache +
+ * disk index between steps; one arena for all threads (MALLOC_ARENA_MAX=1, which a library must
+ * not set) gave 1.11. The count is one more pass over the slots per share (a multiply and a
+ * shift a key). Built for every share before any is applied, so that running out of memory
+ * changes no row. */
 typedef struct {
     cn_groups g;
     int64_t *mine;
     int64_t m;
     float *acc; /* the summed gradient of one row (not for direct SGD) */
-    int ok;
+    void *scratch; /* its cn_groups_scratch_bytes(m), for the grouping */
 } cn_grad_share;
 
 typedef struct {
@@ -270,23 +293,28 @@ typedef struct {
     cn_grad_share *shares;
 } cn_grad_apply_job;
 
+static void cn_grad_count_range(void *ctx, int64_t begin, int64_t end) {
+    const cn_grad_apply_job *j = (const cn_grad_apply_job *)ctx;
+    for (int64_t sh = begin; sh < end; sh++) {
+        int64_t m = 0;
+        for (int64_t i = 0; i < j->n; i++) m += j->slots[i] >= 0 && cn_row_owner(j->slots[i], j->n_shares) == sh;
+        j->shares[sh].m = m;
+    }
+}
+
 static void cn_grad_build_range(void *ctx, int64_t begin, int64_t end) {
     const cn_grad_apply_job *j = (const cn_grad_apply_job *)ctx;
     for (int64_t sh = begin; sh < end; sh++) {
         cn_grad_share *share = &j->shares[sh];
-        share->mine = (int64_t *)malloc((size_t)(j->n ? j->n : 1) * sizeof(int64_t));
-        if (share->mine == NULL) continue; /* ok stays 0 */
         int64_t m = 0;
         for (int64_t i = 0; i < j->n; i++)
             if (j->slots[i] >= 0 && cn_row_owner(j->slots[i], j->n_shares) == sh) share->mine[m++] = i;
-        share->m = m;
-        if (!j->direct) {
-            share->acc = (float *)malloc((size_t)(2 * j->dim + 16) * sizeof(float)); /* the gradient, a widened row */
-            if (share->acc == NULL || cn_groups_build(j->slots, share->mine, m, &share->g) != 0) continue;
-        }
-        share->ok = 1;
+        if (!j->direct) cn_groups_build_in(j->slots, share->mine, m, &share->g, share->scratch);
     }
 }
+
+/* Bytes rounded up to 16, so that each share's arrays in the block start 16-byte aligned. */
+static inline size_t cn_round16(size_t bytes) { return (bytes + 15) & ~(size_t)15; }
 
 static void cn_grad_update_range(void *ctx, int64_t begin, int64_t end) {
     const cn_grad_apply_job *j = (const cn_grad_apply_job *)ctx;
@@ -355,18 +383,33 @@ static inline int cn_grad_apply(const cn_arena *a, int64_t dim, int row_dtype, c
     const int direct = opt->kind == CN_OPT_SGD && mode != CN_POOL_MAX && row_dtype == CN_ROW_F32;
     cn_grad_apply_job job = {a, dim, n, row_dtype, slots, offsets, bag_of, argmax, weights, grad, mode, touch_meta,
                              direct, nthreads, ld_grad, opt, step, shares};
-    cn_parallel_for(cn_grad_build_range, &job, nthreads, nthreads);
-    int failed = 0;
-    for (int sh = 0; sh < nthreads; sh++) failed |= !shares[sh].ok;
-    if (!failed) cn_parallel_for(cn_grad_update_range, &job, nthreads, nthreads);
+    cn_parallel_for(cn_grad_count_range, &job, nthreads, nthreads);
+    size_t total = 0;
     for (int sh = 0; sh < nthreads; sh++) {
-        cn_groups_free(&shares[sh].g);
-        free(shares[sh].mine);
-        free(shares[sh].acc);
+        total += cn_round16((size_t)(shares[sh].m ? shares[sh].m : 1) * sizeof(int64_t));
+        if (!direct) /* the grouping, and the gradient and a widened row */
+            total += cn_round16(cn_groups_scratch_bytes(shares[sh].m)) + cn_round16((size_t)(2 * dim + 16) * sizeof(float));
     }
+    char *block = (char *)malloc(total), *at = block;
+    if (block != NULL) {
+        for (int sh = 0; sh < nthreads; sh++) {
+            cn_grad_share *share = &shares[sh];
+            share->mine = (int64_t *)at;
+            at += cn_round16((size_t)(share->m ? share->m : 1) * sizeof(int64_t));
+            if (!direct) {
+                share->scratch = at;
+                at += cn_round16(cn_groups_scratch_bytes(share->m));
+                share->acc = (float *)at;
+                at += cn_round16((size_t)(2 * dim + 16) * sizeof(float));
+            }
+        }
+        cn_parallel_for(cn_grad_build_range, &job, nthreads, nthreads);
+        cn_parallel_for(cn_grad_update_range, &job, nthreads, nthreads);
+    }
+    free(block);
     free(shares);
     free(bag_of);
-    return failed ? -1 : 0;
+    return block == NULL ? -1 : 0;
 }
 
 #endif
