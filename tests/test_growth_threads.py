@@ -106,6 +106,42 @@ def test_concurrent_readers_agree_with_a_serial_read():
     assert len(store) == 100_000
 
 
+def test_small_finds_keep_the_gil_beside_writers_without_deadlock():
+    """A find of fewer than 4,096 keys keeps the GIL while it takes the table's lock (_core.pyx,
+    _NOGIL_FROM), which is safe only because no thread holds that lock while waiting for the
+    GIL. Small finds in threads beside writers that grow and rehash the table: every find sees
+    the slots the keys had before (growth appends pages, slots stay), and nothing hangs. In a
+    child with a timeout, so that a deadlock fails the test instead of stopping the run."""
+    code = textwrap.dedent("""
+        import threading, numpy as np, cncore
+        store = cncore.EmbeddingStore(dim=8, capacity=1)
+        old = np.arange(10_000)
+        slots = store.find_or_insert(old)[0]
+        errors = []
+        def reader(seed):
+            rng = np.random.default_rng(seed)
+            try:
+                for _ in range(2_000):
+                    pick = rng.integers(0, len(old), int(rng.integers(1, 4_000)))
+                    got, found = store.find(old[pick])
+                    assert found.all() and (got == slots[pick]).all()
+            except Exception as exc:
+                errors.append(exc)
+        def writer(part):
+            for chunk in np.array_split(part, 20):
+                store.find_or_insert(chunk)
+        new = np.array_split(np.arange(10_000, 410_000), 2)
+        threads = [threading.Thread(target=reader, args=(i,)) for i in range(3)]
+        threads += [threading.Thread(target=writer, args=(p,)) for p in new]
+        for t in threads: t.start()
+        for t in threads: t.join()
+        print(len(errors), len(store))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["0", "410000"]
+
+
 def test_concurrent_writers_are_serialised():
     store = cncore.EmbeddingStore(dim=4, capacity=1)
     parts = np.array_split(np.arange(200_000), 8)
