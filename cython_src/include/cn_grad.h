@@ -270,7 +270,8 @@ static inline void cn_grad_apply_sgd_direct(const cn_arena *a, int64_t dim, cons
  * 3x uniform benchmark step (32 MiB cache, the core on 2 threads) held 1.19-1.21x of cache +
  * disk index between steps; one arena for all threads (MALLOC_ARENA_MAX=1, which a library must
  * not set) gave 1.11. The count is one more pass over the slots per share (a multiply and a
- * shift a key). Built for every share before any is applied, so that running out of memory
+ * shift a key); the backward of 16k IDs on a 2M-row table, one thread, took 2.94 ms before and
+ * 2.90 after (medians of eight alternated runs, CPU time). Built for every share before any is applied, so that running out of memory
  * changes no row. */
 typedef struct {
     cn_groups g;
