@@ -29,6 +29,12 @@ class StoreMachine(RuleBasedStateMachine):
         self.store = cncore.EmbeddingStore(dim=DIM, seed=SEED, initializer=cncore.Uniform(LOW, HIGH),
                                            capacity=capacity, max_load_factor=load, optimizer=opt)
         self.ref = DictStore(DIM, SEED, LOW, HIGH, state_floats=1, state_init=0.25)
+        # Keys whose row the core's fused row-wise Adagrad updated since it was last written: the
+        # reference's NumPy update (a float32 mean of g * g, its own order of operations) may round
+        # such a row an ulp apart (1.2e-7 at 1.1), so `lookup` compares those relatively and every
+        # other row to 1e-7. Found by the soak run (`make soak`): a key trained once after 28
+        # weighted occurrences of another in the same step.
+        self.trained = set()
 
     @rule(keys=key_batches)
     def find_or_insert(self, keys):
@@ -47,18 +53,21 @@ class StoreMachine(RuleBasedStateMachine):
         rows = rows_for(len(keys), seed)
         found = self.store.insert_or_assign(np.array(keys, dtype=np.int64), rows)
         assert found.tolist() == self.ref.write(keys, rows, insert=True).tolist()
+        self.trained.difference_update(keys)
 
     @rule(keys=key_batches, seed=st.integers(0, 1000))
     def assign(self, keys, seed):
         rows = rows_for(len(keys), seed)
         found = self.store.assign(np.array(keys, dtype=np.int64), rows)
         assert found.tolist() == self.ref.write(keys, rows, insert=False).tolist()
+        self.trained.difference_update(keys)
 
     @rule(keys=key_batches)
     def erase(self, keys):
         erased = self.store.erase(np.array(keys, dtype=np.int64))
         # A key repeated in the batch is erased once: only its first occurrence reports it.
         assert erased.tolist() == self.ref.erase(keys).tolist()
+        self.trained.difference_update(keys)
 
     @rule(keys=key_batches)
     def find_and_contains(self, keys):
@@ -72,7 +81,10 @@ class StoreMachine(RuleBasedStateMachine):
     @rule(keys=key_batches)
     def lookup(self, keys):
         got = self.store.lookup(np.array(keys, dtype=np.int64))
-        np.testing.assert_allclose(got, self.ref.lookup(keys), rtol=0, atol=1e-7)
+        trained = np.array([k in self.trained for k in keys], dtype=bool)
+        expected = self.ref.lookup(keys)
+        np.testing.assert_allclose(got[~trained], expected[~trained], rtol=0, atol=1e-7)
+        np.testing.assert_allclose(got[trained], expected[trained], rtol=1e-6, atol=1e-7)
 
     @rule(n=st.integers(0, 300))
     def reserve(self, n):
@@ -85,6 +97,7 @@ class StoreMachine(RuleBasedStateMachine):
         if data.draw(st.integers(0, 9)) == 0:  # rarely, so tables get big
             self.store.clear()
             self.ref.clear()
+            self.trained.clear()
 
     @rule(bags=st.lists(key_batches, min_size=1, max_size=6), weighted=st.booleans(), seed=st.integers(0, 1000),
           mode=st.sampled_from(["sum", "mean", "max"]))
@@ -118,6 +131,7 @@ class StoreMachine(RuleBasedStateMachine):
         if fused:
             self.store.apply_gradients(ctx, grad)
             self.ref.rowwise_adagrad(grads, LR, EPS)
+            self.trained.update(grads)
         else:
             ukeys, ugrads = self.store.accumulate_gradients(ctx, grad)
             assert ukeys.tolist() == list(grads)
