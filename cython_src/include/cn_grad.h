@@ -294,11 +294,16 @@ typedef struct {
     cn_grad_share *shares;
 } cn_grad_apply_job;
 
+/* Whether key position i has a row, of share sh. */
+static inline int cn_grad_owns(const cn_grad_apply_job *j, int64_t i, int64_t sh) {
+    return j->slots[i] >= 0 && cn_row_owner(j->slots[i], j->n_shares) == sh;
+}
+
 static void cn_grad_count_range(void *ctx, int64_t begin, int64_t end) {
     const cn_grad_apply_job *j = (const cn_grad_apply_job *)ctx;
     for (int64_t sh = begin; sh < end; sh++) {
         int64_t m = 0;
-        for (int64_t i = 0; i < j->n; i++) m += j->slots[i] >= 0 && cn_row_owner(j->slots[i], j->n_shares) == sh;
+        for (int64_t i = 0; i < j->n; i++) m += cn_grad_owns(j, i, sh);
         j->shares[sh].m = m;
     }
 }
@@ -309,13 +314,31 @@ static void cn_grad_build_range(void *ctx, int64_t begin, int64_t end) {
         cn_grad_share *share = &j->shares[sh];
         int64_t m = 0;
         for (int64_t i = 0; i < j->n; i++)
-            if (j->slots[i] >= 0 && cn_row_owner(j->slots[i], j->n_shares) == sh) share->mine[m++] = i;
+            if (cn_grad_owns(j, i, sh)) share->mine[m++] = i;
         if (!j->direct) cn_groups_build_in(j->slots, share->mine, m, &share->g, share->scratch);
     }
 }
 
 /* Bytes rounded up to 16, so that each share's arrays in the block start 16-byte aligned. */
 static inline size_t cn_round16(size_t bytes) { return (bytes + 15) & ~(size_t)15; }
+
+/* The shares' arrays (their counts m set) laid out one after another from `block`, each 16-byte
+ * aligned: the positions, and unless direct the grouping's scratch and the gradient with a
+ * widened row. Returns the bytes they take; with block NULL it only counts them. */
+static inline size_t cn_grad_layout(cn_grad_share *shares, int n_shares, int64_t dim, int direct, char *block) {
+    size_t at = 0;
+    for (int sh = 0; sh < n_shares; sh++) {
+        cn_grad_share *share = &shares[sh];
+        if (block) share->mine = (int64_t *)(block + at);
+        at += cn_round16((size_t)(share->m ? share->m : 1) * sizeof(int64_t));
+        if (direct) continue;
+        if (block) share->scratch = block + at;
+        at += cn_round16(cn_groups_scratch_bytes(share->m));
+        if (block) share->acc = (float *)(block + at);
+        at += cn_round16((size_t)(2 * dim + 16) * sizeof(float));
+    }
+    return at;
+}
 
 static void cn_grad_update_range(void *ctx, int64_t begin, int64_t end) {
     const cn_grad_apply_job *j = (const cn_grad_apply_job *)ctx;
@@ -385,25 +408,9 @@ static inline int cn_grad_apply(const cn_arena *a, int64_t dim, int row_dtype, c
     cn_grad_apply_job job = {a, dim, n, row_dtype, slots, offsets, bag_of, argmax, weights, grad, mode, touch_meta,
                              direct, nthreads, ld_grad, opt, step, shares};
     cn_parallel_for(cn_grad_count_range, &job, nthreads, nthreads);
-    size_t total = 0;
-    for (int sh = 0; sh < nthreads; sh++) {
-        total += cn_round16((size_t)(shares[sh].m ? shares[sh].m : 1) * sizeof(int64_t));
-        if (!direct) /* the grouping, and the gradient and a widened row */
-            total += cn_round16(cn_groups_scratch_bytes(shares[sh].m)) + cn_round16((size_t)(2 * dim + 16) * sizeof(float));
-    }
-    char *block = (char *)malloc(total), *at = block;
+    char *block = (char *)malloc(cn_grad_layout(shares, nthreads, dim, direct, NULL));
     if (block != NULL) {
-        for (int sh = 0; sh < nthreads; sh++) {
-            cn_grad_share *share = &shares[sh];
-            share->mine = (int64_t *)at;
-            at += cn_round16((size_t)(share->m ? share->m : 1) * sizeof(int64_t));
-            if (!direct) {
-                share->scratch = at;
-                at += cn_round16(cn_groups_scratch_bytes(share->m));
-                share->acc = (float *)at;
-                at += cn_round16((size_t)(2 * dim + 16) * sizeof(float));
-            }
-        }
+        cn_grad_layout(shares, nthreads, dim, direct, block);
         cn_parallel_for(cn_grad_build_range, &job, nthreads, nthreads);
         cn_parallel_for(cn_grad_update_range, &job, nthreads, nthreads);
     }
