@@ -2,7 +2,11 @@
 initialiser re-derived in NumPy from its specification (not from the C code's output)."""
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 
@@ -129,6 +133,15 @@ def pooled_reference(rows: np.ndarray, offsets: np.ndarray, mode: str, weights=N
             r = r * np.asarray(weights[s:e], dtype=np.float64)[:, None]
         out[b] = r.max(axis=0) if mode == "max" else r.sum(axis=0) / (e - s if mode == "mean" else 1)
     return out
+
+
+def run_isolated(code: str, timeout: float = 60.0) -> dict:
+    """Run `code` in a fresh interpreter; it prints one JSON object as its last line. A crash or
+    a hang fails the calling test with what the process said."""
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-2000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def snapshot(store):

@@ -3,27 +3,14 @@ wrong value) on the code before it. Calls that could crash run in a subprocess, 
 fails the test instead of killing the run.
 """
 import dataclasses
-import json
 import math
-import subprocess
-import sys
-import textwrap
 
 import numpy as np
 import pytest
 
 import cncore
 
-from reference import snapshot, assert_unchanged  # noqa: E402  (tests/ is on sys.path)
-
-
-def run_isolated(code: str, timeout: float = 60.0) -> dict:
-    """Run `code` in a fresh interpreter; it prints one JSON object as its last line. A crash or
-    a hang fails the calling test with what the process said."""
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=timeout)
-    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-2000:]}\nstderr:\n{proc.stderr[-4000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+from reference import snapshot, assert_unchanged, run_isolated  # noqa: E402  (tests/ is on sys.path)
 
 
 # --- 1. an erase racing a training step --------------------------------------------------------

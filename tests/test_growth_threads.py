@@ -1,16 +1,14 @@
 """Growth never loses or changes a row; results do not depend on thread count; concurrent
 readers see consistent data; reported memory is what was allocated."""
 import gc
-import subprocess
 import sys
-import textwrap
 import threading
 
 import numpy as np
 import pytest
 
 import cncore
-from reference import assert_same_table, uniform_row
+from reference import assert_same_table, run_isolated, uniform_row
 
 
 @pytest.fixture
@@ -112,8 +110,8 @@ def test_small_finds_keep_the_gil_beside_writers_without_deadlock():
     GIL. Small finds in threads beside writers that grow and rehash the table: every find sees
     the slots the keys had before (growth appends pages, slots stay), and nothing hangs. In a
     child with a timeout, so that a deadlock fails the test instead of stopping the run."""
-    code = textwrap.dedent("""
-        import threading, numpy as np, cncore
+    code = """
+        import json, threading, numpy as np, cncore
         store = cncore.EmbeddingStore(dim=8, capacity=1)
         old = np.arange(10_000)
         slots = store.find_or_insert(old)[0]
@@ -135,11 +133,9 @@ def test_small_finds_keep_the_gil_beside_writers_without_deadlock():
         threads += [threading.Thread(target=writer, args=(p,)) for p in new]
         for t in threads: t.start()
         for t in threads: t.join()
-        print(len(errors), len(store))
-    """)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["0", "410000"]
+        print(json.dumps([len(errors), len(store)]))
+    """
+    assert run_isolated(code, timeout=120) == [0, 410_000]
 
 
 def test_concurrent_writers_are_serialised():
@@ -177,11 +173,11 @@ def test_large_blocks_are_mapped_on_their_own_not_taken_from_the_heap():
     even after the process freed a large array (glibc then serves blocks up to that size from its
     heap), and unmapped when the table goes: none of them in the heap, between short-lived buffers
     whose holes stay resident. In a child: a clean allocator, and mallinfo2 (glibc 2.33+)."""
-    code = textwrap.dedent("""
-        import ctypes, gc, numpy as np, cncore
+    code = """
+        import ctypes, gc, json, numpy as np, cncore
         libc = ctypes.CDLL(None)
         if not hasattr(libc, "mallinfo2"):
-            print("skip"); raise SystemExit
+            print(json.dumps("skip")); raise SystemExit
         class Info(ctypes.Structure):
             _fields_ = [(n, ctypes.c_size_t) for n in
                         "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
@@ -195,13 +191,12 @@ def test_large_blocks_are_mapped_on_their_own_not_taken_from_the_heap():
         rss = lambda: int(open("/proc/self/statm").read().split()[1]) * 4096
         before = rss(); nbytes = store.nbytes
         del store; gc.collect()
-        print(nbytes, grown, before - rss())
-    """)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    if proc.stdout.strip() == "skip":
+        print(json.dumps([nbytes, grown, before - rss()]))
+    """
+    out = run_isolated(code, timeout=120)
+    if out == "skip":
         pytest.skip("no mallinfo2 (glibc before 2.33)")
-    nbytes, heap_grown, returned = map(int, proc.stdout.split())
+    nbytes, heap_grown, returned = out
     assert nbytes > 50 << 20
     # The blocks under 2 MiB (the growth steps' smaller indexes, the free-slot stack) and the
     # call's NumPy arrays still come from the heap: 6.5 MB here, against 111 MB before.
@@ -215,11 +210,11 @@ def test_backward_scratch_is_not_left_in_pool_workers_malloc_arenas():
     arena, which after a large free (thresholds raised) keeps its freed bytes resident until
     malloc_trim: 0.8 MB in each of 3 workers' arenas here before, none now. In a child, reading
     glibc's malloc_info."""
-    code = textwrap.dedent("""
-        import ctypes, os, re, tempfile, numpy as np, cncore
+    code = """
+        import ctypes, json, os, re, tempfile, numpy as np, cncore
         libc = ctypes.CDLL(None)
         if not hasattr(libc, "malloc_info"):
-            print("skip"); raise SystemExit
+            print(json.dumps("skip")); raise SystemExit
         cncore.set_num_threads(4)
         big = np.ones(2 << 20); del big  # 16 MiB mapped and freed: glibc's thresholds rise
         store = cncore.EmbeddingStore(dim=64, optimizer=cncore.RowWiseAdagrad(lr=0.1), capacity=200_000)
@@ -232,13 +227,12 @@ def test_backward_scratch_is_not_left_in_pool_workers_malloc_arenas():
         fp = libc.fopen(path.encode(), b"w"); libc.malloc_info(0, ctypes.c_void_p(fp)); libc.fclose(ctypes.c_void_p(fp))
         xml = open(path).read(); os.unlink(path)
         arenas = re.findall(r'<heap nr="(\\d+)">.*?<system type="current" size="(\\d+)"/>', xml, re.S)
-        print(len(store), sum(int(size) for nr, size in arenas if nr != "0"))
-    """)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    if proc.stdout.strip() == "skip":
+        print(json.dumps([len(store), sum(int(size) for nr, size in arenas if nr != "0")]))
+    """
+    out = run_isolated(code, timeout=120)
+    if out == "skip":
         pytest.skip("no malloc_info (not glibc)")
-    rows, in_other_arenas = map(int, proc.stdout.split())
+    rows, in_other_arenas = out
     assert rows > 150_000
     assert in_other_arenas < 128 << 10, f"{in_other_arenas} bytes held by the pool workers' malloc arenas"
 
