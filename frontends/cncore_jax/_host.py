@@ -8,12 +8,18 @@ the context out again. A step abandoned between the two (an exception in the los
 whose gradient is never used) leaves its context behind; the registry keeps at most
 `MAX_PENDING` of them and drops the oldest, so nothing grows without bound, and a token whose
 context was dropped or already used is refused with a message that says which.
+
+Every host function here holds the lock of each table it touches (`holding`) while it runs, and
+`cncore_jax.Table.save` takes the same lock: a save from one Python thread never sees half of
+another thread's lookup or update, however the two interleave.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
+import weakref
 from collections import OrderedDict
-from typing import List, Optional, Sequence
+from typing import Iterable, Iterator, List, Optional, Sequence
 
 import numpy as np
 
@@ -22,6 +28,31 @@ import cncore
 MAX_PENDING = 64     # contexts waiting for their gradient, all tables together
 _HISTORY = 4096      # tokens remembered after they leave, to say why a late one is refused
 NO_CONTEXT = -1      # the token of an evaluation lookup made outside differentiation
+
+
+_LOCKS: "weakref.WeakKeyDictionary[cncore.EmbeddingStore, threading.RLock]" = weakref.WeakKeyDictionary()
+_LOCKS_GUARD = threading.Lock()
+
+
+def store_lock(store: cncore.EmbeddingStore) -> threading.RLock:
+    """The lock of one store, shared by every `Table` handle on it (re-entrant: a table method
+    may call another)."""
+    with _LOCKS_GUARD:
+        lock = _LOCKS.get(store)
+        if lock is None:
+            lock = _LOCKS[store] = threading.RLock()
+        return lock
+
+
+@contextlib.contextmanager
+def holding(stores: Iterable[cncore.EmbeddingStore]) -> Iterator[None]:
+    """Hold the locks of `stores`, taken in one global order (by id) so two grouped calls over
+    the same tables in different orders cannot deadlock."""
+    unique = {id(s): s for s in stores}
+    with contextlib.ExitStack() as stack:
+        for key in sorted(unique):
+            stack.enter_context(store_lock(unique[key]))
+        yield
 
 
 class Registry:
@@ -64,7 +95,7 @@ class Registry:
                 why = self._gone.get(token, "unknown to this process")
                 raise ValueError(f"ctx: the context of lookup #{token} is {why}; the tables are unchanged. "
                                  "Look up again, then apply that lookup's gradient once.")
-            if [c.store for c in ctxs] != [t.store for t in tables]:
+            if [c.store for c in ctxs] != [t._store for t in tables]:
                 raise ValueError("ctx: it belongs to a lookup of other tables")
             if pop:
                 del self._pending[token]
@@ -110,9 +141,11 @@ def forward(tables, modes, is_lengths, training: bool, keep: bool, ids, bags, we
         ws.append(None if w is None else np.asarray(w, dtype=np.float32))
         lens.append(b if is_lengths[f] else None)
         offs.append(None if is_lengths[f] else b)
-    out, ctxs = cncore.grouped_pooled_lookup([t.store for t in tables], keys, offs, lengths=lens, modes=list(modes),
-                                             per_sample_weights=ws, insert_missing=training,
-                                             out=None if outs is None else outs[0])
+    stores = [t._store for t in tables]
+    with holding(stores):
+        out, ctxs = cncore.grouped_pooled_lookup(stores, keys, offs, lengths=lens, modes=list(modes),
+                                                 per_sample_weights=ws, insert_missing=training,
+                                                 out=None if outs is None else outs[0])
     token = REGISTRY.put(ctxs) if keep else NO_CONTEXT
     return out, np.int32(token)
 
@@ -128,7 +161,8 @@ def weight_grads(tables, token, grad, padded: Sequence[Optional[int]]):
             continue
         lens = np.diff(ctx.offsets)
         bag = np.repeat(np.arange(len(lens)), lens)
-        rows = ctx.store.read(ctx.keys).rows  # absent keys (evaluation) read as zeros, as in the forward
+        with holding([ctx.store]):
+            rows = ctx.store.read(ctx.keys).rows  # absent keys (evaluation) read as zeros, as in the forward
         g = (grad[bag, ctx.columns] * rows).sum(axis=1)
         if ctx.mode == 1:  # mean
             g = g / lens[bag]
@@ -141,7 +175,8 @@ def weight_grads(tables, token, grad, padded: Sequence[Optional[int]]):
 def apply(tables, token, grad, lr) -> None:
     ctxs = REGISTRY.get(token, tables, pop=False)
     rate = None if lr is None else float(lr)
-    cncore.grouped_apply_gradients(ctxs, np.asarray(grad, dtype=np.float32), lr=rate)
+    with holding(c.store for c in ctxs):
+        cncore.grouped_apply_gradients(ctxs, np.asarray(grad, dtype=np.float32), lr=rate)
     REGISTRY.get(token, tables, pop=True)  # only once the update succeeded: a refused one may be retried
 
 
@@ -149,6 +184,7 @@ def accumulate(tables, token, grad):
     """Per table: (unique ids in first-occurrence order, their gradient rows)."""
     ctxs = REGISTRY.get(token, tables, pop=False)
     grad = np.asarray(grad, dtype=np.float32)
-    result = [ctx.store.accumulate_gradients(ctx, np.ascontiguousarray(grad[:, ctx.columns])) for ctx in ctxs]
+    with holding(c.store for c in ctxs):
+        result = [ctx.store.accumulate_gradients(ctx, np.ascontiguousarray(grad[:, ctx.columns])) for ctx in ctxs]
     REGISTRY.get(token, tables, pop=True)
     return result

@@ -6,6 +6,18 @@ the lookups reach the rows through ordered host callbacks (`cncore_jax.lookup`).
 Checkpoints use the table file format shared by every front end (`cncore.tablefile`), so a
 table saved here opens in PyTorch (`cncore_torch`) and in `cn-table`, and back.
 
+JAX dispatches a jitted step asynchronously: it returns before the step's host work (the
+lookup's inserts, the update) has run. So every host-side access through the handle (`len`,
+`store`, `save`, `repr`) first waits, with `jax.effects_barrier()`, for the computations with
+side effects that this thread has dispatched: the callback route's ordered effect and the FFI
+route's side-effecting call both leave a runtime token there. JAX keeps those tokens per
+thread, so a step dispatched by another thread is not waited for; `save` holds the table's
+lock, which every host callback takes too, so a save made while another thread's step runs
+holds each of that step's lookup and update wholly or not at all (never a torn row, never
+"the store changed"). To save at a step boundary from another thread, have the training
+thread block on its step (`jax.block_until_ready`) before handing over. A store reference kept
+from before a step (``s = table.store``) does not wait: read through the handle.
+
 >>> import os, tempfile, numpy as np, cncore
 >>> from cncore_jax import Table
 >>> t = Table(dim=2, initializer=cncore.Constant(0.5), optimizer=cncore.SGD(lr=0.1))
@@ -23,6 +35,7 @@ from typing import Optional
 import jax
 
 import cncore
+from cncore_jax import _host
 
 __all__ = ["Table"]
 
@@ -54,13 +67,23 @@ class Table:
     def save(self, path: str) -> None:
         """Write the table (rows, optimizer state, metadata, step) to the directory `path` in
         the shared table file format; an existing table there is replaced atomically. Call it
-        between steps, outside `jit` (host I/O is not part of a traced program)."""
+        between steps, outside `jit` (host I/O is not part of a traced program); it waits for
+        the steps this thread dispatched, and holds the table still while it writes."""
         from cncore.tablefile import save_table
-        save_table(self._store, path)
+        store = self._settled()
+        with _host.holding([store]):
+            save_table(store, path)
+
+    def _settled(self) -> cncore.EmbeddingStore:
+        """The store, once every computation with side effects this thread dispatched is done
+        (the steps that may still insert into or update it)."""
+        jax.effects_barrier()
+        return self._store
 
     @property
     def store(self) -> cncore.EmbeddingStore:
-        return self._store
+        """The `cncore.EmbeddingStore`, after this thread's dispatched steps have run."""
+        return self._settled()
 
     @property
     def config(self) -> cncore.StoreConfig:
@@ -71,7 +94,7 @@ class Table:
         return self._store.dim
 
     def __len__(self) -> int:
-        return len(self._store)
+        return len(self._settled())
 
     def __repr__(self) -> str:
         return f"cncore_jax.Table(rows={len(self)}, config={self.config})"
