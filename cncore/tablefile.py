@@ -37,6 +37,16 @@ step) or inserted since the checkpoint (count and last step 0: never trained), p
 ``removed_keys.npy``, the keys of the chain that the store no longer holds (erased or
 evicted), found by comparing key sets, so no erase log is kept. Its manifest has a "delta"
 field naming its parent version; the commit keeps the chain's versions and removes the rest.
+A delta also records its own version name ("name") and the SHA-256 of its parent's
+manifest.json ("parent_sha256", what the parent's manifest.sha256 holds). Each manifest holds
+its parent's digest, so the head's manifest pins the whole chain: reading a chain checks every
+link, and a link replaced by another save's, or versions renamed, are refused with
+`TableFormatError` naming the link. Deltas written before these fields existed have neither:
+they read as before (there is nothing to check them against).
+
+Shard tables (one file per rank of a sharded table, `cncore.routing.shard_name`) also record
+their place: an optional "shard" field {"rank", "world_size", "save"} (the save id every
+rank's file of one save shares), which `check_shard` holds against the file's name and keys.
 A crash mid-delta leaves CURRENT on the previous head, so the chain opens as the last complete
 state. ``load_store`` reads a chain as one table; ``open_table`` (memory maps of one version)
 refuses a chain's head and ``compact_table`` rewrites the chain as one full base. A save falls
@@ -76,7 +86,7 @@ from cncore.row_codec import FILE_DTYPES, decode_rows, encode_rows
 
 __all__ = ["save_table", "open_table", "load_store", "TableFile", "TableWriter", "TableFormatError",
            "FORMAT_VERSION", "config_to_dict", "config_from_dict", "infer_config", "Checkpoint", "compact_table",
-           "chain_length"]
+           "chain_length", "chain_versions", "chain_head", "check_shard", "check_path_name"]
 
 FORMAT = "cn-table"
 FORMAT_VERSION = 3  # 3: 16-bit rows at their size, "evicted"; 2: manifest.sha256 added; 1 and 2 still read
@@ -91,6 +101,8 @@ _SAVE_MADE = re.compile(r"CURRENT|v[0-9]{6,}|\.v[0-9]{6,}\.tmp-[0-9]+|\.CURRENT\
 _MANIFEST_KEYS = ("format", "version", "rows", "step", "config", "arrays")
 _MANIFEST_KEYS_V3 = _MANIFEST_KEYS + ("evicted",)
 _DELTA_KEYS = ("parent", "removed")  # a delta version's manifest also has "delta": {these}
+_DELTA_LINK_KEYS = ("name", "parent_sha256")  # and, written by this version on, these
+_SHARD_KEYS = ("rank", "world_size", "save")  # the optional "shard" field of a shard table's manifest
 MAX_CHAIN = 16  # deltas after a base before a save writes a new base
 _ENTRY_KEYS = ("file", "dtype", "shape", "bytes", "sha256")
 _INITIALIZERS = {c.__name__: c for c in (cncore.Uniform, cncore.Normal, cncore.TruncatedNormal, cncore.Constant)}
@@ -284,6 +296,24 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def check_path_name(name, what: str = "table name") -> str:
+    """`name`, checked to be usable as one directory name under a directory the caller chose:
+    a non-empty string, not '.' or '..', without '/', '\\' or NUL (so that joining it to a
+    path never leaves that path). ValueError naming it otherwise.
+
+    >>> check_path_name("t_user")
+    't_user'
+    >>> check_path_name("../x")
+    Traceback (most recent call last):
+    ...
+    ValueError: table name '../x': is used as a directory name, so it must be one plain path component (not empty, '.' or '..', no '/', '\\' or NUL); rename the table; nothing was written
+    """
+    if not isinstance(name, str) or name in ("", ".", "..") or any(c in name for c in "/\\\0"):
+        raise ValueError(f"{what} {name!r}: is used as a directory name, so it must be one plain path component "
+                         f"(not empty, '.' or '..', no '/', '\\' or NUL); rename the table; nothing was written")
+    return name
+
+
 def _check_table_path(path: str) -> None:
     """A table is written only to a new path, an empty directory or an existing table."""
     if not os.path.lexists(path):
@@ -319,10 +349,14 @@ class TableWriter:
     """
 
     def __init__(self, path: str, config: cncore.StoreConfig, n_rows: int, step: int = 0, *,
-                 parent: Optional[str] = None, removed_keys=None, keep: Tuple[str, ...] = (), evicted_count: int = 0):
+                 parent: Optional[str] = None, removed_keys=None, keep: Tuple[str, ...] = (), evicted_count: int = 0,
+                 parent_sha256: Optional[str] = None, shard: Optional[dict] = None):
         """parent, removed_keys, keep: a delta version (see the module docstring): the version
-        it extends, the keys it removes, and the chain's versions its commit must keep.
-        evicted_count: the table's count of evicted rows (`EmbeddingStore.evicted_count`)."""
+        it extends, the keys it removes, and the versions its commit must keep (the chain's,
+        and any other a caller still needs). parent_sha256: the SHA-256 of the parent's
+        manifest.json as the caller checked it (read from the parent when not given).
+        evicted_count: the table's count of evicted rows (`EmbeddingStore.evicted_count`).
+        shard: {"rank", "world_size", "save"} of a shard table (see the module docstring)."""
         if not isinstance(config, cncore.StoreConfig):
             raise TypeError(f"config must be a cncore.StoreConfig, got {type(config).__name__}")
         if not _is_int(int(n_rows) if isinstance(n_rows, np.integer) else n_rows):
@@ -337,6 +371,12 @@ class TableWriter:
         self.removed_keys = None if parent is None else as_column("keys", np.asarray(
             removed_keys if removed_keys is not None else [], dtype=np.int64).reshape(-1))
         _check_table_path(path)
+        if shard is not None:
+            _check_shard_record(shard, "shard")
+        self.shard = None if shard is None else {k: shard[k] for k in _SHARD_KEYS}
+        if parent is not None and parent_sha256 is None:
+            parent_sha256 = _manifest_sha256(path, parent)
+        self.parent_sha256 = parent_sha256
         # The first directory this writer creates (if any): abort removes what it made, empty.
         self._created = None
         head = os.path.abspath(path)
@@ -406,6 +446,8 @@ class TableWriter:
             raise ValueError(f"{self.rows_written} rows written, {self.n_rows} announced")
         manifest = {"format": FORMAT, "version": FORMAT_VERSION, "rows": self.n_rows, "step": self.step,
                     "evicted": self.evicted_count, "config": config_to_dict(self.config), "arrays": {}}
+        if self.shard is not None:
+            manifest["shard"] = self.shard
         if self.parent is not None:
             removed = np.ascontiguousarray(self.removed_keys)
             data = npy_header(np.int64, removed.shape) + removed.tobytes()
@@ -415,7 +457,8 @@ class TableWriter:
                 os.fsync(fh.fileno())
             manifest["delta"] = {"parent": self.parent, "removed": {
                 "file": "removed_keys.npy", "dtype": np.dtype(np.int64).str, "shape": [len(removed)],
-                "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}}
+                "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()},
+                "name": self.version, "parent_sha256": self.parent_sha256}
         for name, fh in self._files.items():
             fh.flush()
             os.fsync(fh.fileno())
@@ -505,7 +548,8 @@ def _delta_blocker(store, path: str, since) -> Optional[str]:
     return None
 
 
-def save_table(store: cncore.EmbeddingStore, path: str, batch_rows: int = 1 << 18, *, since=None) -> Checkpoint:
+def save_table(store: cncore.EmbeddingStore, path: str, batch_rows: int = 1 << 18, *, since=None,
+               keep: Tuple[str, ...] = (), shard: Optional[dict] = None) -> Checkpoint:
     """Write `store` (rows, optimizer state, metadata, config, step) to the table directory
     `path`, atomically. Rows are streamed in batches of `batch_rows`, so memory stays bounded.
     `path` must be new, an empty directory or an existing table (see `TableWriter`).
@@ -514,6 +558,10 @@ def save_table(store: cncore.EmbeddingStore, path: str, batch_rows: int = 1 << 1
     only the rows trained or inserted since, and the keys removed since (see the module
     docstring, which also says when a save falls back to a full one; the Checkpoint's
     `delta` tells). Memory: 8 bytes per row of the store and of the chain for the key sets.
+
+    keep: version names the commit leaves in place besides the new chain, e.g. the chain of
+    the state another file still refers to (`chain_versions(path)` lists them).
+    shard: the place of a shard table, {"rank", "world_size", "save"} (see `check_shard`).
 
     >>> import numpy as np, tempfile, os
     >>> s = cncore.EmbeddingStore(dim=2, optimizer=cncore.SGD())
@@ -528,8 +576,9 @@ def save_table(store: cncore.EmbeddingStore, path: str, batch_rows: int = 1 << 1
     """
     blocker = None if since is None else _delta_blocker(store, path, since)
     if since is not None and blocker is None:
-        return _save_delta(store, path, batch_rows, since)
-    with TableWriter(path, store.config, len(store), store.step, evicted_count=store.evicted_count) as writer:
+        return _save_delta(store, path, batch_rows, since, tuple(keep), shard)
+    with TableWriter(path, store.config, len(store), store.step, evicted_count=store.evicted_count,
+                     keep=tuple(keep), shard=shard) as writer:
         for batch in store.iter_export(batch_rows):
             if writer.rows_written + len(batch.keys) > writer.n_rows:
                 raise RuntimeError("the store changed during the save")
@@ -546,7 +595,8 @@ def open_table_rows(path: str, version: str) -> int:
         return json.loads(fh.read())["rows"]
 
 
-def _save_delta(store, path: str, batch_rows: int, since: Checkpoint) -> Checkpoint:
+def _save_delta(store, path: str, batch_rows: int, since: Checkpoint, keep: Tuple[str, ...] = (),
+                shard: Optional[dict] = None) -> Checkpoint:
     chain = _open_chain(path, verify=False)
     if chain[-1].version != since.version:
         raise RuntimeError("the table was saved while this delta was being prepared; nothing was written")
@@ -569,7 +619,8 @@ def _save_delta(store, path: str, batch_rows: int, since: Checkpoint) -> Checkpo
     # Pass 2: the chosen rows, read by key (a row trained between the passes is written as it
     # is now; a key erased between them stops the save).
     with TableWriter(path, store.config, len(changed), store.step, parent=since.version, removed_keys=removed,
-                     keep=versions, evicted_count=store.evicted_count) as writer:
+                     keep=versions + tuple(keep), evicted_count=store.evicted_count,
+                     parent_sha256=chain[-1].manifest_sha256, shard=shard) as writer:
         for start in range(0, len(changed), batch_rows):
             b = store.read(changed[start:start + batch_rows])
             if not b.found.all():
@@ -593,10 +644,12 @@ def _chain_keys(chain) -> np.ndarray:
     return held
 
 
-def load_store(path: str, verify: bool = True, batch_rows: int = 1 << 18, kind=None) -> cncore.EmbeddingStore:
+def load_store(path: str, verify: bool = True, batch_rows: int = 1 << 18, kind=None,
+               version: Optional[str] = None) -> cncore.EmbeddingStore:
     """A store (of class `kind`, an EmbeddingStore subclass; EmbeddingStore by default) holding
     everything in the table directory, read in batches: keys, rows, optimizer state, counts,
-    last steps and the step, exactly. A chain (base + deltas) is read as one table.
+    last steps and the step, exactly. A chain (base + deltas) is read as one table; with
+    `version`, the chain ending at that version (one the last save kept) instead of the live one.
 
     >>> import numpy as np, tempfile, os
     >>> s = cncore.EmbeddingStore(dim=3, optimizer=cncore.Adam()); _ = s.find_or_insert(np.array([-2**63, 7]))
@@ -605,7 +658,7 @@ def load_store(path: str, verify: bool = True, batch_rows: int = 1 << 18, kind=N
     >>> sorted(back.export().keys.tolist()), back.config == s.config
     ([-9223372036854775808, 7], True)
     """
-    chain = _open_chain(path, verify)
+    chain = _open_chain(path, verify, head=version)
     head = chain[-1]
     store = (kind or cncore.EmbeddingStore)(head.config)
     store.reserve(len(chain[0]))
@@ -698,6 +751,9 @@ class TableFile:
     # a delta version: {"parent": version, "removed": keys it removes (memmap)}; None for a base
     delta: Optional[dict] = field(default=None, repr=False, compare=False)
     evicted_count: int = 0  # rows the table had evicted when saved (0 in files before version 3)
+    manifest_sha256: str = field(default="", repr=False, compare=False)  # of its manifest.json as read
+    # a shard table's {"rank", "world_size", "save"} as saved; None for other tables and older files
+    shard: Optional[dict] = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         weakref.finalize(self, _close_all, self._files)
@@ -807,9 +863,17 @@ def _check_manifest(m, where: str) -> Tuple[int, int, cncore.StoreConfig, int]:
         raise _error(where, f"format version {m['version']} is newer than this reader ({FORMAT_VERSION})")
     v3 = isinstance(m, dict) and _is_int(m.get("version"), 3, 2**63)
     _fields_exactly(m, (_MANIFEST_KEYS_V3 if v3 else _MANIFEST_KEYS)
-                    + (("delta",) if isinstance(m, dict) and "delta" in m else ()), where, "the manifest")
+                    + tuple(k for k in ("delta", "shard") if isinstance(m, dict) and k in m), where, "the manifest")
+    if "shard" in m:
+        _check_shard_record(m["shard"], "shard", where)
     if "delta" in m:
-        _fields_exactly(m["delta"], _DELTA_KEYS, where, "delta")
+        linked = isinstance(m["delta"], dict) and any(k in m["delta"] for k in _DELTA_LINK_KEYS)
+        _fields_exactly(m["delta"], _DELTA_KEYS + (_DELTA_LINK_KEYS if linked else ()), where, "delta")
+        if linked and not (isinstance(m["delta"]["name"], str) and _VERSION.fullmatch(m["delta"]["name"])):
+            raise _error(where, f"delta.name must be a version like 'v000002', got {_show(m['delta']['name'])}")
+        if linked and not (isinstance(m["delta"]["parent_sha256"], str)
+                           and re.fullmatch(r"[0-9a-f]{64}", m["delta"]["parent_sha256"])):
+            raise _error(where, f"delta.parent_sha256 must be 64 hex digits, got {_show(m['delta']['parent_sha256'])}")
         if not (isinstance(m["delta"]["parent"], str) and _VERSION.fullmatch(m["delta"]["parent"])):
             raise _error(where, f"delta.parent must be a version like 'v000001', got {_show(m['delta']['parent'])}")
         entry = m["delta"]["removed"]
@@ -847,6 +911,15 @@ def _check_manifest(m, where: str) -> Tuple[int, int, cncore.StoreConfig, int]:
         if not (isinstance(entry["sha256"], str) and re.fullmatch(r"[0-9a-f]{64}", entry["sha256"])):
             raise _error(where, f"{at}.sha256 must be 64 hex digits, got {_show(entry['sha256'])}")
     return n, m["step"], config, m.get("evicted", 0)
+
+
+def _check_shard_record(d, what: str, where: str = "") -> None:
+    _fields_exactly(d, _SHARD_KEYS, where, what)
+    if not (_is_int(d["world_size"], 1, 2**31) and _is_int(d["rank"], 0, d["world_size"])):
+        raise _error(where, f"{what}: rank must be an int in [0, world_size) and world_size an int >= 1, got "
+                            f"rank {_show(d['rank'])} of world_size {_show(d['world_size'])}")
+    if not (isinstance(d["save"], str) and re.fullmatch(r"[0-9A-Za-z_.:-]{1,80}", d["save"])):
+        raise _error(where, f"{what}.save must be a save id (1 to 80 letters, digits, '_.:-'), got {_show(d['save'])}")
 
 
 def _open_array(file: str, entry: dict, where: str, verify: bool):
@@ -924,9 +997,11 @@ def _open_version(path: str, version: str, verify: bool) -> TableFile:
             files["removed_keys"], removed = _open_array(os.path.join(directory, "removed_keys.npy"),
                                                          manifest["delta"]["removed"],
                                                          f"{path}: {version}/removed_keys.npy", verify)
-            delta = {"parent": manifest["delta"]["parent"], "removed": removed}
+            delta = {"parent": manifest["delta"]["parent"], "removed": removed,
+                     "name": manifest["delta"].get("name"), "parent_sha256": manifest["delta"].get("parent_sha256")}
         table = TableFile(path, config, step, **arrays, _files=files, version=version, delta=delta,
-                          evicted_count=evicted)
+                          evicted_count=evicted, manifest_sha256=hashlib.sha256(text).hexdigest(),
+                          shard=manifest.get("shard"))
     except BaseException:
         _close_all(files)
         raise
@@ -940,15 +1015,44 @@ def _open_version(path: str, version: str, verify: bool) -> TableFile:
     return table
 
 
-def _open_chain(path: str, verify: bool = True) -> list:
-    """The versions of the live chain, base first (one version for a table saved in full). A
-    save may replace the table while it is being opened: the open then starts over. A tier's
+def _manifest_sha256(path: str, version: str) -> str:
+    """The SHA-256 of `version`'s manifest.json (what a delta over it records)."""
+    try:
+        with open(os.path.join(path, version, "manifest.json"), "rb") as fh:
+            return hashlib.sha256(fh.read()).hexdigest()
+    except OSError as exc:
+        raise TableFormatError(f"{path}: {version}/manifest.json cannot be read ({exc.strerror})") from None
+
+
+def _check_link(path: str, child: TableFile, parent: TableFile) -> None:
+    """`child` (a delta) was written over exactly `parent`, under the name it is read by.
+    A delta written before deltas recorded these has nothing to check."""
+    name, digest = child.delta.get("name"), child.delta.get("parent_sha256")
+    if name is not None and name != child.version:
+        raise TableFormatError(f"{path}: {child.version}/manifest.json was written as {name}: the chain's versions "
+                               f"were renamed, so its links no longer follow one save after another; restore the "
+                               f"original names (or load another checkpoint); nothing was read")
+    if digest is not None and digest != parent.manifest_sha256:
+        raise TableFormatError(f"{path}: {child.version} is a delta over a {parent.version} whose manifest.json has "
+                               f"SHA-256 {digest[:16]}..., but {parent.version}/manifest.json here has "
+                               f"{parent.manifest_sha256[:16]}...: {parent.version} was replaced by another save's "
+                               f"version, so the chain is not one table's history; restore the original "
+                               f"{parent.version} (or load another checkpoint); nothing was read")
+
+
+def _open_chain(path: str, verify: bool = True, head: Optional[str] = None) -> list:
+    """The versions of the live chain (or of the chain ending at version `head`), base first
+    (one version for a table saved in full), each link checked against its parent. A save
+    may replace the table while it is being opened: the open then starts over. A tier's
     directory (cncore/tiered.py) is one version, as of its last flush."""
     from cncore.tiered import is_tier_directory, open_tier
     if is_tier_directory(path):
+        if head is not None:
+            raise TableFormatError(f"{path}: a tier directory has no versions (asked for {head})")
         return [open_tier(path, verify)]
+    pinned = head
     for attempt in range(100):
-        head = _read_current(path)
+        head = pinned or _read_current(path)
         try:
             chain = [_open_version(path, head, verify)]
             while chain[0].delta is not None:
@@ -957,15 +1061,52 @@ def _open_chain(path: str, verify: bool = True) -> list:
                     raise TableFormatError(f"{path}: {chain[0].version}/manifest.json names parent {parent}, "
                                            "not an earlier version of a chain")
                 chain.insert(0, _open_version(path, parent, verify))
+                _check_link(path, chain[1], chain[0])
             for link in chain[1:]:
                 if link.config != chain[0].config:
                     raise TableFormatError(f"{path}: {link.version} has another config than its base "
                                            f"{chain[0].version}")
             return chain
         except TableFormatError:
-            if attempt == 99 or _read_current(path, missing_ok=True, must_parse=False) == head:
+            if pinned or attempt == 99 or _read_current(path, missing_ok=True, must_parse=False) == head:
                 raise
     raise AssertionError("unreachable")
+
+
+def chain_head(path: str, verify: bool = False) -> TableFile:
+    """The live version of a table (a chain's last delta), its chain's links checked: what
+    the table's step, eviction count and shard record are read from."""
+    return _open_chain(path, verify)[-1]
+
+
+def check_shard(table: TableFile, path: str, rank: int, world_size: int, batch_rows: int = 1 << 18,
+                progress=iter, keys_of=None) -> None:
+    """Check that `table` (opened from `path`) is shard `rank` of a `world_size`-way split:
+    its recorded place (a shard table written by this version on) must be that, and every key
+    must be owned by `rank` (`cncore.routing.owner_of`). `keys_of`: an iterable of key batches
+    to check instead of the table's own (a chain read whole). ValueError naming the path."""
+    from cncore.routing import owner_of
+    recorded = table.shard
+    if recorded is not None and (recorded["rank"], recorded["world_size"]) != (rank, world_size):
+        raise ValueError(f"{path}: was saved as shard {recorded['rank']} of {recorded['world_size']}, not shard "
+                         f"{rank} of {world_size}: shard folders were renamed or moved; put each back under its "
+                         f"own name (shard-{recorded['rank']}-of-{recorded['world_size']}); nothing was loaded or "
+                         f"written")
+    batches = keys_of if keys_of is not None else (b["keys"] for _, b in table.batches(batch_rows, ("keys",)))
+    for keys in progress(batches):
+        owners = owner_of(keys, world_size)
+        stray = np.flatnonzero(owners != rank)
+        if len(stray):
+            k = int(keys[stray[0]])
+            raise ValueError(f"{path}: holds key {k}, which shard {int(owners[stray[0]])} of {world_size} owns, "
+                             f"not {rank}: not shard {rank} of a {world_size}-way split (shards overlap or were "
+                             f"renamed); nothing was loaded or written")
+
+
+def chain_versions(path: str, head: Optional[str] = None) -> Tuple[str, ...]:
+    """The version names of the live chain (or of the chain ending at `head`), base first,
+    its manifests and links checked (not the arrays' checksums)."""
+    return tuple(link.version for link in _open_chain(path, verify=False, head=head))
 
 
 def open_table(path: str, verify: bool = True) -> TableFile:

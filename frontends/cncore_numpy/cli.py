@@ -228,6 +228,9 @@ def _run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     elif cmd in ("reshard", "merge-shards"):
         tables = [_open_base(path, verify) for path in args.shards]
         single = cmd == "merge-shards"
+        if args.max_rows is not None and any(t.config.max_rows is None for t in tables):
+            raise ValueError(f"--max-rows {args.max_rows}: {args.shards[0]} is a shard of an unbounded table (no "
+                             f"max_rows), which has no row budget to set; leave --max-rows out")
         done = tools.reshard(args.shards, tables, args.out, 1 if single else args.world_size, single=single,
                              max_rows=args.max_rows, progress=progress)
         if single:

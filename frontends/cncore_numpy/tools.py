@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import secrets
 import shutil
 from typing import Callable, Dict, List, Optional
 
@@ -30,7 +31,7 @@ import numpy as np
 
 from cncore_numpy.exchange import BATCH, NpzStreamWriter
 from cncore.routing import owner_of, parse_shard_name, shard_name
-from cncore.tablefile import TableFile, TableWriter, config_to_dict
+from cncore.tablefile import TableFile, TableWriter, check_shard, config_to_dict
 from cncore.tablefile_lookup import find_rows, key_index
 
 __all__ = ["inspect", "prune_mask", "prune", "merge", "diff", "to_fixed", "check_shards", "reshard", "POLICIES",
@@ -280,8 +281,9 @@ _SHARD_FIELDS = ("keys", "rows", "optimizer_state", "counts", "last_steps")
 def check_shards(paths: List[str], tables: List[TableFile], progress: Callable = iter) -> dict:
     """Check that `tables` (opened from `paths`) are every shard of one split of one table, and
     count their rows. Names: each path's last component is ``shard-R-of-N`` (`shard_name`),
-    one N, every R in 0..N-1 once. Contents: one dim, optimizer kind, row dtype and step;
-    every key of shard R owned by R (`owner_of(key, N) == R`), so no key is in two shards.
+    one N, every R in 0..N-1 once. Contents: one dim, optimizer kind, row dtype, step and save
+    id (files that record one); each file's recorded place R of N, and every key of shard R
+    owned by R (`cncore.tablefile.check_shard`), so no key is in two shards.
     Raises ValueError naming the first path and what is wrong; reads keys only (in batches).
     Returns {"world_size": N, "rows": total rows, "evicted": summed eviction counts}."""
     if len(paths) != len(tables) or not paths:
@@ -322,14 +324,14 @@ def check_shards(paths: List[str], tables: List[TableFile], progress: Callable =
             raise ValueError(f"{path}: step {t.step} differs from {first_path}'s {first.step} (shards of one save "
                              f"share a step); nothing was written")
     for path, t, (r, _) in zip(paths, tables, places):
-        for _, b in progress(t.batches(BATCH, ("keys",))):
-            owners = owner_of(b["keys"], n)
-            stray = np.flatnonzero(owners != r)
-            if len(stray):
-                k = int(b["keys"][stray[0]])
-                raise ValueError(f"{path}: holds key {k}, which shard {int(owners[stray[0]])} of {n} owns, not "
-                                 f"{r}: not shard {r} of a {n}-way split (shards overlap or were renamed); "
-                                 f"nothing was written")
+        check_shard(t, path, r, n, BATCH, progress)
+    first_save = (first.shard or {}).get("save")
+    for path, t in zip(paths[1:], tables[1:]):
+        save = (t.shard or {}).get("save")
+        if save != first_save:
+            raise ValueError(f"{path}: written by save {save or '(not recorded)'}, {first_path} by "
+                             f"{first_save or '(not recorded)'}: shards of two saves; give the shards of one save; "
+                             f"nothing was written")
     return {"world_size": n, "rows": sum(len(t) for t in tables), "evicted": sum(t.evicted_count for t in tables)}
 
 
@@ -402,10 +404,12 @@ def reshard(paths: List[str], tables: List[TableFile], out: str, world_size: int
         os.makedirs(final)
         targets = [os.path.join(final, shard_name(j, world_size)) for j in range(world_size)]
     writers = []
+    save = f"reshard-{secrets.token_hex(8)}"  # one id for the outputs: shards of one save
     try:
         for j, target in enumerate(targets):
             writers.append(TableWriter(target, config, int(per_shard[j]), tables[0].step,
-                                       evicted_count=found["evicted"] if j == 0 else 0))
+                                       evicted_count=found["evicted"] if j == 0 else 0,
+                                       shard=None if single else {"rank": j, "world_size": world_size, "save": save}))
         for t in tables:
             for _, b in progress(t.batches(BATCH, _SHARD_FIELDS)):
                 owners = owner_of(b["keys"], world_size)

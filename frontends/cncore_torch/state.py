@@ -52,15 +52,23 @@ def export_tensors(store) -> dict:
             for name in FIELDS}
 
 
-def save_store(store: cncore.EmbeddingStore, destination: dict, prefix: str) -> None:
+def save_store(store: cncore.EmbeddingStore, destination: dict, prefix: str,
+               shard: Optional[Tuple[int, int, int]] = None) -> None:
+    """The store's entries under `prefix`; `shard` (rank, world size, run id): the place of a
+    sharded table's shard, written as the entry `shard` (see `read_table`)."""
     for name, value in export_tensors(store).items():
         destination[prefix + name] = value
     destination[prefix + "step"] = torch.tensor(store.step, dtype=torch.int64)
     save_evicted_count(store, destination, prefix)
+    if shard is not None:
+        destination[prefix + "shard"] = torch.tensor(list(shard), dtype=torch.int64)
 
 
-# Written for tables that evicted rows or have an eviction policy; read when present.
-OPTIONAL_ENTRIES = ("evicted_count",)
+# evicted_count: written for tables that evicted rows or have an eviction policy. shard: written
+# by sharded modules, (rank, world size, run id) of the shard the entries hold: rank R of W holds
+# only the keys R owns, and the run id (agreed by the ranks when the module is built) tells the
+# ranks of one run from another's; with the step, it identifies a save. Both read when present.
+OPTIONAL_ENTRIES = ("evicted_count", "shard")
 
 
 def save_evicted_count(store: cncore.EmbeddingStore, destination: dict, prefix: str) -> None:
@@ -82,6 +90,7 @@ class TableState:
     last_steps: np.ndarray                  # (N,) int64 in [0, 2^32)
     step: int
     evicted_count: Optional[int] = None     # a bounded table's count of evicted rows, when saved
+    shard: Optional[Tuple[int, int, int]] = None  # (rank, world size, run id) of a shard, when saved
 
     @classmethod
     def from_export(cls, tensors: dict, step: int) -> "TableState":
@@ -167,11 +176,20 @@ def read_table(state_dict, prefix: str, dim: int, state_floats: int, missing_key
         if value is not None and int(value) < 0:
             errors.append(f"{prefix}evicted_count: must be >= 0, got {int(value)}")
         evicted = None if value is None else int(value)
+    shard = None
+    if prefix + "shard" in state_dict:
+        value = tensor("shard", integers, (3,))
+        if value is not None:
+            rank, world_size, run = (int(v) for v in value)
+            if not 0 <= rank < world_size:
+                errors.append(f"{prefix}shard: (rank, world size, run id) must have 0 <= rank < world size, got "
+                              f"{[rank, world_size, run]}")
+            shard = (rank, world_size, run)
     if errors:
         error_msgs.extend(errors)
         return None
     return TableState(keys.numpy(), rows.numpy(), state.numpy(),
-                      counts.to(torch.int64).numpy(), last_steps.to(torch.int64).numpy(), int(step), evicted)
+                      counts.to(torch.int64).numpy(), last_steps.to(torch.int64).numpy(), int(step), evicted, shard)
 
 
 def _shape(shape) -> str:
@@ -198,6 +216,17 @@ def load_tables(tables: Dict[str, TableSpec], load_rest: Callable, state_dict, m
               for prefix, (config, _) in tables.items()}
     for prefix, (config, write) in tables.items():
         state = states[prefix]
+        # Entries of one rank's shard (of W > 1) hold only the keys that rank owns: they are
+        # the whole table only for that rank of W (merge_shards joins every rank's into one).
+        place = getattr(write, "place", (0, 1))
+        if state is not None and state.shard is not None and state.shard[1] > 1 and state.shard[:2] != place:
+            r, w = state.shard[:2]
+            errors.append(f"{prefix}shard: these entries are rank {r}'s shard of a table split over {w} ranks (the "
+                          f"keys rank {r} owns); this table is rank {place[0]} of {place[1]}, so loading them would "
+                          f"leave out the other ranks' rows. Merge every rank's state_dict with "
+                          f"cncore_torch.distributed.merge_shards first (or load each rank its own state_dict on "
+                          f"{w} ranks)")
+            states[prefix] = state = None
         # A writer may keep only some of the rows (a shard keeps the keys its rank owns).
         kept = getattr(write, "rows_kept", len)(state.keys) if state is not None else 0
         if config.max_rows is not None and kept > config.max_rows:

@@ -88,6 +88,9 @@ def _split_storage(storage, tables) -> Dict[str, object]:
     if not isinstance(storage, cncore.Tiered):
         raise TypeError(f"storage must be a cncore.Tiered or a {{table name: Tiered}} dict, got "
                         f"{type(storage).__name__}")
+    from cncore.tablefile import check_path_name
+    for c in tables:  # each table's directory is path/<its name>: a name must not leave path
+        check_path_name(c.name, "table name")
     parent = os.path.dirname(os.path.abspath(storage.path))
     if not os.path.isdir(parent):
         raise ValueError(f"storage: the directory {parent} that should hold {storage.path} does not exist; create "

@@ -18,20 +18,41 @@ re-splits a table's N shard files into M offline (`cn-table merge-shards`: into 
 `load_shard_tables(module, DIR)` loads them into a sharded collection on any number of ranks or
 into a plain `CNEmbeddingBagCollection` (one process: rank 0 of 1): it reads this rank's file
 when the world size matches, and otherwise every shard file, keeping the keys this rank owns.
+
+Each part says where it belongs, so that a load or merge missing a part, or mixing two saves,
+is refused before anything changes: a sharded module's state_dict holds, per table, the entry
+``shard`` = (rank, world size, run id), and each shard file records its rank, world size and
+save id (`cncore.tablefile.check_shard`). The run id is agreed by the ranks when the sharded
+module is built (`agree_run_id`); a save is the run id with the table's step. State_dicts and
+files written before these records existed carry none: they load as before, their keys
+checked against their rank where a file is read.
 """
 from __future__ import annotations
 
 import os
+import secrets
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 
 from cncore.routing import owner_of, parse_shard_name, shard_name
-from cncore.tablefile import chain_length, load_store, open_table, save_table
+from cncore.tablefile import chain_head, chain_length, check_path_name, check_shard, load_store, open_table, save_table
 from cncore_torch.state import ENTRIES, FIELDS
 
-__all__ = ["merge_shards", "save_shard_tables", "load_shard_tables"]
+__all__ = ["merge_shards", "save_shard_tables", "load_shard_tables", "agree_run_id"]
+
+
+def agree_run_id(env) -> int:
+    """A random id (62 bits) that every rank of `env` (a TorchRec ShardingEnv) gets the same
+    of: rank 0 draws it and broadcasts it (a collective: every rank builds its sharded modules
+    in the same order). Without a process group (one rank), drawn here."""
+    run = [secrets.randbits(62)]
+    group = getattr(env, "process_group", None)
+    if env.world_size > 1 and group is not None:
+        import torch.distributed as dist
+        dist.broadcast_object_list(run, group=group, group_src=0)
+    return int(run[0])
 
 
 def _place(module) -> Tuple[int, int]:
@@ -54,12 +75,22 @@ def save_shard_tables(module, directory: str) -> List[str]:
     last steps, step, config (this shard's budget) and eviction count, as
     `cncore.tablefile.save_table` writes one table. Each rank calls it (no collective: the
     caller puts a barrier after it if another process reads the files next). Returns the
-    paths written."""
+    paths written.
+
+    Each file records its place and the save (``{"rank", "world_size", "save"}``: the
+    module's run id and the table's step), which `load_shard_tables` and `cn-table reshard`
+    check. Table names are directory names here: a name that is not one plain path component
+    (``../x``, ``a/b``, an absolute path) is refused before anything is written."""
     rank, world_size = _place(module)
+    stores = _stores(module)
+    for name in stores:
+        check_path_name(name, "table name")
+    run = getattr(module, "_run_id", None)
+    run = f"{run:016x}" if run is not None else secrets.token_hex(8)  # a plain collection: one file a save
     written = []
-    for name, store in _stores(module).items():
+    for name, store in stores.items():
         path = os.path.join(directory, name, shard_name(rank, world_size))
-        save_table(store, path)
+        save_table(store, path, shard={"rank": rank, "world_size": world_size, "save": f"{run}-step{store.step}"})
         written.append(path)
     return written
 
@@ -96,15 +127,22 @@ def load_shard_tables(module, directory: str, verify: bool = True) -> None:
     too; otherwise each rank reads every shard file and keeps the keys it owns
     (`owner_of(key, world size) == rank`), and rank 0 takes the summed eviction count (their
     total over ranks stays what it was). A table chain (incremental saves) is read whole.
-    Call it on every rank of a sharded collection (no collective is used)."""
+    Call it on every rank of a sharded collection (no collective is used).
+
+    Every rank checks every shard file of a table, so all ranks refuse alike, before any
+    table changes: each file's recorded place must be its name's and every file must be of
+    one save (`save_shard_tables` records both); a file without records (written before
+    them) has its keys checked against its rank instead."""
     rank, world_size = _place(module)
     stores = _stores(module)
     entries, evicted = {}, {}
     for name, store in stores.items():
         n, shards = _shard_files(directory, name)
+        _check_shard_set(os.path.join(directory, name), n, shards)
         parts, steps, evicted[name] = [], {}, 0
         for r in ([rank] if n == world_size else range(n)):
             arrays, step, count, config = _read_shard(shards[r], verify)
+            check_shard(chain_head(shards[r]), shards[r], r, n, keys_of=[arrays["keys"]])
             if config.dim != store.config.dim or config.state_floats != store.config.state_floats:
                 raise ValueError(f"{shards[r]}: dim {config.dim} with {config.state_floats} optimizer state floats; "
                                  f"table {name!r} here has dim {store.config.dim} with {store.config.state_floats}; "
@@ -133,6 +171,29 @@ def load_shard_tables(module, directory: str, verify: bool = True) -> None:
         stores[name].evicted_count = count
 
 
+def _check_shard_set(folder: str, n: int, shards: Dict[int, str]) -> None:
+    """The N shard files of one table (`_shard_files`) are of one save: each file's recorded
+    place is its name's, and all record one save id, or none does (files written before
+    they were recorded: their keys are checked against their rank). ValueError otherwise."""
+    heads = {r: chain_head(path) for r, path in sorted(shards.items())}
+    for r, head in heads.items():
+        if head.shard is None:
+            check_shard(head, shards[r], r, n)  # keys only: nothing else was recorded
+        elif (head.shard["rank"], head.shard["world_size"]) != (r, n):
+            check_shard(head, shards[r], r, n)  # refuses, naming the recorded place
+    if len({head.step for head in heads.values()}) > 1:
+        raise ValueError(f"{folder}: the shards disagree on the step ("
+                         f"{', '.join(f'{os.path.basename(shards[r])}: {h.step}' for r, h in heads.items())}); were "
+                         f"they saved at one step? nothing was loaded")
+    saves = {r: (head.shard or {}).get("save") for r, head in heads.items()}
+    if len(set(saves.values())) > 1:
+        first = saves[0]
+        r = next(r for r, s in saves.items() if s != first)
+        raise ValueError(f"{folder}: the shard files are of different saves ({os.path.basename(shards[0])}: "
+                         f"{first or 'not recorded'}, {os.path.basename(shards[r])}: {saves[r] or 'not recorded'}); "
+                         f"keep one save's shards in a directory; nothing was loaded")
+
+
 def _read_shard(path: str, verify: bool):
     """(arrays by field, step, evicted count, config) of one shard table (a chain: read whole)."""
     if chain_length(path):
@@ -147,7 +208,13 @@ def merge_shards(state_dicts: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.
     """One state_dict holding every table whole, from the state_dicts of the ranks of one
     checkpoint (any order). Table entries are concatenated (the ranks' keys are disjoint, which
     is checked); the step must agree; every other entry (dense parameters, identical on every
-    rank under DDP) is taken from the first."""
+    rank under DDP) is taken from the first.
+
+    Sharded modules' state_dicts say which shard they hold (each table's ``shard`` entry:
+    rank, world size, run id): every rank of one world size and one run must be there, each
+    once, or the merge is refused (ValueError) naming what is missing or mixed. The merged
+    table is whole: its ``shard`` entry is (0, 1, run id). State_dicts without the entry
+    (written before it existed, or by a plain collection) merge as they are."""
     if not isinstance(state_dicts, (list, tuple)) or not state_dicts:
         raise ValueError("state_dicts: expected a non-empty list of the ranks' state_dicts")
     first = state_dicts[0]
@@ -159,6 +226,7 @@ def merge_shards(state_dicts: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.
             missing = [prefix + e for e in ENTRIES if prefix + e not in sd]
             if missing:
                 raise ValueError(f"state_dicts[{i}]: has no {missing[0]} (not a shard of the same model)")
+        run = _check_shard_entries(prefix, state_dicts)
         steps = {int(sd[prefix + "step"]) for sd in state_dicts}
         if len(steps) > 1:
             raise ValueError(f"{prefix}step: the shards disagree ({sorted(steps)}); were they saved at one step?")
@@ -168,7 +236,42 @@ def merge_shards(state_dicts: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.
         counts = [sd[prefix + "evicted_count"] for sd in state_dicts if prefix + "evicted_count" in sd]
         if counts:  # a bounded table's evictions: each shard counted its own
             merged[prefix + "evicted_count"] = torch.stack([c.to(torch.int64) for c in counts]).sum()
+        merged.pop(prefix + "shard", None)
+        if run is not None:
+            merged[prefix + "shard"] = torch.tensor([0, 1, run], dtype=torch.int64)
         keys = merged[prefix + "keys"]
         if torch.unique(keys).numel() != keys.numel():
             raise ValueError(f"{prefix}keys: a key appears in two shards; pass the shards of one checkpoint, each once")
     return merged
+
+
+def _check_shard_entries(prefix: str, state_dicts) -> Optional[int]:
+    """The run id of the shards of table `prefix`, after checking that the state_dicts hold
+    each rank of one world size and one run once; None when none has a ``shard`` entry."""
+    places = [sd.get(prefix + "shard") for sd in state_dicts]
+    if all(p is None for p in places):
+        return None
+    for i, p in enumerate(places):
+        if not (isinstance(p, torch.Tensor) and p.shape == (3,) and not p.is_floating_point()):
+            what = "has no shard entry" if p is None else f"has a shard entry {p!r}, not (rank, world size, run id)"
+            raise ValueError(f"state_dicts[{i}]: {prefix}shard: {what}, the others have one: not shards of one "
+                             f"save; nothing was merged")
+    places = [tuple(int(v) for v in p) for p in places]
+    r0, w, run = places[0]
+    for i, (r, wi, ri) in enumerate(places):
+        if wi != w or ri != run:
+            raise ValueError(f"state_dicts[{i}]: {prefix}shard: rank {r} of {wi} of run {ri:x}, but state_dicts[0] is "
+                             f"rank {r0} of {w} of run {run:x}: shards of different saves; pass the state_dicts of "
+                             f"one save; nothing was merged")
+    seen: Dict[int, int] = {}
+    for i, (r, _, _) in enumerate(places):
+        if r in seen:
+            raise ValueError(f"state_dicts[{i}]: {prefix}shard: rank {r} of {w} given twice (also as "
+                             f"state_dicts[{seen[r]}]); pass each rank's state_dict once; nothing was merged")
+        seen[r] = i
+    missing = [r for r in range(w) if r not in seen]
+    if missing:
+        raise ValueError(f"{prefix}shard: rank{'s' * (len(missing) > 1)} {', '.join(map(str, missing))} of {w} "
+                         f"missing: a table split over {w} ranks needs every rank's state_dict, {len(seen)} given; "
+                         f"nothing was merged")
+    return run

@@ -28,6 +28,7 @@ from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 import cncore
 from cncore_torch.collection import CNEmbeddingCollection, unpooled_lookup
+from cncore_torch.distributed.checkpoint import agree_run_id
 from cncore_torch.distributed.embeddingbag import (_check_plan, _keep_owned_rows, check_features, fused_anchor,
                                                   shard_store_configs, sharded_optimizer)
 from cncore_torch.distributed.routing import owner_of
@@ -62,6 +63,7 @@ class ShardedCNEmbeddingCollection(ShardedEmbeddingCollection):
         _check_plan(module, module.embedding_configs(), table_name_to_parameter_sharding, device, fused_params)
         self._module_fqn, self._env, self._pg = module_fqn, env, env.process_group
         self._world_size, self._rank = env.world_size, env.rank
+        self._run_id = agree_run_id(env)  # in every shard's state_dict and shard files
         self._configs = module.embedding_configs()
         self._feature_names, self._names_by_table = module._feature_names, module.embedding_names_by_table()
         self._dim = module.embedding_dim()
@@ -159,7 +161,7 @@ class ShardedCNEmbeddingCollection(ShardedEmbeddingCollection):
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         nn.Module._save_to_state_dict(self, destination, prefix, keep_vars)
         for name, store in self._stores.items():
-            save_store(store, destination, f"{prefix}tables.{name}.")
+            save_store(store, destination, f"{prefix}tables.{name}.", (self._rank, self._world_size, self._run_id))
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):

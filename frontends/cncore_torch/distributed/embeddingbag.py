@@ -34,6 +34,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 import cncore
 from cncore.routing import shard_name
 from cncore_torch.collection import CNEmbeddingBagCollection
+from cncore_torch.distributed.checkpoint import agree_run_id
 from cncore_torch.distributed.routing import owner_of
 from cncore_torch.distributed.rw_sharding import CNRwPooledEmbeddingSharding, route_kjt
 from cncore_torch.optim import keyed_fused_optimizer, no_optimizer_error, resolve_optimizer
@@ -94,6 +95,7 @@ class ShardedCNEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         self._env = env
         self._pg = env.process_group
         self._world_size, self._rank = env.world_size, env.rank
+        self._run_id = agree_run_id(env)  # in every shard's state_dict and shard files
         self._device = torch.device("cpu")
         self._embedding_bag_configs = configs
         self._is_weighted = module.is_weighted()
@@ -206,7 +208,7 @@ class ShardedCNEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         state, counts, last steps, step), as the collection saves a whole table."""
         super()._save_to_state_dict(destination, prefix, keep_vars)
         for name, store in self._stores.items():
-            save_store(store, destination, f"{prefix}tables.{name}.")
+            save_store(store, destination, f"{prefix}tables.{name}.", (self._rank, self._world_size, self._run_id))
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
@@ -288,6 +290,7 @@ def _owned_writer(store: cncore.EmbeddingStore, world_size: int, rank: int):
         TableState(state.keys[mine], state.rows[mine], state.optimizer_state[mine], state.counts[mine],
                    state.last_steps[mine], state.step).load_into(store)
     write.rows_kept = lambda keys: int(owned(keys).sum())
+    write.place = (rank, world_size)  # whose shard entries are this table whole (cncore_torch.state)
     return write
 
 

@@ -12,12 +12,18 @@ chain, ``tables/<table>/shard-<rank>-of-<W>/`` (the names of
 `cncore_torch.distributed.checkpoint.save_shard_tables`, so `cn-table compact` then `cn-table
 reshard` / `merge-shards` work on them); rank 0 writes dense.pt once every rank has saved.
 
-Each table's save is atomic (a crash leaves the chain's last complete state); dense.pt is
-replaced atomically after every table is saved, and names the step each table must be at, so a
-resume refuses a directory whose last save was cut off between the tables and dense.pt (the
-tables would be ahead of the dense weights) instead of mixing two steps. `open_checkpoint(DIR)`
-reads it back as one ordinary state_dict (the tables' chains loaded as one table each), and
-`cn-table` reads every table directory (`cn-table compact` merges a chain into a new base).
+dense.pt is the checkpoint's commit point. It names, for each table (each shard), the step
+and the version of the table's chain that go with it, and it is replaced atomically only
+after every table is saved. A table's save moves its CURRENT to the new version but keeps the
+versions of the chain dense.pt names (`save_table(keep=...)`), so a crash at any point of a
+save (in a table, between tables, before dense.pt) leaves the previous checkpoint whole: a
+resume reads each table at the version dense.pt names, never the newer one the cut-off save
+left. Once dense.pt names the new versions, the next save drops the old ones. (dense.pt files
+written before it named versions: each table is read at its CURRENT, which must be at
+dense.pt's step, or the resume is refused.) `open_checkpoint(DIR)` reads it back as one
+ordinary state_dict (the tables' chains loaded as one table each), and `cn-table` reads every
+table directory (`cn-table compact` merges a chain into a new base; a resume then reads the
+compacted table, at the same step).
 The first save of a run (a resumed one too) is a full base; saves after it are deltas.
 A sharded directory opens the same way, the shards' chains merged (`merge_shards`): any number
 of processes resumes from it, each keeping the keys it owns.
@@ -25,13 +31,14 @@ of processes resumes from it, each keeping the keys it owns.
 from __future__ import annotations
 
 import os
+import re
 from typing import Dict, Optional
 
 import torch
 
 import cncore
 from cncore.routing import shard_name
-from cncore.tablefile import Checkpoint, load_store, save_table
+from cncore.tablefile import Checkpoint, TableFormatError, chain_versions, check_path_name, load_store, save_table
 from cncore_torch.checkpoint import table_prefixes
 from cncore_torch.dlrm.data import InputError
 from cncore_torch.state import save_store
@@ -45,6 +52,9 @@ TABLES = "tables"
 def atomic_torch_save(state: dict, path: str) -> None:
     """torch.save to `path` through a synced temporary file and a rename."""
     tmp = f"{path}.tmp-{os.getpid()}"
+    for entry in os.listdir(os.path.dirname(os.path.abspath(path))):  # a save killed here before
+        if entry.startswith(os.path.basename(path) + ".tmp-") and entry[len(os.path.basename(path)) + 5:].isdigit():
+            os.remove(os.path.join(os.path.dirname(os.path.abspath(path)), entry))
     torch.save(state, tmp)
     with open(tmp, "rb") as fh:
         os.fsync(fh.fileno())
@@ -63,6 +73,9 @@ class TableChains:
         self.directory, self.every = directory, every
         self.rank, self.world_size = rank, world_size
         self.last: Dict[str, Checkpoint] = {}
+        # {table: this rank's version that dense.pt names}: kept by every save until dense.pt
+        # names newer ones (None: not read yet)
+        self.committed: Optional[Dict[str, Optional[str]]] = None
         self.saves = 0
         self.deltas = 0
 
@@ -70,11 +83,51 @@ class TableChains:
         path = os.path.join(self.directory, TABLES, name)
         return path if self.world_size == 1 else os.path.join(path, shard_name(self.rank, self.world_size))
 
+    def _read_committed(self, names) -> Dict[str, Optional[str]]:
+        """The versions the directory's dense.pt names for this rank's tables: from dense.pt
+        (None where it names none, or is of another world size, whose shards live in other
+        folders), or, for a dense.pt written before it named versions, each table's CURRENT."""
+        dense = os.path.join(self.directory, DENSE)
+        if not os.path.isfile(dense):
+            return {name: None for name in names}
+        try:
+            state = torch.load(dense, weights_only=False)
+        except Exception:  # not cn-dlrm's: nothing of it to keep
+            return {name: None for name in names}
+        if int(state.get("world_size", 1)) != self.world_size:
+            return {name: None for name in names}
+        if "table_versions" not in state:
+            return {name: _current(self.table_path(name)) for name in names}
+        named = state["table_versions"]
+        out = {}
+        for name in names:
+            version = named.get(name)  # one version (one process), or one per rank
+            out[name] = version[self.rank] if isinstance(version, list) else version
+        return out
+
+    def _keep(self, path: str, version: Optional[str]):
+        """The versions of the chain ending at `version` (every version present when that
+        chain cannot be read: nothing is dropped that a resume might need)."""
+        if version is None:
+            return ()
+        try:
+            return chain_versions(path, version)
+        except (TableFormatError, OSError):
+            return tuple(e for e in (os.listdir(path) if os.path.isdir(path) else ()) if re.fullmatch(r"v[0-9]{6,}", e))
+
     def save(self, model: torch.nn.Module, optimizers, stores: Dict[str, cncore.EmbeddingStore], step: int,
              extra: Optional[dict] = None) -> None:
+        for name in stores:
+            check_path_name(name, "table name")
         os.makedirs(os.path.join(self.directory, TABLES), exist_ok=True)
+        if self.committed is None:
+            self.committed = self._read_committed(list(stores))
+        versions = {}
         for name, store in stores.items():
-            self.last[name] = save_table(store, self.table_path(name), since=self.last.get(name))
+            path = self.table_path(name)
+            self.last[name] = save_table(store, path, since=self.last.get(name),
+                                         keep=self._keep(path, self.committed.get(name)))
+            versions[name] = self.last[name].version
             self.deltas += self.last[name].delta
         steps = {name: store.step for name, store in stores.items()}
         # table files do not hold the eviction counter: it travels here (per shard on W processes)
@@ -83,19 +136,35 @@ class TableChains:
         if self.world_size > 1:
             import torch.distributed as dist
             ranks = [None] * self.world_size
-            dist.all_gather_object(ranks, (steps, evicted))  # also the barrier: every shard is saved
+            dist.all_gather_object(ranks, (steps, evicted, versions))  # also the barrier: every shard is saved
             evicted = {name: [r[1][name] for r in ranks] for name in evicted}
+            # Rank 0 writes dense.pt next; the others reach their next save only through the
+            # training steps' collectives with rank 0, i.e. after it did.
+            self.committed = versions
             if self.rank != 0:
                 self.saves += 1
                 return
+            all_versions = {name: [r[2][name] for r in ranks] for name in versions}
+        else:
+            all_versions = versions
         for prefix in table_prefixes(state):
             for key in [k for k in state if k.startswith(prefix)]:
                 del state[key]
         atomic_torch_save({"dense": state, "optimizers": [o.state_dict() for o in optimizers], "step": step,
                             "table_steps": steps, "table_evicted": evicted, "world_size": self.world_size,
-                            **(extra or {})},
+                            "table_versions": all_versions, **(extra or {})},
                            os.path.join(self.directory, DENSE))
+        self.committed = versions
         self.saves += 1
+
+
+def _current(path: str) -> Optional[str]:
+    """The version a table directory's CURRENT names (None: no table there yet)."""
+    try:
+        with open(os.path.join(path, "CURRENT")) as fh:
+            return fh.read(64).strip() or None
+    except OSError:
+        return None
 
 
 def is_incremental_checkpoint(path: str) -> bool:
@@ -117,14 +186,19 @@ def open_checkpoint(directory: str, table_prefix: str) -> dict:
         raise InputError(f"--resume {directory}: {DENSE} is not cn-dlrm's ({type(e).__name__})") from None
     model = dict(dense)
     world_size = int(state.get("world_size", 1))
+    table_versions = state.get("table_versions", {})
     for name, step in steps.items():
         path = os.path.join(directory, TABLES, name)
         evicted = state.get("table_evicted", {}).get(name, 0)
         shards = []
         for rank in range(world_size):
             where = path if world_size == 1 else os.path.join(path, shard_name(rank, world_size))
+            version = table_versions.get(name)
+            version = version[rank] if isinstance(version, list) else version
+            if version is not None and not os.path.isdir(os.path.join(where, version)):
+                version = None  # compacted since (cn-table compact): CURRENT, checked against the step below
             try:
-                store = load_store(where)
+                store = load_store(where, version=version)
             except (ValueError, OSError) as e:
                 raise InputError(f"--resume {directory}: table {name}: {e}") from None
             if store.step != step:
