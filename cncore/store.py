@@ -133,11 +133,15 @@ def _u32(obj, name: str, n: int) -> Optional[np.ndarray]:
     return np.ascontiguousarray(arr, dtype=np.uint32)
 
 
-def _restore(config, keys, rows, optimizer_state, counts, last_steps, step, kind=None):
+def _restore(config, keys, rows, optimizer_state, counts, last_steps, step, kind=None, evicted_count=0,
+             admission_counters=None):
     store = (kind or EmbeddingStore)(config)
     store.reserve(len(keys))
     store.load(keys, rows, optimizer_state if config.state_floats else None, counts, last_steps)
     store.step = step
+    if admission_counters is not None:
+        store._table.admission_counters = admission_counters
+    store.evicted_count = evicted_count
     return store
 
 
@@ -154,12 +158,23 @@ class EmbeddingStore:
     """
 
     def __new__(cls, config: Optional[StoreConfig] = None, **config_fields):
-        """A config with storage=cncore.Tiered(...) makes a `cncore.tiered.TieredStore`."""
+        """A config with storage=cncore.Tiered(...) makes a `cncore.tiered.TieredStore`; a
+        subclass makes the tiered class it names in `tiered_class` (a subclass of both), and
+        one that names none is refused rather than built in memory."""
         storage = config_fields.get("storage") if config is None else getattr(config, "storage", None)
-        if cls is EmbeddingStore and storage is not None:
-            from cncore.tiered import TieredStore
+        if storage is None:
+            return super().__new__(cls)
+        from cncore.tiered import TieredStore
+        if issubclass(cls, TieredStore):
+            return super().__new__(cls)
+        if cls is EmbeddingStore:
             return super().__new__(TieredStore)
-        return super().__new__(cls)
+        tiered = cls.__dict__.get("tiered_class")
+        if tiered is None:
+            raise TypeError(f"storage={storage!r}: {cls.__module__}.{cls.__qualname__} keeps its rows in memory and "
+                            "has no tiered form; build cncore.EmbeddingStore(storage=...) (a TieredStore) or a "
+                            "class that names its tiered form in tiered_class")
+        return super().__new__(tiered)
 
     def __init__(self, config: Optional[StoreConfig] = None, **config_fields):
         if config is None:
@@ -219,7 +234,10 @@ class EmbeddingStore:
 
     @property
     def step(self) -> int:
-        """Optimizer steps applied so far (Adam's t); training lookups record it as a row's last step."""
+        """Optimizer steps applied so far (Adam's t); training lookups record it as a row's last step.
+        At most 2**32 - 1, the last step a row's 32-bit last step records: setting more, a
+        training lookup at it, and a backward that would pass it are refused (ValueError), the
+        table unchanged."""
         return self._table.step
 
     @step.setter
@@ -228,7 +246,8 @@ class EmbeddingStore:
 
     @property
     def evicted_count(self) -> int:
-        """Rows evicted so far (by the budget or the evict verbs; erase does not count)."""
+        """Rows evicted so far (by the budget or the evict verbs; erase does not count). A 64-bit
+        count; it stops at 2**63 - 1 rather than wrap."""
         return self._table.evicted_count
 
     @evicted_count.setter
@@ -241,10 +260,13 @@ class EmbeddingStore:
 
     def __reduce__(self):
         """Pickling (copy.deepcopy, torch.save of a model holding a store) carries the config,
-        every row with its optimizer state and metadata, and the step."""
+        every row with its optimizer state and metadata, the step, the eviction count and the
+        admission sketch's counters. The on_evict callbacks are the caller's code and stay
+        behind: a copy that should hand its evicted rows on registers its own."""
         batch = self.export()
         return (_restore, (self._config, batch.keys, batch.rows, batch.optimizer_state, batch.counts,
-                           batch.last_steps, self.step, type(self)))
+                           batch.last_steps, self.step, type(self), self.evicted_count,
+                           self._table.admission_counters))
 
     # --- key verbs -------------------------------------------------------------------------
 
@@ -472,9 +494,10 @@ class EmbeddingStore:
         """Register `callback(batch)`: it receives a `TableBatch` of every eviction's rows
         (keys, rows, optimizer state, counts, last steps; lowest (score, key) first, or the
         export order for evict_if), called after the evicting call has released the store's lock, in the thread
-        that made the call. Callbacks run in registration order; one that raises propagates
-        out of the call that evicted (the eviction has happened, the callbacks after it did
-        not run). Without callbacks evicted rows are dropped, and still counted.
+        that made the call. Callbacks run in registration order, each with every evicted row;
+        when one raises, the others still run, and the first error then propagates out of the
+        call that evicted (the eviction has happened; later errors are attached to it as
+        notes). Without callbacks evicted rows are dropped, and still counted.
 
         >>> import numpy as np, cncore
         >>> s = cncore.EmbeddingStore(dim=1, max_rows=2, eviction=cncore.LRU(), headroom=0)
@@ -491,8 +514,14 @@ class EmbeddingStore:
 
     def _deliver(self, keys, rows, state, counts, last_steps) -> None:
         batch = TableBatch(keys, rows, state, counts, last_steps, np.ones(len(keys), dtype=bool))
+        errors = []
         for callback in list(self._evict_callbacks):
-            callback(batch)
+            try:
+                callback(batch)
+            except BaseException as e:  # the other callbacks still get the rows
+                errors.append(e)
+        if errors:
+            _core.raise_first(errors)
 
     def decay_admission(self) -> None:
         """Halve every counter of the admission sketch (MinCount), so that old sightings fade."""

@@ -7,7 +7,7 @@ takes the table's lock, runs one nogil section, and turns return codes into exce
 """
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport malloc, calloc, free
-from libc.string cimport memcmp, memset
+from libc.string cimport memcmp, memcpy, memset
 from cncore._typedefs cimport key_t, slot_t, offset_t, weight_t, count_t
 from cncore._ctable cimport *
 cimport numpy as cnp
@@ -623,6 +623,31 @@ cdef class RecordWriter:
         return cn_tier_check_keys(&self.L, &buf[0, 0], &keys[0], keys.shape[0])
 
 
+# Steps. A row records the table's step at its last training lookup in 32 bits (cn_meta), so a
+# table's step stops at 2^32 - 1: the setter refuses more, a training lookup at it is refused
+# (its backward would pass it) and so is a backward that would advance past it, each before
+# anything changes. Widening last_step instead would cost every row without a scalar optimizer
+# state 8 more bytes (its metadata line is 8 bytes), LFU's (count, last_step) score its 64-bit
+# key, and the table file, exchange and tier records their uint32 last_steps; the limit is
+# reached after 4.29e9 steps (50 days at 1,000 steps a second), and moving every step back by
+# one amount (the remedy below) keeps every policy's order.
+cdef int64_t _STEP_MAX = 0xFFFFFFFF
+_STEP_REMEDY = ("To train further, move every step back by one amount d: load each row again with last_steps - d "
+                "(at least 0), then set step -= d")
+
+
+def raise_first(errors):
+    """Raise errors[0] (an exception) with the others attached to it as notes (PEP 678)."""
+    first = errors[0]
+    for other in errors[1:]:
+        note = f"also raised: {type(other).__name__}: {other}"
+        if hasattr(first, "add_note"):
+            first.add_note(note)
+        else:  # Python 3.10: the attribute tracebacks show from 3.11 on
+            first.__notes__ = getattr(first, "__notes__", []) + [note]
+    raise first
+
+
 cdef inline int _sink_want(Table t):
     """What an eviction of t hands over (cn_table.h's want_rows): 0, keys and metadata only (no
     sink); 1, rows too, in eviction order (a callback sees the order, cn_evict.h); 2, rows in any
@@ -763,10 +788,39 @@ cdef class Table:
 
     @step.setter
     def step(self, int64_t value):
+        if value < 0 or value > _STEP_MAX:
+            raise ValueError(f"step: {value} is outside [0, {_STEP_MAX}]; {_STEP_MAX} (2**32 - 1) is the last step a "
+                             f"row's 32-bit last_step records; the table is unchanged. {_STEP_REMEDY}")
         with nogil:
             _wrlock(self)
             self.t.step = value
             _unlock(self)
+
+    @property
+    def admission_counters(self):
+        """A copy of the admission sketch's counters (depth, width) uint32 (MinCount), or None."""
+        cdef int64_t depth = self.t.admit.depth, width = self.t.admit.width
+        if self.t.admit.counters == NULL:
+            return None
+        out = np.empty((depth, width), dtype=np.uint32)
+        cdef uint32_t[:, ::1] view = out
+        _rdlock(self)
+        memcpy(&view[0, 0], self.t.admit.counters, depth * width * sizeof(uint32_t))
+        _unlock(self)
+        return out
+
+    @admission_counters.setter
+    def admission_counters(self, const uint32_t[:, ::1] counters):
+        """Set every counter of the sketch (an array of admission_counters' shape)."""
+        cdef int64_t depth = self.t.admit.depth, width = self.t.admit.width
+        if self.t.admit.counters == NULL:
+            raise TypeError("admission_counters: this table has no admission sketch (MinCount)")
+        if counters.shape[0] != depth or counters.shape[1] != width:
+            raise ValueError(f"admission_counters: expected shape ({depth}, {width}), got "
+                             f"({counters.shape[0]}, {counters.shape[1]}); the table is unchanged")
+        _wrlock(self)
+        memcpy(self.t.admit.counters, &counters[0, 0], depth * width * sizeof(uint32_t))
+        _unlock(self)
 
     def find(self, const key_t[::1] keys, slot_t[::1] slots):
         cdef int64_t n = keys.shape[0]
@@ -1141,8 +1195,9 @@ cdef _check_rows(object arr, object dtype, int64_t n_rows, int64_t dim, str name
 
 
 cdef inline uint32_t _saturate_u32(object value):
-    """A step as the uint32 the rows' metadata keeps: past 2^32 - 1 it saturates (documented in
-    StoreConfig), where a cast wrapped it to small values that eviction would read as old."""
+    """A lookup's step as the uint32 the rows' metadata keeps. A table's step never passes
+    2^32 - 1 (_STEP_MAX), so this is exact for every lookup's step; the clamp keeps a value
+    from a damaged record from wrapping to a small step that eviction would read as old."""
     return <uint32_t> min(max(int(value), 0), 0xFFFFFFFF)
 
 
@@ -1245,6 +1300,10 @@ def grouped_forward(list tables, list keys, list offsets, list weights, list mod
         for u in range(U):
             fs = members[u]
             tab = <Table> tables[fs[0]]
+            if insert_missing and tab.t.step >= _STEP_MAX:
+                raise ValueError(f"feature {fs[0]}: its table's step is {tab.t.step}, the last step a row's 32-bit "
+                                 f"last_step records ({_STEP_MAX}, 2**32 - 1), and the backward of a training lookup "
+                                 f"would pass it; every table is unchanged. {_STEP_REMEDY}")
             tp[u] = &tab.t
             u_want[u] = _sink_want(tab)
             u_found[u] = 0
@@ -1305,23 +1364,34 @@ def grouped_forward(list tables, list keys, list offsets, list weights, list mod
                         u_rc[u] = rc
                         failed = u
                         break
-        # Evicted rows first: they left their tables whatever happens next.
+        # Evicted rows first: they left their tables whatever happens next. Every table's rows
+        # reach its own sink, whatever an earlier table's sink raised; the first error is raised
+        # once all are delivered, the others (and the call's own) attached to it.
+        errors = []
         for u in range(U):
-            (<Table> tables[members[u][0]])._deliver(&evs[u])
-        if bad_feature >= 0:
-            raise ValueError(
-                f"offsets[{bad_feature}]: must start at 0, never decrease and end at the number of "
-                f"keys ({p_nkeys[bad_feature]}); position {bad_pos} breaks this")
-        if failed >= 0:
-            f = members[failed][0]
-            done = " (the tables of features before it were looked up)" if failed else ""
-            if u_rc[failed] == CN_EBADSLOT:
-                raise ValueError(f"found_slots[{f}]: a slot that holds no row of its table; the table is unchanged"
-                                 + done)
-            if u_rc[failed] == CN_EFULL:
-                raise ValueError(f"feature {f}: the distinct keys its table is looked up with exceed its max_rows "
-                                 f"({tp[failed].bound.max_rows}); its table is unchanged" + done)
-            raise MemoryError(f"cannot grow the table of feature {f}; it is unchanged" + done)
+            try:
+                (<Table> tables[members[u][0]])._deliver(&evs[u])
+            except BaseException as e:
+                errors.append(e)
+        try:
+            if bad_feature >= 0:
+                raise ValueError(
+                    f"offsets[{bad_feature}]: must start at 0, never decrease and end at the number of "
+                    f"keys ({p_nkeys[bad_feature]}); position {bad_pos} breaks this")
+            if failed >= 0:
+                f = members[failed][0]
+                done = " (the tables of features before it were looked up)" if failed else ""
+                if u_rc[failed] == CN_EBADSLOT:
+                    raise ValueError(f"found_slots[{f}]: a slot that holds no row of its table; the table is "
+                                     "unchanged" + done)
+                if u_rc[failed] == CN_EFULL:
+                    raise ValueError(f"feature {f}: the distinct keys its table is looked up with exceed its "
+                                     f"max_rows ({tp[failed].bound.max_rows}); its table is unchanged" + done)
+                raise MemoryError(f"cannot grow the table of feature {f}; it is unchanged" + done)
+        except BaseException as e:
+            errors.append(e)
+        if errors:
+            raise_first(errors)
         for f in range(F):
             u = p_unit[f]
             results[f][2] = u_nnew[u] if members[u][0] == f else 0
@@ -1394,6 +1464,7 @@ def grouped_backward(list tables, list slots, list offsets, list weights, list m
     cdef cn_optim* opts = <cn_optim*> malloc(max(F, 1) * sizeof(cn_optim))
     cdef int64_t* ip = <int64_t*> malloc(max(F, 1) * 12 * sizeof(int64_t))
     cdef int64_t oom_feature = -1, bad_feature = -1, bad_pos = -1, stale_feature = -1, nonfinite_feature = -1
+    cdef int64_t step_feature = -1
     cdef int rc = 0, stale_rc = 0
     if tp == NULL or opts == NULL or ip == NULL or locked == NULL:
         free(tp)
@@ -1457,7 +1528,10 @@ def grouped_backward(list tables, list slots, list offsets, list weights, list m
                     if stale_rc != CN_OK:
                         stale_feature = f
                         break
-                if stale_feature < 0:
+                    if tp[f].step >= _STEP_MAX:
+                        step_feature = f
+                        break
+                if stale_feature < 0 and step_feature < 0:
                     for f in range(F):
                         tp[f].step += 1
                         cn_optim_set_step(&opts[f], tp[f].step)
@@ -1479,6 +1553,10 @@ def grouped_backward(list tables, list slots, list offsets, list weights, list m
             raise ValueError(_nonfinite_message(nonfinite_feature))
         if stale_feature >= 0:
             raise RuntimeError(_stale_message(stale_feature, stale_rc))
+        if step_feature >= 0:
+            raise ValueError(f"feature {step_feature}: its table's step is {_STEP_MAX} (2**32 - 1), the last step a "
+                             "row's 32-bit last_step records, and this update would pass it; nothing was updated. "
+                             + _STEP_REMEDY)
         if oom_feature >= 0:
             raise MemoryError(f"out of memory in the backward of feature {oom_feature}; "
                               f"its table is unchanged, earlier features were updated")

@@ -98,6 +98,11 @@ cdef extern from "cn_table.h" nogil:
         count_t *counts
         count_t *last_steps
     void cn_evicted_free(cn_evicted *ev)
+    ctypedef struct cn_admit:
+        uint32_t *counters
+        int64_t width
+        int64_t depth
+        uint32_t min_count
     ctypedef struct pthread_rwlock_t:
         pass
     ctypedef struct cn_table:
@@ -113,6 +118,7 @@ cdef extern from "cn_table.h" nogil:
         uint64_t erase_epoch
         uint64_t version
         cn_bound bound
+        cn_admit admit
         int64_t n_evicted
         pthread_rwlock_t lock
     int cn_table_create(cn_table *t, int64_t dim, int optimizer_kind, float state_init, cn_init init,

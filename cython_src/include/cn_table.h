@@ -350,7 +350,8 @@ static inline int cn_table_take_victims(cn_table *t, const cn_victim *victims, i
         cn_arena_set_live(&t->arena, s, 0);
     }
     ev->n = k;
-    t->n_evicted += k;
+    /* Saturating: a count set near 2^63 (a restored checkpoint) never wraps negative. */
+    t->n_evicted = t->n_evicted > INT64_MAX - k ? INT64_MAX : t->n_evicted + k;
     t->erase_epoch = cn_next_stamp();
     t->version = cn_next_stamp();
     return CN_OK;

@@ -41,8 +41,9 @@ import numpy as np
 
 import cncore
 from cncore.tablefile import load_store, save_table
+from cncore.tiered import TieredStore
 
-__all__ = ["Table", "load_table"]
+__all__ = ["Table", "TieredTable", "load_table"]
 
 
 class Table(cncore.EmbeddingStore):
@@ -79,6 +80,22 @@ class Table(cncore.EmbeddingStore):
     def open(cls, path: str, verify: bool = True) -> "Table":
         """`load_table` into a `Table`."""
         return load_table(path, verify)
+
+
+class TieredTable(Table, TieredStore):
+    """A `Table` whose rows live on disk under a bounded memory cache: what
+    ``Table(storage=cncore.Tiered(path, ...))`` builds (see `cncore.tiered`).
+
+    >>> import os, tempfile, cncore
+    >>> path = os.path.join(tempfile.mkdtemp(), "rows")
+    >>> t = Table(dim=2, initializer=cncore.Constant(0.5), storage=cncore.Tiered(path, cache_bytes=1 << 20))
+    >>> t[[3]].tolist(), type(t).__name__, os.path.isdir(path)
+    ([[0.0, 0.0]], 'TieredTable', True)
+    >>> t.close()
+    """
+
+
+Table.tiered_class = TieredTable  # EmbeddingStore.__new__ builds it for storage=Tiered(...)
 
 
 def load_table(path: str, verify: bool = True, batch_rows: int = 1 << 18) -> Table:
