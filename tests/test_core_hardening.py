@@ -427,12 +427,17 @@ def test_optimizer_state_for_a_stateless_store_must_be_empty():
     store.load(batch.keys, batch.rows, batch.optimizer_state)   # (0, 0): what its own export gives
 
 
-def test_last_step_saturates_at_uint32_max_instead_of_wrapping():
+def test_steps_stop_at_uint32_max_where_a_rows_last_step_would_saturate():
+    """A row's last step is 32 bits: a step past 2**32 - 1 is refused (a saturated last step
+    dropped rows from delta saves and let TTL evict rows trained in the current step); the last
+    training step records its step exactly."""
     store = cncore.EmbeddingStore(dim=2, optimizer=cncore.SGD(lr=0.0))
-    store.step = 2**32 + 5
+    with pytest.raises(ValueError, match=r"step: 4294967301 is outside \[0, 4294967295\]"):
+        store.step = 2**32 + 5
+    store.step = 2**32 - 2
     _, ctx = store.pooled_lookup(np.array([1]), lengths=np.array([1]))
     store.apply_gradients(ctx, np.ones((1, 2), np.float32))
-    assert store.read(np.array([1])).last_steps.tolist() == [2**32 - 1]
+    assert store.read(np.array([1])).last_steps.tolist() == [2**32 - 2] and store.step == 2**32 - 1
 
 
 def test_lengths_that_do_not_add_up_to_the_keys_are_refused():
