@@ -84,8 +84,10 @@ process's RSS, given back under pressure).
 ...     store.apply_gradients(ctx, np.ones((10, 4), np.float32))
 >>> len(store), store.cached_rows < 1000, store.stats["rows_written"] > 0
 (1000, True, True)
->>> store.flush(); again = cncore.EmbeddingStore(store.config)
->>> bool((again.lookup(np.array([5, 999])) == store.lookup(np.array([5, 999]))).all())
+>>> before = store.lookup(np.array([5, 999]))
+>>> store.flush(); store.close()          # a directory has one store at a time
+>>> again = cncore.EmbeddingStore(store.config)
+>>> bool((again.lookup(np.array([5, 999])) == before).all())
 True
 """
 from __future__ import annotations
@@ -93,12 +95,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import fcntl
 import functools
 import hashlib
 import json
 import os
 import threading
 import weakref
+import zipfile
 from typing import Iterator, Optional
 
 import numpy as np
@@ -115,8 +119,10 @@ _PAGE = 4096
 _CHUNK = 1 << 13  # rows a flush or compaction moves at a time (its scratch: one chunk of records, 2.5 MiB at dim 64)
 _IO_ROWS = 1024  # records a spill writes, or a fault-in loads, at a time (287 KiB at dim 64, row-wise Adagrad)
 _FORMAT = "cn-tier"
-_VERSION = 3  # 3: 16-bit rows at their size; 2: records packed to 8 bytes (1: to 64); 2 still opens
-_READS = (2, 3)  # versions this code opens (a version 2 directory keeps its layout: float32 rows)
+_VERSION = 4  # 4: a checksum in every record; 3: 16-bit rows at their size; 2: records packed to 8 bytes
+_READS = (2, 3, 4)  # versions this code opens (an older directory keeps its layout: no checksums, and
+#                     in version 2 float32 rows)
+_WRITER_PID = "lock"  # the writing process's pid, in the directory while a store holds it
 _META_FIELDS = ("config", "flush", "commit", "index", "rows", "step", "evicted", "high_water", "record_bytes",
                 "index_sha256")
 
@@ -185,6 +191,36 @@ def _forget_prefetcher() -> None:  # a forked child has no copy of the parent's 
 
 os.register_at_fork(after_in_child=_forget_prefetcher)
 
+_OPEN_STORES = weakref.WeakSet()  # the process's open tiered stores: a forked child disowns them
+
+
+def _disown_open_stores() -> None:
+    for store in list(_OPEN_STORES):
+        store._disown()
+    _OPEN_STORES.clear()
+
+
+os.register_at_fork(after_in_child=_disown_open_stores)
+
+
+def writer_of(directory: str) -> str:
+    """Who holds a tier directory's writer lock, in words, from its pid file ("held by process
+    1234"), for messages; the lock itself (flock on the directory) is what TieredStore checks."""
+    try:
+        with open(os.path.join(directory, _WRITER_PID)) as fh:
+            pid = int(fh.read().strip())
+    except (OSError, ValueError):
+        return "held by another process"
+    if pid == os.getpid():
+        return f"held by this process, {pid}"
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return f"last held by process {pid}, which has ended"
+    except PermissionError:  # alive, another user's
+        pass
+    return f"held by process {pid}"
+
 
 def _locked(method):
     """Run a verb under the store's lock: a verb's fault-in and its core call must not be
@@ -193,6 +229,8 @@ def _locked(method):
     @functools.wraps(method)
     def run(self, *args, **kwargs):
         with self._lock:
+            if self._unusable is not None:
+                raise ValueError(self._unusable)
             return method(self, *args, **kwargs)
     return run
 
@@ -321,7 +359,12 @@ def record_layout(config: StoreConfig, version: int = _VERSION):
     From version 3 a row is stored at its dtype's size (float16 as <f2, bfloat16 as the <u2 bit
     patterns, as table files store them: cncore.row_codec), so a 16-bit table's records are
     smaller: at dim 64 with row-wise Adagrad, 152 bytes instead of 280 (26 a page, not 14),
-    and every spill, read and flush moves 46% fewer bytes."""
+    and every spill, read and flush moves 46% fewer bytes.
+
+    From version 4 a record's last 4 bytes ("check") hold the checksum of the bytes before them
+    (cn_tier_sum, cn_tier.h), written with the record and checked at every read: where the
+    fields leave 4 bytes of padding (dim 64 with row-wise Adagrad: 276 bytes of data in 280) it
+    costs no space, else 8 bytes a record."""
     from cncore.row_codec import FILE_DTYPES
     row = FILE_DTYPES[config.dtype].str if version >= 3 else "<f4"
     fields = [("key", "<i8"), ("count", "<u4"), ("last_step", "<u4"), ("row", row, (config.dim,))]
@@ -332,12 +375,21 @@ def record_layout(config: StoreConfig, version: int = _VERSION):
     # Adagrad, 276 bytes of data took 320 bytes (12 a page) and now 280 (14 a page), so every
     # spill and flush writes 12% fewer bytes and the file is 12% smaller; a record is read
     # into a buffer, so its alignment in the file buys nothing.
-    rec = -(-packed.itemsize // 8) * 8
+    check = version >= 4
+    rec = -(-(packed.itemsize + 4 * check) // 8) * 8
     if rec > _PAGE:
         rec = -(-rec // _PAGE) * _PAGE   # a record of its own pages
-    record = np.dtype({"names": packed.names, "formats": [packed.fields[n][0] for n in packed.names],
-                       "offsets": [packed.fields[n][1] for n in packed.names], "itemsize": rec})
+    names, formats = list(packed.names), [packed.fields[n][0] for n in packed.names]
+    offsets = [packed.fields[n][1] for n in packed.names]
+    if check:
+        names, formats, offsets = names + ["check"], formats + ["<u4"], offsets + [rec - 4]
+    record = np.dtype({"names": names, "formats": formats, "offsets": offsets, "itemsize": rec})
     return record, max(1, _PAGE // rec)
+
+
+def check_offset(record: np.dtype) -> int:
+    """Where a record of this layout holds its checksum (0: none, before version 4)."""
+    return record.fields["check"][1] if "check" in record.names else 0
 
 
 def rows_of(rec: np.ndarray, dtype: str) -> np.ndarray:
@@ -352,6 +404,55 @@ def record_offsets(slots: np.ndarray, rec: int, per_page: int) -> np.ndarray:
     formula the writer uses (cn_tier_offset, through _core.record_offsets), so that reads and
     writes cannot disagree."""
     return _core.record_offsets(slots, rec, per_page)
+
+
+def records_end(slots: np.ndarray, rec: int, per_page: int) -> int:
+    """Bytes rows.dat must have for the records at `slots` (0 for none)."""
+    if not len(slots):
+        return 0
+    return int(record_offsets(np.array([np.max(slots)]), rec, per_page)[0]) + rec
+
+
+def record_error(directory: str, raw: np.ndarray, key: int, slot: int, what_next: str):
+    """The TableFormatError of a record (raw: its bytes) that check_records refused: another key
+    in the slot, or a checksum that does not match."""
+    from cncore.tablefile import TableFormatError
+    held = int(np.ascontiguousarray(raw[:8]).view(np.int64)[0])
+    if held != key:
+        return TableFormatError(f"{directory}: rows.dat holds key {held} in slot {slot}, the index says {key}: "
+                                f"the file is damaged or was written by another process; {what_next}")
+    return TableFormatError(f"{directory}: rows.dat: the record of key {key} in slot {slot} fails its checksum "
+                            f"(the file is damaged); {what_next}")
+
+
+def _replaced(directory: str, meta_fd: int) -> bool:
+    """Whether the directory's meta.json is no longer the file open at meta_fd: a flush replaced
+    it (by a rename; the open descriptor keeps the old inode's number from being reused)."""
+    try:
+        now = os.stat(os.path.join(directory, "meta.json"))
+    except FileNotFoundError:
+        return True
+    was = os.fstat(meta_fd)
+    return (now.st_ino, now.st_dev) != (was.st_ino, was.st_dev)
+
+
+def _close_fds(*fds) -> None:
+    for fd in fds:
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+_OPEN_TRIES = 20  # a TierFile's opens that a concurrent flush may restart
+
+
+def _meta_digest(meta: dict) -> str:
+    """The checksum meta.json carries of its other fields (from version 4): SHA-256 of them as
+    canonical JSON (sorted keys), so that a changed count or step is refused, not taken."""
+    fields = {k: v for k, v in meta.items() if k != "meta_sha256"}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
 
 
 def _sha256_file(path: str) -> str:
@@ -379,20 +480,30 @@ def read_flushed(directory: str, error=ValueError, prefix: str = ""):
         version = meta.get("version") if isinstance(meta, dict) else None
         raise error(f"{prefix}{meta_path} is not a {_FORMAT} directory of version {' or '.join(map(str, _READS))} "
                     f"(version {version!r}: export it with the version of cncore that wrote it)")
-    missing = [k for k in _META_FIELDS if k not in meta]
+    missing = [k for k in _META_FIELDS + (("meta_sha256",) if meta["version"] >= 4 else ()) if k not in meta]
+    if not missing and meta["version"] >= 4 and meta["meta_sha256"] != _meta_digest(meta):
+        raise error(f"{prefix}{meta_path} fails its checksum (damaged)")
     if missing or not isinstance(meta["index"], str) or not isinstance(meta["config"], dict) \
             or not all(isinstance(meta[k], int) for k in _META_FIELDS if k not in ("config", "index", "index_sha256")):
         raise error(f"{prefix}{meta_path} lacks or mistypes fields ({missing or 'index, config or a count'}); "
                     "the tier is damaged")
     index_path = os.path.join(directory, meta["index"])
     try:
-        digest = _sha256_file(index_path)
+        with open(index_path, "rb") as fh:  # one descriptor: the bytes checked are the bytes loaded
+            digest = hashlib.sha256()
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                digest.update(chunk)
+            if digest.hexdigest() != meta.get("index_sha256"):
+                raise error(f"{prefix}{index_path} fails its checksum (damaged)")
+            fh.seek(0)
+            with np.load(fh) as index:
+                keys, slots = index["keys"], index["slots"]
     except FileNotFoundError:
         raise error(f"{prefix}{index_path} is missing (meta.json names it; the tier is damaged)") from None
-    if digest != meta.get("index_sha256"):
-        raise error(f"{prefix}{index_path} fails its checksum (damaged)")
-    with np.load(index_path) as index:
-        keys, slots = index["keys"], index["slots"]
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile) as exc:
+        if isinstance(exc, error):
+            raise
+        raise error(f"{prefix}{index_path} cannot be read ({exc}); the tier is damaged") from None
     return meta, keys, slots
 
 
@@ -411,6 +522,10 @@ class TieredStore(EmbeddingStore):
                              "Tiered.cache_bytes instead")
         self._tier_config = config
         self._lock = threading.RLock()  # the tiers' state: cache membership, disk index, slots, file
+        # Why every verb is refused (closed, or inherited by a forked child), or None; set while
+        # the store is being built, so that a half-built store refuses too.
+        self._unusable = "the store is not open (its construction failed)"
+        self._fd = self._dir_fd = None  # rows.dat, and the directory (its lock: _lock_directory)
         self._prefetching = None  # the Future of this store's prefetch read
         self._staged = None       # its result: (commit, sorted keys, slots, records)
         self._stage_job = None    # its shared reads (_core.StageJob)
@@ -450,8 +565,18 @@ class TieredStore(EmbeddingStore):
                       "bytes_written": 0, "flushes": 0, "bytes_written_by_flush": 0, "bytes_written_by_compaction": 0,
                       "compactions": 0}
         os.makedirs(self._dir, exist_ok=True)  # its parent exists (_check_directory)
-        self._fd = _open_rows(os.path.join(self._dir, "rows.dat"))
-        self._reopen()
+        self._lock_directory()
+        try:
+            flushed = self._last_flush()  # checked before anything in the directory is written
+            self._fd = _open_rows(os.path.join(self._dir, "rows.dat"))
+            if flushed is not None:
+                self._reopen(*flushed)
+        except BaseException:
+            self._release_directory()
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+            raise
         # StoreConfig.capacity, the rows the table is expected to hold, sizes the disk index now,
         # exactly (cn_slotindex.h): growing, a rehash holds the old and new buckets at once (16 +
         # 32 MiB at 1M disk rows, doubling), which set the peak RSS of a table 10x its cache.
@@ -466,6 +591,8 @@ class TieredStore(EmbeddingStore):
         self._pending = []  # queued spills, oldest first: [job, its Future or None]
         self._writer.behind = self._write_behind
         _HEAP_TRIM.add(self)
+        self._unusable = None
+        _OPEN_STORES.add(self)
 
     @property
     def _io_rows(self) -> int:
@@ -491,7 +618,8 @@ class TieredStore(EmbeddingStore):
         r, f = self._record, self._record.fields
         row_code = 0 if r["row"].base == np.float32 else ROW_DTYPES[self._tier_config.dtype]
         return (r.itemsize, self._per_page, self.dim, self._tier_config.state_floats, row_code,
-                f["count"][1], f["last_step"][1], f["row"][1], f["state"][1] if "state" in f else 0)
+                f["count"][1], f["last_step"][1], f["row"][1], f["state"][1] if "state" in f else 0,
+                check_offset(r))
 
     def _offsets(self, slots: np.ndarray) -> np.ndarray:
         return record_offsets(slots, self._record.itemsize, self._per_page)
@@ -521,6 +649,14 @@ class TieredStore(EmbeddingStore):
             self.stats["rows_read"] += len(slots)
             self.stats["bytes_read"] += buf.nbytes
         return buf
+
+    def _check_records(self, raw: np.ndarray, keys: np.ndarray, slots: np.ndarray) -> None:
+        """Raise TableFormatError, naming the key and slot, unless every record read (raw: one a
+        row, as bytes) holds keys[i] and, from directory version 4, matches its checksum."""
+        bad = self._writer.check_keys(raw, keys)
+        if bad >= 0:
+            raise record_error(self._dir, raw[bad], int(keys[bad]), int(slots[bad]),
+                               "the table is unchanged; restore the directory from a copy")
 
     def _write(self, slots: np.ndarray, batch: TableBatch) -> None:
         """Write a batch's rows as records at slots (the writer packs them in C, _IO_ROWS at a
@@ -751,9 +887,7 @@ class TieredStore(EmbeddingStore):
                     self._keep_spare(staged[2])
                     staged = None
                 raw = rec.view(np.uint8).reshape(len(rec), -1)
-                if self._writer.check_keys(raw, k) >= 0:
-                    raise RuntimeError(f"{self._dir}: rows.dat holds another key in a slot the index gives; the "
-                                       "tier is damaged")
+                self._check_records(raw, k, at)
                 loaded = self._table.load_records(self._writer, raw, k, pin)
                 if len(disk_keys) <= step and len(k) >= self._erase_behind_at:
                     self._erase_behind(k, at)
@@ -869,7 +1003,26 @@ class TieredStore(EmbeddingStore):
         of these keys inside it (what `grouped_pooled_lookup` and the torch modules do). It
         gives the cache slot of every key, or None (see _fault_in)."""
         with self._lock:
+            self._check_usable()
             yield self._fault_in(keys, insert)
+
+    def _check_usable(self) -> None:
+        """Refuse a verb of a closed store, or of a forked child's copy (ValueError)."""
+        if self._unusable is not None:
+            raise ValueError(self._unusable)
+
+    def apply_gradients(self, ctx, grad_output, *, lr: Optional[float] = None) -> None:
+        self._check_usable()
+        super().apply_gradients(ctx, grad_output, lr=lr)
+
+    def accumulate_gradients(self, ctx, grad_output):
+        self._check_usable()
+        return super().accumulate_gradients(ctx, grad_output)
+
+    def __repr__(self) -> str:
+        if self._unusable is not None:
+            return f"TieredStore(path={self._dir!r}, unusable: {self._unusable})"
+        return f"TieredStore(rows={len(self)}, path={self._dir!r}, cached={self.cached_rows}, config={self._config})"
 
     @_locked
     def evict(self, n: int) -> int:
@@ -974,14 +1127,16 @@ class TieredStore(EmbeddingStore):
         if len(keys) <= step:
             self._fault_in(keys, insert=False)
             return super().load(keys, rows, optimizer_state, counts, last_steps)
-        found = []
+        # As in memory, `found` says which keys had a row before the call: a key given twice
+        # (in two chunks) is not found the second time because the first chunk loaded it.
+        found = self.contains(keys)
         for a in range(0, len(keys), step):
             part = slice(a, a + step)
-            found.append(self.load(keys[part], np.asarray(rows)[part],
-                                   None if optimizer_state is None else np.asarray(optimizer_state)[part],
-                                   None if counts is None else np.asarray(counts)[part],
-                                   None if last_steps is None else np.asarray(last_steps)[part]))
-        return np.concatenate(found)
+            self.load(keys[part], np.asarray(rows)[part],
+                      None if optimizer_state is None else np.asarray(optimizer_state)[part],
+                      None if counts is None else np.asarray(counts)[part],
+                      None if last_steps is None else np.asarray(last_steps)[part])
+        return found
 
     @_locked
     def erase(self, keys) -> np.ndarray:
@@ -1191,6 +1346,11 @@ class TieredStore(EmbeddingStore):
                             ("keys", "rows", "optimizer_state", "counts", "last_steps", "found")))
 
     def iter_export(self, batch_size: int = 65536, *, with_rows: bool = True) -> Iterator[TableBatch]:
+        """Every row, a batch at a time: the cache's, then the disk's (each record checked)."""
+        self._check_usable()
+        return self._iter_export(batch_size, with_rows)
+
+    def _iter_export(self, batch_size: int, with_rows: bool) -> Iterator[TableBatch]:
         cursor = None
         while True:  # the cache, with the base class's cursor walk
             b = EmbeddingStore.export(self, cursor, batch_size, with_rows=with_rows)
@@ -1201,8 +1361,9 @@ class TieredStore(EmbeddingStore):
                 break
         self._settle_erase()
         sf = self._tier_config.state_floats
-        for _, disk_slots in self._disk.items(batch_size):
+        for disk_keys, disk_slots in self._disk.items(batch_size):
             rec = self._read(disk_slots)
+            self._check_records(rec.view(np.uint8).reshape(len(rec), -1), disk_keys, disk_slots)
             dim = self.dim if with_rows else 0
             rows = self._rows_of(rec) if with_rows else np.empty((len(rec), 0), np.float32)
             state = (rec["state"] if sf else np.empty((len(rec), 0), np.float32)) if with_rows \
@@ -1215,6 +1376,9 @@ class TieredStore(EmbeddingStore):
 
     def _check_directory(self) -> None:
         """The path is new, empty, or a tier of this same table; anything else is refused."""
+        if os.path.islink(self._dir) and not os.path.exists(self._dir):
+            raise ValueError(f"Tiered.path: {self._dir} is a symbolic link to {os.readlink(self._dir)}, which does "
+                             "not exist; create the directory it points to, or give another path")
         if not os.path.exists(self._dir):
             parent = os.path.dirname(os.path.abspath(self._dir))
             if not os.path.isdir(parent):  # a typo in the path would otherwise start an empty table
@@ -1223,24 +1387,113 @@ class TieredStore(EmbeddingStore):
             return
         if not os.path.isdir(self._dir):
             raise ValueError(f"Tiered.path: {self._dir} exists and is not a directory")
-        entries = set(os.listdir(self._dir)) - {"rows.dat", "meta.json"}
+        entries = set(os.listdir(self._dir)) - {"rows.dat", "meta.json", _WRITER_PID}
         if any(not (e.startswith(".tmp-") or (e.startswith("index-") and e.endswith(".npz"))) for e in entries):
             raise ValueError(f"Tiered.path: {self._dir} holds other files ({sorted(entries)[:3]}); give a new or "
                              "empty directory, or one a tiered table of this config flushed")
 
-    def _reopen(self) -> None:
+    # --- one writer a directory ------------------------------------------------------------------
+
+    # A store holds an exclusive flock(2) on its directory from its open to close(): a second
+    # store on the same directory (in this process or another) is refused at once and touches
+    # nothing. The lock is the kernel's, so a writer killed by SIGKILL leaves none behind; the
+    # pid in the directory's `lock` file (written once the lock is held, removed at close) only
+    # names the holder in the refusal. Readers (TierFile) take no lock: they read the last
+    # flush and refuse once the writer flushes again (TierFile._check_current).
+    # A forked child inherits the descriptor, and with it the lock: it closes its copies at the
+    # fork (never unlocking, which would release the parent's lock too) and refuses every verb.
+
+    def _lock_directory(self) -> None:
+        """Take the directory's writer lock, or refuse (BlockingIOError) naming its holder."""
+        fd = os.open(self._dir, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise BlockingIOError(f"Tiered.path: {self._dir} is open in another TieredStore ({writer_of(self._dir)}); "
+                                  "a tier directory has one writer at a time: close that store first, or read its "
+                                  "last flush with cncore.tablefile.open_table") from None
+        except OSError as exc:
+            os.close(fd)
+            raise OSError(exc.errno, f"Tiered.path: {self._dir} cannot be locked for one writer "
+                                     f"({exc.strerror}); give a directory on a local file system") from None
+        self._dir_fd = fd
+        try:
+            pid_path = os.path.join(self._dir, _WRITER_PID)
+            with open(pid_path, "w") as fh:
+                fh.write(f"{os.getpid()}\n")
+        except BaseException:
+            self._release_directory()
+            raise
+        self._owner = os.getpid()
+
+    def _release_directory(self) -> None:
+        """Remove the pid file and give the writer lock back (the holder only)."""
+        fd, self._dir_fd = self._dir_fd, None
+        if fd is None:
+            return
+        try:
+            os.remove(os.path.join(self._dir, _WRITER_PID))
+        except OSError:  # removed by hand meanwhile: the lock is what counts
+            pass
+        try:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+
+    def _disown(self) -> None:
+        """In a forked child: this copy of the store is the parent's; refuse every verb, and close
+        the copies of its descriptors without unlocking (see above)."""
+        self._lock = threading.RLock()  # the parent's may have been held by a thread the child lacks
+        self._unusable = (f"this TieredStore of {self._dir} belongs to process {getattr(self, '_owner', '?')}, "
+                          f"which forked this process ({os.getpid()}); a tier directory has one writer: use the "
+                          "store in the parent only, or read its last flush here with cncore.tablefile.open_table")
+        for name in ("_fd", "_dir_fd"):
+            fd = getattr(self, name, None)
+            setattr(self, name, None)
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        if getattr(self, "_writer", None) is not None:
+            self._writer.fd = -1
+        self._pending, self._prefetching, self._erasing = [], None, None
+
+    def _last_flush(self):
+        """(meta, keys, slots) of the directory's last flush, checked against this config and
+        rows.dat; None for a new directory (or one never flushed: it holds no table yet). Reads
+        only: a refusal leaves the directory as it was."""
+        from cncore.tablefile import TableFormatError
         if not os.path.exists(os.path.join(self._dir, "meta.json")):
-            return  # a new directory (or one never flushed: it holds no table yet)
-        meta, keys, slots = read_flushed(self._dir, ValueError, "Tiered.path: ")
+            return None
+        meta, keys, slots = read_flushed(self._dir, TableFormatError, "Tiered.path: ")
         self._version = int(meta["version"])
         self._layout()
         if meta["config"] != _config_record(self._tier_config):
             raise ValueError(f"Tiered.path: {self._dir} holds a table of another config ({meta['config']}); "
                              "open it with the config it was flushed with")
         if meta.get("record_bytes") != self._record.itemsize:
-            raise ValueError(f"Tiered.path: {self._dir}/meta.json holds records of {meta.get('record_bytes')!r} "
-                             f"bytes, this config's are {self._record.itemsize}; the directory is damaged or of "
-                             "another layout")
+            raise TableFormatError(f"Tiered.path: {self._dir}/meta.json holds records of "
+                                   f"{meta.get('record_bytes')!r} bytes, this config's are {self._record.itemsize}; "
+                                   "the directory is damaged or of another layout")
+        if keys.dtype != np.int64 or slots.dtype != np.int64 or keys.shape != slots.shape or keys.ndim != 1 \
+                or meta["rows"] != len(keys) or (len(slots) and slots.min() < 0):
+            raise TableFormatError(f"Tiered.path: {self._dir}: meta.json (rows {meta['rows']}) does not match its "
+                                   f"index ({keys.shape} keys, {slots.shape} slots); the tier is damaged")
+        need = records_end(slots, self._record.itemsize, self._per_page)
+        try:
+            size = os.stat(os.path.join(self._dir, "rows.dat")).st_size
+        except FileNotFoundError:
+            size = None
+        if need and (size is None or size < need):
+            found = "is missing" if size is None else f"has {size} bytes"
+            raise TableFormatError(f"Tiered.path: {self._dir}: rows.dat {found}, the index needs {need} (truncated); "
+                                   "the directory is left as it is: restore it from a copy")
+        return meta, keys, slots
+
+    def _reopen(self, meta: dict, keys: np.ndarray, slots: np.ndarray) -> None:
+        """Take the state of the directory's last flush (checked by _last_flush)."""
         self._disk.put(keys, slots)
         self._high_water = int(meta["high_water"])
         self._plan_free(slots)
@@ -1314,7 +1567,9 @@ class TieredStore(EmbeddingStore):
         n = len(slots)
         is_tail = slots >= n
         if is_tail.any():
-            tail = np.sort(slots[is_tail])
+            order = np.argsort(slots[is_tail])
+            tail, tail_keys = slots[is_tail][order], keys[is_tail][order]
+            del order
             low = np.zeros(n, bool)
             low[slots[~is_tail]] = True
             holes = np.flatnonzero(~low)  # as many as the tail records (n slots, n rows)
@@ -1322,6 +1577,7 @@ class TieredStore(EmbeddingStore):
             for a in range(0, len(tail), _CHUNK):
                 rec = self._read(tail[a:a + _CHUNK])
                 buf = rec.view(np.uint8).reshape(len(rec), -1)
+                self._check_records(buf, tail_keys[a:a + _CHUNK], tail[a:a + _CHUNK])
                 _core.block_io(self._fd, self._offsets(holes[a:a + _CHUNK]), buf, True, self._io_threads)
                 self.stats["rows_written"] += len(rec)
                 self.stats["bytes_written"] += buf.nbytes
@@ -1355,6 +1611,8 @@ class TieredStore(EmbeddingStore):
                 "rows": int(len(keys)), "step": int(self.step), "evicted": int(self.evicted_count),
                 "high_water": int(self._high_water), "record_bytes": int(self._record.itemsize),
                 "index_sha256": _sha256_file(index_path)}
+        if self._version >= 4:
+            meta["meta_sha256"] = _meta_digest(meta)
         tmp_meta = os.path.join(self._dir, f".tmp-{os.getpid()}-meta.json")
         with open(tmp_meta, "wb") as fh:
             fh.write(json.dumps(meta, indent=1).encode())
@@ -1368,21 +1626,32 @@ class TieredStore(EmbeddingStore):
             if (entry.startswith("index-") and entry != index_name) or entry.startswith(".tmp-"):
                 os.remove(os.path.join(self._dir, entry))
 
-    @_locked
     def close(self) -> None:
-        """Close the file (without flushing). Queued spills are written first (OSError if one
-        cannot be: the file stays open, its rows in memory)."""
-        self._wait_prefetch()
-        if getattr(self, "_erasing", None) is not None or getattr(self, "_unindexed", None) is not None:
-            self._settle_erase()
-        if getattr(self, "_pending", None):
-            self._wait_writes()
-        _HEAP_TRIM.discard(self)  # its share of the trigger (_HeapTrim) goes with it
-        if getattr(self, "_fd", None) is not None:
-            os.close(self._fd)
-            self._fd = None
-            if getattr(self, "_writer", None) is not None:
-                self._writer.fd = -1  # a spill after close fails (EBADF), never writes to a reused descriptor
+        """Close the file (without flushing) and give the directory's writer lock back; every
+        verb after it raises ValueError ("I/O operation on closed store"). Queued spills are
+        written first (OSError if one cannot be: the file stays open, its rows in memory).
+        A second close does nothing."""
+        lock = getattr(self, "_lock", None)
+        if lock is None:  # its construction failed before anything was opened
+            return
+        with lock:
+            if getattr(self, "_fd", None) is None and getattr(self, "_dir_fd", None) is None:
+                return  # closed, never opened, or a forked child's copy (_disown)
+            if getattr(self, "_prefetching", None) is not None:
+                self._wait_prefetch()
+            if getattr(self, "_erasing", None) is not None or getattr(self, "_unindexed", None) is not None:
+                self._settle_erase()
+            if getattr(self, "_pending", None):
+                self._wait_writes()
+            _HEAP_TRIM.discard(self)  # its share of the trigger (_HeapTrim) goes with it
+            self._unusable = (f"I/O operation on closed store: {self._dir} was closed (TieredStore.close()); open "
+                              "the directory again with cncore.EmbeddingStore(config) to use it")
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+                if getattr(self, "_writer", None) is not None:
+                    self._writer.fd = -1  # a spill after close fails (EBADF), never writes to a reused descriptor
+            self._release_directory()
 
     def __del__(self):
         try:
@@ -1413,10 +1682,14 @@ class TierFile:
     ordered by slot so that a walk reads rows.dat front to back) and reads records on demand,
     a batch at a time: a tier far larger than memory walks in bounded memory. Rows come as
     float32 whatever the table's dtype. Every record read is checked to hold the key the index
-    gives (a mismatch: the tier changed since it was opened, or is damaged). Rows cached by a
-    process that trains on the directory and not yet flushed are not in it: it is the table
-    as of the last flush; open it after that process's last flush (its next flush may reuse
-    the slots this index names).
+    gives and, from directory version 4, to match its checksum (a mismatch: TableFormatError
+    naming the key and slot).
+
+    It takes no lock, so a store may train on the directory meanwhile: what it reads is the
+    table as of the flush it opened, consistently. Rows the writer cached and has not flushed
+    are not in it; once the writer flushes again (its flushes may reuse the slots this index
+    names), every read refuses (TableFormatError naming the writer's pid): open it again. An
+    open that races a flush starts over on the new one.
 
     >>> import numpy as np, tempfile, os, cncore
     >>> from cncore.tablefile import open_table
@@ -1432,6 +1705,41 @@ class TierFile:
     delta = None  # never a chain
 
     def __init__(self, path: str, verify: bool = True):
+        from cncore.tablefile import TableFormatError
+        self.path, self._fd, error = path, None, None
+        for _ in range(_OPEN_TRIES):
+            try:  # held open: while it is, its inode is meta.json's exactly when no flush replaced it
+                meta_fd = os.open(os.path.join(path, "meta.json"), os.O_RDONLY)
+            except OSError:
+                meta_fd = None  # read_flushed says what is wrong (no meta.json: never flushed)
+            try:
+                self._open(path, verify)
+                if meta_fd is not None and not _replaced(path, meta_fd):
+                    self._meta_fd = meta_fd
+                    weakref.finalize(self, _close_fds, self._fd, meta_fd)
+                    return
+            except (TableFormatError, OSError) as exc:
+                if meta_fd is None or not _replaced(path, meta_fd):
+                    _close_fds(self._fd, meta_fd)
+                    if isinstance(exc, OSError):
+                        raise TableFormatError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+                    raise
+                error = exc
+            _close_fds(self._fd, meta_fd)  # a flush replaced meta.json meanwhile: open the new one
+            self._fd = None
+        raise TableFormatError(f"{path}: the tier was flushed again during each of {_OPEN_TRIES} tries to open it "
+                               f"({writer_of(path)}); open it once its writer is idle ({error})")
+
+    def _check_current(self) -> None:
+        """Refuse once the writer has flushed again since the open (its flushes may reuse the
+        slots of the index this reads)."""
+        from cncore.tablefile import TableFormatError
+        if _replaced(self.path, self._meta_fd):
+            raise TableFormatError(f"{self.path}: the tier was flushed again since it was opened "
+                                   f"({writer_of(self.path)}), and the new flush may reuse the slots of the one "
+                                   "opened: open the directory again")
+
+    def _open(self, path: str, verify: bool) -> None:
         from cncore.tablefile import TableFormatError, config_from_dict
         meta, keys, slots = read_flushed(path, TableFormatError, "")
         config = meta.get("config")
@@ -1464,9 +1772,7 @@ class TierFile:
         except FileNotFoundError:
             raise TableFormatError(f"{path}: rows.dat is missing (meta.json names {len(self.keys)} rows in it); "
                                    "the tier is damaged") from None
-        weakref.finalize(self, os.close, self._fd)
-        end = 0 if not len(self._slots) else int(
-            record_offsets(self._slots[-1:], self._record.itemsize, self._per_page)[0]) + self._record.itemsize
+        end = records_end(self._slots, self._record.itemsize, self._per_page)
         size = os.fstat(self._fd).st_size
         if size < end:
             raise TableFormatError(f"{path}: rows.dat has {size} bytes, the index needs {end} (truncated)")
@@ -1486,7 +1792,12 @@ class TierFile:
     @property
     def nbytes(self) -> int:
         """Bytes of rows.dat and the index on disk."""
-        return os.fstat(self._fd).st_size + os.path.getsize(os.path.join(self.path, self.version))
+        self._check_current()
+        try:
+            return os.fstat(self._fd).st_size + os.path.getsize(os.path.join(self.path, self.version))
+        except FileNotFoundError:  # removed by a flush after the check above
+            self._check_current()
+            raise
 
     def _records(self, at: np.ndarray) -> np.ndarray:
         """The records of row numbers `at`, checked against the index's keys."""
@@ -1494,13 +1805,18 @@ class TierFile:
         slots = self._slots[at]
         buf = np.zeros(len(slots), self._record)
         if len(slots):
-            _core.block_io(self._fd, record_offsets(slots, self._record.itemsize, self._per_page),
-                           buf.view(np.uint8).reshape(len(slots), -1), False, 4)
-            bad = np.flatnonzero(buf["key"] != self.keys[at])
-            if len(bad):
-                raise TableFormatError(f"{self.path}: rows.dat holds key {int(buf['key'][bad[0]])} in slot "
-                                       f"{int(slots[bad[0]])}, the index says {int(self.keys[at][bad[0]])}: the tier "
-                                       "was flushed again since it was opened, or is damaged")
+            raw = buf.view(np.uint8).reshape(len(slots), -1)
+            try:
+                _core.block_io(self._fd, record_offsets(slots, self._record.itemsize, self._per_page), raw, False, 4)
+            except OSError as exc:
+                self._check_current()
+                raise TableFormatError(f"{self.path}: rows.dat cannot be read ({exc.strerror}): truncated or damaged "
+                                       "since the tier was opened") from None
+            self._check_current()  # else the records may be the new flush's
+            keys = self.keys[at]
+            bad = _core.check_records(raw, keys, check_offset(self._record))
+            if bad >= 0:
+                raise record_error(self.path, raw[bad], int(keys[bad]), int(slots[bad]), "the tier is damaged")
         return buf
 
     def _fields(self, rec: np.ndarray, names) -> dict:

@@ -107,7 +107,8 @@ def test_a_flush_waits_for_queued_writes_and_the_directory_reopens_equal_to_memo
         threading.Timer(0.3, gate.set).start()
         store.flush()
         assert len(store._pending) == 0 and len(on_disk_unwritten()) == 0
-        assert_same(cncore.EmbeddingStore(config), memory)
+        from cncore.tablefile import load_store
+        assert_same(load_store(path), memory)  # the flush, read beside the store (one writer)
         held = threading.Event()
         tiered._prefetcher().submit(held.wait)
         train(np.arange(3000, 3040))  # more writes queued behind a held thread, then close
@@ -164,20 +165,26 @@ def test_queued_writes_are_bounded(tmp_path):
     """)
 
 
-def test_a_fork_with_writes_queued_gives_a_child_a_whole_table(tmp_path):
-    """A fork first lets the background thread finish (queued writes included): the child reads
-    every row from the file."""
+def test_a_fork_with_writes_queued_writes_them_first_and_the_child_is_refused_the_store(tmp_path):
+    """A fork first lets the background thread finish (queued writes included): the file holds
+    their records at the fork. The child's copy of the store is the parent's (one writer a
+    directory): its verbs refuse, naming the parent, and write nothing; the parent goes on."""
     run_case(tmp_path, """
         threading.Timer(0.2, gate.set).start()
+        parent = os.getpid()
         pid = os.fork()
         if pid == 0:
-            try:  # the parent's queued jobs ran before the fork: the file holds their records
-                ok = np.array_equal(store.lookup(queued), memory.lookup(queued))
-            except BaseException:
+            try:
+                store.lookup(queued)
                 ok = False
+            except ValueError as exc:
+                ok = f"belongs to process {parent}, which forked this process" in str(exc)
             os._exit(0 if ok else 1)
         _, status = os.waitpid(pid, 0)
         assert status == 0, status
+        assert len(on_disk_unwritten()) == 0  # written before the fork
+        assert np.array_equal(store.lookup(queued), memory.lookup(queued))
+        assert_same(store, memory)
     """)
 
 

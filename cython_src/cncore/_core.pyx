@@ -147,6 +147,26 @@ def record_offsets(slots, int64_t rec, int64_t per_page):
     return out
 
 
+def check_records(const uint8_t[:, ::1] buf, const int64_t[::1] keys, int64_t off_check):
+    """Index of the first of the SSD tier's records in buf (one a row, record bytes wide) whose
+    key is not keys[i], or whose checksum (cn_tier_sum, at `off_check`; 0: records without one)
+    does not match, or -1. The check of tiered.TierFile's reads; the store's go through
+    RecordWriter.check_keys, the same C."""
+    cdef cn_tier_layout L
+    cdef int64_t n = buf.shape[0], bad = -1
+    if keys.shape[0] != n:
+        raise ValueError(f"check_records: {n} records and {keys.shape[0]} keys")
+    memset(&L, 0, sizeof(L))
+    L.rec, L.off_check = buf.shape[1], off_check
+    if n == 0:
+        return -1
+    if L.rec < 8 or (off_check and (off_check != L.rec - 4 or off_check % 4)):
+        raise ValueError(f"check_records: records of {L.rec} bytes with the checksum at {off_check}")
+    with nogil:
+        bad = cn_tier_check_keys(&L, &buf[0, 0], &keys[0], n)
+    return bad
+
+
 cdef class SlotIndex:
     """A map int64 key -> int64 slot (cn_slotindex.h): the SSD tier's index of the rows on disk.
     Every int64 is a valid key; slots are >= 0. Batch verbs only; each holds the index's mutex,
@@ -457,7 +477,7 @@ cdef class RecordWriter:
     every verb.
 
     layout: (record bytes, records a page, dim, state floats, row dtype code, offset of count,
-    of last step, of row, of state)."""
+    of last step, of row, of state, of the checksum (0: none))."""
     cdef cn_tier_layout L
     cdef int fd, threads
     cdef int64_t io_rows
@@ -470,7 +490,10 @@ cdef class RecordWriter:
 
     def __cinit__(self, int fd, tuple layout, SlotIndex disk, take_slots, int threads, int64_t io_rows):
         (self.L.rec, self.L.per_page, self.L.dim, self.L.state_floats, self.L.row_dtype, self.L.off_count,
-         self.L.off_step, self.L.off_row, self.L.off_state) = layout
+         self.L.off_step, self.L.off_row, self.L.off_state, self.L.off_check) = layout
+        if self.L.off_check and (self.L.off_check != self.L.rec - 4 or self.L.off_check % 4):
+            raise ValueError(f"layout: the checksum sits in a record's last 4 bytes ({self.L.rec - 4}), "
+                             f"got offset {self.L.off_check}")
         self.fd, self.threads, self.io_rows = fd, threads, max(io_rows, 1)
         self.disk, self.take_slots = disk, take_slots
         self.behind, self.behind_threads = None, 1
@@ -615,7 +638,8 @@ cdef class RecordWriter:
         return out_keys[:m], out_slots[:m]
 
     def check_keys(self, const uint8_t[:, ::1] buf, const int64_t[::1] keys):
-        """Index of the first record in buf whose key is not keys[i], or -1."""
+        """Index of the first record in buf whose key is not keys[i] or whose checksum does not
+        match (a layout with checksums), or -1."""
         if buf.shape[0] != keys.shape[0] or buf.shape[1] != self.L.rec:
             raise ValueError("check_keys: buf must be (len(keys), record bytes)")
         if keys.shape[0] == 0:

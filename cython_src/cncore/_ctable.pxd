@@ -176,6 +176,7 @@ cdef extern from "cn_tier.h" nogil:
         int64_t off_step
         int64_t off_row
         int64_t off_state
+        int64_t off_check
     int64_t cn_tier_offset(const cn_tier_layout *L, int64_t slot)
     void cn_tier_pack(const cn_tier_layout *L, int64_t n, const int64_t *keys, const uint32_t *counts,
                       const uint32_t *steps, const weight_t *rows, int64_t ld_rows, const weight_t *state,
