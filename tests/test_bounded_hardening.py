@@ -229,6 +229,25 @@ def test_a_table_file_whose_step_is_past_the_limit_is_refused_on_load(tmp_path):
     assert tree(tmp_path) == files
 
 
+def test_device_rows_refuse_a_backward_past_the_limit_and_keep_their_step_and_rows(cncard):
+    torch = pytest.importorskip("torch")
+    from cncore_torch import CNEmbeddingBag
+
+    bag = CNEmbeddingBag(10, 2, mode="sum", optimizer=cncore.SGD(lr=0.1), device="cncard")
+    bag.device_rows.step = STEP_MAX - 1
+    bag(torch.tensor([[1, 2]])).sum().backward()
+    assert bag.device_rows.step == bag.device_rows.index.step == STEP_MAX
+    out = bag(torch.tensor([[1]]))
+    before = {name: value.clone() for name, value in bag.export().items()}
+    with pytest.raises(ValueError, match=r"^this table's step is 4294967295 \(2\*\*32 - 1\), the last step a row's "
+                                         r"32-bit last_step records, and this backward would pass it; nothing was "
+                                         r"updated\. To train further"):
+        out.sum().backward()
+    assert bag.device_rows.step == bag.device_rows.index.step == STEP_MAX
+    for name, value in bag.export().items():
+        torch.testing.assert_close(value, before[name], rtol=0, atol=0)
+
+
 def test_pickling_keeps_a_step_at_the_limit():
     store = bounded()
     store.find_or_insert(np.array([1]))

@@ -113,8 +113,8 @@ class DeviceRows:
 
     @step.setter
     def step(self, value: int) -> None:
+        self.index.step = int(value)  # TTL sweeps and the index's view of "now"; it refuses a step past 2**32 - 1
         self._step = int(value)
-        self.index.step = self._step  # TTL sweeps and the index's view of "now"
 
     # --- bounded tables ---------------------------------------------------------------------------
 
@@ -253,9 +253,15 @@ class DeviceRows:
         return self.rows[ctx.rows_idx]
 
     def check_fresh(self, ctx: "DeviceLookup") -> None:
+        """Whether the backward of `ctx` may run: checked for every table before any changes."""
         if self.evictions != ctx.evictions:
             raise RuntimeError("rows were evicted from this table since this lookup's forward, so its rows may "
                                "hold other keys now; run the backward before the next lookup that can evict")
+        if self._step >= 2**32 - 1:
+            raise ValueError(f"this table's step is {self._step} (2**32 - 1), the last step a row's 32-bit last_step "
+                             "records, and this backward would pass it; nothing was updated. To train further, move "
+                             "every step back by one amount d: load each row again with last_steps - d (at least 0), "
+                             "then set step -= d")
 
     def record_access(self, idx, occurrences, step: int) -> None:
         self.counts[idx] = (self.counts[idx] + occurrences).clamp(max=2**32 - 1)
