@@ -6,7 +6,7 @@ the lookups reach the rows through ordered host callbacks (`cncore_jax.lookup`).
 Checkpoints use the table file format shared by every front end (`cncore.tablefile`), so a
 table saved here opens in PyTorch (`cncore_torch`) and in `cn-table`, and back.
 
-JAX dispatches a jitted step asynchronously: it returns before the step's host work (the
+JAX dispatches a jitted step asynchronously: it may return before the step's host work (the
 lookup's inserts, the update) has run. So every host-side access through the handle (`len`,
 `store`, `save`, `repr`) first waits, with `jax.effects_barrier()`, for the computations with
 side effects that this thread has dispatched: the callback route's ordered effect and the FFI
@@ -15,7 +15,8 @@ thread, so a step dispatched by another thread is not waited for; `save` holds t
 lock, which every host callback takes too, so a save made while another thread's step runs
 holds each of that step's lookup and update wholly or not at all (never a torn row, never
 "the store changed"). To save at a step boundary from another thread, have the training
-thread block on its step (`jax.block_until_ready`) before handing over. A store reference kept
+thread wait for its steps before handing over (`jax.effects_barrier()`, or any read through
+the handle: a step's outputs can be ready before its update has run). A store reference kept
 from before a step (``s = table.store``) does not wait: read through the handle.
 
 >>> import os, tempfile, numpy as np, cncore
