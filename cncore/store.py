@@ -465,9 +465,9 @@ class EmbeddingStore:
 
     def set_optimizer(self, optimizer) -> None:
         """Give a store built without an optimizer its fused optimizer (a cncore optimizer
-        config). Rows, counts, last steps, the step, the eviction count and the on_evict
-        callbacks stay; each row starts from the optimizer's initial state, as a row loaded
-        without state does. (An admission sketch's sightings start over.) For front ends that
+        config). Rows, counts, last steps, the step, the eviction count, the admission
+        sketch's counters and the on_evict callbacks stay; each row starts from the optimizer's
+        initial state, as a row loaded without state does. For front ends that
         learn the optimizer after building the table (TorchRec's apply_optimizer_in_backward);
         call it between steps, never beside another call on the store.
 
@@ -483,6 +483,8 @@ class EmbeddingStore:
         fresh.reserve(len(rows.keys))
         fresh.load(rows.keys, rows.rows, None, rows.counts, rows.last_steps)
         fresh.step, fresh.evicted_count = self.step, self.evicted_count
+        if self._table.admission_counters is not None:
+            fresh._table.admission_counters = self._table.admission_counters
         self._config, self._table = config, fresh._table
         if self._evict_callbacks:
             self._table.evict_sink = self._deliver

@@ -289,6 +289,17 @@ def test_a_copy_keeps_the_eviction_count_step_and_admission_counts_and_trains_as
     _same_store(store, twin)
 
 
+def test_set_optimizer_keeps_the_admission_counts():
+    store = cncore.EmbeddingStore(dim=2, admission=cncore.MinCount(3, width=16, depth=2))
+    store.pooled_lookup(np.array([5, 5, 9]), lengths=np.array([3]))  # counted, not admitted yet
+    counters = store._table.admission_counters
+    assert counters.sum() == 2 * 3 and len(store) == 0
+    store.set_optimizer(cncore.SGD(lr=0.1))
+    np.testing.assert_array_equal(store._table.admission_counters, counters)
+    store.pooled_lookup(np.array([5, 9]), lengths=np.array([2]))  # 5 reaches 3 sightings, 9 has 2
+    assert store.export().keys.tolist() == [5]
+
+
 def test_torch_save_and_load_of_a_bounded_module_keep_the_eviction_count():
     torch = pytest.importorskip("torch")
     from cncore_torch import CNEmbeddingBag
