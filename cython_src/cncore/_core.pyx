@@ -656,8 +656,9 @@ cdef class RecordWriter:
 # reached after 4.29e9 steps (50 days at 1,000 steps a second), and moving every step back by
 # one amount (the remedy below) keeps every policy's order.
 cdef int64_t _STEP_MAX = 0xFFFFFFFF
-_STEP_REMEDY = ("To train further, move every step back by one amount d: load each row again with last_steps - d "
-                "(at least 0), then set step -= d")
+STEP_MAX = _STEP_MAX  # for Python: front ends that keep their own step (cncore_torch's device rows)
+STEP_REMEDY = ("To train further, move every step back by one amount d: load each row again with last_steps - d "
+               "(at least 0), then set step -= d")
 
 
 def raise_first(errors):
@@ -814,7 +815,7 @@ cdef class Table:
     def step(self, int64_t value):
         if value < 0 or value > _STEP_MAX:
             raise ValueError(f"step: {value} is outside [0, {_STEP_MAX}]; {_STEP_MAX} (2**32 - 1) is the last step a "
-                             f"row's 32-bit last_step records; the table is unchanged. {_STEP_REMEDY}")
+                             f"row's 32-bit last_step records; the table is unchanged. {STEP_REMEDY}")
         with nogil:
             _wrlock(self)
             self.t.step = value
@@ -1327,7 +1328,7 @@ def grouped_forward(list tables, list keys, list offsets, list weights, list mod
             if insert_missing and tab.t.step >= _STEP_MAX:
                 raise ValueError(f"feature {fs[0]}: its table's step is {tab.t.step}, the last step a row's 32-bit "
                                  f"last_step records ({_STEP_MAX}, 2**32 - 1), and the backward of a training lookup "
-                                 f"would pass it; every table is unchanged. {_STEP_REMEDY}")
+                                 f"would pass it; every table is unchanged. {STEP_REMEDY}")
             tp[u] = &tab.t
             u_want[u] = _sink_want(tab)
             u_found[u] = 0
@@ -1580,7 +1581,7 @@ def grouped_backward(list tables, list slots, list offsets, list weights, list m
         if step_feature >= 0:
             raise ValueError(f"feature {step_feature}: its table's step is {_STEP_MAX} (2**32 - 1), the last step a "
                              "row's 32-bit last_step records, and this update would pass it; nothing was updated. "
-                             + _STEP_REMEDY)
+                             + STEP_REMEDY)
         if oom_feature >= 0:
             raise MemoryError(f"out of memory in the backward of feature {oom_feature}; "
                               f"its table is unchanged, earlier features were updated")

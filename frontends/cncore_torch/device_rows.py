@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 import cncore
+from cncore import _core
 from cncore.store import config_with_optimizer
 
 _MODES = ("sum", "mean", "max")
@@ -257,11 +258,9 @@ class DeviceRows:
         if self.evictions != ctx.evictions:
             raise RuntimeError("rows were evicted from this table since this lookup's forward, so its rows may "
                                "hold other keys now; run the backward before the next lookup that can evict")
-        if self._step >= 2**32 - 1:
+        if self._step >= _core.STEP_MAX:
             raise ValueError(f"this table's step is {self._step} (2**32 - 1), the last step a row's 32-bit last_step "
-                             "records, and this backward would pass it; nothing was updated. To train further, move "
-                             "every step back by one amount d: load each row again with last_steps - d (at least 0), "
-                             "then set step -= d")
+                             f"records, and this backward would pass it; nothing was updated. {_core.STEP_REMEDY}")
 
     def record_access(self, idx, occurrences, step: int) -> None:
         self.counts[idx] = (self.counts[idx] + occurrences).clamp(max=2**32 - 1)
