@@ -280,7 +280,7 @@ def test_a_save_from_another_thread_holds_whole_lookups_and_updates(route_name, 
             cj.apply_gradients(ctx, grad * jnp.where(x[0, 0] > -2.0, 1.0, 0.0).astype(jnp.float32))
             return pooled
 
-        K = 16
+        K = 40
         rng = np.random.default_rng(0)
         batches = [np.concatenate([np.arange(64 * k, 64 * k + 64), rng.integers(0, 64 * k + 64, 64)])
                    .astype(np.int32) for k in range(K)]
