@@ -4,10 +4,10 @@ in-memory replay of the same steps on a plain cncore store, however soon after t
 come. A save from another thread while steps run writes each lookup and update wholly or not at
 all. The README's quick start saves the trained table every time.
 
-JAX may return from a jitted call before its host work has run (on this machine the FFI route
-always does; the callback route runs small programs before returning). The steps here put
-dense work between the lookup and the update, which the update's gradient depends on, so the
-update's host work starts well after the call returned."""
+JAX may return from a jitted call before its host work has run (the FFI route does here; the
+ordered callback route mostly runs its host work before returning, which JAX does not promise).
+The steps here put dense work between the lookup and the update, which the update's gradient
+depends on, so the update's host work starts well after the call returned."""
 import os
 import re
 from pathlib import Path
