@@ -14,6 +14,7 @@ merge gives exactly a table that one save held, or refuses in one line and chang
 """
 import json
 import os
+import re
 import shutil
 
 import numpy as np
@@ -400,3 +401,280 @@ def test_a_save_killed_at_any_file_operation_resumes_from_the_previous_or_the_ne
     assert out["wrong"] == [], out["wrong"][:5]
     assert out["cases"] == kills["kills"] + 1 and out["previous"] + out["new"] == out["cases"] == out["resaved"]
     assert out["previous"] >= 10 and out["new"] >= 1
+
+
+# --- sharded collections: shard files and state_dicts of two real ranks, mixed -----------------------
+
+SPAWN_TIMEOUT = 150.0
+SOURCES = ("A3", "A5", "B3")  # run A at step 3 and step 5, run B (another run, the same steps) at step 3
+
+
+def _collection(device):
+    from torchrec import EmbeddingBagConfig
+
+    from cncore_torch import CNEmbeddingBagCollection
+    return CNEmbeddingBagCollection([EmbeddingBagConfig(name="t_a", embedding_dim=3, num_embeddings=1000,
+                                                        feature_names=["fa"])],
+                                    device=device, optimizer=cncore.Adagrad(lr=0.1), seed=3)
+
+
+def _dmp():
+    import torch
+    import torch.distributed as dist
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+
+    from cncore_torch.distributed import CNEmbeddingBagCollectionSharder, plan_for
+    model = torch.nn.Sequential(_collection("meta"))
+    return DistributedModelParallel(model, device=torch.device("cpu"), sharders=[CNEmbeddingBagCollectionSharder()],
+                                    plan=plan_for(model, dist.get_world_size()))
+
+
+def _train_dmp(dmp, rank, steps, salt):
+    import torch
+    from torchrec import KeyedJaggedTensor
+    for step in steps:
+        ids = np.random.default_rng(salt + 10 * step + rank).integers(0, 200, 16)
+        kjt = KeyedJaggedTensor.from_lengths_sync(["fa"], torch.from_numpy(ids), torch.ones(16, dtype=torch.int64))
+        dmp(kjt).wait().values().sum().backward()
+
+
+def _save_runs(rank, world_size, folder):
+    """Run A saves shard files and state_dicts at step 3 and 5, run B (a second sharded module,
+    trained on other IDs) at step 3; rank 0 keeps every rank's state_dicts."""
+    import torch
+    import torch.distributed as dist
+
+    from cncore_torch.distributed.checkpoint import save_shard_tables
+
+    runs = {}
+    for run, salt in (("A", 0), ("B", 5000)):
+        dmp = _dmp()
+        runs[run] = getattr(dmp.module[0], "_run_id", None)
+        _train_dmp(dmp, rank, range(3), salt)
+        saves = [("3", None), ("5", range(3, 5))] if run == "A" else [("3", None)]
+        for step, more in saves:
+            if more is not None:
+                _train_dmp(dmp, rank, more, salt)
+            save_shard_tables(dmp.module[0], os.path.join(folder, run + step))
+            everyone = [None] * world_size
+            dist.all_gather_object(everyone, dmp.module[0].state_dict())
+            if rank == 0:
+                torch.save(everyone, os.path.join(folder, f"{run}{step}_sd.pt"))
+    ids = [None] * world_size
+    dist.all_gather_object(ids, runs)
+    if rank == 0:
+        with open(os.path.join(folder, "run_ids.json"), "w") as fh:
+            json.dump(ids, fh)
+
+
+@pytest.fixture(scope="module")
+def saved_runs(tmp_path_factory):
+    pytest.importorskip("torchrec")
+    from cncore_torch.distributed.launch import spawn
+    folder = str(tmp_path_factory.mktemp("runs"))
+    spawn(_save_runs, 2, folder, timeout=SPAWN_TIMEOUT)
+    return folder
+
+
+def _state_dicts(folder, source):
+    import torch
+    return torch.load(os.path.join(folder, f"{source}_sd.pt"), weights_only=False)
+
+
+def _table(entries, prefix="tables.t_a."):
+    keys = entries[prefix + "keys"].numpy()
+    order = np.argsort(keys)
+    return {f: entries[prefix + f].numpy()[order] for f in FIELDS}, int(entries[prefix + "step"])
+
+
+def _store_table(store):
+    e = store.export()
+    order = np.argsort(e.keys)
+    return {f: (np.asarray(getattr(e, f))[order].astype(np.int64) if f in ("counts", "last_steps")
+                else np.asarray(getattr(e, f))[order]) for f in FIELDS}, store.step
+
+
+def _equal(a, b) -> bool:
+    return a[1] == b[1] and all(np.array_equal(a[0][f], b[0][f]) for f in FIELDS)
+
+
+def test_shard_state_dicts_say_rank_world_size_and_run(saved_runs):
+    ids = json.load(open(os.path.join(saved_runs, "run_ids.json")))
+    assert ids[0] == ids[1] and ids[0]["A"] != ids[0]["B"] and ids[0]["A"] is not None  # both ranks agree, per run
+    sd = _state_dicts(saved_runs, "A3")
+    a, b = sd[0]["tables.t_a.shard"].tolist(), sd[1]["tables.t_a.shard"].tolist()
+    assert a[:2] == [0, 2] and b[:2] == [1, 2] and a[2] == b[2] != _state_dicts(saved_runs, "B3")[0]["tables.t_a.shard"][2]
+
+
+def test_merge_shards_refuses_a_missing_or_foreign_rank_and_loads_refuse_a_partial_table(saved_runs):
+    from cncore_torch.distributed import merge_shards
+    a3, a5, b3 = (_state_dicts(saved_runs, s) for s in SOURCES)
+    with pytest.raises(ValueError, match=r"^tables\.t_a\.shard: rank 1 of 2 missing: a table split over 2 ranks needs "
+                                         r"every rank's state_dict, 1 given; nothing was merged$"):
+        merge_shards([a3[0]])
+    with pytest.raises(ValueError, match=r"^state_dicts\[1\]: tables\.t_a\.shard: rank 1 of 2 of run [0-9a-f]+, but "
+                                         r"state_dicts\[0\] is rank 0 of 2 of run [0-9a-f]+: shards of different saves"):
+        merge_shards([a3[0], b3[1]])
+    with pytest.raises(ValueError, match="the shards disagree"):  # one run, two steps
+        merge_shards([a3[0], a5[1]])
+    with pytest.raises(ValueError, match=r"rank 0 of 2 given twice \(also as state_dicts\[0\]\)"):
+        merge_shards([a3[0], a3[0], a3[1]])
+    merged = merge_shards([a3[1], a3[0]])
+    assert merged["tables.t_a.shard"].tolist()[:2] == [0, 1]
+    # one rank's state_dict straight into one process: refused, the table as it was
+    single = _collection("cpu")
+    with pytest.raises(RuntimeError, match=r"tables\.t_a\.shard: these entries are rank 0's shard of a table split "
+                                           r"over 2 ranks .* this table is rank 0 of 1"):
+        single.load_state_dict(a3[0])
+    assert len(single.stores["t_a"]) == 0
+    single.load_state_dict(merged)
+    assert _equal(_store_table(single.stores["t_a"]), _table(merged))
+
+
+def _case_folders(folder, strip):
+    """Every way of filling the two shard places of table t_a from the three saves: each place
+    gets a save's own file for that place, the other place's file (renamed), or nothing.
+    `strip`: the files' shard records removed (as written before they were recorded).
+    Returns [(case folder, expected source or None for a refusal, description)]."""
+    import hashlib
+    import itertools
+    cases = []
+    options = [(s, w) for s in SOURCES for w in ("own", "other")] + [(None, "missing")]
+    for n, slots in enumerate(itertools.product(options, repeat=2)):
+        case = os.path.join(folder, f"{'legacy' if strip else 'cases'}", f"c{n:03d}")
+        os.makedirs(os.path.join(case, "t_a"))
+        for r, (source, which) in enumerate(slots):
+            if source is None:
+                continue
+            src = os.path.join(folder, source, "t_a", shard_name(r if which == "own" else 1 - r, 2))
+            dst = os.path.join(case, "t_a", shard_name(r, 2))
+            shutil.copytree(src, dst)
+            if strip:
+                version = open(os.path.join(dst, "CURRENT")).read().strip()
+                m = json.load(open(os.path.join(dst, version, "manifest.json")))
+                m.pop("shard", None)
+                text = json.dumps(m, indent=1).encode()
+                for name, data in (("manifest.json", text), ("manifest.sha256",
+                                   f"{hashlib.sha256(text).hexdigest()}  manifest.json\n".encode())):
+                    os.chmod(os.path.join(dst, version, name), 0o644)
+                    open(os.path.join(dst, version, name), "wb").write(data)
+        whole = all(s is not None and w == "own" for s, w in slots)
+        one_save = whole and slots[0][0] == slots[1][0]
+        same_step = whole and {slots[0][0][1], slots[1][0][1]} in ({"3"}, {"5"})
+        expect = (slots[0][0] if one_save else None) if not strip else (
+            "per-file" if same_step else None)  # without records: a same-step mix loads each file as it is
+        cases.append((case, expect, f"{slots[0]} + {slots[1]}"))
+    return cases
+
+
+def _load_cases(rank, world_size, folder, cases):
+    """Each case loaded on this rank (load_shard_tables), and each saved state_dict; the outcome
+    compared with the saved rows; JSON counts per rank."""
+    import torch
+
+    from cncore_torch.distributed import merge_shards
+    from cncore_torch.distributed.checkpoint import load_shard_tables
+
+    wants = {s: merge_shards(torch.load(os.path.join(folder, f"{s}_sd.pt"), weights_only=False)) for s in SOURCES}
+    own = {s: {k: v for k, v in torch.load(os.path.join(folder, f"{s}_sd.pt"), weights_only=False)[rank].items()}
+           for s in SOURCES}
+    dmp = _dmp()
+    _train_dmp(dmp, rank, range(2), 9000)  # rows of its own, to see that a refusal keeps them
+    module = dmp.module[0]
+    store = module.stores["t_a"]
+    out = {"cases": 0, "exact": 0, "refused": 0, "silent": [], "crashes": [], "per_file": 0, "messages": {}}
+
+    def mine(entries):
+        table, step = _table(entries)
+        keep = owner_of(table["keys"], world_size) == rank
+        return {f: v[keep] for f, v in table.items()}, step
+
+    for case, expect, what in cases:
+        out["cases"] += 1
+        before, files = _store_table(store), tree(case)
+        try:
+            load_shard_tables(module, case)
+        except ValueError as e:
+            if _equal(_store_table(store), before) and tree(case) == files:
+                out["refused"] += 1
+                out["messages"][case] = str(e)
+            else:
+                out["silent"].append(f"{what}: refused but changed something")
+            if expect is not None:
+                out["silent"].append(f"{what}: refused, expected {expect}: {e}")
+            continue
+        except Exception as e:  # noqa: BLE001 - anything else is a crash to report
+            out["crashes"].append(f"{what}: {type(e).__name__}: {e}")
+            continue
+        got = _store_table(store)
+        if expect == "per-file":
+            out["per_file"] += 1
+            path = os.path.join(case, "t_a", shard_name(rank, 2))
+            want = load_store(path)
+            if not _equal(got, _store_table(want)):
+                out["silent"].append(f"{what}: not its own file's rows")
+        elif expect is None or not _equal(got, mine(wants[expect])):
+            out["silent"].append(f"{what}: loaded, expected {expect}")
+        else:
+            out["exact"] += 1
+    # state_dicts: this rank's own loads; the other rank's, and a merged one of two saves, do not
+    for s in SOURCES:
+        for r in range(world_size):
+            sd = torch.load(os.path.join(folder, f"{s}_sd.pt"), weights_only=False)[r]
+            out["cases"] += 1
+            before = _store_table(store)
+            try:
+                module.load_state_dict(sd)
+            except RuntimeError as e:
+                if r != rank and _equal(_store_table(store), before):
+                    out["refused"] += 1
+                else:
+                    out["silent"].append(f"{s} rank {r}'s state_dict refused on rank {rank}: {e}")
+                continue
+            if r == rank and _equal(_store_table(store), mine(own[s])):
+                out["exact"] += 1
+            else:
+                out["silent"].append(f"{s} rank {r}'s state_dict loaded on rank {rank}")
+    with open(os.path.join(folder, f"outcome{rank}.json"), "w") as fh:
+        json.dump(out, fh)
+
+
+@pytest.mark.slow
+def test_every_mix_of_shard_files_loads_exactly_one_save_or_is_refused_on_every_rank(saved_runs):
+    """Harness: the 49 ways of filling two shard places from three saves (own file, the other
+    rank's, none), with the files' records and without (files written before records), loaded
+    on two real ranks; and every rank's state_dict on every rank. Every outcome is exactly the
+    saved rows of one save, or a refusal that leaves the table and the files as they were."""
+    from cncore_torch.distributed.launch import spawn
+    cases = _case_folders(saved_runs, strip=False) + _case_folders(saved_runs, strip=True)
+    spawn(_load_cases, 2, saved_runs, cases, timeout=SPAWN_TIMEOUT)
+    outcomes = [json.load(open(os.path.join(saved_runs, f"outcome{r}.json"))) for r in range(2)]
+    counts = {k: sum(len(o[k]) if isinstance(o[k], list) else o[k] for o in outcomes)
+              for k in ("cases", "exact", "refused", "per_file", "silent", "crashes")}
+    print(f"\nshard harness (2 ranks, {len(cases)} file cases + 6 state_dicts each): {counts}")
+    for o in outcomes:
+        assert o["silent"] == [] and o["crashes"] == [], (o["silent"][:5], o["crashes"][:5])
+    # Per rank. With records: the 3 intact saves load exactly, the other 46 mixes are refused.
+    # Without (older files): the 5 same-step sets of own files load each file as it is (a mix
+    # of two runs at one step cannot be told apart without records), the other 44 are refused.
+    # State_dicts: each save's own rank loads exactly, the other rank's is refused.
+    assert [e for _, e, _ in cases[:49]].count(None) == 46 and [e for _, e, _ in cases[49:]].count("per-file") == 5
+    assert counts == {"cases": 2 * 104, "exact": 2 * 6, "refused": 2 * 93, "per_file": 2 * 5, "silent": 0,
+                      "crashes": 0}
+    # what the refusals say, on both ranks alike (folders: shard places filled as described)
+    named = {what: case for case, _, what in cases[:49]}
+    own = lambda s: f"('{s}', 'own')"  # noqa: E731
+    other = lambda s: f"('{s}', 'other')"  # noqa: E731
+    for o in outcomes:
+        assert o["messages"][named[f"{own('A3')} + {own('A5')}"]].endswith(
+            "t_a: the shards disagree on the step (shard-0-of-2: 3, shard-1-of-2: 5); were they saved at one step? "
+            "nothing was loaded")
+        assert re.search(r"t_a: the shard files are of different saves \(shard-0-of-2: [0-9a-f]{16}-step3, "
+                         r"shard-1-of-2: [0-9a-f]{16}-step3\); keep one save's shards in a directory; nothing was "
+                         r"loaded$", o["messages"][named[f"{own('A3')} + {own('B3')}"]])
+        assert o["messages"][named[f"{other('A3')} + {other('A3')}"]].endswith(
+            "t_a/shard-0-of-2: was saved as shard 1 of 2, not shard 0 of 2: shard folders were renamed or moved; put "
+            "each back under its own name (shard-1-of-2); nothing was loaded or written")
+        legacy = {what: case for case, _, what in cases[49:]}
+        assert re.search(r"t_a/shard-0-of-2: holds key -?\d+, which shard 1 of 2 owns, not 0: not shard 0 of a 2-way "
+                         r"split", o["messages"][legacy[f"{other('A3')} + {other('A3')}"]])
