@@ -177,10 +177,14 @@ def test_bad_options_exit_2_with_one_line(capsys, tmp_path, monkeypatch, argv, e
 
 BAD_LINES = [  # (line number, text, what the message says); batch 100, line 1-100 held out
     (3, "1\t2\t3", "line 3: 3 tab-separated fields, a Criteo line has 40 (label, 13 integers, 26 hex categories)"),
-    (150, "\t".join(["1", "x7", *[""] * 12, *["a"] * 26]), "line 150: integer feature 1 is 'x7', not a whole number"),
-    (150, "\t".join(["0", *[""] * 13, "zz", *["a"] * 25]), "line 150: category 1 is 'zz', not a hex number"),
+    (150, "\t".join(["1", "x7", *[""] * 12, *["a"] * 26]),
+     "line 150: integer feature 1 is 'x7', not a whole number as Criteo writes them (ASCII digits 0-9, '-' before a "
+     "negative one, or nothing)"),
+    (150, "\t".join(["0", *[""] * 13, "zz", *["a"] * 25]),
+     "line 150: category 1 is 'zz', not a hex ID as Criteo writes them (lower-case hex digits 0-9 a-f, 8 in Criteo's "
+     "files, at most 16, or nothing)"),
     (150, "\t".join(["0", *[""] * 13, "1" + "0" * 16, *["a"] * 25]),
-     "line 150: category 1 is '10000000000000000', outside 0 .. 2^64-1 (IDs are 64-bit)"),
+     "line 150: category 1 is '10000000000000000', more than 16 hex digits (IDs are 64-bit)"),
     (250, "\t".join(["2", *[""] * 13, *["a"] * 26]), "line 250: the label is '2', it must be 0 or 1"),
     (250, "\t".join(["", *[""] * 13, *["a"] * 26]), "line 250: the label is '', it must be 0 or 1"),
 ]
