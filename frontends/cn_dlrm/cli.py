@@ -149,6 +149,8 @@ def _output_path(text: str) -> str:
     folder = os.path.dirname(os.path.abspath(text))
     if not os.path.isdir(folder):
         raise argparse.ArgumentTypeError(f"cannot write {text}: no such folder {folder}")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"cannot write {text}: the folder {folder} is not writable")
     return text
 
 

@@ -122,7 +122,11 @@ def tier_storage(args, names: List[str], sizes: List[int], world_size: int, rank
     never less than 4 batches of distinct IDs (a lookup's keys must fit the cache at once)."""
     import os
     root = args.ssd_path if world_size == 1 else os.path.join(args.ssd_path, f"rank{rank}")
-    os.makedirs(root, exist_ok=True)  # the tables' directories go in it (a tier makes only its own)
+    try:
+        os.makedirs(root, exist_ok=True)  # the tables' directories go in it (a tier makes only its own)
+    except OSError as e:
+        from cncore_torch.dlrm.data import InputError
+        raise InputError(f"--ssd-path {args.ssd_path}: cannot make the directory {root} ({e.strerror or e})") from None
     row = args.embedding_dim * 4 + 4 + 47  # a cached row: values, row-wise Adagrad state, metadata, index
     floor = 4 * args.batch_size * row
     total = sum(max(1, n) for n in sizes)

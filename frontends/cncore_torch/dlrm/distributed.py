@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import math
 import os
 import time
@@ -66,8 +67,10 @@ def rank_batches(args, start: int, rank: int, world_size: int) -> Iterator[Batch
             batch, error = None, e
         flags = torch.tensor([error is not None, batch is None], dtype=torch.int64)
         dist.all_reduce(flags)
-        if flags[0]:
-            raise error or InputError(f"{args.criteo_tsv}: another process stopped at a bad line (its error names it)")
+        if flags[0]:  # every rank raises the first bad line's error (whichever rank the launcher reports)
+            errors = [None] * world_size
+            dist.all_gather_object(errors, None if error is None else str(error))
+            raise InputError(next(e for e in errors if e is not None))
         if batch is None:  # the file ended (at the same batch for every rank: they count the same lines)
             return
         yield batch
@@ -108,8 +111,10 @@ class DistributedRun:
         self.chains, self.at, self._args = TableChains(directory, every, self.rank, self.world_size), start, args
 
     def save_chains(self) -> None:
+        from cncore_torch.dlrm.train import writing
         t0 = time.perf_counter()
-        self.chains.save(self.model, self.optimizers, self.sharded.stores, self.at, {"args": vars(self._args)})
+        with writing("--checkpoint", self._args.checkpoint):
+            self.chains.save(self.model, self.optimizers, self.sharded.stores, self.at, {"args": vars(self._args)})
         self.saving_s += time.perf_counter() - t0
 
     def without_saves(self, result: dict) -> dict:
@@ -291,19 +296,7 @@ def _worker(rank: int, world_size: int, args) -> None:
         run = distributed_run(args, data, rank, world_size)
         start = 0
         if state is not None:  # any number of processes wrote it: each rank keeps the keys it owns
-            try:
-                run.model.load_state_dict(state["model"])
-            except (ValueError, RuntimeError) as e:
-                if "max_rows" not in str(e):
-                    raise
-                saved = state.get("args", {}).get("nproc", "another number of")
-                raise InputError(f"--resume {args.resume}: the keys this process owns of a table do not fit its "
-                                 f"shard's budget (ceil(--max-rows / {world_size})): the checkpoint's tables are "
-                                 f"full, and a hash does not split a full table evenly over {world_size} processes; "
-                                 f"resume with --nproc {saved} or a larger --max-rows") from None
-            for opt, s in zip(run.optimizers, state["optimizers"]):
-                opt.load_state_dict(s)
-            start = int(state["step"])
+            start = job.restore(run, state, args, rank, world_size)
             print(f"resumed from {args.resume} at step {start}")
         run.at = start
         if args.incremental_checkpoint_every:
@@ -335,6 +328,10 @@ def run(args) -> int:
             dist.destroy_process_group()
         return 0
     from cncore_torch.distributed.launch import spawn
+    # torch logs a warning for each process it stops after one failed: noise below the one line
+    # a user error ends with (a failure that is not one still raises, with its traceback)
+    spawn_log = logging.getLogger("torch.multiprocessing.spawn")
+    was_disabled, spawn_log.disabled = spawn_log.disabled, True
     try:
         spawn(_worker, args.nproc, args, timeout=None)
     except Exception as e:  # a rank's InputError (bad data, a checkpoint that does not fit): one line, exit 2
@@ -343,4 +340,6 @@ def run(args) -> int:
         if last.startswith(marker):
             raise InputError(last[len(marker):]) from None
         raise
+    finally:
+        spawn_log.disabled = was_disabled
     return 0

@@ -10,6 +10,7 @@ SystemExit: 2
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -30,6 +31,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from tqdm import tqdm
 
 import cncore
+from cncore.routing import owner_of
 from cn_dlrm.cli import main  # noqa: F401  (the command: parse, check, then run)
 from cncore_torch.collection import CNEmbeddingBagCollection
 from cncore_torch.dlrm import bounded
@@ -346,8 +348,24 @@ def save_checkpoint(path: str, run: Run, step: int, args) -> None:
             return
     else:
         state = {"model": run.model.state_dict(), "optimizers": [o.state_dict() for o in run.optimizers]}
-    state.update(step=step, args=vars(args))
-    atomic_torch_save(state, path)  # a crash leaves the old checkpoint or the new one, never half of one
+    state.update(step=step, args=vars(args), world_size=getattr(run, "world_size", 1))
+    with writing("--checkpoint", path):
+        atomic_torch_save(state, path)  # a crash leaves the old checkpoint or the new one, never half of one
+
+
+@contextlib.contextmanager
+def writing(option: str, path: str):
+    """Inside it, a failed write of the file an option names (OSError; torch.save's RuntimeError
+    when it cannot open the file) raises `InputError` naming the option and the path."""
+    try:
+        yield
+    except OSError as e:
+        raise InputError(f"{option} {path}: cannot write it ({e.strerror or e})") from None
+    except RuntimeError as e:
+        if "open file failed" not in str(e):
+            raise
+        reason = str(e).split("strerror:", 1)[-1].strip()
+        raise InputError(f"{option} {path}: cannot write it ({reason})") from None
 
 
 class Progress:
@@ -395,7 +413,8 @@ def train(run: Run, data: Data, args, start: int = 0) -> Dict[str, float]:
     ttl = ours and any(isinstance(s.config.eviction, cncore.TTL) for s in run.tables.stores.values())
 
     def save_chains(step: int) -> None:
-        chains.save(run.model, run.optimizers, run.tables.stores, step, {"args": vars(args)})
+        with writing("--checkpoint", args.checkpoint):
+            chains.save(run.model, run.optimizers, run.tables.stores, step, {"args": vars(args)})
 
     def evaluate(step: int) -> None:
         metrics = run.evaluate(data.eval_set)
@@ -464,7 +483,15 @@ def load_checkpoint(path: str, args) -> Dict:
     try:
         state = open_checkpoint(path, TABLE_PREFIX) if is_incremental_checkpoint(path) else \
             torch.load(path, weights_only=False)
+        if not isinstance(state, dict):
+            raise TypeError(f"it holds a {type(state).__name__}, cn-dlrm writes a dict")
         step, saved = int(state["step"]), state["args"]
+        for key, kind in (("args", dict), ("model", dict), ("optimizers", list)):
+            if not isinstance(state[key], kind):
+                raise TypeError(f"its {key!r} is a {type(state[key]).__name__}, cn-dlrm writes a {kind.__name__}")
+        missing = [key for key in SPARSE_KEYS if f"{TABLE_PREFIX}t_{key}.keys" not in state["model"]]
+        if missing:  # (checked before the run is built: --ssd-path would make its directories first)
+            raise ValueError(f"its model holds no table t_{missing[0]}")
     except InputError:
         raise
     except Exception as e:  # a damaged file or another program's: torch.load raises many kinds
@@ -477,6 +504,68 @@ def load_checkpoint(path: str, args) -> Dict:
         raise InputError(f"--resume {path} is at step {step:,}, and --steps {args.steps:,} would train nothing "
                          f"(--steps counts from the start of the run): pass --steps above {step:,}")
     return state
+
+
+# The options that shape the model a checkpoint loads into (a resume that does not load names them).
+MODEL_OPTIONS = ("embedding_dim", "max_rows", "evict", "ttl_steps", "lfu_halve_every", "admit_min_count",
+                 "admit_probability", "row_dtype")
+
+
+def restore(run, state: Dict, args, rank: int = 0, world_size: int = 1) -> int:
+    """Load `state` (`load_checkpoint`'s) into `run`, on process `rank` of `world_size` (each
+    keeps the keys it owns); returns the checkpoint's step. Checked first, on every process
+    alike: the keys each process would own of every table fit its budget (a checkpoint saved
+    on another number of processes, or with a larger --max-rows, may not). `InputError` when
+    the checkpoint does not load into this run (the job then stops before it writes anything).
+
+    Eviction counts: a checkpoint holds each table's total over the processes that saved it;
+    on one process the table takes it, on several rank 0's shard takes it and the others
+    count from 0, so the counts summed over processes (what the job reports) go on from the
+    saved total, on any number of processes."""
+    path, model = args.resume, state["model"]
+    saved = state.get("args", {})
+    saved_world = int(state.get("world_size", saved.get("nproc", 1)))
+    over = []  # (table, rows one process would hold, the rank, its budget)
+    for name, store in run.tables.stores.items():
+        budget, keys = store.config.max_rows, model.get(f"{TABLE_PREFIX}{name}.keys")
+        if budget is None or not isinstance(keys, torch.Tensor) or keys.numel() <= budget:
+            continue
+        held = np.bincount(owner_of(keys.numpy(), world_size), minlength=world_size)
+        if int(held.max()) > budget:
+            over.append((name, int(held.max()), int(held.argmax()), budget))
+    if over:
+        name, rows, where, budget = max(over, key=lambda o: o[1])
+        needed = max(o[1] for o in over) * world_size
+        tables = f"{len(over)} table{'s' * (len(over) > 1)}"
+        saved_rows = "without --max-rows" if saved.get("max_rows") is None else f"with --max-rows {saved['max_rows']}"
+        was = f"it was saved {saved_rows} on {saved_world} process{'es' * (saved_world > 1)}"
+        if world_size == 1:
+            raise InputError(f"--resume {path}: {tables} hold more rows than this run's budget ({name}: {rows:,} "
+                             f"rows, --max-rows {args.max_rows} gives it {budget:,}); {was}: resume with "
+                             f"--max-rows {needed} or more")
+        raise InputError(f"--resume {path}: on {world_size} processes the keys one process owns of {tables} exceed "
+                         f"its shard's budget ({name}: {rows:,} rows on process {where}, ceil(--max-rows "
+                         f"{args.max_rows} / {world_size}) gives it {budget:,}; a hash does not split a full table "
+                         f"evenly); {was}: resume with --nproc {saved_world} or --max-rows {needed} or more")
+    # (read before loading: DMP's load_state_dict renames the entries of the dict it is given in place, adding
+    # its "module." prefix)
+    evicted = {name: model.get(f"{TABLE_PREFIX}{name}.evicted_count") for name in run.tables.stores}
+    try:
+        run.model.load_state_dict(model)
+        for opt, s in zip(run.optimizers, state["optimizers"]):
+            opt.load_state_dict(s)
+    except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as e:
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
+        detail = lines[1] if len(lines) > 1 and lines[0].startswith("Error(s) in loading") else lines[0]
+        detail = detail if len(detail) <= 300 else detail[:300] + "..."
+        differ = [f"--{k.replace('_', '-')} {saved.get(k)}" for k in MODEL_OPTIONS
+                  if k in saved and saved.get(k) != getattr(args, k, None)]
+        hint = f": resume with the options it was saved with ({', '.join(differ)})" if differ else ""
+        raise InputError(f"--resume {path}: does not load into this run's model ({detail}){hint}") from None
+    if world_size > 1:
+        for name, store in run.tables.stores.items():
+            store.evicted_count = int(evicted[name]) if evicted[name] is not None and rank == 0 else 0
+    return int(state["step"])
 
 
 def _mute_is_fx_tracing_notice() -> None:
@@ -533,7 +622,7 @@ def report(results: List[Dict], best: Optional[float], args) -> None:
                   f"{r['tier_hits'] / max(1.0, looked_up):.3f} of {looked_up:,.0f} (every lookup of the run); "
                   f"rows read {r['tier_rows_read']:,.0f}, written {r['tier_rows_written']:,.0f}")
     if args.summary_json:
-        with open(args.summary_json, "w") as fh:
+        with writing("--summary-json", args.summary_json), open(args.summary_json, "w") as fh:
             json.dump({"runs": results, "best_attainable_auc": best, "args": vars(args)}, fh, indent=2)
 
 
@@ -555,10 +644,7 @@ def _run(args) -> int:
         print(f"prefilled {rows:,} rows in {time.perf_counter() - began:.1f} s")
     start = 0
     if state is not None:
-        run.model.load_state_dict(state["model"])
-        for opt, s in zip(run.optimizers, state["optimizers"]):
-            opt.load_state_dict(s)
-        start = int(state["step"])
+        start = restore(run, state, args)
         print(f"resumed from {args.resume} at step {start}")
     results = [train(run, data, args, start)]
     if args.compare:
