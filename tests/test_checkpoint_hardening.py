@@ -678,3 +678,73 @@ def test_every_mix_of_shard_files_loads_exactly_one_save_or_is_refused_on_every_
         legacy = {what: case for case, _, what in cases[49:]}
         assert re.search(r"t_a/shard-0-of-2: holds key -?\d+, which shard 1 of 2 owns, not 0: not shard 0 of a 2-way "
                          r"split", o["messages"][legacy[f"{other('A3')} + {other('A3')}"]])
+
+
+# --- table names are directory names -----------------------------------------------------------------
+
+BAD_NAMES = ["../x", "ABSOLUTE", "a/b", "..", ".", "", "a\\b", "a\0b"]  # ABSOLUTE: a path under tmp_path
+
+
+def _named_collection(name, **options):
+    from torchrec import EmbeddingBagConfig
+
+    from cncore_torch import CNEmbeddingBagCollection
+    return CNEmbeddingBagCollection([EmbeddingBagConfig(name=name, embedding_dim=2, num_embeddings=10,
+                                                        feature_names=["f"])],
+                                    optimizer=cncore.SGD(lr=0.1), **options)
+
+
+@pytest.mark.parametrize("name", BAD_NAMES)
+def test_save_shard_tables_refuses_a_table_name_that_is_not_one_path_component(tmp_path, name):
+    pytest.importorskip("torchrec")
+    from cncore_torch.distributed.checkpoint import save_shard_tables
+    name = str(tmp_path / "abs") if name == "ABSOLUTE" else name
+    module = _named_collection(name)
+    out = tmp_path / "inner" / "files"
+    os.makedirs(out)
+    before = tree(tmp_path)
+    with pytest.raises(ValueError, match=f"^table name {re.escape(repr(name))}: is used as a directory name, so it "
+                                         r"must be one plain path component \(not empty, '\.' or '\.\.', no '/', "
+                                         r"'\\' or NUL\); rename the table; nothing was written$"):
+        save_shard_tables(module, str(out))
+    assert tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("name", BAD_NAMES)
+def test_a_tiered_collection_refuses_a_table_name_that_is_not_one_path_component(tmp_path, name):
+    pytest.importorskip("torchrec")
+    name = str(tmp_path / "abs") if name == "ABSOLUTE" else name
+    before = tree(tmp_path)
+    with pytest.raises(ValueError, match=f"^table name {re.escape(repr(name))}: is used as a directory name"):
+        _named_collection(name, storage=cncore.Tiered(str(tmp_path / "tier"), cache_bytes=1 << 20))
+    assert tree(tmp_path) == before  # not even the collection's directory
+
+
+def test_table_names_that_are_one_path_component_still_save(tmp_path):
+    pytest.importorskip("torchrec")
+    from cncore_torch.distributed.checkpoint import load_shard_tables, save_shard_tables
+    module = _named_collection("t.user-1 x")
+    module.stores["t.user-1 x"].find_or_insert(np.arange(4))
+    assert save_shard_tables(module, str(tmp_path)) == [str(tmp_path / "t.user-1 x" / "shard-0-of-1")]
+    back = _named_collection("t.user-1 x")
+    load_shard_tables(back, str(tmp_path))
+    assert sorted(back.stores["t.user-1 x"].export().keys.tolist()) == [0, 1, 2, 3]
+
+
+# --- cn-table reshard --max-rows on an unbounded table -----------------------------------------------
+
+def test_cn_table_reshard_max_rows_of_an_unbounded_table_says_so_in_the_cli_terms(tmp_path, capsys):
+    from cncore_numpy.cli import main as cn_table
+    paths = []
+    for r in range(2):
+        store = cncore.EmbeddingStore(dim=2)
+        keys = np.arange(50)
+        store.find_or_insert(keys[owner_of(keys, 2) == r])
+        paths.append(str(tmp_path / shard_name(r, 2)))
+        save_table(store, paths[-1])
+    before = tree(tmp_path)
+    assert cn_table(["reshard", *paths, str(tmp_path / "out"), "--world-size", "3", "--max-rows", "10", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"cn-table reshard: error: --max-rows 10: {paths[0]} is a shard of an unbounded table (no max_rows), "
+                   f"which has no row budget to set; leave --max-rows out"]
+    assert tree(tmp_path) == before
