@@ -27,6 +27,22 @@ on a slot the last flushed index refers to (a slot freed since the flush waits f
 one), so a SIGKILL at any moment leaves the directory at the last flush; reopening the same
 path (with the same config) reads only the index. No fsync in the training loop.
 
+One writer: a store holds an exclusive lock (flock) on its directory from its open to close(); a
+second store on the directory, in this process or another, is refused at once (BlockingIOError
+naming the holder's pid, from the directory's `lock` file) and changes nothing. The lock is the
+kernel's: a writer killed by SIGKILL leaves none behind. A forked child's copy of a store refuses
+every verb (the parent's lock and file are not the child's to write). Readers (`TierFile`:
+`open_table`, `load_store`, `cn-table`) take no lock: they read the flush they opened, and
+refuse once the writer has flushed again. After close() every verb raises ValueError ("I/O
+operation on closed store").
+
+Checksums (directory format 4): every record's last 4 bytes hold a checksum of the rest
+(cn_tier.h), written with it and checked by every read (a fault-in, export, compaction, and
+`TierFile`), and meta.json holds a SHA-256 of its own fields, so a damaged byte is refused
+(TableFormatError naming the key and slot) rather than read back. Reopening checks that rows.dat
+is as long as the last flush's index needs. Format 2 and 3 directories open as before, without
+checksums, and keep their layout.
+
 Space: log-structured. A spill writes its records to whole free pages and then to the end of
 the file, in runs (one pwritev per run); slots freed since the last flush are reused after the
 next one, and a flush compacts (moves the records past the row count into the holes, then
@@ -108,7 +124,7 @@ from typing import Iterator, Optional
 import numpy as np
 
 from cncore import _core
-from cncore._interchange import as_keys
+from cncore._interchange import as_floats, as_keys
 from cncore.config import LRU, StoreConfig, Tiered
 from cncore.row_codec import decode_rows
 from cncore.store import EmbeddingStore, TableBatch
@@ -1127,15 +1143,21 @@ class TieredStore(EmbeddingStore):
         if len(keys) <= step:
             self._fault_in(keys, insert=False)
             return super().load(keys, rows, optimizer_state, counts, last_steps)
+        # Every argument checked before the first chunk changes the table (as EmbeddingStore's
+        # _upsert checks them).
+        from cncore.store import _u32
+        n = len(keys)
+        rows = as_floats(rows, "rows", (n, self.dim))
+        if optimizer_state is not None:
+            optimizer_state = as_floats(optimizer_state, "optimizer_state", (n, self._tier_config.state_floats))
+        counts, last_steps = _u32(counts, "counts", n), _u32(last_steps, "last_steps", n)
         # As in memory, `found` says which keys had a row before the call: a key given twice
         # (in two chunks) is not found the second time because the first chunk loaded it.
         found = self.contains(keys)
-        for a in range(0, len(keys), step):
+        for a in range(0, n, step):
             part = slice(a, a + step)
-            self.load(keys[part], np.asarray(rows)[part],
-                      None if optimizer_state is None else np.asarray(optimizer_state)[part],
-                      None if counts is None else np.asarray(counts)[part],
-                      None if last_steps is None else np.asarray(last_steps)[part])
+            self.load(keys[part], rows[part], None if optimizer_state is None else optimizer_state[part],
+                      None if counts is None else counts[part], None if last_steps is None else last_steps[part])
         return found
 
     @_locked
@@ -1656,6 +1678,15 @@ class TieredStore(EmbeddingStore):
     def __del__(self):
         try:
             self.close()
+        except Exception:
+            pass
+        try:  # also when close failed (a queued write it could not make): the store is gone, and
+            # its directory must not stay locked for the rest of the process
+            if getattr(self, "_fd", None) is not None:
+                os.close(self._fd)
+                self._fd = None
+            if getattr(self, "_dir_fd", None) is not None:
+                self._release_directory()
         except Exception:
             pass
         try:

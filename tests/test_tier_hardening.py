@@ -29,7 +29,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 import cncore
 from cncore import tiered as tiered_module
 from cncore.tablefile import TableFormatError, load_store, open_table
-from reference import run_isolated, tree
+from reference import assert_unchanged, run_isolated, snapshot, tree
 
 DIM = 4
 
@@ -57,11 +57,14 @@ def sorted_export(store):
 
 
 def table_export(path):
-    """What a reader (open_table) holds, as sorted_export gives it; None for no rows."""
+    """What a reader (open_table) holds, as sorted_export gives it."""
     table = open_table(str(path))
     parts = [b for _, b in table.batches(50)]
     if not parts:
-        return {"keys": np.empty(0, np.int64), "step": np.int64(table.step)}
+        c = table.config
+        return {"keys": np.empty(0, np.int64), "rows": np.empty((0, c.dim), np.float32),
+                "optimizer_state": np.empty((0, c.state_floats), np.float32), "counts": np.empty(0, np.uint32),
+                "last_steps": np.empty(0, np.uint32), "step": np.int64(table.step)}
     got = {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
     order = np.argsort(got["keys"])
     return {"keys": got["keys"][order], "rows": got["rows"][order], "optimizer_state": got["optimizer_state"][order],
@@ -248,6 +251,19 @@ def test_load_with_a_repeated_key_matches_memory(tmp_path, n):
     found = tier.load(keys, rows)
     assert found.tolist() == memory.load(keys, rows).tolist() == [k in (3, 100) for k in keys.tolist()]
     assert same(sorted_export(tier), sorted_export(memory))
+
+
+def test_a_load_over_several_chunks_checks_every_argument_before_the_first_chunk(tmp_path):
+    """A bad argument past the first chunk (half the cache) is refused before anything changes."""
+    store = filled(tmp_path / "t")
+    snap = snapshot(store)
+    keys = np.arange(1000, 1040, dtype=np.int64)
+    rows = np.ones((40, DIM), np.float32)
+    with pytest.raises(ValueError, match="counts"):
+        store.load(keys, rows, counts=np.ones(39, np.uint32))
+    with pytest.raises(ValueError, match="optimizer_state"):
+        store.load(keys, rows, optimizer_state=np.ones((40, 2), np.float32))
+    assert_unchanged(store, snap)
 
 
 # --- damaged directories ---------------------------------------------------------------------------------
@@ -459,7 +475,8 @@ def test_readers_racing_flushes_and_compactions_read_a_flush_or_refuse(tmp_path)
 
 # --- the adversarial harness --------------------------------------------------------------------------
 
-COUNTS = {"cases": 0, "steps": 0, "crashes": 0, "hangs": 0, "silent_changes": 0, "refusals": 0, "exact": 0}
+COUNTS = {"cases": 0, "steps": 0, "kills": 0, "damaged": 0, "crashes": 0, "hangs": 0, "silent_changes": 0,
+          "refusals": 0, "exact": 0}
 
 _CHILD = """
 import os, sys, threading, time, numpy as np, cncore
@@ -583,7 +600,11 @@ class TierHarness(RuleBasedStateMachine):
             return
         self.expect_flushed(table_export(self.path))
 
-    @precondition(lambda self: self.store is None)
+    def close_here(self):
+        if self.store is not None:
+            self.store.close()
+            self.store = self.memory = None
+
     @rule(seed=st.integers(0, 1000), kill_at=st.integers(0, 12), flush_every=st.integers(1, 5),
           holder=st.booleans())
     def killed_writer(self, seed, kill_at, flush_every, holder):
@@ -591,8 +612,10 @@ class TierHarness(RuleBasedStateMachine):
         trains, flushes, and is SIGKILLed mid-write or mid-flush. The directory then holds the
         last flush it finished, or the one it was killed in (past its commit point)."""
         self.step()
-        if holder:
+        if holder and self.store is None:
             self.open()
+        elif not holder:
+            self.close_here()
         for name in ("candidate.npz", "flushed.npz"):
             if os.path.exists(os.path.join(self.side, name)):
                 os.remove(os.path.join(self.side, name))
@@ -612,6 +635,7 @@ class TierHarness(RuleBasedStateMachine):
             COUNTS["refusals"] += 1
             assert tree(self.path) == before
             return
+        COUNTS["kills"] += 1
         if run.returncode != -signal.SIGKILL:
             COUNTS["crashes"] += 1
             raise AssertionError(f"exit {run.returncode}: {run.stderr[-3000:]}")
@@ -630,13 +654,14 @@ class TierHarness(RuleBasedStateMachine):
         self.flushed = match[-1]
         COUNTS["exact"] += 1
 
-    @precondition(lambda self: self.store is None and self.flushed is not None)
+    @precondition(lambda self: self.flushed is not None)
     @rule(data=st.data(), what=st.sampled_from(["truncate", "flip"]), file=st.sampled_from(["rows", "meta", "index"]))
     def damage(self, data, what, file):
-        """Truncate or flip a byte of one of the directory's files: every open and read is then
-        either the last flush exactly or TableFormatError, and a refusal changes nothing. The
-        file is put back afterwards."""
+        """Truncate or flip a byte of one of the directory's files (its store closed first): every
+        open and read is then either the last flush exactly or TableFormatError, and a refusal
+        changes nothing. The file is put back afterwards."""
         self.step()
+        self.close_here()
         meta = json.load(open(os.path.join(self.path, "meta.json")))
         name = {"rows": "rows.dat", "meta": "meta.json", "index": meta["index"]}[file]
         target = os.path.join(self.path, name)
@@ -650,6 +675,7 @@ class TierHarness(RuleBasedStateMachine):
             else:
                 fh.seek(at)
                 fh.write(bytes([good[at] ^ (1 << data.draw(st.integers(0, 7)))]))
+        COUNTS["damaged"] += 1
         before = tree(self.path)
         for reader in ("store", "table", "load_store"):
             try:

@@ -1,7 +1,8 @@
 /* cn_tier.h: the SSD tier's records (cncore/tiered.py) packed and loaded in C, one call a batch.
  *
  * A record is {int64 key, uint32 count, uint32 last step, row (dim values of the record's row
- * dtype), state (state_floats float32)}, packed to 8 bytes, zero padding; records never straddle
+ * dtype), state (state_floats float32)}, then from directory version 4 a uint32 checksum in its
+ * last 4 bytes (cn_tier_sum), packed to 8 bytes, zero padding; records never straddle
  * a 4 KiB page (tiered.record_layout decides the layout and hands its field offsets here, so
  * the two cannot disagree). Two paths move rows between the memory cache (a bounded cn_table)
  * and the file:
