@@ -587,6 +587,7 @@ class TieredStore(EmbeddingStore):
             self._fd = _open_rows(os.path.join(self._dir, "rows.dat"))
             if flushed is not None:
                 self._reopen(*flushed)
+            self._write_pid()
         except BaseException:
             self._release_directory()
             if self._fd is not None:
@@ -1439,15 +1440,14 @@ class TieredStore(EmbeddingStore):
             os.close(fd)
             raise OSError(exc.errno, f"Tiered.path: {self._dir} cannot be locked for one writer "
                                      f"({exc.strerror}); give a directory on a local file system") from None
-        self._dir_fd = fd
-        try:
-            pid_path = os.path.join(self._dir, _WRITER_PID)
-            with open(pid_path, "w") as fh:
-                fh.write(f"{os.getpid()}\n")
-        except BaseException:
-            self._release_directory()
-            raise
-        self._owner = os.getpid()
+        self._dir_fd, self._owner, self._pid_written = fd, os.getpid(), False
+
+    def _write_pid(self) -> None:
+        """Name this process in the directory's pid file (once the open has succeeded: a refused
+        open leaves the directory as it was, a stale pid file of a killed writer included)."""
+        with open(os.path.join(self._dir, _WRITER_PID), "w") as fh:
+            fh.write(f"{os.getpid()}\n")
+        self._pid_written = True
 
     def _release_directory(self) -> None:
         """Remove the pid file and give the writer lock back (the holder only)."""
@@ -1455,7 +1455,8 @@ class TieredStore(EmbeddingStore):
         if fd is None:
             return
         try:
-            os.remove(os.path.join(self._dir, _WRITER_PID))
+            if self._pid_written:
+                os.remove(os.path.join(self._dir, _WRITER_PID))
         except OSError:  # removed by hand meanwhile: the lock is what counts
             pass
         try:

@@ -276,6 +276,7 @@ def test_a_truncated_rows_dat_is_refused_at_reopen_and_left_as_it_is(tmp_path):
     size = os.path.getsize(rows_dat)
     with open(rows_dat, "r+b") as fh:
         fh.truncate(size - 100)
+    (path / "lock").write_text("424242\n")  # a killed writer's pid file: the refusal leaves it too
     before = tree(path)
     with pytest.raises(TableFormatError, match=rf"^Tiered.path: {path}: rows.dat has {size - 100} bytes, the index "
                                                rf"needs {size} \(truncated\); the directory is left as it is"):
