@@ -1667,6 +1667,7 @@ class TieredStore(EmbeddingStore):
             if getattr(self, "_pending", None):
                 self._wait_writes()
             _HEAP_TRIM.discard(self)  # its share of the trigger (_HeapTrim) goes with it
+            _OPEN_STORES.discard(self)
             self._unusable = (f"I/O operation on closed store: {self._dir} was closed (TieredStore.close()); open "
                               "the directory again with cncore.EmbeddingStore(config) to use it")
             if self._fd is not None:
