@@ -503,7 +503,8 @@ def test_shard_state_dicts_say_rank_world_size_and_run(saved_runs):
     assert ids[0] == ids[1] and ids[0]["A"] != ids[0]["B"] and ids[0]["A"] is not None  # both ranks agree, per run
     sd = _state_dicts(saved_runs, "A3")
     a, b = sd[0]["tables.t_a.shard"].tolist(), sd[1]["tables.t_a.shard"].tolist()
-    assert a[:2] == [0, 2] and b[:2] == [1, 2] and a[2] == b[2] != _state_dicts(saved_runs, "B3")[0]["tables.t_a.shard"][2]
+    other = _state_dicts(saved_runs, "B3")[0]["tables.t_a.shard"].tolist()
+    assert a[:2] == [0, 2] and b[:2] == [1, 2] and a[2] == b[2] != other[2]
 
 
 def test_merge_shards_refuses_a_missing_or_foreign_rank_and_loads_refuse_a_partial_table(saved_runs):
@@ -512,8 +513,9 @@ def test_merge_shards_refuses_a_missing_or_foreign_rank_and_loads_refuse_a_parti
     with pytest.raises(ValueError, match=r"^tables\.t_a\.shard: rank 1 of 2 missing: a table split over 2 ranks needs "
                                          r"every rank's state_dict, 1 given; nothing was merged$"):
         merge_shards([a3[0]])
-    with pytest.raises(ValueError, match=r"^state_dicts\[1\]: tables\.t_a\.shard: rank 1 of 2 of run [0-9a-f]+, but "
-                                         r"state_dicts\[0\] is rank 0 of 2 of run [0-9a-f]+: shards of different saves"):
+    with pytest.raises(ValueError, match=r"^state_dicts\[1\]: tables\.t_a\.shard: rank 1 of 2 of run [0-9a-f]+, "
+                                         r"but state_dicts\[0\] is rank 0 of 2 of run [0-9a-f]+: shards of different "
+                                         r"saves"):
         merge_shards([a3[0], b3[1]])
     with pytest.raises(ValueError, match="the shards disagree"):  # one run, two steps
         merge_shards([a3[0], a5[1]])
@@ -745,6 +747,6 @@ def test_cn_table_reshard_max_rows_of_an_unbounded_table_says_so_in_the_cli_term
     before = tree(tmp_path)
     assert cn_table(["reshard", *paths, str(tmp_path / "out"), "--world-size", "3", "--max-rows", "10", "--quiet"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"cn-table reshard: error: --max-rows 10: {paths[0]} is a shard of an unbounded table (no max_rows), "
-                   f"which has no row budget to set; leave --max-rows out"]
+    assert err == [f"cn-table reshard: error: --max-rows 10: {paths[0]} is a shard of an unbounded table (no "
+                   f"max_rows), which has no row budget to set; leave --max-rows out"]
     assert tree(tmp_path) == before

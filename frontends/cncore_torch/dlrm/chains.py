@@ -52,13 +52,25 @@ TABLES = "tables"
 def atomic_torch_save(state: dict, path: str) -> None:
     """torch.save to `path` through a synced temporary file and a rename."""
     tmp = f"{path}.tmp-{os.getpid()}"
-    for entry in os.listdir(os.path.dirname(os.path.abspath(path))):  # a save killed here before
-        if entry.startswith(os.path.basename(path) + ".tmp-") and entry[len(os.path.basename(path)) + 5:].isdigit():
-            os.remove(os.path.join(os.path.dirname(os.path.abspath(path)), entry))
+    folder, name = os.path.split(os.path.abspath(path))
+    for entry in os.listdir(folder):  # what a save killed here before left (its process is gone)
+        pid = entry[len(name) + 5:] if entry.startswith(name + ".tmp-") else ""
+        if pid.isdigit() and pid.isascii() and not _alive(int(pid)):
+            os.remove(os.path.join(folder, entry))
     torch.save(state, tmp)
     with open(tmp, "rb") as fh:
         os.fsync(fh.fileno())
     os.replace(tmp, path)  # a crash leaves the old file or the new one, never half of one
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # someone else's process
+        return True
+    return True
 
 
 class TableChains:
