@@ -418,3 +418,25 @@ def test_generated_resumes_load_the_saved_state_exactly_or_exit_2(saved, capsys,
         np.testing.assert_array_equal(e.last_steps[order], model[prefix + "last_steps"].numpy()[want])
         assert store.step == int(model[prefix + "step"])
         assert store.evicted_count == int(model[prefix + "evicted_count"])
+
+
+def test_an_output_that_is_also_an_input_is_refused_before_anything_is_written(saved, tmp_path, capsys, monkeypatch):
+    """--summary-json or --checkpoint over the --resume checkpoint or the --criteo-tsv file would
+    replace it at the first save (--checkpoint P --resume P continues a checkpoint in place)."""
+    root, _ = saved
+    monkeypatch.chdir(tmp_path)
+    ck = str(tmp_path / "ck.pt")
+    with open(root / "one.pt", "rb") as src, open(ck, "wb") as dst:
+        dst.write(src.read())
+    (tmp_path / "day.tsv").write_text(GENUINE + "\n")
+    before = tree(tmp_path)
+    for argv, expected in [
+        (["--resume", ck, "--summary-json", ck], f"--summary-json {ck} is also --resume {ck}: the job would write "
+                                                 f"over it; give another path"),
+        (["--criteo-tsv", "day.tsv", "--checkpoint", "./day.tsv"], "--checkpoint ./day.tsv is also --criteo-tsv "
+                                                                   "day.tsv: the job would write over it"),
+        (["--checkpoint", "s.json", "--summary-json", "s.json"], "--checkpoint s.json is also --summary-json s.json"),
+    ]:
+        line = exit_line(capsys, *SMALL, "--steps", "5", *argv)
+        assert line.startswith(f"cn-dlrm: error: {expected}"), line
+    assert tree(tmp_path) == before

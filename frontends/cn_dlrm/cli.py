@@ -177,8 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="threads for torch and the core (default: all cores)")
     ap.add_argument("--criteo-tsv", metavar="PATH", type=_input_file, default=None,
                     help="train on a Criteo Kaggle / 1TB text file (.gz too) instead of synthetic data: label "
-                         "0/1, 13 integers (empty or negative read as 0), 26 hex categories (up to 64 bits; "
-                         "empty: no ID), tab-separated")
+                         "0/1, 13 integers (ASCII digits, '-' allowed; empty or negative read as 0), 26 categories "
+                         "of lower-case hex digits (8 in Criteo's files, up to 16 for 64-bit IDs; empty: no ID), "
+                         "tab-separated; any other spelling stops the job naming the line")
     ap.add_argument("--summary-json", metavar="PATH", type=_output_file, default=None,
                     help="also write the final summary as JSON")
     ap.add_argument("--checkpoint", metavar="PATH", type=_output_path, default=None,
@@ -262,11 +263,25 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     _check_bounded(ap, args, world)
     _check_tier(ap, args)
     _check_synthetic(ap, args)
+    _check_paths(ap, args)
     if args.nproc > 1:
         if args.compare and args.batch_size % args.nproc:
             ap.error(f"--compare with --nproc {args.nproc} needs --batch-size a multiple of {args.nproc}: TorchRec's "
                      f"row-wise tables need equal batches on every process (gloo), {args.batch_size} does not split")
     return args
+
+
+def _check_paths(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """No file the job writes is one it reads (or another it writes), except --checkpoint P
+    --resume P: a checkpoint continued in place."""
+    outputs = [(o, p) for o, p in (("--checkpoint", args.checkpoint), ("--summary-json", args.summary_json),
+                                   ("--ssd-path", args.ssd_path)) if p]
+    named = [*outputs, *[(o, p) for o, p in (("--criteo-tsv", args.criteo_tsv), ("--resume", args.resume)) if p]]
+    for i, (out, path) in enumerate(outputs):
+        for other, other_path in named[i + 1:]:
+            if {out, other} != {"--checkpoint", "--resume"} and \
+                    os.path.realpath(path) == os.path.realpath(other_path):
+                ap.error(f"{out} {path} is also {other} {other_path}: the job would write over it; give another path")
 
 
 def _check_synthetic(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
