@@ -750,3 +750,126 @@ def test_cn_table_reshard_max_rows_of_an_unbounded_table_says_so_in_the_cli_term
     assert err == [f"cn-table reshard: error: --max-rows 10: {paths[0]} is a shard of an unbounded table (no "
                    f"max_rows), which has no row budget to set; leave --max-rows out"]
     assert tree(tmp_path) == before
+
+
+# --- cn-dlrm's chains on two ranks: one rank killed during a save ------------------------------------
+
+def _chain_ranks(rank, world_size, folder, victim, limit):
+    """Two ranks save their shards as chains (TableChains, as cn-dlrm --nproc 2) three times;
+    in the fourth save, rank `victim` is killed (SIGKILL) before its limit-th file operation."""
+    import builtins
+    import signal
+
+    import torch
+
+    from cncore_torch.dlrm.chains import TableChains
+    from cncore_torch.state import save_store
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    stores = {n: cncore.EmbeddingStore(dim=2, optimizer=cncore.Adagrad(lr=0.1), seed=i + 1)
+              for i, n in enumerate(("t_a", "t_b"))}
+
+    def train(step):
+        for i, store in enumerate(stores.values()):
+            keys = np.random.default_rng(step * 10 + i).integers(0, 80, 24)
+            keys = keys[owner_of(keys, world_size) == rank]
+            _, ctx = store.pooled_lookup(keys, lengths=np.ones(len(keys), np.int64))
+            store.apply_gradients(ctx, np.ones((len(keys), 2), np.float32))
+
+    def state(step):
+        out = {"step": step}
+        for name, store in stores.items():
+            save_store(store, out, f"sparse.{name}.")
+        return out
+
+    chains = TableChains(folder, 1, rank, world_size)
+    for step in range(1, 4):
+        train(step)
+        chains.save(model, [opt], stores, step)
+    torch.save(state(3), f"{folder}.prev{rank}")
+    train(4)
+    torch.save(state(4), f"{folder}.new{rank}")
+    if rank == victim:
+        count = [0]
+
+        def wrap(fn, writes_only=False):
+            def inner(*args, **kwargs):
+                mode = args[1] if len(args) > 1 else kwargs.get("mode", "r")
+                if not writes_only or any(c in str(mode) for c in "wax+"):
+                    count[0] += 1
+                    if count[0] >= limit:
+                        os.kill(os.getpid(), signal.SIGKILL)
+                return fn(*args, **kwargs)
+            return inner
+        for mod, name in ((os, "rename"), (os, "replace"), (os, "remove"), (os, "rmdir"), (os, "fsync"),
+                          (os, "makedirs"), (shutil, "rmtree")):
+            setattr(mod, name, wrap(getattr(mod, name)))
+        builtins.open = wrap(builtins.open, writes_only=True)
+    chains.save(model, [opt], stores, 4)
+
+
+_CHAIN_RANKS_CHECK = r'''
+import json, sys
+import numpy as np
+import torch
+from cncore_torch.dlrm.chains import open_checkpoint
+from cncore_torch.dlrm.data import InputError
+
+out = []
+for case in json.loads(sys.argv[1]):
+    try:
+        got = open_checkpoint(case, "sparse.")
+    except InputError as e:
+        out.append(f"refused: {e}")
+        continue
+    found = None
+    for which in ("prev", "new"):
+        parts = [torch.load(f"{case}.{which}{r}", weights_only=False) for r in range(2)]
+        same = int(got["step"]) == parts[0]["step"]
+        for name in ("t_a", "t_b"):
+            p = f"sparse.{name}."
+            want = {f: np.concatenate([q[p + f].numpy() for q in parts]) for f in ("keys", "rows", "optimizer_state")}
+            have = {f: got["model"][p + f].numpy() for f in want}
+            a, b = np.argsort(have["keys"]), np.argsort(want["keys"])
+            same = same and all(np.array_equal(have[f][a], want[f][b]) for f in want)
+        if same:
+            found = which
+    out.append(found or "neither")
+print(json.dumps(out))
+'''
+
+
+@pytest.mark.slow
+def test_a_two_rank_save_with_one_rank_killed_resumes_from_the_previous_or_the_new_save(tmp_path):
+    """cn-dlrm --nproc 2's chains: the fourth save, with rank 0 or rank 1 killed before its
+    3rd, 12th, 21st, ... file operation (the other rank's collective then fails): the directory
+    opens as exactly the third save (or the fourth, where the kill came after it completed)."""
+    import subprocess
+    import sys
+
+    from cncore_torch.distributed.launch import spawn
+    cases, outcomes = [], {}
+    for victim in (0, 1):
+        for limit in range(3, 67, 9):  # the save takes about 60 file operations a rank: the last one completes
+            case = str(tmp_path / f"r{victim}k{limit:02d}")
+            try:
+                spawn(_chain_ranks, 2, case, victim, limit, timeout=40.0)
+                outcomes[case] = "completed"
+            except TimeoutError:
+                outcomes[case] = "hang"
+            except Exception:  # noqa: BLE001 - the killed rank (and its peer's failed collective)
+                outcomes[case] = "killed"
+            cases.append(case)
+    assert "hang" not in outcomes.values(), outcomes
+    check = subprocess.run([sys.executable, "-c", _CHAIN_RANKS_CHECK, json.dumps(cases)], capture_output=True,
+                           text=True, timeout=300)
+    assert check.returncode == 0, check.stderr[-3000:]
+    opened = dict(zip(cases, json.loads(check.stdout.strip().splitlines()[-1])))
+    print(f"\ntwo ranks, one killed: {sum(v == 'killed' for v in outcomes.values())} killed, "
+          f"{sum(v == 'completed' for v in outcomes.values())} completed; opened as "
+          f"{ {k: list(opened.values()).count(k) for k in set(opened.values())} }")
+    for case in cases:
+        assert opened[case] == ("new" if outcomes[case] == "completed" else "prev"), (case, outcomes[case], opened[case])
+    assert sum(v == "killed" for v in outcomes.values()) >= 10 and "completed" in outcomes.values()
