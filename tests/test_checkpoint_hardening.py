@@ -873,3 +873,17 @@ def test_a_two_rank_save_with_one_rank_killed_resumes_from_the_previous_or_the_n
     for case in cases:
         assert opened[case] == ("new" if outcomes[case] == "completed" else "prev"), (case, outcomes[case], opened[case])
     assert sum(v == "killed" for v in outcomes.values()) >= 10 and "completed" in outcomes.values()
+
+
+def test_checkpoint_to_tables_refuses_one_ranks_shard_and_writes_a_merged_one(saved_runs, tmp_path):
+    from cncore_torch.checkpoint import checkpoint_to_tables, tables_to_checkpoint
+    from cncore_torch.distributed import merge_shards
+    a3 = _state_dicts(saved_runs, "A3")
+    out = tmp_path / "tables"
+    with pytest.raises(ValueError, match=r"^tables\.t_a\.shard: these entries are rank 1's shard of a table split over "
+                                         r"2 ranks, not the whole table; merge every rank's state_dict"):
+        checkpoint_to_tables(a3[1], str(out))
+    assert not out.exists()
+    assert checkpoint_to_tables(merge_shards(a3), str(out)) == ["tables.t_a"]
+    back = tables_to_checkpoint(str(out))
+    assert _equal(_table(back), _table(merge_shards(a3)))

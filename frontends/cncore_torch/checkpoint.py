@@ -71,7 +71,8 @@ def checkpoint_to_tables(state_dict: dict, directory: str,
     `configs` (from `table_configs(model)`) supplies each table's config; a table without
     one gets a config inferred from its shapes (`cncore.tablefile.infer_config`).
     Returns the directory names written. Every table is checked (its name: one plain path
-    component; its shapes and value ranges) before the first is written.
+    component; its shapes and value ranges; whole, not one rank's shard) before the first is
+    written.
 
     >>> try:
     ...     checkpoint_to_tables({f"../x.{f}": torch.zeros(0) for f in FIELDS + ("step",)}, "out")
@@ -99,6 +100,12 @@ def checkpoint_to_tables(state_dict: dict, directory: str,
             v = values[name]
             if v.numel() and (int(v.min()) < 0 or int(v.max()) > 2**32 - 1):
                 raise ValueError(f"{prefix}{name}: values outside [0, 2**32 - 1] cannot be stored")
+        shard = state_dict.get(prefix + "shard")  # a sharded module's (rank, world size, run id)
+        if isinstance(shard, torch.Tensor) and shard.shape == (3,) and int(shard[1]) > 1:
+            raise ValueError(f"{prefix}shard: these entries are rank {int(shard[0])}'s shard of a table split over "
+                             f"{int(shard[1])} ranks, not the whole table; merge every rank's state_dict with "
+                             f"cncore_torch.distributed.merge_shards first (or write shard files with "
+                             f"save_shard_tables); nothing was written")
         evicted = state_dict.get(prefix + "evicted_count")
         evicted = 0 if evicted is None else int(evicted)
         if evicted < 0:
