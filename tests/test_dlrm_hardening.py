@@ -382,7 +382,7 @@ def _oracle(saved_keys, saved_step, dim, max_rows, steps, batch_size):
 
 
 @pytest.mark.slow
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(which=st.sampled_from(["two.pt", "one.pt", "chains"]), dim=st.sampled_from([4, 4, 4, 4, 8]),
        max_rows=st.sampled_from([None, None, 64, 96, 128, 48, 32, 20]), evict=st.sampled_from([None, "lru", "lfu"]),
        steps=st.sampled_from([4, 6, 7, 7, 9, 9]), admit=st.booleans())
