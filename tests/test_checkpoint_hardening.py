@@ -887,3 +887,26 @@ def test_checkpoint_to_tables_refuses_one_ranks_shard_and_writes_a_merged_one(sa
     assert checkpoint_to_tables(merge_shards(a3), str(out)) == ["tables.t_a"]
     back = tables_to_checkpoint(str(out))
     assert _equal(_table(back), _table(merge_shards(a3)))
+
+
+def test_cn_table_reshard_refuses_shards_of_two_saves_and_renamed_shards(saved_runs, tmp_path, capsys):
+    from cncore_numpy.cli import main as cn_table
+    a = [os.path.join(saved_runs, "A3", "t_a", shard_name(r, 2)) for r in range(2)]
+    b1 = os.path.join(saved_runs, "B3", "t_a", shard_name(1, 2))
+    swapped = tmp_path / "swapped"
+    for r in range(2):  # each folder under the other's name
+        shutil.copytree(a[1 - r], swapped / shard_name(r, 2))
+    before = tree(saved_runs), tree(tmp_path)
+    assert cn_table(["reshard", a[0], b1, str(tmp_path / "out"), "--world-size", "1", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.fullmatch(
+        rf"cn-table reshard: error: {re.escape(b1)}: written by save [0-9a-f]{{16}}-step3, {re.escape(a[0])} by "
+        r"[0-9a-f]{16}-step3: shards of two saves; give the shards of one save; nothing was written", err[0]), err
+    assert cn_table(["merge-shards", *(str(swapped / shard_name(r, 2)) for r in range(2)), str(tmp_path / "out"),
+                     "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"cn-table merge-shards: error: {swapped / shard_name(0, 2)}: was saved as shard 1 of 2, not shard 0 "
+                   f"of 2: shard folders were renamed or moved; put each back under its own name (shard-1-of-2); "
+                   f"nothing was loaded or written"]
+    assert (tree(saved_runs), tree(tmp_path)) == before
+    assert cn_table(["reshard", *a, str(tmp_path / "out"), "--world-size", "3", "--quiet"]) == 0  # one save: fine
