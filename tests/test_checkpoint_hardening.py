@@ -409,22 +409,23 @@ SPAWN_TIMEOUT = 150.0
 SOURCES = ("A3", "A5", "B3")  # run A at step 3 and step 5, run B (another run, the same steps) at step 3
 
 
-def _collection(device):
+def _collection(device, budget=None):
     from torchrec import EmbeddingBagConfig
 
     from cncore_torch import CNEmbeddingBagCollection
     return CNEmbeddingBagCollection([EmbeddingBagConfig(name="t_a", embedding_dim=3, num_embeddings=1000,
                                                         feature_names=["fa"])],
-                                    device=device, optimizer=cncore.Adagrad(lr=0.1), seed=3)
+                                    device=device, optimizer=cncore.Adagrad(lr=0.1), seed=3, max_rows=budget,
+                                    eviction=cncore.LRU() if budget else None)
 
 
-def _dmp():
+def _dmp(budget=None):
     import torch
     import torch.distributed as dist
     from torchrec.distributed.model_parallel import DistributedModelParallel
 
     from cncore_torch.distributed import CNEmbeddingBagCollectionSharder, plan_for
-    model = torch.nn.Sequential(_collection("meta"))
+    model = torch.nn.Sequential(_collection("meta", budget))
     return DistributedModelParallel(model, device=torch.device("cpu"), sharders=[CNEmbeddingBagCollectionSharder()],
                                     plan=plan_for(model, dist.get_world_size()))
 
@@ -637,6 +638,18 @@ def _load_cases(rank, world_size, folder, cases):
                 out["exact"] += 1
             else:
                 out["silent"].append(f"{s} rank {r}'s state_dict loaded on rank {rank}")
+    # a budget too small for the files: every rank refuses, whichever rank's share is over it
+    out["budget"] = {}
+    small = _dmp(budget=20)  # 10 rows a rank
+    small.module[0].stores["t_a"].find_or_insert(np.array([rank]))  # a row of its own, to see it stay
+    for source in ("A3", "one"):  # as many files as ranks; one file re-split over the two ranks
+        before = _store_table(small.module[0].stores["t_a"])
+        try:
+            load_shard_tables(small.module[0], os.path.join(folder, source))
+            out["budget"][source] = "loaded"
+        except ValueError as e:
+            same = _equal(_store_table(small.module[0].stores["t_a"]), before)
+            out["budget"][source] = str(e) if same else "refused but changed"
     with open(os.path.join(folder, f"outcome{rank}.json"), "w") as fh:
         json.dump(out, fh)
 
@@ -648,7 +661,10 @@ def test_every_mix_of_shard_files_loads_exactly_one_save_or_is_refused_on_every_
     on two real ranks; and every rank's state_dict on every rank. Every outcome is exactly the
     saved rows of one save, or a refusal that leaves the table and the files as they were."""
     from cncore_torch.distributed.launch import spawn
+    from cncore_numpy.cli import main as cn_table
     cases = _case_folders(saved_runs, strip=False) + _case_folders(saved_runs, strip=True)
+    assert cn_table(["reshard", *(os.path.join(saved_runs, "A3", "t_a", shard_name(r, 2)) for r in range(2)),
+                     os.path.join(saved_runs, "one", "t_a"), "--world-size", "1", "--quiet"]) == 0
     spawn(_load_cases, 2, saved_runs, cases, timeout=SPAWN_TIMEOUT)
     outcomes = [json.load(open(os.path.join(saved_runs, f"outcome{r}.json"))) for r in range(2)]
     counts = {k: sum(len(o[k]) if isinstance(o[k], list) else o[k] for o in outcomes)
@@ -677,6 +693,15 @@ def test_every_mix_of_shard_files_loads_exactly_one_save_or_is_refused_on_every_
         assert o["messages"][named[f"{other('A3')} + {other('A3')}"]].endswith(
             "t_a/shard-0-of-2: was saved as shard 1 of 2, not shard 0 of 2: shard folders were renamed or moved; put "
             "each back under its own name (shard-1-of-2); nothing was loaded or written")
+        assert re.fullmatch(rf"{re.escape(os.path.join(saved_runs, 'A3', 't_a'))}/shard-[01]-of-2: holds \d+ rows, "
+                            r"more than table 't_a''s max_rows per rank \(10\) here; build the module with a larger "
+                            r"max_rows; nothing was loaded", o["budget"]["A3"]), o["budget"]
+        assert re.fullmatch(rf"{re.escape(os.path.join(saved_runs, 'one', 't_a'))}: rank [01] of 2 would hold \d+ rows, "
+                            r"more than table 't_a''s max_rows per rank \(10\); build the module with a larger "
+                            r"max_rows \(or reshard with cn-table reshard --max-rows\); nothing was loaded",
+                            o["budget"]["one"]), o["budget"]
+    assert outcomes[0]["budget"] == outcomes[1]["budget"]  # both ranks refuse, naming the same file and rank
+    for o in outcomes:
         legacy = {what: case for case, _, what in cases[49:]}
         assert re.search(r"t_a/shard-0-of-2: holds key -?\d+, which shard 1 of 2 owns, not 0: not shard 0 of a 2-way "
                          r"split", o["messages"][legacy[f"{other('A3')} + {other('A3')}"]])

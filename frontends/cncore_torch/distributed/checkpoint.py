@@ -138,11 +138,19 @@ def load_shard_tables(module, directory: str, verify: bool = True) -> None:
     entries, evicted = {}, {}
     for name, store in stores.items():
         n, shards = _shard_files(directory, name)
-        _check_shard_set(os.path.join(directory, name), n, shards)
+        heads = _check_shard_set(os.path.join(directory, name), n, shards)
+        budget = store.config.max_rows  # each rank's share: the same on every rank
+        if budget is not None and n == world_size:  # each rank loads its own file: all within the budget?
+            for r, head in heads.items():
+                if head.delta is None and len(head) > budget:
+                    raise ValueError(f"{shards[r]}: holds {len(head)} rows, more than table {name!r}'s max_rows per "
+                                     f"rank ({budget}) here; build the module with a larger max_rows; nothing was "
+                                     f"loaded")
         parts, steps, evicted[name] = [], {}, 0
+        shares = np.zeros(world_size, np.int64)  # rows each rank keeps (files re-split on load)
         for r in ([rank] if n == world_size else range(n)):
             arrays, step, count, config = _read_shard(shards[r], verify)
-            check_shard(chain_head(shards[r]), shards[r], r, n, keys_of=[arrays["keys"]])
+            check_shard(heads[r], shards[r], r, n, keys_of=[arrays["keys"]])
             if config.dim != store.config.dim or config.state_floats != store.config.state_floats:
                 raise ValueError(f"{shards[r]}: dim {config.dim} with {config.state_floats} optimizer state floats; "
                                  f"table {name!r} here has dim {store.config.dim} with {store.config.state_floats}; "
@@ -150,9 +158,16 @@ def load_shard_tables(module, directory: str, verify: bool = True) -> None:
             steps[shards[r]] = step
             evicted[name] += count
             if n != world_size:
-                mine = owner_of(arrays["keys"], world_size) == rank
-                arrays = {f: a[mine] for f, a in arrays.items()}
+                owners = owner_of(arrays["keys"], world_size)
+                shares += np.bincount(owners, minlength=world_size)
+                arrays = {f: a[owners == rank] for f, a in arrays.items()}
             parts.append(arrays)
+        if n != world_size and budget is not None and shares.max() > budget:
+            # every rank reads every file, so every rank sees every rank's share and refuses alike
+            j = int(shares.argmax())
+            raise ValueError(f"{os.path.join(directory, name)}: rank {j} of {world_size} would hold {int(shares[j])} "
+                             f"rows, more than table {name!r}'s max_rows per rank ({budget}); build the module with "
+                             f"a larger max_rows (or reshard with cn-table reshard --max-rows); nothing was loaded")
         if len(set(steps.values())) > 1:
             raise ValueError(f"{os.path.join(directory, name)}: the shards disagree on the step ("
                              f"{', '.join(f'{os.path.basename(p)}: {s}' for p, s in steps.items())}); were they "
@@ -174,7 +189,8 @@ def load_shard_tables(module, directory: str, verify: bool = True) -> None:
 def _check_shard_set(folder: str, n: int, shards: Dict[int, str]) -> None:
     """The N shard files of one table (`_shard_files`) are of one save: each file's recorded
     place is its name's, and all record one save id, or none does (files written before
-    they were recorded: their keys are checked against their rank). ValueError otherwise."""
+    they were recorded: their keys are checked against their rank), one step and one dim
+    and optimizer state width. Returns {rank: the file's live version}; ValueError otherwise."""
     heads = {r: chain_head(path) for r, path in sorted(shards.items())}
     for r, head in heads.items():
         if head.shard is None:
@@ -185,6 +201,12 @@ def _check_shard_set(folder: str, n: int, shards: Dict[int, str]) -> None:
         raise ValueError(f"{folder}: the shards disagree on the step ("
                          f"{', '.join(f'{os.path.basename(shards[r])}: {h.step}' for r, h in heads.items())}); were "
                          f"they saved at one step? nothing was loaded")
+    widths = {r: (h.config.dim, h.config.state_floats) for r, h in heads.items()}
+    if len(set(widths.values())) > 1:
+        r = next(r for r, w in widths.items() if w != widths[0])
+        raise ValueError(f"{shards[r]}: dim {widths[r][0]} with {widths[r][1]} optimizer state floats, "
+                         f"{os.path.basename(shards[0])}: dim {widths[0][0]} with {widths[0][1]}; the shards of one "
+                         f"table share them; nothing was loaded")
     saves = {r: (head.shard or {}).get("save") for r, head in heads.items()}
     if len(set(saves.values())) > 1:
         first = saves[0]
@@ -192,6 +214,7 @@ def _check_shard_set(folder: str, n: int, shards: Dict[int, str]) -> None:
         raise ValueError(f"{folder}: the shard files are of different saves ({os.path.basename(shards[0])}: "
                          f"{first or 'not recorded'}, {os.path.basename(shards[r])}: {saves[r] or 'not recorded'}); "
                          f"keep one save's shards in a directory; nothing was loaded")
+    return heads
 
 
 def _read_shard(path: str, verify: bool):
