@@ -935,3 +935,14 @@ def test_cn_table_reshard_refuses_shards_of_two_saves_and_renamed_shards(saved_r
                    f"nothing was loaded or written"]
     assert (tree(saved_runs), tree(tmp_path)) == before
     assert cn_table(["reshard", *a, str(tmp_path / "out"), "--world-size", "3", "--quiet"]) == 0  # one save: fine
+
+
+def test_cn_dlrm_chains_refuse_a_table_name_that_is_not_one_path_component(tmp_path):
+    import torch
+
+    from cncore_torch.dlrm.chains import TableChains
+    store = cncore.EmbeddingStore(dim=2)
+    store.find_or_insert(np.arange(3))
+    with pytest.raises(ValueError, match=r"^table name '\.\./x': is used as a directory name"):
+        TableChains(str(tmp_path / "ck"), 1).save(torch.nn.Linear(1, 1), [], {"ok": store, "../x": store}, 1)
+    assert tree(tmp_path) == {}
