@@ -96,7 +96,8 @@ def as_output(obj, name: str, shape: tuple) -> np.ndarray:
         raise ValueError(f"{name}: expected shape {shape}, got {arr.shape}")
     if not arr.flags.writeable:
         raise BufferError(f"{name}: is read-only; the store writes its result there")
-    if shape[0] > 1 and (arr.strides[0] < 4 * shape[1] or arr.strides[0] % 4) or shape[1] > 1 and arr.strides[1] != 4:
+    rows_overlap = shape[0] > 1 and (arr.strides[0] < 4 * shape[1] or arr.strides[0] % 4)
+    if rows_overlap or (shape[1] > 1 and arr.strides[1] != 4):
         raise BufferError(f"{name}: each row must be contiguous with rows not overlapping "
                           f"(strides {arr.strides} for shape {shape})")
     return arr

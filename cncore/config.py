@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass, field
-from typing import Optional, Tuple, Union
 
 __all__ = [
     "Uniform", "Normal", "TruncatedNormal", "Constant", "Initializer",
@@ -67,7 +66,7 @@ class Uniform:
             raise ValueError(f"Uniform needs low < high, got low={self.low}, high={self.high}")
         _finite("Uniform.high - Uniform.low", float(self.high) - float(self.low))
 
-    def params(self) -> Tuple[float, float, float, float]:
+    def params(self) -> tuple[float, float, float, float]:
         return (self.low, self.high, 0.0, 0.0)
 
 
@@ -147,7 +146,7 @@ class Constant:
         return (self.value, 0.0, 0.0, 0.0)
 
 
-Initializer = Union[Uniform, Normal, TruncatedNormal, Constant]
+Initializer = Uniform | Normal | TruncatedNormal | Constant
 
 
 # --- optimizers: the per-row state the rows carry, and the fused update ----------------------
@@ -201,7 +200,7 @@ class Adam:
     """torch.optim.Adam's formula applied lazily (only rows with a gradient move; the bias
     correction uses the store's step). Two state vectors per row (m, v)."""
     lr: float = 0.001
-    betas: Tuple[float, float] = (0.9, 0.999)
+    betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     kind = 4
     initial_state = 0.0
@@ -214,7 +213,7 @@ class Adam:
         object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
 
 
-Optimizer = Union[SGD, Adagrad, RowWiseAdagrad, Adam]
+Optimizer = SGD | Adagrad | RowWiseAdagrad | Adam
 
 _STATE_FLOATS = {None: lambda d: 0, SGD: lambda d: 0, Adagrad: lambda d: d, RowWiseAdagrad: lambda d: 1,
                  Adam: lambda d: 2 * d}
@@ -245,7 +244,7 @@ class LFU:
     >>> LFU(halve_every=1024).halve_every
     1024
     """
-    halve_every: Optional[int] = None
+    halve_every: int | None = None
     kind = 2
 
     def __post_init__(self):
@@ -285,7 +284,7 @@ class TTL:
         object.__setattr__(self, "steps", int(self.steps))
 
 
-Eviction = Union[LRU, LFU, TTL]
+Eviction = LRU | LFU | TTL
 
 
 @dataclass(frozen=True)
@@ -353,7 +352,7 @@ class Probability:
         return math.ceil(self.p * 2**53)
 
 
-Admission = Union[MinCount, Probability]
+Admission = MinCount | Probability
 
 
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
@@ -364,7 +363,7 @@ ROW_DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2}
 
 @dataclass(frozen=True)
 class Tiered:
-    """Storage for a table larger than memory (cncore/tiered.py): every row lives in the directory
+    """Storage for a table larger than memory (cncore/tier/): every row lives in the directory
     `path` on disk (a slotted file of page-aligned records plus the key index of the last flush);
     a bounded in-memory cache of about `cache_bytes` holds the hot rows with their optimizer
     state and metadata (evicting by the config's eviction policy, LRU by default).
@@ -380,7 +379,7 @@ class Tiered:
     1.4 on 8 (page cache, 2 cores); a real SSD wants more in flight. The reads of `prefetch`
     and the writes of evicted rows run on the tier's background thread alone (plus the training
     thread reading beside it when it needs the records early): pool workers woken there took
-    the cores the training thread computes on (cncore/tiered.py, TieredStore.prefetch).
+    the cores the training thread computes on (cncore/tier/prefetch.py, TieredStore.prefetch).
 
     >>> Tiered(path="/tmp/users.tier", cache_bytes=2**30).cache_bytes
     1073741824
@@ -440,7 +439,7 @@ class StoreConfig:
     inserts, at the price of a table that runs up to `headroom` rows below its budget.
 
     storage: None (every row in memory) or Tiered(path, cache_bytes): rows on disk under a
-    bounded memory cache; `EmbeddingStore(config)` is then a `cncore.tiered.TieredStore`.
+    bounded memory cache; `EmbeddingStore(config)` is then a `cncore.tier.TieredStore`.
     """
     dim: int
     dtype: str = "float32"
@@ -448,12 +447,12 @@ class StoreConfig:
     seed: int = 0
     capacity: int = 1024
     max_load_factor: float = 0.7
-    optimizer: Optional[Optimizer] = None
-    max_rows: Optional[int] = None
-    eviction: Optional[Eviction] = None
-    headroom: Optional[int] = None
-    admission: Optional[Admission] = None
-    storage: Optional[Tiered] = None
+    optimizer: Optimizer | None = None
+    max_rows: int | None = None
+    eviction: Eviction | None = None
+    headroom: int | None = None
+    admission: Admission | None = None
+    storage: Tiered | None = None
 
     def __post_init__(self):
         if not isinstance(self.dim, int) or isinstance(self.dim, bool) or not 1 <= self.dim <= 65536:

@@ -19,7 +19,6 @@ True
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List
 
 import numpy as np
 
@@ -38,7 +37,7 @@ CRITEO_CARDINALITIES = [1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93
 class CriteoArrays:
     """One batch of B samples as NumPy arrays."""
     dense: np.ndarray          # (B, 13) float32, log(1 + count)
-    values: List[np.ndarray]   # 26 arrays of int64 raw IDs: feature f's present IDs, in sample order
+    values: list[np.ndarray]   # 26 arrays of int64 raw IDs: feature f's present IDs, in sample order
     lengths: np.ndarray        # (26, B) int64, 0 or 1: how many IDs sample b has in feature f
     labels: np.ndarray         # (B,) float32
     probabilities: np.ndarray  # (B,) float32, the hidden model's click probability
@@ -96,7 +95,7 @@ class SyntheticCriteo:
         labels = (rng.random(b) < p).astype(np.float32)
         return CriteoArrays(dense, values, lengths, labels, p.astype(np.float32))
 
-    def items_by_batch(self, n_batches: int) -> List[int]:
+    def items_by_batch(self, n_batches: int) -> list[int]:
         """How many item indices each feature can reach within n_batches (0 .. n-1)."""
         return [card + int(self.drift * (n_batches - 1) * card / 1000) for card in self.cardinalities]
 

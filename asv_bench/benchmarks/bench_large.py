@@ -12,7 +12,7 @@ import numpy as np
 import cncore
 
 from . import machine
-from .common import LARGE_ROWS, fresh_bags, flush, shared_store
+from .common import LARGE_ROWS, flush, fresh_bags, shared_store
 
 DIM = 64
 

@@ -4,7 +4,7 @@ The job's DLRM (`cn-dlrm`'s model, row-wise Adagrad on the tables, Adagrad on th
 network) on the job's default synthetic Criteo-like stream (`cncore.synthetic`: Zipf IDs
 that drift, so new IDs keep coming), trained with each table held to a row budget of
 --budgets percent of the distinct IDs the training range brings to it (never below the most
-distinct IDs one batch brings to it: `cncore_torch.dlrm.bounded.percent_budgets`, what
+distinct IDs one batch brings to it: `cn_dlrm.bounded.percent_budgets`, what
 `cn-dlrm --max-rows P%` uses), each method given the same rows per table:
 
 - ours: `CNEmbeddingBagCollection(max_rows=..., eviction=LRU() | LFU())`, and LRU with
@@ -41,7 +41,6 @@ import json
 import sys
 import time
 from types import SimpleNamespace
-from typing import Dict, List
 
 import numpy as np
 import torch
@@ -49,10 +48,18 @@ from torch import nn
 
 import cncore
 from cncore_torch.collection import CNEmbeddingBagCollection
-from cncore_torch.dlrm import bounded
-from cncore_torch.dlrm.data import SPARSE_KEYS, SyntheticCriteo
-from cncore_torch.dlrm.train import (Run, _mute_is_fx_tracing_notice, build_dlrm, equal_memory_rows, hashed_run,
-                                     table_configs, train, used_bytes)
+from cn_dlrm import bounded
+from cn_dlrm.data import SPARSE_KEYS, SyntheticCriteo
+from cn_dlrm.train import (
+    Run,
+    _mute_is_fx_tracing_notice,
+    build_dlrm,
+    equal_memory_rows,
+    hashed_run,
+    table_configs,
+    train,
+    used_bytes,
+)
 
 METHODS = ["ours-lru", "ours-lfu", "ours-lru+mincount2", "hashed", "hashed-same-memory", "mch-lru", "mch-lfu",
            "mch-distance-lfu", "mch-lru-reset"]
@@ -78,7 +85,7 @@ class CachedData:
         return iter(self.batches[start:])
 
 
-def ours(args, budgets: List[int], eviction, admission=None) -> Run:
+def ours(args, budgets: list[int], eviction, admission=None) -> Run:
     torch.manual_seed(args.seed)  # the dense network starts where every other run's does
     configs = table_configs(args.embedding_dim, budgets)
     ebc = CNEmbeddingBagCollection(tables=configs, optimizer=cncore.RowWiseAdagrad(lr=args.sparse_lr), seed=args.seed,
@@ -156,11 +163,15 @@ class ResetRun(Run):
         return loss
 
 
-def mch(args, budgets: List[int], policy_name: str) -> Run:
+def mch(args, budgets: list[int], policy_name: str) -> Run:
     from torchrec import EmbeddingBagCollection
     from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingBagCollection
-    from torchrec.modules.mc_modules import (DistanceLFU_EvictionPolicy, LFU_EvictionPolicy, LRU_EvictionPolicy,
-                                             ManagedCollisionCollection)
+    from torchrec.modules.mc_modules import (
+        DistanceLFU_EvictionPolicy,
+        LFU_EvictionPolicy,
+        LRU_EvictionPolicy,
+        ManagedCollisionCollection,
+    )
     from torchrec.optim import RowWiseAdagrad as TorchRecRowWiseAdagrad
     policies = {"mch-lru": LRU_EvictionPolicy, "mch-lfu": LFU_EvictionPolicy,
                 "mch-distance-lfu": DistanceLFU_EvictionPolicy, "mch-lru-reset": LRU_EvictionPolicy}
@@ -179,7 +190,7 @@ def mch(args, budgets: List[int], policy_name: str) -> Run:
     return run
 
 
-def hashed_rows_reached(data: CachedData, budgets: List[int]) -> int:
+def hashed_rows_reached(data: CachedData, budgets: list[int]) -> int:
     """Rows of the modulo-hashed tables that any training ID reaches."""
     total = 0
     for f, key in enumerate(SPARSE_KEYS):
@@ -188,7 +199,7 @@ def hashed_rows_reached(data: CachedData, budgets: List[int]) -> int:
     return total
 
 
-def build(method: str, args, budgets: List[int]) -> Run:
+def build(method: str, args, budgets: list[int]) -> Run:
     """`budgets`: rows per table (hashed-same-memory: the rows of ours' memory per table)."""
     if method == "ours-lru":
         return ours(args, budgets, cncore.LRU())
@@ -201,7 +212,7 @@ def build(method: str, args, budgets: List[int]) -> Run:
     return mch(args, budgets, method)
 
 
-def measure(method: str, args, data: CachedData, budgets: List[int]) -> Dict:
+def measure(method: str, args, data: CachedData, budgets: list[int]) -> dict:
     run = build(method, args, budgets)
     with contextlib.redirect_stdout(io.StringIO()):  # the job's evaluation line: the table says it
         result = train(run, data, args)

@@ -94,7 +94,8 @@ def run_one(args, kind: str, policy: str) -> dict:
         if policy == "ttl" and store.step % 10 == 0:
             store.evict_expired()
     peak = peak_rss_bytes()
-    return {"rows": len(store), "evicted": store.evicted_count, "store_bytes_per_row": store.nbytes / max(len(store), 1),
+    return {"rows": len(store), "evicted": store.evicted_count,
+            "store_bytes_per_row": store.nbytes / max(len(store), 1),
             "peak_rss_over_start_per_budget_row": (peak - rss0) / args.max_rows}
 
 
@@ -151,6 +152,7 @@ def checkpoint_sizes(args) -> dict:
     save, 1 % of the rows trained again, then a delta save and a full save: bytes and seconds."""
     import shutil
     import tempfile
+
     from cncore.tablefile import save_table
     cncore.set_num_threads(args.threads)
     dim = 128
@@ -187,7 +189,7 @@ def checkpoint_sizes(args) -> dict:
         assert delta.delta
         os.sync()
         t = time.perf_counter()
-        again = save_table(store, path)
+        save_table(store, path)
         full2_s = time.perf_counter() - t
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -218,7 +220,7 @@ def main():
     if args.throughput_only:
         print(json.dumps(eviction_throughput(args)))
         return
-    passthrough = [a for a in sys.argv[1:]]
+    passthrough = list(sys.argv[1:])
     print(f"budget {args.max_rows} rows, {args.distinct} distinct IDs, dim {args.dim}, {args.batch} x {args.bag} "
           f"IDs per step, {args.steps} steps, {args.threads} thread(s); steady state = the last half\n")
     print(f"{'stream':8} {'policy':14} {'step ms':>8} {'vs none':>8} {'rows':>9} {'evicted':>9} "
@@ -238,7 +240,8 @@ def main():
     print(f"\neviction throughput: evict(max_rows // 32) rounds on a full table of {args.max_rows} rows")
     print(f"{'policy':6} {'sink':>5} {'rows/round':>10} {'ms/round':>9} {'rows/s':>12}")
     for r in res:
-        print(f"{r['policy']:6} {str(r['sink']):>5} {r['round_rows']:10d} {r['ms_per_round']:9.2f} {r['rows_per_s']:12.0f}")
+        print(f"{r['policy']:6} {r['sink']!s:>5} {r['round_rows']:10d} {r['ms_per_round']:9.2f} "
+              f"{r['rows_per_s']:12.0f}")
     if args.checkpoint_gib > 0:
         c = checkpoint_sizes(args)
         print(f"\nincremental save: {c['rows']} rows of dim 128 (row-wise Adagrad), 1 % of them trained since the base")

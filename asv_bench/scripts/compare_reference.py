@@ -20,15 +20,17 @@ import sys
 import time
 import warnings
 
-import cncore_torch  # noqa: F401,I001  (before torch: bounds torch's OpenMP spin as for a user of our modules)
+import cncore_torch  # noqa: F401  (before torch: bounds torch's OpenMP spin as for a user of our modules)
+
+# isort: split
 import numpy as np
 import torch
 
 import cncore
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks import machine  # noqa: E402
-from benchmarks.common import positions  # noqa: E402
+from benchmarks import machine
+from benchmarks.common import positions
 
 warnings.filterwarnings("ignore")
 
@@ -82,8 +84,10 @@ def tbe(n_rows, dim, optim, lr, weights=None, precision="fp32"):
     n_rows x dim) copied in when given; precision "fp32" or "fp16" (the weights' storage)."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
-    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (ComputeDevice,
-                                                                        SplitTableBatchedEmbeddingBagsCodegen)
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ComputeDevice,
+        SplitTableBatchedEmbeddingBagsCodegen,
+    )
     kind = {"sgd": EmbOptimType.EXACT_SGD, "rowwise": EmbOptimType.EXACT_ROWWISE_ADAGRAD}[optim]
     m = SplitTableBatchedEmbeddingBagsCodegen([(n_rows, dim, EmbeddingLocation.HOST, ComputeDevice.CPU)],
                                               optimizer=kind, learning_rate=lr, eps=1e-8,
@@ -208,7 +212,7 @@ def run(args):
                 }, reps, before_round=fresh_ids)
                 m = {k: n / v / 1e6 for k, v in t.items()}
                 rows_out.append((dim, pooling, dist, m))
-        del stores, bag, tbes
+        stores = bag = tbes = None  # this dim's tables go before the next dim's are built
 
     print()
     print("| dim | pooling | IDs | fwd: EB | fwd: ours | ours/EB | step: EB+sparse SGD | TBE SGD | ours SGD "

@@ -19,7 +19,7 @@ import cncore
 from cncore_torch import CNEmbeddingBag
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from compare_reference import make_ids, timed_round_robin  # noqa: E402  (same timing rules)
+from compare_reference import make_ids, timed_round_robin  # the same timing rules
 
 
 def main():
@@ -86,7 +86,8 @@ def main():
                     fns = {k: v for k, v in fns.items() if k not in ("eb_fwd", "eb_step")}
                 t = timed_round_robin(fns, reps)
                 m = {k: batch * pooling / v / 1e6 for k, v in t.items()}
-                eb_cols = (f"{m['eb_fwd']:.1f} | **{m['module_fwd'] / m['eb_fwd']:.2f}x**" if "eb_fwd" in m else "- | -")
+                eb_cols = (f"{m['eb_fwd']:.1f} | **{m['module_fwd'] / m['eb_fwd']:.2f}x**" if "eb_fwd" in m
+                           else "- | -")
                 eb_step = (f"{m['eb_step']:.1f} | **{m['module_step'] / m['eb_step']:.2f}x**" if "eb_step" in m
                            else "- | -")
                 print(f"| {dim} | {pooling} | {dist} | {opt_name} | {m['core_fwd']:.1f} | {m['module_fwd']:.1f} | "

@@ -199,6 +199,8 @@ def main(argv=None) -> int:
         args.dists = args.dists[-1:]
 
     import cncore_torch  # noqa: F401  (first: bounds torch's OpenMP spin, as every user of our modules gets it)
+
+    # isort: split
     import torch
 
     import cncore
@@ -211,7 +213,8 @@ def main(argv=None) -> int:
     gen = np.random.default_rng(1)
     print(f"# Pooled forward, tables beyond the cache: {machine.describe()}")
     print(f"# threads: torch {torch.get_num_threads()}, cncore {cncore.get_num_threads()}"
-          f"{' (defaults)' if args.threads is None else ''}, {machine.openmp_wait()}; batch {args.batch}; {args.rounds} rounds; "
+          f"{' (defaults)' if args.threads is None else ''}, {machine.openmp_wait()}; batch {args.batch}; "
+          f"{args.rounds} rounds; "
           f"flush {flush.buf.nbytes >> 20} MiB before every call; our index load {args.max_load_factor}"
           f"{'; background load: one busy process per core' if args.background_load else ''}")
     lines = []

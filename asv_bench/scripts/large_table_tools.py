@@ -84,7 +84,7 @@ def main() -> None:
         ("merge (pruned + top, average)", ["merge", os.path.join(args.dir, "pruned"), os.path.join(args.dir, "top"),
                                            os.path.join(args.dir, "merged"), "--policy", "average"]),
     ]
-    print(f"\n| command | wall s | peak RSS MiB | peak RSS / table size |\n|---|---:|---:|---:|")
+    print("\n| command | wall s | peak RSS MiB | peak RSS / table size |\n|---|---:|---:|---:|")
     for label, cmd in commands:
         wall, peak, said = measure(cmd)
         print(f"| `{label}` | {wall:.1f} | {peak:.0f} | {peak * 2**20 / size:.3f} |", flush=True)

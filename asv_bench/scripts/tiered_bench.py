@@ -40,7 +40,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bounded_tables import peak_rss_bytes, rss_bytes  # noqa: E402
+from bounded_tables import peak_rss_bytes, rss_bytes
 
 
 def reset_peak_rss() -> None:
@@ -82,10 +82,10 @@ def run_one(kind: str, stream: str, multiple: float, args) -> dict:
 
 def _run_one(kind: str, stream: str, multiple: float, args, directory: str) -> dict:
     import cncore
-    import cncore.tiered  # noqa: F401 (imported in both runs, so that the baseline RSS holds it)
+    import cncore.tier  # imported in both runs, so that the baseline RSS holds it
     start_rss = rss_bytes()
     opt = cncore.RowWiseAdagrad(lr=0.05)
-    from cncore.tiered import _cache_rows
+    from cncore.tier.records import _cache_rows
     cache_rows = _cache_rows(cncore.StoreConfig(dim=args.dim, optimizer=opt), args.cache_mib << 20)
     n_keys = int(cache_rows * multiple)
     ids = args.batch * args.bag

@@ -33,9 +33,9 @@ from functools import partial
 import numpy as np
 from tqdm import tqdm
 
+from cncore.tablefile import TableFormatError, chain_length, compact_table, open_table
 from cncore_numpy import exchange, tools
 from cncore_numpy.exchange import NpzStreamWriter
-from cncore.tablefile import TableFormatError, chain_length, compact_table, open_table
 
 
 def _progress(quiet: bool, desc: str):
@@ -85,7 +85,8 @@ def _open_base(path: str, verify: bool):
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="cn-table", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="cn-table", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
     p = {}
     p["inspect"] = sub.add_parser("inspect", help="summary statistics of a table")

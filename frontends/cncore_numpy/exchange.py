@@ -34,14 +34,23 @@ from __future__ import annotations
 import json
 import os
 import zipfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, Optional
 
 import numpy as np
 
 import cncore
-from cncore.tablefile import (ARRAYS, TableFile, TableFormatError, TableWriter, as_column, config_from_dict,
-                              config_to_dict, infer_config, npy_header)
+from cncore.tablefile import (
+    ARRAYS,
+    TableFile,
+    TableFormatError,
+    TableWriter,
+    as_column,
+    config_from_dict,
+    config_to_dict,
+    infer_config,
+    npy_header,
+)
 
 __all__ = ["export_table", "import_table", "FORMATS", "NpzStreamWriter"]
 
@@ -101,9 +110,9 @@ class NpzStreamWriter:
             for batch in batches:
                 arr = np.ascontiguousarray(batch, dtype=dtype)
                 if arr.size:
-                    member.write(memoryview(arr.reshape(-1)).cast("B"))
+                    member.write(arr.reshape(-1).data.cast("B"))
 
-    def __enter__(self) -> "NpzStreamWriter":
+    def __enter__(self) -> NpzStreamWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -127,7 +136,7 @@ def _npy_member_reader(fh, name: str):
 
     def read(k: int) -> np.ndarray:
         out = np.empty((k,) + tuple(shape[1:]), dtype)
-        if out.nbytes and fh.readinto(memoryview(out.reshape(-1)).cast("B")) != out.nbytes:
+        if out.nbytes and fh.readinto(out.reshape(-1).data.cast("B")) != out.nbytes:
             raise TableFormatError(f"{name}: ends early (truncated)")
         return out
     return dtype, tuple(shape), read
@@ -168,9 +177,9 @@ def _export_npy(table, out, batch_rows, progress) -> None:
         for _, b in progress(table.batches(batch_rows)):
             rec = np.empty(len(b["keys"]), dtype)
             for name, field in _FIELDS.items():
-                if field in dtype.names:
+                if field in (dtype.names or ()):
                     rec[field] = b[name]
-            fh.write(memoryview(rec).cast("B") if len(rec) else b"")
+            fh.write(rec.data.cast("B") if len(rec) else b"")
 
 
 def _pyarrow():
@@ -194,7 +203,8 @@ def _export_parquet(table, out, batch_rows, progress) -> None:
     with _AtomicFile(out) as tmp:
         with pa.parquet.ParquetWriter(tmp, schema) as writer:
             for _, b in progress(table.batches(batch_rows)):
-                cols = [pa.array(b["keys"]), pa.FixedSizeListArray.from_arrays(pa.array(b["rows"].reshape(-1)), table.dim)]
+                rows = pa.FixedSizeListArray.from_arrays(pa.array(b["rows"].reshape(-1)), table.dim)
+                cols = [pa.array(b["keys"]), rows]
                 if sf:
                     cols.append(pa.FixedSizeListArray.from_arrays(pa.array(b["optimizer_state"].reshape(-1)), sf))
                 cols += [pa.array(b["counts"]), pa.array(b["last_steps"])]
@@ -209,9 +219,9 @@ class _Source:
     n_rows: int
     dim: int
     state_floats: int
-    config: Optional[cncore.StoreConfig]
-    step: Optional[int]
-    batches: Callable[..., Iterator[Dict[str, np.ndarray]]]  # (batch_rows, wanted array names)
+    config: cncore.StoreConfig | None
+    step: int | None
+    batches: Callable[..., Iterator[dict[str, np.ndarray]]]  # (batch_rows, wanted array names)
 
 
 def _show(value) -> str:
@@ -230,7 +240,7 @@ def _npz_source(path: str) -> _Source:
             if name + ".npy" in names:
                 with zf.open(name + ".npy") as fh:
                     shapes[name] = _npy_member_reader(fh, f"{path}: {name}")[1]
-    n = shapes["keys"][0] if len(shapes["keys"]) == 1 else None
+    n = shapes["keys"][0] if len(shapes["keys"]) == 1 else -1  # -1: no shape matches, keys is refused below
     for name, shape in shapes.items():
         ndim = 2 if name in ("rows", "optimizer_state") else 1
         if len(shape) != ndim or shape[0] != n:
@@ -327,7 +337,7 @@ def _parquet_source(path: str) -> _Source:
     return _Source(pf.metadata.num_rows, dim, sf, config, meta["step"] if meta else None, batches)
 
 
-def import_table(src: str, out: str, config: Optional[cncore.StoreConfig] = None, step: Optional[int] = None,
+def import_table(src: str, out: str, config: cncore.StoreConfig | None = None, step: int | None = None,
                  batch_rows: int = BATCH, progress: Callable = iter) -> None:
     """Write the table file `out` from an export `src` (.npz, .npy, .parquet). The config and
     step come from `src` when it holds them, else from the arguments, else inferred

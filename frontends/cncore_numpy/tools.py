@@ -25,14 +25,14 @@ import dataclasses
 import os
 import secrets
 import shutil
-from typing import Callable, Dict, List, Optional
+from collections.abc import Callable
 
 import numpy as np
 
-from cncore_numpy.exchange import BATCH, NpzStreamWriter
 from cncore.routing import owner_of, parse_shard_name, shard_name
 from cncore.tablefile import TableFile, TableWriter, check_shard, config_to_dict
 from cncore.tablefile_lookup import find_rows, key_index
+from cncore_numpy.exchange import BATCH, NpzStreamWriter
 
 __all__ = ["inspect", "prune_mask", "prune", "merge", "diff", "to_fixed", "check_shards", "reshard", "POLICIES",
            "POLICY_FIELDS"]
@@ -103,14 +103,14 @@ def inspect(table: TableFile, progress: Callable = iter) -> dict:
             "age": {"edges": age_bins, "counts": ages.tolist()}}
 
 
-def prune_mask(table: TableFile, min_count: Optional[int] = None, min_step: Optional[int] = None,
-               min_norm: Optional[float] = None, top_k: Optional[int] = None, progress: Callable = iter):
+def prune_mask(table: TableFile, min_count: int | None = None, min_step: int | None = None,
+               min_norm: float | None = None, top_k: int | None = None, progress: Callable = iter):
     """(keep mask, {criterion: rows failing it}). A row is kept when every given criterion
     holds (count >= min_count, last step >= min_step, row norm >= min_norm); then at most
     `top_k` of the kept rows by access count stay (ties: the smaller key)."""
     n = len(table)
     keep = np.ones(n, dtype=bool)
-    failing: Dict[str, int] = {}
+    failing: dict[str, int] = {}
     names = ("keys", "counts", "last_steps") + (("rows",) if min_norm is not None else ())
     for start, b in progress(table.batches(BATCH, names)):
         tests = {}
@@ -143,7 +143,7 @@ def prune(table: TableFile, out: str, keep: np.ndarray, progress: Callable = ite
     return int(len(table) - keep.sum())
 
 
-def _gather(table: TableFile, rows: np.ndarray) -> Dict[str, np.ndarray]:
+def _gather(table: TableFile, rows: np.ndarray) -> dict[str, np.ndarray]:
     """Every array's entries at row numbers `rows`."""
     return {name: table.take(name, rows) for name in ("keys", "rows", "optimizer_state", "counts", "last_steps")}
 
@@ -187,7 +187,7 @@ def merge(left: TableFile, right: TableFile, out: str, policy: str, progress: Ca
     return {"left_only": len(left) - both, "right_only": len(right) - both, "both": both, "rows": n_out}
 
 
-def _resolve(b: Dict[str, np.ndarray], r: Dict[str, np.ndarray], hit: np.ndarray, policy: str) -> None:
+def _resolve(b: dict[str, np.ndarray], r: dict[str, np.ndarray], hit: np.ndarray, policy: str) -> None:
     """Overwrite left's entries `b` at `hit` with the policy's result given right's `r`."""
     if policy == "right":
         take = np.ones(len(r["keys"]), bool)
@@ -278,7 +278,7 @@ def to_fixed(table: TableFile, out: str, progress: Callable = iter) -> None:
 _SHARD_FIELDS = ("keys", "rows", "optimizer_state", "counts", "last_steps")
 
 
-def check_shards(paths: List[str], tables: List[TableFile], progress: Callable = iter) -> dict:
+def check_shards(paths: list[str], tables: list[TableFile], progress: Callable = iter) -> dict:
     """Check that `tables` (opened from `paths`) are every shard of one split of one table, and
     count their rows. Names: each path's last component is ``shard-R-of-N`` (`shard_name`),
     one N, every R in 0..N-1 once. Contents: one dim, optimizer kind, row dtype, step and save
@@ -300,7 +300,7 @@ def check_shards(paths: List[str], tables: List[TableFile], progress: Callable =
         if w != n:
             raise ValueError(f"{path}: a shard of a {w}-way split, {paths[0]} of a {n}-way one; give the shards "
                              f"of one save; nothing was written")
-    seen: Dict[int, str] = {}
+    seen: dict[int, str] = {}
     for path, (r, _) in zip(paths, places):
         if r in seen:
             raise ValueError(f"{path}: shard {r} of {n} given twice (also as {seen[r]}); nothing was written")
@@ -335,7 +335,7 @@ def check_shards(paths: List[str], tables: List[TableFile], progress: Callable =
     return {"world_size": n, "rows": sum(len(t) for t in tables), "evicted": sum(t.evicted_count for t in tables)}
 
 
-def _split_config(tables: List[TableFile], world_size: int, max_rows: Optional[int]):
+def _split_config(tables: list[TableFile], world_size: int, max_rows: int | None):
     """The config of each of `world_size` shards cut from `tables`: the first's, with the row
     budget (and its headroom) the inputs' sum split ceil(sum / world_size) ways, as a sharded
     collection splits a table's budget; `max_rows` overrides the budget. The capacity hint is
@@ -343,7 +343,7 @@ def _split_config(tables: List[TableFile], world_size: int, max_rows: Optional[i
     config = tables[0].config
     capacity = max(t.config.capacity for t in tables)
 
-    def split(name: str) -> Optional[int]:
+    def split(name: str) -> int | None:
         values = [getattr(t.config, name) for t in tables]
         return None if any(v is None for v in values) else -(-sum(values) // world_size)
 
@@ -355,8 +355,8 @@ def _split_config(tables: List[TableFile], world_size: int, max_rows: Optional[i
                                headroom=None if headroom is None else min(headroom, budget - 1))
 
 
-def reshard(paths: List[str], tables: List[TableFile], out: str, world_size: int, *, single: bool = False,
-            max_rows: Optional[int] = None, progress: Callable = iter) -> dict:
+def reshard(paths: list[str], tables: list[TableFile], out: str, world_size: int, *, single: bool = False,
+            max_rows: int | None = None, progress: Callable = iter) -> dict:
     """Re-split the shard tables of one table (`check_shards`: every shard of an N-way split)
     into `world_size` shards by the owner hash: ``out/shard-R-of-M`` holds every key with
     `owner_of(key, M) == R`, its row, optimizer state, count and last step unchanged (rows of

@@ -1,0 +1,8 @@
+"""Type stub of the compiled core (built from cython_src/cncore/_core.pyx).
+
+A partial stub: every name the core defines is Any to the type checker; the Python layer above
+it (`cncore.store`, `cncore.grouped`) carries the annotated signatures.
+"""
+from typing import Any
+
+def __getattr__(name: str) -> Any: ...
