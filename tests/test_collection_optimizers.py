@@ -381,9 +381,7 @@ def _sharded_fused_params_and_unpooled_tag(rank, world_size):
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-    from cncore_torch.distributed import CNEmbeddingBagCollectionSharder
-    from cncore_torch.distributed.embedding import CNEmbeddingCollectionSharder
-    from cncore_torch.distributed.embeddingbag import plan_for
+    from cncore_torch.distributed import CNEmbeddingBagCollectionSharder, CNEmbeddingCollectionSharder, plan_for
 
     model = CNEmbeddingBagCollection(tables=configs(), device="meta", seed=3)
     sharder = CNEmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.ADAM, "learning_rate": 0.05,
@@ -438,7 +436,7 @@ def test_the_sharded_collection_refuses_fused_params_it_cannot_honour(fused_para
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torchrec.distributed.types import ShardingEnv
 
-    from cncore_torch.distributed.embeddingbag import ShardedCNEmbeddingBagCollection, plan_for
+    from cncore_torch.distributed import ShardedCNEmbeddingBagCollection, plan_for
     model = CNEmbeddingBagCollection(tables=configs(), device="meta")
     if tag is not None:
         apply_optimizer_in_backward(tag[0], model.parameters(), tag[1])

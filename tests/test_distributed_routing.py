@@ -114,7 +114,7 @@ def test_the_sharded_module_refuses_other_plans_and_a_missing_optimizer():
     (lambda: _kjt(weights=torch.ones(2, dtype=torch.int64)), "weights must be floating point"),
 ])
 def test_a_bad_batch_is_refused_before_any_collective(make, match):
-    from cncore_torch.distributed.embeddingbag import check_features
+    from cncore_torch.distributed.embedding_sharding import check_features
     with pytest.raises((TypeError, ValueError), match=match):
         check_features(make(), ["f1", "f2", "f3"], False)
     with pytest.raises(ValueError, match="is_weighted=True but the KJT has no weights"):

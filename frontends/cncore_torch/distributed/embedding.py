@@ -21,25 +21,23 @@ import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.embedding import EmbeddingCollectionContext, EmbeddingCollectionSharder, \
     ShardedEmbeddingCollection
-from torchrec.distributed.embedding_types import EmbeddingComputeKernel, ShardedEmbeddingModule
-from torchrec.distributed.types import Awaitable, LazyAwaitable, NoWait, ParameterSharding, ShardingEnv, ShardingType
+from torchrec.distributed.embedding_types import ShardedEmbeddingModule
+from torchrec.distributed.types import Awaitable, LazyAwaitable, NoWait, ParameterSharding, ShardingEnv
 from torchrec.optim.keyed import KeyedOptimizer
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 import cncore
 from cncore_torch.collection import CNEmbeddingCollection, unpooled_lookup
 from cncore_torch.distributed.checkpoint import agree_run_id
-from cncore_torch.distributed.embeddingbag import (_check_plan, _keep_owned_rows, check_features, fused_anchor,
-                                                  shard_store_configs, sharded_optimizer)
+from cncore_torch.distributed.embedding_sharding import (check_features, fused_anchor, keep_owned_rows, owned_writer,
+                                                         shard_store_configs, sharded_optimizer)
+from cncore_torch.distributed.planner import KERNEL, ROW_WISE, check_plan, register_planner_estimates
 from cncore_torch.distributed.routing import owner_of
-from cncore_torch.distributed.rw_sharding import _AllToAll
+from cncore_torch.distributed.rw_sharding import SplitAllToAll
 from cncore_torch.optim import keyed_fused_optimizer
 from cncore_torch.state import load_tables, save_store
 
 __all__ = ["CNEmbeddingCollectionSharder", "ShardedCNEmbeddingCollection"]
-
-_KERNEL = EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
-_ROW_WISE = ShardingType.ROW_WISE.value
 
 
 class _Rows(LazyAwaitable[Dict[str, JaggedTensor]]):
@@ -60,7 +58,7 @@ class ShardedCNEmbeddingCollection(ShardedEmbeddingCollection):
         ShardedEmbeddingModule.__init__(self, qcomm_codecs_registry=qcomm_codecs_registry)
         if not isinstance(module, CNEmbeddingCollection):
             raise TypeError(f"module must be a CNEmbeddingCollection, got {type(module).__name__}")
-        _check_plan(module, module.embedding_configs(), table_name_to_parameter_sharding, device, fused_params)
+        check_plan(module, module.embedding_configs(), table_name_to_parameter_sharding, device, fused_params)
         self._module_fqn, self._env, self._pg = module_fqn, env, env.process_group
         self._world_size, self._rank = env.world_size, env.rank
         self._run_id = agree_run_id(env)  # in every shard's state_dict and shard files
@@ -75,7 +73,7 @@ class ShardedCNEmbeddingCollection(ShardedEmbeddingCollection):
         self._stores = {name: cncore.EmbeddingStore(config)
                         for name, config in shard_store_configs(configs_with_optimizer, self._world_size,
                                                                             self._rank).items()}
-        _keep_owned_rows(self._stores, module.stores, self._world_size, self._rank)
+        keep_owned_rows(self._stores, module.stores, self._world_size, self._rank)
         self._table_stores = [self._stores[c.name] for c in self._configs]  # what the lookup reads
         self._optim = keyed_fused_optimizer(self._anchor, optimizer, list(self._stores.values()),
                                                       "embeddings.fused")
@@ -141,7 +139,7 @@ class ShardedCNEmbeddingCollection(ShardedEmbeddingCollection):
     def output_dist(self, ctx: EmbeddingCollectionContext,
                     output: torch.Tensor) -> LazyAwaitable[Dict[str, JaggedTensor]]:
         c = ctx.cn
-        back = _AllToAll.apply(output, c["send"], c["recv"], self._pg)  # rows of my keys, in `sort` order
+        back = SplitAllToAll.apply(output, c["send"], c["recv"], self._pg)  # rows of my keys, in `sort` order
 
         def assemble() -> Dict[str, JaggedTensor]:
             rows = back[torch.argsort(c["sort"])]
@@ -166,18 +164,20 @@ class ShardedCNEmbeddingCollection(ShardedEmbeddingCollection):
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
         """As the pooled sharded collection: entries with any keys; this rank keeps its own."""
-        from cncore_torch.distributed.embeddingbag import _owned_writer
-
         def load_rest(rest, missing, unexpected, errors):
             nn.Module._load_from_state_dict(self, rest, prefix, local_metadata, strict, missing, unexpected, errors)
 
-        tables = {f"{prefix}tables.{name}.": (store.config, _owned_writer(store, self._world_size, self._rank))
+        tables = {f"{prefix}tables.{name}.": (store.config, owned_writer(store, self._world_size, self._rank))
                   for name, store in self._stores.items()}
         load_tables(tables, load_rest, state_dict, missing_keys, unexpected_keys, error_msgs)
 
 
 class CNEmbeddingCollectionSharder(EmbeddingCollectionSharder):
     """Shards `CNEmbeddingCollection` row-wise by key hash (CUSTOMIZED_KERNEL), on cpu."""
+
+    def __init__(self, fused_params: Optional[Dict[str, Any]] = None, qcomm_codecs_registry=None, **kwargs) -> None:
+        super().__init__(fused_params=fused_params, qcomm_codecs_registry=qcomm_codecs_registry, **kwargs)
+        register_planner_estimates()  # DMP without a plan asks TorchRec's planner, which needs them
 
     def shard(self, module: CNEmbeddingCollection, params: Dict[str, ParameterSharding], env: ShardingEnv,
               device: Optional[torch.device] = None, module_fqn: Optional[str] = None) -> ShardedCNEmbeddingCollection:
@@ -190,10 +190,10 @@ class CNEmbeddingCollectionSharder(EmbeddingCollectionSharder):
                 for c in module.embedding_configs()}
 
     def sharding_types(self, compute_device_type: str) -> List[str]:
-        return [_ROW_WISE]
+        return [ROW_WISE]
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
-        return [_KERNEL]
+        return [KERNEL]
 
     @property
     def module_type(self) -> Type[CNEmbeddingCollection]:

@@ -12,9 +12,6 @@ collection's `stores` does.
 """
 from __future__ import annotations
 
-import dataclasses
-import os
-
 from typing import Any, Dict, Iterator, List, Optional, Type
 
 import numpy as np
@@ -22,28 +19,25 @@ import torch
 from torch import nn
 from torchrec.distributed.embedding_sharding import EmbeddingShardingContext, EmbeddingShardingInfo, \
     KJTListSplitsAwaitable
-from torchrec.distributed.embedding_types import EmbeddingComputeKernel, KJTList, ShardedEmbeddingModule
+from torchrec.distributed.embedding_types import KJTList, ShardedEmbeddingModule
 from torchrec.distributed.embeddingbag import (EmbeddingBagCollectionContext, EmbeddingBagCollectionSharder,
                                                ShardedEmbeddingBagCollection)
-from torchrec.distributed.types import (Awaitable, LazyAwaitable, ParameterSharding, ShardingEnv, ShardingPlan,
-                                        ShardingType)
+from torchrec.distributed.types import Awaitable, LazyAwaitable, ParameterSharding, ShardingEnv
 from torchrec.modules.embedding_configs import EmbeddingTableConfig, PoolingType
 from torchrec.optim.keyed import KeyedOptimizer
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 import cncore
-from cncore.routing import shard_name
 from cncore_torch.collection import CNEmbeddingBagCollection
 from cncore_torch.distributed.checkpoint import agree_run_id
-from cncore_torch.distributed.routing import owner_of
+from cncore_torch.distributed.embedding_sharding import (check_features, fused_anchor, keep_owned_rows, owned_writer,
+                                                         shard_store_configs, sharded_optimizer)
+from cncore_torch.distributed.planner import KERNEL, ROW_WISE, check_plan, register_planner_estimates
 from cncore_torch.distributed.rw_sharding import CNRwPooledEmbeddingSharding, route_kjt
-from cncore_torch.optim import keyed_fused_optimizer, no_optimizer_error, resolve_optimizer
-from cncore_torch.state import TableState, load_tables, save_store
+from cncore_torch.optim import keyed_fused_optimizer
+from cncore_torch.state import load_tables, save_store
 
-__all__ = ["CNEmbeddingBagCollectionSharder", "ShardedCNEmbeddingBagCollection", "plan_for"]
-
-_KERNEL = EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
-_ROW_WISE = ShardingType.ROW_WISE.value
+__all__ = ["CNEmbeddingBagCollectionSharder", "ShardedCNEmbeddingBagCollection"]
 
 
 class _KeyedTensorAwaitable(LazyAwaitable[KeyedTensor]):
@@ -60,15 +54,6 @@ class _KeyedTensorAwaitable(LazyAwaitable[KeyedTensor]):
         if self._divisor is not None:
             values = values / self._divisor
         return KeyedTensor(keys=self._names, length_per_key=self._dims, values=values)
-
-
-class _Then(Awaitable):
-    def __init__(self, inner: Awaitable, fn):
-        super().__init__()
-        self._inner, self._fn = inner, fn
-
-    def _wait_impl(self):
-        return self._fn(self._inner.wait())
 
 
 class ShardedCNEmbeddingBagCollection(ShardedEmbeddingBagCollection):
@@ -90,7 +75,7 @@ class ShardedCNEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         if not isinstance(module, CNEmbeddingBagCollection):
             raise TypeError(f"module must be a CNEmbeddingBagCollection, got {type(module).__name__}")
         configs = module.embedding_bag_configs()
-        _check_plan(module, configs, table_name_to_parameter_sharding, device, fused_params)
+        check_plan(module, configs, table_name_to_parameter_sharding, device, fused_params)
         self._module_fqn = module_fqn
         self._env = env
         self._pg = env.process_group
@@ -109,7 +94,7 @@ class ShardedCNEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         self._store_configs = shard_store_configs(configs_with_optimizer, self._world_size, self._rank)
         self._anchor = fused_anchor()
         self._stores = {name: cncore.EmbeddingStore(config) for name, config in self._store_configs.items()}
-        _keep_owned_rows(self._stores, module.stores, self._world_size, self._rank)
+        keep_owned_rows(self._stores, module.stores, self._world_size, self._rank)
         self._optim = keyed_fused_optimizer(self._anchor, optimizer, list(self._stores.values()),
                                             "embedding_bags.fused")
         infos = [EmbeddingShardingInfo(
@@ -125,7 +110,7 @@ class ShardedCNEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                                                feature_tables=self._feature_tables, is_weighted=self._is_weighted,
                                                anchor=self._anchor)
         self._embedding_shardings = [sharding]
-        self._sharding_types = [_ROW_WISE]
+        self._sharding_types = [ROW_WISE]
         self._input_dists = nn.ModuleList([sharding.create_input_dist()])
         self._lookups = nn.ModuleList([sharding.create_lookup()])
         self._output_dists = nn.ModuleList([sharding.create_output_dist()])
@@ -222,133 +207,11 @@ class ShardedCNEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         load_tables(self._tables(prefix), load_rest, state_dict, missing_keys, unexpected_keys, error_msgs)
 
     def _tables(self, prefix: str) -> dict:
-        return {f"{prefix}tables.{name}.": (store.config, _owned_writer(store, self._world_size, self._rank))
+        return {f"{prefix}tables.{name}.": (store.config, owned_writer(store, self._world_size, self._rank))
                 for name, store in self._stores.items()}
 
     def sharded_parameter_names(self, prefix: str = "") -> Iterator[str]:
         yield from (key for key, _ in self.named_parameters(prefix))
-
-
-def check_features(features, needed: List[str], is_weighted: bool) -> None:
-    """A rank's KJT, checked before any collective (a bad batch raises here, on its rank, with the
-    single-process collection's messages, instead of reaching the all-to-all): CPU tensors with
-    values, int IDs, float weights (present when is_weighted), lengths >= 0 adding up to the
-    values, one batch size for every key, every feature the tables read present."""
-    if not isinstance(features, KeyedJaggedTensor):
-        raise TypeError(f"features must be a KeyedJaggedTensor, got {type(features).__name__}")
-    if features.variable_stride_per_key():
-        raise ValueError("features: a variable batch size per key is not supported; one batch size per rank is "
-                         "(ranks may differ)")
-    values, lengths, weights = features.values(), features.lengths(), features.weights_or_none()
-    for name, t in (("values", values), ("lengths", lengths), ("weights", weights)):
-        if t is not None and (t.is_meta or t.device.type != "cpu"):
-            raise ValueError(f"features: {name} is on {t.device}; expected a CPU tensor (the rows are in the core)")
-    if values.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"features: values must be int64 or int32 IDs, got {values.dtype}")
-    if is_weighted and weights is None:
-        raise ValueError("features: is_weighted=True but the KJT has no weights")
-    if weights is not None and (not weights.is_floating_point() or weights.shape != values.shape):
-        raise ValueError(f"features: weights must be floating point with one weight per ID, got {weights.dtype} "
-                         f"{tuple(weights.shape)} for {values.numel()} IDs")
-    if lengths.numel() and int(lengths.min()) < 0:
-        raise ValueError(f"features: lengths must be >= 0, got {int(lengths.min())}")
-    if int(lengths.sum()) != values.numel():
-        raise ValueError(f"features: lengths add up to {int(lengths.sum())}, but values holds {values.numel()} IDs")
-    if lengths.numel() != len(features.keys()) * features.stride():
-        raise ValueError(f"features: {lengths.numel()} lengths for {len(features.keys())} keys of batch size "
-                         f"{features.stride()}")
-    missing = [f for f in needed if f not in features.keys()]
-    if missing:
-        raise ValueError(f"features: no key {missing[0]!r} (it has {features.keys()})")
-
-
-def _check_plan(module, configs, table_name_to_parameter_sharding, device, fused_params=None) -> None:
-    """The plan shards every table row-wise with our kernel, on cpu, and the module has an optimizer
-    (optimizer=, apply_optimizer_in_backward or the sharder's fused_params)."""
-    if device is not None and torch.device(device).type != "cpu":
-        raise ValueError(f"device={device}: the tables' rows are in the core; shard onto device 'cpu' (the "
-                         "process group's backend may still be NCCL for dense parts, untested)")
-    sharded_optimizer(module, f"sharded {type(module).__name__}", fused_params)  # one is set, or a clear error
-    for c in configs:
-        ps = table_name_to_parameter_sharding.get(c.name)
-        if ps is None:
-            raise ValueError(f"table {c.name!r}: the plan has no entry for it (plan_for builds one)")
-        if ps.sharding_type != _ROW_WISE or ps.compute_kernel != _KERNEL:
-            raise ValueError(f"table {c.name!r}: planned as {ps.sharding_type}/{ps.compute_kernel}; dynamic "
-                             f"tables shard as {_ROW_WISE}/{_KERNEL} (plan_for builds that plan)")
-
-
-def _owned_writer(store: cncore.EmbeddingStore, world_size: int, rank: int):
-    """What loads a checked TableState into `store`: the rows this rank owns (replacing all).
-    (A shard's evicted count starts at 0: merge_shards sums the ranks' counts, which no single
-    rank's count can be restored from.)"""
-    def owned(keys: np.ndarray) -> np.ndarray:
-        return (owner_of(torch.from_numpy(keys), world_size) == rank).numpy()
-
-    def write(state: TableState) -> None:
-        mine = owned(state.keys)
-        TableState(state.keys[mine], state.rows[mine], state.optimizer_state[mine], state.counts[mine],
-                   state.last_steps[mine], state.step).load_into(store)
-    write.rows_kept = lambda keys: int(owned(keys).sum())
-    write.place = (rank, world_size)  # whose shard entries are this table whole (cncore_torch.state)
-    return write
-
-
-def sharded_optimizer(module, owner: str, fused_params: Optional[Dict[str, Any]] = None):
-    """(optimizer, store configs with it) of a collection being sharded, read as TorchRec's own
-    sharders read it: the collection's optimizer=, the optimizer `torchrec.optim.
-    apply_optimizer_in_backward` attached to its parameters (DMP shards a meta module, which
-    never adopted it), or the sharder's FBGEMM-style `fused_params`
-    (`CNEmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
-    "learning_rate": 0.05})`); those set must agree (`cncore_torch.optim.resolve_optimizer`). A
-    sharded table trains only fused, so none is refused now rather than in backward."""
-    optimizer = resolve_optimizer(module._optimizer, module._anchor, owner, fused_params, sharded=True)
-    if optimizer is None:
-        raise no_optimizer_error(owner)
-    return optimizer, {name: dataclasses.replace(c, optimizer=optimizer) for name, c in module._store_configs.items()}
-
-
-def fused_anchor() -> nn.Parameter:
-    """The sharded module's zero-size parameter, marked as TorchRec marks the parameters of its
-    fused tables (`_in_backward_optimizers`), so that `torchrec.optim.optimizers.
-    in_backward_optimizer_filter(model.named_parameters())` leaves it out of the dense optimizer."""
-    from torchrec.optim.fused import EmptyFusedOptimizer
-    anchor = nn.Parameter(torch.empty(0))
-    anchor._in_backward_optimizers = [EmptyFusedOptimizer()]
-    return anchor
-
-
-def shard_store_configs(configs: Dict[str, cncore.StoreConfig], world_size: int,
-                        rank: int = 0) -> Dict[str, cncore.StoreConfig]:
-    """Each rank's config of every table: a table's row budget (max_rows, and headroom) is split
-    between the ranks, ceil(max_rows / world_size) each, as row-wise sharding splits
-    num_embeddings; keys spread evenly by the owner hash, so the ranks together hold about the
-    budget, and each shard evicts by its own policy when its share is full. A tiered table
-    (storage=) gets a directory per rank, `<its path>/shard-<rank>-of-<world size>` (two ranks
-    in one directory would overwrite each other's records), with the same cache budget (each
-    process holds its own cache)."""
-    out = {}
-    for name, config in configs.items():
-        if config.storage is not None and world_size > 1:
-            os.makedirs(config.storage.path, exist_ok=True)
-            config = dataclasses.replace(config, storage=dataclasses.replace(
-                config.storage, path=os.path.join(config.storage.path, shard_name(rank, world_size))))
-        if config.max_rows is None or world_size == 1:
-            out[name] = config
-            continue
-        share = -(-config.max_rows // world_size)
-        headroom = None if config.headroom is None else min(-(-config.headroom // world_size), share - 1)
-        out[name] = dataclasses.replace(config, max_rows=share, headroom=headroom,
-                                        capacity=min(config.capacity, share))
-    return out
-
-
-def _keep_owned_rows(stores, source_stores, world_size: int, rank: int) -> None:
-    """Rows of a materialised unsharded module: each rank keeps the ones it owns."""
-    from cncore_torch.state import export_tensors
-    for name, store in source_stores.items():
-        if len(store):
-            _owned_writer(stores[name], world_size, rank)(TableState.from_export(export_tensors(store), store.step))
 
 
 def _split(flat: List[str], groups: List[List[str]]) -> List[List[str]]:
@@ -377,6 +240,7 @@ class CNEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
     def __init__(self, fused_params: Optional[Dict[str, Any]] = None, qcomm_codecs_registry=None, *,
                  pack_pools: bool = False, **kwargs) -> None:
         super().__init__(fused_params=fused_params, qcomm_codecs_registry=qcomm_codecs_registry, **kwargs)
+        register_planner_estimates()  # DMP without a plan asks TorchRec's planner, which needs them
         if not isinstance(pack_pools, bool):
             raise TypeError(f"pack_pools must be True or False, got {pack_pools!r}")
         self._pack_pools = pack_pools
@@ -396,10 +260,10 @@ class CNEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
                 for c in module.embedding_bag_configs()}
 
     def sharding_types(self, compute_device_type: str) -> List[str]:
-        return [_ROW_WISE]
+        return [ROW_WISE]
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
-        return [_KERNEL]
+        return [KERNEL]
 
     @property
     def module_type(self) -> Type[CNEmbeddingBagCollection]:
@@ -410,47 +274,4 @@ class CNEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         return ShardedCNEmbeddingBagCollection
 
 
-def plan_for(model: nn.Module, world_size: int, *, local_size: Optional[int] = None,
-             device_type: str = "cpu") -> ShardingPlan:
-    """The sharding plan DMP takes, without TorchRec's planner: every table of every
-    `CNEmbeddingBagCollection` (and `CNEmbeddingCollection`) in `model` row-wise over all
-    `world_size` ranks with our kernel.
 
-    `DistributedModelParallel(model, device=torch.device("cpu"), sharders=[CNEmbeddingBagCollectionSharder()],
-    plan=plan_for(model, world_size))`. Use it to add TorchRec modules' plans by hand, or when the
-    planner is not wanted (it needs a process group; this does not)."""
-    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
-
-    from cncore_torch.collection import CNEmbeddingCollection
-    from cncore_torch.distributed.embedding import CNEmbeddingCollectionSharder
-
-    plan = {}
-    for path, module in model.named_modules():
-        if isinstance(module, (CNEmbeddingBagCollection, CNEmbeddingCollection)):
-            pooled = isinstance(module, CNEmbeddingBagCollection)
-            configs = module.embedding_bag_configs() if pooled else module.embedding_configs()
-            sharder = CNEmbeddingBagCollectionSharder() if pooled else CNEmbeddingCollectionSharder()
-            plan[path] = construct_module_sharding_plan(
-                module, {c.name: row_wise(compute_kernel=_KERNEL) for c in configs},
-                sharder=sharder, local_size=local_size or world_size, world_size=world_size, device_type=device_type)
-    if not plan:
-        raise ValueError("model holds no CNEmbeddingBagCollection or CNEmbeddingCollection to shard")
-    return ShardingPlan(plan)
-
-
-def register_planner_estimates() -> None:
-    """Teach TorchRec's planner (its perf estimator) the bandwidth of our kernel, so that
-    `DistributedModelParallel(model, sharders=[CNEmbeddingBagCollectionSharder()])` plans by
-    itself. TorchRec knows the bandwidth of its own kernels only and refuses any other
-    ("Unrecognized or unsupported compute kernel: customized_kernel for hardware aware perf
-    estimators"); its extension point is `HardwarePerfConfig.kernel_device_bandwidths`
-    (what the `device_bw(device=, compute_kernel=)` decorator fills). We add
-    (cpu, customized_kernel) at the DDR bandwidth of TorchRec's fused CPU kernel (rows in host
-    memory, as ours), only where no one set a value: nothing TorchRec or a user set is changed."""
-    from torchrec.distributed.planner.constants import DDR_MEM_BW
-    from torchrec.distributed.planner.estimator.types import HardwarePerfConfig
-
-    HardwarePerfConfig.kernel_device_bandwidths.setdefault(("cpu", _KERNEL), DDR_MEM_BW)
-
-
-register_planner_estimates()

@@ -20,7 +20,7 @@ replaced:
   loopback; see the sharder). TorchRec's row-wise output dist is a reduce-scatter, which gloo
   refuses when ranks have different batch sizes ("ProcessGroupGloo::allgather: invalid tensor
   size", the last batch of an epoch); an all-to-all with split sizes takes any batch sizes. The
-  all-to-all is an autograd function (`_AllToAll`), so its backward sends the
+  all-to-all is an autograd function (`SplitAllToAll`), so its backward sends the
   gradient of every partial pool back to the rank that computed it, where the kernel's
   backward applies the fused optimizer.
 
@@ -52,7 +52,8 @@ from cncore_torch.distributed.embedding_kernel import CNEmbeddingBagKernel
 from cncore_torch.distributed.embedding_lookup import CNGroupedPooledEmbeddingsLookup
 from cncore_torch.distributed.routing import owner_of
 
-__all__ = ["CNRwSparseFeaturesDist", "CNRwPooledEmbeddingDist", "CNRwPooledEmbeddingSharding", "route_kjt"]
+__all__ = ["CNRwSparseFeaturesDist", "CNRwPooledEmbeddingDist", "CNRwPooledEmbeddingSharding", "SplitAllToAll",
+           "route_kjt"]
 
 
 def route_kjt(features: KeyedJaggedTensor, world_size: int) -> KeyedJaggedTensor:
@@ -121,7 +122,7 @@ class CNRwPooledEmbeddingDist(BaseEmbeddingDist[EmbeddingShardingContext, torch.
         received = getattr(sharding_ctx, "cn_received", None)
         self.steps += 1
         if routed is None or received is None or self._column_feature is None:
-            out = _AllToAll.apply(local_embs, [mine] * world_size, splits, self._pg, self)
+            out = SplitAllToAll.apply(local_embs, [mine] * world_size, splits, self._pg, self)
             return NoWait(out.view(world_size, mine, dim).sum(dim=0))
         if self._bag_dim is not None:
             return NoWait(self._by_bag(local_embs, routed, received, splits, rank))
@@ -135,7 +136,7 @@ class CNRwPooledEmbeddingDist(BaseEmbeddingDist[EmbeddingShardingContext, torch.
         flat = want.reshape(world_size, -1)
         out_splits = flat.sum(dim=1).tolist()
         positions = torch.nonzero(flat, as_tuple=True)[1]                      # rank-major, then row-major
-        pools = _AllToAll.apply(local_embs[have], out_splits, in_splits, self._pg, self)
+        pools = SplitAllToAll.apply(local_embs[have], out_splits, in_splits, self._pg, self)
         summed = local_embs.new_zeros(mine * dim).index_add(0, positions, pools)  # ranks added in order
         return NoWait(summed.view(mine, dim))
 
@@ -150,12 +151,12 @@ class CNRwPooledEmbeddingDist(BaseEmbeddingDist[EmbeddingShardingContext, torch.
         want = (routed.view(world_size, n_features, mine) > 0).permute(0, 2, 1).reshape(world_size, -1)
         out_splits = want.sum(dim=1).tolist()
         positions = torch.nonzero(want, as_tuple=True)[1]                      # rank-major, then bag order
-        pools = _AllToAll.apply(local_embs.reshape(-1, dim)[have], out_splits, in_splits, self._pg, self)
+        pools = SplitAllToAll.apply(local_embs.reshape(-1, dim)[have], out_splits, in_splits, self._pg, self)
         summed = local_embs.new_zeros((mine * n_features, dim)).index_add(0, positions, pools)
         return summed.view(mine, n_features * dim)
 
 
-class _AllToAll(torch.autograd.Function):
+class SplitAllToAll(torch.autograd.Function):
     """Rows of `input` split by `in_splits` to the ranks, rows from them by `out_splits`; the
     backward is the same exchange the other way (each partial pool's gradient goes home).
     `counter.bytes_sent` (when given) grows by the bytes sent to other ranks, each way."""

@@ -1,0 +1,134 @@
+"""The code both sharded collections share (TorchRec keeps its own in `embedding_sharding.py`).
+
+- `check_features`: a rank's KJT, checked before any collective;
+- `sharded_optimizer`, `fused_anchor`: the optimizer a sharded table trains with, and the
+  zero-size parameter that carries it past TorchRec's dense-optimizer filter;
+- `shard_store_configs`: each rank's store configuration (its share of the row budget, its own
+  directory for a tiered table);
+- `owned_writer`, `keep_owned_rows`: what loads a table's rows into a rank's store, keeping the
+  keys that rank owns.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+import torch
+from torch import nn
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+import cncore
+from cncore.routing import shard_name
+from cncore_torch.distributed.routing import owner_of
+from cncore_torch.optim import no_optimizer_error, resolve_optimizer
+from cncore_torch.state import TableState, export_tensors
+
+__all__ = ["check_features", "sharded_optimizer", "fused_anchor", "shard_store_configs", "owned_writer",
+           "keep_owned_rows"]
+
+
+def check_features(features, needed: List[str], is_weighted: bool) -> None:
+    """A rank's KJT, checked before any collective (a bad batch raises here, on its rank, with the
+    single-process collection's messages, instead of reaching the all-to-all): CPU tensors with
+    values, int IDs, float weights (present when is_weighted), lengths >= 0 adding up to the
+    values, one batch size for every key, every feature the tables read present."""
+    if not isinstance(features, KeyedJaggedTensor):
+        raise TypeError(f"features must be a KeyedJaggedTensor, got {type(features).__name__}")
+    if features.variable_stride_per_key():
+        raise ValueError("features: a variable batch size per key is not supported; one batch size per rank is "
+                         "(ranks may differ)")
+    values, lengths, weights = features.values(), features.lengths(), features.weights_or_none()
+    for name, t in (("values", values), ("lengths", lengths), ("weights", weights)):
+        if t is not None and (t.is_meta or t.device.type != "cpu"):
+            raise ValueError(f"features: {name} is on {t.device}; expected a CPU tensor (the rows are in the core)")
+    if values.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"features: values must be int64 or int32 IDs, got {values.dtype}")
+    if is_weighted and weights is None:
+        raise ValueError("features: is_weighted=True but the KJT has no weights")
+    if weights is not None and (not weights.is_floating_point() or weights.shape != values.shape):
+        raise ValueError(f"features: weights must be floating point with one weight per ID, got {weights.dtype} "
+                         f"{tuple(weights.shape)} for {values.numel()} IDs")
+    if lengths.numel() and int(lengths.min()) < 0:
+        raise ValueError(f"features: lengths must be >= 0, got {int(lengths.min())}")
+    if int(lengths.sum()) != values.numel():
+        raise ValueError(f"features: lengths add up to {int(lengths.sum())}, but values holds {values.numel()} IDs")
+    if lengths.numel() != len(features.keys()) * features.stride():
+        raise ValueError(f"features: {lengths.numel()} lengths for {len(features.keys())} keys of batch size "
+                         f"{features.stride()}")
+    missing = [f for f in needed if f not in features.keys()]
+    if missing:
+        raise ValueError(f"features: no key {missing[0]!r} (it has {features.keys()})")
+
+
+def sharded_optimizer(module, owner: str, fused_params: Optional[Dict[str, Any]] = None):
+    """(optimizer, store configs with it) of a collection being sharded, read as TorchRec's own
+    sharders read it: the collection's optimizer=, the optimizer `torchrec.optim.
+    apply_optimizer_in_backward` attached to its parameters (DMP shards a meta module, which
+    never adopted it), or the sharder's FBGEMM-style `fused_params`
+    (`CNEmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+    "learning_rate": 0.05})`); those set must agree (`cncore_torch.optim.resolve_optimizer`). A
+    sharded table trains only fused, so none is refused now rather than in backward."""
+    optimizer = resolve_optimizer(module._optimizer, module._anchor, owner, fused_params, sharded=True)
+    if optimizer is None:
+        raise no_optimizer_error(owner)
+    return optimizer, {name: dataclasses.replace(c, optimizer=optimizer) for name, c in module._store_configs.items()}
+
+
+def fused_anchor() -> nn.Parameter:
+    """The sharded module's zero-size parameter, marked as TorchRec marks the parameters of its
+    fused tables (`_in_backward_optimizers`), so that `torchrec.optim.optimizers.
+    in_backward_optimizer_filter(model.named_parameters())` leaves it out of the dense optimizer."""
+    from torchrec.optim.fused import EmptyFusedOptimizer
+    anchor = nn.Parameter(torch.empty(0))
+    anchor._in_backward_optimizers = [EmptyFusedOptimizer()]
+    return anchor
+
+
+def shard_store_configs(configs: Dict[str, cncore.StoreConfig], world_size: int,
+                        rank: int = 0) -> Dict[str, cncore.StoreConfig]:
+    """Each rank's config of every table: a table's row budget (max_rows, and headroom) is split
+    between the ranks, ceil(max_rows / world_size) each, as row-wise sharding splits
+    num_embeddings; keys spread evenly by the owner hash, so the ranks together hold about the
+    budget, and each shard evicts by its own policy when its share is full. A tiered table
+    (storage=) gets a directory per rank, `<its path>/shard-<rank>-of-<world size>` (two ranks
+    in one directory would overwrite each other's records), with the same cache budget (each
+    process holds its own cache)."""
+    out = {}
+    for name, config in configs.items():
+        if config.storage is not None and world_size > 1:
+            os.makedirs(config.storage.path, exist_ok=True)
+            config = dataclasses.replace(config, storage=dataclasses.replace(
+                config.storage, path=os.path.join(config.storage.path, shard_name(rank, world_size))))
+        if config.max_rows is None or world_size == 1:
+            out[name] = config
+            continue
+        share = -(-config.max_rows // world_size)
+        headroom = None if config.headroom is None else min(-(-config.headroom // world_size), share - 1)
+        out[name] = dataclasses.replace(config, max_rows=share, headroom=headroom,
+                                        capacity=min(config.capacity, share))
+    return out
+
+
+def owned_writer(store: cncore.EmbeddingStore, world_size: int, rank: int):
+    """What loads a checked TableState into `store`: the rows this rank owns (replacing all).
+    (A shard's evicted count starts at 0: merge_shards sums the ranks' counts, which no single
+    rank's count can be restored from.)"""
+    def owned(keys: np.ndarray) -> np.ndarray:
+        return (owner_of(torch.from_numpy(keys), world_size) == rank).numpy()
+
+    def write(state: TableState) -> None:
+        mine = owned(state.keys)
+        TableState(state.keys[mine], state.rows[mine], state.optimizer_state[mine], state.counts[mine],
+                   state.last_steps[mine], state.step).load_into(store)
+    write.rows_kept = lambda keys: int(owned(keys).sum())
+    write.place = (rank, world_size)  # whose shard entries are this table whole (cncore_torch.state)
+    return write
+
+
+def keep_owned_rows(stores, source_stores, world_size: int, rank: int) -> None:
+    """Rows of a materialised unsharded module: each rank keeps the ones it owns."""
+    for name, store in source_stores.items():
+        if len(store):
+            owned_writer(stores[name], world_size, rank)(TableState.from_export(export_tensors(store), store.step))

@@ -1,0 +1,51 @@
+"""What a sharding plan says for dynamic tables, and what TorchRec's planner knows of them.
+
+Every table shards row-wise (`ROW_WISE`: by key hash, see `routing.owner_of`) with our kernel
+(`KERNEL`, TorchRec's `EmbeddingComputeKernel.CUSTOMIZED_KERNEL`), on cpu. `check_plan` refuses
+any other plan when a sharded module is built; `register_planner_estimates` gives TorchRec's
+planner the bandwidth of our kernel, so that it can plan them by itself (each sharder calls it
+when it is built). `sharding_plan.plan_for` builds such a plan without the planner.
+"""
+from __future__ import annotations
+
+import torch
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.distributed.types import ShardingType
+
+from cncore_torch.distributed.embedding_sharding import sharded_optimizer
+
+__all__ = ["KERNEL", "ROW_WISE", "check_plan", "register_planner_estimates"]
+
+KERNEL = EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
+ROW_WISE = ShardingType.ROW_WISE.value
+
+
+def check_plan(module, configs, table_name_to_parameter_sharding, device, fused_params=None) -> None:
+    """The plan shards every table row-wise with our kernel, on cpu, and the module has an optimizer
+    (optimizer=, apply_optimizer_in_backward or the sharder's fused_params)."""
+    if device is not None and torch.device(device).type != "cpu":
+        raise ValueError(f"device={device}: the tables' rows are in the core; shard onto device 'cpu' (the "
+                         "process group's backend may still be NCCL for dense parts, untested)")
+    sharded_optimizer(module, f"sharded {type(module).__name__}", fused_params)  # one is set, or a clear error
+    for c in configs:
+        ps = table_name_to_parameter_sharding.get(c.name)
+        if ps is None:
+            raise ValueError(f"table {c.name!r}: the plan has no entry for it (plan_for builds one)")
+        if ps.sharding_type != ROW_WISE or ps.compute_kernel != KERNEL:
+            raise ValueError(f"table {c.name!r}: planned as {ps.sharding_type}/{ps.compute_kernel}; dynamic "
+                             f"tables shard as {ROW_WISE}/{KERNEL} (plan_for builds that plan)")
+
+
+def register_planner_estimates() -> None:
+    """Teach TorchRec's planner (its perf estimator) the bandwidth of our kernel, so that
+    `DistributedModelParallel(model, sharders=[CNEmbeddingBagCollectionSharder()])` plans by
+    itself. TorchRec knows the bandwidth of its own kernels only and refuses any other
+    ("Unrecognized or unsupported compute kernel: customized_kernel for hardware aware perf
+    estimators"); its extension point is `HardwarePerfConfig.kernel_device_bandwidths`
+    (what the `device_bw(device=, compute_kernel=)` decorator fills). We add
+    (cpu, customized_kernel) at the DDR bandwidth of TorchRec's fused CPU kernel (rows in host
+    memory, as ours), only where no one set a value: nothing TorchRec or a user set is changed."""
+    from torchrec.distributed.planner.constants import DDR_MEM_BW
+    from torchrec.distributed.planner.estimator.types import HardwarePerfConfig
+
+    HardwarePerfConfig.kernel_device_bandwidths.setdefault(("cpu", KERNEL), DDR_MEM_BW)
