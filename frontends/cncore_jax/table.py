@@ -36,7 +36,7 @@ from typing import Optional
 import jax
 
 import cncore
-from cncore_jax import _host
+from cncore_jax import _host, _traced
 
 __all__ = ["Table"]
 
@@ -109,14 +109,15 @@ class Table:
         return table
 
     # Shortcuts to the functional API (cncore_jax.lookup), for one table.
-    def lookup(self, ids, lengths=None, **kwargs):
+    def lookup(self, ids, lengths=None, *, offsets=None, mode: str = "sum", weights=None, training: bool = True,
+               sink=None):
         """`cncore_jax.lookup(self, ids, lengths, ...)`."""
-        from cncore_jax.lookup import lookup
-        return lookup(self, ids, lengths, **kwargs)
+        return _traced.pooled_lookup([self], [ids], None if lengths is None else [lengths],
+                                     offsets=None if offsets is None else [offsets], modes=mode,
+                                     weights=None if weights is None else [weights], training=training, sink=sink)
 
     def apply_gradients(self, ctx, grad, *, lr=None) -> None:
         """`cncore_jax.apply_gradients(ctx, grad, lr=lr)` for a lookup of this table."""
-        from cncore_jax.lookup import apply_gradients
         if ctx.tables != (self,):
             raise ValueError("ctx: it belongs to a lookup of other tables")
-        apply_gradients(ctx, grad, lr=lr)
+        _traced.apply_gradients(ctx, grad, lr=lr)
