@@ -1,6 +1,8 @@
 # Two commands set up a fresh clone and run something (see README):
 #   make dlrm    the main job: TorchRec's DLRM on dynamic tables, embedded synthetic Criteo-like data
 #   make test    the test suite
+# make lint runs ruff, mypy and the import checks (config in pyproject.toml).
+# make test-fast skips the tests marked slow (full DLRM trainings, multi-process runs): a quick local run.
 # Both create .venv on first use: torch pinned to 2.13.0 (the CPU wheel), TorchRec without
 # its GPU dependency, and this project built in place.
 
@@ -9,7 +11,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: setup build test soak dlrm demo bench asv clean
+.PHONY: setup build lint test test-fast soak dlrm demo bench asv clean
 
 $(VENV)/.installed: setup.py setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +21,7 @@ $(VENV)/.installed: setup.py setup.cfg pyproject.toml
 	$(PIP) install --no-deps "torchrec==1.8.0"
 	$(PIP) install tensordict "torchmetrics==1.0.3" tqdm pyre-extensions
 	$(PIP) install "pytest>=8" pytest-xdist "hypothesis>=6.100" "jax[cpu]" flax optax "asv>=0.6" pyarrow
+	$(PIP) install "ruff==0.17.6" "mypy==2.4.1" "import-linter==2.17"
 	$(PIP) install --no-build-isolation -e .
 	touch $@
 
@@ -28,8 +31,22 @@ setup: $(VENV)/.installed
 build: setup
 	$(PIP) install --no-build-isolation -e .
 
+PACKAGES := cncore cncore_torch cncore_numpy cn_dlrm cncore_jax
+LINT_PATHS := cncore frontends asv_bench .ci
+
+# Lint (ruff), types (mypy) and import layers (import-linter's contracts, then no import circle).
+lint: setup
+	$(VENV)/bin/ruff check $(LINT_PATHS)
+	$(PY) -m mypy $(addprefix -p ,$(PACKAGES)) asv_bench/benchmarks asv_bench/scripts .ci/check_imports.py
+	$(VENV)/bin/lint-imports --no-cache
+	$(PY) .ci/check_imports.py
+
 test: setup
-	$(PY) -m pytest -n 2 -p no:cacheprovider --doctest-modules tests --pyargs cncore cncore_torch cncore_numpy cn_dlrm cncore_jax
+	$(PY) -m pytest -n 2 -p no:cacheprovider --doctest-modules tests --pyargs $(PACKAGES)
+
+# The suite without the tests marked slow (each over ~5 s: DLRM trainings, multi-process runs). CI runs them all.
+test-fast: setup
+	$(PY) -m pytest -n 2 -p no:cacheprovider -m "not slow" --doctest-modules tests --pyargs $(PACKAGES)
 
 # Long randomised runs (thousands of hypothesis examples, growth to tens of millions of rows).
 soak: setup
