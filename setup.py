@@ -4,6 +4,7 @@ Optimisation is on (-O3); the core's parallel loops run on its own pthread pool
 (cn_parallel.h), so no OpenMP runtime is needed. CNCORE_PORTABLE=1 drops -march=native (for wheels
 meant for other machines).
 """
+import glob
 import os
 import shutil
 import subprocess
@@ -45,8 +46,10 @@ link_args.append("-pthread")
 extensions = [
     Extension(
         "cncore._core",
-        sources=["cython_src/cncore/_core.pyx"],
+        # cn_globals.c defines the C globals that the headers declare (one copy for the extension).
+        sources=["cython_src/cncore/_core.pyx", "cython_src/src/cn_globals.c"],
         include_dirs=["cython_src/include", numpy.get_include()],
+        depends=sorted(glob.glob(os.path.join("cython_src", "include", "*.h"))),
         extra_compile_args=compile_args,
         extra_link_args=link_args,
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],

@@ -126,7 +126,9 @@ def test_pool_under_thread_sanitizer(tmp_path, spin_us):
     exe = str(tmp_path / "pool_stress")
     build = subprocess.run([cc, "-O1", "-g", "-std=gnu11", "-fsanitize=thread", "-pthread",
                             "-I", os.path.join(here, "..", "cython_src", "include"),
-                            os.path.join(here, "native", "pool_stress.c"), "-o", exe], capture_output=True, text=True)
+                            os.path.join(here, "native", "pool_stress.c"),
+                            os.path.join(here, "..", "cython_src", "src", "cn_globals.c"), "-o", exe],
+                           capture_output=True, text=True)
     if build.returncode != 0 and "sanitize" in build.stderr:
         pytest.skip("the compiler cannot build with -fsanitize=thread")
     assert build.returncode == 0, build.stderr

@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
+#include "cn_global.h"
 #if defined(__linux__)
 #include <sys/mman.h>
 #endif
@@ -20,7 +21,7 @@
  * also a TLB miss; first-touch page faults also drop 512-fold. */
 #define CN_HUGE_PAGE ((size_t)2 << 20)
 
-static int64_t cn_traced_bytes_total = 0;
+CN_GLOBAL int64_t cn_traced_bytes_total; /* src/cn_globals.c */
 
 static inline int64_t cn_traced_bytes(void) {
     return __atomic_load_n(&cn_traced_bytes_total, __ATOMIC_RELAXED);

@@ -57,6 +57,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "cn_arena.h"
+#include "cn_global.h"
 #include "cn_sort.h"
 
 enum { CN_EVICT_NONE = 0, CN_EVICT_LRU = 1, CN_EVICT_LFU = 2, CN_EVICT_TTL = 3 };
@@ -159,7 +160,7 @@ static inline void cn_victim_nth(cn_victim *v, int64_t n, int64_t nth) {
 }
 
 /* Rows sampled to guess a threshold (0: radix select only; the tests run both paths). */
-static int64_t cn_evict_sample_rows = 4096;
+CN_GLOBAL int64_t cn_evict_sample_rows; /* 4096 (src/cn_globals.c) */
 
 /* The fast path of cn_evict_select: guess from a strided sample of the live rows an order T
  * below which somewhat more than k rows lie (k's share of the sample plus three standard

@@ -46,12 +46,13 @@
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
+#include "cn_global.h"
 
 #define CN_MAX_THREADS 1024
 
 /* 0 means "the default": OMP_NUM_THREADS (read for compatibility) or CNCORE_NUM_THREADS if
  * set, else the CPUs this process may run on. */
-static int cn_thread_setting = 0;
+CN_GLOBAL int cn_thread_setting; /* src/cn_globals.c */
 
 static inline void cn_set_thread_setting(int n) { cn_thread_setting = n; }
 
@@ -112,7 +113,7 @@ static inline int cn_threads_unless_asleep(int64_t work, int64_t min_to_wake) {
 #ifndef CN_SPIN_US_DEFAULT
 #define CN_SPIN_US_DEFAULT 200
 #endif
-static int64_t cn_spin_ns = CN_SPIN_US_DEFAULT * 1000;
+CN_GLOBAL int64_t cn_spin_ns; /* CN_SPIN_US_DEFAULT * 1000 (src/cn_globals.c) */
 /* Chunks per thread: more chunks balance better when a thread is slowed (by the OS, or by a
  * bag of many keys); each costs one atomic add. */
 #define CN_CHUNKS_PER_THREAD 4
@@ -137,7 +138,7 @@ typedef struct {
     int atfork_registered;
 } cn_team_t;
 
-static cn_team_t cn_team = {.grow_lock = PTHREAD_MUTEX_INITIALIZER};
+CN_GLOBAL cn_team_t cn_team; /* the process's one pool (src/cn_globals.c) */
 
 static inline void cn_cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)

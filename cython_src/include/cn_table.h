@@ -18,6 +18,7 @@
 #include "cn_arena.h"
 #include "cn_evict.h"
 #include "cn_dtype.h"
+#include "cn_global.h"
 #include "cn_grad.h"
 #include "cn_index.h"
 #include "cn_init.h"
@@ -70,7 +71,7 @@ static inline void cn_evicted_free(cn_evicted *ev) {
  * its epoch or version changes, so no two tables ever share a value: a lookup context made on
  * one table (or on the same module's table before a move between devices, which builds a new
  * one) can never pass the check on another, which equal per-table counters allowed. */
-static uint64_t cn_stamp_counter = 0;
+CN_GLOBAL uint64_t cn_stamp_counter; /* src/cn_globals.c */
 
 static inline uint64_t cn_next_stamp(void) { return __atomic_add_fetch(&cn_stamp_counter, 1, __ATOMIC_RELAXED); }
 
