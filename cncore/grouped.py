@@ -297,7 +297,7 @@ _NOTHING_HELD = contextlib.nullcontext()  # reusable: no tiered store in a call 
 
 def tiers_faulted_in(stores, key_arrays, insert: bool):
     """A context in which every key a call uses is in the memory cache of its tiered store
-    (cncore/tiered.py), all features of one store faulted in together (so that making room for
+    (cncore/tier/), all features of one store faulted in together (so that making room for
     one feature's keys cannot evict another's), and no other thread moves a row of those stores
     between the tiers: the caller runs its core lookup inside it. Stores are locked in one
     order (by id), so two grouped calls over the same stores cannot deadlock. Stores that are

@@ -3,7 +3,7 @@
 Three storages implement it:
 
 - `cncore.EmbeddingStore`: rows in memory, in the core's arena (hash index -> slot -> row);
-- `cncore.tiered.TieredStore`: every row on disk, the hot ones in a bounded memory cache
+- `cncore.tier.TieredStore`: every row on disk, the hot ones in a bounded memory cache
   (a subclass of the first; `EmbeddingStore(config)` builds it when `config.storage` is set);
 - `cncore_torch.device_rows.DeviceRows`: rows, optimizer state and metadata as accelerator
   tensors, the key index in the core on the host (it needs torch, so it lives in the torch

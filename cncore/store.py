@@ -158,13 +158,13 @@ class EmbeddingStore:
     """
 
     def __new__(cls, config: Optional[StoreConfig] = None, **config_fields):
-        """A config with storage=cncore.Tiered(...) makes a `cncore.tiered.TieredStore`; a
+        """A config with storage=cncore.Tiered(...) makes a `cncore.tier.TieredStore`; a
         subclass makes the tiered class it names in `tiered_class` (a subclass of both), and
         one that names none is refused rather than built in memory."""
         storage = config_fields.get("storage") if config is None else getattr(config, "storage", None)
         if storage is None:
             return super().__new__(cls)
-        from cncore.tiered import TieredStore
+        from cncore.tier import TieredStore
         if issubclass(cls, TieredStore):
             return super().__new__(cls)
         if cls is EmbeddingStore:

@@ -332,7 +332,7 @@ def test_the_eviction_count_saturates_at_2_63_minus_1_rather_than_wrap():
 def test_a_numpy_table_given_tiered_storage_keeps_its_rows_on_disk(tmp_path):
     from cncore_numpy import Table
     from cncore_numpy.table import TieredTable
-    from cncore.tiered import TieredStore
+    from cncore.tier import TieredStore
 
     path = str(tmp_path / "rows")
     cfg = dict(dim=4, seed=3, initializer=cncore.Uniform(-1, 1))

@@ -32,7 +32,7 @@ def _ranks(rank, world_size, root):
     from torchrec.distributed.model_parallel import DistributedModelParallel
 
     import cncore
-    from cncore.tiered import TieredStore
+    from cncore.tier import TieredStore
     from cncore_torch import CNEmbeddingBagCollection
     from cncore_torch.distributed import CNEmbeddingBagCollectionSharder
 

@@ -1,4 +1,4 @@
-"""The SSD tier (cncore/tiered.py) against a second writer, a crash, damaged files and misuse:
+"""The SSD tier (cncore/tier/) against a second writer, a crash, damaged files and misuse:
 every outcome is the exact rows of the last flush, or a clear refusal that leaves the directory
 as it was; never a silent change, a crash or a hang.
 
@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule, run_state_machine_as_test
 
 import cncore
-from cncore import tiered as tiered_module
+from cncore.tier import records as tiered_module
 from cncore.tablefile import TableFormatError, load_store, open_table
 from reference import assert_unchanged, run_isolated, snapshot, tree
 
@@ -152,7 +152,7 @@ for start in range(0, 200, 10):
 store.flush()
 np.savez({snap!r}, **sorted_export(store))
 gate = threading.Event()
-from cncore import tiered
+from cncore.tier import background as tiered
 tiered._prefetcher().submit(gate.wait)  # the spills below queue behind it: killed with writes pending
 for start in range(500, 700, 10):
     train(store, np.arange(start, start + 10), 2.0)

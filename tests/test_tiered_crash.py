@@ -1,4 +1,4 @@
-"""SIGKILL at every durability point of the SSD tier (cncore/tiered.py), not at a random moment.
+"""SIGKILL at every durability point of the SSD tier (cncore/tier/), not at a random moment.
 
 A child process trains a tiered table (a cache of 48 rows over 600 keys, so rows go to disk and
 back all the time), flushes once, trains on (rewriting every row several times, so that the
@@ -54,10 +54,10 @@ def block_io(fd, offsets, buf, write, threads=0):
     return real_block_io(fd, offsets, buf, write, threads)
 _core.block_io = block_io
 
-# Spills are written behind, on the background thread (tiered._run_spill): an event too, cut in
+# Spills are written behind, on the background thread (cncore.tier.background._run_spill): an event too, cut in
 # the middle as a crash mid-I/O leaves it. The child waits for each queued write, so that the
 # events come in the same order in every run.
-from cncore import tiered
+from cncore.tier import background as tiered
 real_run_spill, real_submit_write = tiered._run_spill, tiered._submit_write
 def run_spill(job):
     if event("spill"):

@@ -1,4 +1,4 @@
-"""The SSD tier (cncore/tiered.py) against the in-memory store with the same config.
+"""The SSD tier (cncore/tier/) against the in-memory store with the same config.
 
 - A hypothesis state machine drives a TieredStore whose cache holds 16 rows (so rows go back
   and forth between memory and disk all the time) and an in-memory EmbeddingStore through the
@@ -34,7 +34,7 @@ from hypothesis import given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 import cncore
-from cncore.tiered import TieredStore
+from cncore.tier import TieredStore
 
 DIM = 4
 
@@ -643,7 +643,7 @@ def test_16_bit_rows_are_stored_at_their_size_and_a_version_2_directory_still_op
     bytes against float32's 280); the rows come back exactly. A directory written in format 2
     (float32 records) reopens, keeps its layout through more training and flushes, and reads
     as a table."""
-    import cncore.tiered as tiered_module
+    import cncore.tier.records as tiered_module
     from cncore.tablefile import open_table
     sizes = {}
     for dtype in ("float32", "float16", "bfloat16"):
@@ -744,7 +744,7 @@ def test_block_io_joins_runs_across_page_padding_and_writes_nothing_else(tmp_pat
     padding), written as zeros; every other byte of the file is left as it was, and a read of
     any records (runs across gaps too) returns exactly what was written."""
     from cncore import _core
-    from cncore.tiered import record_offsets
+    from cncore.tier.records import record_offsets
     rng = np.random.default_rng(seed)
     rec, per_page, n_slots = 280, 14, 14 * 40
     path = str(tmp_path / "f")
@@ -801,7 +801,7 @@ def test_a_closed_store_never_writes_to_a_reused_descriptor(tmp_path):
 _FORK_DURING_PREFETCH = """
 import os, sys, time, threading
 import numpy as np
-import cncore, cncore.tiered as tiered
+import cncore, cncore.tier.background as tiered
 store = cncore.EmbeddingStore(cncore.StoreConfig(dim=4, seed=1, storage=cncore.Tiered(sys.argv[1], cache_bytes=64 * 60)))
 for start in range(0, 2000, 40):  # most of them on disk
     store.find_or_insert(np.arange(start, start + 40))
@@ -854,7 +854,7 @@ def test_a_prefetch_never_brings_back_a_row_older_than_memory(tmp_path, held):
     (reread: 20 taken); otherwise the job ran first, and the records it staged for the 10 rows
     erased and made anew (new slots) are stale: reread, 20 taken."""
     import threading
-    from cncore import tiered
+    from cncore.tier import background as tiered
     config = cncore.StoreConfig(dim=DIM, optimizer=cncore.SGD(lr=0.5), storage=cncore.Tiered(
         str(tmp_path / "t"), cache_bytes=80 * (DIM * 4 + 47)))
     store = cncore.EmbeddingStore(config)
@@ -941,7 +941,7 @@ def test_the_rounds_past_the_prefetchs_keys_read_into_its_buffer(tmp_path, monke
     for start in range(0, 3000, 500):
         for s in (store, memory):
             s.find_or_insert(np.arange(start, start + 500))
-    from cncore import tiered
+    from cncore.tier import records as tiered
     monkeypatch.setattr(tiered, "_IO_ROWS", 8)  # the prefetch's cap is then the cache's 1/32
     store._evict_chunk = 8  # rounds of 8 rows
     keys = np.arange(0, 100)
@@ -1100,7 +1100,7 @@ def test_a_fault_in_makes_room_before_waiting_only_for_its_own_prefetch(tmp_path
     Lookups equal an in-memory store's."""
     import threading
     import time
-    from cncore import tiered
+    from cncore.tier import background as tiered
     store, memory = small_tier_and_memory(tmp_path)
     assert store.cached_rows + 12 > store.cache_rows  # 12 disk rows need an eviction
     keys = np.concatenate([np.arange(290, 300), np.arange(0, 12)])  # 10 in memory, 12 on disk
@@ -1160,7 +1160,7 @@ def test_record_offsets_is_the_one_formula_and_never_straddles_a_page(rec):
     """tiered.record_offsets (the reads) is cn_tier_offset (the writer's spills) itself; here it
     is checked against the layout written out by hand: page = slot // per_page, the record at
     (slot % per_page) * rec within it, or whole pages for records of a page or more."""
-    from cncore.tiered import record_offsets
+    from cncore.tier.records import record_offsets
     rec_bytes = rec if rec < 4096 else -(-rec // 4096) * 4096
     per_page = max(1, 4096 // rec_bytes)
     slots = np.concatenate([np.arange(40), np.random.default_rng(rec).integers(0, 2**40 // rec_bytes, 200)])
@@ -1182,7 +1182,8 @@ def test_the_heap_is_trimmed_once_the_processs_tiered_stores_together_spilled_th
     tiered store of the process since the last trim exceed the sum of their shares (not one
     store's own share: 26 small tables trimmed 26x too often), counted by a literal model from
     each call's rows written; a closed store's share leaves the sum."""
-    import cncore.tiered as tiered
+    import cncore.tier.heap as tiered
+    from cncore.tier.records import _row_bytes
     trims = []
     monkeypatch.setattr(tiered, "_MALLOC_TRIM", lambda pad: trims.append(pad) or 1)
     monkeypatch.setattr(tiered, "_HEAP_TRIM", tiered._HeapTrim())
@@ -1190,7 +1191,7 @@ def test_the_heap_is_trimmed_once_the_processs_tiered_stores_together_spilled_th
     (tmp_path / "b").mkdir()
     a, _ = small_tier_and_memory(tmp_path / "a", rows=0)
     b, _ = small_tier_and_memory(tmp_path / "b", rows=0)
-    row = tiered._row_bytes(a._tier_config)
+    row = _row_bytes(a._tier_config)
     a._trim_every, b._trim_every = 50 * row, 120 * row
     for s in (a, b):
         tiered._HEAP_TRIM.add(s)  # again, with the shares set above
@@ -1215,7 +1216,7 @@ def test_the_heap_is_trimmed_once_the_processs_tiered_stores_together_spilled_th
 def test_the_record_file_opens_without_access_times_where_allowed(tmp_path, monkeypatch):
     """_open_rows: O_NOATIME (no access-time check on every read) for the file's owner; where the
     kernel refuses it (EPERM: another owner's file) the file opens without it and works."""
-    import cncore.tiered as tiered
+    import cncore.tier.directory as tiered
     store, memory = small_tier_and_memory(tmp_path, rows=200)
     flags = int(open(f"/proc/self/fdinfo/{store._fd}").read().split("flags:")[1].split()[0], 8)
     assert flags & os.O_NOATIME
@@ -1245,7 +1246,7 @@ def test_a_loaded_rows_disk_entry_is_erased_behind_and_never_a_newer_one(tmp_pat
     (a plain erase would drop them: rows lost). Rows, len and a reopened flush equal an in-memory
     store's."""
     import threading
-    from cncore import tiered
+    from cncore.tier import background as tiered
     store, memory = small_tier_and_memory(tmp_path)
     store._erase_behind_at = 1
     store._wait_writes()

@@ -12,7 +12,7 @@ import pytest
 
 import cncore
 from cncore.tablefile import TableFormatError, load_store, open_table, save_table
-from cncore.tiered import TierFile
+from cncore.tier import TierFile
 from cncore_numpy.cli import main
 from cncore_numpy.exchange import export_table
 

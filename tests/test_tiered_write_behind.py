@@ -1,4 +1,4 @@
-"""Write-behind in the SSD tier (cncore/tiered.py, _core.SpillJob): the rows the cache evicts are
+"""Write-behind in the SSD tier (cncore/tier/write_behind.py, _core.SpillJob): the rows the cache evicts are
 written by the background thread, after the call that evicted them returned.
 
 Each test holds the background thread with a job that waits on an event, so that the spills of
@@ -19,7 +19,8 @@ PRELUDE = r"""
 import os, sys, threading, time
 import numpy as np
 import cncore
-from cncore import tiered, _core
+from cncore import _core
+from cncore.tier import background, records
 
 DIM = 4
 path = sys.argv[1]
@@ -47,7 +48,7 @@ def on_disk_unwritten():
     # Keys indexed on disk whose record is not in the file yet (the file holds another key, or
     # ends before the slot).
     keys, slots = next(store._disk.items(1 << 20))
-    offs = tiered.record_offsets(slots, store.record_bytes, store._per_page)
+    offs = records.record_offsets(slots, store.record_bytes, store._per_page)
     size = os.fstat(store._fd).st_size
     out = []
     for k, o in zip(keys, offs):
@@ -66,7 +67,7 @@ def _release(*exc):  # a failure must not leave the held thread blocking the int
     gate.set()
     _hook(*exc)
 sys.excepthook = _release
-tiered._prefetcher().submit(gate.wait)  # holds the background thread: spills queue behind it
+background._prefetcher().submit(gate.wait)  # holds the background thread: spills queue behind it
 train(np.arange(1000, 1040))  # new keys: rows evicted, their writes queued
 train(np.arange(1040, 1080))
 queued = on_disk_unwritten()
@@ -110,7 +111,7 @@ def test_a_flush_waits_for_queued_writes_and_the_directory_reopens_equal_to_memo
         from cncore.tablefile import load_store
         assert_same(load_store(path), memory)  # the flush, read beside the store (one writer)
         held = threading.Event()
-        tiered._prefetcher().submit(held.wait)
+        background._prefetcher().submit(held.wait)
         train(np.arange(3000, 3040))  # more writes queued behind a held thread, then close
         jobs = [job for job, _ in store._pending]
         assert jobs and not any(job.written for job in jobs)
@@ -129,7 +130,7 @@ def test_a_failed_background_write_keeps_its_rows_and_raises_until_it_succeeds(t
         fd = store._writer.fd
         store._writer.fd = -1  # every queued write fails (EBADF), and so does the retry
         gate.set()
-        tiered._prefetcher().submit(int).result()  # the queued jobs ran (and failed)
+        background._prefetcher().submit(int).result()  # the queued jobs ran (and failed)
         jobs = [job for job, _ in store._pending]
         assert jobs and not any(job.written for job in jobs)
         n = len(store)

@@ -41,7 +41,7 @@ import numpy as np
 
 import cncore
 from cncore.tablefile import load_store, save_table
-from cncore.tiered import TieredStore
+from cncore.tier import TieredStore
 
 __all__ = ["Table", "TieredTable", "load_table"]
 
@@ -84,7 +84,7 @@ class Table(cncore.EmbeddingStore):
 
 class TieredTable(Table, TieredStore):
     """A `Table` whose rows live on disk under a bounded memory cache: what
-    ``Table(storage=cncore.Tiered(path, ...))`` builds (see `cncore.tiered`).
+    ``Table(storage=cncore.Tiered(path, ...))`` builds (see `cncore.tier`).
 
     >>> import os, tempfile, cncore
     >>> path = os.path.join(tempfile.mkdtemp(), "rows")

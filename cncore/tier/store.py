@@ -1,0 +1,490 @@
+"""`TieredStore`: a table larger than memory, its hot rows in a bounded in-memory cache (see
+`cncore.tier`)."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import threading
+from typing import Iterator, Optional
+
+import numpy as np
+
+from cncore import _core
+from cncore._interchange import as_floats, as_keys
+from cncore.config import LRU, ROW_DTYPES, StoreConfig, Tiered
+from cncore.grouped import as_flag
+from cncore.store import EmbeddingStore, TableBatch, _u32
+from cncore.tier import heap, records
+from cncore.tier.background import _OPEN_STORES, _locked
+from cncore.tier.directory import DirectoryLock, _open_rows
+from cncore.tier.durability import Durability
+from cncore.tier.fault_in import _ERASE_BEHIND_AT, _FIND_ON_DISK_HERE, FaultIn
+from cncore.tier.prefetch import Prefetch
+from cncore.tier.records import (
+    _cache_rows,
+    _row_bytes,
+    check_offset,
+    record_error,
+    record_layout,
+    record_offsets,
+    rows_of,
+)
+from cncore.tier.slots import SlotAllocator
+from cncore.tier.write_behind import WriteBehind
+
+_MIN_CACHE_ROWS = 16
+
+
+class TieredStore(FaultIn, Prefetch, WriteBehind, SlotAllocator, Durability, DirectoryLock, EmbeddingStore):
+    """An `EmbeddingStore` whose rows live on disk under a bounded memory cache (see the module
+    docstring). Built by `EmbeddingStore(config)` when `config.storage` is a `Tiered`."""
+
+    def __init__(self, config: Optional[StoreConfig] = None, **config_fields):
+        if config is None:
+            config = StoreConfig(**config_fields)
+        storage = config.storage
+        if not isinstance(storage, Tiered):
+            raise TypeError(f"config.storage must be a cncore.Tiered, got {type(storage).__name__}")
+        if config.max_rows is not None:
+            raise ValueError("max_rows: a tiered table keeps every row (on disk); its memory is bounded by "
+                             "Tiered.cache_bytes instead")
+        self._tier_config = config
+        self._lock = threading.RLock()  # the tiers' state: cache membership, disk index, slots, file
+        # Why every verb is refused (closed, or inherited by a forked child), or None; set while
+        # the store is being built, so that a half-built store refuses too.
+        self._unusable = "the store is not open (its construction failed)"
+        self._fd = self._dir_fd = None  # rows.dat, and the directory (its lock: _lock_directory)
+        self._prefetching = None  # the Future of this store's prefetch read
+        self._staged = None       # its result: (commit, sorted keys, slots, records)
+        self._stage_job = None    # its shared reads (_core.StageJob)
+        self._prefound = None     # the prefetch's find of its keys in the cache (_cache_find)
+        self._job_is_this_calls = False  # in a fault-in whose keys are the running prefetch's (_spill_slots)
+        self._unindexed = None  # (keys, slots) loaded into memory, still indexed on disk (_erase_behind)
+        self._erasing = None    # the background task erasing the last batch handed over (its Future)
+        self._erase_behind_at = _ERASE_BEHIND_AT  # (tests set it to 1)
+        self._find_on_disk_here = _FIND_ON_DISK_HERE  # (tests set it to 0)
+        self._job_has_all = False  # the running prefetch's job was handed every ID missing from memory
+        self.cache_rows = _cache_rows(config, storage.cache_bytes)
+        self._evict_chunk = max(records._IO_ROWS, self.cache_rows // 64)
+        # Spilled bytes that make this store's share of a heap trim: 1/16 of the cache (_HeapTrim).
+        self._trim_every = 4 * self._evict_chunk * _row_bytes(config)
+        if self.cache_rows < _MIN_CACHE_ROWS:
+            raise ValueError(f"Tiered.cache_bytes={storage.cache_bytes} holds {self.cache_rows} rows of this config "
+                             f"({_row_bytes(config)} bytes each: the row, its optimizer state, metadata and index "
+                             f"share); the cache needs at least {_MIN_CACHE_ROWS}: give cache_bytes >= "
+                             f"{_MIN_CACHE_ROWS * _row_bytes(config)}")
+        cache = dataclasses.replace(config, storage=None, max_rows=self.cache_rows,
+                                    eviction=config.eviction or LRU(), headroom=None,
+                                    capacity=min(config.capacity, self.cache_rows))
+        self._dir = storage.path
+        self._io_threads = storage.io_threads
+        self._check_directory()
+        super().__init__(cache)
+        self._version = records._VERSION  # of the directory's layout: a version 2 directory stays one
+        self._layout()
+        # Keys on disk -> slot (cn_slotindex.h: the core's hash index alone, 23-46 bytes a key).
+        self._disk = _core.SlotIndex()
+        self._high_water = 0                       # slots ever used: the file's record count
+        self._free_pages = np.empty(0, np.int64)   # whole free pages, their slots taken in order
+        self._page_cursor = 0                      # slots taken from them so far
+        self._flushes = 0  # flush() calls over the directory's life (meta.json "flush")
+        self._commits = 0  # index versions written (a compaction commits a second one)
+        self.stats = {"hits": 0, "misses": 0, "new": 0, "rows_read": 0, "rows_written": 0, "bytes_read": 0,
+                      "bytes_written": 0, "flushes": 0, "bytes_written_by_flush": 0, "bytes_written_by_compaction": 0,
+                      "compactions": 0}
+        os.makedirs(self._dir, exist_ok=True)  # its parent exists (_check_directory)
+        self._lock_directory()
+        try:
+            flushed = self._last_flush()  # checked before anything in the directory is written
+            self._fd = _open_rows(os.path.join(self._dir, "rows.dat"))
+            if flushed is not None:
+                self._reopen(*flushed)
+            self._write_pid()
+        except BaseException:
+            self._release_directory()
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+            raise
+        # StoreConfig.capacity, the rows the table is expected to hold, sizes the disk index now,
+        # exactly (cn_slotindex.h): growing, a rehash holds the old and new buckets at once (16 +
+        # 32 MiB at 1M disk rows, doubling), which set the peak RSS of a table 10x its cache.
+        self._disk.reserve(max(0, self.disk_keys_at_most(config.capacity) - len(self._disk)))
+        # The cache's evictions go to the writer in C (cn_tier.h): packed from the eviction's
+        # buffer into records, written, indexed on disk; no NumPy copies, no callback.
+        self._writer = _core.RecordWriter(self._fd, self._layout_fields(), self._disk, self._spill_slots,
+                                          self._io_threads, records._IO_ROWS)
+        self._table.evict_sink = self._writer
+        # Write-behind: the rows the cache evicts are written by the background thread, not by
+        # the call that evicted them (RecordWriter.behind, SpillJob); see _write_behind.
+        self._pending = []  # queued spills, oldest first: [job, its Future or None]
+        self._writer.behind = self._write_behind
+        heap._HEAP_TRIM.add(self)
+        self._unusable = None
+        _OPEN_STORES.add(self)
+
+    @property
+    def _io_rows(self) -> int:
+        """Records the writer packs and writes at a time (its buffer; tests set it small)."""
+        return self._writer.io_rows
+
+    @_io_rows.setter
+    def _io_rows(self, n: int) -> None:
+        self._wait_writes()  # the queued writes use the writer's background buffer
+        self._writer.io_rows = n
+
+    # --- the layout of a record ------------------------------------------------------------------
+
+    def _rows_of(self, rec: np.ndarray) -> np.ndarray:
+        return rows_of(rec, self._tier_config.dtype)
+
+    def _layout(self) -> None:
+        self._record, self._per_page = record_layout(self._tier_config, self._version)
+
+    def _layout_fields(self) -> tuple:
+        """The record layout as RecordWriter takes it (cn_tier_layout)."""
+        r, f = self._record, self._record.fields
+        row_code = 0 if r["row"].base == np.float32 else ROW_DTYPES[self._tier_config.dtype]
+        return (r.itemsize, self._per_page, self.dim, self._tier_config.state_floats, row_code,
+                f["count"][1], f["last_step"][1], f["row"][1], f["state"][1] if "state" in f else 0,
+                check_offset(r))
+
+    def _offsets(self, slots: np.ndarray) -> np.ndarray:
+        return record_offsets(slots, self._record.itemsize, self._per_page)
+
+    def _keep_spare(self, rec: np.ndarray) -> None:
+        """Keep a record buffer for the next read (a new 400 KiB one faulted in its pages at
+        every step of a Zipf run), if it is at most 1/32 of the cache."""
+        base = rec if rec.base is None else rec.base
+        if isinstance(base, np.ndarray) and base.dtype == self._record and base.ndim == 1 \
+                and base.nbytes <= self._tier_config.storage.cache_bytes // 32:
+            self._spare = base
+
+    def _buffer(self, n: int) -> np.ndarray:
+        """n records' room: the spare buffer of the last fault-in if large enough (every byte is
+        then read from the file), else a new one."""
+        spare, self._spare = getattr(self, "_spare", None), None
+        if spare is not None and len(spare) >= n and spare.dtype == self._record:
+            return spare[:n]
+        return np.zeros(n, self._record)
+
+    def _read(self, slots: np.ndarray) -> np.ndarray:
+        self._wait_writes()  # a slot read may be one a queued spill has not written yet
+        buf = self._buffer(len(slots))
+        if len(slots):
+            _core.block_io(self._fd, self._offsets(slots), buf.view(np.uint8).reshape(len(slots), -1), False,
+                           self._io_threads)
+            self.stats["rows_read"] += len(slots)
+            self.stats["bytes_read"] += buf.nbytes
+        return buf
+
+    def _check_records(self, raw: np.ndarray, keys: np.ndarray, slots: np.ndarray) -> None:
+        """Raise TableFormatError, naming the key and slot, unless every record read (raw: one a
+        row, as bytes) holds keys[i] and, from directory version 4, matches its checksum."""
+        bad = self._writer.check_keys(raw, keys)
+        if bad >= 0:
+            raise record_error(self._dir, raw[bad], int(keys[bad]), int(slots[bad]),
+                               "the table is unchanged; restore the directory from a copy")
+
+    def _write(self, slots: np.ndarray, batch: TableBatch) -> None:
+        """Write a batch's rows as records at slots (the writer packs them in C, records._IO_ROWS at a
+        time through one buffer: the records of a whole eviction, 16k rows in a step that
+        inserts 16k keys, 4.4 MiB at dim 64, made a spill's peak memory the rows twice over)."""
+        n = len(slots)
+        if not n:
+            return
+        self._writer.write(np.ascontiguousarray(slots, dtype=np.int64), np.ascontiguousarray(batch.keys),
+                           np.ascontiguousarray(batch.counts), np.ascontiguousarray(batch.last_steps),
+                           np.ascontiguousarray(batch.rows), np.ascontiguousarray(batch.optimizer_state))
+        self.stats["rows_written"] += n
+        self.stats["bytes_written"] += n * self._record.itemsize
+
+    @contextlib.contextmanager
+    def faulted_in(self, keys, insert: bool):
+        """A context in which `keys` are in the memory cache (with `insert`, absent keys get
+        their initial rows) and no other thread moves rows between the tiers: run a core lookup
+        of these keys inside it (what `grouped_pooled_lookup` and the torch modules do). It
+        gives the cache slot of every key, or None (see _fault_in)."""
+        with self._lock:
+            self._check_usable()
+            yield self._fault_in(keys, insert)
+
+    def _check_usable(self) -> None:
+        """Refuse a verb of a closed store, or of a forked child's copy (ValueError)."""
+        if self._unusable is not None:
+            raise ValueError(self._unusable)
+
+    def apply_gradients(self, ctx, grad_output, *, lr: Optional[float] = None) -> None:
+        self._check_usable()
+        super().apply_gradients(ctx, grad_output, lr=lr)
+
+    def accumulate_gradients(self, ctx, grad_output):
+        self._check_usable()
+        return super().accumulate_gradients(ctx, grad_output)
+
+    def __repr__(self) -> str:
+        if self._unusable is not None:
+            return f"TieredStore(path={self._dir!r}, unusable: {self._unusable})"
+        return f"TieredStore(rows={len(self)}, path={self._dir!r}, cached={self.cached_rows}, config={self._config})"
+
+    @_locked
+    def evict(self, n: int) -> int:
+        """Move the `n` lowest-scoring cached rows to disk now; returns how many."""
+        return super().evict(n)
+
+    @_locked
+    def evict_expired(self) -> int:
+        return super().evict_expired()
+
+    @_locked
+    def evict_if(self, predicate, *, batch_size: int = 65536) -> int:
+        """As EmbeddingStore.evict_if, over the cached rows (the rows go to disk). Under the
+        store's lock: the spill's writer has one buffer."""
+        return super().evict_if(predicate, batch_size=batch_size)
+
+    @_locked
+    def decay_admission(self) -> None:
+        """Halve every counter of the admission sketch (MinCount). The sketch counts the
+        sightings of keys that have no row, in memory or on disk; it lives in memory only, so
+        reopening a tier's directory starts it over (as loading a table file does)."""
+        super().decay_admission()
+
+    def _check_fits(self, keys: np.ndarray) -> None:
+        distinct = len(np.unique(keys))
+        if distinct > self.cache_rows:
+            raise ValueError(f"keys: this call uses {distinct} distinct keys, more than the cache's "
+                             f"{self.cache_rows} rows (Tiered.cache_bytes={self._tier_config.storage.cache_bytes}); "
+                             "give a larger cache_bytes or smaller batches. The table is unchanged")
+
+    # --- the verbs of a store ------------------------------------------------------------------
+
+    @property
+    def config(self) -> StoreConfig:
+        """The config the store was built with (its storage included)."""
+        return self._tier_config
+
+    @property
+    def record_bytes(self) -> int:
+        """Bytes of one record in the file (key, count, last step, row, optimizer state)."""
+        return self._record.itemsize
+
+    def disk_keys_at_most(self, rows: int) -> int:
+        """The most keys the disk index holds at once in a table of `rows` rows: all but the
+        cache's low-water mark (eviction takes the cache down to max_rows - headroom), plus one
+        round of a fault-in's loads (its keys leave the disk index after they are loaded, and
+        the rows evicted to make their room are indexed on disk before that), plus two rounds
+        whose erase is left to the background thread and may not have run yet (_erase_behind)."""
+        low_water = self.cache_rows - self._config.headroom  # the cache's own config
+        return max(0, int(rows) - low_water + 3 * self._evict_chunk)
+
+    @property
+    def disk_index_bytes(self) -> int:
+        """Memory the index of the rows on disk takes (its buckets)."""
+        return self._disk.nbytes
+
+    @property
+    def cached_rows(self) -> int:
+        """Rows in memory now."""
+        return EmbeddingStore.__len__(self)
+
+    @_locked
+    def __len__(self) -> int:
+        self._settle_erase()
+        return EmbeddingStore.__len__(self) + len(self._disk)
+
+    def __reduce__(self):
+        raise TypeError("a TieredStore does not pickle: flush() it and reopen the directory with its config")
+
+    @_locked
+    def find(self, keys):
+        self._fault_in(keys, insert=False)
+        return super().find(keys)
+
+    @_locked
+    def contains(self, keys) -> np.ndarray:
+        return EmbeddingStore.find(self, keys)[1] | (self._disk.find(as_keys(keys)) >= 0)
+
+    @_locked
+    def find_or_insert(self, keys):
+        present = self.contains(keys)
+        self._fault_in(keys, insert=True)
+        slots, _ = super().find_or_insert(keys)
+        return slots, present
+
+    @_locked
+    def insert_or_assign(self, keys, rows, optimizer_state=None) -> np.ndarray:
+        self._fault_in(keys, insert=False)
+        return super().insert_or_assign(keys, rows, optimizer_state)
+
+    @_locked
+    def assign(self, keys, rows, optimizer_state=None) -> np.ndarray:
+        self._fault_in(keys, insert=False)
+        return super().assign(keys, rows, optimizer_state)
+
+    @_locked
+    def load(self, keys, rows, optimizer_state=None, counts=None, last_steps=None) -> np.ndarray:
+        """As EmbeddingStore.load, in chunks of half the cache (restoring a table larger than the
+        cache spills as it goes)."""
+        keys = as_keys(keys)
+        step = max(1, self.cache_rows // 2)
+        if len(keys) <= step:
+            self._fault_in(keys, insert=False)
+            return super().load(keys, rows, optimizer_state, counts, last_steps)
+        # Every argument checked before the first chunk changes the table (as EmbeddingStore's
+        # _upsert checks them).
+        n = len(keys)
+        rows = as_floats(rows, "rows", (n, self.dim))
+        if optimizer_state is not None:
+            optimizer_state = as_floats(optimizer_state, "optimizer_state", (n, self._tier_config.state_floats))
+        counts, last_steps = _u32(counts, "counts", n), _u32(last_steps, "last_steps", n)
+        # As in memory, `found` says which keys had a row before the call: a key given twice
+        # (in two chunks) is not found the second time because the first chunk loaded it.
+        found = self.contains(keys)
+        for a in range(0, n, step):
+            part = slice(a, a + step)
+            self.load(keys[part], rows[part], None if optimizer_state is None else optimizer_state[part],
+                      None if counts is None else counts[part], None if last_steps is None else last_steps[part])
+        return found
+
+    @_locked
+    def erase(self, keys) -> np.ndarray:
+        self._settle_erase()
+        erased = super().erase(keys)
+        arr = as_keys(keys)
+        on_disk = self._disk.find(arr) >= 0
+        if on_disk.any():
+            first = np.zeros(len(arr), bool)
+            first[np.unique(arr, return_index=True)[1]] = True  # a repeated key is erased once
+            erased = erased | (on_disk & first)
+            gone = np.unique(arr[on_disk])
+            self._release(self._disk.erase(gone))
+        return erased
+
+    @_locked
+    def clear(self) -> None:
+        self._settle_erase()
+        super().clear()
+        self._disk.clear()
+
+    @_locked
+    def reserve(self, n_rows: int) -> None:
+        super().reserve(min(int(n_rows), self.cache_rows))
+
+    @_locked
+    def lookup(self, keys, *, insert_missing: bool = False) -> np.ndarray:
+        """As EmbeddingStore.lookup; more keys than the cache holds go in chunks of half the
+        cache (the rows are copies, so a later chunk may send an earlier one's rows to disk)."""
+        insert = as_flag(insert_missing, "insert_missing")
+        keys = as_keys(keys)
+        step = max(1, self.cache_rows // 2)
+        if len(keys) > step:
+            return np.concatenate([self.lookup(keys[a:a + step], insert_missing=insert)
+                                   for a in range(0, len(keys), step)]).reshape(len(keys), self.dim)
+        self._fault_in(keys, insert=insert)
+        if insert:
+            EmbeddingStore.find_or_insert(self, keys)
+        return EmbeddingStore.read(self, keys).rows
+
+    @_locked
+    def read(self, keys) -> TableBatch:
+        """As EmbeddingStore.read; more keys than the cache holds go in chunks of half the cache."""
+        keys = as_keys(keys)
+        step = max(1, self.cache_rows // 2)
+        if len(keys) > step:
+            parts = [self.read(keys[a:a + step]) for a in range(0, len(keys), step)]
+            return TableBatch(*(np.concatenate([getattr(p, f) for p in parts]) for f in
+                                ("keys", "rows", "optimizer_state", "counts", "last_steps", "found")))
+        self._fault_in(keys, insert=False)
+        return super().read(keys)
+    def on_evict(self, callback) -> None:
+        raise TypeError("on_evict: a tiered store's evicted rows go to its disk tier, not to callbacks")
+
+    def set_optimizer(self, optimizer) -> None:
+        raise TypeError("set_optimizer: not on a tiered store (its records have the optimizer's width)")
+
+    @_locked
+    def export(self, cursor: Optional[tuple] = None, max_rows: Optional[int] = None, *,
+               with_rows: bool = True) -> TableBatch:
+        """Every row, the cache's then the disk's (no cursor: iter_export walks both tiers)."""
+        if cursor is not None or max_rows is not None:
+            raise ValueError("cursor / max_rows: a tiered store exports whole or through iter_export()")
+        parts = list(self.iter_export(1 << 18, with_rows=with_rows))
+        if not parts:
+            return EmbeddingStore.export(self, with_rows=with_rows)
+        return TableBatch(*(np.concatenate([getattr(p, f) for p in parts]) for f in
+                            ("keys", "rows", "optimizer_state", "counts", "last_steps", "found")))
+
+    def iter_export(self, batch_size: int = 65536, *, with_rows: bool = True) -> Iterator[TableBatch]:
+        """Every row, a batch at a time: the cache's, then the disk's (each record checked)."""
+        self._check_usable()
+        return self._iter_export(batch_size, with_rows)
+
+    def _iter_export(self, batch_size: int, with_rows: bool) -> Iterator[TableBatch]:
+        cursor = None
+        while True:  # the cache, with the base class's cursor walk
+            b = EmbeddingStore.export(self, cursor, batch_size, with_rows=with_rows)
+            if len(b.keys):
+                yield b
+            cursor = b.next_cursor
+            if cursor is None:
+                break
+        self._settle_erase()
+        sf = self._tier_config.state_floats
+        for disk_keys, disk_slots in self._disk.items(batch_size):
+            rec = self._read(disk_slots)
+            self._check_records(rec.view(np.uint8).reshape(len(rec), -1), disk_keys, disk_slots)
+            dim = self.dim if with_rows else 0
+            rows = self._rows_of(rec) if with_rows else np.empty((len(rec), 0), np.float32)
+            state = (rec["state"] if sf else np.empty((len(rec), 0), np.float32)) if with_rows \
+                else np.empty((len(rec), 0), np.float32)
+            assert rows.shape[1] == dim
+            yield TableBatch(rec["key"].copy(), np.ascontiguousarray(rows), np.ascontiguousarray(state),
+                             rec["count"].copy(), rec["last_step"].copy(), np.ones(len(rec), bool))
+
+    def close(self) -> None:
+        """Close the file (without flushing) and give the directory's writer lock back; every
+        verb after it raises ValueError ("I/O operation on closed store"). Queued spills are
+        written first (OSError if one cannot be: the file stays open, its rows in memory).
+        A second close does nothing."""
+        lock = getattr(self, "_lock", None)
+        if lock is None:  # its construction failed before anything was opened
+            return
+        with lock:
+            if getattr(self, "_fd", None) is None and getattr(self, "_dir_fd", None) is None:
+                return  # closed, never opened, or a forked child's copy (_disown)
+            if getattr(self, "_prefetching", None) is not None:
+                self._wait_prefetch()
+            if getattr(self, "_erasing", None) is not None or getattr(self, "_unindexed", None) is not None:
+                self._settle_erase()
+            if getattr(self, "_pending", None):
+                self._wait_writes()
+            heap._HEAP_TRIM.discard(self)  # its share of the trigger (_HeapTrim) goes with it
+            _OPEN_STORES.discard(self)
+            self._unusable = (f"I/O operation on closed store: {self._dir} was closed (TieredStore.close()); open "
+                              "the directory again with cncore.EmbeddingStore(config) to use it")
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+                if getattr(self, "_writer", None) is not None:
+                    self._writer.fd = -1  # a spill after close fails (EBADF), never writes to a reused descriptor
+            self._release_directory()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+        try:  # also when close failed (a queued write it could not make): the store is gone, and
+            # its directory must not stay locked for the rest of the process
+            if getattr(self, "_fd", None) is not None:
+                os.close(self._fd)
+                self._fd = None
+            if getattr(self, "_dir_fd", None) is not None:
+                self._release_directory()
+        except Exception:
+            pass
+        try:
+            heap._HEAP_TRIM.discard(self)  # also when close failed: the store is gone
+        except Exception:  # interpreter exit: the module's globals may be gone
+            pass
