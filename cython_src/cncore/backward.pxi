@@ -1,0 +1,222 @@
+# The backward of a lookup: the fused gradient and optimizer update of grouped lookups, and
+# the per-row gradients of one lookup (unique_gradients).
+
+
+cdef _check_backward_inputs(Table tab, object slots, object offsets, object weights, int mode, object argmax,
+                            object grad, int f):
+    """What the backward of one lookup reads through raw pointers, checked against each other
+    (shapes, dtypes, strides); the offsets' values and the slots are checked under the lock."""
+    _check_vector(slots, np.int64, -1, f"slots[{f}]")
+    _check_vector(offsets, np.int64, -1, f"offsets[{f}]")
+    if offsets.shape[0] < 1:
+        raise ValueError(f"offsets[{f}]: needs B+1 >= 1 entries")
+    cdef int64_t n_bags = offsets.shape[0] - 1
+    if weights is not None:
+        _check_vector(weights, np.float32, slots.shape[0], f"weights[{f}]")
+    if mode not in (0, 1, 2):
+        raise ValueError(f"mode of feature {f}: expected 0 (sum), 1 (mean) or 2 (max), got {mode!r}")
+    if mode == 2:
+        if not isinstance(argmax, np.ndarray) or argmax.dtype != np.int64 or not argmax.flags.c_contiguous \
+                or argmax.shape != (n_bags, tab.t.dim):
+            raise ValueError(f"argmax[{f}]: expected a C-contiguous int64 array of shape ({n_bags}, {tab.t.dim})")
+    _check_rows(grad, np.float32, n_bags, tab.t.dim, f"grad_output (feature {f})", False)
+
+
+cdef str _nonfinite_message(int f):
+    return (f"grad_output: holds NaN or inf (feature {f}); applied, it would overwrite every row it touches "
+            "for good, so nothing was updated")
+
+
+cdef str _stale_message(int f, int rc):
+    if rc == CN_ESTALE:
+        return (f"feature {f}: keys were erased (or the store cleared) since this lookup, or the lookup was made "
+                "on another store; its rows may be gone, so its gradient cannot be applied. Nothing was updated")
+    return (f"feature {f}: the lookup context holds slots this store never handed out (a forged or damaged "
+            "context); nothing was updated")
+
+
+def grouped_backward(list tables, list slots, list offsets, list weights, list modes, list argmaxes,
+                     list grads, list optims, list metas, list epochs):
+    """Fused backward + optimizer update for F lookups in one nogil section.
+
+    grads[f] is a float32 (B, dim) view (rows may be strided). optims[f] is a tuple
+    (kind, lr, eps, beta1, beta2). metas[f] is (record_access, step_of_the_lookup). epochs[f]
+    is the erase epoch grouped_forward returned. Every table's write lock is taken (in address
+    order, so two backwards cannot deadlock), every lookup is checked against its table
+    (epoch, offsets, slots), and only then is any row updated: a stale lookup raises
+    RuntimeError with every table unchanged. Each table's step advances by one before its
+    update. A table may appear once (the caller merges features sharing a table).
+    """
+    cdef int64_t F = len(tables), f, i
+    cdef Table tab
+    if not (len(slots) == len(offsets) == len(weights) == len(modes) == len(argmaxes) == len(grads)
+            == len(optims) == len(metas) == len(epochs) == F):
+        raise ValueError("grouped_backward: one entry per table in every list")
+    if len({id(t) for t in tables}) != F:
+        raise ValueError("grouped_backward: a table appears twice; merge its lookups first")
+    cdef cn_table** tp = <cn_table**> malloc(max(F, 1) * sizeof(cn_table*))
+    cdef cn_table** locked = <cn_table**> malloc(max(F, 1) * sizeof(cn_table*))
+    cdef cn_optim* opts = <cn_optim*> malloc(max(F, 1) * sizeof(cn_optim))
+    cdef int64_t* ip = <int64_t*> malloc(max(F, 1) * 12 * sizeof(int64_t))
+    cdef int64_t oom_feature = -1, bad_feature = -1, bad_pos = -1, stale_feature = -1, nonfinite_feature = -1
+    cdef int64_t step_feature = -1
+    cdef int rc = 0, stale_rc = 0
+    if tp == NULL or opts == NULL or ip == NULL or locked == NULL:
+        free(tp)
+        free(locked)
+        free(opts)
+        free(ip)
+        raise MemoryError("cannot allocate the call's scratch")
+    cdef int64_t* p_slots = ip
+    cdef int64_t* p_off = ip + F
+    cdef int64_t* p_nbags = ip + 2 * F
+    cdef int64_t* p_w = ip + 3 * F
+    cdef int64_t* p_mode = ip + 4 * F
+    cdef int64_t* p_argmax = ip + 5 * F
+    cdef int64_t* p_grad = ip + 6 * F
+    cdef int64_t* p_ld = ip + 7 * F
+    cdef int64_t* p_touch = ip + 8 * F
+    cdef int64_t* p_step = ip + 9 * F
+    cdef int64_t* p_nkeys = ip + 10 * F
+    cdef uint64_t* p_epoch = <uint64_t*> (ip + 11 * F)
+    try:
+        for f in range(F):
+            tab = <Table> tables[f]
+            _check_backward_inputs(tab, slots[f], offsets[f], weights[f], modes[f], argmaxes[f], grads[f], f)
+            tp[f] = &tab.t
+            p_slots[f] = _ptr(slots[f])
+            p_nkeys[f] = slots[f].shape[0]
+            p_off[f] = _ptr(offsets[f])
+            p_nbags[f] = offsets[f].shape[0] - 1
+            p_w[f] = _ptr(weights[f])
+            p_mode[f] = modes[f]
+            p_argmax[f] = _ptr(argmaxes[f]) if modes[f] == 2 else 0
+            p_grad[f] = _ptr(grads[f])
+            p_ld[f] = grads[f].strides[0] // 4 if p_nbags[f] > 1 else tab.t.dim
+            p_touch[f] = bool(metas[f][0])
+            p_step[f] = _saturate_u32(metas[f][1])
+            p_epoch[f] = epochs[f]
+            kind, lr, eps, beta1, beta2 = optims[f]
+            opts[f].kind = kind
+            opts[f].lr = lr
+            opts[f].eps = eps
+            opts[f].beta1 = beta1
+            opts[f].beta2 = beta2
+        # Lock order: by address, so concurrent grouped backwards never wait on each other in a cycle.
+        order = sorted((<size_t> tp[f], f) for f in range(F))
+        for i in range(F):
+            locked[i] = tp[<int64_t> order[i][1]]
+        with nogil:
+            for f in range(F):
+                bad_pos = cn_check_offsets(<offset_t*> p_off[f], p_nbags[f], p_nkeys[f])
+                if bad_pos >= 0:
+                    bad_feature = f
+                    break
+                if not cn_all_finite(<weight_t*> p_grad[f], p_nbags[f], tp[f].dim, p_ld[f]):
+                    nonfinite_feature = f
+                    break
+            if bad_feature < 0 and nonfinite_feature < 0:
+                for i in range(F):
+                    pthread_rwlock_wrlock(&locked[i].lock)
+                for f in range(F):
+                    stale_rc = cn_table_check_slots(tp[f], p_epoch[f], <slot_t*> p_slots[f], p_nkeys[f])
+                    if stale_rc != CN_OK:
+                        stale_feature = f
+                        break
+                    if tp[f].step >= _STEP_MAX:
+                        step_feature = f
+                        break
+                if stale_feature < 0 and step_feature < 0:
+                    for f in range(F):
+                        tp[f].step += 1
+                        cn_optim_set_step(&opts[f], tp[f].step)
+                        rc = cn_grad_apply(&tp[f].arena, tp[f].dim, tp[f].row_dtype, <slot_t*> p_slots[f],
+                                           <offset_t*> p_off[f],
+                                           p_nbags[f], <weight_t*> p_w[f], <int> p_mode[f], <int64_t*> p_argmax[f],
+                                           <weight_t*> p_grad[f], p_ld[f], &opts[f], <int> p_touch[f],
+                                           <uint32_t> p_step[f], cn_threads_for(p_nkeys[f] * 4))
+                        if rc != 0:
+                            tp[f].step -= 1
+                            oom_feature = f
+                            break
+                for i in range(F - 1, -1, -1):
+                    pthread_rwlock_unlock(&locked[i].lock)
+        if bad_feature >= 0:
+            raise ValueError(f"offsets[{bad_feature}]: must start at 0, never decrease and end at the number of "
+                             f"slots ({p_nkeys[bad_feature]}); position {bad_pos} breaks this")
+        if nonfinite_feature >= 0:
+            raise ValueError(_nonfinite_message(nonfinite_feature))
+        if stale_feature >= 0:
+            raise RuntimeError(_stale_message(stale_feature, stale_rc))
+        if step_feature >= 0:
+            raise ValueError(f"feature {step_feature}: its table's step is {_STEP_MAX} (2**32 - 1), the last step a "
+                             "row's 32-bit last_step records, and this update would pass it; nothing was updated. "
+                             + STEP_REMEDY)
+        if oom_feature >= 0:
+            raise MemoryError(f"out of memory in the backward of feature {oom_feature}; "
+                              f"its table is unchanged, earlier features were updated")
+    finally:
+        free(tp)
+        free(locked)
+        free(opts)
+        free(ip)
+
+
+def unique_gradients(Table table, slots, offsets, weights, int mode, argmax, grad,
+                     bint record_access, step, uint64_t erase_epoch):
+    """Non-fused backward for one lookup: (first key position of each unique row,
+    gradient rows (U, dim)), unique rows in first-occurrence order. The lookup is checked
+    against the table under its lock (as in grouped_backward); with record_access, the rows'
+    access metadata is updated (the write lock is taken)."""
+    _check_backward_inputs(table, slots, offsets, weights, mode, argmax, grad, 0)
+    cdef cn_groups groups
+    cdef int rc = 0, stale_rc = 0
+    cdef const slot_t[::1] sl = slots
+    cdef const offset_t[::1] off = offsets
+    cdef int64_t n_bags = off.shape[0] - 1, n = sl.shape[0], bad_pos
+    cdef int64_t dim = table.t.dim
+    cdef const weight_t* w = <const weight_t*> <size_t> _ptr(weights)
+    cdef const int64_t* am = <const int64_t*> <size_t> (_ptr(argmax) if mode == 2 else 0)
+    cdef const weight_t* g = <const weight_t*> <size_t> _ptr(grad)
+    cdef int64_t ld = grad.strides[0] // 4 if n_bags > 1 else dim
+    cdef uint32_t step32 = _saturate_u32(step)
+    cdef weight_t* out_p
+    cdef int64_t* bag_of = NULL
+    cdef const slot_t* slots_p = &sl[0] if n else NULL
+    cdef bint finite
+    with nogil:
+        bad_pos = cn_check_offsets(&off[0], n_bags, n)
+        finite = cn_all_finite(g, n_bags, dim, ld)
+    if bad_pos >= 0:
+        raise ValueError(f"offsets: must start at 0, never decrease and end at the number of slots ({n}); "
+                         f"position {bad_pos} breaks this")
+    if not finite:
+        raise ValueError(_nonfinite_message(0))
+    with nogil:
+        bag_of = cn_bag_of(&off[0], n_bags, cn_threads_for(n))
+        rc = -1 if bag_of == NULL else cn_groups_build(slots_p, NULL, n, &groups)
+    if rc != 0:
+        free(bag_of)
+        raise MemoryError("out of memory building the gradient groups")
+    try:
+        positions = np.empty(groups.n_unique, dtype=np.int64)
+        out = np.empty((groups.n_unique, dim), dtype=np.float32)
+        out_p = <weight_t*> <size_t> _ptr(out)
+        with nogil:
+            if record_access:
+                pthread_rwlock_wrlock(&table.t.lock)
+            else:
+                pthread_rwlock_rdlock(&table.t.lock)
+            stale_rc = cn_table_check_slots(&table.t, erase_epoch, slots_p, n)
+            if stale_rc == CN_OK and groups.n_unique:
+                cn_grad_unique(&groups, bag_of, &table.t.arena, dim, slots_p, &off[0], w, mode, am, g, ld,
+                               out_p, record_access, step32, cn_threads_for(groups.n_unique * 4))
+            pthread_rwlock_unlock(&table.t.lock)
+        if stale_rc != CN_OK:
+            raise RuntimeError(_stale_message(0, stale_rc))
+        if groups.n_unique:
+            positions[:] = <int64_t[:groups.n_unique]> groups.unique_pos
+        return positions, out
+    finally:
+        cn_groups_free(&groups)
+        free(bag_of)
