@@ -35,7 +35,7 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 from torchrec.optim.keyed import KeyedOptimizer  # noqa: E402
 
 import cncore  # noqa: E402
-from cncore_torch import CNEmbeddingBagCollection, CNEmbeddingCollection, _ops  # noqa: E402
+from cncore_torch import CNEmbeddingBagCollection, CNEmbeddingCollection, ops  # noqa: E402
 from reference import assert_unchanged, snapshot  # noqa: E402
 
 ROWS = 12
@@ -488,7 +488,7 @@ def test_compiled_collection_trains_exactly_as_eager(weighted):
         (b.values() * grad).sum().backward()
         assert_same_tables(eager, compiled)
     assert all(s.step == 4 for s in compiled.stores.values())
-    assert _ops._PENDING == {}  # every lookup's contexts left with its backward
+    assert ops._PENDING == {}  # every lookup's contexts left with its backward
 
 
 def test_compiled_collection_honours_apply_optimizer_in_backward_and_says_when_there_is_none():
@@ -521,7 +521,7 @@ def test_compiled_forward_without_backward_keeps_nothing_and_bad_batches_raise_t
         run(random_kjt(rng, 4))
     del out
     gc.collect()
-    assert _ops._PENDING == {}
+    assert ops._PENDING == {}
     bad = KeyedJaggedTensor(keys=["f1", "f2", "f3"], values=torch.tensor([1, 2, 3]),
                             lengths=torch.tensor([2, -1, 1, 0, 1, 0]))
     before = {name: snapshot(store) for name, store in ours.stores.items()}
@@ -559,4 +559,4 @@ def test_compiled_unpooled_collection_trains_exactly_as_eager(need_indices):
         for out in (a, b):
             sum((out[f].values() * s).sum() for f, s in scale.items()).backward()
         assert_same_tables(eager, compiled)
-    assert _ops._PENDING == {}
+    assert ops._PENDING == {}

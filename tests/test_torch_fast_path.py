@@ -1,4 +1,4 @@
-"""The modules' fast path (`_ops.lookup_table`): every call it takes returns what the general
+"""The modules' fast path (`bridge.lookup_table`): every call it takes returns what the general
 path (`embedding_bag_lookup` / `embedding_lookup`) returns, applies the same updates and hands
 the hooks the same gradients, and equals torch.nn.EmbeddingBag / torch.nn.Embedding on the
 same rows; `torch.jit.trace` is refused with the table unchanged."""
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import cncore
-from cncore_torch import CNEmbedding, CNEmbeddingBag, modules
+from cncore_torch import CNEmbedding, CNEmbeddingBag, functional, modules
 
 N, DIM = 30, 8
 NR = N + 10  # nn.EmbeddingBag's rows in the 2-D test: IDs N.. are first inserted by our lookups
@@ -25,8 +25,8 @@ class Paths:
     def __init__(self, monkeypatch):
         self.general, self.forced, self._anchors = [], set(), {}
         for name in ("embedding_bag_lookup", "embedding_lookup"):
-            real = getattr(modules, name)
-            monkeypatch.setattr(modules, name, lambda anchor, *a, real=real: self._general(anchor, real, *a))
+            real = getattr(functional, name)
+            monkeypatch.setattr(functional, name, lambda anchor, *a, real=real: self._general(anchor, real, *a))
         fast = modules._fast_ids
         monkeypatch.setattr(modules, "_fast_ids", lambda m, x: id(m) not in self.forced and fast(m, x))
 

@@ -23,127 +23,25 @@ fused optimizer given at construction (features sharing a table get one update p
 from __future__ import annotations
 
 import dataclasses
-import functools
-import zlib
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
-import numpy as np
 import torch
-from torch import nn
-from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig, PoolingType
-from torchrec.modules.embedding_modules import (EmbeddingBagCollectionInterface, EmbeddingCollectionInterface,
-                                                get_embedding_names_by_table)
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface, EmbeddingCollectionInterface
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
 import cncore
-from cncore_torch import _ops
-from cncore_torch.devices import Placement, resolve_device
+from cncore_torch import bridge
+from cncore_torch.base import TableModule, check_flag
 from cncore_torch.device_rows import DeviceRows
-from cncore_torch.modules import check_flag, store_config
-from cncore_torch.optim import (changed_optimizer_error, keyed_fused_optimizer, no_optimizer_error,
-                                optimizer_tag, resolve_optimizer)
-from cncore_torch.state import load_tables, save_store
-from cncore_torch.table_options import per_table_options
+from cncore_torch.embedding_configs import (POOLING, collection_placement, feature_names_of, initializer_from_config,
+                                            store_configs)
+from cncore_torch.functional import unpooled_lookup
+from cncore_torch.optim import (changed_optimizer_error, keyed_fused_optimizer, no_optimizer_error, optimizer_tag,
+                                resolve_optimizer)
+from cncore_torch.state import save_store
 
 __all__ = ["CNEmbeddingBagCollection", "CNEmbeddingCollection", "initializer_from_config"]
-
-_MAX_INITIAL_ROWS = 1 << 20
-_POOLING = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
-
-
-def initializer_from_config(config: EmbeddingBagConfig):
-    """The cncore initializer equal to a config's `init_fn`: TorchRec's default (uniform between
-    the config's bounds) and partials of torch.nn.init's uniform_/normal_/trunc_normal_/constant_.
-    Any other callable cannot be applied row by row as IDs arrive, and is refused."""
-    fn = config.init_fn
-    if fn is None:
-        return cncore.Uniform(config.get_weight_init_min(), config.get_weight_init_max())
-    if isinstance(fn, functools.partial) and not fn.args:
-        kw = fn.keywords
-        if fn.func is torch.nn.init.uniform_:
-            return cncore.Uniform(kw.get("a", 0.0), kw.get("b", 1.0))
-        if fn.func is torch.nn.init.normal_:
-            return cncore.Normal(kw.get("mean", 0.0), kw.get("std", 1.0))
-        if fn.func is torch.nn.init.trunc_normal_:
-            return cncore.TruncatedNormal(kw.get("mean", 0.0), kw.get("std", 1.0), kw.get("a", -2.0), kw.get("b", 2.0))
-        if fn.func is torch.nn.init.constant_:
-            return cncore.Constant(kw["val"])
-    raise ValueError(f"table {config.name!r}: init_fn {fn!r} cannot initialise rows one ID at a time; pass "
-                     f"initializers={{{config.name!r}: cncore.Uniform(...)}} (or Normal, TruncatedNormal, Constant)")
-
-
-def make_stores(tables, config_type, optimizer, initializers, capacities, seed: int, device,
-                what: str, options: Optional[dict] = None) -> Dict[str, cncore.EmbeddingStore]:
-    """One store per TorchRec table config (checked: type, unique names, known overrides)."""
-    return {name: cncore.EmbeddingStore(config) for name, config in
-            store_configs(tables, config_type, optimizer, initializers, capacities, seed, device, what,
-                          options).items()}
-
-
-def collection_placement(device, what: str) -> Placement:
-    """Where the tables live: 'cpu' (the core), 'meta' (no storage until `to_empty`, as DMP
-    builds models) or 'cncard' / an accelerator device (rows in device memory, keys indexed by
-    the core on the host; `CNCORE_CNCARD=cpu` runs that path on the CPU)."""
-    try:
-        placement = resolve_device(device)
-        if placement.kind == "device":
-            torch.empty(0, device=placement.device)  # an accelerator this torch build cannot reach
-    except (ValueError, RuntimeError, AssertionError) as exc:
-        raise ValueError(f"device={device!r}: {what} runs on 'cpu', 'meta' or 'cncard' ({exc})") from exc
-    return placement
-
-
-def store_configs(tables, config_type, optimizer, initializers, capacities, seed: int, device,
-                  what: str, options: Optional[dict] = None) -> Dict[str, cncore.StoreConfig]:
-    """One store config per TorchRec table config (checked: type, unique names, known overrides);
-    `options`: the table options of cncore_torch.table_options, each once or per table."""
-    collection_placement(device, what)
-    if not isinstance(tables, (list, tuple)):
-        raise TypeError(f"tables must be a list of {config_type.__name__}, got {type(tables).__name__}")
-    if not tables:
-        raise ValueError(f"tables: at least one {config_type.__name__} is needed")
-    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
-        raise ValueError(f"seed must be an int >= 0, got {seed!r}")
-    initializers, capacities = dict(initializers or {}), dict(capacities or {})
-    stores: Dict[str, cncore.StoreConfig] = {}
-    for config in tables:
-        if not isinstance(config, config_type):
-            raise TypeError(f"tables: expected {config_type.__name__}, got {type(config).__name__}")
-    per_table = per_table_options(tables, **(options or {}))
-    for config in tables:
-        if not isinstance(config, config_type):
-            raise TypeError(f"tables: expected {config_type.__name__}, got {type(config).__name__}")
-        if config.name in stores:
-            raise ValueError(f"tables: duplicate table name {config.name!r}")
-        if isinstance(config, EmbeddingBagConfig) and config.pooling not in _POOLING:
-            raise ValueError(f"table {config.name!r}: pooling {config.pooling} is not supported (SUM or MEAN)")
-        n = config.num_embeddings
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:  # TorchRec's default init reads 1/n
-            raise ValueError(f"table {config.name!r}: num_embeddings must be an int >= 1 (a capacity hint), got {n!r}")
-        init = initializers.pop(config.name, None) or initializer_from_config(config)
-        fields = per_table[config.name]
-        capacity = capacities.pop(config.name, min(n, _MAX_INITIAL_ROWS))
-        if isinstance(fields["max_rows"], int) and not isinstance(fields["max_rows"], bool) \
-                and 0 < fields["max_rows"] < capacity:
-            capacity = fields["max_rows"]  # a bounded table never holds more
-        stores[config.name] = store_config(
-            f"table {config.name!r}: ", config.embedding_dim, initializer=init, optimizer=optimizer,
-            seed=(seed * 1_000_003 + zlib.crc32(config.name.encode())) % 2**64, capacity=capacity, **fields)
-    for leftover, name in ((initializers, "initializers"), (capacities, "capacities")):
-        if leftover:
-            raise ValueError(f"{name}: no table named {sorted(leftover)}")
-    return stores
-
-
-
-def feature_names_of(tables) -> Tuple[List[List[str]], List[List[str]]]:
-    """(feature names, embedding names) per table, exactly as TorchRec's collections name them
-    (`feature@table` for a feature read by several tables); the configs are not mutated
-    (TorchRec fills in empty feature_names with the table name; we read them that way)."""
-    features = [list(c.feature_names) or [c.name] for c in tables]
-    names = get_embedding_names_by_table(tables) if all(c.feature_names for c in tables) else features
-    return features, names
-
 
 def features_by_key(features, feature_names: List[List[str]], rows_device=None) -> Dict[str, JaggedTensor]:
     """The KJT's JaggedTensor per key, every feature the tables read being present. The KJT is
@@ -189,10 +87,10 @@ def features_by_key(features, feature_names: List[List[str]], rows_device=None) 
 ANCHOR_SHAPE = (0, 1)
 
 
-class _DynamicTables:
-    """What both collections share: a store per table (created by `_init_tables`), the
-    parameter autograd hangs their lookups on, the fused optimizer over them, and every
-    table's rows, optimizer state and metadata in the module's state_dict.
+class _DynamicTables(TableModule):
+    """What both collections share: a store per table (created by `_init_tables`), the fused
+    optimizer over them, and every table's rows, optimizer state and metadata in the module's
+    state_dict (the anchor and the handle: `TableModule`).
 
     On device="meta" there are no stores (and no fused optimizer) until `to_empty(device="cpu")`
     creates them, empty; forward then only infers shapes. DMP shards a meta collection without
@@ -206,8 +104,7 @@ class _DynamicTables:
         # Zero rows of one column: 2-D because apply_optimizer_in_backward builds its optimizer over
         # it, and TorchRec's RowWiseAdagrad reads a parameter's second dimension.
         self._placement = collection_placement(device, owner)
-        self._anchor = nn.Parameter(torch.empty(ANCHOR_SHAPE, device=self._placement.device))
-        self._handle = _ops.register(self)
+        self._init_lookup(ANCHOR_SHAPE, self._placement.device)
         self._stores: Dict[str, cncore.EmbeddingStore] = {}
         self.fused_optimizer = None
         if not self.is_meta:
@@ -312,10 +209,6 @@ class _DynamicTables:
             self._bind_stores()
         return result
 
-    def __setstate__(self, state):
-        super().__setstate__(state)
-        self._handle = _ops.register(self)  # handles are per process
-
     @property
     def stores(self) -> Dict[str, cncore.EmbeddingStore]:
         """The tables by name (none on the meta device)."""
@@ -329,15 +222,11 @@ class _DynamicTables:
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
         """All or nothing (see cncore_torch.state): every table is checked before any changes."""
-        def load_rest(rest, missing, unexpected, errors):
-            super(_DynamicTables, self)._load_from_state_dict(rest, prefix, local_metadata, strict, missing,
-                                                              unexpected, errors)
-
         self._adopt_tagged_optimizer()  # a checkpoint's optimizer state needs the optimizer's width
         anchor = state_dict.get(prefix + "_anchor")
         if isinstance(anchor, torch.Tensor) and anchor.numel() == 0 and anchor.shape != ANCHOR_SHAPE:
             state_dict = {**state_dict, prefix + "_anchor": anchor.reshape(ANCHOR_SHAPE)}  # saved before (0, 1)
-        load_tables(self._tables(prefix), load_rest, state_dict, missing_keys, unexpected_keys, error_msgs)
+        self._load_tables(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
 
     def _tables(self, prefix: str) -> dict:
         """The tables in a state_dict (see cncore_torch.state.TableSpec): each replaced in place,
@@ -354,7 +243,7 @@ def pooled_collection_lookup(anchor: torch.Tensor, handle: int, features: KeyedJ
                              training: bool) -> KeyedTensor:
     """CNEmbeddingBagCollection's forward: one node under torch.fx (the tables are state the
     tracer cannot see; `training` is read when traced, as TorchRec's own traced modules do)."""
-    collection = _ops.table_of(handle)
+    collection = bridge.table_of(handle)
     by_key = features_by_key(features, collection._feature_names, collection._rows_device)
     if collection.is_meta:  # shape inference only
         values = torch.empty((features.stride(), sum(collection._lengths_per_embedding)), device="meta")
@@ -368,16 +257,16 @@ def pooled_collection_lookup(anchor: torch.Tensor, handle: int, features: KeyedJ
 
 
 def _eager_lookup(anchor, collection, keys, offsets, weights, training: bool):
-    """The bridge's eager lookup (cncore_torch._ops); on accelerator rows a graph break for
+    """The bridge's eager lookup (cncore_torch.bridge); on accelerator rows a graph break for
     torch.compile, as the modules' device path."""
     if collection._placement.kind == "device":
         return _device_lookup(anchor, collection, keys, offsets, weights, training)
-    return _ops.lookup(anchor, collection, keys, offsets, weights, collection._modes, training)
+    return bridge.lookup(anchor, collection, keys, offsets, weights, collection._modes, training)
 
 
 @torch.compiler.disable
 def _device_lookup(anchor, collection, keys, offsets, weights, training: bool):
-    return _ops.lookup(anchor, collection, keys, offsets, weights, collection._modes, training)
+    return bridge.lookup(anchor, collection, keys, offsets, weights, collection._modes, training)
 
 
 def grouped_arrays(collection, by_key: Dict[str, JaggedTensor]):
@@ -397,16 +286,12 @@ def grouped_arrays(collection, by_key: Dict[str, JaggedTensor]):
     return keys, offsets, weights
 
 
-# --- the same lookups as operators, for torch.compile ---------------------------------------------
+# --- the KJT in parts: how the collections' operators take it (cncore_torch.ops) -----------------
 #
 # The bridge's `cncore::lookup` takes per-feature tensors; splitting a KJT per feature is
 # data-dependent, so the collections' operators take the whole KJT (values, lengths, weights)
-# and each feature's position among its keys (known when traced), split it, and call the same
-# forward_impl; their backward is the bridge's `cncore::apply_gradients`. The unpooled operator
-# returns each feature's rows, of sizes known only at run time (unbacked sizes when traced).
-# An operator is renamed whenever its backward changes: Inductor's on-disk cache keys a compiled
-# graph by its forward operators, and a cache written by the previous version (whose forward had
-# this operator's name) replayed a backward calling an operator that no longer exists.
+# and each feature's position among its keys (known when traced), and the collection splits it
+# (`_pooled_rows`, `_unpooled_rows`) and calls the same forward_impl.
 
 
 def _kjt_of_parts(collection, values, lengths, weights, n_keys: int, positions: List[int]) -> KeyedJaggedTensor:
@@ -425,42 +310,6 @@ def _positions(collection, features: KeyedJaggedTensor) -> List[int]:
     if missing:
         raise ValueError(f"features: no key {missing[0]!r} (it has {keys})")
     return [keys.index(f) for names in collection._feature_names for f in names]
-
-
-@torch.library.custom_op("cncore::collection_pooled_rows", mutates_args=())
-def collection_pooled_rows(anchor: torch.Tensor, handle: int, values: torch.Tensor, lengths: torch.Tensor,
-                             weights: Optional[torch.Tensor], n_keys: int, positions: List[int], training: bool,
-                             needs_optimizer: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-    """CNEmbeddingBagCollection's lookup as an operator: (B, sum of dims) pooled rows and the
-    token of its contexts. Checks the KJT as the eager forward does (`features_by_key`)."""
-    collection = _ops.table_of(handle)
-    by_key = features_by_key(_kjt_of_parts(collection, values, lengths, weights, n_keys, positions),
-                             collection._feature_names)
-    collection._require_optimizer(needs_optimizer)
-    keys, offsets, weights = grouped_arrays(collection, by_key)
-    out, pending = _ops.forward_impl(collection, collection._lookup_tables(), keys, offsets, weights,
-                                     collection._modes, training)
-    return out, _ops.token_for(pending)
-
-
-@collection_pooled_rows.register_fake
-def _(anchor, handle, values, lengths, weights, n_keys, positions, training, needs_optimizer):
-    dims = sum(_ops.table_of(handle)._lengths_per_embedding)
-    return (values.new_empty((lengths.shape[0] // n_keys, dims), dtype=torch.float32),
-            values.new_empty((1,), dtype=torch.int64))
-
-
-def _collection_setup_context(ctx, inputs, output):
-    ctx.save_for_backward(inputs[0], output[1])
-
-
-def _collection_backward(ctx, grad_out, _grad_token):
-    anchor, token = ctx.saved_tensors
-    grad_anchor = torch.ops.cncore.apply_gradients(anchor, [grad_out.contiguous()], token, [])
-    return grad_anchor, None, None, None, None, None, None, None, None
-
-
-collection_pooled_rows.register_autograd(_collection_backward, setup_context=_collection_setup_context)
 
 
 class CNEmbeddingBagCollection(_DynamicTables, EmbeddingBagCollectionInterface):
@@ -530,7 +379,7 @@ class CNEmbeddingBagCollection(_DynamicTables, EmbeddingBagCollectionInterface):
         self._embedding_bag_configs = tables
         self._feature_names, names_by_table = feature_names_of(tables)
         self._embedding_names = [n for names in names_by_table for n in names]
-        self._modes = [_POOLING[c.pooling] for c, f in zip(tables, self._feature_names) for _ in f]
+        self._modes = [POOLING[c.pooling] for c, f in zip(tables, self._feature_names) for _ in f]
         self._lengths_per_embedding = [c.embedding_dim for c, f in zip(tables, self._feature_names) for _ in f]
         self._bind_stores()
 
@@ -539,7 +388,7 @@ class CNEmbeddingBagCollection(_DynamicTables, EmbeddingBagCollectionInterface):
                                 for _ in f] if self._stores else []
 
     def _lookup_tables(self) -> list:
-        """The table of each feature, in the order of the lookup (see cncore_torch._ops)."""
+        """The table of each feature, in the order of the lookup (see cncore_torch.bridge)."""
         return self._feature_stores
 
     def embedding_bag_configs(self) -> List[EmbeddingBagConfig]:
@@ -565,6 +414,17 @@ class CNEmbeddingBagCollection(_DynamicTables, EmbeddingBagCollectionInterface):
             positions, self.training, self.training and torch.is_grad_enabled())
         return KeyedTensor(keys=self._embedding_names, length_per_key=self._lengths_per_embedding, values=values)
 
+    def _pooled_rows(self, values, lengths, weights, n_keys: int, positions: List[int], training: bool,
+                     needs_optimizer: bool):
+        """What the `cncore::collection_pooled_rows` operator runs (cncore_torch.ops): the KJT's
+        parts checked as the eager forward checks them (`features_by_key`), then the bridge's
+        forward: ((B, sum of dims) rows, what its backward needs)."""
+        by_key = features_by_key(_kjt_of_parts(self, values, lengths, weights, n_keys, positions),
+                                 self._feature_names)
+        self._require_optimizer(needs_optimizer)
+        keys, offsets, weights = grouped_arrays(self, by_key)
+        return bridge.forward_impl(self, self._lookup_tables(), keys, offsets, weights, self._modes, training)
+
     def table_rows(self) -> Dict[str, int]:
         """Rows in each table."""
         return {name: len(store) for name, store in self._stores.items()}
@@ -572,88 +432,6 @@ class CNEmbeddingBagCollection(_DynamicTables, EmbeddingBagCollectionInterface):
     def nbytes(self) -> int:
         """Bytes held by all tables."""
         return sum(store.nbytes for store in self._stores.values())
-
-
-def unpooled_lookup(anchor, owner, keys_by_table, training: bool):
-    """Unpooled lookups through the bridge: per table, the rows of its features' IDs
-    concatenated (one bag per ID; a table shared by features gets one update per row with the
-    summed gradient). Returns a tuple of (N_t, dim) rows, one per table."""
-    offsets = [torch.arange(len(k) + 1, dtype=torch.int64) for k in keys_by_table]
-    n = len(keys_by_table)
-    if getattr(owner, "_placement", None) is not None and owner._placement.kind == "device":
-        return _device_unpooled(anchor, owner, keys_by_table, offsets, n, training)
-    return _ops.lookup(anchor, owner, keys_by_table, offsets, [None] * n, [0] * n, training, split=True)
-
-
-@torch.compiler.disable
-def _device_unpooled(anchor, owner, keys_by_table, offsets, n: int, training: bool):
-    return _ops.lookup(anchor, owner, keys_by_table, offsets, [None] * n, [0] * n, training, split=True)
-
-
-@torch.library.custom_op("cncore::collection_unpooled_rows", mutates_args=())
-def collection_unpooled_rows(anchor: torch.Tensor, handle: int, values: torch.Tensor, lengths: torch.Tensor,
-                               n_keys: int, positions: List[int], training: bool, needs_optimizer: bool,
-                               need_indices: bool) -> List[torch.Tensor]:
-    """CNEmbeddingCollection's lookup as an operator (see collection_pooled_rows): the (N_f,
-    dim) rows of each feature, then (need_indices) each feature's IDs, then the token."""
-    collection = _ops.table_of(handle)
-    by_key = features_by_key(_kjt_of_parts(collection, values, lengths, None, n_keys, positions),
-                             collection._feature_names)
-    collection._require_optimizer(needs_optimizer)
-    ids = [[by_key[n].values().detach() for n in names] for names in collection._feature_names]
-    keys = [torch.cat(t).to(torch.int64).contiguous() for t in ids]
-    offsets = [torch.arange(len(k) + 1, dtype=torch.int64) for k in keys]
-    outs, pending = _ops.forward_impl(collection, collection._lookup_tables(), keys, offsets, [None] * len(keys),
-                                      [0] * len(keys), training, split=True)
-    pending.sizes = [[len(i) for i in t] for t in ids]
-    rows = [r.clone() for out, n in zip(outs, pending.sizes) for r in torch.split(out, n)]  # outputs may not alias
-    indices = [i.clone() for t in ids for i in t] if need_indices else []
-    return rows + indices + [_ops.token_for(pending)]
-
-
-@collection_unpooled_rows.register_fake
-def _(anchor, handle, values, lengths, n_keys, positions, training, needs_optimizer, need_indices):
-    ctx, dim = torch.library.get_ctx(), _ops.table_of(handle)._dim
-    counts = [ctx.new_dynamic_size() for _ in positions]
-    rows = [values.new_empty((n, dim), dtype=torch.float32) for n in counts]
-    indices = [values.new_empty((n,)) for n in counts] if need_indices else []
-    return rows + indices + [values.new_empty((1,), dtype=torch.int64)]
-
-
-def _unpooled_setup_context(ctx, inputs, output):
-    ctx.n_features = len(inputs[5])
-    ctx.save_for_backward(inputs[0], output[-1])
-
-
-def _unpooled_backward(ctx, grads):
-    anchor, token = ctx.saved_tensors
-    grad_anchor = torch.ops.cncore.collection_unpooled_apply_gradients(anchor, list(grads[:ctx.n_features]), token)
-    return grad_anchor, None, None, None, None, None, None, None, None
-
-
-@torch.library.custom_op("cncore::collection_unpooled_apply_gradients", mutates_args=())
-def collection_unpooled_apply_gradients(anchor: torch.Tensor, grads: List[Optional[torch.Tensor]],
-                                        token: torch.Tensor) -> torch.Tensor:
-    """Each feature's row gradients joined per table (a missing one as zeros); a table none of
-    whose features has a gradient gets an empty block, which the bridge skips (as in eager,
-    where such a table's outputs are unused). Then the bridge's backward."""
-    pending = _ops.pending_of(token)
-    dim = pending.tables[0].dim
-    by_table, at = [], 0
-    for sizes in pending.sizes:
-        parts = grads[at:at + len(sizes)]
-        at += len(sizes)
-        by_table.append(torch.empty((0, dim)) if all(g is None for g in parts) else torch.cat(
-            [torch.zeros((k, dim)) if g is None else g.contiguous() for g, k in zip(parts, sizes)]))
-    return torch.ops.cncore.apply_gradients(anchor, by_table, token, [])
-
-
-@collection_unpooled_apply_gradients.register_fake
-def _(anchor, grads, token):
-    return torch.empty_like(anchor)
-
-
-collection_unpooled_rows.register_autograd(_unpooled_backward, setup_context=_unpooled_setup_context)
 
 
 class CNEmbeddingCollection(_DynamicTables, EmbeddingCollectionInterface):
@@ -745,3 +523,20 @@ class CNEmbeddingCollection(_DynamicTables, EmbeddingCollectionInterface):
         return {e: JaggedTensor(values=outs[i], lengths=lengths[positions[i]],
                                 weights=outs[n + i] if self._need_indices else None)
                 for i, e in enumerate(emb_names)}
+
+    def _unpooled_rows(self, values, lengths, n_keys: int, positions: List[int], training: bool,
+                       needs_optimizer: bool, need_indices: bool):
+        """What the `cncore::collection_unpooled_rows` operator runs (cncore_torch.ops): the (N_f,
+        dim) rows of each feature, then (need_indices) each feature's IDs; and what the backward
+        needs (with each table's features' sizes, by which the backward joins their gradients)."""
+        by_key = features_by_key(_kjt_of_parts(self, values, lengths, None, n_keys, positions), self._feature_names)
+        self._require_optimizer(needs_optimizer)
+        ids = [[by_key[n].values().detach() for n in names] for names in self._feature_names]
+        keys = [torch.cat(t).to(torch.int64).contiguous() for t in ids]
+        offsets = [torch.arange(len(k) + 1, dtype=torch.int64) for k in keys]
+        outs, pending = bridge.forward_impl(self, self._lookup_tables(), keys, offsets, [None] * len(keys),
+                                            [0] * len(keys), training, split=True)
+        pending.sizes = [[len(i) for i in t] for t in ids]
+        rows = [r.clone() for out, n in zip(outs, pending.sizes) for r in torch.split(out, n)]  # outputs may not alias
+        indices = [i.clone() for t in ids for i in t] if need_indices else []
+        return rows + indices, pending

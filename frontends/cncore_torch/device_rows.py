@@ -238,7 +238,7 @@ class DeviceRows:
         keep = unique != 0
         return unique[keep], grads[0][keep], occurrences[keep], grad_weights
 
-    # --- the lookup and its backward (called by the bridge, cncore_torch/_ops.py) ----------------
+    # --- the lookup and its backward (called by the bridge, cncore_torch/bridge.py) ----------------
 
     def lookup(self, keys: torch.Tensor, offsets: torch.Tensor, weights, mode: int, training: bool):
         """(pooled rows (B, dim) on the device, the context its backward needs)."""

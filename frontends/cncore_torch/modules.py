@@ -18,40 +18,24 @@ registered with `register_gradient_hook` and keeps the last ones in `last_gradie
 from __future__ import annotations
 
 import dataclasses
-
 from typing import Callable, List, Optional
 
 import numpy as np
 import torch
-from torch import nn
 
 import cncore
-from cncore_torch import _ops
+from cncore_torch import bridge, functional
+from cncore_torch.base import TableModule, check_flag, store_config
 from cncore_torch.device_rows import DeviceRows
 from cncore_torch.devices import resolve_device
+from cncore_torch.functional import MODES
 from cncore_torch.optim import FusedOptimizer
-from cncore_torch.state import TableState, export_tensors, is_store_entry, load_tables, save_evicted_count
+from cncore_torch.state import TableState, export_tensors, is_store_entry, save_evicted_count
 from cncore_torch.table_options import module_options
 
 __all__ = ["CNEmbeddingBag", "CNEmbedding"]
 
-_MODES = {"sum": 0, "mean": 1, "max": 2}
 _MAX_INITIAL_ROWS = 1 << 20
-
-
-def store_config(context: str, embedding_dim, **fields) -> cncore.StoreConfig:
-    """`cncore.StoreConfig(dim=embedding_dim, **fields)`, its errors naming our arguments (the
-    core calls embedding_dim `dim`), after `context` (say, which table)."""
-    try:
-        return cncore.StoreConfig(dim=embedding_dim, **fields)
-    except (TypeError, ValueError) as exc:
-        message = str(exc)
-        raise type(exc)(context + ("embedding_" + message if message.startswith("dim ") else message)) from None
-
-
-def check_flag(name: str, value) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {value!r}")
 
 
 def _check_padding_idx(padding_idx) -> None:
@@ -74,8 +58,9 @@ def _check_unsupported(max_norm, scale_grad_by_freq, sparse, device, dtype):
         raise TypeError(f"dtype must be torch.float32 (or None), got {dtype}")
 
 
-class _DynamicTable(nn.Module):
-    """What both modules share: the store, the autograd anchor, optimizer and table methods."""
+class _DynamicTable(TableModule):
+    """What both modules share: the store, optimizer and table methods (the anchor and the
+    handle: `TableModule`)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, optimizer, initializer, seed: int,
                  max_load_factor: float, device=None, options: Optional[dict] = None):
@@ -94,9 +79,8 @@ class _DynamicTable(nn.Module):
         self.placement = resolve_device(device)
         self.storage = None  # the table's RowStorage (cncore.storage): in the core, or device rows; None on meta
         self._make_storage()
-        # Zero-size parameter: carries the backward (see _ops) and the fused optimizer's lr.
-        self._anchor = nn.Parameter(torch.empty(0, device=self.placement.device))
-        self._handle = _ops.register(self)
+        # Zero-size parameter: carries the backward (see TableModule) and the fused optimizer's lr.
+        self._init_lookup((0,), self.placement.device)
         self.fused_optimizer = FusedOptimizer(self._anchor, optimizer, lambda: self.storage) if optimizer else None
         self._gradient_hooks: List[Callable] = []
         self.last_gradients = None
@@ -126,7 +110,7 @@ class _DynamicTable(nn.Module):
         return self.storage if self.placement.kind == "device" else None
 
     def _lookup_tables(self) -> list:
-        """What the lookup reads (see cncore_torch._ops): this table's storage."""
+        """What the lookup reads (see cncore_torch.bridge): this table's storage."""
         return [self.storage]
 
     def _require_storage(self):
@@ -188,8 +172,7 @@ class _DynamicTable(nn.Module):
 
     def __setstate__(self, state):
         lr = state.pop("_fused_lr")
-        super().__setstate__(state)
-        self._handle = _ops.register(self)
+        super().__setstate__(state)  # (and a new handle: TableModule)
         optimizer = self.config.optimizer
         self.fused_optimizer = FusedOptimizer(self._anchor, optimizer, lambda: self.storage) if optimizer else None
         if self.fused_optimizer is not None:
@@ -207,7 +190,7 @@ class _DynamicTable(nn.Module):
         return hook
 
     def _deliver_gradients(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
-        """The non-fused backward: (unique IDs, gradient rows) to the hooks (from _ops, or the device path)."""
+        """The non-fused backward: (unique IDs, gradient rows) to the hooks (from the bridge, or the device path)."""
         self.last_gradients = (ids, grads)
         for hook in self._gradient_hooks:
             hook(ids, grads)
@@ -271,18 +254,14 @@ class _DynamicTable(nn.Module):
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
         """All or nothing (see cncore_torch.state): the table changes only when every entry is valid."""
-        def load_rest(rest, missing, unexpected, errors):
-            super(_DynamicTable, self)._load_from_state_dict(rest, prefix, local_metadata, strict, missing,
-                                                             unexpected, errors)
-
         if self.placement.kind == "meta":  # no rows to load into, as none were saved
             if any(is_store_entry(k, prefix) for k in state_dict):
                 error_msgs.append(f"{prefix}rows: this table is on the meta device and holds no rows; materialise it "
                                   "with to_empty(device='cpu') before loading rows")
-            load_rest({k: v for k, v in state_dict.items() if not is_store_entry(k, prefix)}, missing_keys,
-                      unexpected_keys, error_msgs)
+            self._load_rest({k: v for k, v in state_dict.items() if not is_store_entry(k, prefix)}, prefix,
+                            local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
             return
-        load_tables(self._tables(prefix), load_rest, state_dict, missing_keys, unexpected_keys, error_msgs)
+        self._load_tables(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
 
     def _tables(self, prefix: str) -> dict:
         """This module's table in a state_dict (see cncore_torch.state.TableSpec)."""
@@ -290,14 +269,6 @@ class _DynamicTable(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, rows={self.num_rows}"
-
-
-def _as_ids(input, name="input") -> torch.Tensor:
-    if not isinstance(input, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of IDs, got {type(input).__name__}")
-    if input.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"{name} must hold int64 or int32 IDs, got {input.dtype}")
-    return input
 
 
 class CNEmbeddingBag(_DynamicTable):
@@ -330,7 +301,7 @@ class CNEmbeddingBag(_DynamicTable):
                  admission=None, headroom: Optional[int] = None, row_dtype="float32",
                  storage=None):
         _check_unsupported(max_norm, scale_grad_by_freq, sparse, device, dtype)
-        if mode not in _MODES:
+        if mode not in MODES:
             raise ValueError(f"mode must be 'sum', 'mean' or 'max', got {mode!r}")
         check_flag("include_last_offset", include_last_offset)
         _check_padding_idx(padding_idx)
@@ -355,7 +326,7 @@ class CNEmbeddingBag(_DynamicTable):
     def forward(self, input: torch.Tensor, offsets: Optional[torch.Tensor] = None,
                 per_sample_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
         if per_sample_weights is None and _fast_ids(self, input):
-            # The common eager calls go straight to the bridge (_ops.lookup_table), with the
+            # The common eager calls go straight to the bridge (bridge.lookup_table), with the
             # keys as their NumPy view: a (B, L) batch with the shared offsets of its shape
             # (_fixed_offsets), or 1-D IDs with int64 CPU offsets (include_last_offset=False:
             # N appended, as the general path does; the core checks the offsets' values, as it
@@ -364,25 +335,25 @@ class CNEmbeddingBag(_DynamicTable):
             if offsets is None:
                 if input.ndim == 2:
                     n_bags, length = input.shape
-                    return _ops.lookup_table(self, input.numpy().reshape(-1), _fixed_offsets(n_bags, length),
-                                             _MODES[self.mode], self.training, inputs=(input,))
+                    return bridge.lookup_table(self, input.numpy().reshape(-1), _fixed_offsets(n_bags, length),
+                                               MODES[self.mode], self.training, inputs=(input,))
             elif (input.ndim == 1 and type(offsets) is torch.Tensor and offsets.dtype is torch.int64
                   and offsets.ndim == 1 and offsets.is_cpu and (not self.include_last_offset or len(offsets))):
                 offsets_np = offsets.numpy()
                 if not self.include_last_offset:
                     offsets_np = np.concatenate((offsets_np, [len(input)]))  # (np.append: 2.7 us, this 2.1)
-                return _ops.lookup_table(self, input.numpy(), offsets_np, _MODES[self.mode], self.training,
-                                         inputs=(input, offsets))
-        return embedding_bag_lookup(self._anchor, self._handle, self.placement.kind, self.embedding_dim, input,
-                                    offsets, per_sample_weights, self.mode, self.include_last_offset,
-                                    self.padding_idx, self.training)
+                return bridge.lookup_table(self, input.numpy(), offsets_np, MODES[self.mode], self.training,
+                                           inputs=(input, offsets))
+        return functional.embedding_bag_lookup(self._anchor, self._handle, self.placement.kind, self.embedding_dim,
+                                               input, offsets, per_sample_weights, self.mode, self.include_last_offset,
+                                               self.padding_idx, self.training)
 
 
 def _fast_ids(module: _DynamicTable, input) -> bool:
     """Whether `input` can go to the bridge as it is (the modules' fast path): a plain int64
     CPU tensor (not meta, as it is on the CPU; an int64 never needs a gradient), a table in
     the core with no padding ID to drop, in eager mode: not compiling (the graph takes the
-    operator), not under torch.jit.trace (the general path refuses it: _ops.lookup) nor a
+    operator), not under torch.jit.trace (the general path refuses it: bridge.lookup) nor a
     functorch transform (torch.func.grad, vmap: there `.numpy()` of any tensor failed, "Cannot
     access data pointer of Tensor that doesn't have storage"; the general path's
     autograd.Function says what functorch needs). A torch.fx Proxy or a tensor subclass takes
@@ -421,63 +392,10 @@ class CNEmbedding(_DynamicTable):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if _fast_ids(self, input):  # the fast path (see CNEmbeddingBag.forward): each ID a bag of one
             keys = input.numpy().reshape(-1)
-            return _ops.lookup_table(self, keys, _unit_offsets(len(keys)), _MODES["sum"], self.training,
-                                     input.shape + (self.embedding_dim,), inputs=(input,))
-        return embedding_lookup(self._anchor, self._handle, self.placement.kind, self.embedding_dim, input,
-                                self.padding_idx, self.training)
-
-
-@torch.fx.wrap
-def embedding_bag_lookup(anchor: torch.Tensor, handle: int, placement: str, dim: int, input: torch.Tensor,
-                         offsets: Optional[torch.Tensor], per_sample_weights: Optional[torch.Tensor], mode: str,
-                         include_last_offset: bool, padding_idx: Optional[int], training: bool) -> torch.Tensor:
-    """CNEmbeddingBag's forward: nn.EmbeddingBag's input conventions turned into (keys, B+1
-    offsets, weights) for the core. One node under torch.fx (`torch.fx.wrap`)."""
-    input = _as_ids(input)
-    if offsets is not None:
-        offsets = _as_ids(offsets, "offsets")
-    if per_sample_weights is not None and (not isinstance(per_sample_weights, torch.Tensor)
-                                           or not per_sample_weights.is_floating_point()):
-        raise TypeError("per_sample_weights must be a floating point torch.Tensor, got "
-                        f"{getattr(per_sample_weights, 'dtype', type(per_sample_weights).__name__)}")
-    _check_device(placement, input=input, offsets=offsets, per_sample_weights=per_sample_weights)
-    if per_sample_weights is not None:
-        if mode == "max":
-            raise ValueError("per_sample_weights work with mode='sum' or 'mean', not 'max'")
-        if per_sample_weights.shape != input.shape:
-            raise ValueError(f"per_sample_weights must have the shape of input {tuple(input.shape)}, got "
-                             f"{tuple(per_sample_weights.shape)}")
-    if input.dim() == 2:
-        if offsets is not None:
-            raise ValueError("offsets must be None when input is 2-D (each row is a bag)")
-        n_bags, length = input.shape
-        offsets = torch.arange(n_bags + 1, dtype=torch.int64) * length
-        keys = input.reshape(-1)
-        weights = None if per_sample_weights is None else per_sample_weights.reshape(-1)
-    elif input.dim() == 1:
-        if offsets is None:
-            raise ValueError("offsets is required when input is 1-D")
-        if offsets.dim() != 1:
-            raise ValueError(f"offsets must be 1-D, got shape {tuple(offsets.shape)}")
-        keys, weights = input, per_sample_weights
-        if not include_last_offset:
-            offsets = torch.cat([offsets.to(torch.int64), torch.tensor([keys.numel()], dtype=torch.int64,
-                                                                       device=offsets.device)])
-        elif offsets.numel() == 0:
-            raise ValueError("offsets must hold B+1 entries with include_last_offset=True (at least [0]), got none")
-    else:
-        raise ValueError(f"input must be 1-D (with offsets) or 2-D, got shape {tuple(input.shape)}")
-    keys = keys.to(torch.int64).contiguous()
-    offsets = offsets.to(torch.int64).contiguous()
-    if weights is not None:
-        weights = weights.to(torch.float32).contiguous()
-    if placement == "meta":  # shape inference: no values to read
-        return _lookup(anchor, handle, placement, dim, keys, offsets, weights, _MODES[mode], training)
-    if placement == "device" or padding_idx is not None:
-        _check_offsets(offsets, keys.numel())  # the core checks its own input; PyTorch ops do not
-    if padding_idx is not None:
-        keys, offsets, weights = _drop_padding(keys, offsets, weights, padding_idx)
-    return _lookup(anchor, handle, placement, dim, keys, offsets, weights, _MODES[mode], training)
+            return bridge.lookup_table(self, keys, _unit_offsets(len(keys)), MODES["sum"], self.training,
+                                       input.shape + (self.embedding_dim,), inputs=(input,))
+        return functional.embedding_lookup(self._anchor, self._handle, self.placement.kind, self.embedding_dim, input,
+                                           self.padding_idx, self.training)
 
 
 _FIXED_OFFSETS = {}  # (B, L): the read-only offsets 0, L, ..., B * L
@@ -512,71 +430,6 @@ def _unit_offsets(n: int) -> np.ndarray:
         offsets.flags.writeable = False
         _UNIT_OFFSETS[0] = offsets
     return offsets[:n + 1]
-
-
-def _check_offsets(offsets: torch.Tensor, n_keys: int) -> None:
-    """B+1 offsets: from 0, never decreasing, to the number of IDs."""
-    if int(offsets[0]) != 0 or int(offsets[-1]) != n_keys or bool((offsets[1:] < offsets[:-1]).any()):
-        raise ValueError(f"offsets must start at 0, never decrease and stay within the {n_keys} IDs of input "
-                         f"(with include_last_offset=True, end at {n_keys}); got {offsets.tolist()[:10]}")
-
-
-@torch.fx.wrap
-def embedding_lookup(anchor: torch.Tensor, handle: int, placement: str, dim: int, input: torch.Tensor,
-                     padding_idx: Optional[int], training: bool) -> torch.Tensor:
-    """CNEmbedding's forward: each ID its own bag of one. One node under torch.fx."""
-    input = _as_ids(input)
-    _check_device(placement, input=input)
-    keys = input.reshape(-1).to(torch.int64).contiguous()
-    offsets = torch.arange(keys.numel() + 1, dtype=torch.int64)
-    if padding_idx is not None and placement != "meta":
-        keys, offsets, _ = _drop_padding(keys, offsets, None, padding_idx)
-    out = _lookup(anchor, handle, placement, dim, keys, offsets, None, _MODES["sum"], training)
-    return out.reshape(*input.shape, dim)
-
-
-def _check_device(placement: str, **tensors) -> None:
-    """Inputs a table can read: not meta (no values), and on the CPU for a table in the core
-    (device rows take their inputs from anywhere; a meta table does shape inference only)."""
-    if placement == "meta":
-        return
-    for name, t in tensors.items():
-        if t is None:
-            continue
-        if t.is_meta:
-            raise ValueError(f"{name} is a meta tensor, which holds no values: expected {name} on the CPU"
-                             + ("" if placement == "core" else " or the table's device") + " (build the "
-                             "module with device='meta' for shape inference)")
-        if placement == "core" and t.device.type != "cpu":
-            raise ValueError(f"{name} is on {t.device}, but this table's rows are in the core (cpu): move "
-                             f"{name} to the CPU, or the table with move_to('cncard')")
-
-
-def _lookup(anchor, handle, placement, dim, keys, offsets, weights, mode, training):
-    if placement == "core":
-        if torch.compiler.is_compiling():  # one opaque operator in the graph
-            return torch.ops.cncore.lookup(anchor, handle, [keys], [offsets], [weights], [mode], training)[0]
-        return _ops.lookup(anchor, _ops.table_of(handle), [keys], [offsets], [weights], [mode], training)
-    if placement == "meta":  # shape inference only
-        return torch.empty((offsets.shape[0] - 1, dim), device="meta")
-    return _device_lookup(anchor, handle, keys, offsets, weights, mode, training)
-
-
-@torch.compiler.disable  # the accelerator path: a clean graph break around PyTorch ops on device rows
-def _device_lookup(anchor, handle, keys, offsets, weights, mode, training):
-    return _ops.lookup(anchor, _ops.table_of(handle), [keys], [offsets], [weights], [mode], training)
-
-
-def _drop_padding(keys, offsets, weights, padding_idx):
-    """Remove the padding ID from the bags (it neither adds to a bag nor counts in its mean)."""
-    keep = keys != padding_idx
-    if bool(keep.all()):
-        return keys, offsets, weights
-    lengths = offsets[1:] - offsets[:-1]
-    bag = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
-    kept = torch.bincount(bag[keep], minlength=len(lengths))
-    new_offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(kept, 0)])
-    return keys[keep], new_offsets, None if weights is None else weights[keep]
 
 
 def _check_dense(name: str, weight) -> None:

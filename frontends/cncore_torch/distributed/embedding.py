@@ -27,7 +27,8 @@ from torchrec.optim.keyed import KeyedOptimizer
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 import cncore
-from cncore_torch.collection import CNEmbeddingCollection, unpooled_lookup
+from cncore_torch.collection import CNEmbeddingCollection
+from cncore_torch.functional import unpooled_lookup
 from cncore_torch.distributed.checkpoint import agree_run_id
 from cncore_torch.distributed.embedding_sharding import (check_features, fused_anchor, keep_owned_rows, owned_writer,
                                                          shard_store_configs, sharded_optimizer)
@@ -89,7 +90,7 @@ class ShardedCNEmbeddingCollection(ShardedEmbeddingCollection):
         return self._stores
 
     def _lookup_tables(self) -> list:
-        """Each table's local store, once (see cncore_torch.collection.unpooled_lookup)."""
+        """Each table's local store, once (see cncore_torch.functional.unpooled_lookup)."""
         return self._table_stores
 
     @property

@@ -3,7 +3,7 @@
 It owns this rank's shard of every table (one `cncore.EmbeddingStore` each, holding only the
 keys this rank owns) and looks up the features it receives after the input all-to-all in one
 grouped core call, through the bridge every module of this front end uses
-(`cncore_torch._ops`): its backward applies the fused optimizer to the
+(`cncore_torch.bridge`): its backward applies the fused optimizer to the
 rows here, on the owning rank, with the gradient the output all-to-all sent back.
 
 Every feature is pooled with SUM here, also for MEAN tables: a bag split across ranks is
@@ -20,7 +20,7 @@ from torchrec.distributed.embedding_types import GroupedEmbeddingConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import cncore
-from cncore_torch import _ops
+from cncore_torch import bridge
 
 __all__ = ["CNEmbeddingBagKernel"]
 
@@ -66,9 +66,9 @@ class CNEmbeddingBagKernel(BaseEmbedding):
         torch.cumsum(lengths, dim=1, out=offsets[:, 1:])
         keys = [k.contiguous() for k in keys]
         weight_list = [w.contiguous() for w in weight_list] if weight_list is not None else [None] * n_features
-        return _ops.lookup(self._anchor_ref[0], self, keys, list(offsets), weight_list, [0] * n_features,
+        return bridge.lookup(self._anchor_ref[0], self, keys, list(offsets), weight_list, [0] * n_features,
                            self.training)
 
     def _lookup_tables(self) -> list:
-        """The store of each feature (see cncore_torch._ops)."""
+        """The store of each feature (see cncore_torch.bridge)."""
         return self._feature_stores

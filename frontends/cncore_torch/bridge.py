@@ -16,16 +16,16 @@ optimizer (a store under several features gets one update per row, as a fused TB
 hands (unique IDs, gradient rows) to `owner._deliver_gradients` (the modules' non-fused mode),
 and returns the gradient of per-sample weights that ask for one.
 
-The owner (a module) is registered under an integer handle, so the operators below can name
-it: the tables are hidden state, opaque to `torch.compile` and `torch.fx`, and each pass stays
+The owner (a module) is registered under an integer handle, so the operators (`cncore_torch.ops`)
+can name it: the tables are hidden state, opaque to `torch.compile` and `torch.fx`, and each pass stays
 one node. The forward takes a zero-size `anchor` parameter of its module; its "gradient" is
 what the backward returns, so autograd (and AOTAutograd's dead-code elimination) always runs
 the backward, where the rows are updated in place.
 
 Two ways in, one implementation (`forward_impl`, `weights_grad_impl`, `backward_impl`):
 `Lookup`, an `autograd.Function` for eager mode, and the `cncore::` operators for
-`torch.compile`, where what the backward needs waits in `_PENDING` under a token (an int64
-tensor autograd hands back; the entry leaves when the token dies). Accelerator rows run eagerly
+`torch.compile` (`cncore_torch.ops`), where what the backward needs waits under a token (an
+int64 tensor autograd hands back; the entry leaves when the token dies). Accelerator rows run eagerly
 in both (PyTorch ops on device rows need no operator; the modules put a graph break around
 them). The modules' common call (one table in the core, no per-sample weights: a (B, L)
 batch, 1-D IDs with offsets, CNEmbedding's IDs of any shape) has a third, leaner way in,
@@ -55,7 +55,6 @@ against ~2 for `np.empty` + `torch.from_numpy`). Neither pass uses saved-tensor 
 """
 from __future__ import annotations
 
-import itertools
 import weakref
 from typing import List, Optional
 
@@ -422,91 +421,3 @@ def _refuse_jit_trace(owner):
                        "cncore tables, outside TorchScript, so a trace would replay the IDs it was traced with. Run "
                        "the model eagerly, with torch.compile (the lookup is one operator), or torch.fx.symbolic_trace "
                        "(one node); the table is unchanged")
-
-
-# --- the operators (torch.compile) -----------------------------------------------------------------
-
-_PENDING = {}
-_tokens = itertools.count(1)
-
-
-def token_for(pending) -> torch.Tensor:
-    """An int64 tensor naming `pending` until the tensor dies."""
-    number = next(_tokens)
-    _PENDING[number] = pending
-    token = torch.tensor([number], dtype=torch.int64)
-    weakref.finalize(token, _PENDING.pop, number, None)
-    return token
-
-
-def pending_of(token: torch.Tensor):
-    pending = _PENDING.get(int(token[0]))
-    if pending is None:
-        raise RuntimeError("this lookup's contexts are gone (its graph was freed); nothing was updated")
-    return pending
-
-
-@torch.library.custom_op("cncore::lookup", mutates_args=())
-def lookup_op(anchor: torch.Tensor, handle: int, keys: List[torch.Tensor], offsets: List[torch.Tensor],
-              weights: List[Optional[torch.Tensor]], modes: List[int], training: bool
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The pooled lookup as an operator: (B, sum of dims) rows and the token of its contexts."""
-    owner = table_of(handle)
-    out, pending = forward_impl(owner, owner._lookup_tables(), keys, offsets, weights, modes, training)
-    return out, token_for(pending)
-
-
-@lookup_op.register_fake
-def _(anchor, handle, keys, offsets, weights, modes, training):
-    dims = sum(t.dim for t in table_of(handle)._lookup_tables())
-    return (keys[0].new_empty((offsets[0].shape[0] - 1, dims), dtype=torch.float32),
-            keys[0].new_empty((1,), dtype=torch.int64))
-
-
-@torch.library.custom_op("cncore::weights_grad", mutates_args=())
-def weights_grad_op(grad: torch.Tensor, token: torch.Tensor, keys: List[torch.Tensor]) -> List[torch.Tensor]:
-    """Every feature's per-sample-weight gradient (read from the rows before they move)."""
-    pending = pending_of(token)
-    return list(weights_grad_impl(pending, grad, list(range(len(pending.tables)))))
-
-
-@weights_grad_op.register_fake
-def _(grad, token, keys):
-    return [k.new_empty(k.shape, dtype=torch.float32) for k in keys]
-
-
-@torch.library.custom_op("cncore::apply_gradients", mutates_args=())
-def apply_gradients_op(anchor: torch.Tensor, grads: List[torch.Tensor], token: torch.Tensor,
-                       after: List[torch.Tensor]) -> torch.Tensor:
-    """Backward of every lookup operator: the fused update (or the hooks) with the output's
-    gradient (one block, or one per feature of a split lookup). Returns the anchor's (zero)
-    gradient. `after` is only a data dependency: what must read the rows before they change
-    (the per-sample-weight gradient) is passed here, so no compiler reorders the two."""
-    pending = pending_of(token)
-    backward_impl(pending, grads if pending.split else grads[0])
-    return torch.zeros_like(anchor)
-
-
-@apply_gradients_op.register_fake
-def _(anchor, grads, token, after):
-    return torch.empty_like(anchor)
-
-
-def _setup_context(ctx, inputs, output):
-    anchor, handle, keys, offsets, weights, modes, training = inputs
-    ctx.weights_need_grad = any(w is not None and w.requires_grad for w in weights)
-    ctx.n = len(keys)
-    ctx.weights_given = any(w is not None for w in weights)  # a list of Nones is one leaf to autograd
-    ctx.save_for_backward(anchor, output[1], *keys)
-
-
-def _backward(ctx, grad_out, _grad_token):
-    anchor, token, *keys = ctx.saved_tensors
-    grad_out = grad_out.contiguous()
-    weight_grads = torch.ops.cncore.weights_grad(grad_out, token, keys) if ctx.weights_need_grad else []
-    grad_anchor = torch.ops.cncore.apply_gradients(anchor, [grad_out], token, weight_grads)
-    none = [None] * ctx.n
-    return grad_anchor, None, none, none, (weight_grads or none) if ctx.weights_given else None, None, None
-
-
-lookup_op.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,82 @@
+"""`TableModule`: the one base of every module over dynamic tables, the `nn.Embedding`-like
+modules (`cncore_torch.modules`) and the TorchRec collections (`cncore_torch.collection`).
+
+What they share is what they are to the bridge (`cncore_torch.bridge`) and to `state_dict`:
+
+- an anchor: a zero-size parameter every lookup takes, so autograd always runs the lookup's
+  backward (where the rows are updated) and optimizers find the module;
+- a handle (`bridge.register`) by which the `cncore::` operators name the module; handles are
+  per process, so unpickling makes a new one. Building (or unpickling) the first module
+  registers the operators (`cncore_torch.ops.register_operators`);
+- `_lookup_tables()`: the table each feature of its lookup reads, in order (the bridge reads it);
+- `_tables(prefix)`: its tables in a state_dict (`cncore_torch.state.TableSpec`), which
+  `_load_tables` loads all or nothing, the rest of the entries going to `nn.Module`.
+
+Also the checks both spell alike: `store_config` (a `cncore.StoreConfig` whose errors name
+the module's arguments) and `check_flag`.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import cncore
+from cncore_torch import bridge
+from cncore_torch.ops import register_operators
+from cncore_torch.state import load_tables
+
+__all__ = ["TableModule", "store_config", "check_flag"]
+
+
+def store_config(context: str, embedding_dim, **fields) -> cncore.StoreConfig:
+    """`cncore.StoreConfig(dim=embedding_dim, **fields)`, its errors naming our arguments (the
+    core calls embedding_dim `dim`), after `context` (say, which table)."""
+    try:
+        return cncore.StoreConfig(dim=embedding_dim, **fields)
+    except (TypeError, ValueError) as exc:
+        message = str(exc)
+        raise type(exc)(context + ("embedding_" + message if message.startswith("dim ") else message)) from None
+
+
+def check_flag(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+
+
+class TableModule(nn.Module):
+    """The base of the modules and the collections (see the module docstring). Subclasses call
+    `_init_lookup` in their constructor and define `_lookup_tables` and `_tables`."""
+
+    def _init_lookup(self, anchor_shape: tuple, device) -> None:
+        """The anchor parameter (zero elements of `anchor_shape`, on `device`) and the handle."""
+        self._anchor = nn.Parameter(torch.empty(anchor_shape, device=device))
+        register_operators()
+        self._handle = bridge.register(self)
+
+    def _lookup_tables(self) -> list:
+        """The table (a store or DeviceRows) of each feature the lookup reads, in order."""
+        raise NotImplementedError
+
+    def _tables(self, prefix: str) -> dict:
+        """{state_dict prefix: (its StoreConfig, what loads a checked TableState into it)}."""
+        raise NotImplementedError
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        register_operators()
+        self._handle = bridge.register(self)  # handles are per process
+
+    def _load_rest(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                   error_msgs) -> None:
+        """The entries that are not tables (the anchor, submodules' parameters), as nn.Module loads them."""
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
+    def _load_tables(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                     error_msgs) -> None:
+        """All or nothing (see cncore_torch.state): every table of `_tables(prefix)` is checked
+        before any changes; the other entries go to `_load_rest`."""
+        def load_rest(rest, missing, unexpected, errors):
+            self._load_rest(rest, prefix, local_metadata, strict, missing, unexpected, errors)
+
+        load_tables(self._tables(prefix), load_rest, state_dict, missing_keys, unexpected_keys, error_msgs)

@@ -1,0 +1,240 @@
+"""The `cncore::` operators: every lookup of this front end as one opaque node for `torch.compile`.
+
+Eager mode reaches the tables through `cncore_torch.bridge` (autograd Functions); a compiled
+graph reaches them through these operators, which call the same bridge. Each forward operator
+returns its rows and a token (an int64 tensor) naming what its backward needs (`token_for`,
+`pending_of`: the entry leaves when the token dies); the backward operators take the token.
+
+- `cncore::lookup`: the modules' pooled lookup (per-feature keys, offsets, weights);
+  `cncore::weights_grad`: the gradient of its per-sample weights; `cncore::apply_gradients`:
+  the backward of every lookup operator (the fused update, or the gradient hooks);
+- `cncore::collection_pooled_rows`: `CNEmbeddingBagCollection`'s lookup of a whole KJT (values,
+  lengths, weights and each feature's position among its keys, known when traced);
+- `cncore::collection_unpooled_rows` / `cncore::collection_unpooled_apply_gradients`:
+  `CNEmbeddingCollection`'s, whose outputs have sizes known only at run time (unbacked sizes
+  when traced).
+
+The collection operators hand the KJT's parts to their owner (`_pooled_rows` /
+`_unpooled_rows`), which checks and splits it as its eager forward does; nothing here needs
+TorchRec.
+
+Registration
+------------
+`torch.library.custom_op` registers an operator with the dispatcher when it is called, and
+`torch.compile` / `torch.export` need it registered before they trace a call. Every operator
+names its owner by a handle that only a built module has (`bridge.register`), so no traced
+program can call one before some module exists: `register_operators` runs when the first module
+or collection is built (or unpickled), once per process, not at import. Importing cncore_torch
+registers nothing.
+
+An operator is renamed whenever its backward changes: Inductor's on-disk cache keys a compiled
+graph by its forward operators, and a cache written by a previous version (whose forward had
+the operator's name) would replay a backward calling an operator that no longer exists.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from typing import List, Optional, Tuple
+
+import torch
+
+from cncore_torch.bridge import backward_impl, forward_impl, table_of, weights_grad_impl
+
+__all__ = ["register_operators", "token_for", "pending_of"]
+
+# --- tokens: what a backward operator needs, named by an int64 tensor ---------------------------------
+
+_PENDING = {}
+_tokens = itertools.count(1)
+
+
+def token_for(pending) -> torch.Tensor:
+    """An int64 tensor naming `pending` until the tensor dies."""
+    number = next(_tokens)
+    _PENDING[number] = pending
+    token = torch.tensor([number], dtype=torch.int64)
+    weakref.finalize(token, _PENDING.pop, number, None)
+    return token
+
+
+def pending_of(token: torch.Tensor):
+    pending = _PENDING.get(int(token[0]))
+    if pending is None:
+        raise RuntimeError("this lookup's contexts are gone (its graph was freed); nothing was updated")
+    return pending
+
+
+# --- the modules' lookup -----------------------------------------------------------------------------
+
+def lookup_op(anchor: torch.Tensor, handle: int, keys: List[torch.Tensor], offsets: List[torch.Tensor],
+              weights: List[Optional[torch.Tensor]], modes: List[int], training: bool
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pooled lookup as an operator: (B, sum of dims) rows and the token of its contexts."""
+    owner = table_of(handle)
+    out, pending = forward_impl(owner, owner._lookup_tables(), keys, offsets, weights, modes, training)
+    return out, token_for(pending)
+
+
+def _lookup_fake(anchor, handle, keys, offsets, weights, modes, training):
+    dims = sum(t.dim for t in table_of(handle)._lookup_tables())
+    return (keys[0].new_empty((offsets[0].shape[0] - 1, dims), dtype=torch.float32),
+            keys[0].new_empty((1,), dtype=torch.int64))
+
+
+def weights_grad_op(grad: torch.Tensor, token: torch.Tensor, keys: List[torch.Tensor]) -> List[torch.Tensor]:
+    """Every feature's per-sample-weight gradient (read from the rows before they move)."""
+    pending = pending_of(token)
+    return list(weights_grad_impl(pending, grad, list(range(len(pending.tables)))))
+
+
+def _weights_grad_fake(grad, token, keys):
+    return [k.new_empty(k.shape, dtype=torch.float32) for k in keys]
+
+
+def apply_gradients_op(anchor: torch.Tensor, grads: List[torch.Tensor], token: torch.Tensor,
+                       after: List[torch.Tensor]) -> torch.Tensor:
+    """Backward of every lookup operator: the fused update (or the hooks) with the output's
+    gradient (one block, or one per feature of a split lookup). Returns the anchor's (zero)
+    gradient. `after` is only a data dependency: what must read the rows before they change
+    (the per-sample-weight gradient) is passed here, so no compiler reorders the two."""
+    pending = pending_of(token)
+    backward_impl(pending, grads if pending.split else grads[0])
+    return torch.zeros_like(anchor)
+
+
+def _apply_gradients_fake(anchor, grads, token, after):
+    return torch.empty_like(anchor)
+
+
+def _lookup_setup_context(ctx, inputs, output):
+    anchor, handle, keys, offsets, weights, modes, training = inputs
+    ctx.weights_need_grad = any(w is not None and w.requires_grad for w in weights)
+    ctx.n = len(keys)
+    ctx.weights_given = any(w is not None for w in weights)  # a list of Nones is one leaf to autograd
+    ctx.save_for_backward(anchor, output[1], *keys)
+
+
+def _lookup_backward(ctx, grad_out, _grad_token):
+    anchor, token, *keys = ctx.saved_tensors
+    grad_out = grad_out.contiguous()
+    weight_grads = torch.ops.cncore.weights_grad(grad_out, token, keys) if ctx.weights_need_grad else []
+    grad_anchor = torch.ops.cncore.apply_gradients(anchor, [grad_out], token, weight_grads)
+    none = [None] * ctx.n
+    return grad_anchor, None, none, none, (weight_grads or none) if ctx.weights_given else None, None, None
+
+
+# --- the collections' lookups ------------------------------------------------------------------------
+
+def collection_pooled_rows(anchor: torch.Tensor, handle: int, values: torch.Tensor, lengths: torch.Tensor,
+                           weights: Optional[torch.Tensor], n_keys: int, positions: List[int], training: bool,
+                           needs_optimizer: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """CNEmbeddingBagCollection's lookup as an operator: (B, sum of dims) pooled rows and the
+    token of its contexts. The collection checks the KJT as its eager forward does."""
+    out, pending = table_of(handle)._pooled_rows(values, lengths, weights, n_keys, positions, training,
+                                                 needs_optimizer)
+    return out, token_for(pending)
+
+
+def _pooled_rows_fake(anchor, handle, values, lengths, weights, n_keys, positions, training, needs_optimizer):
+    dims = sum(table_of(handle)._lengths_per_embedding)
+    return (values.new_empty((lengths.shape[0] // n_keys, dims), dtype=torch.float32),
+            values.new_empty((1,), dtype=torch.int64))
+
+
+def _pooled_rows_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0], output[1])
+
+
+def _pooled_rows_backward(ctx, grad_out, _grad_token):
+    anchor, token = ctx.saved_tensors
+    grad_anchor = torch.ops.cncore.apply_gradients(anchor, [grad_out.contiguous()], token, [])
+    return grad_anchor, None, None, None, None, None, None, None, None
+
+
+def collection_unpooled_rows(anchor: torch.Tensor, handle: int, values: torch.Tensor, lengths: torch.Tensor,
+                             n_keys: int, positions: List[int], training: bool, needs_optimizer: bool,
+                             need_indices: bool) -> List[torch.Tensor]:
+    """CNEmbeddingCollection's lookup as an operator (see collection_pooled_rows): the (N_f,
+    dim) rows of each feature, then (need_indices) each feature's IDs, then the token."""
+    outputs, pending = table_of(handle)._unpooled_rows(values, lengths, n_keys, positions, training,
+                                                       needs_optimizer, need_indices)
+    return outputs + [token_for(pending)]
+
+
+def _unpooled_rows_fake(anchor, handle, values, lengths, n_keys, positions, training, needs_optimizer,
+                        need_indices):
+    ctx, dim = torch.library.get_ctx(), table_of(handle)._dim
+    counts = [ctx.new_dynamic_size() for _ in positions]
+    rows = [values.new_empty((n, dim), dtype=torch.float32) for n in counts]
+    indices = [values.new_empty((n,)) for n in counts] if need_indices else []
+    return rows + indices + [values.new_empty((1,), dtype=torch.int64)]
+
+
+def _unpooled_rows_setup_context(ctx, inputs, output):
+    ctx.n_features = len(inputs[5])
+    ctx.save_for_backward(inputs[0], output[-1])
+
+
+def _unpooled_rows_backward(ctx, grads):
+    anchor, token = ctx.saved_tensors
+    grad_anchor = torch.ops.cncore.collection_unpooled_apply_gradients(anchor, list(grads[:ctx.n_features]), token)
+    return grad_anchor, None, None, None, None, None, None, None, None
+
+
+def collection_unpooled_apply_gradients(anchor: torch.Tensor, grads: List[Optional[torch.Tensor]],
+                                        token: torch.Tensor) -> torch.Tensor:
+    """Each feature's row gradients joined per table (a missing one as zeros); a table none of
+    whose features has a gradient gets an empty block, which the bridge skips (as in eager,
+    where such a table's outputs are unused). Then the bridge's backward."""
+    pending = pending_of(token)
+    dim = pending.tables[0].dim
+    by_table, at = [], 0
+    for sizes in pending.sizes:
+        parts = grads[at:at + len(sizes)]
+        at += len(sizes)
+        by_table.append(torch.empty((0, dim)) if all(g is None for g in parts) else torch.cat(
+            [torch.zeros((k, dim)) if g is None else g.contiguous() for g, k in zip(parts, sizes)]))
+    return torch.ops.cncore.apply_gradients(anchor, by_table, token, [])
+
+
+def _unpooled_apply_gradients_fake(anchor, grads, token):
+    return torch.empty_like(anchor)
+
+
+# --- registration --------------------------------------------------------------------------------------
+
+# (name, implementation, fake, (backward, setup_context) or None)
+_OPERATORS = (
+    ("cncore::lookup", lookup_op, _lookup_fake, (_lookup_backward, _lookup_setup_context)),
+    ("cncore::weights_grad", weights_grad_op, _weights_grad_fake, None),
+    ("cncore::apply_gradients", apply_gradients_op, _apply_gradients_fake, None),
+    ("cncore::collection_pooled_rows", collection_pooled_rows, _pooled_rows_fake,
+     (_pooled_rows_backward, _pooled_rows_setup_context)),
+    ("cncore::collection_unpooled_rows", collection_unpooled_rows, _unpooled_rows_fake,
+     (_unpooled_rows_backward, _unpooled_rows_setup_context)),
+    ("cncore::collection_unpooled_apply_gradients", collection_unpooled_apply_gradients,
+     _unpooled_apply_gradients_fake, None),
+)
+_REGISTERED: list = []  # the CustomOpDefs, once registered
+_LOCK = threading.Lock()
+
+
+def register_operators() -> None:
+    """Register every `cncore::` operator with torch's dispatcher (once per process; later calls
+    return at once). Called when a module or collection is built or unpickled: see
+    "Registration" above."""
+    if _REGISTERED:
+        return
+    with _LOCK:
+        if _REGISTERED:
+            return
+        defined = []
+        for name, impl, fake, autograd in _OPERATORS:
+            op = torch.library.custom_op(name, impl, mutates_args=())
+            op.register_fake(fake)
+            if autograd is not None:
+                op.register_autograd(autograd[0], setup_context=autograd[1])
+            defined.append(op)
+        _REGISTERED.extend(defined)
