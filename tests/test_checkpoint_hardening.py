@@ -195,7 +195,7 @@ import builtins, json, os, shutil, signal, sys, time
 import numpy as np
 import torch
 import cncore
-from cncore_torch.dlrm.chains import TableChains
+from cn_dlrm.chains import TableChains
 
 ROOT, SCENARIO = sys.argv[1], sys.argv[2]
 PREFIX = "sparse."
@@ -308,8 +308,8 @@ import json, os, sys
 import numpy as np
 import torch
 import cncore
-from cncore_torch.dlrm.chains import TableChains, open_checkpoint
-from cncore_torch.dlrm.data import InputError
+from cn_dlrm.chains import TableChains, open_checkpoint
+from cn_dlrm.options import InputError
 
 ROOT = sys.argv[1]
 FIELDS = ("keys", "rows", "optimizer_state", "counts", "last_steps")
@@ -787,7 +787,7 @@ def _chain_ranks(rank, world_size, folder, victim, limit):
 
     import torch
 
-    from cncore_torch.dlrm.chains import TableChains
+    from cn_dlrm.chains import TableChains
     from cncore_torch.state import save_store
 
     torch.manual_seed(0)
@@ -839,8 +839,8 @@ _CHAIN_RANKS_CHECK = r'''
 import json, sys
 import numpy as np
 import torch
-from cncore_torch.dlrm.chains import open_checkpoint
-from cncore_torch.dlrm.data import InputError
+from cn_dlrm.chains import open_checkpoint
+from cn_dlrm.options import InputError
 
 out = []
 for case in json.loads(sys.argv[1]):
@@ -940,7 +940,7 @@ def test_cn_table_reshard_refuses_shards_of_two_saves_and_renamed_shards(saved_r
 def test_cn_dlrm_chains_refuse_a_table_name_that_is_not_one_path_component(tmp_path):
     import torch
 
-    from cncore_torch.dlrm.chains import TableChains
+    from cn_dlrm.chains import TableChains
     store = cncore.EmbeddingStore(dim=2)
     store.find_or_insert(np.arange(3))
     with pytest.raises(ValueError, match=r"^table name '\.\./x': is used as a directory name"):

@@ -12,12 +12,13 @@ import torch
 
 pytest.importorskip("torchrec")
 import cncore  # noqa: E402
-from cn_dlrm.cli import parse_args, row_budget  # noqa: E402
+from cn_dlrm.cli import main  # noqa: E402
+from cn_dlrm.options import parse_args, row_budget  # noqa: E402
 from cncore.tablefile import chain_length, load_store  # noqa: E402
-from cncore_torch.dlrm import bounded  # noqa: E402
-from cncore_torch.dlrm import train as job  # noqa: E402
-from cncore_torch.dlrm.chains import open_checkpoint  # noqa: E402
-from cncore_torch.dlrm.data import SyntheticCriteo  # noqa: E402
+from cn_dlrm import bounded  # noqa: E402
+from cn_dlrm import train as job  # noqa: E402
+from cn_dlrm.chains import open_checkpoint  # noqa: E402
+from cn_dlrm.data import SyntheticCriteo  # noqa: E402
 
 SMALL = ["--batch-size", "256", "--embedding-dim", "4", "--no-progress", "--threads", "1", "--eval-batches", "1"]
 
@@ -183,7 +184,7 @@ def test_row_dtype_reaches_the_stores(capsys):
         _, run, _ = trained("--steps", "2", "--row-dtype", "bfloat16")
         assert {s.config.dtype for s in run.tables.stores.values()} == {"bfloat16"}
     else:  # the core does not store 16-bit rows yet: one line naming the option, exit 2
-        assert job.main([*SMALL, "--steps", "2", "--row-dtype", "bfloat16"]) == 2
+        assert main([*SMALL, "--steps", "2", "--row-dtype", "bfloat16"]) == 2
         err = capsys.readouterr().err
         assert err.startswith("cn-dlrm: error: --row-dtype bfloat16:") and err.count("\n") == 1
 
@@ -192,7 +193,7 @@ def test_row_dtype_reaches_the_stores(capsys):
 
 def run_job(tmp_path, *argv):
     out = tmp_path / "summary.json"
-    assert job.main([*SMALL, "--summary-json", str(out), *argv]) == 0
+    assert main([*SMALL, "--summary-json", str(out), *argv]) == 0
     return json.loads(out.read_text())["runs"][0]
 
 
@@ -249,11 +250,11 @@ def test_a_save_cut_off_between_tables_and_dense_is_refused(capsys, tmp_path):
     dense = torch.load(ck / "dense.pt", weights_only=False)
     dense["table_steps"]["t_cat_3"] = 2  # as if the tables were saved at 4 and dense.pt still at 2
     torch.save(dense, ck / "dense.pt")
-    assert job.main([*SMALL, "--steps", "8", "--resume", str(ck)]) == 2
+    assert main([*SMALL, "--steps", "8", "--resume", str(ck)]) == 2
     err = capsys.readouterr().err
     assert "table t_cat_3 is at step 4 but dense.pt at 2: the last save was cut off" in err
     (tmp_path / "empty").mkdir()
-    assert job.main([*SMALL, "--steps", "8", "--resume", str(tmp_path / "empty")]) == 2
+    assert main([*SMALL, "--steps", "8", "--resume", str(tmp_path / "empty")]) == 2
     assert "not an incremental checkpoint of cn-dlrm (no dense.pt)" in capsys.readouterr().err
 
 
@@ -297,7 +298,7 @@ def test_nproc_2_bounded_tables_stay_within_their_shard_budgets(tmp_path):
     """--nproc 2 with a row budget and LRU: every shard within ceil(budget / 2) rows, evictions
     reported summed over the ranks, and the run trains (AUC well above chance)."""
     out = tmp_path / "s.json"
-    assert job.main([*SMALL, "--steps", "12", "--eval-every", "12", "--max-rows", "600", "--nproc", "2",
+    assert main([*SMALL, "--steps", "12", "--eval-every", "12", "--max-rows", "600", "--nproc", "2",
                      "--summary-json", str(out)]) == 0
     r = json.loads(out.read_text())["runs"][0]
     assert r["name"] == "cncore (dynamic tables, 2 processes)"

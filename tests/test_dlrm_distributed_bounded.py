@@ -10,19 +10,20 @@ import pytest
 import torch
 
 pytest.importorskip("torchrec")
-from cn_dlrm.cli import parse_args  # noqa: E402
+from cn_dlrm.cli import main  # noqa: E402
+from cn_dlrm.options import parse_args  # noqa: E402
 from cncore.routing import shard_name  # noqa: E402
 from cncore.tablefile import chain_length, load_store  # noqa: E402
-from cncore_torch.dlrm import train as job  # noqa: E402
-from cncore_torch.dlrm.chains import open_checkpoint  # noqa: E402
-from cncore_torch.dlrm.data import read_criteo_tsv  # noqa: E402
+from cn_dlrm import train as job  # noqa: E402
+from cn_dlrm.chains import open_checkpoint  # noqa: E402
+from cn_dlrm.data import read_criteo_tsv  # noqa: E402
 
 SMALL = ["--batch-size", "256", "--embedding-dim", "4", "--no-progress", "--threads", "1", "--eval-batches", "1"]
 
 
 def run_job(tmp_path, *argv):
     out = tmp_path / "summary.json"
-    assert job.main([*SMALL, "--summary-json", str(out), *argv]) == 0
+    assert main([*SMALL, "--summary-json", str(out), *argv]) == 0
     return json.loads(out.read_text())["runs"][0]
 
 
@@ -93,7 +94,7 @@ def _criteo_lines(n, seed=0):
 
 def test_a_criteo_reader_for_one_rank_parses_only_its_share(tmp_path):
     """Rank r's view of a batch has the batch's size; its own share equals the whole batch's."""
-    from cncore_torch.dlrm.distributed import share
+    from cn_dlrm.distributed import share
     path = tmp_path / "day.tsv"
     lines = _criteo_lines(23)
     lines[1] = "2" + "\t" * 39  # a bad line in the skipped batch, then one in rank 0's share of batch 1
@@ -127,8 +128,8 @@ def test_criteo_file_on_two_processes_stops_every_rank_at_a_bad_line(tmp_path):
 
 
 def _read_all(rank, world_size, path):
-    from cncore_torch.dlrm.data import InputError
-    from cncore_torch.dlrm.distributed import rank_batches
+    from cn_dlrm.distributed import rank_batches
+    from cn_dlrm.options import InputError
     args = parse_args(["--criteo-tsv", path, "--batch-size", "10", "--eval-batches", "1", "--steps", "3"])
     got = []
     with pytest.raises(InputError) as e:

@@ -14,10 +14,11 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 pytest.importorskip("torchrec")
-from cn_dlrm.cli import parse_args  # noqa: E402
-from cncore_torch.dlrm import distributed  # noqa: E402
-from cncore_torch.dlrm import train as job  # noqa: E402
-from cncore_torch.dlrm.data import SPARSE_KEYS, InputError, read_criteo_tsv  # noqa: E402
+from cn_dlrm import distributed  # noqa: E402
+from cn_dlrm import train as job  # noqa: E402
+from cn_dlrm.cli import main  # noqa: E402
+from cn_dlrm.data import SPARSE_KEYS, read_criteo_tsv  # noqa: E402
+from cn_dlrm.options import InputError, parse_args  # noqa: E402
 from reference import tree  # noqa: E402
 
 SMALL = ["--batch-size", "32", "--embedding-dim", "4", "--no-progress", "--threads", "1", "--eval-batches", "1"]
@@ -26,14 +27,14 @@ TABLES = [f"t_{key}" for key in SPARSE_KEYS]
 
 def run_job(tmp_path, *argv):
     out = tmp_path / "summary.json"
-    assert job.main([*SMALL, "--summary-json", str(out), *argv]) == 0
+    assert main([*SMALL, "--summary-json", str(out), *argv]) == 0
     return json.loads(out.read_text())["runs"][0]
 
 
 def exit_line(capsys, *argv):
     """cn-dlrm in this process: exit code 2 and one line on stderr (no traceback); the line."""
     try:
-        code = job.main([*argv])
+        code = main([*argv])
     except SystemExit as e:
         code = e.code
     err = capsys.readouterr().err
@@ -44,7 +45,7 @@ def exit_line(capsys, *argv):
 
 def command(*argv, cwd=None):
     """cn-dlrm in a fresh interpreter (its real stderr, the spawned processes' included)."""
-    return subprocess.run([sys.executable, "-m", "cncore_torch.dlrm", *argv], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "cn_dlrm", *argv], capture_output=True, text=True,
                           timeout=300, cwd=cwd)
 
 

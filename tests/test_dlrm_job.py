@@ -11,8 +11,9 @@ import pytest
 import torch
 
 pytest.importorskip("torchrec")
-from cncore_torch.dlrm.data import SPARSE_KEYS, SyntheticCriteo, read_criteo_tsv  # noqa: E402
-from cncore_torch.dlrm.train import Progress, main  # noqa: E402
+from cn_dlrm.cli import main  # noqa: E402
+from cn_dlrm.data import SPARSE_KEYS, SyntheticCriteo, read_criteo_tsv  # noqa: E402
+from cn_dlrm.train import Progress  # noqa: E402
 
 SMALL = ["--batch-size", "256", "--embedding-dim", "8", "--no-progress", "--threads", "2"]
 
@@ -290,7 +291,7 @@ def test_progress_is_a_bar_on_a_terminal_and_plain_lines_elsewhere(capsys):
 def test_a_short_run_logs_plain_lines_and_no_warnings(tmp_path):
     """As in CI: stderr is a pipe. No progress-bar debris, and none of torch's or TorchRec's
     warnings (not the user's to act on), with --compare's planner and DDP too."""
-    proc = subprocess.run([sys.executable, "-m", "cncore_torch.dlrm", "--steps", "2", "--batch-size", "64",
+    proc = subprocess.run([sys.executable, "-m", "cn_dlrm", "--steps", "2", "--batch-size", "64",
                            "--eval-batches", "1", "--threads", "2", "--compare"],
                           capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -337,13 +338,13 @@ def test_nproc_compare_runs_torchrecs_row_wise_tables_beside_ours(tmp_path):
 
 
 def test_torchrun_runs_the_distributed_job(tmp_path):
-    """`torchrun --nproc-per-node 2 -m cncore_torch.dlrm`: each process one rank, as --nproc 2."""
+    """`torchrun --nproc-per-node 2 -m cn_dlrm`: each process one rank, as --nproc 2."""
     from cncore_torch.distributed.launch import free_port
     args = ["--steps", "20", "--eval-every", "20", "--eval-batches", "2"]
     one = run(tmp_path, *args)["runs"][0]
     out = tmp_path / "torchrun.json"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend",
-                           "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "-m", "cncore_torch.dlrm", *SMALL,
+                           "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "-m", "cn_dlrm", *SMALL,
                            *args, "--summary-json", str(out)], capture_output=True, text=True, timeout=120,
                           cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]

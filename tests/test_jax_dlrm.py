@@ -20,7 +20,7 @@ from cncore_jax.criteo import SyntheticCriteo  # noqa: E402
 
 def test_the_numpy_stream_is_cn_dlrms_stream():
     pytest.importorskip("torchrec")
-    from cncore_torch.dlrm.data import SyntheticCriteo as TorchCriteo
+    from cn_dlrm.data import SyntheticCriteo as TorchCriteo
     ours, theirs = SyntheticCriteo(seed=3, batch_size=64), TorchCriteo(seed=3, batch_size=64)
     assert ours.cardinalities == theirs.cardinalities
     assert ours.items_by_batch(50) == theirs.items_by_batch(50)

@@ -1,7 +1,16 @@
-"""The `cn-dlrm` command's launcher: its options, their checks, and what to install.
+"""The `cn-dlrm` job: TorchRec's DLRM trained on dynamic tables (`cn-dlrm`, `python -m cn_dlrm`).
 
-It imports no deep learning framework, so `cn-dlrm --help` and mistakes in options answer at
-once, and a missing PyTorch or TorchRec is named with its install line instead of a traceback.
-(It lives outside `cncore_torch` because importing that package imports torch.) The job itself
-is `cncore_torch.dlrm.train`.
+An application of the library, outside it: it imports `cncore` and `cncore_torch`, and they
+import nothing of it. Its modules, each importing only the ones listed before it:
+
+- `options`: the options and their checks, and `InputError` (no torch, so `--help` answers at once)
+- `cli`: the command: parse the options, then load `job` (torch and TorchRec) and run it
+- `data`: the synthetic Criteo-like stream as torch batches, and the Criteo text file reader
+- `bounded`: the row budgets, eviction and admission policies and SSD tier of the table options
+- `chains`: incremental checkpoints as table file chains
+- `train`: the single-process run: data, models, the training loop, checkpoints, the report
+- `distributed`: the same run on several processes (`--nproc`, torchrun)
+- `job`: `run(args)`, which picks one of the two
+
+Importing the package imports none of them.
 """

@@ -70,9 +70,9 @@ def _worker(rank, world_size, args, out_path):
     from cncore_torch.collection import CNEmbeddingBagCollection
     from cncore_torch.distributed import CNEmbeddingBagCollectionSharder, plan_for
     from cncore_torch.distributed.rw_sharding import CNRwPooledEmbeddingDist
-    from cncore_torch.dlrm.data import SyntheticCriteo
-    from cncore_torch.dlrm.distributed import share
-    from cncore_torch.dlrm.train import build_dlrm, table_configs
+    from cn_dlrm.data import SyntheticCriteo
+    from cn_dlrm.distributed import share
+    from cn_dlrm.train import build_dlrm, table_configs
 
     torch.set_num_threads(args.threads)
     cncore.set_num_threads(args.threads)

@@ -40,8 +40,9 @@ import cncore
 from cncore.routing import shard_name
 from cncore.tablefile import Checkpoint, TableFormatError, chain_versions, check_path_name, load_store, save_table
 from cncore_torch.checkpoint import table_prefixes
-from cncore_torch.dlrm.data import InputError
 from cncore_torch.state import save_store
+
+from cn_dlrm.options import InputError
 
 __all__ = ["TableChains", "open_checkpoint", "is_incremental_checkpoint"]
 

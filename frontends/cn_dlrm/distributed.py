@@ -13,7 +13,7 @@ replacing its default average), so dense and sparse gradients are the single-pro
 fp32 reassociation. Evaluation: every rank scores its share of each evaluation batch; AUC and
 log loss are computed over all ranks' predictions together. Rank 0 prints; the others are quiet.
 
-`torchrun --nproc-per-node N -m cncore_torch.dlrm [options]` runs the same job, each process one
+`torchrun --nproc-per-node N -m cn_dlrm [options]` runs the same job, each process one
 rank (gloo; `--nproc` is then ignored).
 """
 from __future__ import annotations
@@ -34,7 +34,15 @@ import torchmetrics
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import cncore
-from cncore_torch.dlrm.data import Batch, InputError, read_criteo_tsv
+from cncore_torch.collection import CNEmbeddingBagCollection
+from cncore_torch.distributed import CNEmbeddingBagCollectionSharder, merge_shards, plan_for
+from cncore_torch.distributed.launch import spawn
+
+from cn_dlrm import bounded
+from cn_dlrm import train as job
+from cn_dlrm.chains import TableChains
+from cn_dlrm.data import Batch, read_criteo_tsv
+from cn_dlrm.options import InputError
 
 __all__ = ["run", "share"]
 
@@ -107,13 +115,11 @@ class DistributedRun:
 
     def keep_chains(self, directory: str, every: int, start: int, args) -> None:
         """Save this rank's shards as table chains every `every` steps (chains.py's sharded layout)."""
-        from cncore_torch.dlrm.chains import TableChains
         self.chains, self.at, self._args = TableChains(directory, every, self.rank, self.world_size), start, args
 
     def save_chains(self) -> None:
-        from cncore_torch.dlrm.train import writing
         t0 = time.perf_counter()
-        with writing("--checkpoint", self._args.checkpoint):
+        with job.writing("--checkpoint", self._args.checkpoint):
             self.chains.save(self.model, self.optimizers, self.sharded.stores, self.at, {"args": vars(self._args)})
         self.saving_s += time.perf_counter() - t0
 
@@ -141,8 +147,7 @@ class DistributedRun:
         for opt in self.optimizers:
             opt.step()
         if self.ttl:  # expired rows go between steps, also below the budget (each shard its own)
-            from cncore_torch.dlrm.bounded import sweep_expired
-            sweep_expired(self.sharded.stores)
+            bounded.sweep_expired(self.sharded.stores)
         self.at += 1
         self.seen += len(batch.labels)
         if self.chains is not None and self.at % self.chains.every == 0:
@@ -171,7 +176,6 @@ class DistributedRun:
         optimizers (identical on every rank under DDP): on rank 0, the checkpoint a single-process
         run writes; None elsewhere. Gathers the tables on rank 0 (fine for this job's tables; a
         shard file per rank is the way for tables larger than one process's memory)."""
-        from cncore_torch.distributed import merge_shards
         shards = [None] * self.world_size
         dist.all_gather_object(shards, self.model.state_dict())
         if self.rank != 0:
@@ -179,13 +183,12 @@ class DistributedRun:
         return {"model": merge_shards(shards), "optimizers": [o.state_dict() for o in self.optimizers]}
 
     def table_summary(self) -> Dict[str, float]:
-        from cncore_torch.dlrm.train import used_bytes
         if self.sharded is None:  # TorchRec's fixed tables: rows x (dim floats + one row-wise Adagrad float)
             rows = sum(self.fixed_rows)
             mib = rows * (self.dim + 1) * 4 / 2**20
             return {"rows": float(rows), "table_mib": mib, "table_mib_allocated": mib}
         stores = self.sharded.stores.values()
-        rows, used, allocated = _all_sum([sum(len(s) for s in stores), sum(used_bytes(s) for s in stores),
+        rows, used, allocated = _all_sum([sum(len(s) for s in stores), sum(job.used_bytes(s) for s in stores),
                                           sum(s.nbytes for s in stores)])
         summary = {"rows": rows, "table_mib": used / 2**20, "table_mib_allocated": allocated / 2**20}
         if any(s.config.eviction is not None or s.config.admission is not None for s in stores):
@@ -195,8 +198,7 @@ class DistributedRun:
 
 def _summed_evictions(stores) -> dict:
     """bounded.eviction_summary over every rank's shards: rows, evictions and budgets added up."""
-    from cncore_torch.dlrm.bounded import eviction_summary
-    mine = eviction_summary(stores)
+    mine = bounded.eviction_summary(stores)
     names = sorted(stores)
     fields = ("rows_per_table", "evicted_per_table", "max_rows_per_table")
     totals = _all_sum([float(mine[f][n] or 0) for f in fields for n in names])
@@ -208,14 +210,8 @@ def _summed_evictions(stores) -> dict:
 def distributed_run(args, data, rank: int, world_size: int) -> DistributedRun:
     from torchrec.distributed.model_parallel import DistributedModelParallel
 
-    from cncore_torch.collection import CNEmbeddingBagCollection
-    from cncore_torch.distributed import CNEmbeddingBagCollectionSharder, plan_for
-    from cncore_torch.dlrm.train import build_dlrm, table_configs
-
-    from cncore_torch.dlrm import bounded
-
     torch.manual_seed(args.seed)  # the same dense initialisation on every rank (DDP broadcasts rank 0's anyway)
-    configs = table_configs(args.embedding_dim, data.cardinalities)
+    configs = job.table_configs(args.embedding_dim, data.cardinalities)
     # --max-rows / --evict / --admit-min-count / --row-dtype: each rank's shard of a table bounds
     # itself at ceil(budget / world_size) rows (shard_store_configs), by the same policy.
     options = bounded.collection_options(args, [c.name for c in configs], data.synthetic, world_size, rank,
@@ -224,7 +220,7 @@ def distributed_run(args, data, rank: int, world_size: int) -> DistributedRun:
                   for name, n in data.initial_rows(options.get("max_rows")).items()}
     ebc = CNEmbeddingBagCollection(tables=configs, device="meta", optimizer=cncore.RowWiseAdagrad(lr=args.sparse_lr),
                                    seed=args.seed, capacities=capacities, **options)
-    model = build_dlrm(ebc, args.embedding_dim)
+    model = job.build_dlrm(ebc, args.embedding_dim)
     with warnings.catch_warnings():
         # TorchRec's own DistributedDataParallel call passes the deprecated argument: not ours to change.
         warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
@@ -255,12 +251,10 @@ def torchrec_run(args, data, rank: int, world_size: int) -> DistributedRun:
     from torchrec.optim import RowWiseAdagrad as TorchRecRowWiseAdagrad
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
-    from cncore_torch.dlrm.train import build_dlrm, collision_free_remap, table_configs
-
-    rows, remap = collision_free_remap(args, data)
+    rows, remap = job.collision_free_remap(args, data)
     torch.manual_seed(args.seed)
-    ebc = EmbeddingBagCollection(tables=table_configs(args.embedding_dim, rows), device=torch.device("meta"))
-    model = build_dlrm(ebc, args.embedding_dim)
+    ebc = EmbeddingBagCollection(tables=job.table_configs(args.embedding_dim, rows), device=torch.device("meta"))
+    model = job.build_dlrm(ebc, args.embedding_dim)
     apply_optimizer_in_backward(TorchRecRowWiseAdagrad, model.sparse_arch.parameters(), {"lr": args.sparse_lr})
     sharder = EmbeddingBagCollectionSharder()
     plan = ShardingPlan({"sparse_arch.embedding_bag_collection": construct_module_sharding_plan(
@@ -279,8 +273,6 @@ def torchrec_run(args, data, rank: int, world_size: int) -> DistributedRun:
 
 
 def _worker(rank: int, world_size: int, args) -> None:
-    from cncore_torch.dlrm import train as job
-
     job._mute_is_fx_tracing_notice()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -327,7 +319,6 @@ def run(args) -> int:
         finally:
             dist.destroy_process_group()
         return 0
-    from cncore_torch.distributed.launch import spawn
     # torch logs a warning for each process it stops after one failed: noise below the one line
     # a user error ends with (a failure that is not one still raises, with its traceback)
     spawn_log = logging.getLogger("torch.multiprocessing.spawn")

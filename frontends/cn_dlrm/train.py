@@ -1,12 +1,13 @@
-"""The `cn-dlrm` job: TorchRec's DLRM trained on dynamic tables, with progress, throughput and AUC.
+"""The `cn-dlrm` job on one process: TorchRec's DLRM trained on dynamic tables, with progress,
+throughput and AUC; with --compare, TorchRec's own tables on the same data.
 
-The command's options and their checks live in `cn_dlrm.cli` (no torch import, so `--help` and
-option errors answer at once); `run(args)` here trains. `main(argv)` is the command itself:
+The options and their checks are `cn_dlrm.options`; `run(args)` here trains on one process,
+and `distributed.py` reuses its parts (`Data`, `train`, `restore`, `report`) on several.
 
->>> main(["--steps", "0"])
-Traceback (most recent call last):
-...
-SystemExit: 2
+>>> from cn_dlrm.options import parse_args
+>>> data = Data(parse_args(["--steps", "4", "--batch-size", "8", "--eval-batches", "1", "--data-scale", "1e-4"]))
+>>> len(data.eval_set), sum(1 for _ in data.train(0))
+(1, 4)
 """
 from __future__ import annotations
 
@@ -32,11 +33,12 @@ from tqdm import tqdm
 
 import cncore
 from cncore.routing import owner_of
-from cn_dlrm.cli import main  # noqa: F401  (the command: parse, check, then run)
 from cncore_torch.collection import CNEmbeddingBagCollection
-from cncore_torch.dlrm import bounded
-from cncore_torch.dlrm.chains import TableChains, atomic_torch_save, is_incremental_checkpoint, open_checkpoint
-from cncore_torch.dlrm.data import N_DENSE, SPARSE_KEYS, Batch, InputError, SyntheticCriteo, read_criteo_tsv
+
+from cn_dlrm import bounded
+from cn_dlrm.chains import TableChains, atomic_torch_save, is_incremental_checkpoint, open_checkpoint
+from cn_dlrm.data import N_DENSE, SPARSE_KEYS, Batch, SyntheticCriteo, read_criteo_tsv
+from cn_dlrm.options import InputError
 
 # A Criteo file's vocabulary is unknown up front: its tables start this small (64 KiB pages)
 # and grow. Synthetic tables start at what the run can reach, at most MAX_INITIAL_ROWS.
@@ -100,7 +102,6 @@ def prefill_tables(tables: CNEmbeddingBagCollection, synthetic: SyntheticCriteo,
     the table's initializer); on the SSD tier they go to disk as the cache fills. Returns the rows
     inserted.
 
-    >>> from cncore_torch.dlrm.data import SyntheticCriteo
     >>> gen = SyntheticCriteo(seed=0, batch_size=8, scale=1e-4)
     >>> ebc = CNEmbeddingBagCollection(tables=table_configs(4, gen.cardinalities))
     >>> prefill_tables(ebc, gen, 3) == sum(gen.items_by_batch(3)) == sum(len(s) for s in ebc.stores.values())
@@ -584,15 +585,6 @@ def _mute_is_fx_tracing_notice() -> None:
         logger.disabled = was_disabled
 
 
-def run(args) -> int:
-    """Run the job for parsed options (`cn_dlrm.cli.parse_args`); bad input data: one line, 2."""
-    try:
-        return _run(args)
-    except InputError as e:
-        print(f"cn-dlrm: error: {e}", file=sys.stderr)
-        return 2
-
-
 def report(results: List[Dict], best: Optional[float], args) -> None:
     """The final table (and the summary JSON)."""
     print()
@@ -626,10 +618,9 @@ def report(results: List[Dict], best: Optional[float], args) -> None:
             json.dump({"runs": results, "best_attainable_auc": best, "args": vars(args)}, fh, indent=2)
 
 
-def _run(args) -> int:
-    from cncore_torch.dlrm import distributed
-    if getattr(args, "nproc", 1) > 1 or distributed.launched_by_torchrun():
-        return distributed.run(args)
+def run(args) -> int:
+    """Run the job on this process for parsed options (`cn_dlrm.options.parse_args`); returns 0.
+    `InputError` when the input data or the checkpoint does not do (`job.run` prints it as one line)."""
     _mute_is_fx_tracing_notice()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -654,7 +645,3 @@ def _run(args) -> int:
         results.append(train(hashed_run(args, equal_memory_rows(run.tables, args.embedding_dim)), data, args))
     report(results, best_attainable(data), args)
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -22,6 +22,7 @@ True
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
@@ -29,6 +30,8 @@ import numpy as np
 
 import cncore
 from cncore.synthetic import N_SPARSE, SyntheticCriteo
+
+from cn_dlrm.options import InputError, row_budget
 
 __all__ = ["StreamCounts", "stream_counts", "percent_budgets", "policy", "table_budgets", "collection_options",
            "sweep_expired", "eviction_summary", "tier_summary"]
@@ -86,7 +89,6 @@ def table_budgets(args, names: List[str], synthetic: Optional[SyntheticCriteo],
                   world_size: int = 1) -> Optional[Dict[str, int]]:
     """{table name: row budget} of --max-rows (None without it); world_size: the processes the
     tables are sharded over (see the module docstring)."""
-    from cn_dlrm.cli import row_budget
     rows, percent = row_budget(args.max_rows)
     if rows is not None:
         return {name: rows for name in names}
@@ -120,12 +122,10 @@ def collection_options(args, names: List[str], synthetic: Optional[SyntheticCrit
 def tier_storage(args, names: List[str], sizes: List[int], world_size: int, rank: int) -> Dict[str, cncore.Tiered]:
     """--ssd-path / --cache-mb: each table its directory and a share of the cache by its size,
     never less than 4 batches of distinct IDs (a lookup's keys must fit the cache at once)."""
-    import os
     root = args.ssd_path if world_size == 1 else os.path.join(args.ssd_path, f"rank{rank}")
     try:
         os.makedirs(root, exist_ok=True)  # the tables' directories go in it (a tier makes only its own)
     except OSError as e:
-        from cncore_torch.dlrm.data import InputError
         raise InputError(f"--ssd-path {args.ssd_path}: cannot make the directory {root} ({e.strerror or e})") from None
     row = args.embedding_dim * 4 + 4 + 47  # a cached row: values, row-wise Adagrad state, metadata, index
     floor = 4 * args.batch_size * row

@@ -23,6 +23,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from cncore import synthetic
 from cncore.synthetic import CRITEO_CARDINALITIES, DENSE_KEYS, N_DENSE, N_SPARSE, SPARSE_KEYS  # noqa: F401
 
+from cn_dlrm.options import InputError
+
 M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 
@@ -51,11 +53,6 @@ class SyntheticCriteo(synthetic.SyntheticCriteo):
             i += 1
 
 
-class InputError(ValueError):
-    """Bad input data (a Criteo file, a checkpoint): `cn-dlrm` prints the message as one line and
-    exits with code 2. Raised while training too, since the file is read as the run goes."""
-
-
 def read_criteo_tsv(path: str, batch_size: int, skip_batches: int = 0, rank: int = 0,
                     world_size: int = 1) -> Iterator[Batch]:
     r"""Stream a Criteo Kaggle / 1TB text file (optionally .gz): label (0 or 1), 13 integers, 26
@@ -71,7 +68,7 @@ def read_criteo_tsv(path: str, batch_size: int, skip_batches: int = 0, rank: int
 
     With world_size > 1, process `rank`'s view of every batch: only the lines of its
     contiguous share of the batch (samples rank*n//world_size up to (rank+1)*n//world_size, the
-    share `cncore_torch.dlrm.distributed.share` takes) are parsed and checked; the other
+    share `cn_dlrm.distributed.share` takes) are parsed and checked; the other
     samples are left blank (label 0, zero integers, no IDs), so the batch keeps its global size
     and `share` picks this rank's samples out of it exactly as out of the whole batch. Every
     process still reads (but does not parse) every line, to find its own.
@@ -84,7 +81,7 @@ def read_criteo_tsv(path: str, batch_size: int, skip_batches: int = 0, rank: int
     >>> list(read_criteo_tsv(fh.name, batch_size=1))  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    cncore_torch.dlrm.data.InputError: ...tsv, line 2: the label is '2', it must be 0 or 1
+    cn_dlrm.options.InputError: ...tsv, line 2: the label is '2', it must be 0 or 1
     """
     opener = gzip.open if path.endswith(".gz") else open
     line_no = 0

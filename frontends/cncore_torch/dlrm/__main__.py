@@ -1,3 +1,0 @@
-from cncore_torch.dlrm.train import main
-
-raise SystemExit(main())
