@@ -411,8 +411,8 @@ def test_torch_modules_and_collections_on_the_tier_equal_in_memory(tmp_path):
 
 def test_the_job_on_the_tier_trains_exactly_as_in_memory(tmp_path, capsys):
     pytest.importorskip("torchrec")
-    from cn_dlrm.cli import parse_args
-    from cncore_torch.dlrm import train as job
+    from cn_dlrm.cli import main
+    from cn_dlrm.options import parse_args
     small = ["--batch-size", "256", "--embedding-dim", "4", "--no-progress", "--threads", "1", "--eval-batches", "1",
              "--steps", "16", "--eval-every", "16"]
     out = {}
@@ -420,7 +420,7 @@ def test_the_job_on_the_tier_trains_exactly_as_in_memory(tmp_path, capsys):
     for name, extra in (("memory", []), ("tier", ["--ssd-path", str(tmp_path / "ssd"), "--cache-mb", "1"]),
                         ("memory-admit", admit), ("tier-admit", ["--ssd-path", str(tmp_path / "ssd2"), "--cache-mb",
                                                                  "1", *admit])):
-        assert job.main([*small, *extra, "--summary-json", str(tmp_path / f"{name}.json")]) == 0
+        assert main([*small, *extra, "--summary-json", str(tmp_path / f"{name}.json")]) == 0
         out[name] = json.loads((tmp_path / f"{name}.json").read_text())["runs"][0]
     for tier, memory in (("tier", "memory"), ("tier-admit", "memory-admit")):
         assert out[tier]["auc"] == out[memory]["auc"] and out[tier]["logloss"] == out[memory]["logloss"]
