@@ -33,25 +33,12 @@ batch, 1-D IDs with offsets, CNEmbedding's IDs of any shape) has a third, leaner
 autograd node instead of a `Pending` of LookupContexts, and Function.apply without its Python
 wrapper. torch.jit.trace is refused (`_refuse_jit_trace`).
 
-Eager cost (README "The PyTorch layer", `asv_bench/scripts/module_overhead.py`, pooling 1,
-batch 4096, 1 thread, p10, 8 alternated runs at load 1.4-1.7): a training step through
-`CNEmbeddingBag` is 1.06-1.10x the core's `pooled_lookup` + `apply_gradients` (median 1.10x;
-436 against 396 us), from 1.16-1.19x (486 against 414 us) before `TableLookup`. What is left
-is mostly autograd's: `Tensor.backward`'s Python (`_make_grads` checks the given gradient's
-shape), the engine and `Function.apply` take ~30 us of a step warm (a bare Function at batch
-1) and about twice that at batch 4096, where the core's work has emptied the caches; the
-core's own Python checks, which the bridge skips, balance most of it. A bare autograd.Function
-around the same two `_core` calls (no checks, no record, fixed offsets) measured 1.03-1.12x
-(median 1.06x) in the same alternation as this path's 1.10-1.12x (load 6.0-6.4): the Python
-this layer still runs (the fast-path checks, the NumPy views, the record) is ~5% of a step.
-Rejected: eager
-through the operators (`torch.library.custom_op` + `register_autograd`), ~260 us more a step
-(560 against 298 us, p10), so eager mode keeps autograd.Function; calling `_core` from here
-with no record at all (1.09-1.14x in the same alternation as 1.08-1.16x: no gain to measure
-for reaching into the core's private module); `np.from_dlpack(t)` for a tensor's NumPy view
-(5.4 us against 1.9 for `t.numpy()`), `torch.empty` + `.numpy()` for the output (3.2 us
-against ~2 for `np.empty` + `torch.from_numpy`). Neither pass uses saved-tensor hooks or
-`retain_graph`.
+Rejected: eager calls through the operators (`torch.library.custom_op` + `register_autograd`),
+which cost more a step than `autograd.Function`; calling `_core` with no record kept;
+`np.from_dlpack(t)` for a tensor's NumPy view (slower than `t.numpy()`); `torch.empty` +
+`.numpy()` for the output (slower than `np.empty` + `torch.from_numpy`). Neither pass uses
+saved-tensor hooks or `retain_graph`. What the bridge costs over the core call, and the numbers
+behind these choices: docs/design/torch-bridge.md.
 """
 from __future__ import annotations
 

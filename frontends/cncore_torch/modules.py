@@ -341,7 +341,7 @@ class CNEmbeddingBag(_DynamicTable):
                   and offsets.ndim == 1 and offsets.is_cpu and (not self.include_last_offset or len(offsets))):
                 offsets_np = offsets.numpy()
                 if not self.include_last_offset:
-                    offsets_np = np.concatenate((offsets_np, [len(input)]))  # (np.append: 2.7 us, this 2.1)
+                    offsets_np = np.concatenate((offsets_np, [len(input)]))  # (cheaper than np.append)
                 return bridge.lookup_table(self, input.numpy(), offsets_np, MODES[self.mode], self.training,
                                            inputs=(input, offsets))
         return functional.embedding_bag_lookup(self._anchor, self._handle, self.placement.kind, self.embedding_dim,
@@ -357,8 +357,8 @@ def _fast_ids(module: _DynamicTable, input) -> bool:
     functorch transform (torch.func.grad, vmap: there `.numpy()` of any tensor failed, "Cannot
     access data pointer of Tensor that doesn't have storage"; the general path's
     autograd.Function says what functorch needs). A torch.fx Proxy or a tensor subclass takes
-    the general path. The module's input handling took 38 us of a training step through the
-    general path, 7 here (perf_counter marks, batch 4096; README "The PyTorch layer")."""
+    the general path. This path skips the general path's input handling, most of the module's
+    own cost in a training step (docs/design/torch-bridge.md)."""
     return (type(input) is torch.Tensor and input.dtype is torch.int64 and input.is_cpu
             and module.padding_idx is None and module.placement.kind == "core" and not torch.compiler.is_compiling()
             and not torch.jit.is_tracing() and not torch._C._are_functorch_transforms_active())
@@ -403,9 +403,9 @@ _FIXED_OFFSETS = {}  # (B, L): the read-only offsets 0, L, ..., B * L
 
 def _fixed_offsets(n_bags: int, length: int) -> np.ndarray:
     """The offsets of B bags of L IDs each (a 2-D input), one read-only array per shape, made
-    once: a training loop sees one or two shapes. Building them per call (torch.arange * L)
-    cost 10 us warm (B = 4096); nothing writes to them (the core, the contexts and the backward
-    only read offsets; the array is read-only besides). At most 64 shapes kept."""
+    once: a training loop sees one or two shapes, and building them per call (torch.arange * L)
+    costs more than the lookup's own checks. Nothing writes to them (the core, the contexts and
+    the backward only read offsets; the array is read-only besides). At most 64 shapes kept."""
     offsets = _FIXED_OFFSETS.get((n_bags, length))
     if offsets is None:
         if len(_FIXED_OFFSETS) >= 64:
@@ -422,8 +422,7 @@ _UNIT_OFFSETS = [np.zeros(1, dtype=np.int64)]  # 0, 1, 2, ...: read-only, grown 
 def _unit_offsets(n: int) -> np.ndarray:
     """The offsets of n bags of one ID each (CNEmbedding's), 0..n: a prefix of one shared
     read-only range, grown by doubling past the largest n seen (8-16 MiB at a million IDs a call),
-    so no call builds them: the general path's torch.arange(n + 1) took 6.5 us at n = 4096,
-    the slice takes 0.2 (timeit, warm, load 1.7)."""
+    so no call builds them (a slice in place of the general path's torch.arange(n + 1))."""
     offsets = _UNIT_OFFSETS[0]
     if len(offsets) <= n:
         offsets = np.arange(max(n + 1, 2 * len(offsets)), dtype=np.int64)

@@ -230,11 +230,10 @@ class CNEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
 
     `pack_pools=True` sends back only the partial pools of bags that hold a key on the sending
     rank (the analytic minimum of pooled bytes; see rw_sharding.py) instead of every sample's
-    partial pool: 1.67 MB a rank and step instead of 3.41 in the DLRM benchmark. It trades bytes
-    for CPU: the gathers and scatters of its ~26k pools a step cost 5.6 ms on one core against
-    0.33 ms for the unpacked sum (measured alone), while on loopback gloo the bytes saved cost
-    about 1 ms; the benchmark's samples/s on this shared 2-core machine did not separate the two
-    (packed 39.6k / 44.3k / 41.6k against unpacked 37.3k / 46.2k / 53.6k in three runs). So the
+    partial pool, about half the pooled bytes in the DLRM benchmark. It trades bytes for CPU: its
+    gathers and scatters cost more CPU than the unpacked sum, and on loopback gloo sending the
+    bytes it saves costs less than that (docs/distributed.md and docs/benchmarks.md have the
+    measurements). So the
     default is off; turn it on where the network, not the CPU, is the bottleneck."""
 
     def __init__(self, fused_params: Optional[Dict[str, Any]] = None, qcomm_codecs_registry=None, *,
