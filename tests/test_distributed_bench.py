@@ -1,4 +1,6 @@
-"""The distributed benchmark runs both setups and measures something (a smoke run, 2 ranks)."""
+"""The distributed benchmark (asv_bench/scripts/distributed_bench.py) runs both setups and
+measures something (a smoke run, 2 ranks)."""
+import pathlib
 import re
 
 import pytest
@@ -6,8 +8,12 @@ import pytest
 pytest.importorskip("torchrec")
 
 
-def test_bench_measures_both_runs_and_the_traffic(capsys):
-    from cncore_torch.distributed.bench import main
+SCRIPTS = pathlib.Path(__file__).resolve().parents[1] / "asv_bench" / "scripts"
+
+
+def test_bench_measures_both_runs_and_the_traffic(capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(SCRIPTS))  # (the ranks import the script by name, from the same path)
+    from distributed_bench import main
     assert main(["--nproc", "2", "--steps", "2", "--warmup", "1", "--batch-size", "64", "--dim", "4"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 2 |")]
     assert len(lines) == 3

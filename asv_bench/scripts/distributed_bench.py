@@ -1,6 +1,6 @@
 """Throughput and communication of the sharded tables, ours beside TorchRec's, in one run.
 
-    python -m cncore_torch.distributed.bench --nproc 1 2 --batch-size 2048 --steps 20
+    python asv_bench/scripts/distributed_bench.py --nproc 1 2 --batch-size 2048 --steps 20
 
 For each process count: TorchRec's DLRM (the `cn-dlrm` model) on the synthetic Criteo-like
 stream, trained by N gloo processes under DistributedModelParallel, (a) with our dynamic
@@ -132,7 +132,7 @@ def _worker(rank, world_size, args, out_path):
 def main(argv=None) -> int:
     from cncore_torch.distributed.launch import spawn
 
-    ap = argparse.ArgumentParser(prog="python -m cncore_torch.distributed.bench", description=__doc__,
+    ap = argparse.ArgumentParser(prog="distributed_bench.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--batch-size", type=int, default=2048, help="global batch")

@@ -4,7 +4,7 @@ A click model over a stream whose item IDs are raw 64-bit values, with new items
 every batch: one store holds a row per item, a logistic regression reads the sum-pooled rows
 of each sample's items, and the store's fused row-wise Adagrad updates the rows in backward.
 
-    python -m cncore.demo --steps 200
+    python examples/demo.py --steps 200
 """
 from __future__ import annotations
 
