@@ -58,7 +58,7 @@ dlrm: setup
 
 # A NumPy-only training loop on a growing table (no PyTorch).
 demo: setup
-	$(PY) -m cncore.demo
+	$(PY) examples/demo.py
 
 # The one-run comparisons against torch.nn.EmbeddingBag and FBGEMM (the README's benchmark tables):
 # tables far beyond the LLC at three row dtypes, the 1M-row training step, each also beside busy cores.
