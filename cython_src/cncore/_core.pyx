@@ -10,6 +10,7 @@ from libc.stdlib cimport malloc, calloc, free
 from libc.string cimport memcmp, memcpy, memset
 from cncore._typedefs cimport key_t, slot_t, offset_t, weight_t, count_t
 from cncore._ctable cimport *
+from cncore._grouped cimport LookupFeature, LookupTable, UpdateFeature
 cimport numpy as cnp
 
 import numpy as np

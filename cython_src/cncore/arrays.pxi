@@ -26,15 +26,24 @@ cdef inline const weight_t* _opt_ptr(object arr):
 # type each time; with the caches cold (forward_large.py flushes them before every call) these
 # Python-level steps cost ~100 us of a 4096-ID evaluation lookup that EmbeddingBag does in ~600.
 
-cdef inline int64_t _ptr(object arr):
-    """The address of an array's first element (0 for None). Read from the array object
+cdef inline void* _ptr(object arr) except? NULL:
+    """The address of an array's first element (NULL for None). Read from the array object
     itself: `arr.ctypes.data` built a ctypes object each time, 1.3 us a call, 4-5 calls a
     forward and 3-4 a backward (~9 us of a training step at any batch size)."""
     if arr is None:
-        return 0
+        return NULL
     if not cnp.PyArray_Check(arr):
         raise TypeError(f"expected a NumPy array, got {type(arr).__name__}")
-    return <int64_t> <size_t> cnp.PyArray_DATA(<cnp.ndarray> arr)
+    return cnp.PyArray_DATA(<cnp.ndarray> arr)
+
+
+cdef void* _scratch(int64_t n, size_t size) except NULL:
+    """A zeroed block of n records of `size` bytes (at least one record) for a call's
+    per-feature or per-table state; the caller frees it. Raises MemoryError."""
+    cdef void* p = calloc(<size_t> max(n, 1), size)
+    if p == NULL:
+        raise MemoryError("cannot allocate the call's scratch")
+    return p
 
 
 cdef inline int _typenum(object dtype):

@@ -54,96 +54,82 @@ def grouped_backward(list tables, list slots, list offsets, list weights, list m
         raise ValueError("grouped_backward: one entry per table in every list")
     if len({id(t) for t in tables}) != F:
         raise ValueError("grouped_backward: a table appears twice; merge its lookups first")
-    cdef cn_table** tp = <cn_table**> malloc(max(F, 1) * sizeof(cn_table*))
-    cdef cn_table** locked = <cn_table**> malloc(max(F, 1) * sizeof(cn_table*))
-    cdef cn_optim* opts = <cn_optim*> malloc(max(F, 1) * sizeof(cn_optim))
-    cdef int64_t* ip = <int64_t*> malloc(max(F, 1) * 12 * sizeof(int64_t))
+    # One record a lookup (_grouped.pxd), filled here with the GIL and read in the nogil section.
+    cdef UpdateFeature* feats = NULL
+    cdef UpdateFeature* ft
+    cdef cn_table** locked = NULL
     cdef int64_t oom_feature = -1, bad_feature = -1, bad_pos = -1, stale_feature = -1, nonfinite_feature = -1
     cdef int64_t step_feature = -1
     cdef int rc = 0, stale_rc = 0
-    if tp == NULL or opts == NULL or ip == NULL or locked == NULL:
-        free(tp)
-        free(locked)
-        free(opts)
-        free(ip)
-        raise MemoryError("cannot allocate the call's scratch")
-    cdef int64_t* p_slots = ip
-    cdef int64_t* p_off = ip + F
-    cdef int64_t* p_nbags = ip + 2 * F
-    cdef int64_t* p_w = ip + 3 * F
-    cdef int64_t* p_mode = ip + 4 * F
-    cdef int64_t* p_argmax = ip + 5 * F
-    cdef int64_t* p_grad = ip + 6 * F
-    cdef int64_t* p_ld = ip + 7 * F
-    cdef int64_t* p_touch = ip + 8 * F
-    cdef int64_t* p_step = ip + 9 * F
-    cdef int64_t* p_nkeys = ip + 10 * F
-    cdef uint64_t* p_epoch = <uint64_t*> (ip + 11 * F)
     try:
+        feats = <UpdateFeature*> _scratch(F, sizeof(UpdateFeature))
+        locked = <cn_table**> _scratch(F, sizeof(cn_table*))
         for f in range(F):
             tab = <Table> tables[f]
             _check_backward_inputs(tab, slots[f], offsets[f], weights[f], modes[f], argmaxes[f], grads[f], f)
-            tp[f] = &tab.t
-            p_slots[f] = _ptr(slots[f])
-            p_nkeys[f] = slots[f].shape[0]
-            p_off[f] = _ptr(offsets[f])
-            p_nbags[f] = offsets[f].shape[0] - 1
-            p_w[f] = _ptr(weights[f])
-            p_mode[f] = modes[f]
-            p_argmax[f] = _ptr(argmaxes[f]) if modes[f] == 2 else 0
-            p_grad[f] = _ptr(grads[f])
-            p_ld[f] = grads[f].strides[0] // 4 if p_nbags[f] > 1 else tab.t.dim
-            p_touch[f] = bool(metas[f][0])
-            p_step[f] = _saturate_u32(metas[f][1])
-            p_epoch[f] = epochs[f]
+            ft = &feats[f]
+            ft.t = &tab.t
+            ft.slots = <const slot_t*> _ptr(slots[f])
+            ft.n_keys = slots[f].shape[0]
+            ft.offsets = <const offset_t*> _ptr(offsets[f])
+            ft.n_bags = offsets[f].shape[0] - 1
+            ft.weights = <const weight_t*> _ptr(weights[f])
+            ft.mode = modes[f]
+            ft.argmax = <const int64_t*> _ptr(argmaxes[f]) if modes[f] == 2 else NULL
+            ft.grad = <const weight_t*> _ptr(grads[f])
+            ft.ld_grad = grads[f].strides[0] // 4 if ft.n_bags > 1 else tab.t.dim
+            ft.touch = bool(metas[f][0])
+            ft.step = _saturate_u32(metas[f][1])
+            ft.epoch = epochs[f]
             kind, lr, eps, beta1, beta2 = optims[f]
-            opts[f].kind = kind
-            opts[f].lr = lr
-            opts[f].eps = eps
-            opts[f].beta1 = beta1
-            opts[f].beta2 = beta2
+            ft.opt.kind = kind
+            ft.opt.lr = lr
+            ft.opt.eps = eps
+            ft.opt.beta1 = beta1
+            ft.opt.beta2 = beta2
         # Lock order: by address, so concurrent grouped backwards never wait on each other in a cycle.
-        order = sorted((<size_t> tp[f], f) for f in range(F))
+        order = sorted((<size_t> feats[f].t, f) for f in range(F))
         for i in range(F):
-            locked[i] = tp[<int64_t> order[i][1]]
+            locked[i] = feats[<int64_t> order[i][1]].t
         with nogil:
             for f in range(F):
-                bad_pos = cn_check_offsets(<offset_t*> p_off[f], p_nbags[f], p_nkeys[f])
+                ft = &feats[f]
+                bad_pos = cn_check_offsets(ft.offsets, ft.n_bags, ft.n_keys)
                 if bad_pos >= 0:
                     bad_feature = f
                     break
-                if not cn_all_finite(<weight_t*> p_grad[f], p_nbags[f], tp[f].dim, p_ld[f]):
+                if not cn_all_finite(ft.grad, ft.n_bags, ft.t.dim, ft.ld_grad):
                     nonfinite_feature = f
                     break
             if bad_feature < 0 and nonfinite_feature < 0:
                 for i in range(F):
                     pthread_rwlock_wrlock(&locked[i].lock)
                 for f in range(F):
-                    stale_rc = cn_table_check_slots(tp[f], p_epoch[f], <slot_t*> p_slots[f], p_nkeys[f])
+                    ft = &feats[f]
+                    stale_rc = cn_table_check_slots(ft.t, ft.epoch, ft.slots, ft.n_keys)
                     if stale_rc != CN_OK:
                         stale_feature = f
                         break
-                    if tp[f].step >= _STEP_MAX:
+                    if ft.t.step >= _STEP_MAX:
                         step_feature = f
                         break
                 if stale_feature < 0 and step_feature < 0:
                     for f in range(F):
-                        tp[f].step += 1
-                        cn_optim_set_step(&opts[f], tp[f].step)
-                        rc = cn_grad_apply(&tp[f].arena, tp[f].dim, tp[f].row_dtype, <slot_t*> p_slots[f],
-                                           <offset_t*> p_off[f],
-                                           p_nbags[f], <weight_t*> p_w[f], <int> p_mode[f], <int64_t*> p_argmax[f],
-                                           <weight_t*> p_grad[f], p_ld[f], &opts[f], <int> p_touch[f],
-                                           <uint32_t> p_step[f], cn_threads_for(p_nkeys[f] * 4))
+                        ft = &feats[f]
+                        ft.t.step += 1
+                        cn_optim_set_step(&ft.opt, ft.t.step)
+                        rc = cn_grad_apply(&ft.t.arena, ft.t.dim, ft.t.row_dtype, ft.slots, ft.offsets, ft.n_bags,
+                                           ft.weights, ft.mode, ft.argmax, ft.grad, ft.ld_grad, &ft.opt, ft.touch,
+                                           ft.step, cn_threads_for(ft.n_keys * 4))
                         if rc != 0:
-                            tp[f].step -= 1
+                            ft.t.step -= 1
                             oom_feature = f
                             break
                 for i in range(F - 1, -1, -1):
                     pthread_rwlock_unlock(&locked[i].lock)
         if bad_feature >= 0:
             raise ValueError(f"offsets[{bad_feature}]: must start at 0, never decrease and end at the number of "
-                             f"slots ({p_nkeys[bad_feature]}); position {bad_pos} breaks this")
+                             f"slots ({feats[bad_feature].n_keys}); position {bad_pos} breaks this")
         if nonfinite_feature >= 0:
             raise ValueError(_nonfinite_message(nonfinite_feature))
         if stale_feature >= 0:
@@ -156,10 +142,8 @@ def grouped_backward(list tables, list slots, list offsets, list weights, list m
             raise MemoryError(f"out of memory in the backward of feature {oom_feature}; "
                               f"its table is unchanged, earlier features were updated")
     finally:
-        free(tp)
+        free(feats)
         free(locked)
-        free(opts)
-        free(ip)
 
 
 def unique_gradients(Table table, slots, offsets, weights, int mode, argmax, grad,
@@ -175,9 +159,9 @@ def unique_gradients(Table table, slots, offsets, weights, int mode, argmax, gra
     cdef const offset_t[::1] off = offsets
     cdef int64_t n_bags = off.shape[0] - 1, n = sl.shape[0], bad_pos
     cdef int64_t dim = table.t.dim
-    cdef const weight_t* w = <const weight_t*> <size_t> _ptr(weights)
-    cdef const int64_t* am = <const int64_t*> <size_t> (_ptr(argmax) if mode == 2 else 0)
-    cdef const weight_t* g = <const weight_t*> <size_t> _ptr(grad)
+    cdef const weight_t* w = <const weight_t*> _ptr(weights)
+    cdef const int64_t* am = <const int64_t*> _ptr(argmax) if mode == 2 else NULL
+    cdef const weight_t* g = <const weight_t*> _ptr(grad)
     cdef int64_t ld = grad.strides[0] // 4 if n_bags > 1 else dim
     cdef uint32_t step32 = _saturate_u32(step)
     cdef weight_t* out_p
@@ -201,7 +185,7 @@ def unique_gradients(Table table, slots, offsets, weights, int mode, argmax, gra
     try:
         positions = np.empty(groups.n_unique, dtype=np.int64)
         out = np.empty((groups.n_unique, dim), dtype=np.float32)
-        out_p = <weight_t*> <size_t> _ptr(out)
+        out_p = <weight_t*> _ptr(out)
         with nogil:
             if record_access:
                 pthread_rwlock_wrlock(&table.t.lock)

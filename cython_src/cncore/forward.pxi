@@ -41,40 +41,18 @@ def grouped_forward(list tables, list keys, list offsets, list weights, list mod
             members.append([])
         members[u].append(f)
     U = len(members)
-    cdef cn_table** tp = <cn_table**> malloc(max(U, 1) * sizeof(cn_table*))
-    cdef cn_evicted* evs = <cn_evicted*> calloc(max(U, 1), sizeof(cn_evicted))
-    cdef int64_t* ip = <int64_t*> malloc(max(F, 1) * 10 * sizeof(int64_t))
-    cdef int64_t* up = <int64_t*> malloc(max(U, 1) * 8 * sizeof(int64_t))
-    if tp == NULL or ip == NULL or up == NULL or evs == NULL:
-        free(tp)
-        free(ip)
-        free(up)
-        free(evs)
-        raise MemoryError("cannot allocate the call's scratch")
-    # one column of ip per per-feature value (pointers are stored as int64)
-    cdef int64_t* p_nkeys = ip
-    cdef int64_t* p_off = ip + F
-    cdef int64_t* p_nbags = ip + 2 * F
-    cdef int64_t* p_w = ip + 3 * F
-    cdef int64_t* p_mode = ip + 4 * F
-    cdef int64_t* p_out = ip + 5 * F
-    cdef int64_t* p_ld = ip + 6 * F
-    cdef int64_t* p_slots = ip + 7 * F
-    cdef int64_t* p_argmax = ip + 8 * F
-    cdef int64_t* p_unit = ip + 9 * F
-    # and of up per table
-    cdef int64_t* u_keys = up
-    cdef int64_t* u_n = up + U
-    cdef int64_t* u_slots = up + 2 * U
-    cdef int64_t* u_nnew = up + 3 * U
-    cdef int64_t* u_want = up + 4 * U
-    cdef int64_t* u_rc = up + 5 * U
-    cdef uint64_t* u_epoch = <uint64_t*> (up + 6 * U)
-    cdef int64_t* u_found = up + 7 * U  # the caller's slots (found_slots), or 0
+    # One record a feature and one a distinct table (_grouped.pxd), filled here with the GIL and
+    # read in the nogil section.
+    cdef LookupFeature* feats = NULL
+    cdef LookupTable* units = NULL
+    cdef LookupFeature* ft
+    cdef LookupTable* ut
     results = [None] * F
-    cdef int64_t bad_feature = -1, bad_pos = -1, failed = -1, g, start
+    cdef int64_t bad_feature = -1, bad_pos = -1, failed = -1, start
     cdef int rc
     try:
+        feats = <LookupFeature*> _scratch(F, sizeof(LookupFeature))
+        units = <LookupTable*> _scratch(U, sizeof(LookupTable))
         for f in range(F):
             tab = <Table> tables[f]
             k = keys[f]
@@ -89,14 +67,15 @@ def grouped_forward(list tables, list keys, list offsets, list weights, list mod
             if modes[f] not in (0, 1, 2):
                 raise ValueError(f"modes[{f}]: expected 0 (sum), 1 (mean) or 2 (max), got {modes[f]!r}")
             _check_rows(out, np.float32, o.shape[0] - 1, tab.t.dim, f"out[{f}]", True)
-            p_nkeys[f] = k.shape[0]
-            p_off[f] = _ptr(o)
-            p_nbags[f] = o.shape[0] - 1
-            p_w[f] = _ptr(weights[f])
-            p_mode[f] = modes[f]
-            p_out[f] = _ptr(out)
-            p_ld[f] = cnp.PyArray_STRIDE(<cnp.ndarray> out, 0) // 4 if p_nbags[f] > 1 else tab.t.dim
-            p_unit[f] = unit_of[id(tables[f])]
+            ft = &feats[f]
+            ft.n_keys = k.shape[0]
+            ft.offsets = <const offset_t*> _ptr(o)
+            ft.n_bags = o.shape[0] - 1
+            ft.weights = <const weight_t*> _ptr(weights[f])
+            ft.mode = modes[f]
+            ft.out = <weight_t*> _ptr(out)
+            ft.ld_out = cnp.PyArray_STRIDE(<cnp.ndarray> out, 0) // 4 if ft.n_bags > 1 else tab.t.dim
+            ft.table = unit_of[id(tables[f])]
         for u in range(U):
             fs = members[u]
             tab = <Table> tables[fs[0]]
@@ -104,64 +83,65 @@ def grouped_forward(list tables, list keys, list offsets, list weights, list mod
                 raise ValueError(f"feature {fs[0]}: its table's step is {tab.t.step}, the last step a row's 32-bit "
                                  f"last_step records ({_STEP_MAX}, 2**32 - 1), and the backward of a training lookup "
                                  f"would pass it; every table is unchanged. {STEP_REMEDY}")
-            tp[u] = &tab.t
-            u_want[u] = _sink_want(tab)
-            u_found[u] = 0
+            ut = &units[u]
+            ut.t = &tab.t
+            ut.want = _sink_want(tab)
+            ut.found = NULL
             if found_slots is not None and found_slots[fs[0]] is not None:
                 if len(fs) != 1:
                     raise ValueError(f"found_slots[{fs[0]}]: only for a feature alone on its table")
                 _check_vector(found_slots[fs[0]], np.int64, keys[fs[0]].shape[0], f"found_slots[{fs[0]}]")
-                u_found[u] = _ptr(found_slots[fs[0]])
+                ut.found = <const slot_t*> _ptr(found_slots[fs[0]])
             if len(fs) == 1:
                 unit_keys = keys[fs[0]]
             else:
                 unit_keys = np.concatenate([keys[f] for f in fs])
             unit_slots = np.empty(unit_keys.shape[0], dtype=np.int64)
-            u_keys[u] = _ptr(unit_keys)
-            u_n[u] = unit_keys.shape[0]
-            u_slots[u] = _ptr(unit_slots)
-            u_rc[u] = CN_OK
+            ut.keys = <const key_t*> _ptr(unit_keys)
+            ut.n = unit_keys.shape[0]
+            ut.slots = <slot_t*> _ptr(unit_slots)
+            ut.rc = CN_OK
             start = 0
             for f in fs:
-                slots = unit_slots[start:start + p_nkeys[f]] if len(fs) > 1 else unit_slots
-                p_slots[f] = u_slots[u] + 8 * start
-                start += p_nkeys[f]
+                ft = &feats[f]
+                slots = unit_slots[start:start + ft.n_keys] if len(fs) > 1 else unit_slots
+                ft.keys = ut.keys + start
+                ft.slots = ut.slots + start
+                start += ft.n_keys
                 argmax = None
                 if modes[f] == 2:
-                    argmax = np.empty((p_nbags[f], tab.t.dim), dtype=np.int64)
-                p_argmax[f] = _ptr(argmax)
+                    argmax = np.empty((ft.n_bags, tab.t.dim), dtype=np.int64)
+                ft.argmax = <int64_t*> _ptr(argmax)
                 results[f] = [slots, argmax, 0, 0, unit_keys]  # unit_keys: alive until the call returns
         with nogil:
             for f in range(F):
-                bad_pos = cn_check_offsets(<offset_t*> p_off[f], p_nbags[f], p_nkeys[f])
+                bad_pos = cn_check_offsets(feats[f].offsets, feats[f].n_bags, feats[f].n_keys)
                 if bad_pos >= 0:
                     bad_feature = f
                     break
             if bad_feature < 0:
                 for u in range(U):
+                    ut = &units[u]
                     if insert_missing:
-                        pthread_rwlock_wrlock(&tp[u].lock)
+                        pthread_rwlock_wrlock(&ut.t.lock)
                     else:
-                        pthread_rwlock_rdlock(&tp[u].lock)
-                    if u_found[u]:
-                        u_nnew[u] = 0
-                        rc = cn_table_take_found(tp[u], <key_t*> u_keys[u], <slot_t*> u_found[u], u_n[u],
-                                                 <slot_t*> u_slots[u])
+                        pthread_rwlock_rdlock(&ut.t.lock)
+                    if ut.found != NULL:
+                        ut.n_new = 0
+                        rc = cn_table_take_found(ut.t, ut.keys, ut.found, ut.n, ut.slots)
                     else:
-                        rc = cn_table_resolve(tp[u], <key_t*> u_keys[u], u_n[u], <slot_t*> u_slots[u], NULL,
-                                              insert_missing, insert_missing, <int> u_want[u], &evs[u],
-                                              &u_nnew[u])
+                        rc = cn_table_resolve(ut.t, ut.keys, ut.n, ut.slots, NULL, insert_missing, insert_missing,
+                                              ut.want, &ut.ev, &ut.n_new)
                     if rc == CN_OK:
                         for f in range(F):
-                            if p_unit[f] == u:
-                                cn_table_pool(tp[u], <key_t*> (u_keys[u] + (p_slots[f] - u_slots[u])),
-                                              <offset_t*> p_off[f], p_nbags[f], <weight_t*> p_w[f],
-                                              <int> p_mode[f], <weight_t*> p_out[f], p_ld[f],
-                                              <int64_t*> p_argmax[f], <slot_t*> p_slots[f])
-                    u_epoch[u] = tp[u].erase_epoch
-                    pthread_rwlock_unlock(&tp[u].lock)
+                            ft = &feats[f]
+                            if ft.table == u:
+                                cn_table_pool(ut.t, ft.keys, ft.offsets, ft.n_bags, ft.weights, ft.mode, ft.out,
+                                              ft.ld_out, ft.argmax, ft.slots)
+                    ut.epoch = ut.t.erase_epoch
+                    pthread_rwlock_unlock(&ut.t.lock)
                     if rc != CN_OK:
-                        u_rc[u] = rc
+                        ut.rc = rc
                         failed = u
                         break
         # Evicted rows first: they left their tables whatever happens next. Every table's rows
@@ -170,38 +150,37 @@ def grouped_forward(list tables, list keys, list offsets, list weights, list mod
         errors = []
         for u in range(U):
             try:
-                (<Table> tables[members[u][0]])._deliver(&evs[u])
+                (<Table> tables[members[u][0]])._deliver(&units[u].ev)
             except BaseException as e:
                 errors.append(e)
         try:
             if bad_feature >= 0:
                 raise ValueError(
                     f"offsets[{bad_feature}]: must start at 0, never decrease and end at the number of "
-                    f"keys ({p_nkeys[bad_feature]}); position {bad_pos} breaks this")
+                    f"keys ({feats[bad_feature].n_keys}); position {bad_pos} breaks this")
             if failed >= 0:
                 f = members[failed][0]
                 done = " (the tables of features before it were looked up)" if failed else ""
-                if u_rc[failed] == CN_EBADSLOT:
+                if units[failed].rc == CN_EBADSLOT:
                     raise ValueError(f"found_slots[{f}]: a slot that holds no row of its table; the table is "
                                      "unchanged" + done)
-                if u_rc[failed] == CN_EFULL:
+                if units[failed].rc == CN_EFULL:
                     raise ValueError(f"feature {f}: the distinct keys its table is looked up with exceed its "
-                                     f"max_rows ({tp[failed].bound.max_rows}); its table is unchanged" + done)
+                                     f"max_rows ({units[failed].t.bound.max_rows}); its table is unchanged" + done)
                 raise MemoryError(f"cannot grow the table of feature {f}; it is unchanged" + done)
         except BaseException as e:
             errors.append(e)
         if errors:
             raise_first(errors)
         for f in range(F):
-            u = p_unit[f]
-            results[f][2] = u_nnew[u] if members[u][0] == f else 0
-            results[f][3] = u_epoch[u]
+            u = feats[f].table
+            results[f][2] = units[u].n_new if members[u][0] == f else 0
+            results[f][3] = units[u].epoch
             del results[f][4]
         return results
     finally:
-        for u in range(U):
-            cn_evicted_free(&evs[u])
-        free(tp)
-        free(ip)
-        free(up)
-        free(evs)
+        if units != NULL:
+            for u in range(U):
+                cn_evicted_free(&units[u].ev)
+        free(feats)
+        free(units)

@@ -1,0 +1,49 @@
+# The records the grouped calls (forward.pxi, backward.pxi) fill with the GIL and read in their
+# nogil section: one a feature, one a distinct table. Declarations only.
+from libc.stdint cimport int64_t, uint32_t, uint64_t
+from cncore._typedefs cimport key_t, slot_t, offset_t, weight_t
+from cncore._ctable cimport cn_table, cn_evicted, cn_optim
+
+cdef struct LookupFeature:
+    # one feature of grouped_forward: its bags and where its pooled rows go
+    const key_t *keys         # its keys, within its table's key list (LookupTable.keys)
+    slot_t *slots             # their slots, within LookupTable.slots
+    int64_t n_keys
+    const offset_t *offsets   # n_bags + 1 bag offsets
+    int64_t n_bags
+    const weight_t *weights   # per-sample weights, or NULL
+    int mode                  # 0 sum, 1 mean, 2 max
+    weight_t *out             # (n_bags, dim) pooled rows, ld_out floats apart
+    int64_t ld_out
+    int64_t *argmax           # (n_bags, dim) for mode 2, else NULL
+    int64_t table             # its entry in the call's LookupTable list
+
+cdef struct LookupTable:
+    # one distinct table of grouped_forward, with the keys of all its features
+    cn_table *t
+    const key_t *keys
+    int64_t n
+    slot_t *slots
+    const slot_t *found       # the caller's slots of the keys (found_slots), or NULL
+    int want                  # what its eviction hands over (_sink_want)
+    int rc                    # CN_OK, or the error of its lookup
+    int64_t n_new             # keys the lookup inserted
+    uint64_t epoch            # its erase epoch, read under its lock with the lookup
+    cn_evicted ev             # the rows its lookup evicted, for its sink
+
+cdef struct UpdateFeature:
+    # one lookup of grouped_backward: its gradient and the optimizer step applied to its rows
+    cn_table *t
+    const slot_t *slots       # the lookup's slots (n_keys)
+    int64_t n_keys
+    const offset_t *offsets
+    int64_t n_bags
+    const weight_t *weights
+    int mode
+    const int64_t *argmax     # mode 2 only, else NULL
+    const weight_t *grad      # (n_bags, dim), ld_grad floats apart
+    int64_t ld_grad
+    int touch                 # record the access in the rows' metadata
+    uint32_t step             # the lookup's step, as the rows' metadata keeps it
+    uint64_t epoch            # the erase epoch grouped_forward returned
+    cn_optim opt
