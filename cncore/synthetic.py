@@ -1,5 +1,5 @@
 """A deterministic, streaming Criteo-like data generator in NumPy: the data of the DLRM jobs
-(`cn-dlrm`, `python -m cncore_jax.dlrm`) and of benchmarks, framework-neutral so every front
+(`cn-dlrm`, `examples/jax_dlrm.py`) and of benchmarks, framework-neutral so every front
 end trains on the same stream (each wraps `arrays(i)` in its own types).
 
 Every batch is drawn from (seed, batch index) alone, so a run is reproducible and resumable at

@@ -1,8 +1,10 @@
-"""The JAX DLRM example: its NumPy stream is cn-dlrm's stream, its AUC is torchmetrics', it
-runs end to end in one command with tiny settings, and the boundary benchmark measures."""
+"""The JAX DLRM example (examples/jax_dlrm.py): its NumPy stream is cn-dlrm's stream, its AUC is
+torchmetrics', it runs end to end in one command with tiny settings, and the boundary benchmark
+(asv_bench/scripts/jax_boundary.py) measures."""
 import glob
 import math
 import os
+import pathlib
 import shutil
 import subprocess
 import sys
@@ -14,8 +16,12 @@ import pytest
 jax = pytest.importorskip("jax")
 pytest.importorskip("optax")
 
-from cncore_jax import bench, dlrm  # noqa: E402
-from cncore_jax.criteo import SyntheticCriteo  # noqa: E402
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "jax_dlrm.py"
+sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "asv_bench" / "scripts")]  # the example and the bench script
+import jax_boundary as bench  # noqa: E402
+import jax_dlrm as dlrm  # noqa: E402
+from jax_criteo import SyntheticCriteo  # noqa: E402
 
 
 def test_the_numpy_stream_is_cn_dlrms_stream():
@@ -51,7 +57,7 @@ def test_auc_counts_pairs_with_ties_as_half_and_equals_torchmetrics():
 
 
 def test_the_example_runs_in_one_command_and_ends_with_its_auc(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "cncore_jax.dlrm", "--steps", "3", "--batch-size", "128",
+    done = subprocess.run([sys.executable, str(EXAMPLE), "--steps", "3", "--batch-size", "128",
                            "--eval-batches", "1", "--no-progress", "--save", str(tmp_path / "tables")],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
@@ -61,7 +67,7 @@ def test_the_example_runs_in_one_command_and_ends_with_its_auc(tmp_path):
 
 
 def test_bad_options_exit_2_with_one_line():
-    done = subprocess.run([sys.executable, "-m", "cncore_jax.dlrm", "--steps", "0"], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, str(EXAMPLE), "--steps", "0"], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 2 and "--steps must be at least 1, got 0" in done.stderr
 

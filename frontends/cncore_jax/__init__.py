@@ -12,7 +12,7 @@ ordered host callbacks that `jax.jit` keeps exactly once, in program order.
 - `set_boundary("callback" | "ffi")`: how traced code reaches the core (ordered io_callback,
   the default, or an XLA FFI custom call compiled on first use; see `cncore_jax.lookup`).
 - `cncore_jax.modules.EmbeddingBag`: a Flax NNX module (train/eval with `model.train()` /
-  `model.eval()`); `python -m cncore_jax.dlrm`: a DLRM trained with JAX and optax.
+  `model.eval()`); `python examples/jax_dlrm.py` (the repository's example): a DLRM trained with JAX and optax.
 
 >>> import jax, jax.numpy as jnp, cncore, cncore_jax as cj
 >>> t = cj.Table(dim=2, initializer=cncore.Constant(1.0))

@@ -5,7 +5,7 @@
 The handler gives `fn` XLA's own buffers (NumPy views, no copies in); `fn` writes its results
 into XLA's output buffers (the pooled rows go straight there: no copy out). It skips JAX's
 callback machinery and its copies: most of an `io_callback`'s fixed cost, and on a 1 MB
-output the page faults of a fresh buffer (`python -m cncore_jax.bench`).
+output the page faults of a fresh buffer (`python asv_bench/scripts/jax_boundary.py`).
 
 Each traced call registers its host function under a new id, kept for the process (one per
 trace, not per execution).

@@ -14,7 +14,7 @@ lose or repeat inserts). `set_boundary("ffi")` uses an XLA FFI custom call inste
 (`cncore_jax._ffi`), declared with side effects so XLA keeps it: a fraction of the fixed cost
 and no copy of the output, but ordered only by data (a lookup before its update; two
 independent calls in one program may swap). The default is the route whose ordering JAX
-guarantees; `python -m cncore_jax.bench` measures both. Under either route, `vmap` of a lookup
+guarantees; `asv_bench/scripts/jax_boundary.py` measures both. Under either route, `vmap` of a lookup
 or update is refused with a TypeError (a batch of bags is already the batched form), and JAX
 itself refuses `jax.checkpoint` (remat) around one, which would repeat the lookup.
 

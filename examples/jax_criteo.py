@@ -1,5 +1,5 @@
 """The synthetic Criteo-like stream of `cn-dlrm` (`cncore.synthetic`, shared by the front ends)
-with each feature's IDs padded to one shape, as jit wants.
+with each feature's IDs padded to one shape, as jit wants: the data of `jax_dlrm.py`.
 
 `batch(i)` is a pure function of (seed, i). Each of the 26 features has at most one ID per
 sample (2% missing): `ids[f]` holds the present IDs first and padding after them, so every batch

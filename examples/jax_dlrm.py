@@ -1,10 +1,10 @@
-"""A DLRM trained with JAX and optax on growable cncore tables: `python -m cncore_jax.dlrm`.
+"""A DLRM trained with JAX and optax on growable cncore tables: `python examples/jax_dlrm.py`.
 
 The model and run of `cn-dlrm` (TorchRec's DLRM), written in JAX: 26 tables of dim 16 with
 row-wise Adagrad fused in the core (lr 0.05), a dense arch 13 -> 64 -> 16, the pairwise dot
 interaction of the 27 vectors, an over arch 367 -> 128 -> 64 -> 1, Adagrad on the dense
 network (lr 0.01), binary cross-entropy; 800 batches of 2048 from the synthetic Criteo-like
-stream (`cncore_jax.criteo`, the same stream as cn-dlrm's for the same seed), evaluated on
+stream (`jax_criteo.py` beside this file, the same stream as cn-dlrm's for the same seed), evaluated on
 the 8 batches after the training range. The tables are configured as cn-dlrm's (TorchRec's
 default init bounds, the same per-table seeds), so they start from the same rows.
 
@@ -34,13 +34,13 @@ import optax
 
 import cncore
 import cncore_jax as cj
-from cncore_jax.criteo import N_DENSE, SPARSE_KEYS, SyntheticCriteo
+from jax_criteo import N_DENSE, SPARSE_KEYS, SyntheticCriteo
 
 MAX_INITIAL_ROWS = 1 << 16  # as cn-dlrm: tables start at what the run can reach, at most this, and grow
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m cncore_jax.dlrm", description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="jax_dlrm.py", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--steps", type=int, default=800, help="training batches")
     ap.add_argument("--batch-size", type=int, default=2048, help="samples per batch")
