@@ -42,11 +42,11 @@ lint: setup
 	$(PY) .ci/check_imports.py
 
 test: setup
-	$(PY) -m pytest -n 2 -p no:cacheprovider --doctest-modules tests --pyargs $(PACKAGES)
+	$(PY) -m pytest -n 2 -p no:cacheprovider --doctest-modules tests examples --pyargs $(PACKAGES)
 
 # The suite without the tests marked slow (each over ~5 s: DLRM trainings, multi-process runs). CI runs them all.
 test-fast: setup
-	$(PY) -m pytest -n 2 -p no:cacheprovider -m "not slow" --doctest-modules tests --pyargs $(PACKAGES)
+	$(PY) -m pytest -n 2 -p no:cacheprovider -m "not slow" --doctest-modules tests examples --pyargs $(PACKAGES)
 
 # Long randomised runs (thousands of hypothesis examples, growth to tens of millions of rows).
 soak: setup
