@@ -1,10 +1,10 @@
 # Two commands set up a fresh clone and run something (see README):
 #   make dlrm    the main job: TorchRec's DLRM on dynamic tables, embedded synthetic Criteo-like data
 #   make test    the test suite
-# make lint runs ruff, mypy and the import checks (config in pyproject.toml).
-# make test-fast skips the tests marked slow (full DLRM trainings, multi-process runs): a quick local run.
 # Both create .venv on first use: torch pinned to 2.13.0 (the CPU wheel), TorchRec without
 # its GPU dependency, and this project built in place.
+# make lint runs ruff, mypy and the import checks (config in pyproject.toml).
+# make test-fast skips the tests marked slow (full DLRM trainings, multi-process runs): a quick local run.
 
 PYTHON ?= python3
 VENV ?= .venv

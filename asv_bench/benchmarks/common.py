@@ -96,7 +96,7 @@ def fresh_bags(keys, pooling, dist="zipf1.05", batch=None):
     return picked, np.arange(0, batch * pooling + 1, pooling, dtype=np.int64)
 
 
-_FLUSH = []
+_FLUSH: list[machine.Flush] = []
 
 
 def flush():
@@ -106,7 +106,7 @@ def flush():
     _FLUSH[0]()
 
 
-_SHARED = {}
+_SHARED: dict[tuple, tuple[cncore.EmbeddingStore, np.ndarray]] = {}
 
 
 def shared_store(dim, n_rows=None, dtype="float32"):

@@ -26,12 +26,14 @@ import resource
 import subprocess
 import sys
 import time
+from typing import Any
 
 import numpy as np
 
 import cncore
 
-POLICIES = {
+# Policy name -> its eviction (a class name) and admission (a MinCount count), where it has them.
+POLICIES: dict[str, dict[str, Any]] = {
     "none": {},
     "lru": {"eviction": "LRU"},
     "lfu": {"eviction": "LFU"},
@@ -69,7 +71,7 @@ def stream(kind: str, distinct: int, n: int, rng, max_rows: int = 0) -> np.ndarr
 
 def make_config(args, policy: str) -> cncore.StoreConfig:
     spec = POLICIES[policy]
-    kw = {}
+    kw: dict[str, Any] = {}
     if "eviction" in spec:
         kw["max_rows"] = args.max_rows
         kw["eviction"] = {"LRU": cncore.LRU(), "LFU": cncore.LFU(), "TTL": cncore.TTL(args.ttl)}[spec["eviction"]]
@@ -108,7 +110,7 @@ def time_interleaved(args, kind: str, policies: list) -> dict:
     lens = np.full(args.batch, args.bag)
     grad = np.ones((args.batch, args.dim), np.float32)
     stores = {p: cncore.EmbeddingStore(make_config(args, p)) for p in policies}
-    times = {p: [] for p in policies}
+    times: dict[str, list[float]] = {p: [] for p in policies}
     for step in range(args.steps):
         keys = stream(kind, args.distinct, args.batch * args.bag, rng, args.max_rows)
         for p in policies[step % len(policies):] + policies[:step % len(policies)]:  # rotate who goes first

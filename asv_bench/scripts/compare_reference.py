@@ -51,7 +51,7 @@ def timed_round_robin(fns: dict, reps: int, warmup: int = 2, before_round=None) 
             before_round(w)
         for fn in fns.values():
             fn()
-    samples = {name: [] for name in fns}
+    samples: dict[str, list[float]] = {name: [] for name in fns}
     for r in range(reps):
         if before_round is not None:
             before_round(warmup + r)

@@ -111,14 +111,18 @@ class Tables:
         idx_t, offsets = torch.from_numpy(idx), torch.from_numpy(offsets_np)
         idx32, offsets32 = idx_t.int(), offsets.int()
         keys = self.keys[idx]
+        eb, tbe, tbe_inf = self.eb, self.tbe, self.tbe_inf  # each built when its name is in self.names
         fns = {}
         for name in self.names:
             if name == "EB fp32":
-                fns[name] = lambda: self.eb(idx_t, offsets)
+                assert eb is not None
+                fns[name] = lambda: eb(idx_t, offsets)
             elif name == "TBE fp16":
-                fns[name] = lambda: self.tbe(idx_t, offsets)
+                assert tbe is not None
+                fns[name] = lambda: tbe(idx_t, offsets)
             elif name == "TBE-inf fp16":
-                fns[name] = lambda: self.tbe_inf(idx32, offsets32)
+                assert tbe_inf is not None
+                fns[name] = lambda: tbe_inf(idx32, offsets32)
             else:
                 out = np.empty((n // pooling, self.dim), np.float32)
                 fns[name] = (lambda s, o: lambda: s.pooled_lookup(keys, offsets_np, insert_missing=False, out=o)[0])(
@@ -145,7 +149,7 @@ def check_same_rows(fns: dict, pooling: int) -> None:
 def measure(tables: Tables, dist: str, pooling: int, batch: int, rounds: int, flush, gen) -> dict:
     """Median seconds per forward of each contender over `rounds` rounds (after two warm-ups)."""
     import torch
-    samples = {name: [] for name in tables.names}
+    samples: dict[str, list[float]] = {name: [] for name in tables.names}
     for r in range(rounds + 2):
         fns = tables.calls(positions(dist, batch * pooling, tables.rows, gen), pooling)
         if r == 0:

@@ -53,7 +53,10 @@ def measure(args: list) -> tuple:
     wall = time.perf_counter() - start
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(args)} failed:\n{done.stdout}\n{done.stderr}")
-    peak_kib = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", done.stderr).group(1))
+    peak = re.search(r"Maximum resident set size \(kbytes\): (\d+)", done.stderr)
+    if peak is None:
+        raise RuntimeError(f"/usr/bin/time -v printed no peak RSS for {' '.join(args)}:\n{done.stderr}")
+    peak_kib = int(peak.group(1))
     return wall, peak_kib / 1024, done.stdout.strip().splitlines()[-1]
 
 

@@ -97,7 +97,7 @@ def main(argv=None) -> int:
     pairs = {"eval": (bag.eval, ("core eval", core_eval), ("module eval", module_eval)),
              "step": (bag.train, ("core step", core_step), ("module step", module_step)),
              "floor": (bag.train, ("floor step", floor_step), ("module step 2", module_step))}
-    times = {}
+    times: dict[str, list[float]] = {}
     bag.train()
     module_step()  # every row the calls read is in the table before anything is timed (warm rows)
     for set_mode, *pair in pairs.values():
