@@ -37,7 +37,7 @@ LINT_PATHS := cncore frontends asv_bench .ci
 # Lint (ruff), types (mypy) and import layers (import-linter's contracts, then no import circle).
 lint: setup
 	$(VENV)/bin/ruff check $(LINT_PATHS)
-	$(PY) -m mypy $(addprefix -p ,$(PACKAGES)) asv_bench/benchmarks asv_bench/scripts .ci/check_imports.py
+	$(PY) -m mypy $(LINT_PATHS)
 	$(VENV)/bin/lint-imports --no-cache
 	$(PY) .ci/check_imports.py
 
