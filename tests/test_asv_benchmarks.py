@@ -15,6 +15,8 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BENCH_DIR = ROOT / "asv_bench"
 PREFIXES = ("time_", "peakmem_", "track_", "mem_")
+# Benchmark classes whose one smoke run takes more than a few seconds.
+SLOW = {"bench_large.LargeTableForward", "bench_training.TrainingStep"}
 
 
 def discover():
@@ -27,8 +29,9 @@ def discover():
             if cls.__module__ != module.__name__:
                 continue
             methods = [m for m in dir(cls) if m.startswith(PREFIXES)]
+            name = f"{path.stem}.{cls.__name__}"
             if methods:
-                found.append(pytest.param(cls, methods, id=f"{path.stem}.{cls.__name__}"))
+                found.append(pytest.param(cls, methods, id=name, marks=[pytest.mark.slow] if name in SLOW else []))
     return found
 
 
@@ -104,6 +107,7 @@ def live_children():
     return out
 
 
+@pytest.mark.slow
 def test_forward_large_quick_prints_every_cell(tmp_path):
     """asv_bench/scripts/forward_large.py --quick beside a busy process per core: every contender
     has a speed and a bandwidth share, every ratio a number (the script first checks that all
@@ -130,6 +134,7 @@ def test_forward_large_quick_prints_every_cell(tmp_path):
     assert "background load: one busy process per core" in res.stdout
 
 
+@pytest.mark.slow
 def test_compare_reference_quick_prints_every_cell(tmp_path):
     """asv_bench/scripts/compare_reference.py --quick --background-load --table-only: one row of
     speeds and ratios, each a positive number, and the machine line."""

@@ -213,6 +213,7 @@ def assert_same_tables(a, b):
         assert int(a[name]["step"]) == int(b[name]["step"])
 
 
+@pytest.mark.slow
 def test_incremental_checkpoints_are_chains_that_reload_exactly(tmp_path):
     bounded_opts = ["--max-rows", "300", "--eval-every", "10"]
     ck = tmp_path / "ck"
@@ -294,6 +295,7 @@ def test_percent_budgets_on_shards_cover_the_most_one_batch_routes_to_a_shard():
         assert counts.peak_batch[f] == 2 * per_shard
 
 
+@pytest.mark.slow
 def test_nproc_2_bounded_tables_stay_within_their_shard_budgets(tmp_path):
     """--nproc 2 with a row budget and LRU: every shard within ceil(budget / 2) rows, evictions
     reported summed over the ranks, and the run trains (AUC well above chance)."""

@@ -27,6 +27,7 @@ def run_job(tmp_path, *argv):
     return json.loads(out.read_text())["runs"][0]
 
 
+@pytest.mark.slow
 def test_ttl_expires_the_same_rows_on_two_processes_as_on_one(tmp_path):
     argv = ["--steps", "8", "--eval-every", "8", "--evict", "ttl", "--ttl-steps", "2"]
     one = run_job(tmp_path, *argv)
@@ -37,6 +38,7 @@ def test_ttl_expires_the_same_rows_on_two_processes_as_on_one(tmp_path):
     assert two["evicted_per_table"] == one["evicted_per_table"]
 
 
+@pytest.mark.slow
 def test_incremental_checkpoints_on_two_processes_are_per_rank_chains_that_resume_anywhere(tmp_path):
     opts = ["--max-rows", "600", "--eval-every", "6"]
     ck = tmp_path / "ck"
@@ -117,6 +119,7 @@ def test_a_criteo_reader_for_one_rank_parses_only_its_share(tmp_path):
     assert len(list(read_criteo_tsv(str(path), 10, skip_batches=1, rank=1, world_size=3))) == 2
 
 
+@pytest.mark.slow
 def test_criteo_file_on_two_processes_stops_every_rank_at_a_bad_line(tmp_path):
     """Rank 1's share holds the bad line; rank 0 stops too (no wait in a collective), with its message."""
     from cncore_torch.distributed.launch import spawn
@@ -140,6 +143,7 @@ def _read_all(rank, world_size, path):
     assert "line 29: the label is '7'" in str(e.value), str(e.value)
 
 
+@pytest.mark.slow
 def test_the_smallest_budget_the_options_allow_trains_on_two_processes(tmp_path):
     """--max-rows 2 x --batch-size (the floor on 2 processes: a shard of ceil(budget / 2) rows
     holds the most IDs one batch can route to it) trains, evicting, each table within budget."""

@@ -142,6 +142,7 @@ def criteo_line(draw):
     return "\t".join(fields) + draw(st.sampled_from(["", "\r"]))
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(lines=st.lists(criteo_line(), min_size=1, max_size=4), batch_size=st.integers(1, 3))
 def test_the_reader_takes_exactly_what_a_literal_criteo_parser_takes(tmp_path_factory, lines, batch_size):
@@ -225,7 +226,8 @@ def test_every_genuine_criteo_spelling_reads_as_its_value(tmp_path):
     assert by_key["cat_2"].lengths().tolist() == [0] and by_key["cat_3"].values().tolist() == [0x7B4723C4]
 
 
-@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [1, 2])
 def test_an_integer_over_64_bits_stops_the_job_with_one_line(tmp_path, nproc):
     """On 1 and 2 processes, in the held-out lines and in a training batch (read as the run goes)."""
     lines = [GENUINE] * 12

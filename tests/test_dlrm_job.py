@@ -24,6 +24,7 @@ def run(tmp_path, *extra):
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_learns_and_beats_a_trivial_predictor(tmp_path):
     summary = run(tmp_path, "--steps", "120", "--eval-every", "40", "--eval-batches", "6")
     ours = summary["runs"][0]
@@ -41,6 +42,7 @@ def test_learns_and_beats_a_trivial_predictor(tmp_path):
     assert ours["rows"] > 1000  # the tables grew with the stream
 
 
+@pytest.mark.slow
 def test_resume_continues_exactly(tmp_path):
     straight = run(tmp_path, "--steps", "40", "--eval-every", "20", "--eval-batches", "2")
     ck = tmp_path / "ck.pt"
@@ -99,6 +101,7 @@ def test_trains_on_a_criteo_file(tmp_path):
     assert summary["runs"][0]["steps"] == 4 and summary["best_attainable_auc"] is None
 
 
+@pytest.mark.slow
 def test_criteo_files_with_nproc_2_train_as_one_process(tmp_path):
     """--criteo-tsv with --nproc 2: every process reads the file and takes its share of each batch
     (as with the synthetic stream), so the run is the one-process run up to fp32 reassociation."""
@@ -112,6 +115,7 @@ def test_criteo_files_with_nproc_2_train_as_one_process(tmp_path):
     assert two["auc"] == pytest.approx(one["auc"], abs=1e-3)
 
 
+@pytest.mark.slow
 def test_compare_runs_torchrec_side_by_side(tmp_path):
     summary = run(tmp_path, "--steps", "20", "--eval-every", "20", "--eval-batches", "2", "--compare")
     names = [r["name"] for r in summary["runs"]]
@@ -288,6 +292,7 @@ def test_progress_is_a_bar_on_a_terminal_and_plain_lines_elsewhere(capsys):
     assert err.splitlines() == [f"[job] step {s}/20: loss 0.5000, 1,234 samples/s" for s in range(2, 21, 2)]
 
 
+@pytest.mark.slow
 def test_a_short_run_logs_plain_lines_and_no_warnings(tmp_path):
     """As in CI: stderr is a pipe. No progress-bar debris, and none of torch's or TorchRec's
     warnings (not the user's to act on), with --compare's planner and DDP too."""
@@ -303,6 +308,7 @@ def test_a_short_run_logs_plain_lines_and_no_warnings(tmp_path):
     assert "| cncore (dynamic tables) |" in proc.stdout
 
 
+@pytest.mark.slow
 def test_nproc_2_matches_one_process(tmp_path):
     """--nproc 2: two gloo processes, tables sharded row-wise over them; the global batch is split
     and the gradients summed, so it is the one-process run up to fp32 reassociation."""
@@ -328,6 +334,7 @@ def test_nproc_refuses_what_it_does_not_run_yet(capsys, tmp_path, monkeypatch, o
     assert len(err) == 1 and expected in err[0]
 
 
+@pytest.mark.slow
 def test_nproc_compare_runs_torchrecs_row_wise_tables_beside_ours(tmp_path):
     summary = run(tmp_path, "--steps", "10", "--eval-every", "10", "--eval-batches", "1", "--nproc", "2",
                   "--compare")
@@ -337,6 +344,7 @@ def test_nproc_compare_runs_torchrecs_row_wise_tables_beside_ours(tmp_path):
     assert all(r["samples_per_s"] > 0 and 0.5 < r["auc"] < 1.0 for r in summary["runs"])
 
 
+@pytest.mark.slow
 def test_torchrun_runs_the_distributed_job(tmp_path):
     """`torchrun --nproc-per-node 2 -m cn_dlrm`: each process one rank, as --nproc 2."""
     from cncore_torch.distributed.launch import free_port
@@ -354,6 +362,7 @@ def test_torchrun_runs_the_distributed_job(tmp_path):
     assert proc.stdout.count("| cncore (dynamic tables, 2 processes) |") == 1  # rank 0 prints, rank 1 does not
 
 
+@pytest.mark.slow
 def test_checkpoints_move_between_process_counts(tmp_path):
     """A checkpoint is one file whatever the number of processes (rank 0 merges the shards):
     2 processes save at step 20; one process, and 2 processes, resume from it to step 40 and
@@ -370,6 +379,7 @@ def test_checkpoints_move_between_process_counts(tmp_path):
         assert resumed["rows"] == straight["rows"]
 
 
+@pytest.mark.slow
 def test_prefill_gives_every_table_each_reachable_item_in_memory_and_on_the_tier(tmp_path):
     """--data-scale sizes the synthetic tables, --prefill gives them a row for every item the run
     can reach before training; the tier run (rows on disk under a small cache) ends with the same
@@ -389,6 +399,7 @@ def test_prefill_gives_every_table_each_reachable_item_in_memory_and_on_the_tier
     assert "tier_cache_rows" not in memory
 
 
+@pytest.mark.slow
 def test_zipf_alpha_sets_the_streams_skew(tmp_path):
     """--zipf-alpha is the exponent of the synthetic stream's item ranks: the run's tables end
     with exactly the distinct IDs of SyntheticCriteo(zipf_alpha=...)'s training batches, more at

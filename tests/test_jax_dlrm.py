@@ -56,6 +56,7 @@ def test_auc_counts_pairs_with_ties_as_half_and_equals_torchmetrics():
     assert math.isclose(dlrm.auc(scores, labels), float(metric.compute()), abs_tol=1e-4)
 
 
+@pytest.mark.slow
 def test_the_example_runs_in_one_command_and_ends_with_its_auc(tmp_path):
     done = subprocess.run([sys.executable, str(EXAMPLE), "--steps", "3", "--batch-size", "128",
                            "--eval-batches", "1", "--no-progress", "--save", str(tmp_path / "tables")],
