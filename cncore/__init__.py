@@ -13,6 +13,7 @@ or the buffer protocol and go out as NumPy arrays (DLPack-exportable, zero-copy)
 from cncore import _core
 from cncore.config import (LFU, LRU, SGD, TTL, Adagrad, Adam, Constant, MinCount, Normal, Probability,
                            RowWiseAdagrad, StoreConfig, Tiered, TruncatedNormal, Uniform)
+from cncore.factory import make_store
 from cncore.grouped import LookupContext, grouped_apply_gradients, grouped_pooled_lookup
 from cncore.store import EmbeddingStore, TableBatch, initial_rows
 from cncore.threads import get_num_threads, set_num_threads, traced_bytes
@@ -20,7 +21,7 @@ from cncore.threads import get_num_threads, set_num_threads, traced_bytes
 __version__ = "0.1.0"
 
 __all__ = [
-    "EmbeddingStore", "StoreConfig", "TableBatch", "LookupContext", "initial_rows",
+    "EmbeddingStore", "make_store", "StoreConfig", "TableBatch", "LookupContext", "initial_rows",
     "Uniform", "Normal", "TruncatedNormal", "Constant",
     "SGD", "Adagrad", "RowWiseAdagrad", "Adam",
     "LRU", "LFU", "TTL", "MinCount", "Probability", "Tiered",

@@ -439,7 +439,7 @@ class StoreConfig:
     inserts, at the price of a table that runs up to `headroom` rows below its budget.
 
     storage: None (every row in memory) or Tiered(path, cache_bytes): rows on disk under a
-    bounded memory cache; `EmbeddingStore(config)` is then a `cncore.tier.TieredStore`.
+    bounded memory cache; `cncore.make_store(config)` then builds a `cncore.tier.TieredStore`.
     """
     dim: int
     dtype: str = "float32"

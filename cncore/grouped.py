@@ -128,8 +128,6 @@ def grouped_pooled_lookup(stores: Sequence, keys: Sequence, offsets: Optional[Se
     Bad input raises before any store changes. Rows a bounded store evicts reach its
     ``on_evict`` callbacks before this returns.
     """
-    from cncore.store import EmbeddingStore
-
     insert_missing = as_flag(insert_missing, "insert_missing")
     if not isinstance(stores, (list, tuple)):
         raise TypeError(f"stores: expected a list of EmbeddingStore, got {type(stores).__name__}")
@@ -137,8 +135,8 @@ def grouped_pooled_lookup(stores: Sequence, keys: Sequence, offsets: Optional[Se
     if n == 0:
         raise ValueError("stores: at least one store is needed")
     for f, s in enumerate(stores):
-        if not isinstance(s, EmbeddingStore):
-            raise TypeError(f"stores[{f}]: expected an EmbeddingStore, got {type(s).__name__}")
+        if not isinstance(getattr(s, "_table", None), _core.Table):  # a store whose rows the core computes on
+            raise TypeError(f"stores[{f}]: expected an EmbeddingStore or TieredStore, got {type(s).__name__}")
     keys = _per_feature(keys, n, "keys")
     offsets = _per_feature(offsets, n, "offsets")
     lengths = _per_feature(lengths, n, "lengths")
@@ -165,6 +163,27 @@ def grouped_pooled_lookup(stores: Sequence, keys: Sequence, offsets: Optional[Se
     outs = [out] if n == 1 else [out[:, starts[f]:starts[f + 1]] for f in range(n)]
     return out, lookup_checked(stores, key_arrays, offset_arrays, weight_arrays, mode_codes, outs, insert_missing,
                                starts)
+
+
+def pooled_lookup_one(store, keys, offsets, lengths, mode: str, per_sample_weights, insert_missing, out):
+    """`pooled_lookup` of one store (EmbeddingStore's and TieredStore's): grouped_pooled_lookup
+    of [store] without its per-list checks. Returns ``(out, ctx)``."""
+    insert_missing = as_flag(insert_missing, "insert_missing")
+    k, o, w, code = feature_arrays(0, keys, offsets, lengths, per_sample_weights, mode)
+    out = output_array(out, len(o) - 1, store.dim)
+    return out, lookup_checked([store], [k], [o], [w], [code], [out], insert_missing, [0, store.dim])[0]
+
+
+def unique_gradients_one(store, ctx, grad_output):
+    """`accumulate_gradients` of one store (EmbeddingStore's and TieredStore's): ``(unique_keys,
+    grads)`` of the lookup `ctx` made on `store`."""
+    check_context(ctx, store)
+    grad = as_float_rows(grad_output, "grad_output", (ctx.n_bags, store.dim))
+    if not isinstance(ctx.keys, np.ndarray) or ctx.keys.shape != getattr(ctx.slots, "shape", None):
+        raise ValueError("ctx: its keys and slots differ in shape (a forged context)")
+    positions, grads = _core.unique_gradients(store._table, ctx.slots, ctx.offsets, ctx.weights, ctx.mode,
+                                              ctx.argmax, grad, ctx.training, ctx.step, ctx.erase_epoch)
+    return ctx.keys[positions], grads
 
 
 def feature_arrays(f: int, keys, offsets, lengths, weights, mode: str):

@@ -3,11 +3,14 @@
 Three storages implement it:
 
 - `cncore.EmbeddingStore`: rows in memory, in the core's arena (hash index -> slot -> row);
-- `cncore.tier.TieredStore`: every row on disk, the hot ones in a bounded memory cache
-  (a subclass of the first; `EmbeddingStore(config)` builds it when `config.storage` is set);
+- `cncore.tier.TieredStore`: every row on disk, the hot ones in a bounded memory cache, which is
+  an `EmbeddingStore` it holds (`store.cache`);
 - `cncore_torch.device_rows.DeviceRows`: rows, optimizer state and metadata as accelerator
   tensors, the key index in the core on the host (it needs torch, so it lives in the torch
   front end and implements this protocol from there).
+
+The core stores are built by one factory from a `StoreConfig`: `cncore.make_store(config)` (an
+`EmbeddingStore`, or a `TieredStore` for ``storage=cncore.Tiered(...)``).
 
 A front end holds one `RowStorage` per table and calls these verbs without asking which one it
 is: the torch modules keep a single `storage` (no branch per placement), and their lookups go

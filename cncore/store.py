@@ -56,10 +56,9 @@ from typing import Iterator, Optional
 import numpy as np
 
 from cncore import _core
-from cncore._interchange import as_float_rows, as_floats, as_keys, to_numpy
+from cncore._interchange import as_floats, as_keys, to_numpy
 from cncore.config import LFU, ROW_DTYPES, TTL, MinCount, Probability, StoreConfig
-from cncore.grouped import (as_flag, check_context, feature_arrays, grouped_apply_gradients, lookup_checked,
-                            output_array)
+from cncore.grouped import as_flag, grouped_apply_gradients, pooled_lookup_one, unique_gradients_one
 
 __all__ = ["EmbeddingStore", "TableBatch", "initial_rows"]
 
@@ -146,7 +145,11 @@ def _restore(config, keys, rows, optimizer_state, counts, last_steps, step, kind
 
 
 class EmbeddingStore:
-    """A growable embedding table. See the module docstring for the verbs.
+    """A growable embedding table in memory. See the module docstring for the verbs.
+
+    It keeps its rows in memory only: a config with ``storage=`` is refused (TypeError);
+    `cncore.make_store(config)` builds the store any config describes (a `cncore.tier.TieredStore`
+    for ``storage=cncore.Tiered(...)``, which holds an EmbeddingStore as its cache).
 
     >>> import numpy as np
     >>> from cncore import EmbeddingStore
@@ -157,25 +160,6 @@ class EmbeddingStore:
     (True, 1)
     """
 
-    def __new__(cls, config: Optional[StoreConfig] = None, **config_fields):
-        """A config with storage=cncore.Tiered(...) makes a `cncore.tier.TieredStore`; a
-        subclass makes the tiered class it names in `tiered_class` (a subclass of both), and
-        one that names none is refused rather than built in memory."""
-        storage = config_fields.get("storage") if config is None else getattr(config, "storage", None)
-        if storage is None:
-            return super().__new__(cls)
-        from cncore.tier import TieredStore
-        if issubclass(cls, TieredStore):
-            return super().__new__(cls)
-        if cls is EmbeddingStore:
-            return super().__new__(TieredStore)
-        tiered = cls.__dict__.get("tiered_class")
-        if tiered is None:
-            raise TypeError(f"storage={storage!r}: {cls.__module__}.{cls.__qualname__} keeps its rows in memory and "
-                            "has no tiered form; build cncore.EmbeddingStore(storage=...) (a TieredStore) or a "
-                            "class that names its tiered form in tiered_class")
-        return super().__new__(tiered)
-
     def __init__(self, config: Optional[StoreConfig] = None, **config_fields):
         if config is None:
             config = StoreConfig(**config_fields)
@@ -183,6 +167,11 @@ class EmbeddingStore:
             raise TypeError("pass either a StoreConfig or its fields as keywords, not both")
         elif not isinstance(config, StoreConfig):
             raise TypeError(f"config must be a cncore.StoreConfig, got {type(config).__name__}")
+        if config.storage is not None:  # refused before anything is made (a tier's directory included)
+            cls = type(self)
+            raise TypeError(f"storage={config.storage!r}: {cls.__module__}.{cls.__qualname__} keeps its rows in memory "
+                            "and has no tiered form; build cncore.make_store(config), which gives a "
+                            "cncore.tier.TieredStore for storage=cncore.Tiered(...); nothing was created")
         self._config = config
         opt = config.optimizer
         init = config.initializer
@@ -431,10 +420,7 @@ class EmbeddingStore:
         # grouped_pooled_lookup([self], ...) without its per-list checks: one feature's steps, called
         # directly (its Python steps cost ~1-5 us each once the caches are cold, as they are
         # after a model's dense layers).
-        insert_missing = as_flag(insert_missing, "insert_missing")
-        k, o, w, code = feature_arrays(0, keys, offsets, lengths, per_sample_weights, mode)
-        out = output_array(out, len(o) - 1, self.dim)
-        return out, lookup_checked([self], [k], [o], [w], [code], [out], insert_missing, [0, self.dim])[0]
+        return pooled_lookup_one(self, keys, offsets, lengths, mode, per_sample_weights, insert_missing, out)
 
     def apply_gradients(self, ctx, grad_output, *, lr: Optional[float] = None) -> None:
         """Fused backward: given d(loss)/d(out) (B, dim), update every row the lookup used
@@ -454,14 +440,7 @@ class EmbeddingStore:
         >>> k.tolist(), g.ravel().tolist()
         ([4, 9], [2.0, 10.0])
         """
-        check_context(ctx, self)
-        grad = as_float_rows(grad_output, "grad_output", (ctx.n_bags, self.dim))
-        if not isinstance(ctx.keys, np.ndarray) or ctx.keys.shape != getattr(ctx.slots, "shape", None):
-            raise ValueError("ctx: its keys and slots differ in shape (a forged context)")
-        positions, grads = _core.unique_gradients(self._table, ctx.slots, ctx.offsets, ctx.weights,
-                                                  ctx.mode, ctx.argmax, grad, ctx.training, ctx.step,
-                                                  ctx.erase_epoch)
-        return ctx.keys[positions], grads
+        return unique_gradients_one(self, ctx, grad_output)
 
     def set_optimizer(self, optimizer) -> None:
         """Give a store built without an optimizer its fused optimizer (a cncore optimizer

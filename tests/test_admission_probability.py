@@ -168,9 +168,9 @@ def test_the_torch_module_admits_the_same_keys(monkeypatch, device):
 def test_the_ssd_tier_admits_the_same_keys_as_memory(tmp_path):
     config = cncore.StoreConfig(dim=4, seed=2, admission=cncore.Probability(0.5), optimizer=cncore.SGD(lr=0.1))
     memory = cncore.EmbeddingStore(config)
-    tier = cncore.EmbeddingStore(cncore.StoreConfig(dim=4, seed=2, admission=cncore.Probability(0.5),
-                                                    optimizer=cncore.SGD(lr=0.1),
-                                                    storage=cncore.Tiered(str(tmp_path / "t"), cache_bytes=1 << 14)))
+    tier = cncore.make_store(cncore.StoreConfig(dim=4, seed=2, admission=cncore.Probability(0.5),
+                                                optimizer=cncore.SGD(lr=0.1),
+                                                storage=cncore.Tiered(str(tmp_path / "t"), cache_bytes=1 << 14)))
     rng = np.random.default_rng(0)
     seen = set()
     for _ in range(6):  # more keys than the cache holds: rows go to disk and back

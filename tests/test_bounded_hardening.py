@@ -368,7 +368,7 @@ def test_a_store_subclass_without_a_tiered_form_is_refused_and_makes_no_director
     for kind in (Mine, MyTable):
         storage = cncore.Tiered(str(tmp_path / kind.__name__), cache_bytes=1 << 20)
         with pytest.raises(TypeError, match=rf"^storage=Tiered\(.*\): .*{kind.__name__} keeps its rows in memory and "
-                                            r"has no tiered form; build cncore.EmbeddingStore\(storage=...\)"):
+                                            r"has no tiered form; build cncore.make_store\(config\)"):
             kind(dim=2, storage=storage)
         with pytest.raises(TypeError, match="has no tiered form"):
             kind(cncore.StoreConfig(dim=2, storage=storage))

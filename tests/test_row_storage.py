@@ -21,8 +21,8 @@ def _storages(tmp_path, **kw):
     bounded by its cache, every row stays on disk)."""
     storages = {"core": cncore.EmbeddingStore(_config(**kw)), "device": DeviceRows(_config(**kw), torch.device("cpu"))}
     if "max_rows" not in kw:
-        storages["tier"] = cncore.EmbeddingStore(_config(storage=cncore.Tiered(str(tmp_path / "tier"),
-                                                                               cache_bytes=1 << 16), **kw))
+        storages["tier"] = cncore.make_store(_config(storage=cncore.Tiered(str(tmp_path / "tier"),
+                                                                           cache_bytes=1 << 16), **kw))
     return storages
 
 

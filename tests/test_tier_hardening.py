@@ -78,7 +78,7 @@ def same(a, b) -> bool:
 
 def filled(path, n=200):
     """A store at path holding n trained rows (most on disk), flushed."""
-    store = cncore.EmbeddingStore(config_at(path))
+    store = cncore.make_store(config_at(path))
     for start in range(0, n, 10):
         train(store, np.arange(start, start + 10))
     store.flush()
@@ -96,7 +96,7 @@ def test_a_second_store_on_an_open_directory_is_refused_and_changes_nothing(tmp_
     expected = sorted_export(first)
     before = tree(path)
     with pytest.raises(BlockingIOError) as info:
-        cncore.EmbeddingStore(config_at(path))
+        cncore.make_store(config_at(path))
     message = str(info.value)
     assert message == (f"Tiered.path: {path} is open in another TieredStore (held by this process, {os.getpid()}); "
                        "a tier directory has one writer at a time: close that store first, or read its last flush "
@@ -108,7 +108,7 @@ def test_a_second_store_on_an_open_directory_is_refused_and_changes_nothing(tmp_
     expected = sorted_export(first)
     first.close()
     assert sorted(os.listdir(path)) == ["index-000002.npz", "meta.json", "rows.dat"]  # the pid file goes at close
-    again = cncore.EmbeddingStore(config_at(path))  # the lock went with close()
+    again = cncore.make_store(config_at(path))  # the lock went with close()
     assert same(sorted_export(again), expected)
 
 
@@ -116,7 +116,7 @@ _HOLD = """
 import sys, numpy as np, cncore
 sys.path.insert(0, {tests!r})
 from test_tier_hardening import config_at, train
-store = cncore.EmbeddingStore(config_at({path!r}))
+store = cncore.make_store(config_at({path!r}))
 for start in range(0, 200, 10):
     train(store, np.arange(start, start + 10))
 store.flush()
@@ -134,7 +134,7 @@ def test_another_process_is_refused_naming_the_holders_pid(tmp_path):
         before = tree(path)
         with pytest.raises(BlockingIOError, match=rf"^Tiered.path: {path} is open in another TieredStore \(held by "
                                                   rf"process {child.pid}\); a tier directory has one writer"):
-            cncore.EmbeddingStore(config_at(path))
+            cncore.make_store(config_at(path))
         assert tree(path) == before
         assert len(open_table(path)) == 200  # a reader is not refused: it reads the last flush
     finally:
@@ -146,7 +146,7 @@ _KILLED_MID_WRITE = """
 import os, sys, threading, numpy as np, cncore
 sys.path.insert(0, {tests!r})
 from test_tier_hardening import config_at, train, sorted_export
-store = cncore.EmbeddingStore(config_at({path!r}))
+store = cncore.make_store(config_at({path!r}))
 for start in range(0, 200, 10):
     train(store, np.arange(start, start + 10))
 store.flush()
@@ -171,7 +171,7 @@ def test_a_writer_killed_mid_write_leaves_no_lock_and_the_last_flush(tmp_path):
     with open(os.path.join(path, "lock")) as fh:  # its pid file stays; the kernel's lock does not
         dead = int(fh.read())
     assert dead != os.getpid()
-    store = cncore.EmbeddingStore(config_at(path))
+    store = cncore.make_store(config_at(path))
     expected = dict(np.load(snap))
     assert same(sorted_export(store), expected)
     with open(os.path.join(path, "lock")) as fh:
@@ -187,7 +187,7 @@ def test_a_forked_child_is_refused_the_parents_store_and_cannot_release_its_lock
         sys.path.insert(0, %r)
         from test_tier_hardening import config_at, train, sorted_export, same
         path = os.path.join(tempfile.mkdtemp(), "t")
-        store = cncore.EmbeddingStore(config_at(path))
+        store = cncore.make_store(config_at(path))
         for start in range(0, 200, 10):
             train(store, np.arange(start, start + 10))
         store.flush()
@@ -205,7 +205,7 @@ def test_a_forked_child_is_refused_the_parents_store_and_cannot_release_its_lock
                 except ValueError as exc:
                     said.append(str(exc))
             try:
-                cncore.EmbeddingStore(config_at(path))
+                cncore.make_store(config_at(path))
                 said.append("opened")
             except BlockingIOError as exc:
                 said.append(str(exc))
@@ -216,7 +216,7 @@ def test_a_forked_child_is_refused_the_parents_store_and_cannot_release_its_lock
         _, status = os.waitpid(pid, 0)
         said = json.loads(os.read(r, 1 << 16))
         try:
-            cncore.EmbeddingStore(config_at(path))
+            cncore.make_store(config_at(path))
             still_held = False
         except BlockingIOError as exc:
             still_held = f"held by this process, {parent}" in str(exc)
@@ -224,7 +224,7 @@ def test_a_forked_child_is_refused_the_parents_store_and_cannot_release_its_lock
         train(store, np.arange(0, 20))
         store.flush()
         store.close()
-        again = cncore.EmbeddingStore(config_at(path))
+        again = cncore.make_store(config_at(path))
         print(json.dumps({"status": status, "said": said, "parent": parent, "child": pid, "path": path,
                           "still_held": still_held, "unchanged": ok, "reopened": len(again)}))
     """ % os.path.dirname(__file__), timeout=120)
@@ -243,8 +243,8 @@ def test_a_forked_child_is_refused_the_parents_store_and_cannot_release_its_lock
 def test_load_with_a_repeated_key_matches_memory(tmp_path, n):
     """Before: a key given twice, over more than half the cache (so in two chunks), came back
     found=True the second time. In memory `found` says which keys had a row before the call."""
-    tier = cncore.EmbeddingStore(config_at(tmp_path / "t"))  # 24 rows: chunks of 12
-    memory = cncore.EmbeddingStore(dataclasses.replace(tier.config, storage=None))
+    tier = cncore.make_store(config_at(tmp_path / "t"))  # 24 rows: chunks of 12
+    memory = cncore.make_store(dataclasses.replace(tier.config, storage=None))
     for store in (tier, memory):
         store.find_or_insert(np.array([3, 100]))
     keys = np.concatenate([np.arange(n), [0, 3, 7 % n], np.arange(n, 2 * n)]).astype(np.int64)
@@ -281,7 +281,7 @@ def test_a_truncated_rows_dat_is_refused_at_reopen_and_left_as_it_is(tmp_path):
     before = tree(path)
     with pytest.raises(TableFormatError, match=rf"^Tiered.path: {path}: rows.dat has {size - 100} bytes, the index "
                                                rf"needs {size} \(truncated\); the directory is left as it is"):
-        cncore.EmbeddingStore(config_at(path))
+        cncore.make_store(config_at(path))
     with pytest.raises(TableFormatError, match=rf"rows.dat has {size - 100} bytes, the index needs {size} "
                                                r"\(truncated\)"):
         open_table(str(path))
@@ -289,7 +289,7 @@ def test_a_truncated_rows_dat_is_refused_at_reopen_and_left_as_it_is(tmp_path):
     os.remove(rows_dat)
     before = tree(path)
     with pytest.raises(TableFormatError, match=r"rows.dat is missing, the index needs \d+ \(truncated\)"):
-        cncore.EmbeddingStore(config_at(path))
+        cncore.make_store(config_at(path))
     assert tree(path) == before  # not created empty
 
 
@@ -316,7 +316,7 @@ def test_a_flipped_byte_in_a_record_is_refused_by_the_store_and_the_readers(tmp_
     else:
         message = rf"{path}: rows.dat: the record of key {key} in slot {slot} fails its checksum \(the file is damaged\)"
     before = tree(path)
-    store = cncore.EmbeddingStore(config_at(path))
+    store = cncore.make_store(config_at(path))
     with pytest.raises(TableFormatError, match=message + r".*the table is unchanged"):
         store.lookup(np.array([key]))
     with pytest.raises(TableFormatError, match=message):
@@ -342,7 +342,7 @@ def test_a_version_3_directory_reads_and_writes_as_before_without_checksums(tmp_
     old.close()
     monkeypatch.undo()
     assert tiered_module._VERSION == 4
-    store = cncore.EmbeddingStore(config_at(path))
+    store = cncore.make_store(config_at(path))
     assert store.record_bytes == old_bytes == 40 and "check" not in store._record.names
     assert same(sorted_export(store), expected)
     train(store, np.arange(150, 260, 10))
@@ -351,7 +351,7 @@ def test_a_version_3_directory_reads_and_writes_as_before_without_checksums(tmp_
     store.close()
     assert json.load(open(path / "meta.json"))["version"] == 3
     assert same(sorted_export(load_store(str(path))), {k: v for k, v in expected.items()})
-    new = cncore.EmbeddingStore(config_at(tmp_path / "new"))  # 36 bytes of fields: the checksum in the padding
+    new = cncore.make_store(config_at(tmp_path / "new"))  # 36 bytes of fields: the checksum in the padding
     assert new.record_bytes == 40 and new._record.fields["check"][1] == 36
 
 
@@ -361,10 +361,10 @@ def test_a_dangling_symlink_as_the_path_is_refused_by_name(tmp_path):
     os.symlink(tmp_path / "gone", link)
     with pytest.raises(ValueError, match=rf"^Tiered.path: {link} is a symbolic link to {tmp_path}/gone, which does "
                                          "not exist; create the directory it points to, or give another path"):
-        cncore.EmbeddingStore(config_at(link))
+        cncore.make_store(config_at(link))
     assert os.listdir(tmp_path) == ["t"] and os.path.islink(link)
     (tmp_path / "gone").mkdir()
-    store = cncore.EmbeddingStore(config_at(link))  # a link to a directory is a directory
+    store = cncore.make_store(config_at(link))  # a link to a directory is a directory
     train(store, np.arange(10))
     assert len(store) == 10
 
@@ -398,7 +398,7 @@ def test_every_verb_of_a_closed_store_raises_one_clear_error(tmp_path):
         "decay_admission": store.decay_admission,
     }
     message = (f"I/O operation on closed store: {path} was closed (TieredStore.close()); open the directory again "
-               "with cncore.EmbeddingStore(config) to use it")
+               "with cncore.make_store(config) to use it")
     for name, verb in verbs.items():
         with pytest.raises(ValueError) as info:
             verb()
@@ -447,7 +447,7 @@ def flushed(verb):  # the table of each commit the verb made (a compaction makes
         np.savez(os.path.join(side, "tmp.npz"), **table)
         os.replace(os.path.join(side, "tmp.npz"), os.path.join(side, name))
 
-store = cncore.EmbeddingStore(config_at(path, cache_rows=40))
+store = cncore.make_store(config_at(path, cache_rows=40))
 for start in range(0, 200, 10):
     train(store, np.arange(start, start + 10))
 flushed(store.flush)
@@ -513,7 +513,7 @@ sys.path.insert(0, {tests!r})
 from test_tier_hardening import config_at, train, sorted_export
 path, side, seed, kill_at, flush_every = {path!r}, {side!r}, {seed}, {kill_at}, {flush_every}
 try:
-    store = cncore.EmbeddingStore(config_at(path))
+    store = cncore.make_store(config_at(path))
 except BlockingIOError as exc:
     print("refused:" + str(exc), flush=True)
     sys.exit(0)
@@ -573,12 +573,12 @@ class TierHarness(RuleBasedStateMachine):
     def open(self):
         self.step()
         try:
-            self.store = cncore.EmbeddingStore(config_at(self.path))
+            self.store = cncore.make_store(config_at(self.path))
         except (TableFormatError, BlockingIOError) as exc:
             raise AssertionError(f"an intact directory was refused: {exc}")
         got = sorted_export(self.store)
         self.expect_flushed(got)
-        self.memory = cncore.EmbeddingStore(dataclasses.replace(self.store.config, storage=None))
+        self.memory = cncore.make_store(dataclasses.replace(self.store.config, storage=None))
         if self.flushed is not None:
             f = self.flushed
             self.memory.load(f["keys"], f["rows"], f["optimizer_state"], f["counts"], f["last_steps"])
@@ -612,7 +612,7 @@ class TierHarness(RuleBasedStateMachine):
         self.step()
         before = tree(self.path)
         try:
-            cncore.EmbeddingStore(config_at(self.path))
+            cncore.make_store(config_at(self.path))
         except BlockingIOError as exc:
             assert f"held by this process, {os.getpid()}" in str(exc)
             COUNTS["refusals"] += 1
@@ -673,7 +673,7 @@ class TierHarness(RuleBasedStateMachine):
             p = os.path.join(self.side, name)
             if os.path.exists(p):
                 candidates.append(dict(np.load(p)))
-        store = cncore.EmbeddingStore(config_at(self.path))
+        store = cncore.make_store(config_at(self.path))
         got = sorted_export(store)
         store.close()
         match = [c for c in candidates if (c is None and len(got["keys"]) == 0) or (c is not None and same(got, c))]
@@ -709,7 +709,7 @@ class TierHarness(RuleBasedStateMachine):
         for reader in ("store", "table", "load_store"):
             try:
                 if reader == "store":
-                    store = cncore.EmbeddingStore(config_at(self.path))
+                    store = cncore.make_store(config_at(self.path))
                     try:
                         got = sorted_export(store)
                     finally:

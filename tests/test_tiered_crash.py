@@ -80,7 +80,7 @@ for name in ("fsync", "replace", "remove", "ftruncate"):
 
 config = cncore.StoreConfig(dim=4, seed=5, optimizer=cncore.Adam(lr=0.05),
                             storage=cncore.Tiered(path, cache_bytes=48 * (4 * 4 + 4 * 8 + 47)))
-store = cncore.EmbeddingStore(config)
+store = cncore.make_store(config)
 rng = np.random.default_rng(0)
 
 def train(steps):
@@ -169,7 +169,7 @@ def test_a_kill_at_every_file_operation_leaves_the_last_completed_flush(tmp_path
         meta = json.loads((path / "meta.json").read_text())
         flushed = 1 if n <= second_commit else 2  # killed at the rename: it did not happen
         assert meta["flush"] == flushed, (n, events[n - 1], meta["flush"])
-        store = cncore.EmbeddingStore(cncore.StoreConfig(**CONFIG, storage=cncore.Tiered(str(path), CACHE)))
+        store = cncore.make_store(cncore.StoreConfig(**CONFIG, storage=cncore.Tiered(str(path), CACHE)))
         assert store.cached_rows == 0
         expected = np.load(path.parent / f"expected-{flushed}.npz")
         assert_state(store, expected)
@@ -179,7 +179,7 @@ def test_a_kill_at_every_file_operation_leaves_the_last_completed_flush(tmp_path
 
 def train_on_after_reopen(store, expected, path):
     """The reopened tier trains and flushes as an in-memory store loaded with the same state."""
-    memory = cncore.EmbeddingStore(cncore.StoreConfig(**CONFIG))
+    memory = cncore.make_store(cncore.StoreConfig(**CONFIG))
     memory.load(expected["keys"], expected["rows"], expected["state"], expected["counts"], expected["last_steps"])
     memory.step = int(expected["step"])
     rng = np.random.default_rng(1)
@@ -191,7 +191,7 @@ def train_on_after_reopen(store, expected, path):
             s.apply_gradients(ctx, grad)
     store.flush()
     store.close()
-    again = cncore.EmbeddingStore(cncore.StoreConfig(**CONFIG, storage=cncore.Tiered(path, CACHE)))
+    again = cncore.make_store(cncore.StoreConfig(**CONFIG, storage=cncore.Tiered(path, CACHE)))
     b = memory.export()
     assert_state(again, dict(keys=b.keys, rows=b.rows, state=b.optimizer_state, counts=b.counts,
                              last_steps=b.last_steps, step=memory.step))
@@ -201,7 +201,7 @@ def train_on_after_reopen(store, expected, path):
 def test_a_damaged_commit_is_refused_not_read_as_a_table(tmp_path, bad):
     """A flipped byte in meta.json or the index is refused naming the file, not silently loaded."""
     path = tmp_path / "t"
-    store = cncore.EmbeddingStore(cncore.StoreConfig(**CONFIG, storage=cncore.Tiered(str(path), CACHE)))
+    store = cncore.make_store(cncore.StoreConfig(**CONFIG, storage=cncore.Tiered(str(path), CACHE)))
     for start in range(0, 120, 40):  # 120 rows, most of them on disk
         store.find_or_insert(np.arange(start, start + 40))
     store.flush()
@@ -217,4 +217,4 @@ def test_a_damaged_commit_is_refused_not_read_as_a_table(tmp_path, bad):
         index.write_bytes(bytes(data))
         match = "fails its checksum"
     with pytest.raises(ValueError, match=match):
-        cncore.EmbeddingStore(cncore.StoreConfig(**CONFIG, storage=cncore.Tiered(str(path), CACHE)))
+        cncore.make_store(cncore.StoreConfig(**CONFIG, storage=cncore.Tiered(str(path), CACHE)))

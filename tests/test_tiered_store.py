@@ -52,7 +52,7 @@ def in_memory(store):
     """An in-memory copy of a store's rows, state, metadata and step (to compare with after the
     store is closed)."""
     b = store.export()
-    copy = cncore.EmbeddingStore(dataclasses.replace(store.config, storage=None))
+    copy = cncore.make_store(dataclasses.replace(store.config, storage=None))
     copy.load(b.keys, b.rows, b.optimizer_state, b.counts, b.last_steps)
     copy.step = store.step
     return copy
@@ -83,11 +83,11 @@ class TieredMachine(RuleBasedStateMachine):
         self.tiered = self.open_tier()
         assert isinstance(self.tiered, TieredStore) and self.tiered.cache_rows == 16
         self.memory_config = cncore.StoreConfig(dim=DIM, seed=3, optimizer=opt, admission=adm, dtype=dtype)
-        self.memory = cncore.EmbeddingStore(self.memory_config)
+        self.memory = cncore.make_store(self.memory_config)
         self.flushed = None  # the in-memory state at the last flush
 
     def open_tier(self):
-        tiered = cncore.EmbeddingStore(self.config)
+        tiered = cncore.make_store(self.config)
         if self.small_rounds:  # spills and loads 2 records at a time, room made 3 rows a round
             tiered._io_rows, tiered._evict_chunk = 2, 3
         if self.erase_behind:  # every one-round fault-in leaves its disk-index erase behind
@@ -181,7 +181,7 @@ class TieredMachine(RuleBasedStateMachine):
             # the sketch lives in memory: a reopened tier starts it over, as a table loaded from a
             # file does; so does the reference, rebuilt from its rows
             b, step = self.memory.export(), self.memory.step
-            self.memory = cncore.EmbeddingStore(self.memory_config)
+            self.memory = cncore.make_store(self.memory_config)
             self.memory.load(b.keys, b.rows, b.optimizer_state, b.counts, b.last_steps)
             self.memory.step = step
 
@@ -204,9 +204,9 @@ TestTieredMachine = TieredMachine.TestCase
 def test_a_table_ten_times_its_cache_trains_as_in_memory(tmp_path):
     """Zipf-like skew over 2,000 keys, a cache of 200 rows: same outputs every step, same rows at the end."""
     opt = cncore.RowWiseAdagrad(lr=0.1)
-    tiered = cncore.EmbeddingStore(cncore.StoreConfig(dim=8, optimizer=opt, storage=cncore.Tiered(
+    tiered = cncore.make_store(cncore.StoreConfig(dim=8, optimizer=opt, storage=cncore.Tiered(
         str(tmp_path / "t"), cache_bytes=200 * (8 * 4 + 4 + 47))))
-    memory = cncore.EmbeddingStore(cncore.StoreConfig(dim=8, optimizer=opt))
+    memory = cncore.make_store(cncore.StoreConfig(dim=8, optimizer=opt))
     rng = np.random.default_rng(0)
     for _ in range(60):
         keys = (rng.zipf(1.2, 64) % 2000).astype(np.int64)
@@ -236,7 +236,7 @@ def test_flush_then_reopen_and_the_file_reuses_space(tmp_path):
     config = cncore.StoreConfig(dim=DIM, optimizer=cncore.SGD(lr=0.1),
                                 storage=cncore.Tiered(str(tmp_path / "t"), cache_bytes=16 * (DIM * 4 + 47),
                                                       compact_ratio=2))
-    store = cncore.EmbeddingStore(config)
+    store = cncore.make_store(config)
     sizes = []
     for round_ in range(12):
         for start in range(0, 200, 10):
@@ -253,7 +253,7 @@ def test_flush_then_reopen_and_the_file_reuses_space(tmp_path):
     assert gave_back == sizes[-1] - os.path.getsize(tmp_path / "t" / "rows.dat") > 0
     expected = in_memory(store)
     store.close()  # a directory has one store at a time
-    again = cncore.EmbeddingStore(config)
+    again = cncore.make_store(config)
     assert_same_rows(again, expected)
     _, ctx = again.pooled_lookup(np.arange(200, 210), lengths=np.array([10]))  # and it trains on
     again.apply_gradients(ctx, np.ones((1, DIM), np.float32))
@@ -275,24 +275,24 @@ def test_bad_input_is_refused_naming_it_and_leaves_the_directory(tmp_path):
         with pytest.raises(ValueError, match=r"Tiered.io_threads must be an int in \[1, 256\]"):
             cncore.Tiered(str(tmp_path / "t"), cache_bytes=10**6, io_threads=threads)
     with pytest.raises(ValueError, match=r"the directory .*/missing that should hold .* does not exist; create it"):
-        cncore.EmbeddingStore(cncore.StoreConfig(dim=2, storage=cncore.Tiered(str(tmp_path / "missing" / "t"), 10**6)))
+        cncore.make_store(cncore.StoreConfig(dim=2, storage=cncore.Tiered(str(tmp_path / "missing" / "t"), 10**6)))
     assert not (tmp_path / "missing").exists()
     row = 64 * 4 + 4 + 47  # dim 64, row-wise Adagrad: the row, its state, metadata and index share
     with pytest.raises(ValueError, match=rf"cache_bytes={16 * row - 1} holds 15 rows .*{row} bytes each.*"
                                          rf"give cache_bytes >= {16 * row}"):
-        cncore.EmbeddingStore(cncore.StoreConfig(dim=64, optimizer=cncore.RowWiseAdagrad(), storage=cncore.Tiered(
+        cncore.make_store(cncore.StoreConfig(dim=64, optimizer=cncore.RowWiseAdagrad(), storage=cncore.Tiered(
             str(tmp_path / "small"), 16 * row - 1)))
     assert not (tmp_path / "small").exists()
-    assert cncore.EmbeddingStore(cncore.StoreConfig(dim=64, optimizer=cncore.RowWiseAdagrad(), storage=cncore.Tiered(
+    assert cncore.make_store(cncore.StoreConfig(dim=64, optimizer=cncore.RowWiseAdagrad(), storage=cncore.Tiered(
         str(tmp_path / "small"), 16 * row))).cache_rows == 16
     other = tmp_path / "other"
     other.mkdir()
     (other / "notes.txt").write_text("mine")
     with pytest.raises(ValueError, match="holds other files"):
-        cncore.EmbeddingStore(cncore.StoreConfig(dim=2, storage=cncore.Tiered(str(other), 10**6)))
+        cncore.make_store(cncore.StoreConfig(dim=2, storage=cncore.Tiered(str(other), 10**6)))
     assert os.listdir(other) == ["notes.txt"]
     path = str(tmp_path / "t")
-    store = cncore.EmbeddingStore(cncore.StoreConfig(dim=2, storage=cncore.Tiered(path, 10**6)))
+    store = cncore.make_store(cncore.StoreConfig(dim=2, storage=cncore.Tiered(path, 10**6)))
     store.find_or_insert(np.arange(5))
     store.flush()
     with pytest.raises(TypeError, match="on_evict: a tiered store"):
@@ -300,7 +300,7 @@ def test_bad_input_is_refused_naming_it_and_leaves_the_directory(tmp_path):
     store.close()
     before = sorted(os.listdir(path))
     with pytest.raises(ValueError, match="holds a table of another config"):
-        cncore.EmbeddingStore(cncore.StoreConfig(dim=3, storage=cncore.Tiered(path, 10**6)))
+        cncore.make_store(cncore.StoreConfig(dim=3, storage=cncore.Tiered(path, 10**6)))
     assert sorted(os.listdir(path)) == before
 
 
@@ -309,7 +309,7 @@ import sys, os, numpy as np, cncore
 path, seed = sys.argv[1], int(sys.argv[2])
 config = cncore.StoreConfig(dim=8, optimizer=cncore.RowWiseAdagrad(lr=0.1),
                             storage=cncore.Tiered(path, cache_bytes=300 * 90))
-store = cncore.EmbeddingStore(config)
+store = cncore.make_store(config)
 rng = np.random.default_rng(seed)
 flush = 0
 while True:
@@ -345,7 +345,7 @@ def test_a_kill_at_any_moment_leaves_the_last_flush(tmp_path, seed):
     expected = np.load(str(tmp_path / f"expected-{meta['flush']}.npz"))
     config = cncore.StoreConfig(dim=8, optimizer=cncore.RowWiseAdagrad(lr=0.1),
                                 storage=cncore.Tiered(path, cache_bytes=300 * 90))
-    back = cncore.EmbeddingStore(config).export()
+    back = cncore.make_store(config).export()
     order, want = np.argsort(back.keys), np.argsort(expected["keys"])
     np.testing.assert_array_equal(back.keys[order], expected["keys"][want])
     np.testing.assert_array_equal(back.rows[order], expected["rows"][want])
@@ -547,9 +547,9 @@ def test_threads_reading_and_training_at_once_see_the_right_rows(tmp_path):
     import threading
     opt = cncore.SGD(lr=0.1)
     per_row = DIM * 4 + 47
-    tiered = cncore.EmbeddingStore(cncore.StoreConfig(dim=DIM, optimizer=opt, storage=cncore.Tiered(
+    tiered = cncore.make_store(cncore.StoreConfig(dim=DIM, optimizer=opt, storage=cncore.Tiered(
         str(tmp_path / "t"), cache_bytes=64 * per_row)))
-    memory = cncore.EmbeddingStore(cncore.StoreConfig(dim=DIM, optimizer=opt))
+    memory = cncore.make_store(cncore.StoreConfig(dim=DIM, optimizer=opt))
     for start in range(0, 600, 30):
         for s in (tiered, memory):
             s.find_or_insert(np.arange(start, start + 30))
@@ -610,8 +610,8 @@ def test_admission_keeps_unadmitted_keys_out_of_both_tiers(tmp_path):
     adm = cncore.MinCount(3)
     config = cncore.StoreConfig(dim=DIM, optimizer=cncore.SGD(lr=0.1), admission=adm,
                                 storage=cncore.Tiered(str(tmp_path / "t"), cache_bytes=16 * (DIM * 4 + 47)))
-    tiered, memory = cncore.EmbeddingStore(config), cncore.EmbeddingStore(dim=DIM, optimizer=cncore.SGD(lr=0.1),
-                                                                         admission=adm)
+    tiered, memory = cncore.make_store(config), cncore.make_store(dim=DIM, optimizer=cncore.SGD(lr=0.1),
+                                                                     admission=adm)
     for store in (tiered, memory):
         for start in range(0, 100, 10):  # find_or_insert is not gated: 100 rows, most spill to disk
             store.find_or_insert(np.arange(start, start + 10))
@@ -649,15 +649,15 @@ def test_16_bit_rows_are_stored_at_their_size_and_a_version_2_directory_still_op
     for dtype in ("float32", "float16", "bfloat16"):
         config = cncore.StoreConfig(dim=64, dtype=dtype, optimizer=cncore.RowWiseAdagrad(),
                                     storage=cncore.Tiered(str(tmp_path / dtype), cache_bytes=1 << 16))
-        store = cncore.EmbeddingStore(config)
+        store = cncore.make_store(config)
         sizes[dtype] = store.record_bytes
     assert sizes == {"float32": 280, "float16": 152, "bfloat16": 152}
 
     def trained(path, dtype):
         config = cncore.StoreConfig(dim=DIM, dtype=dtype, optimizer=cncore.Adam(lr=0.05),
                                     storage=cncore.Tiered(path, cache_bytes=16 * (DIM * 2 + 8 * DIM + 47)))
-        tiered = cncore.EmbeddingStore(config)
-        memory = cncore.EmbeddingStore(dataclasses.replace(config, storage=None))
+        tiered = cncore.make_store(config)
+        memory = cncore.make_store(dataclasses.replace(config, storage=None))
         rng = np.random.default_rng(0)
         for _ in range(30):
             keys = rng.integers(0, 200, 12)
@@ -672,7 +672,7 @@ def test_16_bit_rows_are_stored_at_their_size_and_a_version_2_directory_still_op
     old.close()
     assert old.record_bytes == 8 + 4 + 4 + DIM * 4 + 2 * DIM * 4  # float32 rows
     monkeypatch.setattr(tiered_module, "_VERSION", 3)
-    again = cncore.EmbeddingStore(config)
+    again = cncore.make_store(config)
     assert again.record_bytes == old.record_bytes
     for _ in range(5):
         keys = np.arange(150, 170)[:16]
@@ -702,9 +702,9 @@ def test_capacity_sizes_the_disk_index_once_and_exactly(tmp_path):
     from cncore._core import SlotIndex
     config = cncore.StoreConfig(dim=DIM, optimizer=cncore.SGD(lr=0.1), capacity=5000, storage=cncore.Tiered(
         str(tmp_path / "t"), cache_bytes=500 * (DIM * 4 + 47)))
-    store = cncore.EmbeddingStore(config)
+    store = cncore.make_store(config)
     most = store.disk_keys_at_most(5000)
-    low_water = store.cache_rows - store._config.headroom
+    low_water = store.cache_rows - store.cache.config.headroom
     assert most == 5000 - low_water + 3 * store._evict_chunk
     reserved = store.disk_index_bytes
     assert SlotIndex.buckets_for(most) == -(-most * 10 // 7)
@@ -784,8 +784,8 @@ def test_block_io_joins_runs_across_page_padding_and_writes_nothing_else(tmp_pat
 def test_a_closed_store_never_writes_to_a_reused_descriptor(tmp_path):
     """The record writer holds the file's descriptor: after close() a spill must fail, not write
     into whatever file the process opened next under the same number."""
-    store = cncore.EmbeddingStore(cncore.StoreConfig(dim=2, storage=cncore.Tiered(str(tmp_path / "t"),
-                                                                                  cache_bytes=16 * 60)))
+    store = cncore.make_store(cncore.StoreConfig(dim=2, storage=cncore.Tiered(str(tmp_path / "t"),
+                                                                              cache_bytes=16 * 60)))
     store.find_or_insert(np.arange(16))
     store.close()
     other = os.open(str(tmp_path / "other"), os.O_RDWR | os.O_CREAT)
@@ -802,7 +802,7 @@ _FORK_DURING_PREFETCH = """
 import os, sys, time, threading
 import numpy as np
 import cncore, cncore.tier.background as tiered
-store = cncore.EmbeddingStore(cncore.StoreConfig(dim=4, seed=1, storage=cncore.Tiered(sys.argv[1], cache_bytes=64 * 60)))
+store = cncore.make_store(cncore.StoreConfig(dim=4, seed=1, storage=cncore.Tiered(sys.argv[1], cache_bytes=64 * 60)))
 for start in range(0, 2000, 40):  # most of them on disk
     store.find_or_insert(np.arange(start, start + 40))
 expected = np.concatenate([store.lookup(np.arange(s, s + 40)) for s in range(0, 2000, 40)])
@@ -857,8 +857,8 @@ def test_a_prefetch_never_brings_back_a_row_older_than_memory(tmp_path, held):
     from cncore.tier import background as tiered
     config = cncore.StoreConfig(dim=DIM, optimizer=cncore.SGD(lr=0.5), storage=cncore.Tiered(
         str(tmp_path / "t"), cache_bytes=80 * (DIM * 4 + 47)))
-    store = cncore.EmbeddingStore(config)
-    memory = cncore.EmbeddingStore(dataclasses.replace(config, storage=None))
+    store = cncore.make_store(config)
+    memory = cncore.make_store(dataclasses.replace(config, storage=None))
     both = (store, memory)
 
     def train(keys, grad=1.0):
@@ -898,7 +898,7 @@ def small_tier_and_memory(tmp_path, rows: int = 300):
     last filled in memory), and an in-memory store with the same rows."""
     config = cncore.StoreConfig(dim=DIM, optimizer=cncore.SGD(lr=0.5), storage=cncore.Tiered(
         str(tmp_path / "t"), cache_bytes=80 * (DIM * 4 + 47)))
-    store, memory = cncore.EmbeddingStore(config), cncore.EmbeddingStore(dataclasses.replace(config, storage=None))
+    store, memory = cncore.make_store(config), cncore.make_store(dataclasses.replace(config, storage=None))
     for start in range(0, rows, 30):
         for s in (store, memory):
             s.find_or_insert(np.arange(start, min(start + 30, rows)))
@@ -913,7 +913,7 @@ def test_the_prefetch_job_stages_each_disk_key_once_in_key_order_with_its_record
     rng = np.random.default_rng(seed)
     config = cncore.StoreConfig(dim=DIM, optimizer=cncore.SGD(lr=0.5), storage=cncore.Tiered(
         str(tmp_path / "t"), cache_bytes=80 * (DIM * 4 + 47)))
-    store = cncore.EmbeddingStore(config)
+    store = cncore.make_store(config)
     keys = rng.choice(np.arange(-2**62, 2**62, 2**52), 600, replace=False)
     for start in range(0, 600, 40):
         store.find_or_insert(keys[start:start + 40])
@@ -937,7 +937,7 @@ def test_the_rounds_past_the_prefetchs_keys_read_into_its_buffer(tmp_path, monke
     prefetch's (a uniform step at 10x held both); every row still equals the reference."""
     config = cncore.StoreConfig(dim=DIM, optimizer=cncore.SGD(lr=0.5), storage=cncore.Tiered(
         str(tmp_path / "t"), cache_bytes=1024 * (DIM * 4 + 47)))
-    store, memory = cncore.EmbeddingStore(config), cncore.EmbeddingStore(dataclasses.replace(config, storage=None))
+    store, memory = cncore.make_store(config), cncore.make_store(dataclasses.replace(config, storage=None))
     for start in range(0, 3000, 500):
         for s in (store, memory):
             s.find_or_insert(np.arange(start, start + 500))
@@ -974,7 +974,6 @@ def test_the_fault_in_hands_the_lookup_every_keys_slot_or_none(tmp_path, seed):
     lookup pools, finding only the -1 keys (grouped_forward's found_slots); None when some key
     has no row yet. Checked against a find inside the same held section, and the lookups
     against an in-memory store."""
-    from cncore.store import EmbeddingStore
     rng = np.random.default_rng(seed)
     store, memory = small_tier_and_memory(tmp_path)
     store._evict_chunk = 8  # rounds of 8 rows: a fault-in of tens of disk rows takes several
@@ -982,13 +981,13 @@ def test_the_fault_in_hands_the_lookup_every_keys_slot_or_none(tmp_path, seed):
     for _ in range(30):
         keys = rng.integers(0, 320, int(rng.integers(1, 40)))  # repeats; keys 300+ have no row yet
         insert = bool(rng.integers(0, 2))
-        was_cached = EmbeddingStore.find(store, keys)[1]
+        was_cached = store.cache.find(keys)[1]
         with store.faulted_in(keys, insert) as found:
             if found is None:
                 gave["none"] += 1
             else:
                 gave["slots"] += 1
-                slots, present = EmbeddingStore.find(store, keys)
+                slots, present = store.cache.find(keys)
                 assert present.all()
                 np.testing.assert_array_equal(found[was_cached], slots[was_cached])
                 assert (found[~was_cached] == -1).all()
@@ -1041,14 +1040,13 @@ def test_a_grouped_lookup_hands_each_tiered_feature_alone_on_its_store_its_found
     the call gives that feature's cache slots to the core lookup; a store shared by two
     features, or not tiered, gives none. The grouped lookup equals per-store in-memory lookups."""
     from cncore import grouped
-    from cncore.store import EmbeddingStore
 
     def tier(name):
         return cncore.StoreConfig(dim=DIM, optimizer=cncore.SGD(lr=0.5), storage=cncore.Tiered(
             str(tmp_path / name), cache_bytes=80 * (DIM * 4 + 47)))
-    a, b = cncore.EmbeddingStore(tier("a")), cncore.EmbeddingStore(tier("b"))
-    plain = cncore.EmbeddingStore(cncore.StoreConfig(dim=DIM))
-    refs = {id(s): cncore.EmbeddingStore(dataclasses.replace(s.config, storage=None)) for s in (a, b)}
+    a, b = cncore.make_store(tier("a")), cncore.make_store(tier("b"))
+    plain = cncore.make_store(cncore.StoreConfig(dim=DIM))
+    refs = {id(s): cncore.make_store(dataclasses.replace(s.config, storage=None)) for s in (a, b)}
     refs[id(plain)] = plain
     for start in range(0, 300, 30):  # most rows of a and b on disk
         for s in (a, b, refs[id(a)], refs[id(b)], plain):
@@ -1059,7 +1057,7 @@ def test_a_grouped_lookup_hands_each_tiered_feature_alone_on_its_store_its_found
     held, found = grouped.tiers_faulted_in(stores, keys, False)
     with held:
         assert found[1] is None and found[2] is None and found[3] is None  # b twice; plain not tiered
-        now = EmbeddingStore.find(a, keys[0])[0]
+        now = a.cache.find(keys[0])[0]
         assert ((found[0] == now) | (found[0] == -1)).all() and (found[0] == now).any()
     offsets = [np.array([0, 5, 12], np.int64) for _ in stores]
     outs = [np.zeros((2, DIM), np.float32) for _ in stores]
@@ -1126,7 +1124,7 @@ def test_found_slots_must_be_live_slots_of_the_table():
     row, is refused with a ValueError naming it, and the table is unchanged; a -1 key with a row
     is found."""
     from cncore import _core
-    store = cncore.EmbeddingStore(cncore.StoreConfig(dim=4))
+    store = cncore.make_store(cncore.StoreConfig(dim=4))
     slots = store.find_or_insert(np.arange(10))[0]
     store.erase(np.array([3]))
     before = store.lookup(np.arange(10)[np.arange(10) != 3])
@@ -1230,7 +1228,7 @@ def test_the_record_file_opens_without_access_times_where_allowed(tmp_path, monk
         return real_open(path, flags, *args)
 
     monkeypatch.setattr(tiered.os, "open", refuse_noatime)
-    again = cncore.EmbeddingStore(store.config)
+    again = cncore.make_store(store.config)
     flags = int(open(f"/proc/self/fdinfo/{again._fd}").read().split("flags:")[1].split()[0], 8)
     assert not flags & os.O_NOATIME
     keys = np.arange(200)
@@ -1273,7 +1271,7 @@ def test_a_loaded_rows_disk_entry_is_erased_behind_and_never_a_newer_one(tmp_pat
     assert_same_rows(store, memory)
     store.flush()
     store.close()
-    again = cncore.EmbeddingStore(store.config)
+    again = cncore.make_store(store.config)
     assert_same_rows(again, memory)
     again.close()
 

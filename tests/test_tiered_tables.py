@@ -27,9 +27,9 @@ def trained_tier(directory, optimizer=cncore.RowWiseAdagrad(lr=0.1), dim=6, dtyp
     path = str(directory / "t.tier")
     state_floats = cncore.StoreConfig(dim=dim, optimizer=optimizer).state_floats
     per_row = dim * (4 if dtype == "float32" else 2) + 4 * state_floats + 47
-    store = cncore.EmbeddingStore(cncore.StoreConfig(dim=dim, dtype=dtype, optimizer=optimizer, seed=seed,
-                                                     initializer=cncore.Normal(0, 1),
-                                                     storage=cncore.Tiered(path, cache_bytes=cache_rows * per_row)))
+    store = cncore.make_store(cncore.StoreConfig(dim=dim, dtype=dtype, optimizer=optimizer, seed=seed,
+                                                 initializer=cncore.Normal(0, 1),
+                                                 storage=cncore.Tiered(path, cache_bytes=cache_rows * per_row)))
     rng = np.random.default_rng(seed)
 
     def train(n_steps):
@@ -158,7 +158,7 @@ def test_a_tier_walks_in_bounded_memory(tmp_path):
     path = str(tmp_path / "big.tier")
     config = cncore.StoreConfig(dim=64, optimizer=cncore.RowWiseAdagrad(),
                                 storage=cncore.Tiered(path, cache_bytes=1 << 20))
-    store = cncore.EmbeddingStore(config)
+    store = cncore.make_store(config)
     for start in range(0, 40_000, 2000):
         store.find_or_insert(np.arange(start, start + 2000))
     store.flush()
@@ -184,7 +184,7 @@ def test_a_tier_walks_in_bounded_memory(tmp_path):
 def test_a_tier_never_flushed_or_damaged_is_refused_and_left_as_it_was(tmp_path, capsys):
     path = str(tmp_path / "t.tier")
     config = cncore.StoreConfig(dim=4, storage=cncore.Tiered(path, cache_bytes=16 * (4 * 4 + 47)))
-    store = cncore.EmbeddingStore(config)
+    store = cncore.make_store(config)
     for start in range(0, 200, 10):  # rows spilled to rows.dat, never flushed
         store.find_or_insert(np.arange(start, start + 10))
     store._wait_writes()  # (written behind: in the file before the listings below are taken)

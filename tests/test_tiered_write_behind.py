@@ -26,8 +26,8 @@ DIM = 4
 path = sys.argv[1]
 config = cncore.StoreConfig(dim=DIM, seed=3, optimizer=cncore.Adam(lr=0.05),
                             storage=cncore.Tiered(path, cache_bytes=64 * (DIM * 4 + 4 * 8 + 47)))
-store = cncore.EmbeddingStore(config)
-memory = cncore.EmbeddingStore(cncore.StoreConfig(dim=DIM, seed=3, optimizer=cncore.Adam(lr=0.05)))
+store = cncore.make_store(config)
+memory = cncore.make_store(cncore.StoreConfig(dim=DIM, seed=3, optimizer=cncore.Adam(lr=0.05)))
 rng = np.random.default_rng(0)
 
 def train(keys):
@@ -147,7 +147,7 @@ def test_a_failed_background_write_keeps_its_rows_and_raises_until_it_succeeds(t
         assert all(job.written for job in jobs)
         store.flush()
         store.close()
-        assert_same(cncore.EmbeddingStore(config), memory)
+        assert_same(cncore.make_store(config), memory)
     """)
 
 
@@ -156,7 +156,7 @@ def test_queued_writes_are_bounded(tmp_path):
     the foreground's spills beyond that wait for the oldest (they would otherwise hold every
     evicted row in memory)."""
     run_case(tmp_path, """
-        bound = 2 * (store._config.headroom + store._evict_chunk)
+        bound = 2 * (store.cache.config.headroom + store._evict_chunk)
         threading.Timer(0.3, gate.set).start()
         for start in range(5000, 5400, 40):
             train(np.arange(start, start + 40))

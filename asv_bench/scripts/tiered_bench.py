@@ -106,8 +106,8 @@ def _run_one(kind: str, stream: str, multiple: float, args, directory: str) -> d
     # fastest in-memory table: no metadata kept for a policy).
     eviction = {"eviction": cncore.LFU(halve_every=args.lfu_halve_every) if args.eviction == "lfu" else cncore.LRU()
                 } if kind == "tiered" else {}
-    store = cncore.EmbeddingStore(cncore.StoreConfig(dim=args.dim, optimizer=opt, storage=storage, **eviction,
-                                                     **capacity))
+    store = cncore.make_store(cncore.StoreConfig(dim=args.dim, optimizer=opt, storage=storage, **eviction,
+                                                 **capacity))
     assert kind != "tiered" or store.cache_rows == cache_rows
     for start in range(0, n_keys, ids):  # fill: every key once
         chunk = all_keys[start:start + ids]

@@ -2,9 +2,10 @@
 
     StoreConfig(dim=64, optimizer=..., storage=cncore.Tiered(path="users.tier", cache_bytes=2 << 30))
 
-`EmbeddingStore(config)` with `storage=Tiered(...)` is a `TieredStore`: the same verbs, over two
-tiers that never hold the same key at once:
-- the cache: an ordinary bounded core store (the budget is cache_bytes over the bytes a row
+`cncore.make_store(config)` with `storage=Tiered(...)` builds a `TieredStore`: the verbs of
+`cncore.storage.RowStorage`, over two tiers that never hold the same key at once:
+- the cache: an ordinary bounded core store that the tiered store holds (`store.cache`, an
+  `EmbeddingStore`) (the budget is cache_bytes over the bytes a row
   takes in memory; the config's eviction policy, LRU by default). Lookups, pooling and the
   fused backward run on it exactly as on any store;
 - the disk: `path/rows.dat`, a slotted file of fixed-size records (key, count, last step,
@@ -100,8 +101,8 @@ writer lock), `records` (the record layout and checksums), `reader` (`TierFile`)
 
 >>> import numpy as np, tempfile, os, cncore
 >>> path = os.path.join(tempfile.mkdtemp(), "t.tier")
->>> store = cncore.EmbeddingStore(cncore.StoreConfig(dim=4, optimizer=cncore.SGD(lr=0.1),
-...                                                  storage=cncore.Tiered(path, cache_bytes=20_000)))
+>>> store = cncore.make_store(cncore.StoreConfig(dim=4, optimizer=cncore.SGD(lr=0.1),
+...                                              storage=cncore.Tiered(path, cache_bytes=20_000)))
 >>> for start in range(0, 1000, 100):
 ...     _, ctx = store.pooled_lookup(np.arange(start, start + 100), lengths=np.full(10, 10))
 ...     store.apply_gradients(ctx, np.ones((10, 4), np.float32))
@@ -109,7 +110,7 @@ writer lock), `records` (the record layout and checksums), `reader` (`TierFile`)
 (1000, True, True)
 >>> before = store.lookup(np.array([5, 999]))
 >>> store.flush(); store.close()          # a directory has one store at a time
->>> again = cncore.EmbeddingStore(store.config)
+>>> again = cncore.make_store(store.config)
 >>> bool((again.lookup(np.array([5, 999])) == before).all())
 True
 """

@@ -9,7 +9,7 @@ import numpy as np
 
 from cncore import _core
 from cncore.fileio import TableFormatError, fsync_dir
-from cncore.store import EmbeddingStore, TableBatch
+from cncore.store import TableBatch
 from cncore.tier import heap
 from cncore.tier.background import _locked
 from cncore.tier.directory import _CHUNK, _FORMAT, _config_record, _meta_digest, _sha256_file, read_flushed
@@ -63,7 +63,7 @@ class Durability:
         """The cached rows, batch_size at a time (the base class's cursor walk)."""
         cursor = None
         while True:
-            b = EmbeddingStore.export(self, cursor, batch_size, with_rows=with_rows)
+            b = self.cache.export(cursor, batch_size, with_rows=with_rows)
             if len(b.keys):
                 yield b
             cursor = b.next_cursor
@@ -88,7 +88,7 @@ class Durability:
         self._wait_prefetch()
         self._settle_erase()
         self._wait_writes()  # before the fsync: every spilled row in the file
-        n = EmbeddingStore.__len__(self) + len(self._disk)
+        n = len(self.cache) + len(self._disk)
         keys, slots = np.empty(n, np.int64), np.empty(n, np.int64)
         at = 0
         for k, disk_slots in self._disk.items(_CHUNK):

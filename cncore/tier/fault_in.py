@@ -7,7 +7,6 @@ import numpy as np
 
 from cncore import _core
 from cncore._interchange import as_keys
-from cncore.store import EmbeddingStore
 from cncore.tier import background, heap
 
 _FIND_ON_DISK_HERE = 256  # prefetch: at most this many IDs missing from memory are found on disk by the caller
@@ -83,14 +82,14 @@ class FaultIn:
         # nothing is pinned.
         step = self._evict_chunk
         if n_disk:
-            room = EmbeddingStore.__len__(self) + n_disk <= self.cache_rows  # then nothing is evicted
+            room = len(self.cache) + n_disk <= self.cache_rows  # then nothing is evicted
             if not room and n_disk <= step and self._job_is_this_calls:
                 # One round, and the running prefetch is this call's: its room is made now, before
                 # waiting for the job's reads, which go on meanwhile (the spill needs not wait for
                 # the job: _spill_slots). An eviction round is ~1.3 ms of the training thread's
                 # (a 3x Zipf 1.05 step, one in ~3.5), during which the job read what the training
                 # thread otherwise read beside it after the wait (_take_staged).
-                self._table.make_room(n_disk, cache_slots[cached])
+                self.cache._table.make_room(n_disk, cache_slots[cached])
                 room = True
             staged = self._take_staged()
             if disk_keys is None:  # the plan's: the keys the job read, in key order, and their slots
@@ -114,7 +113,7 @@ class FaultIn:
                     staged = None
                 raw = rec.view(np.uint8).reshape(len(rec), -1)
                 self._check_records(raw, k, at)
-                loaded = self._table.load_records(self._writer, raw, k, pin)
+                loaded = self.cache._table.load_records(self._writer, raw, k, pin)
                 if len(disk_keys) <= step and len(k) >= self._erase_behind_at:
                     self._erase_behind(k, at)
                 else:
@@ -128,13 +127,13 @@ class FaultIn:
             if staged is not None:
                 self._keep_spare(staged[2])
             del staged
-            self._writes += 1
+            self.cache._writes += 1
         # New keys (more than one round of them): their room in rounds too, by find_or_insert of
         # the call's cached keys, its disk rows and the new keys so far (their initial rows).
-        if len(new_keys) > step and EmbeddingStore.__len__(self) + len(new_keys) > self.cache_rows:
+        if len(new_keys) > step and len(self.cache) + len(new_keys) > self.cache_rows:
             base = np.concatenate([keys[cached], disk_keys])
             for end in range(step, len(new_keys) + step, step):
-                EmbeddingStore.find_or_insert(self, np.concatenate([base, new_keys[:end]]))
+                self.cache.find_or_insert(np.concatenate([base, new_keys[:end]]))
         if len(absent_new):
             return None  # keys with no row yet: the call's lookup finds (and makes) them
         # Every key has a row in memory now: the cached ones where the find above gave it (pinned,
@@ -173,13 +172,13 @@ class FaultIn:
         eviction, erase or rehash), else a find now. Taken once; kept across calls with other
         keys that leave the cache's keys as they are."""
         pre = self._prefound
-        if pre is not None and pre[0] != self._table.version:
+        if pre is not None and pre[0] != self.cache._table.version:
             pre = self._prefound = None
         if pre is not None and _core.same_int64(pre[1], keys):
             self._prefound = None
             self._job_is_this_calls = True  # (until the fault-in ends: _fault_in)
             return pre[2], pre[3]
-        return EmbeddingStore.find(self, keys)
+        return self.cache.find(keys)
 
     def _erase_behind(self, keys: np.ndarray, slots: np.ndarray) -> None:
         """Leave the disk index's erase of keys just loaded into memory (from `slots`) to the

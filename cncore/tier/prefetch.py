@@ -5,7 +5,6 @@ import numpy as np
 
 from cncore import _core
 from cncore._interchange import as_keys
-from cncore.store import EmbeddingStore
 from cncore.tier import background, records
 from cncore.tier.background import _locked
 
@@ -25,7 +24,7 @@ class Prefetch:
         start them and 5 ms a step waiting on them, against each other and the step, for GIL.
 
         >>> import numpy as np, tempfile, os, cncore
-        >>> s = cncore.EmbeddingStore(cncore.StoreConfig(dim=2, storage=cncore.Tiered(
+        >>> s = cncore.make_store(cncore.StoreConfig(dim=2, storage=cncore.Tiered(
         ...     os.path.join(tempfile.mkdtemp(), "t"), cache_bytes=16 * 60)))
         >>> for start in range(0, 100, 10):                        # most rows spill to disk
         ...     _ = s.lookup(np.arange(start, start + 10), insert_missing=True)
@@ -52,8 +51,8 @@ class Prefetch:
         # keys are unchanged (the backward between them changes rows, not keys: _cache_find).
         # The job then deduplicates and finds in the disk index ~1.5k IDs, not 16k (~6.2k keys,
         # each a cache miss in the disk index): 0.4 ms less of its ~2.3 ms a 3x Zipf 1.05 step.
-        slots, found = EmbeddingStore.find(self, keys)
-        self._prefound = (self._table.version, keys, slots, found)
+        slots, found = self.cache.find(keys)
+        self._prefound = (self.cache._table.version, keys, slots, found)
         keys = keys[~found]
         has_all = len(keys) > self._find_on_disk_here
         if not has_all:

@@ -38,7 +38,7 @@ class TierFile:
     >>> import numpy as np, tempfile, os, cncore
     >>> from cncore.tablefile import open_table
     >>> path = os.path.join(tempfile.mkdtemp(), "t.tier")
-    >>> store = cncore.EmbeddingStore(cncore.StoreConfig(dim=2, storage=cncore.Tiered(path, cache_bytes=2000)))
+    >>> store = cncore.make_store(cncore.StoreConfig(dim=2, storage=cncore.Tiered(path, cache_bytes=2000)))
     >>> for start in range(0, 100, 10):                  # most rows go to disk
     ...     _ = store.find_or_insert(np.arange(start, start + 10))
     >>> store.flush(); table = open_table(path)

@@ -13,7 +13,7 @@ import numpy as np
 from cncore import _core
 from cncore._interchange import as_floats, as_keys
 from cncore.config import LRU, ROW_DTYPES, StoreConfig, Tiered
-from cncore.grouped import as_flag
+from cncore.grouped import as_flag, grouped_apply_gradients, pooled_lookup_one, unique_gradients_one
 from cncore.store import EmbeddingStore, TableBatch, _u32
 from cncore.tier import heap, records
 from cncore.tier.background import _OPEN_STORES, _locked
@@ -36,9 +36,10 @@ from cncore.tier.write_behind import WriteBehind
 _MIN_CACHE_ROWS = 16
 
 
-class TieredStore(FaultIn, Prefetch, WriteBehind, SlotAllocator, Durability, DirectoryLock, EmbeddingStore):
-    """An `EmbeddingStore` whose rows live on disk under a bounded memory cache (see the module
-    docstring). Built by `EmbeddingStore(config)` when `config.storage` is a `Tiered`."""
+class TieredStore(FaultIn, Prefetch, WriteBehind, SlotAllocator, Durability, DirectoryLock):
+    """A table whose rows live on disk under a bounded memory cache, `cache` (an `EmbeddingStore`
+    it holds), with the verbs of `cncore.storage.RowStorage` (see `cncore.tier`). Built by
+    `cncore.make_store(config)` (or `TieredStore(config)`) when `config.storage` is a `Tiered`."""
 
     def __init__(self, config: Optional[StoreConfig] = None, **config_fields):
         if config is None:
@@ -80,7 +81,8 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, SlotAllocator, Durability, Dir
         self._dir = storage.path
         self._io_threads = storage.io_threads
         self._check_directory()
-        super().__init__(cache)
+        # The memory tier: a bounded core store, whose evictions go to disk (its evict_sink below).
+        self.cache = EmbeddingStore(cache)
         self._version = records._VERSION  # of the directory's layout: a version 2 directory stays one
         self._layout()
         # Keys on disk -> slot (cn_slotindex.h: the core's hash index alone, 23-46 bytes a key).
@@ -115,7 +117,7 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, SlotAllocator, Durability, Dir
         # buffer into records, written, indexed on disk; no NumPy copies, no callback.
         self._writer = _core.RecordWriter(self._fd, self._layout_fields(), self._disk, self._spill_slots,
                                           self._io_threads, records._IO_ROWS)
-        self._table.evict_sink = self._writer
+        self.cache._table.evict_sink = self._writer
         # Write-behind: the rows the cache evicts are written by the background thread, not by
         # the call that evicted them (RecordWriter.behind, SpillJob); see _write_behind.
         self._pending = []  # queued spills, oldest first: [job, its Future or None]
@@ -215,40 +217,48 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, SlotAllocator, Durability, Dir
         if self._unusable is not None:
             raise ValueError(self._unusable)
 
+    def pooled_lookup(self, keys, offsets=None, *, lengths=None, mode: str = "sum", per_sample_weights=None,
+                      insert_missing: bool = True, out=None):
+        """As EmbeddingStore.pooled_lookup: its keys are faulted into the cache first, under the
+        store's lock (`faulted_in`)."""
+        return pooled_lookup_one(self, keys, offsets, lengths, mode, per_sample_weights, insert_missing, out)
+
     def apply_gradients(self, ctx, grad_output, *, lr: Optional[float] = None) -> None:
+        """As EmbeddingStore.apply_gradients (the rows of a lookup are in the cache)."""
         self._check_usable()
-        super().apply_gradients(ctx, grad_output, lr=lr)
+        grouped_apply_gradients([ctx], grad_output, lr=lr, stores=[self])
 
     def accumulate_gradients(self, ctx, grad_output):
+        """As EmbeddingStore.accumulate_gradients."""
         self._check_usable()
-        return super().accumulate_gradients(ctx, grad_output)
+        return unique_gradients_one(self, ctx, grad_output)
 
     def __repr__(self) -> str:
         if self._unusable is not None:
             return f"TieredStore(path={self._dir!r}, unusable: {self._unusable})"
-        return f"TieredStore(rows={len(self)}, path={self._dir!r}, cached={self.cached_rows}, config={self._config})"
+        return f"TieredStore(rows={len(self)}, path={self._dir!r}, cached={self.cached_rows}, config={self.cache.config})"
 
     @_locked
     def evict(self, n: int) -> int:
         """Move the `n` lowest-scoring cached rows to disk now; returns how many."""
-        return super().evict(n)
+        return self.cache.evict(n)
 
     @_locked
     def evict_expired(self) -> int:
-        return super().evict_expired()
+        return self.cache.evict_expired()
 
     @_locked
     def evict_if(self, predicate, *, batch_size: int = 65536) -> int:
         """As EmbeddingStore.evict_if, over the cached rows (the rows go to disk). Under the
         store's lock: the spill's writer has one buffer."""
-        return super().evict_if(predicate, batch_size=batch_size)
+        return self.cache.evict_if(predicate, batch_size=batch_size)
 
     @_locked
     def decay_admission(self) -> None:
         """Halve every counter of the admission sketch (MinCount). The sketch counts the
         sightings of keys that have no row, in memory or on disk; it lives in memory only, so
         reopening a tier's directory starts it over (as loading a table file does)."""
-        super().decay_admission()
+        self.cache.decay_admission()
 
     def _check_fits(self, keys: np.ndarray) -> None:
         distinct = len(np.unique(keys))
@@ -265,6 +275,60 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, SlotAllocator, Durability, Dir
         return self._tier_config
 
     @property
+    def dim(self) -> int:
+        return self._tier_config.dim
+
+    @property
+    def capacity(self) -> int:
+        """Rows the cache holds before its index must grow."""
+        return self.cache.capacity
+
+    @property
+    def load_factor(self) -> float:
+        """The cache's keys / index buckets."""
+        return self.cache.load_factor
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the cache has allocated (the disk index apart: `disk_index_bytes`)."""
+        return self.cache.nbytes
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps applied so far (see EmbeddingStore.step); flushed with the table."""
+        return self.cache.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.cache.step = value
+
+    @property
+    def evicted_count(self) -> int:
+        """The cache's count of evicted rows (EmbeddingStore.evicted_count; each went to disk, none
+        is lost); flushed with the table."""
+        return self.cache.evicted_count
+
+    @evicted_count.setter
+    def evicted_count(self, value) -> None:
+        self.cache.evicted_count = value
+
+    @property
+    def _table(self):
+        """The core table the grouped lookups and backward compute on: the cache's (its keys are
+        faulted in first, `faulted_in`)."""
+        return self.cache._table
+
+    @property
+    def _uid(self) -> int:
+        """Which store an incremental save's checkpoint is of (cncore.tablefile): the cache's."""
+        return self.cache._uid
+
+    @property
+    def _writes(self) -> int:
+        """Calls that wrote rows without recording a step (cncore.tablefile): the cache's count."""
+        return self.cache._writes
+
+    @property
     def record_bytes(self) -> int:
         """Bytes of one record in the file (key, count, last step, row, optimizer state)."""
         return self._record.itemsize
@@ -275,7 +339,7 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, SlotAllocator, Durability, Dir
         round of a fault-in's loads (its keys leave the disk index after they are loaded, and
         the rows evicted to make their room are indexed on disk before that), plus two rounds
         whose erase is left to the background thread and may not have run yet (_erase_behind)."""
-        low_water = self.cache_rows - self._config.headroom  # the cache's own config
+        low_water = self.cache_rows - self.cache.config.headroom  # the cache's own config
         return max(0, int(rows) - low_water + 3 * self._evict_chunk)
 
     @property
@@ -286,12 +350,12 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, SlotAllocator, Durability, Dir
     @property
     def cached_rows(self) -> int:
         """Rows in memory now."""
-        return EmbeddingStore.__len__(self)
+        return len(self.cache)
 
     @_locked
     def __len__(self) -> int:
         self._settle_erase()
-        return EmbeddingStore.__len__(self) + len(self._disk)
+        return len(self.cache) + len(self._disk)
 
     def __reduce__(self):
         raise TypeError("a TieredStore does not pickle: flush() it and reopen the directory with its config")
@@ -299,28 +363,28 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, SlotAllocator, Durability, Dir
     @_locked
     def find(self, keys):
         self._fault_in(keys, insert=False)
-        return super().find(keys)
+        return self.cache.find(keys)
 
     @_locked
     def contains(self, keys) -> np.ndarray:
-        return EmbeddingStore.find(self, keys)[1] | (self._disk.find(as_keys(keys)) >= 0)
+        return self.cache.find(keys)[1] | (self._disk.find(as_keys(keys)) >= 0)
 
     @_locked
     def find_or_insert(self, keys):
         present = self.contains(keys)
         self._fault_in(keys, insert=True)
-        slots, _ = super().find_or_insert(keys)
+        slots, _ = self.cache.find_or_insert(keys)
         return slots, present
 
     @_locked
     def insert_or_assign(self, keys, rows, optimizer_state=None) -> np.ndarray:
         self._fault_in(keys, insert=False)
-        return super().insert_or_assign(keys, rows, optimizer_state)
+        return self.cache.insert_or_assign(keys, rows, optimizer_state)
 
     @_locked
     def assign(self, keys, rows, optimizer_state=None) -> np.ndarray:
         self._fault_in(keys, insert=False)
-        return super().assign(keys, rows, optimizer_state)
+        return self.cache.assign(keys, rows, optimizer_state)
 
     @_locked
     def load(self, keys, rows, optimizer_state=None, counts=None, last_steps=None) -> np.ndarray:
@@ -330,7 +394,7 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, SlotAllocator, Durability, Dir
         step = max(1, self.cache_rows // 2)
         if len(keys) <= step:
             self._fault_in(keys, insert=False)
-            return super().load(keys, rows, optimizer_state, counts, last_steps)
+            return self.cache.load(keys, rows, optimizer_state, counts, last_steps)
         # Every argument checked before the first chunk changes the table (as EmbeddingStore's
         # _upsert checks them).
         n = len(keys)
@@ -350,7 +414,7 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, SlotAllocator, Durability, Dir
     @_locked
     def erase(self, keys) -> np.ndarray:
         self._settle_erase()
-        erased = super().erase(keys)
+        erased = self.cache.erase(keys)
         arr = as_keys(keys)
         on_disk = self._disk.find(arr) >= 0
         if on_disk.any():
@@ -364,12 +428,12 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, SlotAllocator, Durability, Dir
     @_locked
     def clear(self) -> None:
         self._settle_erase()
-        super().clear()
+        self.cache.clear()
         self._disk.clear()
 
     @_locked
     def reserve(self, n_rows: int) -> None:
-        super().reserve(min(int(n_rows), self.cache_rows))
+        self.cache.reserve(min(int(n_rows), self.cache_rows))
 
     @_locked
     def lookup(self, keys, *, insert_missing: bool = False) -> np.ndarray:
@@ -383,8 +447,8 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, SlotAllocator, Durability, Dir
                                    for a in range(0, len(keys), step)]).reshape(len(keys), self.dim)
         self._fault_in(keys, insert=insert)
         if insert:
-            EmbeddingStore.find_or_insert(self, keys)
-        return EmbeddingStore.read(self, keys).rows
+            self.cache.find_or_insert(keys)
+        return self.cache.read(keys).rows
 
     @_locked
     def read(self, keys) -> TableBatch:
@@ -396,7 +460,8 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, SlotAllocator, Durability, Dir
             return TableBatch(*(np.concatenate([getattr(p, f) for p in parts]) for f in
                                 ("keys", "rows", "optimizer_state", "counts", "last_steps", "found")))
         self._fault_in(keys, insert=False)
-        return super().read(keys)
+        return self.cache.read(keys)
+
     def on_evict(self, callback) -> None:
         raise TypeError("on_evict: a tiered store's evicted rows go to its disk tier, not to callbacks")
 
@@ -411,7 +476,7 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, SlotAllocator, Durability, Dir
             raise ValueError("cursor / max_rows: a tiered store exports whole or through iter_export()")
         parts = list(self.iter_export(1 << 18, with_rows=with_rows))
         if not parts:
-            return EmbeddingStore.export(self, with_rows=with_rows)
+            return self.cache.export(with_rows=with_rows)
         return TableBatch(*(np.concatenate([getattr(p, f) for p in parts]) for f in
                             ("keys", "rows", "optimizer_state", "counts", "last_steps", "found")))
 
@@ -423,7 +488,7 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, SlotAllocator, Durability, Dir
     def _iter_export(self, batch_size: int, with_rows: bool) -> Iterator[TableBatch]:
         cursor = None
         while True:  # the cache, with the base class's cursor walk
-            b = EmbeddingStore.export(self, cursor, batch_size, with_rows=with_rows)
+            b = self.cache.export(cursor, batch_size, with_rows=with_rows)
             if len(b.keys):
                 yield b
             cursor = b.next_cursor
@@ -462,7 +527,7 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, SlotAllocator, Durability, Dir
             heap._HEAP_TRIM.discard(self)  # its share of the trigger (_HeapTrim) goes with it
             _OPEN_STORES.discard(self)
             self._unusable = (f"I/O operation on closed store: {self._dir} was closed (TieredStore.close()); open "
-                              "the directory again with cncore.EmbeddingStore(config) to use it")
+                              "the directory again with cncore.make_store(config) to use it")
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None

@@ -54,7 +54,7 @@ class WriteBehind:
         Memory: at most two eviction rounds' rows wait (2 x (headroom + a fault-in round), 2.8
         MiB at a 32 MiB cache); more, and this waits for the oldest first."""
         self._reap_writes()
-        bound = 2 * (self._config.headroom + self._evict_chunk)
+        bound = 2 * (self.cache.config.headroom + self._evict_chunk)
         try:
             while self._pending and self._pending_rows + len(job) > bound:
                 self._wait_oldest_write()

@@ -36,6 +36,7 @@ from typing import Optional
 import jax
 
 import cncore
+from cncore.tier import TieredStore
 from cncore_jax import _host, _traced
 
 __all__ = ["Table"]
@@ -48,13 +49,13 @@ class Table:
     Everything the store does (find, erase, export, ...) is on `table.store`."""
 
     def __init__(self, config: Optional[cncore.StoreConfig] = None, **config_fields):
-        self._store = cncore.EmbeddingStore(config, **config_fields)
+        self._store = cncore.make_store(config, **config_fields)
 
     @classmethod
     def from_store(cls, store: cncore.EmbeddingStore) -> "Table":
         """A handle on `store` itself (no copy): updates through JAX change it."""
-        if not isinstance(store, cncore.EmbeddingStore):
-            raise TypeError(f"store: expected a cncore.EmbeddingStore, got {type(store).__name__}")
+        if not isinstance(store, (cncore.EmbeddingStore, TieredStore)):
+            raise TypeError(f"store: expected a cncore.EmbeddingStore or TieredStore, got {type(store).__name__}")
         table = cls.__new__(cls)
         table._store = store
         return table

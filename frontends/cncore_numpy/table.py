@@ -37,6 +37,8 @@ a gradient of 1 moves each of them by -1 and records the access.
 """
 from __future__ import annotations
 
+import abc
+
 import numpy as np
 
 import cncore
@@ -46,8 +48,9 @@ from cncore.tier import TieredStore
 __all__ = ["Table", "TieredTable", "load_table"]
 
 
-class Table(cncore.EmbeddingStore):
-    """An `EmbeddingStore` with NumPy indexing, files and scoring (see the module docstring)."""
+class TableVerbs:
+    """What a NumPy user reaches for beyond a store's verbs: indexing, offline scoring, saving.
+    Mixed into `Table` (rows in memory) and `TieredTable` (rows on disk)."""
 
     def __getitem__(self, keys) -> np.ndarray:
         """``t[keys]``: rows (N, dim); absent keys read as zeros (nothing is inserted)."""
@@ -76,26 +79,43 @@ class Table(cncore.EmbeddingStore):
         """Write the table to the file format (atomic; see `cncore.tablefile`)."""
         save_table(self, path)
 
+
+class Table(TableVerbs, cncore.EmbeddingStore, metaclass=abc.ABCMeta):
+    """An `EmbeddingStore` with NumPy indexing, files and scoring (see the module docstring).
+
+    ``Table(..., storage=cncore.Tiered(...))`` builds a `TieredTable` instead (the same verbs, its
+    rows on disk under a bounded cache), as `cncore.make_store` builds a TieredStore; a
+    `TieredTable` counts as a `Table` (``isinstance``). A subclass of `Table` has no tiered form:
+    given ``storage=`` it is refused, as `EmbeddingStore` refuses it.
+    """
+
+    def __new__(cls, config: cncore.StoreConfig | None = None, **config_fields):
+        storage = config_fields.get("storage") if config is None else getattr(config, "storage", None)
+        if storage is not None and cls is Table:
+            return TieredTable(config, **config_fields)
+        return super().__new__(cls)
+
     @classmethod
-    def open(cls, path: str, verify: bool = True) -> "Table":
+    def open(cls, path: str, verify: bool = True) -> Table:
         """`load_table` into a `Table`."""
         return load_table(path, verify)
 
 
-class TieredTable(Table, TieredStore):
-    """A `Table` whose rows live on disk under a bounded memory cache: what
-    ``Table(storage=cncore.Tiered(path, ...))`` builds (see `cncore.tier`).
+class TieredTable(TableVerbs, TieredStore):
+    """A `Table` whose rows live on disk under a bounded memory cache (a `cncore.tier.TieredStore`
+    with the NumPy verbs): what ``Table(storage=cncore.Tiered(path, ...))`` builds (see
+    `cncore.tier`).
 
     >>> import os, tempfile, cncore
     >>> path = os.path.join(tempfile.mkdtemp(), "rows")
     >>> t = Table(dim=2, initializer=cncore.Constant(0.5), storage=cncore.Tiered(path, cache_bytes=1 << 20))
-    >>> t[[3]].tolist(), type(t).__name__, os.path.isdir(path)
-    ([[0.0, 0.0]], 'TieredTable', True)
+    >>> t[[3]].tolist(), type(t).__name__, isinstance(t, Table), os.path.isdir(path)
+    ([[0.0, 0.0]], 'TieredTable', True, True)
     >>> t.close()
     """
 
 
-Table.tiered_class = TieredTable  # EmbeddingStore.__new__ builds it for storage=Tiered(...)
+Table.register(TieredTable)  # a Table by its verbs; its rows are a TieredStore's, not an EmbeddingStore's
 
 
 def load_table(path: str, verify: bool = True, batch_rows: int = 1 << 18) -> Table:

@@ -179,7 +179,7 @@ class _DynamicTables(TableModule):
             self._stores = {name: DeviceRows(config, self._placement.device)
                             for name, config in self._store_configs.items()}
         else:
-            self._stores = {name: cncore.EmbeddingStore(config) for name, config in self._store_configs.items()}
+            self._stores = {name: cncore.make_store(config) for name, config in self._store_configs.items()}
         self.fused_optimizer = (keyed_fused_optimizer(self._anchor, self._optimizer, list(self._stores.values()),
                                                       self._optimizer_prefix) if self._optimizer else None)
         if hasattr(self, "_feature_names"):  # else the constructor binds them when it has the names

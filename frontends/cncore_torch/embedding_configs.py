@@ -53,7 +53,7 @@ def initializer_from_config(config: EmbeddingBagConfig):
 def make_stores(tables, config_type, optimizer, initializers, capacities, seed: int, device,
                 what: str, options: Optional[dict] = None) -> Dict[str, cncore.EmbeddingStore]:
     """One store per TorchRec table config (checked: type, unique names, known overrides)."""
-    return {name: cncore.EmbeddingStore(config) for name, config in
+    return {name: cncore.make_store(config) for name, config in
             store_configs(tables, config_type, optimizer, initializers, capacities, seed, device, what,
                           options).items()}
 

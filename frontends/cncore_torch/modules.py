@@ -95,7 +95,7 @@ class _DynamicTable(TableModule):
         if kind == "device" and self.config.dtype != "float32":
             raise ValueError(f"device={self.placement.device}: rows on an accelerator are float32 for now "
                              f"(row_dtype={self.config.dtype!r}); keep this table on device='cpu' (the core)")
-        self.storage = (cncore.EmbeddingStore(self.config) if kind == "core" else
+        self.storage = (cncore.make_store(self.config) if kind == "core" else
                         DeviceRows(self.config, self.placement.device) if kind == "device" else None)
 
     @property

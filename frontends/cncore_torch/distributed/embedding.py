@@ -71,7 +71,7 @@ class ShardedCNEmbeddingCollection(ShardedEmbeddingCollection):
         self.module_sharding_plan = {c.name: table_name_to_parameter_sharding[c.name] for c in self._configs}
         self._anchor = fused_anchor()
         optimizer, configs_with_optimizer = sharded_optimizer(module, "ShardedCNEmbeddingCollection", fused_params)
-        self._stores = {name: cncore.EmbeddingStore(config)
+        self._stores = {name: cncore.make_store(config)
                         for name, config in shard_store_configs(configs_with_optimizer, self._world_size,
                                                                             self._rank).items()}
         keep_owned_rows(self._stores, module.stores, self._world_size, self._rank)

@@ -93,7 +93,7 @@ class ShardedCNEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         optimizer, configs_with_optimizer = sharded_optimizer(module, "ShardedCNEmbeddingBagCollection", fused_params)
         self._store_configs = shard_store_configs(configs_with_optimizer, self._world_size, self._rank)
         self._anchor = fused_anchor()
-        self._stores = {name: cncore.EmbeddingStore(config) for name, config in self._store_configs.items()}
+        self._stores = {name: cncore.make_store(config) for name, config in self._store_configs.items()}
         keep_owned_rows(self._stores, module.stores, self._world_size, self._rank)
         self._optim = keyed_fused_optimizer(self._anchor, optimizer, list(self._stores.values()),
                                             "embedding_bags.fused")
