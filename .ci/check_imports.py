@@ -28,20 +28,21 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# Top-level package name -> its directory (setup.cfg's package_dir).
+# Top-level package name -> its directory under the root (setup.cfg's package_dir).
 PACKAGES = {
-    "cncore": ROOT / "cncore",
-    "cncore_torch": ROOT / "frontends" / "cncore_torch",
-    "cncore_numpy": ROOT / "frontends" / "cncore_numpy",
-    "cncore_jax": ROOT / "frontends" / "cncore_jax",
-    "cn_dlrm": ROOT / "frontends" / "cn_dlrm",
+    "cncore": "cncore",
+    "cncore_torch": "frontends/cncore_torch",
+    "cncore_numpy": "frontends/cncore_numpy",
+    "cncore_jax": "frontends/cncore_jax",
+    "cn_dlrm": "frontends/cn_dlrm",
 }
 
 
-def module_files() -> dict[str, tuple[Path, bool]]:
+def module_files(root: Path) -> dict[str, tuple[Path, bool]]:
     """Dotted module name -> (its file, whether it is a package's __init__)."""
     modules = {}
-    for top, directory in PACKAGES.items():
+    for top, relative in PACKAGES.items():
+        directory = root / relative
         if not directory.is_dir():
             continue
         for path in sorted(directory.rglob("*.py")):
@@ -53,7 +54,7 @@ def module_files() -> dict[str, tuple[Path, bool]]:
                 parts = parts[:-1]
             modules[".".join((top, *parts))] = (path, is_package)
     # The compiled core's modules (cncore._core): nodes without Python imports to follow.
-    for path in sorted((ROOT / "cython_src" / "cncore").glob("*.pyx")):
+    for path in sorted((root / "cython_src" / "cncore").glob("*.pyx")):
         modules[f"cncore.{path.stem}"] = (path, False)
     return modules
 
@@ -174,20 +175,20 @@ def one_cycle(graph: dict[str, dict[str, int]], component: list[str]) -> list[st
 _PY_IMPORT = re.compile(r"^\s*(?:from\s+([\w.]+)\s+import\b|import\s+([\w.]+))")
 
 
-def core_python_imports() -> list[str]:
+def core_python_imports(root: Path) -> list[str]:
     """Lines of cython_src/ that import one of our Python packages (cimports are C-level)."""
     bad = []
-    for path in sorted((ROOT / "cython_src").rglob("*.p[yx][xid]")):
+    for path in sorted((root / "cython_src").rglob("*.p[yx][xid]")):
         for number, text in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
             match = _PY_IMPORT.match(text)
             name = match and (match.group(1) or match.group(2))
             if name and name.split(".")[0] in PACKAGES:
-                bad.append(f"{path.relative_to(ROOT)}:{number}: {text.strip()}")
+                bad.append(f"{path.relative_to(root)}:{number}: {text.strip()}")
     return bad
 
 
-def main() -> int:
-    modules = module_files()
+def main(root: Path = ROOT) -> int:
+    modules = module_files(root)
     graph = import_graph(modules)
     components = strongly_connected(graph)
     for component in components:
@@ -195,12 +196,12 @@ def main() -> int:
         print(f"import circle among {len(component)} modules: {', '.join(component)}")
         print("  one cycle:")
         for a, b in itertools.pairwise(cycle):
-            print(f"    {a} -> {b}   ({modules[a][0].relative_to(ROOT)}:{graph[a][b]})")
+            print(f"    {a} -> {b}   ({modules[a][0].relative_to(root)}:{graph[a][b]})")
         print("  every import inside it:")
         for a in component:
             for b in sorted(set(graph[a]) & set(component)):
-                print(f"    {a} -> {b}   ({modules[a][0].relative_to(ROOT)}:{graph[a][b]})")
-    core = core_python_imports()
+                print(f"    {a} -> {b}   ({modules[a][0].relative_to(root)}:{graph[a][b]})")
+    core = core_python_imports(root)
     for line in core:
         print(f"the C layer imports a package of ours: {line}")
     n_edges = sum(len(e) for e in graph.values())
