@@ -53,8 +53,8 @@ class Durability:
     def _reopen(self, meta: dict, keys: np.ndarray, slots: np.ndarray) -> None:
         """Take the state of the directory's last flush (checked by _last_flush)."""
         self._disk.put(keys, slots)
-        self._high_water = int(meta["high_water"])
-        self._plan_free(slots)
+        self._allocator.high_water = int(meta["high_water"])
+        self._allocator.plan_free(slots)
         self.step = int(meta["step"])
         self.evicted_count = int(meta["evicted"])
         self._flushes, self._commits = int(meta["flush"]), int(meta["commit"])
@@ -74,7 +74,7 @@ class Durability:
     def flush(self) -> None:
         """Make the directory hold this table as it is now, crash-safely (module docstring)."""
         keys, slots = self._flush()
-        if self._high_water > self._tier_config.storage.compact_ratio * len(slots) + 4 * self._per_page:
+        if self._allocator.high_water > self._tier_config.storage.compact_ratio * len(slots) + 4 * self._per_page:
             self._compact_flushed(keys, slots)
         del keys, slots
         heap._trim()  # the flush's scratch: the new index, 16 bytes a row
@@ -95,7 +95,7 @@ class Durability:
             keys[at:at + len(k)], slots[at:at + len(k)] = k, disk_slots
             at += len(k)
         for b in self._cache_batches():
-            taken = self._take_slots(len(b.keys))
+            taken = self._allocator.take(len(b.keys))
             self._write(taken, b)
             self.stats["bytes_written_by_flush"] += len(taken) * self._record.itemsize
             keys[at:at + len(b.keys)], slots[at:at + len(b.keys)] = b.keys, taken
@@ -105,7 +105,7 @@ class Durability:
         self._flushes += 1
         self._commit(keys, slots)
         # The new snapshot: its slots stay untouched until the next flush; the rest is free.
-        self._plan_free(slots)
+        self._allocator.plan_free(slots)
         self.stats["flushes"] += 1
         return keys, slots
 
@@ -150,8 +150,7 @@ class Durability:
         end = 0 if n == 0 else int(self._offsets(np.array([n - 1]))[0]) + self._record.itemsize
         os.ftruncate(self._fd, end)
         os.fsync(self._fd)
-        self._high_water = n
-        self._free_pages, self._page_cursor = np.empty(0, np.int64), 0
+        self._allocator.truncated(n)
         self.stats["compactions"] += 1
         return before - end
 
@@ -167,7 +166,7 @@ class Durability:
         meta = {"format": _FORMAT, "version": self._version, "config": _config_record(self._tier_config),
                 "flush": self._flushes, "commit": self._commits, "index": index_name,
                 "rows": int(len(keys)), "step": int(self.step), "evicted": int(self.evicted_count),
-                "high_water": int(self._high_water), "record_bytes": int(self._record.itemsize),
+                "high_water": int(self._allocator.high_water), "record_bytes": int(self._record.itemsize),
                 "index_sha256": _sha256_file(index_path)}
         if self._version >= 4:
             meta["meta_sha256"] = _meta_digest(meta)

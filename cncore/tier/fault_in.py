@@ -118,7 +118,7 @@ class FaultIn:
                     self._erase_behind(k, at)
                 else:
                     self._disk.erase(k)
-                self._release(at)
+                self._allocator.release(at)
                 if a + step < len(disk_keys) and not room:
                     pin = np.concatenate([pin, loaded])
                 if staged is None:

@@ -36,7 +36,7 @@ from cncore.tier.write_behind import WriteBehind
 _MIN_CACHE_ROWS = 16
 
 
-class TieredStore(FaultIn, Prefetch, WriteBehind, SlotAllocator, Durability, DirectoryLock):
+class TieredStore(FaultIn, Prefetch, WriteBehind, Durability, DirectoryLock):
     """A table whose rows live on disk under a bounded memory cache, `cache` (an `EmbeddingStore`
     it holds), with the verbs of `cncore.storage.RowStorage` (see `cncore.tier`). Built by
     `cncore.make_store(config)` (or `TieredStore(config)`) when `config.storage` is a `Tiered`."""
@@ -87,9 +87,6 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, SlotAllocator, Durability, Dir
         self._layout()
         # Keys on disk -> slot (cn_slotindex.h: the core's hash index alone, 23-46 bytes a key).
         self._disk = _core.SlotIndex()
-        self._high_water = 0                       # slots ever used: the file's record count
-        self._free_pages = np.empty(0, np.int64)   # whole free pages, their slots taken in order
-        self._page_cursor = 0                      # slots taken from them so far
         self._flushes = 0  # flush() calls over the directory's life (meta.json "flush")
         self._commits = 0  # index versions written (a compaction commits a second one)
         self.stats = {"hits": 0, "misses": 0, "new": 0, "rows_read": 0, "rows_written": 0, "bytes_read": 0,
@@ -142,7 +139,10 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, SlotAllocator, Durability, Dir
         return rows_of(rec, self._tier_config.dtype)
 
     def _layout(self) -> None:
+        """The record layout of the directory's version, and the slot allocator its pages make
+        (built before anything is allocated: at the open, and again for an older directory)."""
         self._record, self._per_page = record_layout(self._tier_config, self._version)
+        self._allocator = SlotAllocator(self._per_page)  # where spills and flushes write in rows.dat
 
     def _layout_fields(self) -> tuple:
         """The record layout as RecordWriter takes it (cn_tier_layout)."""
@@ -422,7 +422,7 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, SlotAllocator, Durability, Dir
             first[np.unique(arr, return_index=True)[1]] = True  # a repeated key is erased once
             erased = erased | (on_disk & first)
             gone = np.unique(arr[on_disk])
-            self._release(self._disk.erase(gone))
+            self._allocator.release(self._disk.erase(gone))
         return erased
 
     @_locked

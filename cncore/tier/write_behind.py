@@ -33,7 +33,7 @@ class WriteBehind:
         heap._HEAP_TRIM.spilled(n * _row_bytes(self._tier_config))
         self.stats["rows_written"] += n
         self.stats["bytes_written"] += n * self._record.itemsize
-        return self._take_slots(n)
+        return self._allocator.take(n)
 
     def _write_behind(self, job) -> None:
         """The writer's `behind`: queue a spill's write (a SpillJob, owning the evicted rows) on
