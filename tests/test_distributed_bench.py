@@ -11,6 +11,7 @@ pytest.importorskip("torchrec")
 SCRIPTS = pathlib.Path(__file__).resolve().parents[1] / "asv_bench" / "scripts"
 
 
+@pytest.mark.slow
 def test_bench_measures_both_runs_and_the_traffic(capsys, monkeypatch):
     monkeypatch.syspath_prepend(str(SCRIPTS))  # (the ranks import the script by name, from the same path)
     from distributed_bench import main

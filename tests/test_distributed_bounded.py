@@ -53,6 +53,7 @@ def _ranks(rank, world_size, out_path):
         torch.save(everyone, out_path)
 
 
+@pytest.mark.slow
 def test_each_shard_bounds_itself_and_the_merged_checkpoint_loads_into_one_process(tmp_path):
     from cncore_torch.distributed import merge_shards
     from cncore_torch.distributed.launch import spawn

@@ -86,6 +86,7 @@ def _ranks(rank, world_size, directory, phase):
         assert store.step == ref.sparse.stores[name].step == 4
 
 
+@pytest.mark.slow
 def test_three_ranks_save_two_ranks_and_one_process_resume(tmp_path):
     from cncore_torch.distributed import merge_shards
     from cncore_torch.distributed.launch import spawn

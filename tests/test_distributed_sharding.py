@@ -160,11 +160,13 @@ def _run(world_size, *args):
     spawn(_train_and_compare, world_size, *args, timeout=TIMEOUT)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind, pack", [("mean", False), ("weighted_sum", True), ("weighted_mean", False)])
 def test_two_ranks_unequal_batches_equal_one_process(kind, pack):
     _run(2, kind, [5, 3], 3, False, "Adagrad", pack)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pack", [False, True], ids=["every_pool", "packed_pools"])
 def test_three_ranks_with_an_empty_batch_and_a_hand_plan(pack):
     _run(3, "mean", [4, 0, 6], 3, True, "RowWiseAdagrad", pack)

@@ -61,6 +61,7 @@ def _ranks(rank, world_size, root):
         store.flush()
 
 
+@pytest.mark.slow
 def test_each_rank_keeps_its_tiered_shard_in_its_own_directory(tmp_path):
     from cncore_torch.distributed.launch import spawn
     root = str(tmp_path / "tier")

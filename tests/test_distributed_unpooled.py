@@ -62,6 +62,7 @@ def _ranks(rank, world_size, batch_sizes, steps):
         np.testing.assert_array_equal(np.sort(all_keys), np.sort(store.export().keys))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size,batch_sizes", [(2, [5, 2]), (3, [3, 0, 4])])
 def test_unpooled_ranks_equal_one_process(world_size, batch_sizes):
     from cncore_torch.distributed.launch import spawn
