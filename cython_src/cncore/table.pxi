@@ -470,10 +470,10 @@ cdef class Table:
             steps_arr = np.empty(cap, dtype=np.uint32)
             kv = keys_arr
             sv = slots_arr
-            rows_p = <weight_t*> <size_t> rows_arr.ctypes.data
-            state_p = <weight_t*> <size_t> state_arr.ctypes.data
-            counts_p = <count_t*> <size_t> counts_arr.ctypes.data
-            steps_p = <count_t*> <size_t> steps_arr.ctypes.data
+            rows_p = <weight_t*> _ptr(rows_arr)
+            state_p = <weight_t*> _ptr(state_arr)
+            counts_p = <count_t*> _ptr(counts_arr)
+            steps_p = <count_t*> _ptr(steps_arr)
             with nogil:
                 _rdlock(self)
                 n_buckets = self.t.index.n_buckets
