@@ -7,7 +7,6 @@ import fcntl
 import hashlib
 import json
 import os
-import threading
 import zipfile
 
 import numpy as np
@@ -148,69 +147,79 @@ def is_tier_directory(path: str) -> bool:
         os.path.exists(os.path.join(path, "meta.json")) or os.path.exists(os.path.join(path, "rows.dat")))
 
 
-class DirectoryLock:
-    """Part of TieredStore: the directory it may open, and its one-writer lock."""
+def check_directory(path: str) -> None:
+    """A tier's path must be new, empty, or a tier of this same table; anything else is refused
+    (ValueError naming it) before anything is made."""
+    if os.path.islink(path) and not os.path.exists(path):
+        raise ValueError(f"Tiered.path: {path} is a symbolic link to {os.readlink(path)}, which does "
+                         "not exist; create the directory it points to, or give another path")
+    if not os.path.exists(path):
+        parent = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(parent):  # a typo in the path would otherwise start an empty table
+            raise ValueError(f"Tiered.path: the directory {parent} that should hold {path} does not "
+                             "exist; create it first (the tier creates only its own directory)")
+        return
+    if not os.path.isdir(path):
+        raise ValueError(f"Tiered.path: {path} exists and is not a directory")
+    entries = set(os.listdir(path)) - {"rows.dat", "meta.json", _WRITER_PID}
+    if any(not (e.startswith(".tmp-") or (e.startswith("index-") and e.endswith(".npz"))) for e in entries):
+        raise ValueError(f"Tiered.path: {path} holds other files ({sorted(entries)[:3]}); give a new or "
+                         "empty directory, or one a tiered table of this config flushed")
 
-    def _check_directory(self) -> None:
-        """The path is new, empty, or a tier of this same table; anything else is refused."""
-        if os.path.islink(self._dir) and not os.path.exists(self._dir):
-            raise ValueError(f"Tiered.path: {self._dir} is a symbolic link to {os.readlink(self._dir)}, which does "
-                             "not exist; create the directory it points to, or give another path")
-        if not os.path.exists(self._dir):
-            parent = os.path.dirname(os.path.abspath(self._dir))
-            if not os.path.isdir(parent):  # a typo in the path would otherwise start an empty table
-                raise ValueError(f"Tiered.path: the directory {parent} that should hold {self._dir} does not "
-                                 "exist; create it first (the tier creates only its own directory)")
-            return
-        if not os.path.isdir(self._dir):
-            raise ValueError(f"Tiered.path: {self._dir} exists and is not a directory")
-        entries = set(os.listdir(self._dir)) - {"rows.dat", "meta.json", _WRITER_PID}
-        if any(not (e.startswith(".tmp-") or (e.startswith("index-") and e.endswith(".npz"))) for e in entries):
-            raise ValueError(f"Tiered.path: {self._dir} holds other files ({sorted(entries)[:3]}); give a new or "
-                             "empty directory, or one a tiered table of this config flushed")
 
-    # --- one writer a directory ------------------------------------------------------------------
+class WriterLock:
+    """A tier directory's one-writer lock: an exclusive flock(2) on the directory, held by one
+    store from its open to close().
 
-    # A store holds an exclusive flock(2) on its directory from its open to close(): a second
-    # store on the same directory (in this process or another) is refused at once and touches
-    # nothing. The lock is the kernel's, so a writer killed by SIGKILL leaves none behind; the
-    # pid in the directory's `lock` file (written once the lock is held, removed at close) only
-    # names the holder in the refusal. Readers (TierFile) take no lock: they read the last
-    # flush and refuse once the writer flushes again (TierFile._check_current).
-    # A forked child inherits the descriptor, and with it the lock: it closes its copies at the
-    # fork (never unlocking, which would release the parent's lock too) and refuses every verb.
+    A second store on the same directory (in this process or another) is refused at once and
+    touches nothing. The lock is the kernel's, so a writer killed by SIGKILL leaves none behind;
+    the pid in the directory's `lock` file (written once the open has succeeded, removed at
+    release) only names the holder in the refusal. Readers (TierFile) take no lock: they read
+    the last flush and refuse once the writer flushes again (TierFile._check_current). A forked
+    child inherits the descriptor, and with it the lock: it closes its copy (`disown`), never
+    unlocking, which would release the parent's lock too.
 
-    def _lock_directory(self) -> None:
+    Attributes:
+        directory: the tier's directory.
+        fd: the directory's descriptor that holds the lock (None once released or disowned).
+        owner: the pid of the process that took it.
+    """
+
+    def __init__(self, directory: str):
         """Take the directory's writer lock, or refuse (BlockingIOError) naming its holder."""
-        fd = os.open(self._dir, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise BlockingIOError(f"Tiered.path: {self._dir} is open in another TieredStore ({writer_of(self._dir)}); "
+            raise BlockingIOError(f"Tiered.path: {directory} is open in another TieredStore ({writer_of(directory)}); "
                                   "a tier directory has one writer at a time: close that store first, or read its "
                                   "last flush with cncore.tablefile.open_table") from None
         except OSError as exc:
             os.close(fd)
-            raise OSError(exc.errno, f"Tiered.path: {self._dir} cannot be locked for one writer "
+            raise OSError(exc.errno, f"Tiered.path: {directory} cannot be locked for one writer "
                                      f"({exc.strerror}); give a directory on a local file system") from None
-        self._dir_fd, self._owner, self._pid_written = fd, os.getpid(), False
+        self.directory, self.fd, self.owner, self._pid_written = directory, fd, os.getpid(), False
 
-    def _write_pid(self) -> None:
+    @property
+    def held(self) -> bool:
+        return self.fd is not None
+
+    def write_pid(self) -> None:
         """Name this process in the directory's pid file (once the open has succeeded: a refused
         open leaves the directory as it was, a stale pid file of a killed writer included)."""
-        with open(os.path.join(self._dir, _WRITER_PID), "w") as fh:
+        with open(os.path.join(self.directory, _WRITER_PID), "w") as fh:
             fh.write(f"{os.getpid()}\n")
         self._pid_written = True
 
-    def _release_directory(self) -> None:
-        """Remove the pid file and give the writer lock back (the holder only)."""
-        fd, self._dir_fd = self._dir_fd, None
+    def release(self) -> None:
+        """Remove the pid file and give the lock back (a second release does nothing)."""
+        fd, self.fd = self.fd, None
         if fd is None:
             return
         try:
             if self._pid_written:
-                os.remove(os.path.join(self._dir, _WRITER_PID))
+                os.remove(os.path.join(self.directory, _WRITER_PID))
         except OSError:  # removed by hand meanwhile: the lock is what counts
             pass
         try:
@@ -218,21 +227,12 @@ class DirectoryLock:
         finally:
             os.close(fd)
 
-    def _disown(self) -> None:
-        """In a forked child: this copy of the store is the parent's; refuse every verb, and close
-        the copies of its descriptors without unlocking (see above)."""
-        self._lock = threading.RLock()  # the parent's may have been held by a thread the child lacks
-        self._unusable = (f"this TieredStore of {self._dir} belongs to process {getattr(self, '_owner', '?')}, "
-                          f"which forked this process ({os.getpid()}); a tier directory has one writer: use the "
-                          "store in the parent only, or read its last flush here with cncore.tablefile.open_table")
-        for name in ("_fd", "_dir_fd"):
-            fd = getattr(self, name, None)
-            setattr(self, name, None)
-            if fd is not None:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
-        if getattr(self, "_writer", None) is not None:
-            self._writer.fd = -1
-        self._pending, self._prefetching, self._erasing = [], None, None
+    def disown(self) -> None:
+        """In a forked child: close this copy of the descriptor without unlocking (the lock is
+        the parent's)."""
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass

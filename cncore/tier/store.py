@@ -17,7 +17,7 @@ from cncore.grouped import as_flag, grouped_apply_gradients, pooled_lookup_one, 
 from cncore.store import EmbeddingStore, TableBatch, _u32
 from cncore.tier import heap, records
 from cncore.tier.background import _OPEN_STORES, _locked
-from cncore.tier.directory import DirectoryLock, _open_rows
+from cncore.tier.directory import WriterLock, _open_rows, check_directory
 from cncore.tier.durability import Durability
 from cncore.tier.fault_in import _ERASE_BEHIND_AT, _FIND_ON_DISK_HERE, FaultIn
 from cncore.tier.prefetch import Prefetch
@@ -36,7 +36,7 @@ from cncore.tier.write_behind import WriteBehind
 _MIN_CACHE_ROWS = 16
 
 
-class TieredStore(FaultIn, Prefetch, WriteBehind, Durability, DirectoryLock):
+class TieredStore(FaultIn, Prefetch, WriteBehind, Durability):
     """A table whose rows live on disk under a bounded memory cache, `cache` (an `EmbeddingStore`
     it holds), with the verbs of `cncore.storage.RowStorage` (see `cncore.tier`). Built by
     `cncore.make_store(config)` (or `TieredStore(config)`) when `config.storage` is a `Tiered`."""
@@ -55,7 +55,8 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, Durability, DirectoryLock):
         # Why every verb is refused (closed, or inherited by a forked child), or None; set while
         # the store is being built, so that a half-built store refuses too.
         self._unusable = "the store is not open (its construction failed)"
-        self._fd = self._dir_fd = None  # rows.dat, and the directory (its lock: _lock_directory)
+        self._fd = None  # rows.dat
+        self._writer_lock = None  # the directory's (WriterLock), from the open to close()
         self._prefetching = None  # the Future of this store's prefetch read
         self._staged = None       # its result: (commit, sorted keys, slots, records)
         self._stage_job = None    # its shared reads (_core.StageJob)
@@ -80,7 +81,7 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, Durability, DirectoryLock):
                                     capacity=min(config.capacity, self.cache_rows))
         self._dir = storage.path
         self._io_threads = storage.io_threads
-        self._check_directory()
+        check_directory(self._dir)
         # The memory tier: a bounded core store, whose evictions go to disk (its evict_sink below).
         self.cache = EmbeddingStore(cache)
         self._version = records._VERSION  # of the directory's layout: a version 2 directory stays one
@@ -92,16 +93,16 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, Durability, DirectoryLock):
         self.stats = {"hits": 0, "misses": 0, "new": 0, "rows_read": 0, "rows_written": 0, "bytes_read": 0,
                       "bytes_written": 0, "flushes": 0, "bytes_written_by_flush": 0, "bytes_written_by_compaction": 0,
                       "compactions": 0}
-        os.makedirs(self._dir, exist_ok=True)  # its parent exists (_check_directory)
-        self._lock_directory()
+        os.makedirs(self._dir, exist_ok=True)  # its parent exists (check_directory)
+        self._writer_lock = WriterLock(self._dir)
         try:
             flushed = self._last_flush()  # checked before anything in the directory is written
             self._fd = _open_rows(os.path.join(self._dir, "rows.dat"))
             if flushed is not None:
                 self._reopen(*flushed)
-            self._write_pid()
+            self._writer_lock.write_pid()
         except BaseException:
-            self._release_directory()
+            self._writer_lock.release()
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None
@@ -507,6 +508,32 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, Durability, DirectoryLock):
             yield TableBatch(rec["key"].copy(), np.ascontiguousarray(rows), np.ascontiguousarray(state),
                              rec["count"].copy(), rec["last_step"].copy(), np.ones(len(rec), bool))
 
+    def _holds_lock(self) -> bool:
+        """Whether this store holds its directory's writer lock (also on a half-built store)."""
+        lock = getattr(self, "_writer_lock", None)
+        return lock is not None and lock.held
+
+    def _disown(self) -> None:
+        """In a forked child: this copy of the store is the parent's; refuse every verb, and close
+        the copies of its descriptors without unlocking (WriterLock.disown)."""
+        self._lock = threading.RLock()  # the parent's may have been held by a thread the child lacks
+        lock = getattr(self, "_writer_lock", None)
+        owner = lock.owner if lock is not None else "?"
+        self._unusable = (f"this TieredStore of {self._dir} belongs to process {owner}, "
+                          f"which forked this process ({os.getpid()}); a tier directory has one writer: use the "
+                          "store in the parent only, or read its last flush here with cncore.tablefile.open_table")
+        fd, self._fd = getattr(self, "_fd", None), None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        if lock is not None:
+            lock.disown()
+        if getattr(self, "_writer", None) is not None:
+            self._writer.fd = -1
+        self._pending, self._prefetching, self._erasing = [], None, None
+
     def close(self) -> None:
         """Close the file (without flushing) and give the directory's writer lock back; every
         verb after it raises ValueError ("I/O operation on closed store"). Queued spills are
@@ -516,7 +543,7 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, Durability, DirectoryLock):
         if lock is None:  # its construction failed before anything was opened
             return
         with lock:
-            if getattr(self, "_fd", None) is None and getattr(self, "_dir_fd", None) is None:
+            if getattr(self, "_fd", None) is None and not self._holds_lock():
                 return  # closed, never opened, or a forked child's copy (_disown)
             if getattr(self, "_prefetching", None) is not None:
                 self._wait_prefetch()
@@ -533,7 +560,7 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, Durability, DirectoryLock):
                 self._fd = None
                 if getattr(self, "_writer", None) is not None:
                     self._writer.fd = -1  # a spill after close fails (EBADF), never writes to a reused descriptor
-            self._release_directory()
+            self._writer_lock.release()
 
     def __del__(self):
         try:
@@ -545,8 +572,8 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, Durability, DirectoryLock):
             if getattr(self, "_fd", None) is not None:
                 os.close(self._fd)
                 self._fd = None
-            if getattr(self, "_dir_fd", None) is not None:
-                self._release_directory()
+            if self._holds_lock():
+                self._writer_lock.release()
         except Exception:
             pass
         try:
