@@ -14,8 +14,8 @@ True
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, List, Optional
 
 import numpy as np
 
@@ -26,7 +26,7 @@ from cncore.synthetic import CRITEO_CARDINALITIES, N_DENSE, N_SPARSE, SPARSE_KEY
 @dataclass
 class Batch:
     dense: np.ndarray          # (B, 13) float32, log(1 + count)
-    ids: List[np.ndarray]      # 26 arrays (B,) int64: the present IDs, then zeros (padding)
+    ids: list[np.ndarray]      # 26 arrays (B,) int64: the present IDs, then zeros (padding)
     lengths: np.ndarray        # (26, B) int64, 0 or 1: the bag of sample b in feature f
     labels: np.ndarray         # (B,) float32
     probabilities: np.ndarray  # (B,) float32, the hidden model's click probability
@@ -44,7 +44,7 @@ class SyntheticCriteo(synthetic.SyntheticCriteo):
             ids.append(padded)
         return Batch(a.dense, ids, a.lengths, a.labels, a.probabilities)
 
-    def batches(self, start: int = 0, stop: Optional[int] = None) -> Iterator[Batch]:
+    def batches(self, start: int = 0, stop: int | None = None) -> Iterator[Batch]:
         i = start
         while stop is None or i < stop:
             yield self.batch(i)

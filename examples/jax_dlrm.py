@@ -25,16 +25,15 @@ import sys
 import time
 import zlib
 from functools import partial
-from typing import List, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax_criteo import N_DENSE, SPARSE_KEYS, SyntheticCriteo
 
 import cncore
 import cncore_jax as cj
-from jax_criteo import N_DENSE, SPARSE_KEYS, SyntheticCriteo
 
 MAX_INITIAL_ROWS = 1 << 16  # as cn-dlrm: tables start at what the run can reach, at most this, and grow
 
@@ -57,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = build_parser()
     args = ap.parse_args(argv)
     for name in ("steps", "batch_size", "embedding_dim", "eval_every", "eval_batches"):
@@ -73,7 +72,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 # --- tables -------------------------------------------------------------------------------------
 
-def make_tables(args, gen: SyntheticCriteo) -> List[cj.Table]:
+def make_tables(args, gen: SyntheticCriteo) -> list[cj.Table]:
     """cn-dlrm's tables: TorchRec's default init (uniform +-sqrt(1 / num_embeddings)), seeds
     derived from (seed, table name) as `cncore_torch.collection.make_stores` does, capacities
     as cn-dlrm's `Data.initial_rows`."""
@@ -132,7 +131,7 @@ def dense_optimizer(lr: float) -> optax.GradientTransformation:
     return optax.adagrad(lr, initial_accumulator_value=0.0, eps=1e-10)
 
 
-def make_steps(tables: List[cj.Table], tx: optax.GradientTransformation):
+def make_steps(tables: list[cj.Table], tx: optax.GradientTransformation):
     @partial(jax.jit, donate_argnums=(0, 1))
     def train_step(params, opt_state, dense, ids, lengths, labels):
         pooled, ctx = cj.grouped_lookup(tables, list(ids), list(lengths))          # inserts unseen IDs
@@ -218,7 +217,7 @@ def run(args) -> int:
     return 0
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     return run(parse_args(argv))
 
 

@@ -67,12 +67,12 @@ def _worker(rank, world_size, args, out_path):
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
     import cncore
-    from cncore_torch.collection import CNEmbeddingBagCollection
-    from cncore_torch.distributed import CNEmbeddingBagCollectionSharder, plan_for
-    from cncore_torch.distributed.rw_sharding import CNRwPooledEmbeddingDist
     from cn_dlrm.data import SyntheticCriteo
     from cn_dlrm.distributed import share
     from cn_dlrm.train import build_dlrm, table_configs
+    from cncore_torch.collection import CNEmbeddingBagCollection
+    from cncore_torch.distributed import CNEmbeddingBagCollectionSharder, plan_for
+    from cncore_torch.distributed.rw_sharding import CNRwPooledEmbeddingDist
 
     torch.set_num_threads(args.threads)
     cncore.set_num_threads(args.threads)

@@ -25,7 +25,7 @@ import statistics
 import subprocess
 import tempfile
 import time
-from typing import Callable, Dict, List, Optional
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -47,13 +47,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(cn_noop, Noop,
 """
 
 
-def _medians_ms(fns: Dict[str, Callable[[], object]], repeats: int, number: int) -> Dict[str, float]:
+def _medians_ms(fns: dict[str, Callable[[], object]], repeats: int, number: int) -> dict[str, float]:
     """Median ms per call of each function, measured interleaved (one round of `number` calls of
     each, `repeats` rounds), so that load from other processes falls on all of them alike."""
     for fn in fns.values():  # warm up: compiles, and a first round (the first calls through a
         for _ in range(number):  # route ran slower, whichever pooling was measured first)
             fn()
-    times: Dict[str, List[float]] = {name: [] for name in fns}
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
             t0 = time.perf_counter()
@@ -63,8 +63,8 @@ def _medians_ms(fns: Dict[str, Callable[[], object]], repeats: int, number: int)
     return {name: 1e3 * statistics.median(t) for name, t in times.items()}
 
 
-@functools.lru_cache(maxsize=None)  # a target is registered once per process
-def ffi_noop() -> Optional[Callable]:
+@functools.cache  # a target is registered once per process
+def ffi_noop() -> Callable | None:
     """A jitted no-op FFI call over int64 IDs, or None where it cannot be compiled here."""
     if shutil.which("g++") is None:
         return None
@@ -90,7 +90,7 @@ def ffi_noop() -> Optional[Callable]:
 
 
 def measure(n_bags: int = 4096, poolings=(1, 20), dim: int = 64, vocab: int = 100_000, repeats: int = 7,
-            number: int = 20) -> List[Dict[str, float]]:
+            number: int = 20) -> list[dict[str, float]]:
     jax.config.update("jax_enable_x64", True)
     rng = np.random.default_rng(0)
     ffi = ffi_noop()
@@ -147,8 +147,8 @@ def _over(ms: float, base: float) -> str:
     return "-" if ms != ms else f"{ms:.3f} (+{ms - base:.3f}, {ms / base:.2f}x)"
 
 
-def table(rows: List[Dict[str, float]], n_bags: int, dim: int) -> str:
-    load = ", load average %.1f" % os.getloadavg()[0] if hasattr(os, "getloadavg") else ""
+def table(rows: list[dict[str, float]], n_bags: int, dim: int) -> str:
+    load = f", load average {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
     lines = [f"B = {n_bags} bags, dim {dim}, row-wise Adagrad; median ms per call, measured interleaved "
              f"({os.cpu_count()} cores, {cncore.get_num_threads()} core threads{load})", "",
              "| pooling | IDs | call | bare core | JAX, ordered io_callback (+ms, x) | JAX, FFI (+ms, x) |",
