@@ -10,9 +10,24 @@ or the buffer protocol and go out as NumPy arrays (DLPack-exportable, zero-copy)
 >>> out.shape, len(store)
 ((2, 4), 3)
 """
-from cncore import _core
-from cncore.config import (LFU, LRU, SGD, TTL, Adagrad, Adam, Constant, MinCount, Normal, Probability,
-                           RowWiseAdagrad, StoreConfig, Tiered, TruncatedNormal, Uniform)
+from cncore import _core  # noqa: F401  (the compiled core, loaded first: an unbuilt package fails here)
+from cncore.config import (
+    LFU,
+    LRU,
+    SGD,
+    TTL,
+    Adagrad,
+    Adam,
+    Constant,
+    MinCount,
+    Normal,
+    Probability,
+    RowWiseAdagrad,
+    StoreConfig,
+    Tiered,
+    TruncatedNormal,
+    Uniform,
+)
 from cncore.factory import make_store
 from cncore.grouped import LookupContext, grouped_apply_gradients, grouped_pooled_lookup
 from cncore.store import EmbeddingStore, TableBatch, initial_rows

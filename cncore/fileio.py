@@ -95,7 +95,7 @@ def _from_whitelist(d, classes: dict, what: str, where: str):
         raise _error(where, f"{what}.type must be one of {sorted(classes)}, got {_show(kind)}")
     cls = classes[kind]
     optional = _POLICY_OPTIONAL_FIELDS.get(kind, ())
-    _fields_exactly({n: None for n in optional} | d if isinstance(d, dict) else d,
+    _fields_exactly(dict.fromkeys(optional) | d if isinstance(d, dict) else d,
                     ("type",) + tuple(f.name for f in dataclasses.fields(cls)), where, what)
     values = {k: v for k, v in d.items() if k != "type"}
     for k, v in values.items():  # numbers (betas: a list of them); the constructor checks ranges
@@ -130,7 +130,7 @@ def config_from_dict(d, where: str = "") -> StoreConfig:
     if isinstance(d, dict):
         if "storage" in d:  # never written: a table file holds rows, not where a store keeps them
             raise _error(where, "config has an unknown field 'storage'")
-        d = {**{name: None for name in _OPTIONAL_FIELDS}, **d, "storage": None}
+        d = {**dict.fromkeys(_OPTIONAL_FIELDS), **d, "storage": None}
     _fields_exactly(d, tuple(f.name for f in dataclasses.fields(StoreConfig)), where, "config")
     d = dict(d)
     if d["eviction"] is not None:

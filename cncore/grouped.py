@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
 
 import numpy as np
 
@@ -71,9 +71,9 @@ class LookupContext:
     keys: np.ndarray
     slots: np.ndarray
     offsets: np.ndarray
-    weights: Optional[np.ndarray]
+    weights: np.ndarray | None
     mode: int
-    argmax: Optional[np.ndarray]
+    argmax: np.ndarray | None
     erase_epoch: int
     columns: slice  # this lookup's column block in the grouped output
     n_new: int      # rows this lookup inserted (a store under several features: all of them, on the first)
@@ -115,8 +115,8 @@ def _per_feature(value, n: int, name: str) -> list:
     return list(value)
 
 
-def grouped_pooled_lookup(stores: Sequence, keys: Sequence, offsets: Optional[Sequence] = None, *,
-                          lengths: Optional[Sequence] = None, modes="sum", per_sample_weights=None,
+def grouped_pooled_lookup(stores: Sequence, keys: Sequence, offsets: Sequence | None = None, *,
+                          lengths: Sequence | None = None, modes="sum", per_sample_weights=None,
                           insert_missing: bool = True, out=None):
     """Pooled lookup of F features at once; feature f looks up keys[f] in stores[f].
 
@@ -261,8 +261,8 @@ def lookup_checked(stores, keys, offsets, weights, modes, outs, insert_missing: 
             for f in range(len(stores))]
 
 
-def lookup_one(store, keys, offsets, weights, mode: int, out, insert_missing: bool, columns: Optional[slice] = None,
-               *, context: bool = True) -> Optional[LookupContext]:
+def lookup_one(store, keys, offsets, weights, mode: int, out, insert_missing: bool, columns: slice | None = None,
+               *, context: bool = True) -> LookupContext | None:
     """`lookup_arrays` for one feature (`EmbeddingStore.pooled_lookup`, the torch bridge): the
     same core call and context without the per-feature lists. `columns`: its block of a
     grouped output (default: all of `out`). Returns its context (None with `context=False`)."""
@@ -291,11 +291,12 @@ def forward_one(store, keys, offsets, weights, mode: int, out, insert_missing: b
     # fault-in found, so that the lookup does not find them again; see TieredStore._fault_in.)
     with store.faulted_in(keys, insert_missing) if hasattr(store, "faulted_in") else _NOTHING_HELD as found:
         slots, argmax, n_new, epoch = _core.grouped_forward([store._table], [keys], [offsets], [weights], [mode],
-                                                            [out], insert_missing, None if found is None else [found])[0]
+                                                            [out], insert_missing,
+                                                            None if found is None else [found])[0]
     return keys, offsets, weights, mode, slots, argmax, n_new, epoch, insert_missing, store.step
 
 
-def context_of(store, record: tuple, columns: Optional[slice] = None) -> LookupContext:
+def context_of(store, record: tuple, columns: slice | None = None) -> LookupContext:
     """The LookupContext of a lookup of `store` from its record (forward_one)."""
     keys, offsets, weights, mode, slots, argmax, n_new, epoch, training, step = record
     return _sealed(store, keys, slots, offsets, weights, mode, argmax, epoch,
@@ -306,7 +307,7 @@ def backward_one(store, record: tuple, grad: np.ndarray, optim: tuple) -> None:
     """The fused backward of one lookup of `store` from its record (forward_one): its (B, dim)
     float32 gradient, its `_optim_tuple`. The core checks the record against the store under
     its lock (erase epoch, offsets, slots), as it does a context's."""
-    keys, offsets, weights, mode, slots, argmax, n_new, epoch, training, step = record
+    _keys, offsets, weights, mode, slots, argmax, _n_new, epoch, training, step = record
     _core.grouped_backward([store._table], [slots], [offsets], [weights], [mode], [argmax], [grad], [optim],
                            [(training, step)], [epoch])
 
@@ -347,7 +348,7 @@ def tiers_faulted_in(stores, key_arrays, insert: bool):
     return held, found
 
 
-def _merge(ctxs: List[LookupContext], grads: List[np.ndarray]):
+def _merge(ctxs: list[LookupContext], grads: list[np.ndarray]):
     """One lookup equivalent to several lookups of one store (features sharing a table), so
     that each row gets one update with its summed gradient, as a fused TBE does. Mean pooling
     becomes weights of 1/len; max keeps its own argmax and cannot be merged."""

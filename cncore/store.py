@@ -50,8 +50,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, Optional
 
 import numpy as np
 
@@ -109,7 +109,7 @@ class TableBatch:
     counts: np.ndarray
     last_steps: np.ndarray
     found: np.ndarray
-    next_cursor: Optional[tuple] = None
+    next_cursor: tuple | None = None
 
 
 def _count(value, name: str, low: int, high: int) -> int:
@@ -119,7 +119,7 @@ def _count(value, name: str, low: int, high: int) -> int:
     return int(value)
 
 
-def _u32(obj, name: str, n: int) -> Optional[np.ndarray]:
+def _u32(obj, name: str, n: int) -> np.ndarray | None:
     if obj is None:
         return None
     arr = to_numpy(obj, name)
@@ -160,7 +160,7 @@ class EmbeddingStore:
     (True, 1)
     """
 
-    def __init__(self, config: Optional[StoreConfig] = None, **config_fields):
+    def __init__(self, config: StoreConfig | None = None, **config_fields):
         if config is None:
             config = StoreConfig(**config_fields)
         elif config_fields:
@@ -353,7 +353,7 @@ class EmbeddingStore:
 
     # --- export ------------------------------------------------------------------------------
 
-    def export(self, cursor: Optional[tuple] = None, max_rows: Optional[int] = None, *,
+    def export(self, cursor: tuple | None = None, max_rows: int | None = None, *,
                with_rows: bool = True) -> TableBatch:
         """Every row (in index order), or up to `max_rows` from `cursor` on. With
         ``with_rows=False``, keys and metadata only (rows and optimizer_state are (N, 0)): a
@@ -422,7 +422,7 @@ class EmbeddingStore:
         # after a model's dense layers).
         return pooled_lookup_one(self, keys, offsets, lengths, mode, per_sample_weights, insert_missing, out)
 
-    def apply_gradients(self, ctx, grad_output, *, lr: Optional[float] = None) -> None:
+    def apply_gradients(self, ctx, grad_output, *, lr: float | None = None) -> None:
         """Fused backward: given d(loss)/d(out) (B, dim), update every row the lookup used
         (and its optimizer state) in place, with the configured optimizer (`lr` overrides
         its learning rate for this step). Advances `step` by one."""

@@ -68,24 +68,24 @@ or path, the table was saved since, rows were written by assign / insert_or_assi
 """
 from cncore.fileio import TableFormatError, config_from_dict, config_to_dict
 from cncore.tablefile.format import (
-                                     ARRAYS,
-                                     FORMAT,
-                                     FORMAT_VERSION,
-                                     MAX_CHAIN,
-                                     array_dtypes,
-                                     as_column,
-                                     check_path_name,
-                                     infer_config,
-                                     npy_header,
+    ARRAYS,
+    FORMAT,
+    FORMAT_VERSION,
+    MAX_CHAIN,
+    array_dtypes,
+    as_column,
+    check_path_name,
+    infer_config,
+    npy_header,
 )
 from cncore.tablefile.reader import (
-                                     TableFile,
-                                     chain_head,
-                                     chain_length,
-                                     chain_versions,
-                                     load_store,
-                                     open_table,
-                                     open_table_rows,
+    TableFile,
+    chain_head,
+    chain_length,
+    chain_versions,
+    load_store,
+    open_table,
+    open_table_rows,
 )
 from cncore.tablefile.shards import check_shard
 from cncore.tablefile.writer import Checkpoint, TableWriter, compact_table, save_table

@@ -6,7 +6,6 @@ import hashlib
 import io
 import os
 import re
-from typing import Dict, Tuple
 
 import numpy as np
 
@@ -33,7 +32,7 @@ MAX_CHAIN = 16  # deltas after a base before a save writes a new base
 _ENTRY_KEYS = ("file", "dtype", "shape", "bytes", "sha256")
 
 
-def array_dtypes(config: cncore.StoreConfig, version: int = FORMAT_VERSION) -> Dict[str, np.dtype]:
+def array_dtypes(config: cncore.StoreConfig, version: int = FORMAT_VERSION) -> dict[str, np.dtype]:
     """The .npy dtype of each array of a table of `config` in format `version` (rows: float32
     before version 3, the row dtype's own size from it)."""
     dtypes = {name: np.dtype(dtype) for name, dtype in ARRAYS.items()}
@@ -104,10 +103,11 @@ def check_path_name(name, what: str = "table name") -> str:
 
     >>> check_path_name("t_user")
     't_user'
-    >>> check_path_name("../x")
+    >>> check_path_name("../x")  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
     ...
-    ValueError: table name '../x': is used as a directory name, so it must be one plain path component (not empty, '.' or '..', no '/', '\\' or NUL); rename the table; nothing was written
+    ValueError: table name '../x': is used as a directory name, so it must be one plain path component
+    (not empty, '.' or '..', no '/', '\\' or NUL); rename the table; nothing was written
     """
     if not isinstance(name, str) or name in ("", ".", "..") or any(c in name for c in "/\\\0"):
         raise ValueError(f"{what} {name!r}: is used as a directory name, so it must be one plain path component "
@@ -129,7 +129,7 @@ def _check_table_path(path: str) -> None:
                                f"empty directory or an existing table, nothing was written")
 
 
-def _check_manifest(m, where: str) -> Tuple[int, int, cncore.StoreConfig, int]:
+def _check_manifest(m, where: str) -> tuple[int, int, cncore.StoreConfig, int]:
     """(rows, step, config, evicted count) of a parsed manifest, after checking every field of
     it: its own fields, and each array entry against the row count and the config."""
     if isinstance(m, dict) and m.get("format") != FORMAT:

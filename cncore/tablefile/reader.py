@@ -6,8 +6,8 @@ import io
 import json
 import os
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, Optional, Tuple
 
 import numpy as np
 
@@ -26,7 +26,7 @@ def open_table_rows(path: str, version: str) -> int:
 
 
 def load_store(path: str, verify: bool = True, batch_rows: int = 1 << 18, kind=None,
-               version: Optional[str] = None) -> cncore.EmbeddingStore:
+               version: str | None = None) -> cncore.EmbeddingStore:
     """A store (of class `kind`, an EmbeddingStore subclass; EmbeddingStore by default) holding
     everything in the table directory, read in batches: keys, rows, optimizer state, counts,
     last steps and the step, exactly. A chain (base + deltas) is read as one table; with
@@ -71,7 +71,7 @@ def chain_length(path: str, verify: bool = False) -> int:
     return len(_open_chain(path, verify)) - 1
 
 
-def _read_current(path: str, missing_ok: bool = False, must_parse: bool = True) -> Optional[str]:
+def _read_current(path: str, missing_ok: bool = False, must_parse: bool = True) -> str | None:
     """The version CURRENT names (None if there is no CURRENT and `missing_ok`); a damaged
     CURRENT raises, or gives None when not `must_parse` (a save then replaces it)."""
     pointer = os.path.join(path, "CURRENT")
@@ -121,14 +121,14 @@ class TableFile:
     optimizer_state: np.ndarray
     counts: np.ndarray
     last_steps: np.ndarray
-    _files: Dict[str, io.FileIO] = field(default_factory=dict, repr=False, compare=False)
+    _files: dict[str, io.FileIO] = field(default_factory=dict, repr=False, compare=False)
     version: str = field(default="", repr=False, compare=False)
     # a delta version: {"parent": version, "removed": keys it removes (memmap)}; None for a base
-    delta: Optional[dict] = field(default=None, repr=False, compare=False)
+    delta: dict | None = field(default=None, repr=False, compare=False)
     evicted_count: int = 0  # rows the table had evicted when saved (0 in files before version 3)
     manifest_sha256: str = field(default="", repr=False, compare=False)  # of its manifest.json as read
     # a shard table's {"rank", "world_size", "save"} as saved; None for other tables and older files
-    shard: Optional[dict] = field(default=None, repr=False, compare=False)
+    shard: dict | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         weakref.finalize(self, _close_all, self._files)
@@ -192,7 +192,7 @@ class TableFile:
             del window
         return decode_rows(out, self.config.dtype) if name == "rows" and out.dtype != np.float32 else out
 
-    def batches(self, batch_rows: int = 1 << 18, names=tuple(ARRAYS)) -> Iterator[Tuple[int, Dict[str, np.ndarray]]]:
+    def batches(self, batch_rows: int = 1 << 18, names=tuple(ARRAYS)) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
         """(start, {name: rows [start, start + batch_rows)}) over the whole table, in file order."""
         for start in range(0, len(self), batch_rows):
             yield start, {name: self.read(name, start, start + batch_rows) for name in names}
@@ -293,8 +293,8 @@ def _open_version(path: str, version: str, verify: bool) -> TableFile:
     n, step, config, evicted = _check_manifest(manifest, where)
     if recorded is None and manifest["version"] >= 2:
         raise TableFormatError(f"{path}: {version}/manifest.sha256 is missing")
-    files: Dict[str, io.FileIO] = {}
-    arrays: Dict[str, np.ndarray] = {}
+    files: dict[str, io.FileIO] = {}
+    arrays: dict[str, np.ndarray] = {}
     try:
         for name in ARRAYS:
             files[name], arrays[name] = _open_array(os.path.join(directory, f"{name}.npy"), manifest["arrays"][name],
@@ -347,7 +347,7 @@ def _check_link(path: str, child: TableFile, parent: TableFile) -> None:
                                f"{parent.version} (or load another checkpoint); nothing was read")
 
 
-def _open_chain(path: str, verify: bool = True, head: Optional[str] = None) -> list:
+def _open_chain(path: str, verify: bool = True, head: str | None = None) -> list:
     """The versions of the live chain (or of the chain ending at version `head`), base first
     (one version for a table saved in full), each link checked against its parent. A save
     may replace the table while it is being opened: the open then starts over. A tier's
@@ -385,7 +385,7 @@ def chain_head(path: str, verify: bool = False) -> TableFile:
     return _open_chain(path, verify)[-1]
 
 
-def chain_versions(path: str, head: Optional[str] = None) -> Tuple[str, ...]:
+def chain_versions(path: str, head: str | None = None) -> tuple[str, ...]:
     """The version names of the live chain (or of the chain ending at `head`), base first,
     its manifests and links checked (not the arrays' checksums)."""
     return tuple(link.version for link in _open_chain(path, verify=False, head=head))

@@ -6,7 +6,6 @@ import json
 import os
 import shutil
 from dataclasses import dataclass, field
-from typing import Optional, Tuple
 
 import numpy as np
 
@@ -52,8 +51,8 @@ class TableWriter:
     """
 
     def __init__(self, path: str, config: cncore.StoreConfig, n_rows: int, step: int = 0, *,
-                 parent: Optional[str] = None, removed_keys=None, keep: Tuple[str, ...] = (), evicted_count: int = 0,
-                 parent_sha256: Optional[str] = None, shard: Optional[dict] = None):
+                 parent: str | None = None, removed_keys=None, keep: tuple[str, ...] = (), evicted_count: int = 0,
+                 parent_sha256: str | None = None, shard: dict | None = None):
         """parent, removed_keys, keep: a delta version (see the module docstring): the version
         it extends, the keys it removes, and the versions its commit must keep (the chain's,
         and any other a caller still needs). parent_sha256: the SHA-256 of the parent's
@@ -130,7 +129,8 @@ class TableWriter:
             optimizer_state = np.full((k, sf), initial, np.float32)
         zeros = np.zeros(k, np.uint32)
         values = {"keys": keys, "rows": rows, "optimizer_state": optimizer_state,
-                  "counts": zeros if counts is None else counts, "last_steps": zeros if last_steps is None else last_steps}
+                  "counts": zeros if counts is None else counts,
+                  "last_steps": zeros if last_steps is None else last_steps}
         arrays = {}
         for name, value in values.items():
             arr = as_column(name, value)
@@ -212,7 +212,7 @@ class TableWriter:
                     break
                 head = os.path.dirname(head)
 
-    def __enter__(self) -> "TableWriter":
+    def __enter__(self) -> TableWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -234,7 +234,7 @@ class Checkpoint:
     _store: tuple = field(default=(), repr=False)  # (the store's id token, its count of row writes)
 
 
-def _delta_blocker(store, path: str, since) -> Optional[str]:
+def _delta_blocker(store, path: str, since) -> str | None:
     """Why a delta from `since` could miss a change (None: it cannot)."""
     if not isinstance(since, Checkpoint):
         raise TypeError(f"since must be the Checkpoint a previous save_table returned, got {type(since).__name__}")
@@ -252,7 +252,7 @@ def _delta_blocker(store, path: str, since) -> Optional[str]:
 
 
 def save_table(store: cncore.EmbeddingStore, path: str, batch_rows: int = 1 << 18, *, since=None,
-               keep: Tuple[str, ...] = (), shard: Optional[dict] = None) -> Checkpoint:
+               keep: tuple[str, ...] = (), shard: dict | None = None) -> Checkpoint:
     """Write `store` (rows, optimizer state, metadata, config, step) to the table directory
     `path`, atomically. Rows are streamed in batches of `batch_rows`, so memory stays bounded.
     `path` must be new, an empty directory or an existing table (see `TableWriter`).
@@ -293,8 +293,8 @@ def save_table(store: cncore.EmbeddingStore, path: str, batch_rows: int = 1 << 1
     return Checkpoint(path, writer.version, store.step, False, 0, (store._uid, store._writes))
 
 
-def _save_delta(store, path: str, batch_rows: int, since: Checkpoint, keep: Tuple[str, ...] = (),
-                shard: Optional[dict] = None) -> Checkpoint:
+def _save_delta(store, path: str, batch_rows: int, since: Checkpoint, keep: tuple[str, ...] = (),
+                shard: dict | None = None) -> Checkpoint:
     chain = _open_chain(path, verify=False)
     if chain[-1].version != since.version:
         raise RuntimeError("the table was saved while this delta was being prepared; nothing was written")
@@ -342,7 +342,7 @@ def _chain_keys(chain) -> np.ndarray:
     return held
 
 
-def compact_table(path: str, verify: bool = True, out: Optional[str] = None) -> Checkpoint:
+def compact_table(path: str, verify: bool = True, out: str | None = None) -> Checkpoint:
     """Rewrite a chain (base + deltas) as one full base, atomically (the chain's versions are
     removed after the commit), or write it to the new table `out` and leave `path` as it is.
     Holds the table in memory while it writes."""

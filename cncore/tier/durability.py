@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -165,7 +165,7 @@ class Durability:
             os.fsync(fh.fileno())
         meta = {"format": _FORMAT, "version": self._version, "config": _config_record(self._tier_config),
                 "flush": self._flushes, "commit": self._commits, "index": index_name,
-                "rows": int(len(keys)), "step": int(self.step), "evicted": int(self.evicted_count),
+                "rows": len(keys), "step": int(self.step), "evicted": int(self.evicted_count),
                 "high_water": int(self._allocator.high_water), "record_bytes": int(self._record.itemsize),
                 "index_sha256": _sha256_file(index_path)}
         if self._version >= 4:

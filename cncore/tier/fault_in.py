@@ -1,8 +1,6 @@
 """Fault-in: the rows a call needs, brought from disk into the tier's memory cache."""
 from __future__ import annotations
 
-from typing import Optional
-
 import numpy as np
 
 from cncore import _core
@@ -16,7 +14,7 @@ _ERASE_BEHIND_AT = 256  # a one-round fault-in of at least this many disk rows l
 class FaultIn:
     """Part of TieredStore: the rows of a call's keys into the cache, a round at a time."""
 
-    def _fault_in(self, keys, insert: bool) -> Optional[np.ndarray]:
+    def _fault_in(self, keys, insert: bool) -> np.ndarray | None:
         """_fault_in_rows; whatever happens, the running prefetch is no longer the call's own
         after it (_job_is_this_calls: later spills wait for the job again). Then the heap is
         trimmed if the process's tiered stores have spilled enough since the last trim
@@ -29,7 +27,7 @@ class FaultIn:
             heap._trim()
         return found
 
-    def _fault_in_rows(self, keys, insert: bool) -> Optional[np.ndarray]:
+    def _fault_in_rows(self, keys, insert: bool) -> np.ndarray | None:
         """Bring the keys on disk into the cache (and, with insert, give the absent ones their
         initial rows), evicting only rows the call does not use. Returns, when every key has a
         row in memory now, its find's slots (-1 for the keys it brought in): the call's lookup
@@ -146,7 +144,7 @@ class FaultIn:
         their slots, the distinct others, and how many of the IDs are disk keys (with repeats)."""
         return self._disk.missing(keys, cached.view(np.uint8))
 
-    def _own_plan(self) -> Optional[int]:
+    def _own_plan(self) -> int | None:
         """The rows on disk of a fault-in whose running prefetch is its own, from that prefetch's
         find, so that it does not find them itself (np.unique and the disk index's find of its
         ~1.5k missing IDs: 0.13-0.16 ms of a 3x Zipf 1.05 step). Only when the job was handed

@@ -6,7 +6,7 @@ import contextlib
 import dataclasses
 import os
 import threading
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -41,7 +41,7 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, Durability):
     it holds), with the verbs of `cncore.storage.RowStorage` (see `cncore.tier`). Built by
     `cncore.make_store(config)` (or `TieredStore(config)`) when `config.storage` is a `Tiered`."""
 
-    def __init__(self, config: Optional[StoreConfig] = None, **config_fields):
+    def __init__(self, config: StoreConfig | None = None, **config_fields):
         if config is None:
             config = StoreConfig(**config_fields)
         storage = config.storage
@@ -224,7 +224,7 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, Durability):
         store's lock (`faulted_in`)."""
         return pooled_lookup_one(self, keys, offsets, lengths, mode, per_sample_weights, insert_missing, out)
 
-    def apply_gradients(self, ctx, grad_output, *, lr: Optional[float] = None) -> None:
+    def apply_gradients(self, ctx, grad_output, *, lr: float | None = None) -> None:
         """As EmbeddingStore.apply_gradients (the rows of a lookup are in the cache)."""
         self._check_usable()
         grouped_apply_gradients([ctx], grad_output, lr=lr, stores=[self])
@@ -237,7 +237,8 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, Durability):
     def __repr__(self) -> str:
         if self._unusable is not None:
             return f"TieredStore(path={self._dir!r}, unusable: {self._unusable})"
-        return f"TieredStore(rows={len(self)}, path={self._dir!r}, cached={self.cached_rows}, config={self.cache.config})"
+        return (f"TieredStore(rows={len(self)}, path={self._dir!r}, cached={self.cached_rows}, "
+                f"config={self.cache.config})")
 
     @_locked
     def evict(self, n: int) -> int:
@@ -470,7 +471,7 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, Durability):
         raise TypeError("set_optimizer: not on a tiered store (its records have the optimizer's width)")
 
     @_locked
-    def export(self, cursor: Optional[tuple] = None, max_rows: Optional[int] = None, *,
+    def export(self, cursor: tuple | None = None, max_rows: int | None = None, *,
                with_rows: bool = True) -> TableBatch:
         """Every row, the cache's then the disk's (no cursor: iter_export walks both tiers)."""
         if cursor is not None or max_rows is not None:
