@@ -14,6 +14,8 @@ _ERASE_BEHIND_AT = 256  # a one-round fault-in of at least this many disk rows l
 class FaultIn:
     """Part of TieredStore: the rows of a call's keys into the cache, a round at a time."""
 
+    _prefound: tuple | None  # the prefetch's find of its keys in the cache (Prefetch, _cache_find)
+
     def _fault_in(self, keys, insert: bool) -> np.ndarray | None:
         """_fault_in_rows; whatever happens, the running prefetch is no longer the call's own
         after it (_job_is_this_calls: later spills wait for the job again). Then the heap is

@@ -12,6 +12,8 @@ from cncore.tier.background import _locked
 class Prefetch:
     """Part of TieredStore: prefetch() and the staged records a later call takes."""
 
+    _prefound: tuple | None  # its find of the keys in the cache, taken by the call's fault-in (_cache_find)
+
     @_locked
     def prefetch(self, keys) -> None:
         """Hand in the next batch's keys early: a background thread finds those on disk and reads

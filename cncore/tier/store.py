@@ -118,7 +118,7 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, Durability):
         self.cache._table.evict_sink = self._writer
         # Write-behind: the rows the cache evicts are written by the background thread, not by
         # the call that evicted them (RecordWriter.behind, SpillJob); see _write_behind.
-        self._pending = []  # queued spills, oldest first: [job, its Future or None]
+        self._pending: list[list] = []  # queued spills, oldest first: [job, its Future or None]
         self._writer.behind = self._write_behind
         heap._HEAP_TRIM.add(self)
         self._unusable = None
@@ -561,7 +561,8 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, Durability):
                 self._fd = None
                 if getattr(self, "_writer", None) is not None:
                     self._writer.fd = -1  # a spill after close fails (EBADF), never writes to a reused descriptor
-            self._writer_lock.release()
+            if self._writer_lock is not None:
+                self._writer_lock.release()
 
     def __del__(self):
         try:

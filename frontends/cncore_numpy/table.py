@@ -38,6 +38,7 @@ a gradient of 1 moves each of them by -1 and records the access.
 from __future__ import annotations
 
 import abc
+from typing import Any, cast
 
 import numpy as np
 
@@ -50,20 +51,21 @@ __all__ = ["Table", "TieredTable", "load_table"]
 
 class TableVerbs:
     """What a NumPy user reaches for beyond a store's verbs: indexing, offline scoring, saving.
-    Mixed into `Table` (rows in memory) and `TieredTable` (rows on disk)."""
+    Mixed into `Table` (rows in memory) and `TieredTable` (rows on disk); `self` is either store
+    (typed Any: the verbs are EmbeddingStore's or TieredStore's)."""
 
-    def __getitem__(self, keys) -> np.ndarray:
+    def __getitem__(self: Any, keys) -> np.ndarray:
         """``t[keys]``: rows (N, dim); absent keys read as zeros (nothing is inserted)."""
         return self.lookup(keys)
 
-    def __setitem__(self, keys, rows) -> None:
+    def __setitem__(self: Any, keys, rows) -> None:
         """``t[keys] = rows``: insert or overwrite (optimizer state of existing rows is kept)."""
         self.insert_or_assign(keys, rows)
 
-    def __delitem__(self, keys) -> None:
+    def __delitem__(self: Any, keys) -> None:
         self.erase(keys)
 
-    def score(self, keys, offsets=None, *, lengths=None, mode: str = "sum", per_sample_weights=None) -> np.ndarray:
+    def score(self: Any, keys, offsets=None, *, lengths=None, mode: str = "sum", per_sample_weights=None) -> np.ndarray:
         """Offline scoring: pooled rows (B, dim) of bags of keys; unknown keys are zero rows and
         nothing in the table changes (no inserts, no access records).
 
@@ -75,7 +77,7 @@ class TableVerbs:
         return self.pooled_lookup(keys, offsets, lengths=lengths, mode=mode, per_sample_weights=per_sample_weights,
                                   insert_missing=False)[0]
 
-    def save(self, path: str) -> None:
+    def save(self: Any, path: str) -> None:
         """Write the table to the file format (atomic; see `cncore.tablefile`)."""
         save_table(self, path)
 
@@ -128,4 +130,4 @@ def load_table(path: str, verify: bool = True, batch_rows: int = 1 << 18) -> Tab
     >>> sorted(back.export().keys.tolist()) == [-2**63, 2**63 - 1], bool((back[[0, -2**63]] == t[[0, -2**63]]).all())
     (True, True)
     """
-    return load_store(path, verify, batch_rows, kind=Table)
+    return cast(Table, load_store(path, verify, batch_rows, kind=Table))
