@@ -156,7 +156,7 @@ from cncore.tier import background as tiered
 tiered._prefetcher().submit(gate.wait)  # the spills below queue behind it: killed with writes pending
 for start in range(500, 700, 10):
     train(store, np.arange(start, start + 10), 2.0)
-assert store._pending
+assert store._spills.pending
 os.kill(os.getpid(), 9)
 """
 

@@ -71,7 +71,7 @@ background._prefetcher().submit(gate.wait)  # holds the background thread: spill
 train(np.arange(1000, 1040))  # new keys: rows evicted, their writes queued
 train(np.arange(1040, 1080))
 queued = on_disk_unwritten()
-assert len(store._pending) > 0 and len(queued) > 0, (len(store._pending), len(queued))
+assert len(store._spills.pending) > 0 and len(queued) > 0, (len(store._spills.pending), len(queued))
 """
 
 
@@ -88,7 +88,7 @@ def test_a_read_of_a_row_whose_write_is_queued_waits_for_the_write(tmp_path):
     returns their rows as memory holds them, after waiting for the writes; never zeros, a fresh
     initial row or a stale record."""
     run_case(tmp_path, """
-        jobs = [job for job, _ in store._pending]
+        jobs = [job for job, _ in store._spills.pending]
         threading.Timer(0.3, gate.set).start()
         t0 = time.perf_counter()
         got = store.lookup(queued)
@@ -107,13 +107,13 @@ def test_a_flush_waits_for_queued_writes_and_the_directory_reopens_equal_to_memo
     run_case(tmp_path, """
         threading.Timer(0.3, gate.set).start()
         store.flush()
-        assert len(store._pending) == 0 and len(on_disk_unwritten()) == 0
+        assert len(store._spills.pending) == 0 and len(on_disk_unwritten()) == 0
         from cncore.tablefile import load_store
         assert_same(load_store(path), memory)  # the flush, read beside the store (one writer)
         held = threading.Event()
         background._prefetcher().submit(held.wait)
         train(np.arange(3000, 3040))  # more writes queued behind a held thread, then close
-        jobs = [job for job, _ in store._pending]
+        jobs = [job for job, _ in store._spills.pending]
         assert jobs and not any(job.written for job in jobs)
         threading.Timer(0.2, held.set).start()
         store.close()
@@ -131,7 +131,7 @@ def test_a_failed_background_write_keeps_its_rows_and_raises_until_it_succeeds(t
         store._writer.fd = -1  # every queued write fails (EBADF), and so does the retry
         gate.set()
         background._prefetcher().submit(int).result()  # the queued jobs ran (and failed)
-        jobs = [job for job, _ in store._pending]
+        jobs = [job for job, _ in store._spills.pending]
         assert jobs and not any(job.written for job in jobs)
         n = len(store)
         for attempt in range(2):
@@ -141,7 +141,7 @@ def test_a_failed_background_write_keeps_its_rows_and_raises_until_it_succeeds(t
                 assert "evicted rows failed" in str(exc) and "kept in memory" in str(exc), exc
             else:
                 raise AssertionError("the lookup read a record that was never written")
-            assert len(store) == n and len(store._pending) > 0
+            assert len(store) == n and len(store._spills.pending) > 0
         store._writer.fd = fd
         np.testing.assert_array_equal(store.lookup(queued), memory.lookup(queued))
         assert all(job.written for job in jobs)
@@ -160,7 +160,7 @@ def test_queued_writes_are_bounded(tmp_path):
         threading.Timer(0.3, gate.set).start()
         for start in range(5000, 5400, 40):
             train(np.arange(start, start + 40))
-            assert store._pending_rows <= bound + 40, (store._pending_rows, bound)
+            assert store._spills.rows <= bound + 40, (store._spills.rows, bound)
         store._wait_writes()
         assert_same(store, memory)
     """)

@@ -62,7 +62,7 @@ flush since), and reads the rest. A call of the same keys also takes the job's f
 Write-behind: the rows the cache evicts are written by that same background thread, after the
 call that evicted them returned (their keys are indexed on disk at once; a read of one on the
 training thread, a flush and close first wait for the queued writes, and a prefetch handed in
-later reads after them: one thread, first in first out). See TieredStore._write_behind.
+later reads after them: one thread, first in first out). See cncore.tier.write_behind.SpillQueue.
 
 Threads: every verb holds the store's lock, and a lookup's fault-in and its core call are one
 held section (`faulted_in`), so a thread's rows cannot go back to disk between them.

@@ -31,7 +31,7 @@ from cncore.tier.records import (
     rows_of,
 )
 from cncore.tier.slots import SlotAllocator
-from cncore.tier.write_behind import WriteBehind
+from cncore.tier.write_behind import SpillQueue, WriteBehind
 
 _MIN_CACHE_ROWS = 16
 
@@ -118,7 +118,7 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, Durability):
         self.cache._table.evict_sink = self._writer
         # Write-behind: the rows the cache evicts are written by the background thread, not by
         # the call that evicted them (RecordWriter.behind, SpillJob); see _write_behind.
-        self._pending: list[list] = []  # queued spills, oldest first: [job, its Future or None]
+        self._spills = SpillQueue(self._dir)  # the evicted rows waiting for the background thread
         self._writer.behind = self._write_behind
         heap._HEAP_TRIM.add(self)
         self._unusable = None
@@ -533,7 +533,9 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, Durability):
             lock.disown()
         if getattr(self, "_writer", None) is not None:
             self._writer.fd = -1
-        self._pending, self._prefetching, self._erasing = [], None, None
+        if getattr(self, "_spills", None) is not None:
+            self._spills.forget()
+        self._prefetching, self._erasing = None, None
 
     def close(self) -> None:
         """Close the file (without flushing) and give the directory's writer lock back; every
@@ -550,7 +552,7 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, Durability):
                 self._wait_prefetch()
             if getattr(self, "_erasing", None) is not None or getattr(self, "_unindexed", None) is not None:
                 self._settle_erase()
-            if getattr(self, "_pending", None):
+            if getattr(self, "_spills", None) is not None and self._spills.pending:
                 self._wait_writes()
             heap._HEAP_TRIM.discard(self)  # its share of the trigger (_HeapTrim) goes with it
             _OPEN_STORES.discard(self)
