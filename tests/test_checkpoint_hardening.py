@@ -144,6 +144,7 @@ def chain_counts():
     print(f"\nchain harness: {COUNTS}")
 
 
+@pytest.mark.slow
 def test_mutated_chains_load_exactly_a_held_table_or_are_refused_unchanged(tmp_path_factory, chain_counts):
     """Generated: two runs' chains (random training, erases, 2-6 saves), one or two mutations
     of the first (a link removed, two swapped, one substituted from the other run, CURRENT
@@ -499,6 +500,7 @@ def _equal(a, b) -> bool:
     return a[1] == b[1] and all(np.array_equal(a[0][f], b[0][f]) for f in FIELDS)
 
 
+@pytest.mark.slow
 def test_shard_state_dicts_say_rank_world_size_and_run(saved_runs):
     ids = json.load(open(os.path.join(saved_runs, "run_ids.json")))
     assert ids[0] == ids[1] and ids[0]["A"] != ids[0]["B"] and ids[0]["A"] is not None  # both ranks agree, per run
@@ -508,6 +510,7 @@ def test_shard_state_dicts_say_rank_world_size_and_run(saved_runs):
     assert a[:2] == [0, 2] and b[:2] == [1, 2] and a[2] == b[2] != other[2]
 
 
+@pytest.mark.slow
 def test_merge_shards_refuses_a_missing_or_foreign_rank_and_loads_refuse_a_partial_table(saved_runs):
     from cncore_torch.distributed import merge_shards
     a3, a5, b3 = (_state_dicts(saved_runs, s) for s in SOURCES)

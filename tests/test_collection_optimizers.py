@@ -197,6 +197,7 @@ def _sharded_with_tag(rank, world_size):
                                    rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_dmp_shards_honour_the_tag():
     from cncore_torch.distributed.launch import spawn
     spawn(_sharded_with_tag, 2, timeout=80.0)
@@ -417,6 +418,7 @@ def _sharded_fused_params_and_unpooled_tag(rank, world_size):
                                        rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_dmp_reads_the_sharders_fused_params_and_the_unpooled_tag():
     from cncore_torch.distributed.launch import spawn
     spawn(_sharded_fused_params_and_unpooled_tag, 2, timeout=100.0)

@@ -274,6 +274,7 @@ def _load_and_compare(rank, world_size, folder):
             assert dmp.module[0].stores[name].step == int(want[f"tables.{name}.step"])
 
 
+@pytest.mark.slow
 def test_three_rank_shard_files_reshard_into_two_ranks_and_one_process(tmp_path, capsys):
     torch = pytest.importorskip("torch")
     pytest.importorskip("torchrec")

@@ -124,6 +124,7 @@ def results():
     return got, proc
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_training_beside_erasure_applies_or_refuses_and_leaves_a_consistent_table(results, mode):
     got, proc = results

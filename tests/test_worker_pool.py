@@ -103,6 +103,7 @@ def test_default_thread_count_from_the_environment(env, expected):
     assert _run("import cncore; print(cncore.get_num_threads())", **env) == expected
 
 
+@pytest.mark.slow
 def test_cncore_torch_bounds_torchs_openmp_spin_only_when_it_can():
     pytest.importorskip("torch")
     show = "import os; {}; print(os.environ.get('GOMP_SPINCOUNT'))"
