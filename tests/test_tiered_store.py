@@ -879,7 +879,7 @@ def test_a_prefetch_never_brings_back_a_row_older_than_memory(tmp_path, held):
     store.prefetch(wanted)
     if not held:
         store._wait_prefetch()
-        assert len(store._staged[1]) == 30  # all 30 staged
+        assert len(store._prefetch.staged[1]) == 30  # all 30 staged
         for s in both:
             s.erase(wanted[:10])
         train(wanted[:10], grad=-3.0)  # made anew, in memory
@@ -1075,12 +1075,12 @@ def test_a_prefetch_of_a_few_ids_hands_in_a_job_only_for_keys_on_disk(tmp_path):
     store, memory = small_tier_and_memory(tmp_path)
     cached_and_new = np.array([299, 298, 1000, 1001, 299], np.int64)  # in memory, or no row anywhere
     store.prefetch(cached_and_new)
-    assert store._prefetching is None
+    assert store._prefetch.future is None
     with_disk = np.array([299, 3, 1000, 4, 3], np.int64)  # 3 and 4 on disk
     store.prefetch(with_disk)
-    assert store._prefetching is not None
+    assert store._prefetch.future is not None
     store._wait_prefetch()
-    np.testing.assert_array_equal(store._staged[1], [3, 4])
+    np.testing.assert_array_equal(store._prefetch.staged[1], [3, 4])
     for keys in (with_disk, cached_and_new):
         outs = [s.pooled_lookup(keys, lengths=np.ones(len(keys), np.int64), insert_missing=True)[0]
                 for s in (store, memory)]
@@ -1293,7 +1293,7 @@ def test_a_fault_in_takes_its_prefetchs_find_only_while_the_disk_index_is_unchan
     def prefetched(keys):
         store.prefetch(keys)
         deadline = time.monotonic() + 30
-        while store._stage_job.plan() is None and time.monotonic() < deadline:  # its find done
+        while store._prefetch.job.plan() is None and time.monotonic() < deadline:  # its find done
             time.sleep(0.001)
 
     def train(keys):

@@ -220,7 +220,7 @@ def test_a_prefetch_read_helped_by_the_training_thread_reads_the_same_records(tm
             np.testing.assert_array_equal(buf[:len(k)], plain[:len(k0)])
         want = keys_on_disk[:40]
         store.prefetch(np.concatenate([want, want]))
-        store._stage_job.help()
+        store._prefetch.job.help()
         np.testing.assert_array_equal(store.lookup(want), memory.lookup(want))
         assert store.stats.get("prefetched", 0) > 0
     """)

@@ -14,17 +14,15 @@ _ERASE_BEHIND_AT = 256  # a one-round fault-in of at least this many disk rows l
 class FaultIn:
     """Part of TieredStore: the rows of a call's keys into the cache, a round at a time."""
 
-    _prefound: tuple | None  # the prefetch's find of its keys in the cache (Prefetch, _cache_find)
-
     def _fault_in(self, keys, insert: bool) -> np.ndarray | None:
         """_fault_in_rows; whatever happens, the running prefetch is no longer the call's own
-        after it (_job_is_this_calls: later spills wait for the job again). Then the heap is
+        after it (_prefetch.is_this_calls: later spills wait for the job again). Then the heap is
         trimmed if the process's tiered stores have spilled enough since the last trim
         (_HeapTrim: every verb's spills count, and every verb faults in first)."""
         try:
             found = self._fault_in_rows(keys, insert)
         finally:
-            self._job_is_this_calls = False
+            self._prefetch.is_this_calls = False
         if heap._HEAP_TRIM.due():
             heap._trim()
         return found
@@ -83,7 +81,7 @@ class FaultIn:
         step = self._evict_chunk
         if n_disk:
             room = len(self.cache) + n_disk <= self.cache_rows  # then nothing is evicted
-            if not room and n_disk <= step and self._job_is_this_calls:
+            if not room and n_disk <= step and self._prefetch.is_this_calls:
                 # One round, and the running prefetch is this call's: its room is made now, before
                 # waiting for the job's reads, which go on meanwhile (the spill needs not wait for
                 # the job: _spill_slots). An eviction round is ~1.3 ms of the training thread's
@@ -155,8 +153,8 @@ class FaultIn:
         of them (within its cap), and the disk index is unchanged since its find (its version:
         an erase, say, of a key it found; a spill since would have changed the cache's keys,
         and the find would not have matched). Else None."""
-        job = self._stage_job
-        if not (self._job_is_this_calls and self._job_has_all) or job is None:
+        job = self._prefetch.job
+        if not (self._prefetch.is_this_calls and self._prefetch.has_all) or job is None:
             return None
         plan = job.plan()
         if plan is None:
@@ -171,12 +169,12 @@ class FaultIn:
         cache's keys have not changed since (the table's version: a fresh stamp at every insert,
         eviction, erase or rehash), else a find now. Taken once; kept across calls with other
         keys that leave the cache's keys as they are."""
-        pre = self._prefound
+        pre = self._prefetch.prefound
         if pre is not None and pre[0] != self.cache._table.version:
-            pre = self._prefound = None
+            pre = self._prefetch.prefound = None
         if pre is not None and _core.same_int64(pre[1], keys):
-            self._prefound = None
-            self._job_is_this_calls = True  # (until the fault-in ends: _fault_in)
+            self._prefetch.prefound = None
+            self._prefetch.is_this_calls = True  # (until the fault-in ends: _fault_in)
             return pre[2], pre[3]
         return self.cache.find(keys)
 

@@ -9,10 +9,35 @@ from cncore.tier import background, records
 from cncore.tier.background import _locked
 
 
+class PrefetchState:
+    """What a store's prefetch has under way, and what it leaves for the call that needs its
+    records (one prefetch at a time per store).
+
+    Attributes:
+        future: the Future of the background read, None when none is under way.
+        staged: its result, (commit, sorted keys, slots, records), until a call takes it.
+        job: its shared reads (_core.StageJob): a call that needs the records before they are
+            all read reads the rest beside the background thread.
+        prefound: its find of the keys in the cache, (cache version, keys, slots, found), which
+            the call of the same keys takes while the cache's keys are unchanged (_cache_find).
+        has_all: the job was handed every ID missing from memory (its find can serve the call).
+        is_this_calls: set during a fault-in whose keys are the running prefetch's (its spills
+            need not wait for the job: _spill_slots).
+    """
+
+    def __init__(self):
+        self.future = None
+        self.staged: tuple | None = None
+        self.job = None
+        self.prefound: tuple | None = None
+        self.has_all = False
+        self.is_this_calls = False
+
+
 class Prefetch:
     """Part of TieredStore: prefetch() and the staged records a later call takes."""
 
-    _prefound: tuple | None  # its find of the keys in the cache, taken by the call's fault-in (_cache_find)
+    _prefetch: PrefetchState  # the prefetch under way and what it left for the next call
 
     @_locked
     def prefetch(self, keys) -> None:
@@ -44,8 +69,8 @@ class Prefetch:
         # A copy: the caller may reuse its array while the background job reads it.
         keys = np.array(as_keys(keys), dtype=np.int64, copy=True)
         self._wait_prefetch()
-        self._prefound = None
-        self._stage_job, self._job_has_all = None, False
+        self._prefetch.prefound = None
+        self._prefetch.job, self._prefetch.has_all = None, False
         if not len(keys):
             return
         # The keys are found in the cache here, and only those missing go to the background job;
@@ -54,7 +79,7 @@ class Prefetch:
         # The job then deduplicates and finds in the disk index ~1.5k IDs, not 16k (~6.2k keys,
         # each a cache miss in the disk index): 0.4 ms less of its ~2.3 ms a 3x Zipf 1.05 step.
         slots, found = self.cache.find(keys)
-        self._prefound = (self.cache._table.version, keys, slots, found)
+        self._prefetch.prefound = (self.cache._table.version, keys, slots, found)
         keys = keys[~found]
         has_all = len(keys) > self._find_on_disk_here
         if not has_all:
@@ -90,23 +115,23 @@ class Prefetch:
         threads = 1
         # Shared with this thread: a call that needs the records before they are all read reads
         # the rest alongside the background thread (StageJob.help, cn_tier_share in cn_tier.h).
-        job = self._stage_job = _core.StageJob()
-        self._job_has_all = has_all
+        job = self._prefetch.job = _core.StageJob()
+        self._prefetch.has_all = has_all
 
         def read():
             found_keys, slots = writer.stage(keys, cap, buf.view(np.uint8).reshape(cap, -1), threads, job)
             return commit, found_keys, slots, buf[:len(slots)]
 
-        self._prefetching = background._prefetcher().submit(read)
+        self._prefetch.future = background._prefetcher().submit(read)
 
     def _wait_prefetch(self) -> None:
-        """Take the result of this store's prefetch, if one is under way (into self._staged)."""
-        job, self._prefetching = self._prefetching, None
+        """Take the result of this store's prefetch, if one is under way (into self._prefetch.staged)."""
+        job, self._prefetch.future = self._prefetch.future, None
         if job is not None:
             if not job.done():
-                self._stage_job.help()  # read its unclaimed records here rather than wait for them
+                self._prefetch.job.help()  # read its unclaimed records here rather than wait for them
             try:
-                self._staged = job.result()
+                self._prefetch.staged = job.result()
             except BaseException as exc:
                 raise RuntimeError("the background read of prefetch() failed") from exc
 
@@ -114,7 +139,7 @@ class Prefetch:
         """The records this store's prefetch read, if still current (no flush since): (sorted
         keys, slots, records), or None. Taken once: the next prefetch reads anew."""
         self._wait_prefetch()
-        staged, self._staged = self._staged, None
+        staged, self._prefetch.staged = self._prefetch.staged, None
         if staged is None:
             return None
         if staged[0] != self._commits or not len(staged[1]):

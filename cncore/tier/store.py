@@ -20,7 +20,7 @@ from cncore.tier.background import _OPEN_STORES, _locked
 from cncore.tier.directory import WriterLock, _open_rows, check_directory
 from cncore.tier.durability import Durability
 from cncore.tier.fault_in import _ERASE_BEHIND_AT, _FIND_ON_DISK_HERE, FaultIn
-from cncore.tier.prefetch import Prefetch
+from cncore.tier.prefetch import Prefetch, PrefetchState
 from cncore.tier.records import (
     _cache_rows,
     _row_bytes,
@@ -57,16 +57,11 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, Durability):
         self._unusable = "the store is not open (its construction failed)"
         self._fd = None  # rows.dat
         self._writer_lock = None  # the directory's (WriterLock), from the open to close()
-        self._prefetching = None  # the Future of this store's prefetch read
-        self._staged = None       # its result: (commit, sorted keys, slots, records)
-        self._stage_job = None    # its shared reads (_core.StageJob)
-        self._prefound = None     # the prefetch's find of its keys in the cache (_cache_find)
-        self._job_is_this_calls = False  # in a fault-in whose keys are the running prefetch's (_spill_slots)
+        self._prefetch = PrefetchState()  # the prefetch under way and what it left for the next call
         self._unindexed = None  # (keys, slots) loaded into memory, still indexed on disk (_erase_behind)
         self._erasing = None    # the background task erasing the last batch handed over (its Future)
         self._erase_behind_at = _ERASE_BEHIND_AT  # (tests set it to 1)
         self._find_on_disk_here = _FIND_ON_DISK_HERE  # (tests set it to 0)
-        self._job_has_all = False  # the running prefetch's job was handed every ID missing from memory
         self.cache_rows = _cache_rows(config, storage.cache_bytes)
         self._evict_chunk = max(records._IO_ROWS, self.cache_rows // 64)
         # Spilled bytes that make this store's share of a heap trim: 1/16 of the cache (_HeapTrim).
@@ -535,7 +530,7 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, Durability):
             self._writer.fd = -1
         if getattr(self, "_spills", None) is not None:
             self._spills.forget()
-        self._prefetching, self._erasing = None, None
+        self._prefetch, self._erasing = PrefetchState(), None
 
     def close(self) -> None:
         """Close the file (without flushing) and give the directory's writer lock back; every
@@ -548,7 +543,7 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, Durability):
         with lock:
             if getattr(self, "_fd", None) is None and not self._holds_lock():
                 return  # closed, never opened, or a forked child's copy (_disown)
-            if getattr(self, "_prefetching", None) is not None:
+            if getattr(self, "_prefetch", None) is not None and self._prefetch.future is not None:
                 self._wait_prefetch()
             if getattr(self, "_erasing", None) is not None or getattr(self, "_unindexed", None) is not None:
                 self._settle_erase()

@@ -20,17 +20,17 @@ class WriteBehind:
         writes them there and puts their keys in the disk index), counted as written."""
         if self._fd is None:  # closed: the writer's descriptor is -1 (never a reused number)
             raise OSError(errno.EBADF, f"writing evicted records: {os.strerror(errno.EBADF)} ({self._dir} was closed)")
-        if self._prefetching is not None and not self._job_is_this_calls:
+        if self._prefetch.future is not None and not self._prefetch.is_this_calls:
             # A prefetch's find must not see the keys this spill indexes (their records are
             # written behind, after it: SpillQueue). Not needed while the running prefetch
-            # is the current fault-in's own (_job_is_this_calls): its job looks up only keys of
+            # is the current fault-in's own (_prefetch.is_this_calls): its job looks up only keys of
             # this call that are not in memory (missing at its find, the cache's keys unchanged
             # since), and an eviction in this call takes only rows in memory that the call does
             # not use, so no key this spill indexes is one the job looks up.
             try:
                 self._wait_prefetch()
             except RuntimeError:  # its read failed: nothing staged (the call reads, and reports, itself)
-                self._staged = None
+                self._prefetch.staged = None
         heap._HEAP_TRIM.spilled(n * _row_bytes(self._tier_config))
         self.stats["rows_written"] += n
         self.stats["bytes_written"] += n * self._record.itemsize
