@@ -36,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 import numpy as np
 
@@ -83,6 +84,7 @@ def run_one(kind: str, stream: str, multiple: float, args) -> dict:
 def _run_one(kind: str, stream: str, multiple: float, args, directory: str) -> dict:
     import cncore
     import cncore.tier  # imported in both runs, so that the baseline RSS holds it
+    from cncore.tier import TieredStore
     start_rss = rss_bytes()
     opt = cncore.RowWiseAdagrad(lr=0.05)
     from cncore.tier.records import _cache_rows
@@ -101,62 +103,61 @@ def _run_one(kind: str, stream: str, multiple: float, args, directory: str) -> d
     base_rss = rss_bytes()
     reset_peak_rss()
     storage = cncore.Tiered(os.path.join(directory, "t"), args.cache_mib << 20) if kind == "tiered" else None
-    capacity = {"capacity": n_keys} if args.capacity_hint else {}
+    fields: dict[str, Any] = {"capacity": n_keys} if args.capacity_hint else {}
     # The policy of the tier's cache (its eviction). The in-memory store has none, as before (the
     # fastest in-memory table: no metadata kept for a policy).
-    eviction = {"eviction": cncore.LFU(halve_every=args.lfu_halve_every) if args.eviction == "lfu" else cncore.LRU()
-                } if kind == "tiered" else {}
-    store = cncore.make_store(cncore.StoreConfig(dim=args.dim, optimizer=opt, storage=storage, **eviction,
-                                                 **capacity))
-    assert kind != "tiered" or store.cache_rows == cache_rows
+    if kind == "tiered":
+        fields["eviction"] = cncore.LFU(halve_every=args.lfu_halve_every) if args.eviction == "lfu" else cncore.LRU()
+    store = cncore.make_store(cncore.StoreConfig(dim=args.dim, optimizer=opt, storage=storage, **fields))
+    tier = store if isinstance(store, TieredStore) else None  # kind == "tiered": its counters and disk verbs
+    assert tier is None or tier.cache_rows == cache_rows
     for start in range(0, n_keys, ids):  # fill: every key once
         chunk = all_keys[start:start + ids]
         _, ctx = store.pooled_lookup(chunk, lengths=np.array([len(chunk)]))
         store.apply_gradients(ctx, grad[:1])
-    times = []
+    times: list[float] = []
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
-            before = dict(store.stats) if kind == "tiered" else {}
+            before = dict(tier.stats) if tier is not None else {}
             times = []
         keys = stream_batches[step]
         t0 = time.perf_counter()
         _, ctx = store.pooled_lookup(keys, lengths=lengths)
-        if kind == "tiered" and args.prefetch:  # the next batch's reads overlap the rest of this step
-            store.prefetch(stream_batches[step + 1])
+        if tier is not None and args.prefetch:  # the next batch's reads overlap the rest of this step
+            tier.prefetch(stream_batches[step + 1])
         store.apply_gradients(ctx, grad)
         times.append(time.perf_counter() - t0)
     out = {"kind": kind, "stream": stream, "multiple": multiple, "rows": len(store), "cache_rows": cache_rows,
            "step_ms": float(np.mean(times) * 1e3), "median_step_ms": float(np.median(times) * 1e3),
            "peak_rss_mib": (max(peak_before_store, peak_rss_bytes()) - start_rss) / 2**20,
            "store_peak_mib": (peak_rss_bytes() - base_rss) / 2**20}
-    if kind == "tiered":
-        s = store.stats
+    if tier is not None:
+        s = tier.stats
         d = {k: s[k] - before.get(k, 0) for k in s}
-        from cncore.store import EmbeddingStore
-        out["memory_parts_mib"] = (EmbeddingStore.nbytes.fget(store) + store.disk_index_bytes) / 2**20
+        out["memory_parts_mib"] = (tier.cache.nbytes + tier.disk_index_bytes) / 2**20
         out.update(hit_rate=d["hits"] / max(1, d["hits"] + d["misses"]),
                    read_per_step=d["rows_read"] / args.steps, written_per_step=d["rows_written"] / args.steps,
                    mib_read_per_step=d["bytes_read"] / args.steps / 2**20,
                    mib_written_per_step=d["bytes_written"] / args.steps / 2**20)
         if args.passes and multiple == min(args.multiples):
             written0 = s["bytes_written"]
-            row_bytes = 4 * (args.dim + store.config.state_floats)
+            row_bytes = 4 * (args.dim + tier.config.state_floats)
             updated = 0
             for _ in range(args.passes):
                 order = np.random.default_rng(7).permutation(all_keys)
                 for start in range(0, n_keys, ids):
                     chunk = order[start:start + ids]
-                    _, ctx = store.pooled_lookup(chunk, lengths=np.array([len(chunk)]))
-                    store.apply_gradients(ctx, grad[:1])
+                    _, ctx = tier.pooled_lookup(chunk, lengths=np.array([len(chunk)]))
+                    tier.apply_gradients(ctx, grad[:1])
                     updated += len(chunk)
-                store.flush()
-            out["write_amplification"] = (store.stats["bytes_written"] - written0) / (updated * row_bytes)
+                tier.flush()
+            out["write_amplification"] = (tier.stats["bytes_written"] - written0) / (updated * row_bytes)
             file_bytes = os.path.getsize(os.path.join(directory, "t", "rows.dat"))
-            store.compact()
+            tier.compact()
             after = os.path.getsize(os.path.join(directory, "t", "rows.dat"))
-            live = len(store) * store.record_bytes
+            live = len(tier) * tier.record_bytes
             out.update(file_over_live_before_compact=file_bytes / live, file_over_live_after_compact=after / live,
-                       record_bytes=store.record_bytes)
+                       record_bytes=tier.record_bytes)
     return out
 
 
@@ -207,7 +208,7 @@ def main(argv=None) -> int:
     load_before = os.getloadavg()[0]
     for multiple in args.multiples:
         for stream in args.streams:
-            runs = {"tiered": [], "memory": []}
+            runs: dict[str, list[dict]] = {"tiered": [], "memory": []}
             for rep in range(args.repeat):  # the two kinds alternate, so that a noisy neighbour hits both
                 for kind in ("tiered", "memory"):
                     argv_child = [sys.executable, __file__, "--kind", kind, "--stream", stream, "--multiple",
