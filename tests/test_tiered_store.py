@@ -1259,13 +1259,13 @@ def test_a_loaded_rows_disk_entry_is_erased_behind_and_never_a_newer_one(tmp_pat
     tiered._prefetcher().submit(gate.wait)
     try:
         store.prefetch(keys)  # all in memory: no read job, only the erase, queued behind the gate
-        assert store._erasing is not None and not store._erasing.done()
+        assert store._erases.task is not None and not store._erases.task.done()
         store.evict(store.cached_rows)  # the loaded rows go back to disk, at other slots
         new = store._disk.find(keys)
         assert (new >= 0).all() and not np.isin(new, old).any()
     finally:
         gate.set()
-    store._erasing.result()
+    store._erases.task.result()
     assert (store._disk.find(keys) == new).all()
     assert len(store) == len(memory) == 300
     assert_same_rows(store, memory)

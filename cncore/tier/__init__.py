@@ -57,7 +57,7 @@ cache's bytes of them), in one C call without the GIL, while the current step ru
 SSD TBE pipeline does the same); the next call takes them if still current (same slot, no
 flush since), and reads the rest. A call of the same keys also takes the job's find of them
 (`_own_plan`), and leaves the disk index's erase of the rows it loaded to the background thread
-(`_erase_behind`).
+(`fault_in.EraseBehind`).
 
 Write-behind: the rows the cache evicts are written by that same background thread, after the
 call that evicted them returned (their keys are indexed on disk at once; a read of one on the

@@ -86,7 +86,7 @@ class Durability:
         whole cache and writing it from one buffer made a flush's peak RSS 1.7x the steady
         state (130 MiB for a 32 MiB cache at 3x, asv_bench/scripts/tiered_bench.py)."""
         self._wait_prefetch()
-        self._settle_erase()
+        self._erases.settle()
         self._wait_writes()  # before the fsync: every spilled row in the file
         n = len(self.cache) + len(self._disk)
         keys, slots = np.empty(n, np.int64), np.empty(n, np.int64)

@@ -100,7 +100,7 @@ class FaultIn:
             # its records read at once held 4 MiB beside the cache (half the store's peak over
             # cache + disk index). A round's keys leave the disk index once loaded, so that an
             # error in a later round leaves every row in one tier (a fault-in of one round leaves
-            # that erase to the background thread: _erase_behind).
+            # that erase to the background thread: EraseBehind).
             for a in range(0, len(disk_keys), step):
                 k, at = disk_keys[a:a + step], slots[a:a + step]
                 rec = self._read_current(k, at, staged)
@@ -113,7 +113,7 @@ class FaultIn:
                 self._check_records(raw, k, at)
                 loaded = self.cache._table.load_records(self._writer, raw, k, pin)
                 if len(disk_keys) <= step and len(k) >= self._erase_behind_at:
-                    self._erase_behind(k, at)
+                    self._erases.leave(k, at)
                 else:
                     self._disk.erase(k)
                 self._allocator.release(at)
@@ -178,43 +178,66 @@ class FaultIn:
             return pre[2], pre[3]
         return self.cache.find(keys)
 
-    def _erase_behind(self, keys: np.ndarray, slots: np.ndarray) -> None:
-        """Leave the disk index's erase of keys just loaded into memory (from `slots`) to the
-        background thread: the next prefetch hands it over after its read job, so it never
-        delays the reads a call waits for (0.16-0.19 ms of the training thread's 3x Zipf 1.05
-        step, 1.4k keys, each a cache miss in the disk index). Only a fault-in of one round.
 
-        Until it runs, such a key is in memory and still indexed at its old slot. Nothing looks
-        a key in memory up on disk except the verbs over the whole table (len, export, flush,
-        erase, clear, close), which first wait for it (_settle_erase). A key evicted meanwhile is
-        indexed anew at another slot (a slot is never reused before a flush), which erase_at
-        leaves in place. At most two batches are outstanding (the last one handed over, and one
-        not yet handed): the disk index's reservation allows for them (disk_keys_at_most)."""
-        if self._unindexed is not None:  # no prefetch since the last batch: it goes here
-            self._disk.erase_at(*self._unindexed)
-        self._unindexed = (keys, slots)
+class EraseBehind:
+    """The disk index's erase of keys a one-round fault-in just loaded into memory, left to the
+    background thread: the next prefetch hands it over after its read job, so it never delays
+    the reads a call waits for (0.16-0.19 ms of the training thread's 3x Zipf 1.05 step, 1.4k
+    keys, each a cache miss in the disk index).
 
-    def _hand_erase(self) -> None:
-        """Queue the batch of _erase_behind on the background thread (after the prefetch's read
-        job, just handed in). The batch before it, handed over at the previous prefetch, ran
-        after that prefetch's reads, which the call since waited for: waited for here (almost
-        never still running), so that at most one batch is queued."""
-        batch, self._unindexed = self._unindexed, None
+    Until it runs, such a key is in memory and still indexed at its old slot. Nothing looks a
+    key in memory up on disk except the verbs over the whole table (len, export, flush, erase,
+    clear, close), which first wait for it (`settle`). A key evicted meanwhile is indexed anew
+    at another slot (a slot is never reused before a flush), which erase_at leaves in place. At
+    most two batches are outstanding (the last one handed over, and one not yet handed): the
+    disk index's reservation allows for them (TieredStore.disk_keys_at_most).
+
+    Attributes:
+        disk: the store's disk index (_core.SlotIndex).
+        batch: (keys, slots) loaded into memory and still indexed on disk, not yet handed over.
+        task: the Future of the batch handed over to the background thread, or None.
+    """
+
+    def __init__(self, disk):
+        self.disk = disk
+        self.batch: tuple | None = None
+        self.task = None
+
+    @property
+    def outstanding(self) -> bool:
+        return self.task is not None or self.batch is not None
+
+    def leave(self, keys: np.ndarray, slots: np.ndarray) -> None:
+        """Leave the erase of `keys` (loaded from `slots`) for later."""
+        if self.batch is not None:  # no prefetch since the last batch: it goes here
+            self.disk.erase_at(*self.batch)
+        self.batch = (keys, slots)
+
+    def hand_over(self) -> None:
+        """Queue the batch on the background thread (after the prefetch's read job, just handed
+        in). The batch before it, handed over at the previous prefetch, ran after that
+        prefetch's reads, which the call since waited for: waited for here (almost never still
+        running), so that at most one batch is queued."""
+        batch, self.batch = self.batch, None
         if batch is None:
             return
-        if self._erasing is not None:
-            self._erasing.result()
+        if self.task is not None:
+            self.task.result()
         try:
-            self._erasing = background._prefetcher().submit(self._disk.erase_at, *batch)
+            self.task = background._prefetcher().submit(self.disk.erase_at, *batch)
         except RuntimeError:  # the executor is shut down (interpreter exit): here, then
-            self._erasing = None
-            self._disk.erase_at(*batch)
+            self.task = None
+            self.disk.erase_at(*batch)
 
-    def _settle_erase(self) -> None:
-        """Every erase of _erase_behind done (before a verb that reads the whole disk index)."""
-        task, self._erasing = self._erasing, None
+    def settle(self) -> None:
+        """Every erase left behind done (before a verb that reads the whole disk index)."""
+        task, self.task = self.task, None
         if task is not None:
             task.result()
-        batch, self._unindexed = self._unindexed, None
+        batch, self.batch = self.batch, None
         if batch is not None:
-            self._disk.erase_at(*batch)
+            self.disk.erase_at(*batch)
+
+    def forget(self) -> None:
+        """In a forked child: the task handed over is the parent's thread's."""
+        self.task = None

@@ -62,7 +62,7 @@ class Prefetch:
         try:
             self._prefetch_keys(keys)
         finally:
-            self._hand_erase()  # after the read job: the last fault-in's disk-index erase (_erase_behind)
+            self._erases.hand_over()  # after the read job: the last fault-in's disk-index erase (EraseBehind)
 
     def _prefetch_keys(self, keys) -> None:
         """prefetch(), but for the erase it hands over."""

@@ -19,7 +19,7 @@ from cncore.tier import heap, records
 from cncore.tier.background import _OPEN_STORES, _locked
 from cncore.tier.directory import WriterLock, _open_rows, check_directory
 from cncore.tier.durability import Durability
-from cncore.tier.fault_in import _ERASE_BEHIND_AT, _FIND_ON_DISK_HERE, FaultIn
+from cncore.tier.fault_in import _ERASE_BEHIND_AT, _FIND_ON_DISK_HERE, EraseBehind, FaultIn
 from cncore.tier.prefetch import Prefetch, PrefetchState
 from cncore.tier.records import (
     _cache_rows,
@@ -58,8 +58,7 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, Durability):
         self._fd = None  # rows.dat
         self._writer_lock = None  # the directory's (WriterLock), from the open to close()
         self._prefetch = PrefetchState()  # the prefetch under way and what it left for the next call
-        self._unindexed = None  # (keys, slots) loaded into memory, still indexed on disk (_erase_behind)
-        self._erasing = None    # the background task erasing the last batch handed over (its Future)
+        self._erases: EraseBehind | None = None  # disk-index erases left to the background thread
         self._erase_behind_at = _ERASE_BEHIND_AT  # (tests set it to 1)
         self._find_on_disk_here = _FIND_ON_DISK_HERE  # (tests set it to 0)
         self.cache_rows = _cache_rows(config, storage.cache_bytes)
@@ -83,6 +82,7 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, Durability):
         self._layout()
         # Keys on disk -> slot (cn_slotindex.h: the core's hash index alone, 23-46 bytes a key).
         self._disk = _core.SlotIndex()
+        self._erases = EraseBehind(self._disk)
         self._flushes = 0  # flush() calls over the directory's life (meta.json "flush")
         self._commits = 0  # index versions written (a compaction commits a second one)
         self.stats = {"hits": 0, "misses": 0, "new": 0, "rows_read": 0, "rows_written": 0, "bytes_read": 0,
@@ -335,7 +335,7 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, Durability):
         cache's low-water mark (eviction takes the cache down to max_rows - headroom), plus one
         round of a fault-in's loads (its keys leave the disk index after they are loaded, and
         the rows evicted to make their room are indexed on disk before that), plus two rounds
-        whose erase is left to the background thread and may not have run yet (_erase_behind)."""
+        whose erase is left to the background thread and may not have run yet (EraseBehind)."""
         low_water = self.cache_rows - self.cache.config.headroom  # the cache's own config
         return max(0, int(rows) - low_water + 3 * self._evict_chunk)
 
@@ -351,7 +351,7 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, Durability):
 
     @_locked
     def __len__(self) -> int:
-        self._settle_erase()
+        self._erases.settle()
         return len(self.cache) + len(self._disk)
 
     def __reduce__(self):
@@ -410,7 +410,7 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, Durability):
 
     @_locked
     def erase(self, keys) -> np.ndarray:
-        self._settle_erase()
+        self._erases.settle()
         erased = self.cache.erase(keys)
         arr = as_keys(keys)
         on_disk = self._disk.find(arr) >= 0
@@ -424,7 +424,7 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, Durability):
 
     @_locked
     def clear(self) -> None:
-        self._settle_erase()
+        self._erases.settle()
         self.cache.clear()
         self._disk.clear()
 
@@ -491,7 +491,7 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, Durability):
             cursor = b.next_cursor
             if cursor is None:
                 break
-        self._settle_erase()
+        self._erases.settle()
         sf = self._tier_config.state_floats
         for disk_keys, disk_slots in self._disk.items(batch_size):
             rec = self._read(disk_slots)
@@ -530,7 +530,9 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, Durability):
             self._writer.fd = -1
         if getattr(self, "_spills", None) is not None:
             self._spills.forget()
-        self._prefetch, self._erasing = PrefetchState(), None
+        self._prefetch = PrefetchState()
+        if getattr(self, "_erases", None) is not None:
+            self._erases.forget()
 
     def close(self) -> None:
         """Close the file (without flushing) and give the directory's writer lock back; every
@@ -545,8 +547,8 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, Durability):
                 return  # closed, never opened, or a forked child's copy (_disown)
             if getattr(self, "_prefetch", None) is not None and self._prefetch.future is not None:
                 self._wait_prefetch()
-            if getattr(self, "_erasing", None) is not None or getattr(self, "_unindexed", None) is not None:
-                self._settle_erase()
+            if getattr(self, "_erases", None) is not None and self._erases.outstanding:
+                self._erases.settle()
             if getattr(self, "_spills", None) is not None and self._spills.pending:
                 self._wait_writes()
             heap._HEAP_TRIM.discard(self)  # its share of the trigger (_HeapTrim) goes with it
