@@ -47,19 +47,11 @@ import torch
 from torch import nn
 
 import cncore
-from cncore_torch.collection import CNEmbeddingBagCollection
 from cn_dlrm import bounded
+from cn_dlrm.compare import equal_memory_rows, hashed_run
 from cn_dlrm.data import SPARSE_KEYS, SyntheticCriteo
-from cn_dlrm.train import (
-    Run,
-    _mute_is_fx_tracing_notice,
-    build_dlrm,
-    equal_memory_rows,
-    hashed_run,
-    table_configs,
-    train,
-    used_bytes,
-)
+from cn_dlrm.train import Run, _mute_is_fx_tracing_notice, build_dlrm, table_configs, train, used_bytes
+from cncore_torch.collection import CNEmbeddingBagCollection
 
 METHODS = ["ours-lru", "ours-lfu", "ours-lru+mincount2", "hashed", "hashed-same-memory", "mch-lru", "mch-lfu",
            "mch-distance-lfu", "mch-lru-reset"]

@@ -8,9 +8,10 @@ import nothing of it. Its modules, each importing only the ones listed before it
 - `data`: the synthetic Criteo-like stream as torch batches, and the Criteo text file reader
 - `bounded`: the row budgets, eviction and admission policies and SSD tier of the table options
 - `chains`: incremental checkpoints as table file chains
-- `train`: the single-process run: data, models, the training loop, checkpoints, the report
-- `distributed`: the same run on several processes (`--nproc`, torchrun)
-- `job`: `run(args)`, which picks one of the two
+- `train`: the run's parts: data, the model on dynamic tables, the training loop, checkpoints, the report
+- `compare`: TorchRec's own tables on the same data (--compare)
+- `distributed`: the run on several processes (`--nproc`, torchrun)
+- `job`: `run(args)`: the run on one process, or `distributed`'s on several
 
 Importing the package imports none of them.
 """

@@ -27,7 +27,6 @@ import time
 import warnings
 from typing import Dict, Iterator, List, Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torchmetrics
@@ -40,6 +39,7 @@ from cncore_torch.distributed.launch import spawn
 
 from cn_dlrm import bounded
 from cn_dlrm import train as job
+from cn_dlrm.compare import collision_free_remap
 from cn_dlrm.chains import TableChains
 from cn_dlrm.data import Batch, read_criteo_tsv
 from cn_dlrm.options import InputError
@@ -251,7 +251,7 @@ def torchrec_run(args, data, rank: int, world_size: int) -> DistributedRun:
     from torchrec.optim import RowWiseAdagrad as TorchRecRowWiseAdagrad
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
-    rows, remap = job.collision_free_remap(args, data)
+    rows, remap = collision_free_remap(args, data)
     torch.manual_seed(args.seed)
     ebc = EmbeddingBagCollection(tables=job.table_configs(args.embedding_dim, rows), device=torch.device("meta"))
     model = job.build_dlrm(ebc, args.embedding_dim)

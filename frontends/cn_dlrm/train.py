@@ -1,8 +1,7 @@
-"""The `cn-dlrm` job on one process: TorchRec's DLRM trained on dynamic tables, with progress,
-throughput and AUC; with --compare, TorchRec's own tables on the same data.
-
-The options and their checks are `cn_dlrm.options`; `run(args)` here trains on one process,
-and `distributed.py` reuses its parts (`Data`, `train`, `restore`, `report`) on several.
+"""The parts of the `cn-dlrm` run: the data (`Data`), the model on dynamic tables (`Run`,
+`dynamic_run`), the training loop with progress, evaluations and checkpoints (`train`), resuming
+(`load_checkpoint`, `restore`) and the final report. `job.py` runs them on one process,
+`distributed.py` on several; `compare.py` builds TorchRec's own tables for --compare.
 
 >>> from cn_dlrm.options import parse_args
 >>> data = Data(parse_args(["--steps", "4", "--batch-size", "8", "--eval-batches", "1", "--data-scale", "1e-4"]))
@@ -14,20 +13,16 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
-import socket
 import sys
 import time
-import warnings
 from itertools import islice
 from typing import Dict, Iterator, List, Optional
 
 import numpy as np
 import torch
 import torchmetrics
-from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+from torchrec import EmbeddingBagConfig
 from torchrec.models.dlrm import DLRM
-from torchrec.optim import RowWiseAdagrad as TorchRecRowWiseAdagrad
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from tqdm import tqdm
 
@@ -226,116 +221,6 @@ def used_bytes(store: cncore.EmbeddingStore) -> int:
     value_bytes = 4 if store.config.dtype == "float32" else 2
     meta_bytes = 16 + (8 if store.config.eviction is not None else 0)
     return 16 * store._table.n_buckets + len(store) * (store.dim * value_bytes + meta_bytes)
-
-
-def equal_memory_rows(tables: CNEmbeddingBagCollection, dim: int) -> List[int]:
-    """Rows of a fixed table (dim floats + one row-wise Adagrad float) in the memory each
-    dynamic table uses (`used_bytes`: a fixed table would not need spare capacity either)."""
-    return [max(1, used_bytes(store) // ((dim + 1) * 4)) for store in tables.stores.values()]
-
-
-def fixed_run(args, name: str, rows: List[int], remap) -> Run:
-    """TorchRec's own EmbeddingBagCollection (fixed tables of `rows`), IDs mapped by `remap`."""
-    torch.manual_seed(args.seed)
-    ebc = EmbeddingBagCollection(tables=table_configs(args.embedding_dim, rows))
-    model = build_dlrm(ebc, args.embedding_dim)
-    sparse = [p for n, p in model.named_parameters() if "embedding_bags" in n]
-    dense = [p for n, p in model.named_parameters() if "embedding_bags" not in n]
-    return Run(name, model, [torch.optim.Adagrad(dense, lr=args.dense_lr),
-                             TorchRecRowWiseAdagrad(sparse, lr=args.sparse_lr)], remap=remap, fixed_rows=list(rows),
-               dim=args.embedding_dim)
-
-
-def hashed_run(args, rows: List[int]) -> Run:
-    """IDs hashed modulo each table's size: the usual way to fit unbounded IDs in fixed tables."""
-    sizes = torch.tensor(rows)
-
-    def hashed(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
-        size_per_value = torch.repeat_interleave(sizes, torch.tensor(kjt.length_per_key()))
-        return KeyedJaggedTensor(keys=kjt.keys(), values=torch.remainder(kjt.values(), size_per_value),
-                                 lengths=kjt.lengths())
-
-    return fixed_run(args, "TorchRec EBC (hashed, same memory)", rows, hashed)
-
-
-def collision_free_remap(args, data: Data):
-    """(table sizes, remap): every ID the synthetic run can meet mapped to 0..N-1 beforehand."""
-    gen = data.synthetic
-    n_items = gen.items_by_batch(args.steps + args.eval_batches)
-    sorted_ids, order = [], []
-    for f, n in enumerate(n_items):
-        raw = gen.raw_ids(f, n)
-        o = np.argsort(raw)
-        sorted_ids.append(raw[o])
-        order.append(o)
-
-    def remap(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
-        by_key = kjt.to_dict()
-        values = [order[f][np.searchsorted(sorted_ids[f], by_key[k].values().numpy())]
-                  for f, k in enumerate(kjt.keys())]
-        return KeyedJaggedTensor(keys=kjt.keys(), values=torch.from_numpy(np.concatenate(values).astype(np.int64)),
-                                 lengths=kjt.lengths())
-
-    return n_items, remap
-
-
-def collision_free_run(args, data: Data) -> Run:
-    """Fixed tables with no collisions: the quality dynamic tables should match."""
-    rows, remap = collision_free_remap(args, data)
-    return fixed_run(args, "TorchRec EBC (collision-free, remapped)", rows, remap)
-
-
-def _free_port() -> int:
-    """A port no one listens on now (a fixed one collides with other jobs on a shared machine)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def dmp_run(args, data: Data) -> Run:
-    """TorchRec's production path on CPU: DistributedModelParallel (gloo, world size 1) with
-    fused FBGEMM tables and row-wise Adagrad applied in backward; IDs remapped collision-free."""
-    import torch.distributed as dist
-    from torchrec.distributed.embedding_types import EmbeddingComputeKernel
-    from torchrec.distributed.model_parallel import DistributedModelParallel
-    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
-    from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
-    from torchrec.distributed.planner.types import KernelConfig, TopologyFactory, TrainerConfig
-    from torchrec.distributed.sharding_plan import get_default_sharders
-    from torchrec.distributed.types import ShardingType
-    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
-    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
-    from torchrec.optim.optimizers import in_backward_optimizer_filter
-
-    if not dist.is_initialized():
-        # a port of its own, not MASTER_PORT in os.environ: child processes would inherit it
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
-    rows, remap = collision_free_remap(args, data)
-    torch.manual_seed(args.seed)
-    model = build_dlrm(EmbeddingBagCollection(tables=table_configs(args.embedding_dim, rows),
-                                              device=torch.device("meta")), args.embedding_dim)
-    apply_optimizer_in_backward(TorchRecRowWiseAdagrad, model.sparse_arch.parameters(), {"lr": args.sparse_lr})
-    # Left alone, the planner puts small tables on its data-parallel "dense" kernel (dense
-    # gradients); every table on FBGEMM's fused kernel is the production path we compare with.
-    fused = {f"t_{key}": ParameterConstraints(sharding_types=[ShardingType.TABLE_WISE.value],
-                                              compute_kernels=[EmbeddingComputeKernel.FUSED.value])
-             for key in SPARSE_KEYS}
-    # The topology factory and a fixed storage reservation: TorchRec warns about the plain
-    # Topology(...) and its default heuristic reservation.
-    topology = TopologyFactory.create_topology(TrainerConfig(world_size=1),
-                                               kernel_config=KernelConfig(compute_device="cpu"))
-    planner = EmbeddingShardingPlanner(topology=topology, constraints=fused,
-                                       storage_reservation=FixedPercentageStorageReservation(0.15))
-    plan = planner.plan(model, get_default_sharders())
-    with warnings.catch_warnings():
-        # TorchRec's own DistributedDataParallel call passes the deprecated argument: not ours to change.
-        warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
-        dmp = DistributedModelParallel(module=model, device=torch.device("cpu"), plan=plan)
-    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
-                                  lambda ps: torch.optim.Adagrad(ps, lr=args.dense_lr))
-    return Run("TorchRec DMP (fused FBGEMM, collision-free)", dmp,
-               [CombinedOptimizer([dmp.fused_optimizer, dense])], remap=remap, fixed_rows=list(rows),
-               dim=args.embedding_dim)
 
 
 # --- training ------------------------------------------------------------------------------------
@@ -616,32 +501,3 @@ def report(results: List[Dict], best: Optional[float], args) -> None:
     if args.summary_json:
         with writing("--summary-json", args.summary_json), open(args.summary_json, "w") as fh:
             json.dump({"runs": results, "best_attainable_auc": best, "args": vars(args)}, fh, indent=2)
-
-
-def run(args) -> int:
-    """Run the job on this process for parsed options (`cn_dlrm.options.parse_args`); returns 0.
-    `InputError` when the input data or the checkpoint does not do (`job.run` prints it as one line)."""
-    _mute_is_fx_tracing_notice()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-        cncore.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    state = load_checkpoint(args.resume, args) if args.resume else None
-    data = Data(args)
-    run = dynamic_run(args, data)
-    if getattr(args, "prefill", False):
-        began = time.perf_counter()
-        rows = prefill_tables(run.tables, data.synthetic, args.steps + args.eval_batches)
-        print(f"prefilled {rows:,} rows in {time.perf_counter() - began:.1f} s")
-    start = 0
-    if state is not None:
-        start = restore(run, state, args)
-        print(f"resumed from {args.resume} at step {start}")
-    results = [train(run, data, args, start)]
-    if args.compare:
-        if data.synthetic is not None:
-            results.append(train(collision_free_run(args, data), data, args))
-            results.append(train(dmp_run(args, data), data, args))
-        results.append(train(hashed_run(args, equal_memory_rows(run.tables, args.embedding_dim)), data, args))
-    report(results, best_attainable(data), args)
-    return 0
