@@ -24,14 +24,12 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import Dict, List, Optional
 
 import numpy as np
 
 import cncore
-from cncore.synthetic import N_SPARSE, SyntheticCriteo
-
 from cn_dlrm.options import InputError, row_budget
+from cncore.synthetic import N_SPARSE, SyntheticCriteo
 
 __all__ = ["StreamCounts", "stream_counts", "percent_budgets", "policy", "table_budgets", "collection_options",
            "sweep_expired", "eviction_summary", "tier_summary"]
@@ -40,16 +38,16 @@ __all__ = ["StreamCounts", "stream_counts", "percent_budgets", "policy", "table_
 @dataclass
 class StreamCounts:
     """Per feature (table): distinct IDs over a range of batches, and the most in one batch."""
-    distinct: List[int]
-    peak_batch: List[int]
+    distinct: list[int]
+    peak_batch: list[int]
 
 
 def stream_counts(gen: SyntheticCriteo, steps: int, start: int = 0, world_size: int = 1) -> StreamCounts:
     """Count the distinct IDs of each feature in batches start .. steps-1 of `gen`; peak_batch is
     the most distinct IDs of one batch (with world_size > 1: world_size times the most that one
     batch routes to one shard, the budget a shard of ceil(budget / world_size) rows needs)."""
-    seen: List[np.ndarray] = [np.empty(0, np.int64) for _ in range(N_SPARSE)]
-    pending: List[List[np.ndarray]] = [[] for _ in range(N_SPARSE)]
+    seen: list[np.ndarray] = [np.empty(0, np.int64) for _ in range(N_SPARSE)]
+    pending: list[list[np.ndarray]] = [[] for _ in range(N_SPARSE)]
     peak = [0] * N_SPARSE
     for i in range(start, steps):
         a = gen.arrays(i)
@@ -71,12 +69,12 @@ def _largest_shard(keys: np.ndarray, world_size: int) -> int:
     return int(np.bincount(owner_of(torch.from_numpy(keys), world_size).numpy(), minlength=world_size).max())
 
 
-def percent_budgets(counts: StreamCounts, percent: float) -> List[int]:
+def percent_budgets(counts: StreamCounts, percent: float) -> list[int]:
     """P% of each table's distinct IDs (rounded up), at least its peak batch, at most all of them."""
     return [min(d, max(math.ceil(d * percent / 100), p, 1)) for d, p in zip(counts.distinct, counts.peak_batch)]
 
 
-def policy(evict: Optional[str], ttl_steps: Optional[int], lfu_halve_every: Optional[int] = None):
+def policy(evict: str | None, ttl_steps: int | None, lfu_halve_every: int | None = None):
     """The cncore eviction object of --evict (None: no policy)."""
     if evict is None:
         return None
@@ -85,20 +83,20 @@ def policy(evict: Optional[str], ttl_steps: Optional[int], lfu_halve_every: Opti
     return cncore.LRU() if evict == "lru" else cncore.TTL(ttl_steps)
 
 
-def table_budgets(args, names: List[str], synthetic: Optional[SyntheticCriteo],
-                  world_size: int = 1) -> Optional[Dict[str, int]]:
+def table_budgets(args, names: list[str], synthetic: SyntheticCriteo | None,
+                  world_size: int = 1) -> dict[str, int] | None:
     """{table name: row budget} of --max-rows (None without it); world_size: the processes the
     tables are sharded over (see the module docstring)."""
     rows, percent = row_budget(args.max_rows)
     if rows is not None:
-        return {name: rows for name in names}
+        return dict.fromkeys(names, rows)
     if percent is None:
         return None
     return dict(zip(names, percent_budgets(stream_counts(synthetic, args.steps, world_size=world_size), percent)))
 
 
-def collection_options(args, names: List[str], synthetic: Optional[SyntheticCriteo], world_size: int = 1,
-                       rank: int = 0, sizes: Optional[List[int]] = None) -> dict:
+def collection_options(args, names: list[str], synthetic: SyntheticCriteo | None, world_size: int = 1,
+                       rank: int = 0, sizes: list[int] | None = None) -> dict:
     """The keyword arguments of the bounded-table options for CNEmbeddingBagCollection (only
     those set: the collection's defaults stay its own); with --ssd-path, the tier (each rank its
     own directory)."""
@@ -119,7 +117,7 @@ def collection_options(args, names: List[str], synthetic: Optional[SyntheticCrit
     return options
 
 
-def tier_storage(args, names: List[str], sizes: List[int], world_size: int, rank: int) -> Dict[str, cncore.Tiered]:
+def tier_storage(args, names: list[str], sizes: list[int], world_size: int, rank: int) -> dict[str, cncore.Tiered]:
     """--ssd-path / --cache-mb: each table its directory and a share of the cache by its size,
     never less than 4 batches of distinct IDs (a lookup's keys must fit the cache at once)."""
     root = args.ssd_path if world_size == 1 else os.path.join(args.ssd_path, f"rank{rank}")
@@ -134,13 +132,13 @@ def tier_storage(args, names: List[str], sizes: List[int], world_size: int, rank
             for name, n in zip(names, sizes)}
 
 
-def sweep_expired(stores: Dict[str, cncore.EmbeddingStore]) -> int:
+def sweep_expired(stores: dict[str, cncore.EmbeddingStore]) -> int:
     """TTL tables: evict the rows expired at this step, also below the budget; returns how many."""
     return sum(store.evict_expired() for store in stores.values()
                if isinstance(store.config.eviction, cncore.TTL))
 
 
-def tier_summary(stores: Dict[str, cncore.EmbeddingStore]) -> dict:
+def tier_summary(stores: dict[str, cncore.EmbeddingStore]) -> dict:
     """The SSD tier's totals over the tables on it (for the job's report): the rows their memory
     caches hold at most, IDs found in memory (hits) and read from disk (misses) over every
     lookup of the run (prefill, training, evaluation), rows read and written; {} when no table
@@ -154,7 +152,7 @@ def tier_summary(stores: Dict[str, cncore.EmbeddingStore]) -> dict:
             **{f"tier_{key}": float(value) for key, value in totals.items()}}
 
 
-def eviction_summary(stores: Dict[str, cncore.EmbeddingStore]) -> dict:
+def eviction_summary(stores: dict[str, cncore.EmbeddingStore]) -> dict:
     """Rows and evictions per table, and their totals (for the job's report)."""
     rows = {name: len(store) for name, store in stores.items()}
     evicted = {name: int(store.evicted_count) for name, store in stores.items()}

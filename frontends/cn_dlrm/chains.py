@@ -32,17 +32,15 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Dict, Optional
 
 import torch
 
 import cncore
+from cn_dlrm.options import InputError
 from cncore.routing import shard_name
 from cncore.tablefile import Checkpoint, TableFormatError, chain_versions, check_path_name, load_store, save_table
 from cncore_torch.checkpoint import table_prefixes
 from cncore_torch.state import save_store
-
-from cn_dlrm.options import InputError
 
 __all__ = ["TableChains", "open_checkpoint", "is_incremental_checkpoint"]
 
@@ -85,10 +83,10 @@ class TableChains:
     def __init__(self, directory: str, every: int, rank: int = 0, world_size: int = 1):
         self.directory, self.every = directory, every
         self.rank, self.world_size = rank, world_size
-        self.last: Dict[str, Checkpoint] = {}
+        self.last: dict[str, Checkpoint] = {}
         # {table: this rank's version that dense.pt names}: kept by every save until dense.pt
         # names newer ones (None: not read yet)
-        self.committed: Optional[Dict[str, Optional[str]]] = None
+        self.committed: dict[str, str | None] | None = None
         self.saves = 0
         self.deltas = 0
 
@@ -96,19 +94,19 @@ class TableChains:
         path = os.path.join(self.directory, TABLES, name)
         return path if self.world_size == 1 else os.path.join(path, shard_name(self.rank, self.world_size))
 
-    def _read_committed(self, names) -> Dict[str, Optional[str]]:
+    def _read_committed(self, names) -> dict[str, str | None]:
         """The versions the directory's dense.pt names for this rank's tables: from dense.pt
         (None where it names none, or is of another world size, whose shards live in other
         folders), or, for a dense.pt written before it named versions, each table's CURRENT."""
         dense = os.path.join(self.directory, DENSE)
         if not os.path.isfile(dense):
-            return {name: None for name in names}
+            return dict.fromkeys(names)
         try:
             state = torch.load(dense, weights_only=False)
         except Exception:  # not cn-dlrm's: nothing of it to keep
-            return {name: None for name in names}
+            return dict.fromkeys(names)
         if int(state.get("world_size", 1)) != self.world_size:
-            return {name: None for name in names}
+            return dict.fromkeys(names)
         if "table_versions" not in state:
             return {name: _current(self.table_path(name)) for name in names}
         named = state["table_versions"]
@@ -118,7 +116,7 @@ class TableChains:
             out[name] = version[self.rank] if isinstance(version, list) else version
         return out
 
-    def _keep(self, path: str, version: Optional[str]):
+    def _keep(self, path: str, version: str | None):
         """The versions of the chain ending at `version` (every version present when that
         chain cannot be read: nothing is dropped that a resume might need)."""
         if version is None:
@@ -128,8 +126,8 @@ class TableChains:
         except (TableFormatError, OSError):
             return tuple(e for e in (os.listdir(path) if os.path.isdir(path) else ()) if re.fullmatch(r"v[0-9]{6,}", e))
 
-    def save(self, model: torch.nn.Module, optimizers, stores: Dict[str, cncore.EmbeddingStore], step: int,
-             extra: Optional[dict] = None) -> None:
+    def save(self, model: torch.nn.Module, optimizers, stores: dict[str, cncore.EmbeddingStore], step: int,
+             extra: dict | None = None) -> None:
         for name in stores:
             check_path_name(name, "table name")
         os.makedirs(os.path.join(self.directory, TABLES), exist_ok=True)
@@ -171,7 +169,7 @@ class TableChains:
         self.saves += 1
 
 
-def _current(path: str) -> Optional[str]:
+def _current(path: str) -> str | None:
     """The version a table directory's CURRENT names (None: no table there yet)."""
     try:
         with open(os.path.join(path, "CURRENT")) as fh:

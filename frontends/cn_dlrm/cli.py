@@ -5,7 +5,6 @@ with its install line instead of a traceback.
 from __future__ import annotations
 
 import sys
-from typing import List, Optional
 
 from cn_dlrm.options import build_parser, parse_args
 
@@ -19,7 +18,7 @@ TORCHREC_INSTALL = ("pip install fbgemm-gpu-cpu==1.8.0 && pip install --no-deps 
 TORCHREC_MODULES = {"torchrec", "fbgemm_gpu", "tensordict", "torchmetrics", "pyre_extensions"}
 
 
-def install_hint(missing_module: Optional[str]) -> Optional[str]:
+def install_hint(missing_module: str | None) -> str | None:
     """What to install when `missing_module` cannot be imported (None: not one of the job's).
 
     >>> install_hint("torchrec").startswith("TorchRec is not installed")
@@ -37,7 +36,7 @@ def install_hint(missing_module: Optional[str]) -> Optional[str]:
     return None
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """`cn-dlrm`: parse and check the options, then import torch and TorchRec and run the job.
     A bad option exits with code 2 before torch loads:
 

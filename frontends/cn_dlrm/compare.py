@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import socket
 import warnings
-from typing import List
 
 import numpy as np
 import torch
@@ -16,21 +15,20 @@ from torchrec import EmbeddingBagCollection
 from torchrec.optim import RowWiseAdagrad as TorchRecRowWiseAdagrad
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from cncore_torch.collection import CNEmbeddingBagCollection
-
 from cn_dlrm.data import SPARSE_KEYS
 from cn_dlrm.train import Data, Run, build_dlrm, table_configs, used_bytes
+from cncore_torch.collection import CNEmbeddingBagCollection
 
 __all__ = ["equal_memory_rows", "fixed_run", "hashed_run", "collision_free_remap", "collision_free_run", "dmp_run"]
 
 
-def equal_memory_rows(tables: CNEmbeddingBagCollection, dim: int) -> List[int]:
+def equal_memory_rows(tables: CNEmbeddingBagCollection, dim: int) -> list[int]:
     """Rows of a fixed table (dim floats + one row-wise Adagrad float) in the memory each
     dynamic table uses (`used_bytes`: a fixed table would not need spare capacity either)."""
     return [max(1, used_bytes(store) // ((dim + 1) * 4)) for store in tables.stores.values()]
 
 
-def fixed_run(args, name: str, rows: List[int], remap) -> Run:
+def fixed_run(args, name: str, rows: list[int], remap) -> Run:
     """TorchRec's own EmbeddingBagCollection (fixed tables of `rows`), IDs mapped by `remap`."""
     torch.manual_seed(args.seed)
     ebc = EmbeddingBagCollection(tables=table_configs(args.embedding_dim, rows))
@@ -42,7 +40,7 @@ def fixed_run(args, name: str, rows: List[int], remap) -> Run:
                dim=args.embedding_dim)
 
 
-def hashed_run(args, rows: List[int]) -> Run:
+def hashed_run(args, rows: list[int]) -> Run:
     """IDs hashed modulo each table's size: the usual way to fit unbounded IDs in fixed tables."""
     sizes = torch.tensor(rows)
 

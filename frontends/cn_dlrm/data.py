@@ -13,17 +13,16 @@ from __future__ import annotations
 
 import gzip
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, List, Optional
 
 import numpy as np
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from cn_dlrm.options import InputError
 from cncore import synthetic
 from cncore.synthetic import CRITEO_CARDINALITIES, DENSE_KEYS, N_DENSE, N_SPARSE, SPARSE_KEYS  # noqa: F401
-
-from cn_dlrm.options import InputError
 
 M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 
@@ -33,7 +32,7 @@ class Batch:
     dense: torch.Tensor         # (B, 13) float32, log(1 + count)
     sparse: KeyedJaggedTensor   # 26 keys, raw int64 IDs, one ID per sample and feature (empty allowed)
     labels: torch.Tensor        # (B,) float32
-    probabilities: Optional[torch.Tensor] = None  # the hidden model's click probability (synthetic data)
+    probabilities: torch.Tensor | None = None  # the hidden model's click probability (synthetic data)
 
 
 class SyntheticCriteo(synthetic.SyntheticCriteo):
@@ -46,7 +45,7 @@ class SyntheticCriteo(synthetic.SyntheticCriteo):
                                                   lengths=torch.from_numpy(a.lengths.reshape(-1)))
         return Batch(torch.from_numpy(a.dense), kjt, torch.from_numpy(a.labels), torch.from_numpy(a.probabilities))
 
-    def batches(self, start: int = 0, stop: Optional[int] = None) -> Iterator[Batch]:
+    def batches(self, start: int = 0, stop: int | None = None) -> Iterator[Batch]:
         i = start
         while stop is None or i < stop:
             yield self.batch(i)
@@ -87,7 +86,7 @@ def read_criteo_tsv(path: str, batch_size: int, skip_batches: int = 0, rank: int
     line_no = 0
     try:
         with opener(path, "rt", encoding="utf-8") as fh:
-            lines: List[str] = []
+            lines: list[str] = []
             n_batches = 0
             for line in fh:
                 line_no += 1
@@ -116,19 +115,19 @@ _INTEGER, _CATEGORY = re.compile(INTEGER), re.compile(CATEGORY)
 INTEGER_RANGE = (-(1 << 63), 1 << 64)  # what a 64-bit count (signed or not) holds
 
 
-def _parse(lines: List[str], path: str, first_line: int, rank: int = 0, world_size: int = 1) -> Batch:
+def _parse(lines: list[str], path: str, first_line: int, rank: int = 0, world_size: int = 1) -> Batch:
     """The batch of `lines`; with world_size > 1, only rank `rank`'s share parsed (the rest blank)."""
     b = len(lines)
     labels = np.zeros(b, dtype=np.float32)
     dense = np.zeros((b, N_DENSE), dtype=np.float32)
-    per_feature: List[List[int]] = [[] for _ in range(N_SPARSE)]
+    per_feature: list[list[int]] = [[] for _ in range(N_SPARSE)]
     lengths = np.zeros((N_SPARSE, b), dtype=np.int64)
     lo, hi = rank * b // world_size, (rank + 1) * b // world_size
     for row in range(lo, hi):
         line = lines[row].rstrip("\r\n")
         fields = line.split("\t")
 
-        def bad(what: str) -> InputError:
+        def bad(what: str, row: int = row) -> InputError:
             return InputError(f"{path}, line {first_line + row}: {what}")
 
         if len(fields) != N_FIELDS:
@@ -163,7 +162,7 @@ def _shown(text: str) -> str:
     return repr(text[:20]) + ("..." if len(text) > 20 else "")
 
 
-def _what_is_wrong(fields: List[str]) -> str:
+def _what_is_wrong(fields: list[str]) -> str:
     """Why a line of the right field count does not match `LINE`: its first bad field."""
     if fields[0] not in ("0", "1"):
         return f"the label is {_shown(fields[0])}, it must be 0 or 1"

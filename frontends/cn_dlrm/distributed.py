@@ -25,7 +25,7 @@ import math
 import os
 import time
 import warnings
-from typing import Dict, Iterator, List, Optional
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -33,16 +33,15 @@ import torchmetrics
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import cncore
+from cn_dlrm import bounded
+from cn_dlrm import train as job
+from cn_dlrm.chains import TableChains
+from cn_dlrm.compare import collision_free_remap
+from cn_dlrm.data import Batch, read_criteo_tsv
+from cn_dlrm.options import InputError
 from cncore_torch.collection import CNEmbeddingBagCollection
 from cncore_torch.distributed import CNEmbeddingBagCollectionSharder, merge_shards, plan_for
 from cncore_torch.distributed.launch import spawn
-
-from cn_dlrm import bounded
-from cn_dlrm import train as job
-from cn_dlrm.compare import collision_free_remap
-from cn_dlrm.chains import TableChains
-from cn_dlrm.data import Batch, read_criteo_tsv
-from cn_dlrm.options import InputError
 
 __all__ = ["run", "share"]
 
@@ -68,7 +67,7 @@ def rank_batches(args, start: int, rank: int, world_size: int) -> Iterator[Batch
     reader = read_criteo_tsv(args.criteo_tsv, args.batch_size, skip_batches=args.eval_batches + start, rank=rank,
                              world_size=world_size)
     for _ in range(args.steps - start):
-        error: Optional[InputError] = None
+        error: InputError | None = None
         try:
             batch = next(reader, None)
         except InputError as e:
@@ -91,7 +90,7 @@ def _sum_hook(process_group, bucket):
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
-def _all_sum(values: List[float]) -> List[float]:
+def _all_sum(values: list[float]) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(t)
     return t.tolist()
@@ -155,7 +154,7 @@ class DistributedRun:
         return _all_sum([loss.item()])[0] / len(batch.labels)
 
     @torch.no_grad()
-    def evaluate(self, batches: List[Batch]) -> Dict[str, float]:
+    def evaluate(self, batches: list[Batch]) -> dict[str, float]:
         self.model.eval()
         scores, labels = [], []
         for b in batches:
@@ -182,7 +181,7 @@ class DistributedRun:
             return None
         return {"model": merge_shards(shards), "optimizers": [o.state_dict() for o in self.optimizers]}
 
-    def table_summary(self) -> Dict[str, float]:
+    def table_summary(self) -> dict[str, float]:
         if self.sharded is None:  # TorchRec's fixed tables: rows x (dim floats + one row-wise Adagrad float)
             rows = sum(self.fixed_rows)
             mib = rows * (self.dim + 1) * 4 / 2**20

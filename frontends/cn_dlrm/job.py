@@ -14,7 +14,6 @@ import time
 import torch
 
 import cncore
-
 from cn_dlrm import compare, distributed, train
 from cn_dlrm.options import InputError
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import List, Optional
 
 __all__ = ["InputError", "build_parser", "parse_args", "row_budget", "chains_world_size", "ROW_DTYPES", "EVICTIONS"]
 
@@ -124,7 +123,7 @@ def _row_budget(text: str) -> str:
     return str(_int_at_least(1)(t))
 
 
-def row_budget(text: Optional[str]):
+def row_budget(text: str | None):
     """(rows per table, percent of each table's distinct IDs) of a --max-rows value, one of them None.
 
     >>> row_budget("4096"), row_budget("25%"), row_budget(None)
@@ -258,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The job's options, checked; a bad one exits with code 2 and one line naming it.
 
     >>> parse_args(["--steps", "10"]).steps, parse_args([]).batch_size
@@ -369,7 +368,7 @@ def _check_bounded(ap: argparse.ArgumentParser, args: argparse.Namespace, world:
         ap.error(f"cannot write {args.checkpoint}: it is a folder (a folder is for --incremental-checkpoint-every)")
 
 
-def chains_world_size(directory: str) -> Optional[int]:
+def chains_world_size(directory: str) -> int | None:
     """The number of processes whose table chains `directory` (an --incremental-checkpoint-every
     directory) holds: 1 when its tables are table directories, W when they hold shard-R-of-W
     directories; None when it holds none.

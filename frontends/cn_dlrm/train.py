@@ -15,8 +15,8 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Iterator
 from itertools import islice
-from typing import Dict, Iterator, List, Optional
 
 import numpy as np
 import torch
@@ -27,13 +27,12 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from tqdm import tqdm
 
 import cncore
-from cncore.routing import owner_of
-from cncore_torch.collection import CNEmbeddingBagCollection
-
 from cn_dlrm import bounded
 from cn_dlrm.chains import TableChains, atomic_torch_save, is_incremental_checkpoint, open_checkpoint
 from cn_dlrm.data import N_DENSE, SPARSE_KEYS, Batch, SyntheticCriteo, read_criteo_tsv
 from cn_dlrm.options import InputError
+from cncore.routing import owner_of
+from cncore_torch.collection import CNEmbeddingBagCollection
 
 # A Criteo file's vocabulary is unknown up front: its tables start this small (64 KiB pages)
 # and grow. Synthetic tables start at what the run can reach, at most MAX_INITIAL_ROWS.
@@ -75,7 +74,7 @@ class Data:
                                  skip_batches=self.args.eval_batches + start)
         return (b for _, b in zip(range(self.args.steps - start), reader))
 
-    def initial_rows(self, budgets: Optional[Dict[str, int]] = None) -> Dict[str, int]:
+    def initial_rows(self, budgets: dict[str, int] | None = None) -> dict[str, int]:
         """Rows each table allocates up front: no more than the run can fill (tables grow past it),
         nor than its row budget."""
         ids_per_feature = (self.args.steps + self.args.eval_batches) * self.args.batch_size
@@ -114,7 +113,7 @@ def prefill_tables(tables: CNEmbeddingBagCollection, synthetic: SyntheticCriteo,
 
 # --- models ------------------------------------------------------------------------------------
 
-def table_configs(dim: int, rows: List[int]) -> List[EmbeddingBagConfig]:
+def table_configs(dim: int, rows: list[int]) -> list[EmbeddingBagConfig]:
     return [EmbeddingBagConfig(name=f"t_{key}", embedding_dim=dim, num_embeddings=n, feature_names=[key])
             for key, n in zip(SPARSE_KEYS, rows)]
 
@@ -124,7 +123,7 @@ def build_dlrm(ebc, dim: int) -> DLRM:
                 over_arch_layer_sizes=[128, 64, 1])
 
 
-def prefetch_tables(tables, batch: Optional[Batch]) -> None:
+def prefetch_tables(tables, batch: Batch | None) -> None:
     """Tiered tables (--ssd-path): hand them the keys of `batch`, so that their disk reads run in
     the background while the current step's backward and dense update do."""
     if tables is None or batch is None:
@@ -144,11 +143,11 @@ def prefetch_tables(tables, batch: Optional[Batch]) -> None:
 class Run:
     """One model, its optimizers, and how its batches reach it."""
 
-    def __init__(self, name: str, model: DLRM, optimizers: List[torch.optim.Optimizer], remap=None, tables=None,
-                 fixed_rows: Optional[List[int]] = None, dim: int = 0):
+    def __init__(self, name: str, model: DLRM, optimizers: list[torch.optim.Optimizer], remap=None, tables=None,
+                 fixed_rows: list[int] | None = None, dim: int = 0):
         self.name, self.model, self.optimizers, self.remap, self.tables = name, model, optimizers, remap, tables
         self.fixed_rows, self.dim = fixed_rows, dim
-        self.upcoming: Optional[Batch] = None  # the next training batch, for tiered tables' prefetch
+        self.upcoming: Batch | None = None  # the next training batch, for tiered tables' prefetch
 
     def features(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
         return kjt if self.remap is None else self.remap(kjt)
@@ -166,7 +165,7 @@ class Run:
         return loss.item()
 
     @torch.no_grad()
-    def evaluate(self, batches: List[Batch]) -> Dict[str, float]:
+    def evaluate(self, batches: list[Batch]) -> dict[str, float]:
         self.model.eval()
         auc = torchmetrics.classification.BinaryAUROC(sync_on_compute=False)
         losses, n = 0.0, 0
@@ -177,7 +176,7 @@ class Run:
             n += len(b.labels)
         return {"auc": float(auc.compute()), "logloss": losses / n}
 
-    def table_summary(self) -> Dict[str, float]:
+    def table_summary(self) -> dict[str, float]:
         """Rows, MiB in use, and MiB allocated (ours: spare capacity and partly filled pages too);
         bounded tables: also rows, budget and evictions per table."""
         if self.tables is not None:
@@ -286,7 +285,7 @@ class Progress:
             self.bar.close()
 
 
-def train(run: Run, data: Data, args, start: int = 0) -> Dict[str, float]:
+def train(run: Run, data: Data, args, start: int = 0) -> dict[str, float]:
     """Train `run` from step `start` to `args.steps` (or to the end of a Criteo file), evaluating
     every `args.eval_every` steps and at the end; checkpoints (ours only) at every evaluation, or
     with --incremental-checkpoint-every K, table chains every K steps and at the end (chains.py).
@@ -350,7 +349,7 @@ def train(run: Run, data: Data, args, start: int = 0) -> Dict[str, float]:
             "auc": final["auc"], "logloss": final["logloss"], **run.table_summary(), "history": history}
 
 
-def best_attainable(data: Data) -> Optional[float]:
+def best_attainable(data: Data) -> float | None:
     if data.synthetic is None:
         return None
     auc = torchmetrics.classification.BinaryAUROC(sync_on_compute=False)
@@ -363,7 +362,7 @@ def best_attainable(data: Data) -> Optional[float]:
 TABLE_PREFIX = "sparse_arch.embedding_bag_collection.tables."
 
 
-def load_checkpoint(path: str, args) -> Dict:
+def load_checkpoint(path: str, args) -> dict:
     """A checkpoint this run can continue from (a file, or the directory of an incremental one);
     `InputError` says why not."""
     try:
@@ -397,7 +396,7 @@ MODEL_OPTIONS = ("embedding_dim", "max_rows", "evict", "ttl_steps", "lfu_halve_e
                  "admit_probability", "row_dtype")
 
 
-def restore(run, state: Dict, args, rank: int = 0, world_size: int = 1) -> int:
+def restore(run, state: dict, args, rank: int = 0, world_size: int = 1) -> int:
     """Load `state` (`load_checkpoint`'s) into `run`, on process `rank` of `world_size` (each
     keeps the keys it owns); returns the checkpoint's step. Checked first, on every process
     alike: the keys each process would own of every table fit its budget (a checkpoint saved
@@ -470,7 +469,7 @@ def _mute_is_fx_tracing_notice() -> None:
         logger.disabled = was_disabled
 
 
-def report(results: List[Dict], best: Optional[float], args) -> None:
+def report(results: list[dict], best: float | None, args) -> None:
     """The final table (and the summary JSON)."""
     print()
     evictions = any("evicted" in r for r in results)  # a column only for bounded tables
