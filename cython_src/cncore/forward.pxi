@@ -18,7 +18,7 @@ def grouped_forward(list tables, list keys, list offsets, list weights, list mod
     reported on its first feature (0 on the others). Rows a table evicted go to its
     `evict_sink` after every lock is released.
 
-    found_slots (a tier's fault-in, cncore/tiered.py): per feature None, or the slot of every
+    found_slots (a tier's fault-in, cncore/tier/): per feature None, or the slot of every
     one of its keys, found by the caller under a lock it still holds: the lookup pools those
     rows without finding the keys again (16k IDs: 0.19 ms of a 3x Zipf 1.05 tier step found
     twice); -1 for a key to find here (one the caller brought in since its find). Only for a

@@ -38,7 +38,7 @@ def record_offsets(slots, int64_t rec, int64_t per_page):
     """File offsets (int64 array) of the SSD tier's records at `slots`: records of `rec` bytes,
     `per_page` to a 4 KiB page, never straddling one (a record of a page or more: whole pages
     each). cn_tier_offset (cn_tier.h) is the one formula: the writer's spills use it in C, and
-    the tier's reads (cncore.tiered.record_offsets) through this.
+    the tier's reads (cncore.tier.records.record_offsets) through this.
 
     >>> record_offsets([0, 13, 14, 15], 280, 14).tolist()   # 14 records of 280 bytes a page
     [0, 3640, 4096, 4376]
@@ -83,7 +83,7 @@ cdef class RecordWriter
 
 
 cdef class SpillJob:
-    """The rows one eviction sent to disk, on their way there (write-behind, cncore/tiered.py):
+    """The rows one eviction sent to disk, on their way there (write-behind, cncore/tier/):
     it owns the eviction's buffer (rows, state, metadata, as the cache copied them out) and the
     slots the allocator gave; `run()` packs and writes them (nogil, through the writer's
     background buffer) and frees the rows once written. Until then a read of those keys must

@@ -1,5 +1,5 @@
 /* cn_blockio.h: batched reads and writes of fixed-size records at given file offsets, for the
- * SSD tier (cncore/tiered.py).
+ * SSD tier (cncore/tier/).
  *
  * One call moves every record a batch needs, with the GIL released and the worker pool's
  * threads each issuing blocking pread/pwrite calls on their share: several I/Os are in flight

@@ -1,4 +1,4 @@
-/* cn_slotindex.h: the SSD tier's disk index (cncore/tiered.py), key -> slot of the record in the
+/* cn_slotindex.h: the SSD tier's disk index (cncore/tier/), key -> slot of the record in the
  * tier's file, for every row that is on disk and not in the memory cache.
  *
  * It is cn_index.h itself (open addressing, 16-byte buckets {key, slot}, occupancy in the slot
@@ -21,7 +21,7 @@
 
 /* Grow so that `extra` more keys keep the load at or under the maximum: to exactly the buckets
  * they need when `exact` (a reservation: the tier reserves, from StoreConfig.capacity, the most
- * keys its disk can ever hold, cncore/tiered.py), else by cn_index.h's growth rule (at least
+ * keys its disk can ever hold, cncore/tier/), else by cn_index.h's growth rule (at least
  * CN_INDEX_GROWTH times the present buckets, so that growing key by key rehashes a bounded
  * number of times). 0, or -1 (no memory: the index is unchanged).
  * Until this, every size was rounded up to a power of two, because the tier reserved
@@ -80,7 +80,7 @@ static inline void cn_slotindex_erase(cn_index *ix, const int64_t *keys, int64_t
 
 /* Remove each key whose slot is still slots[i] (a key indexed again at another slot since, by a
  * spill that wrote it there, stays); returns how many were removed. The tier's training thread
- * hands the keys it loaded into memory to its background thread this way (cncore/tiered.py,
+ * hands the keys it loaded into memory to its background thread this way (cncore/tier/,
  * TieredStore._erase_behind). */
 static inline int64_t cn_slotindex_erase_at(cn_index *ix, const int64_t *keys, const int64_t *slots, int64_t n) {
     int64_t removed = 0;

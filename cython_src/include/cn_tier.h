@@ -1,4 +1,4 @@
-/* cn_tier.h: the SSD tier's records (cncore/tiered.py) packed and loaded in C, one call a batch.
+/* cn_tier.h: the SSD tier's records (cncore/tier/) packed and loaded in C, one call a batch.
  *
  * A record is {int64 key, uint32 count, uint32 last step, row (dim values of the record's row
  * dtype), state (state_floats float32)}, then from directory version 4 a uint32 checksum in its
@@ -276,7 +276,7 @@ static inline int64_t cn_tier_distinct_counted(const int64_t *keys, const uint8_
     return d;
 }
 
-/* The whole background job of prefetch() (cncore/tiered.py) in one call, run without the GIL:
+/* The whole background job of prefetch() (cncore/tier/) in one call, run without the GIL:
  * of n keys, those the disk index `disk` holds (distinct, in key order, the first `cap` of them)
  * go to keys_out / slots_out (room for min(n, cap)) and their records are read into buf (as
  * many records) on `threads` threads. Returns how many, or -errno (-ENOMEM: nothing read). `mu`,
@@ -328,7 +328,7 @@ typedef struct {
     /* The find's outcome, set before `state` becomes 1 (planned = 1): the distinct keys handed in,
      * the distinct ones found on disk (m of them read: at most the job's cap), and the disk
      * index's version at the find. A fault-in of the same keys uses it instead of finding them
-     * itself (cncore/tiered.py, TieredStore._own_plan). */
+     * itself (cncore/tier/fault_in.py, TieredStore._own_plan). */
     int64_t n_distinct, n_found;
     uint64_t disk_version;
     int planned;
