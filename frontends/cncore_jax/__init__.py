@@ -20,8 +20,16 @@ ordered host callbacks that `jax.jit` keeps exactly once, in program order.
 >>> out.tolist(), len(t)
 ([[2.0, 2.0], [1.0, 1.0]], 3)
 """
-from cncore_jax.lookup import (LookupRef, SparseGrad, accumulate_gradients, apply_gradients, discard, grouped_lookup,
-                               lookup, set_boundary)
+from cncore_jax.lookup import (
+                               LookupRef,
+                               SparseGrad,
+                               accumulate_gradients,
+                               apply_gradients,
+                               discard,
+                               grouped_lookup,
+                               lookup,
+                               set_boundary,
+)
 from cncore_jax.table import Table
 
 __all__ = ["Table", "lookup", "grouped_lookup", "apply_gradients", "accumulate_gradients", "discard", "LookupRef",

@@ -29,14 +29,14 @@ import shutil
 import subprocess
 import sysconfig
 import threading
-from typing import Callable, Dict
+from collections.abc import Callable
 
 import jax
 import numpy as np
 
 TARGET = "cncore_jax_call"
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_ffi_bridge.cc")
-_FUNCTIONS: Dict[int, Callable] = {}
+_FUNCTIONS: dict[int, Callable] = {}
 _ids = itertools.count()
 _lock = threading.Lock()
 
@@ -65,7 +65,7 @@ def _build() -> str:
     return lib
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _setup() -> str:
     """Build, load and register the handler once per process; '' on success, else why not."""
     try:

@@ -19,7 +19,7 @@ import contextlib
 import threading
 import weakref
 from collections import OrderedDict
-from typing import Iterable, Iterator, List, Optional, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -30,7 +30,7 @@ _HISTORY = 4096      # tokens remembered after they leave, to say why a late one
 NO_CONTEXT = -1      # the token of an evaluation lookup made outside differentiation
 
 
-_LOCKS: "weakref.WeakKeyDictionary[cncore.EmbeddingStore, threading.RLock]" = weakref.WeakKeyDictionary()
+_LOCKS: weakref.WeakKeyDictionary[cncore.EmbeddingStore, threading.RLock] = weakref.WeakKeyDictionary()
 _LOCKS_GUARD = threading.Lock()
 
 
@@ -61,8 +61,8 @@ class Registry:
     def __init__(self, limit: int = MAX_PENDING):
         self.limit = limit
         self._lock = threading.Lock()
-        self._pending: "OrderedDict[int, List[cncore.LookupContext]]" = OrderedDict()
-        self._gone: "OrderedDict[int, str]" = OrderedDict()
+        self._pending: OrderedDict[int, list[cncore.LookupContext]] = OrderedDict()
+        self._gone: OrderedDict[int, str] = OrderedDict()
         self._next = 0
 
     def __len__(self) -> int:
@@ -73,7 +73,7 @@ class Registry:
         while len(self._gone) > _HISTORY:
             self._gone.popitem(last=False)
 
-    def put(self, ctxs: List[cncore.LookupContext]) -> int:
+    def put(self, ctxs: list[cncore.LookupContext]) -> int:
         with self._lock:
             token = self._next
             self._next = (self._next + 1) % 2**31  # int32 tokens; the registry never holds 2^31
@@ -84,7 +84,7 @@ class Registry:
                                   "(steps abandoned between lookup and update?)")
             return token
 
-    def get(self, token: int, tables: Sequence, pop: bool) -> List[cncore.LookupContext]:
+    def get(self, token: int, tables: Sequence, pop: bool) -> list[cncore.LookupContext]:
         token = int(token)
         with self._lock:
             if token == NO_CONTEXT:
@@ -134,7 +134,7 @@ def forward(tables, modes, is_lengths, training: bool, keep: bool, ids, bags, we
     `keep`: register the contexts (a training lookup, or any lookup being differentiated).
     `outs`: the caller's output buffers (the FFI route): the pooled rows are written there."""
     keys, lens, offs, ws = [], [], [], []
-    for f, t in enumerate(tables):
+    for f in range(len(tables)):
         b = np.asarray(bags[f], dtype=np.int64)
         k, w = _trim(np.asarray(ids[f], dtype=np.int64), b, is_lengths[f], weights[f], str(f))
         keys.append(k)
@@ -150,7 +150,7 @@ def forward(tables, modes, is_lengths, training: bool, keep: bool, ids, bags, we
     return out, np.int32(token)
 
 
-def weight_grads(tables, token, grad, padded: Sequence[Optional[int]]):
+def weight_grads(tables, token, grad, padded: Sequence[int | None]):
     """d(loss)/d(per-sample weight) of each weighted feature: <grad of its bag, its row>, over
     the bag's length for mean; zeros for padding. Reads rows, changes nothing."""
     ctxs = REGISTRY.get(token, tables, pop=False)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, NamedTuple, Optional, Tuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -27,10 +27,10 @@ __all__ = ["LookupRef", "SparseGrad", "set_boundary", "pooled_lookup", "apply_gr
 @dataclass(frozen=True)
 class _Spec:
     """What is fixed when tracing: the tables, and each feature's pooling and layout."""
-    tables: Tuple[Any, ...]  # cncore_jax.Table handles, checked by the caller
-    modes: Tuple[str, ...]
-    is_lengths: Tuple[bool, ...]
-    weighted: Tuple[Optional[int], ...]  # padded id count of each weighted feature, else None
+    tables: tuple[Any, ...]  # cncore_jax.Table handles, checked by the caller
+    modes: tuple[str, ...]
+    is_lengths: tuple[bool, ...]
+    weighted: tuple[int | None, ...]  # padded id count of each weighted feature, else None
     training: bool
     n_bags: int
 

@@ -46,8 +46,15 @@ of `lengths`, or the last offset) are padding and ignored (their weight gradient
 """
 from __future__ import annotations
 
-from cncore_jax._traced import (LookupRef, SparseGrad, accumulate_gradients, apply_gradients, discard, pooled_lookup,
-                                set_boundary)
+from cncore_jax._traced import (
+    LookupRef,
+    SparseGrad,
+    accumulate_gradients,
+    apply_gradients,
+    discard,
+    pooled_lookup,
+    set_boundary,
+)
 from cncore_jax.table import Table
 
 __all__ = ["lookup", "grouped_lookup", "apply_gradients", "accumulate_gradients", "discard", "LookupRef",

@@ -37,7 +37,7 @@ dense part with respect to the pooled activations and hands that gradient to the
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence
+from collections.abc import Sequence
 
 import jax.numpy as jnp
 from flax import nnx
@@ -54,7 +54,7 @@ class EmbeddingBag(nnx.Module):
     keywords (dim=..., optimizer=..., initializer=..., seed=...); `mode` "sum", "mean" or
     "max". Per-sample `weights` get their gradient through `jax.grad`."""
 
-    def __init__(self, table: Optional[Table] = None, *, mode: str = "sum", deterministic: bool = False,
+    def __init__(self, table: Table | None = None, *, mode: str = "sum", deterministic: bool = False,
                  **config_fields):
         if table is None:
             table = Table(**config_fields)
@@ -73,7 +73,7 @@ class EmbeddingBag(nnx.Module):
     def apply_gradients(self, ctx, grad, *, lr=None) -> None:
         self.table.apply_gradients(ctx, grad, lr=lr)
 
-    def set_view(self, deterministic: Optional[bool] = None):
+    def set_view(self, deterministic: bool | None = None):
         """For `nnx.view(model, deterministic=...)`: True is evaluation (no inserts)."""
         if deterministic is not None:
             self.deterministic = deterministic
@@ -84,7 +84,7 @@ class EmbeddingBagCollection(nnx.Module):
     ``out, ctx = ebc(ids, lengths)`` with dicts keyed by table name; out is
     (B, sum of dims), the tables' blocks in the order of `tables`."""
 
-    def __init__(self, tables: Dict[str, Table], *, modes="sum", deterministic: bool = False):
+    def __init__(self, tables: dict[str, Table], *, modes="sum", deterministic: bool = False):
         if not isinstance(tables, dict) or not tables:
             raise TypeError("tables: expected a non-empty dict of name -> cncore_jax.Table")
         self.names: Sequence[str] = tuple(tables)
@@ -92,12 +92,14 @@ class EmbeddingBagCollection(nnx.Module):
         self.modes = modes
         self.deterministic = deterministic
 
-    def __call__(self, ids: Dict, lengths: Optional[Dict] = None, *, offsets: Optional[Dict] = None,
-                 weights: Optional[Dict] = None):
+    def __call__(self, ids: dict, lengths: dict | None = None, *, offsets: dict | None = None,
+                 weights: dict | None = None):
         for name, arg in (("ids", ids), ("lengths", lengths), ("offsets", offsets)):
             if arg is not None and (not isinstance(arg, dict) or set(arg) != set(self.names)):
                 raise ValueError(f"{name}: expected a dict with one entry per table {list(self.names)}")
-        pick = (lambda d: None if d is None else [d[n] for n in self.names])
+        def pick(d):
+            return None if d is None else [d[n] for n in self.names]
+
         w = None if weights is None else [weights.get(n) for n in self.names]
         return grouped_lookup(list(self.tables), pick(ids), pick(lengths), offsets=pick(offsets), modes=self.modes,
                               weights=w, training=not self.deterministic)
@@ -105,12 +107,12 @@ class EmbeddingBagCollection(nnx.Module):
     def apply_gradients(self, ctx, grad, *, lr=None) -> None:
         apply_gradients(ctx, grad, lr=lr)
 
-    def set_view(self, deterministic: Optional[bool] = None):
+    def set_view(self, deterministic: bool | None = None):
         """For `nnx.view(model, deterministic=...)`: True is evaluation (no inserts)."""
         if deterministic is not None:
             self.deterministic = deterministic
 
-    def split(self, out) -> Dict[str, jnp.ndarray]:
+    def split(self, out) -> dict[str, jnp.ndarray]:
         """The pooled output as {table name: (B, dim)}."""
         result, start = {}, 0
         for name, t in zip(self.names, self.tables):

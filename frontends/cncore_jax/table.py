@@ -31,8 +31,6 @@ from before a step (``s = table.store``) does not wait: read through the handle.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import jax
 
 import cncore
@@ -48,11 +46,11 @@ class Table:
     keywords), wrap an existing store with `Table.from_store`, or `Table.load` a table file.
     Everything the store does (find, erase, export, ...) is on `table.store`."""
 
-    def __init__(self, config: Optional[cncore.StoreConfig] = None, **config_fields):
+    def __init__(self, config: cncore.StoreConfig | None = None, **config_fields):
         self._store = cncore.make_store(config, **config_fields)
 
     @classmethod
-    def from_store(cls, store: cncore.EmbeddingStore) -> "Table":
+    def from_store(cls, store: cncore.EmbeddingStore) -> Table:
         """A handle on `store` itself (no copy): updates through JAX change it."""
         if not isinstance(store, (cncore.EmbeddingStore, TieredStore)):
             raise TypeError(f"store: expected a cncore.EmbeddingStore or TieredStore, got {type(store).__name__}")
@@ -61,7 +59,7 @@ class Table:
         return table
 
     @classmethod
-    def load(cls, path: str, verify: bool = True) -> "Table":
+    def load(cls, path: str, verify: bool = True) -> Table:
         """A table read from a table file directory (`cncore.tablefile`), checked."""
         from cncore.tablefile import load_store
         return cls.from_store(load_store(path, verify=verify))

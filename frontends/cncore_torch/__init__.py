@@ -17,7 +17,7 @@ from cncore_torch._openmp_env import bound_openmp_spin
 bound_openmp_spin()  # before torch loads libgomp: see _openmp_env
 
 from cncore_torch.modules import CNEmbedding, CNEmbeddingBag  # noqa: E402
-from cncore_torch.optim import FusedOptimizer
+from cncore_torch.optim import FusedOptimizer  # noqa: E402
 
 __all__ = ["CNEmbeddingBag", "CNEmbedding", "FusedOptimizer", "CNEmbeddingBagCollection", "CNEmbeddingCollection"]
 

@@ -43,7 +43,6 @@ behind these choices: docs/design/torch-bridge.md.
 from __future__ import annotations
 
 import weakref
-from typing import List, Optional
 
 import numpy as np
 import torch
@@ -53,7 +52,7 @@ from cncore.grouped import MODES, apply_blocks, apply_one, backward_one, context
 from cncore.grouped import _optim_tuple as optimizer_arguments
 from cncore_torch.device_rows import DeviceRows
 
-_TABLES: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+_TABLES: weakref.WeakValueDictionary[int, object] = weakref.WeakValueDictionary()
 _next_handle = [0]
 
 
@@ -75,7 +74,7 @@ def table_of(handle: int):
 
 class Pending:
     """What a lookup's backward needs: its owner, tables, per-feature contexts, layout."""
-    __slots__ = ("owner", "tables", "ctxs", "on_device", "split", "sizes")
+    __slots__ = ("ctxs", "on_device", "owner", "sizes", "split", "tables")
 
     def __init__(self, owner, tables, ctxs, on_device: bool, split: bool):
         self.owner, self.tables, self.ctxs = owner, tables, ctxs
@@ -126,7 +125,7 @@ def forward_impl(owner, tables, keys, offsets, weights, modes, training: bool, s
     return result, Pending(owner, tables, ctxs, False, split)
 
 
-def _grad_blocks(pending: Pending, grad) -> List[torch.Tensor]:
+def _grad_blocks(pending: Pending, grad) -> list[torch.Tensor]:
     """Each feature's (B_f, dim_f) block of the output gradient."""
     if pending.split:
         return list(grad)
@@ -139,11 +138,11 @@ def _grad_blocks(pending: Pending, grad) -> List[torch.Tensor]:
     return blocks
 
 
-def weights_grad_impl(pending: Pending, grad, features: List[int]) -> List[Optional[torch.Tensor]]:
+def weights_grad_impl(pending: Pending, grad, features: list[int]) -> list[torch.Tensor | None]:
     """d out[b] / d w_i = row_i . grad[b] (divided by the bag length for mean) for the features
     listed (None for the others). Reads the rows, so it runs before backward_impl moves them."""
     blocks = _grad_blocks(pending, grad)
-    result: List[Optional[torch.Tensor]] = [None] * len(pending.tables)
+    result: list[torch.Tensor | None] = [None] * len(pending.tables)
     for f in features:
         table, ctx, g = pending.tables[f], pending.ctxs[f], blocks[f]
         if pending.on_device:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Dict, List, Optional
 
 import numpy as np
 import torch
@@ -35,13 +34,13 @@ __all__ = ["checkpoint_to_tables", "tables_to_checkpoint", "table_configs", "tab
 _ROOT = "@root"  # the directory name of a table whose prefix is empty (a bare module's state_dict)
 
 
-def table_prefixes(state_dict: dict) -> List[str]:
+def table_prefixes(state_dict: dict) -> list[str]:
     """The prefixes under which `state_dict` holds a dynamic table."""
     found = [k[: -len("rows")] for k in state_dict if k.endswith("rows")]
     return [p for p in found if all(p + name in state_dict for name in FIELDS + ("step",))]
 
 
-def table_configs(module: torch.nn.Module) -> Dict[str, cncore.StoreConfig]:
+def table_configs(module: torch.nn.Module) -> dict[str, cncore.StoreConfig]:
     """{state_dict prefix: StoreConfig} of every dynamic table in `module`: the configs the
     state_dict itself does not carry (initializer, seed, optimizer hyperparameters)."""
     configs = {}
@@ -66,7 +65,7 @@ def _directory_name(prefix: str) -> str:
 
 
 def checkpoint_to_tables(state_dict: dict, directory: str,
-                         configs: Optional[Dict[str, cncore.StoreConfig]] = None) -> List[str]:
+                         configs: dict[str, cncore.StoreConfig] | None = None) -> list[str]:
     """Write each table of `state_dict` to ``directory/<prefix without its last dot>``.
     `configs` (from `table_configs(model)`) supplies each table's config; a table without
     one gets a config inferred from its shapes (`cncore.tablefile.infer_config`).
@@ -94,8 +93,9 @@ def checkpoint_to_tables(state_dict: dict, directory: str,
         rows = values["rows"]
         config = (configs or {}).get(prefix) or infer_config(rows.shape[1], values["optimizer_state"].shape[1])
         if config.dim != rows.shape[1] or config.state_floats != values["optimizer_state"].shape[1]:
-            raise ValueError(f"configs[{prefix!r}]: dim {config.dim} / {config.state_floats} state floats do not match "
-                             f"the checkpoint's rows {tuple(rows.shape)} / state {tuple(values['optimizer_state'].shape)}")
+            raise ValueError(f"configs[{prefix!r}]: dim {config.dim} / {config.state_floats} state floats do not "
+                             f"match the checkpoint's rows {tuple(rows.shape)} / state "
+                             f"{tuple(values['optimizer_state'].shape)}")
         for name in ("counts", "last_steps"):
             v = values[name]
             if v.numel() and (int(v.min()) < 0 or int(v.max()) > 2**32 - 1):
@@ -120,7 +120,7 @@ def checkpoint_to_tables(state_dict: dict, directory: str,
     return written
 
 
-def tables_to_checkpoint(directory: str, verify: bool = True) -> Dict[str, torch.Tensor]:
+def tables_to_checkpoint(directory: str, verify: bool = True) -> dict[str, torch.Tensor]:
     """The state_dict entries of every table directory in `directory` (as the modules write
     them: counts and last steps as int64), ready for ``model.load_state_dict(..., strict=False)``
     or to be merged with the dense entries of a checkpoint."""

@@ -23,7 +23,6 @@ fused optimizer given at construction (features sharing a table get one update p
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Optional
 
 import torch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
@@ -34,16 +33,26 @@ import cncore
 from cncore_torch import bridge
 from cncore_torch.base import TableModule, check_flag
 from cncore_torch.device_rows import DeviceRows
-from cncore_torch.embedding_configs import (POOLING, collection_placement, feature_names_of, initializer_from_config,
-                                            store_configs)
+from cncore_torch.embedding_configs import (
+    POOLING,
+    collection_placement,
+    feature_names_of,
+    initializer_from_config,
+    store_configs,
+)
 from cncore_torch.functional import unpooled_lookup
-from cncore_torch.optim import (changed_optimizer_error, keyed_fused_optimizer, no_optimizer_error, optimizer_tag,
-                                resolve_optimizer)
+from cncore_torch.optim import (
+    changed_optimizer_error,
+    keyed_fused_optimizer,
+    no_optimizer_error,
+    optimizer_tag,
+    resolve_optimizer,
+)
 from cncore_torch.state import save_store
 
 __all__ = ["CNEmbeddingBagCollection", "CNEmbeddingCollection", "initializer_from_config"]
 
-def features_by_key(features, feature_names: List[List[str]], rows_device=None) -> Dict[str, JaggedTensor]:
+def features_by_key(features, feature_names: list[list[str]], rows_device=None) -> dict[str, JaggedTensor]:
     """The KJT's JaggedTensor per key, every feature the tables read being present. The KJT is
     checked first (TorchRec's constructor checks little): CPU tensors (or on `rows_device`, where
     the tables' rows are on an accelerator) with values, int IDs,
@@ -74,7 +83,7 @@ def features_by_key(features, feature_names: List[List[str]], rows_device=None) 
                          f"{features.stride()}")
     if lengths.numel() == 0:  # an empty batch, which TorchRec's to_dict cannot split
         empty = JaggedTensor(values=values, lengths=lengths, weights=weights)
-        by_key = {key: empty for key in features.keys()}
+        by_key = dict.fromkeys(features.keys(), empty)
     else:
         by_key = features.to_dict()
     for names in feature_names:
@@ -97,7 +106,7 @@ class _DynamicTables(TableModule):
     ever materialising it (each rank builds its own shard)."""
 
     def _init_tables(self, tables, config_type, optimizer, initializers, capacities, seed: int, device, owner: str,
-                     optimizer_prefix: str, options: Optional[dict] = None) -> None:
+                     optimizer_prefix: str, options: dict | None = None) -> None:
         self._store_configs = store_configs(tables, config_type, optimizer, initializers, capacities, seed, device,
                                             owner, options)
         self._optimizer, self._optimizer_prefix, self._owner = optimizer, optimizer_prefix, owner
@@ -105,7 +114,7 @@ class _DynamicTables(TableModule):
         # it, and TorchRec's RowWiseAdagrad reads a parameter's second dimension.
         self._placement = collection_placement(device, owner)
         self._init_lookup(ANCHOR_SHAPE, self._placement.device)
-        self._stores: Dict[str, cncore.EmbeddingStore] = {}
+        self._stores: dict[str, cncore.EmbeddingStore] = {}
         self.fused_optimizer = None
         if not self.is_meta:
             self._materialise()
@@ -210,7 +219,7 @@ class _DynamicTables(TableModule):
         return result
 
     @property
-    def stores(self) -> Dict[str, cncore.EmbeddingStore]:
+    def stores(self) -> dict[str, cncore.EmbeddingStore]:
         """The tables by name (none on the meta device)."""
         return self._stores
 
@@ -269,7 +278,7 @@ def _device_lookup(anchor, collection, keys, offsets, weights, training: bool):
     return bridge.lookup(anchor, collection, keys, offsets, weights, collection._modes, training)
 
 
-def grouped_arrays(collection, by_key: Dict[str, JaggedTensor]):
+def grouped_arrays(collection, by_key: dict[str, JaggedTensor]):
     """(keys, offsets, weights): one tensor per feature of `collection`, in its order (int64
     keys and offsets, float32 weights or None), as the bridge takes them."""
     keys, offsets, weights = [], [], []
@@ -294,7 +303,7 @@ def grouped_arrays(collection, by_key: Dict[str, JaggedTensor]):
 # (`_pooled_rows`, `_unpooled_rows`) and calls the same forward_impl.
 
 
-def _kjt_of_parts(collection, values, lengths, weights, n_keys: int, positions: List[int]) -> KeyedJaggedTensor:
+def _kjt_of_parts(collection, values, lengths, weights, n_keys: int, positions: list[int]) -> KeyedJaggedTensor:
     """The KJT an operator got in parts: the collection's features at their positions, the
     keys it does not read named by position."""
     names = [f"<key {i}>" for i in range(n_keys)]
@@ -303,7 +312,7 @@ def _kjt_of_parts(collection, values, lengths, weights, n_keys: int, positions: 
     return KeyedJaggedTensor(keys=names, values=values, lengths=lengths, weights=weights)
 
 
-def _positions(collection, features: KeyedJaggedTensor) -> List[int]:
+def _positions(collection, features: KeyedJaggedTensor) -> list[int]:
     """Where each feature the collection reads sits among the KJT's keys (known when traced)."""
     keys = features.keys()
     missing = [f for names in collection._feature_names for f in names if f not in keys]
@@ -350,7 +359,8 @@ class CNEmbeddingBagCollection(_DynamicTables, EmbeddingBagCollectionInterface):
     >>> import warnings
     >>> from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
     >>> ebc = CNEmbeddingBagCollection([EmbeddingBagConfig(name="t", embedding_dim=2, num_embeddings=3,
-    ...                                                    feature_names=["f"])], initializers={"t": cncore.Constant(1.0)})
+    ...                                                    feature_names=["f"])],
+    ...                                initializers={"t": cncore.Constant(1.0)})
     >>> kjt = KeyedJaggedTensor.from_lengths_sync(["f"], torch.tensor([7, 7]), torch.tensor([2]))
     >>> ebc(kjt)
     Traceback (most recent call last):
@@ -362,18 +372,18 @@ class CNEmbeddingBagCollection(_DynamicTables, EmbeddingBagCollectionInterface):
     >>> ebc(kjt).values().sum().backward()   # ID 7 twice in one bag: gradient 2 per value
     >>> ebc.stores["t"].config.optimizer, ebc.stores["t"].lookup(torch.tensor([7]).numpy()).tolist()
     (Adagrad(lr=0.5, eps=1e-10, initial_accumulator_value=0.0), [[0.5, 0.5]])
-    """
+    """  # noqa: E501 (a doctest's expected error message is one line)
 
-    def __init__(self, tables: List[EmbeddingBagConfig], is_weighted: bool = False, device=None, *,
-                 optimizer=None, initializers: Optional[Dict[str, object]] = None,
-                 capacities: Optional[Dict[str, int]] = None, seed: int = 0, max_rows=None, eviction=None,
+    def __init__(self, tables: list[EmbeddingBagConfig], is_weighted: bool = False, device=None, *,
+                 optimizer=None, initializers: dict[str, object] | None = None,
+                 capacities: dict[str, int] | None = None, seed: int = 0, max_rows=None, eviction=None,
                  admission=None, headroom=None, row_dtype=None,
                  storage=None):
         super().__init__()
         self._init_tables(tables, EmbeddingBagConfig, optimizer, initializers, capacities, seed, device,
                           "CNEmbeddingBagCollection", "embedding_bags.fused",
-                          dict(max_rows=max_rows, eviction=eviction, admission=admission, headroom=headroom,
-                               row_dtype=row_dtype, storage=storage))
+                          {"max_rows": max_rows, "eviction": eviction, "admission": admission, "headroom": headroom,
+                           "row_dtype": row_dtype, "storage": storage})
         check_flag("is_weighted", is_weighted)
         self._is_weighted = is_weighted
         self._embedding_bag_configs = tables
@@ -391,7 +401,7 @@ class CNEmbeddingBagCollection(_DynamicTables, EmbeddingBagCollectionInterface):
         """The table of each feature, in the order of the lookup (see cncore_torch.bridge)."""
         return self._feature_stores
 
-    def embedding_bag_configs(self) -> List[EmbeddingBagConfig]:
+    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return self._embedding_bag_configs
 
     def is_weighted(self) -> bool:
@@ -414,7 +424,7 @@ class CNEmbeddingBagCollection(_DynamicTables, EmbeddingBagCollectionInterface):
             positions, self.training, self.training and torch.is_grad_enabled())
         return KeyedTensor(keys=self._embedding_names, length_per_key=self._lengths_per_embedding, values=values)
 
-    def _pooled_rows(self, values, lengths, weights, n_keys: int, positions: List[int], training: bool,
+    def _pooled_rows(self, values, lengths, weights, n_keys: int, positions: list[int], training: bool,
                      needs_optimizer: bool):
         """What the `cncore::collection_pooled_rows` operator runs (cncore_torch.ops): the KJT's
         parts checked as the eager forward checks them (`features_by_key`), then the bridge's
@@ -425,7 +435,7 @@ class CNEmbeddingBagCollection(_DynamicTables, EmbeddingBagCollectionInterface):
         keys, offsets, weights = grouped_arrays(self, by_key)
         return bridge.forward_impl(self, self._lookup_tables(), keys, offsets, weights, self._modes, training)
 
-    def table_rows(self) -> Dict[str, int]:
+    def table_rows(self) -> dict[str, int]:
         """Rows in each table."""
         return {name: len(store) for name, store in self._stores.items()}
 
@@ -451,16 +461,16 @@ class CNEmbeddingCollection(_DynamicTables, EmbeddingCollectionInterface):
     (torch.Size([3, 4]), [2, 1])
     """
 
-    def __init__(self, tables: List[EmbeddingConfig], device=None, need_indices: bool = False, *, optimizer=None,
-                 initializers: Optional[Dict[str, object]] = None, capacities: Optional[Dict[str, int]] = None,
+    def __init__(self, tables: list[EmbeddingConfig], device=None, need_indices: bool = False, *, optimizer=None,
+                 initializers: dict[str, object] | None = None, capacities: dict[str, int] | None = None,
                  seed: int = 0, max_rows=None, eviction=None, admission=None, headroom=None, row_dtype=None,
                  storage=None):
         super().__init__()
         check_flag("need_indices", need_indices)
         self._init_tables(tables, EmbeddingConfig, optimizer, initializers, capacities, seed, device,
                           "CNEmbeddingCollection", "embeddings.fused",
-                          dict(max_rows=max_rows, eviction=eviction, admission=admission, headroom=headroom,
-                               row_dtype=row_dtype, storage=storage))
+                          {"max_rows": max_rows, "eviction": eviction, "admission": admission, "headroom": headroom,
+                           "row_dtype": row_dtype, "storage": storage})
         dims = {c.embedding_dim for c in tables}
         if len(dims) > 1:
             raise ValueError(f"tables: an EmbeddingCollection needs one embedding_dim for all tables, got "
@@ -476,7 +486,7 @@ class CNEmbeddingCollection(_DynamicTables, EmbeddingCollectionInterface):
         """Each table once: its features' IDs are looked up together (see unpooled_lookup)."""
         return self._table_stores
 
-    def embedding_configs(self) -> List[EmbeddingConfig]:
+    def embedding_configs(self) -> list[EmbeddingConfig]:
         return self._configs
 
     def need_indices(self) -> bool:
@@ -485,10 +495,10 @@ class CNEmbeddingCollection(_DynamicTables, EmbeddingCollectionInterface):
     def embedding_dim(self) -> int:
         return self._dim
 
-    def embedding_names_by_table(self) -> List[List[str]]:
+    def embedding_names_by_table(self) -> list[list[str]]:
         return self._names_by_table
 
-    def forward(self, features: KeyedJaggedTensor) -> Dict[str, JaggedTensor]:
+    def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
         """{embedding name: JaggedTensor of (N, dim) rows}; `torch.compile`-able (one operator
         each way, no graph break)."""
         if torch.compiler.is_compiling() and self._placement.kind == "core" and not features.variable_stride_per_key():
@@ -501,7 +511,7 @@ class CNEmbeddingCollection(_DynamicTables, EmbeddingCollectionInterface):
         else:
             self._require_optimizer(self.training and torch.is_grad_enabled())
             outs = unpooled_lookup(self._anchor, self, keys_by_table, self.training)
-        result: Dict[str, JaggedTensor] = {}
+        result: dict[str, JaggedTensor] = {}
         for out, names, emb_names in zip(outs, self._feature_names, self._names_by_table):
             start = 0
             for name, emb_name in zip(names, emb_names):
@@ -512,7 +522,7 @@ class CNEmbeddingCollection(_DynamicTables, EmbeddingCollectionInterface):
                 start += n
         return result
 
-    def _compiled_lookup(self, features: KeyedJaggedTensor) -> Dict[str, JaggedTensor]:
+    def _compiled_lookup(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
         positions = _positions(self, features)
         n_keys, n = len(features.keys()), len(positions)
         outs = torch.ops.cncore.collection_unpooled_rows(
@@ -524,7 +534,7 @@ class CNEmbeddingCollection(_DynamicTables, EmbeddingCollectionInterface):
                                 weights=outs[n + i] if self._need_indices else None)
                 for i, e in enumerate(emb_names)}
 
-    def _unpooled_rows(self, values, lengths, n_keys: int, positions: List[int], training: bool,
+    def _unpooled_rows(self, values, lengths, n_keys: int, positions: list[int], training: bool,
                        needs_optimizer: bool, need_indices: bool):
         """What the `cncore::collection_unpooled_rows` operator runs (cncore_torch.ops): the (N_f,
         dim) rows of each feature, then (need_indices) each feature's IDs; and what the backward

@@ -14,12 +14,10 @@
 """
 from __future__ import annotations
 
-from typing import Dict, Tuple
-
 import numpy as np
 import torch
 from torch import nn
-from torchrec import EmbeddingBagCollection, EmbeddingCollection, EmbeddingBagConfig
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from cncore_torch.collection import CNEmbeddingBagCollection, CNEmbeddingCollection
@@ -56,7 +54,7 @@ def _convert(module, optimizer, seed: int):
     return ours
 
 
-def to_fixed(collection: CNEmbeddingBagCollection) -> Tuple[EmbeddingBagCollection, Dict[str, np.ndarray]]:
+def to_fixed(collection: CNEmbeddingBagCollection) -> tuple[EmbeddingBagCollection, dict[str, np.ndarray]]:
     """A TorchRec `EmbeddingBagCollection` holding every row of `collection`, plus, per table,
     the sorted IDs whose position is the row index (`remap_to_fixed` applies them to a KJT).
     Each fixed table has one extra last row of zeros, where IDs it never saw go."""
@@ -77,7 +75,7 @@ def to_fixed(collection: CNEmbeddingBagCollection) -> Tuple[EmbeddingBagCollecti
     return fixed, id_maps
 
 
-def remap_to_fixed(features: KeyedJaggedTensor, collection_configs, id_maps: Dict[str, np.ndarray]
+def remap_to_fixed(features: KeyedJaggedTensor, collection_configs, id_maps: dict[str, np.ndarray]
                    ) -> KeyedJaggedTensor:
     """Raw IDs -> row indices of the fixed tables made by `to_fixed` (unknown IDs -> the zero row).
 

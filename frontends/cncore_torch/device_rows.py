@@ -249,11 +249,11 @@ class DeviceRows:
             out = self.pool(rows_idx, offsets, weights, mode)
         return out, DeviceLookup(rows_idx, offsets, weights, mode, training, self.step, self.evictions)
 
-    def rows_of(self, ctx: "DeviceLookup") -> torch.Tensor:
+    def rows_of(self, ctx: DeviceLookup) -> torch.Tensor:
         """The rows the lookup read, one per ID (a key not admitted: the zero row)."""
         return self.rows[ctx.rows_idx]
 
-    def check_fresh(self, ctx: "DeviceLookup") -> None:
+    def check_fresh(self, ctx: DeviceLookup) -> None:
         """Whether the backward of `ctx` may run: checked for every table before any changes."""
         if self.evictions != ctx.evictions:
             raise RuntimeError("rows were evicted from this table since this lookup's forward, so its rows may "

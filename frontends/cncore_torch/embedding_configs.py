@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import zlib
-from typing import Dict, List, Optional, Tuple
 
 import torch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
@@ -51,7 +50,7 @@ def initializer_from_config(config: EmbeddingBagConfig):
 
 
 def make_stores(tables, config_type, optimizer, initializers, capacities, seed: int, device,
-                what: str, options: Optional[dict] = None) -> Dict[str, cncore.EmbeddingStore]:
+                what: str, options: dict | None = None) -> dict[str, cncore.EmbeddingStore]:
     """One store per TorchRec table config (checked: type, unique names, known overrides)."""
     return {name: cncore.make_store(config) for name, config in
             store_configs(tables, config_type, optimizer, initializers, capacities, seed, device, what,
@@ -72,7 +71,7 @@ def collection_placement(device, what: str) -> Placement:
 
 
 def store_configs(tables, config_type, optimizer, initializers, capacities, seed: int, device,
-                  what: str, options: Optional[dict] = None) -> Dict[str, cncore.StoreConfig]:
+                  what: str, options: dict | None = None) -> dict[str, cncore.StoreConfig]:
     """One store config per TorchRec table config (checked: type, unique names, known overrides);
     `options`: the table options of cncore_torch.table_options, each once or per table."""
     collection_placement(device, what)
@@ -83,7 +82,7 @@ def store_configs(tables, config_type, optimizer, initializers, capacities, seed
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise ValueError(f"seed must be an int >= 0, got {seed!r}")
     initializers, capacities = dict(initializers or {}), dict(capacities or {})
-    stores: Dict[str, cncore.StoreConfig] = {}
+    stores: dict[str, cncore.StoreConfig] = {}
     for config in tables:
         if not isinstance(config, config_type):
             raise TypeError(f"tables: expected {config_type.__name__}, got {type(config).__name__}")
@@ -114,7 +113,7 @@ def store_configs(tables, config_type, optimizer, initializers, capacities, seed
 
 
 
-def feature_names_of(tables) -> Tuple[List[List[str]], List[List[str]]]:
+def feature_names_of(tables) -> tuple[list[list[str]], list[list[str]]]:
     """(feature names, embedding names) per table, exactly as TorchRec's collections name them
     (`feature@table` for a feature read by several tables); the configs are not mutated
     (TorchRec fills in empty feature_names with the table name; we read them that way)."""

@@ -20,8 +20,6 @@ checks for the calls that cannot fail them.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from cncore_torch import bridge
@@ -41,8 +39,8 @@ def _as_ids(input, name="input") -> torch.Tensor:
 
 @torch.fx.wrap
 def embedding_bag_lookup(anchor: torch.Tensor, handle: int, placement: str, dim: int, input: torch.Tensor,
-                         offsets: Optional[torch.Tensor], per_sample_weights: Optional[torch.Tensor], mode: str,
-                         include_last_offset: bool, padding_idx: Optional[int], training: bool) -> torch.Tensor:
+                         offsets: torch.Tensor | None, per_sample_weights: torch.Tensor | None, mode: str,
+                         include_last_offset: bool, padding_idx: int | None, training: bool) -> torch.Tensor:
     """CNEmbeddingBag's forward: nn.EmbeddingBag's input conventions turned into (keys, B+1
     offsets, weights) for the core. One node under torch.fx (`torch.fx.wrap`)."""
     input = _as_ids(input)
@@ -101,7 +99,7 @@ def _check_offsets(offsets: torch.Tensor, n_keys: int) -> None:
 
 @torch.fx.wrap
 def embedding_lookup(anchor: torch.Tensor, handle: int, placement: str, dim: int, input: torch.Tensor,
-                     padding_idx: Optional[int], training: bool) -> torch.Tensor:
+                     padding_idx: int | None, training: bool) -> torch.Tensor:
     """CNEmbedding's forward: each ID its own bag of one. One node under torch.fx."""
     input = _as_ids(input)
     _check_device(placement, input=input)

@@ -18,7 +18,7 @@ registered with `register_gradient_hook` and keeps the last ones in `last_gradie
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, List, Optional
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -63,7 +63,7 @@ class _DynamicTable(TableModule):
     handle: `TableModule`)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, optimizer, initializer, seed: int,
-                 max_load_factor: float, device=None, options: Optional[dict] = None):
+                 max_load_factor: float, device=None, options: dict | None = None):
         super().__init__()
         if not isinstance(num_embeddings, int) or isinstance(num_embeddings, bool) or num_embeddings < 0:
             raise ValueError(f"num_embeddings must be an int >= 0 (a capacity hint), got {num_embeddings!r}")
@@ -82,7 +82,7 @@ class _DynamicTable(TableModule):
         # Zero-size parameter: carries the backward (see TableModule) and the fused optimizer's lr.
         self._init_lookup((0,), self.placement.device)
         self.fused_optimizer = FusedOptimizer(self._anchor, optimizer, lambda: self.storage) if optimizer else None
-        self._gradient_hooks: List[Callable] = []
+        self._gradient_hooks: list[Callable] = []
         self.last_gradients = None
 
     # --- placement --------------------------------------------------------------------------------
@@ -118,7 +118,7 @@ class _DynamicTable(TableModule):
             raise RuntimeError("this table is on the meta device and holds no rows; materialise it with "
                                "to_empty(device='cpu') or move_to('cncard')")
 
-    def move_to(self, device) -> "_DynamicTable":
+    def move_to(self, device) -> _DynamicTable:
         """Move every row, its optimizer state and metadata to `device` ('cpu': the core;
         'cncard' or an accelerator device: device tensors; 'meta': drop the rows)."""
         target = resolve_device(device)
@@ -293,12 +293,12 @@ class CNEmbeddingBag(_DynamicTable):
     ([6, 7], 1)
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, max_norm: Optional[float] = None,
+    def __init__(self, num_embeddings: int, embedding_dim: int, max_norm: float | None = None,
                  norm_type: float = 2.0, scale_grad_by_freq: bool = False, mode: str = "mean", sparse: bool = False,
-                 _weight: Optional[torch.Tensor] = None, include_last_offset: bool = False,
-                 padding_idx: Optional[int] = None, device=None, dtype=None, *, optimizer=None, initializer=None,
-                 seed: int = 0, max_load_factor: float = 0.7, max_rows: Optional[int] = None, eviction=None,
-                 admission=None, headroom: Optional[int] = None, row_dtype="float32",
+                 _weight: torch.Tensor | None = None, include_last_offset: bool = False,
+                 padding_idx: int | None = None, device=None, dtype=None, *, optimizer=None, initializer=None,
+                 seed: int = 0, max_load_factor: float = 0.7, max_rows: int | None = None, eviction=None,
+                 admission=None, headroom: int | None = None, row_dtype="float32",
                  storage=None):
         _check_unsupported(max_norm, scale_grad_by_freq, sparse, device, dtype)
         if mode not in MODES:
@@ -314,7 +314,7 @@ class CNEmbeddingBag(_DynamicTable):
             _load_dense(self, _weight)
 
     @classmethod
-    def from_pretrained(cls, embeddings: torch.Tensor, freeze: bool = True, **kwargs) -> "CNEmbeddingBag":
+    def from_pretrained(cls, embeddings: torch.Tensor, freeze: bool = True, **kwargs) -> CNEmbeddingBag:
         """Rows 0..N-1 from a dense (N, dim) matrix (as nn.EmbeddingBag.from_pretrained); with
         freeze (the default) the module stays in eval mode: no insertions."""
         _check_dense("embeddings", embeddings)
@@ -323,8 +323,8 @@ class CNEmbeddingBag(_DynamicTable):
             module.eval()
         return module
 
-    def forward(self, input: torch.Tensor, offsets: Optional[torch.Tensor] = None,
-                per_sample_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
+                per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
         if per_sample_weights is None and _fast_ids(self, input):
             # The common eager calls go straight to the bridge (bridge.lookup_table), with the
             # keys as their NumPy view: a (B, L) batch with the shared offsets of its shape
@@ -368,11 +368,11 @@ class CNEmbedding(_DynamicTable):
     """`torch.nn.Embedding` over a growable table: any input shape, output input.shape + (dim,).
     Positions holding `padding_idx` read as zeros and take no gradient."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: Optional[int] = None,
-                 max_norm: Optional[float] = None, norm_type: float = 2.0, scale_grad_by_freq: bool = False,
-                 sparse: bool = False, _weight: Optional[torch.Tensor] = None, _freeze: bool = False, device=None,
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None,
+                 max_norm: float | None = None, norm_type: float = 2.0, scale_grad_by_freq: bool = False,
+                 sparse: bool = False, _weight: torch.Tensor | None = None, _freeze: bool = False, device=None,
                  dtype=None, *, optimizer=None, initializer=None, seed: int = 0, max_load_factor: float = 0.7,
-                 max_rows: Optional[int] = None, eviction=None, admission=None, headroom: Optional[int] = None,
+                 max_rows: int | None = None, eviction=None, admission=None, headroom: int | None = None,
                  row_dtype="float32", storage=None):
         _check_unsupported(max_norm, scale_grad_by_freq, sparse, device, dtype)
         _check_padding_idx(padding_idx)
@@ -385,7 +385,7 @@ class CNEmbedding(_DynamicTable):
             self.eval()
 
     @classmethod
-    def from_pretrained(cls, embeddings: torch.Tensor, freeze: bool = True, **kwargs) -> "CNEmbedding":
+    def from_pretrained(cls, embeddings: torch.Tensor, freeze: bool = True, **kwargs) -> CNEmbedding:
         _check_dense("embeddings", embeddings)
         return cls(embeddings.shape[0], embeddings.shape[1], _weight=embeddings, _freeze=freeze, **kwargs)
 

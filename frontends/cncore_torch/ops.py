@@ -36,7 +36,6 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
-from typing import List, Optional, Tuple
 
 import torch
 
@@ -68,8 +67,8 @@ def pending_of(token: torch.Tensor):
 
 # --- the modules' lookup -----------------------------------------------------------------------------
 
-def lookup_op(anchor: torch.Tensor, handle: int, keys: List[torch.Tensor], offsets: List[torch.Tensor],
-              weights: List[Optional[torch.Tensor]], modes: List[int], training: bool
+def lookup_op(anchor: torch.Tensor, handle: int, keys: list[torch.Tensor], offsets: list[torch.Tensor],
+              weights: list[torch.Tensor | None], modes: list[int], training: bool
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """The pooled lookup as an operator: (B, sum of dims) rows and the token of its contexts."""
     owner = table_of(handle)
@@ -83,7 +82,7 @@ def _lookup_fake(anchor, handle, keys, offsets, weights, modes, training):
             keys[0].new_empty((1,), dtype=torch.int64))
 
 
-def weights_grad_op(grad: torch.Tensor, token: torch.Tensor, keys: List[torch.Tensor]) -> List[torch.Tensor]:
+def weights_grad_op(grad: torch.Tensor, token: torch.Tensor, keys: list[torch.Tensor]) -> list[torch.Tensor]:
     """Every feature's per-sample-weight gradient (read from the rows before they move)."""
     pending = pending_of(token)
     return list(weights_grad_impl(pending, grad, list(range(len(pending.tables)))))
@@ -93,8 +92,8 @@ def _weights_grad_fake(grad, token, keys):
     return [k.new_empty(k.shape, dtype=torch.float32) for k in keys]
 
 
-def apply_gradients_op(anchor: torch.Tensor, grads: List[torch.Tensor], token: torch.Tensor,
-                       after: List[torch.Tensor]) -> torch.Tensor:
+def apply_gradients_op(anchor: torch.Tensor, grads: list[torch.Tensor], token: torch.Tensor,
+                       after: list[torch.Tensor]) -> torch.Tensor:
     """Backward of every lookup operator: the fused update (or the hooks) with the output's
     gradient (one block, or one per feature of a split lookup). Returns the anchor's (zero)
     gradient. `after` is only a data dependency: what must read the rows before they change
@@ -109,7 +108,7 @@ def _apply_gradients_fake(anchor, grads, token, after):
 
 
 def _lookup_setup_context(ctx, inputs, output):
-    anchor, handle, keys, offsets, weights, modes, training = inputs
+    anchor, _handle, keys, _offsets, weights, _modes, _training = inputs
     ctx.weights_need_grad = any(w is not None and w.requires_grad for w in weights)
     ctx.n = len(keys)
     ctx.weights_given = any(w is not None for w in weights)  # a list of Nones is one leaf to autograd
@@ -128,8 +127,8 @@ def _lookup_backward(ctx, grad_out, _grad_token):
 # --- the collections' lookups ------------------------------------------------------------------------
 
 def collection_pooled_rows(anchor: torch.Tensor, handle: int, values: torch.Tensor, lengths: torch.Tensor,
-                           weights: Optional[torch.Tensor], n_keys: int, positions: List[int], training: bool,
-                           needs_optimizer: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+                           weights: torch.Tensor | None, n_keys: int, positions: list[int], training: bool,
+                           needs_optimizer: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """CNEmbeddingBagCollection's lookup as an operator: (B, sum of dims) pooled rows and the
     token of its contexts. The collection checks the KJT as its eager forward does."""
     out, pending = table_of(handle)._pooled_rows(values, lengths, weights, n_keys, positions, training,
@@ -154,8 +153,8 @@ def _pooled_rows_backward(ctx, grad_out, _grad_token):
 
 
 def collection_unpooled_rows(anchor: torch.Tensor, handle: int, values: torch.Tensor, lengths: torch.Tensor,
-                             n_keys: int, positions: List[int], training: bool, needs_optimizer: bool,
-                             need_indices: bool) -> List[torch.Tensor]:
+                             n_keys: int, positions: list[int], training: bool, needs_optimizer: bool,
+                             need_indices: bool) -> list[torch.Tensor]:
     """CNEmbeddingCollection's lookup as an operator (see collection_pooled_rows): the (N_f,
     dim) rows of each feature, then (need_indices) each feature's IDs, then the token."""
     outputs, pending = table_of(handle)._unpooled_rows(values, lengths, n_keys, positions, training,
@@ -183,7 +182,7 @@ def _unpooled_rows_backward(ctx, grads):
     return grad_anchor, None, None, None, None, None, None, None, None
 
 
-def collection_unpooled_apply_gradients(anchor: torch.Tensor, grads: List[Optional[torch.Tensor]],
+def collection_unpooled_apply_gradients(anchor: torch.Tensor, grads: list[torch.Tensor | None],
                                         token: torch.Tensor) -> torch.Tensor:
     """Each feature's row gradients joined per table (a missing one as zeros); a table none of
     whose features has a gradient gets an empty block, which the bridge skips (as in eager,

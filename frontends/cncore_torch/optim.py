@@ -16,7 +16,6 @@ tables). `state_dict()` carries the learning rate and the table's step.
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 
@@ -97,8 +96,9 @@ def _torch_optimizers() -> dict:
     }
     try:
         from torchrec.optim import RowWiseAdagrad as TorchRecRowWiseAdagrad
-        table[TorchRecRowWiseAdagrad] = (cncore.RowWiseAdagrad, {"lr": "lr", "eps": "eps",
-                                                                 "initial_accumulator_value": "initial_accumulator_value"},
+        table[TorchRecRowWiseAdagrad] = (cncore.RowWiseAdagrad,
+                                         {"lr": "lr", "eps": "eps",
+                                          "initial_accumulator_value": "initial_accumulator_value"},
                                          {"lr_decay": 0, "weight_decay": 0, "maximize": False},
                                          {"lr": 1e-2, "eps": 1e-10, "initial_accumulator_value": 0.0})
     except ImportError:  # TorchRec is optional for the modules
@@ -123,7 +123,7 @@ def optimizer_from_torch(optimizer_class, kwargs: dict, where: str = "apply_opti
     Traceback (most recent call last):
     ...
     ValueError: apply_optimizer_in_backward: torch.optim.SGD with momentum=0.9 has no fused form on dynamic tables (only momentum=0); pass optimizer= a cncore optimizer instead
-    """
+    """  # noqa: E501 (a doctest's expected error message is one line)
     placeholder = _torchrec_placeholders().get(optimizer_class)
     if placeholder is not None:
         params = dict(kwargs or {})
@@ -170,7 +170,7 @@ _FBGEMM_FIELDS = {"learning_rate": 0.01, "eps": 1e-8, "beta1": 0.9, "beta2": 0.9
 _FBGEMM_ONLY = {"weight_decay": 0.0}
 
 
-def optimizer_from_fused_params(fused_params: Optional[dict], where: str = "fused_params"):
+def optimizer_from_fused_params(fused_params: dict | None, where: str = "fused_params"):
     """The cncore optimizer of FBGEMM-style fused params, as TorchRec's sharders take them
     (`EmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
     "learning_rate": 0.05})`), with FBGEMM's defaults (learning_rate 0.01, eps 1e-8, beta1 0.9,
@@ -185,9 +185,10 @@ def optimizer_from_fused_params(fused_params: Optional[dict], where: str = "fuse
     Traceback (most recent call last):
     ...
     ValueError: fused_params: 'cache_load_factor' has no meaning for dynamic tables (they read optimizer, learning_rate, eps, beta1, beta2, and weight_decay=0)
-    """
-    import cncore
+    """  # noqa: E501 (a doctest's expected error message is one line)
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+    import cncore
 
     if not fused_params:
         return None
@@ -248,7 +249,7 @@ def in_backward_optimizer(param: torch.nn.Parameter, where: str, sharded: bool =
     return optimizer_from_torch(classes[0], dict(kwargs[0]), f"{where}: apply_optimizer_in_backward")
 
 
-def resolve_optimizer(given, param: torch.nn.Parameter, where: str, fused_params: Optional[dict] = None,
+def resolve_optimizer(given, param: torch.nn.Parameter, where: str, fused_params: dict | None = None,
                       sharded: bool = False):
     """The one cncore optimizer of a collection's tables, from each place it can be set:
     `optimizer=` (`given`), `apply_optimizer_in_backward` on `param`, and (when `sharded`) the

@@ -31,8 +31,8 @@ counts, last steps and step are kept, the optimizer state starts afresh.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -53,7 +53,7 @@ def export_tensors(store) -> dict:
 
 
 def save_store(store: cncore.EmbeddingStore, destination: dict, prefix: str,
-               shard: Optional[Tuple[int, int, int]] = None) -> None:
+               shard: tuple[int, int, int] | None = None) -> None:
     """The store's entries under `prefix`; `shard` (rank, world size, run id): the place of a
     sharded table's shard, written as the entry `shard` (see `read_table`)."""
     for name, value in export_tensors(store).items():
@@ -89,11 +89,11 @@ class TableState:
     counts: np.ndarray                      # (N,) int64 in [0, 2^32)
     last_steps: np.ndarray                  # (N,) int64 in [0, 2^32)
     step: int
-    evicted_count: Optional[int] = None     # a bounded table's count of evicted rows, when saved
-    shard: Optional[Tuple[int, int, int]] = None  # (rank, world size, run id) of a shard, when saved
+    evicted_count: int | None = None     # a bounded table's count of evicted rows, when saved
+    shard: tuple[int, int, int] | None = None  # (rank, world size, run id) of a shard, when saved
 
     @classmethod
-    def from_export(cls, tensors: dict, step: int) -> "TableState":
+    def from_export(cls, tensors: dict, step: int) -> TableState:
         """What `export()` returned (a table moving between placements)."""
         return cls(*(tensors[name].detach().cpu().contiguous().numpy() for name in FIELDS), step=step)
 
@@ -116,8 +116,8 @@ def _optimizers_writing(width: int, dim: int) -> str:
     return " or ".join(names) if names else "no cncore optimizer"
 
 
-def read_table(state_dict, prefix: str, dim: int, state_floats: int, missing_keys: List[str],
-               error_msgs: List[str]) -> Optional[TableState]:
+def read_table(state_dict, prefix: str, dim: int, state_floats: int, missing_keys: list[str],
+               error_msgs: list[str]) -> TableState | None:
     """The checked entries of the table under `prefix`, or None with the reasons appended to
     `missing_keys` / `error_msgs`. Checks everything the store's `load` would, and more
     (unique keys, the optimizer), so that loading a TableState cannot fail half way."""
@@ -125,9 +125,9 @@ def read_table(state_dict, prefix: str, dim: int, state_floats: int, missing_key
     if missing:
         missing_keys.extend(missing)
         return None
-    errors: List[str] = []
+    errors: list[str] = []
 
-    def tensor(name: str, dtypes: Tuple[torch.dtype, ...], shape: Tuple) -> Optional[torch.Tensor]:
+    def tensor(name: str, dtypes: tuple[torch.dtype, ...], shape: tuple) -> torch.Tensor | None:
         key = prefix + name
         value = state_dict[key]
         if not isinstance(value, torch.Tensor):
@@ -199,17 +199,17 @@ def _shape(shape) -> str:
 # What a module says about each of its tables, by state_dict prefix: its config, and the
 # function that replaces its rows (in place, so that operator handles, pending lookups and the
 # user's references to the store stay valid).
-TableSpec = Tuple[cncore.StoreConfig, Callable[[TableState], None]]
+TableSpec = tuple[cncore.StoreConfig, Callable[[TableState], None]]
 
 
-def load_tables(tables: Dict[str, TableSpec], load_rest: Callable, state_dict, missing_keys: list,
+def load_tables(tables: dict[str, TableSpec], load_rest: Callable, state_dict, missing_keys: list,
                 unexpected_keys: list, error_msgs: list) -> None:
     """A module's `_load_from_state_dict`: the entries that are not tables go to `load_rest`
     (torch's own loading of the module's parameters), every table is read and checked, and the
     tables are replaced only when torch will not refuse the load for what is known by now: no
     error, and under strict=True nothing missing or unexpected (torch raises for those only
     after every module has loaded). A table with an entry missing is never loaded."""
-    errors: List[str] = []
+    errors: list[str] = []
     rest = {k: v for k, v in state_dict.items() if not any(is_store_entry(k, p) for p in tables)}
     load_rest(rest, missing_keys, unexpected_keys, errors)
     states = {prefix: read_table(state_dict, prefix, config.dim, config.state_floats, missing_keys, errors)

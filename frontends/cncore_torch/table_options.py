@@ -21,8 +21,6 @@ whose messages name the option and the table.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional
-
 import torch
 
 __all__ = ["OPTION_NAMES", "row_dtype_name", "module_options", "per_table_options"]
@@ -50,14 +48,14 @@ def module_options(max_rows=None, eviction=None, admission=None, headroom=None, 
             "dtype": row_dtype_name(row_dtype if row_dtype is not None else "float32"), "storage": storage}
 
 
-def per_table_options(tables, **options) -> Dict[str, dict]:
+def per_table_options(tables, **options) -> dict[str, dict]:
     """{table name: StoreConfig fields} from options given once or per table (see above).
     Unknown option or table names are refused, naming them."""
     unknown = sorted(set(options) - set(OPTION_NAMES))
     if unknown:
         raise TypeError(f"unknown table options {unknown}; expected some of {list(OPTION_NAMES)}")
-    names: List[str] = [c.name for c in tables]
-    resolved: Dict[str, dict] = {name: {} for name in names}
+    names: list[str] = [c.name for c in tables]
+    resolved: dict[str, dict] = {name: {} for name in names}
     for option in OPTION_NAMES:
         value = options.get(option)
         if isinstance(value, dict):
@@ -72,13 +70,13 @@ def per_table_options(tables, **options) -> Dict[str, dict]:
         elif option == "storage" and value is not None:
             values = _split_storage(value, tables)
         else:
-            values = {name: value for name in names}
+            values = dict.fromkeys(names, value)
         for name in names:
             resolved[name][option] = values[name]
     return {name: _fields(name, fields) for name, fields in resolved.items()}
 
 
-def _split_storage(storage, tables) -> Dict[str, object]:
+def _split_storage(storage, tables) -> dict[str, object]:
     """One Tiered for every table: a directory and a share of the cache each. The collection's
     directory is made here (its parent must exist, as for one table's Tiered.path)."""
     import dataclasses
@@ -105,6 +103,6 @@ def _split_storage(storage, tables) -> Dict[str, object]:
 
 def _fields(table: str, options: dict) -> dict:
     fields = dict(options)
-    dtype: Optional[object] = fields.pop("row_dtype")
+    dtype: object | None = fields.pop("row_dtype")
     fields["dtype"] = row_dtype_name(dtype if dtype is not None else "float32", f"table {table!r}: ")
     return fields

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import os
 import secrets
-from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -55,7 +54,7 @@ def agree_run_id(env) -> int:
     return int(run[0])
 
 
-def _place(module) -> Tuple[int, int]:
+def _place(module) -> tuple[int, int]:
     """(rank, world size) of a sharded collection; (0, 1) for a plain one."""
     return int(getattr(module, "_rank", 0)), int(getattr(module, "_world_size", 1))
 
@@ -68,7 +67,7 @@ def _stores(module) -> dict:
     return stores
 
 
-def save_shard_tables(module, directory: str) -> List[str]:
+def save_shard_tables(module, directory: str) -> list[str]:
     """Write this rank's shard of every table of `module` (a sharded collection, pooled or not,
     or a plain `CNEmbeddingBagCollection` / `CNEmbeddingCollection`: shard 0 of 1) to
     ``directory/<table>/shard-<rank>-of-<world size>``: keys, rows, optimizer state, counts,
@@ -95,13 +94,13 @@ def save_shard_tables(module, directory: str) -> List[str]:
     return written
 
 
-def _shard_files(directory: str, table: str) -> Tuple[int, Dict[int, str]]:
+def _shard_files(directory: str, table: str) -> tuple[int, dict[int, str]]:
     """(N, {rank: path}) of the shard tables of `table` in `directory`; ValueError if they are
     not every shard of one split."""
     folder = os.path.join(directory, table)
     if not os.path.isdir(folder):
         raise ValueError(f"{folder}: no such directory (no shard tables of table {table!r})")
-    found: Dict[int, Dict[int, str]] = {}
+    found: dict[int, dict[int, str]] = {}
     for entry in sorted(os.listdir(folder)):
         place = parse_shard_name(entry)
         if place is not None:
@@ -179,14 +178,14 @@ def load_shard_tables(module, directory: str, verify: bool = True) -> None:
         entries[f"tables.{name}.step"] = torch.tensor(next(iter(steps.values())), dtype=torch.int64)
         if n != world_size and rank != 0:
             evicted[name] = 0
-    missing, unexpected = module.load_state_dict(entries, strict=False)
+    _missing, unexpected = module.load_state_dict(entries, strict=False)
     if unexpected:
         raise ValueError(f"unexpected entries {unexpected[:3]}: not this module's tables")
     for name, count in evicted.items():
         stores[name].evicted_count = count
 
 
-def _check_shard_set(folder: str, n: int, shards: Dict[int, str]) -> None:
+def _check_shard_set(folder: str, n: int, shards: dict[int, str]) -> None:
     """The N shard files of one table (`_shard_files`) are of one save: each file's recorded
     place is its name's, and all record one save id, or none does (files written before
     they were recorded: their keys are checked against their rank), one step and one dim
@@ -227,7 +226,7 @@ def _read_shard(path: str, verify: bool):
     return {f: t.read(f, 0, len(t)) for f in FIELDS}, t.step, t.evicted_count, t.config
 
 
-def merge_shards(state_dicts: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
+def merge_shards(state_dicts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """One state_dict holding every table whole, from the state_dicts of the ranks of one
     checkpoint (any order). Table entries are concatenated (the ranks' keys are disjoint, which
     is checked); the step must agree; every other entry (dense parameters, identical on every
@@ -268,7 +267,7 @@ def merge_shards(state_dicts: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.
     return merged
 
 
-def _check_shard_entries(prefix: str, state_dicts) -> Optional[int]:
+def _check_shard_entries(prefix: str, state_dicts) -> int | None:
     """The run id of the shards of table `prefix`, after checking that the state_dicts hold
     each rank of one world size and one run once; None when none has a ``shard`` entry."""
     places = [sd.get(prefix + "shard") for sd in state_dicts]
@@ -286,7 +285,7 @@ def _check_shard_entries(prefix: str, state_dicts) -> Optional[int]:
             raise ValueError(f"state_dicts[{i}]: {prefix}shard: rank {r} of {wi} of run {ri:x}, but state_dicts[0] is "
                              f"rank {r0} of {w} of run {run:x}: shards of different saves; pass the state_dicts of "
                              f"one save; nothing was merged")
-    seen: Dict[int, int] = {}
+    seen: dict[int, int] = {}
     for i, (r, _, _) in enumerate(places):
         if r in seen:
             raise ValueError(f"state_dicts[{i}]: {prefix}shard: rank {r} of {w} given twice (also as "

@@ -14,13 +14,16 @@ collection (`embeddingbag.py`): this is the smaller sibling, with its parts in t
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Type
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torchrec.distributed.embedding import EmbeddingCollectionContext, EmbeddingCollectionSharder, \
-    ShardedEmbeddingCollection
+from torchrec.distributed.embedding import (
+    EmbeddingCollectionContext,
+    EmbeddingCollectionSharder,
+    ShardedEmbeddingCollection,
+)
 from torchrec.distributed.embedding_types import ShardedEmbeddingModule
 from torchrec.distributed.types import Awaitable, LazyAwaitable, NoWait, ParameterSharding, ShardingEnv
 from torchrec.optim.keyed import KeyedOptimizer
@@ -28,34 +31,40 @@ from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 import cncore
 from cncore_torch.collection import CNEmbeddingCollection
-from cncore_torch.functional import unpooled_lookup
 from cncore_torch.distributed.checkpoint import agree_run_id
-from cncore_torch.distributed.embedding_sharding import (check_features, fused_anchor, keep_owned_rows, owned_writer,
-                                                         shard_store_configs, sharded_optimizer)
+from cncore_torch.distributed.embedding_sharding import (
+    check_features,
+    fused_anchor,
+    keep_owned_rows,
+    owned_writer,
+    shard_store_configs,
+    sharded_optimizer,
+)
 from cncore_torch.distributed.planner import KERNEL, ROW_WISE, check_plan, register_planner_estimates
 from cncore_torch.distributed.routing import owner_of
 from cncore_torch.distributed.rw_sharding import SplitAllToAll
+from cncore_torch.functional import unpooled_lookup
 from cncore_torch.optim import keyed_fused_optimizer
 from cncore_torch.state import load_tables, save_store
 
 __all__ = ["CNEmbeddingCollectionSharder", "ShardedCNEmbeddingCollection"]
 
 
-class _Rows(LazyAwaitable[Dict[str, JaggedTensor]]):
+class _Rows(LazyAwaitable[dict[str, JaggedTensor]]):
     def __init__(self, fn):
         super().__init__()
         self._fn = fn
 
-    def _wait_impl(self) -> Dict[str, JaggedTensor]:
+    def _wait_impl(self) -> dict[str, JaggedTensor]:
         return self._fn()
 
 
 class ShardedCNEmbeddingCollection(ShardedEmbeddingCollection):
     """`CNEmbeddingCollection` with every table sharded row-wise by key hash over the process group."""
 
-    def __init__(self, module: CNEmbeddingCollection, table_name_to_parameter_sharding: Dict[str, ParameterSharding],
-                 env: ShardingEnv, fused_params: Optional[Dict[str, Any]] = None,
-                 device: Optional[torch.device] = None, qcomm_codecs_registry=None, module_fqn: Optional[str] = None):
+    def __init__(self, module: CNEmbeddingCollection, table_name_to_parameter_sharding: dict[str, ParameterSharding],
+                 env: ShardingEnv, fused_params: dict[str, Any] | None = None,
+                 device: torch.device | None = None, qcomm_codecs_registry=None, module_fqn: str | None = None):
         ShardedEmbeddingModule.__init__(self, qcomm_codecs_registry=qcomm_codecs_registry)
         if not isinstance(module, CNEmbeddingCollection):
             raise TypeError(f"module must be a CNEmbeddingCollection, got {type(module).__name__}")
@@ -85,7 +94,7 @@ class ShardedCNEmbeddingCollection(ShardedEmbeddingCollection):
         return self._optim
 
     @property
-    def stores(self) -> Dict[str, cncore.EmbeddingStore]:
+    def stores(self) -> dict[str, cncore.EmbeddingStore]:
         """{table name: this rank's store} (the keys this rank owns)."""
         return self._stores
 
@@ -94,7 +103,7 @@ class ShardedCNEmbeddingCollection(ShardedEmbeddingCollection):
         return self._table_stores
 
     @property
-    def unsharded_module_type(self) -> Type[CNEmbeddingCollection]:
+    def unsharded_module_type(self) -> type[CNEmbeddingCollection]:
         return CNEmbeddingCollection
 
     def reset_parameters(self) -> None:
@@ -103,7 +112,7 @@ class ShardedCNEmbeddingCollection(ShardedEmbeddingCollection):
     def create_context(self) -> EmbeddingCollectionContext:
         return EmbeddingCollectionContext()
 
-    def _exchange(self, tensor: torch.Tensor, out_splits: List[int], in_splits: List[int]) -> torch.Tensor:
+    def _exchange(self, tensor: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
         out = tensor.new_empty((sum(out_splits),) + tuple(tensor.shape[1:]))
         dist.all_to_all_single(out, tensor.contiguous(), out_splits, in_splits, group=self._pg)
         return out
@@ -124,8 +133,8 @@ class ShardedCNEmbeddingCollection(ShardedEmbeddingCollection):
             send = torch.bincount(owner, minlength=self._world_size)
             recv = self._exchange(send, [1] * self._world_size, [1] * self._world_size)
             send_splits, recv_splits = send.tolist(), recv.tolist()
-            ctx.cn = dict(sort=sort, send=send_splits, recv=recv_splits, per_feature=per_feature,
-                          lengths=features.lengths().view(len(self._features), -1))
+            ctx.cn = {"sort": sort, "send": send_splits, "recv": recv_splits, "per_feature": per_feature,
+                      "lengths": features.lengths().view(len(self._features), -1)}
             routed = (self._exchange(values[sort], recv_splits, send_splits),
                       self._exchange(table[sort], recv_splits, send_splits))
             return NoWait(NoWait(routed))
@@ -138,14 +147,14 @@ class ShardedCNEmbeddingCollection(ShardedEmbeddingCollection):
         return everything[torch.argsort(torch.cat(positions))]  # rows in the order the keys arrived
 
     def output_dist(self, ctx: EmbeddingCollectionContext,
-                    output: torch.Tensor) -> LazyAwaitable[Dict[str, JaggedTensor]]:
+                    output: torch.Tensor) -> LazyAwaitable[dict[str, JaggedTensor]]:
         c = ctx.cn
         back = SplitAllToAll.apply(output, c["send"], c["recv"], self._pg)  # rows of my keys, in `sort` order
 
-        def assemble() -> Dict[str, JaggedTensor]:
+        def assemble() -> dict[str, JaggedTensor]:
             rows = back[torch.argsort(c["sort"])]
             result, start, f = {}, 0, 0
-            for names, emb_names in zip(self._feature_names, self._names_by_table):
+            for _names, emb_names in zip(self._feature_names, self._names_by_table):
                 for emb_name in emb_names:
                     n = c["per_feature"][f]
                     result[emb_name] = JaggedTensor(values=rows[start:start + n], lengths=c["lengths"][f])
@@ -154,7 +163,7 @@ class ShardedCNEmbeddingCollection(ShardedEmbeddingCollection):
 
         return _Rows(assemble)
 
-    def compute_and_output_dist(self, ctx: EmbeddingCollectionContext, input) -> LazyAwaitable[Dict[str, JaggedTensor]]:
+    def compute_and_output_dist(self, ctx: EmbeddingCollectionContext, input) -> LazyAwaitable[dict[str, JaggedTensor]]:
         return self.output_dist(ctx, self.compute(ctx, input))
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
@@ -176,30 +185,30 @@ class ShardedCNEmbeddingCollection(ShardedEmbeddingCollection):
 class CNEmbeddingCollectionSharder(EmbeddingCollectionSharder):
     """Shards `CNEmbeddingCollection` row-wise by key hash (CUSTOMIZED_KERNEL), on cpu."""
 
-    def __init__(self, fused_params: Optional[Dict[str, Any]] = None, qcomm_codecs_registry=None, **kwargs) -> None:
+    def __init__(self, fused_params: dict[str, Any] | None = None, qcomm_codecs_registry=None, **kwargs) -> None:
         super().__init__(fused_params=fused_params, qcomm_codecs_registry=qcomm_codecs_registry, **kwargs)
         register_planner_estimates()  # DMP without a plan asks TorchRec's planner, which needs them
 
-    def shard(self, module: CNEmbeddingCollection, params: Dict[str, ParameterSharding], env: ShardingEnv,
-              device: Optional[torch.device] = None, module_fqn: Optional[str] = None) -> ShardedCNEmbeddingCollection:
+    def shard(self, module: CNEmbeddingCollection, params: dict[str, ParameterSharding], env: ShardingEnv,
+              device: torch.device | None = None, module_fqn: str | None = None) -> ShardedCNEmbeddingCollection:
         return ShardedCNEmbeddingCollection(module, params, env, self.fused_params, device,
                                             qcomm_codecs_registry=self.qcomm_codecs_registry, module_fqn=module_fqn)
 
-    def shardable_parameters(self, module: CNEmbeddingCollection) -> Dict[str, nn.Parameter]:
+    def shardable_parameters(self, module: CNEmbeddingCollection) -> dict[str, nn.Parameter]:
         return {c.name: nn.Parameter(torch.empty(c.num_embeddings, c.embedding_dim, device="meta"),
                                      requires_grad=False)
                 for c in module.embedding_configs()}
 
-    def sharding_types(self, compute_device_type: str) -> List[str]:
+    def sharding_types(self, compute_device_type: str) -> list[str]:
         return [ROW_WISE]
 
-    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
         return [KERNEL]
 
     @property
-    def module_type(self) -> Type[CNEmbeddingCollection]:
+    def module_type(self) -> type[CNEmbeddingCollection]:
         return CNEmbeddingCollection
 
     @property
-    def sharded_module_type(self) -> Type[ShardedCNEmbeddingCollection]:
+    def sharded_module_type(self) -> type[ShardedCNEmbeddingCollection]:
         return ShardedCNEmbeddingCollection

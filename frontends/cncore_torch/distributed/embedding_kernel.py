@@ -11,8 +11,6 @@ divided by its full length on the rank that owns the sample (see `embeddingbag.p
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional
-
 import torch
 from torch import nn
 from torchrec.distributed.embedding_kernel import BaseEmbedding
@@ -36,8 +34,8 @@ class CNEmbeddingBagKernel(BaseEmbedding):
     forward(KJT with the features in order, stride Bt) -> (Bt, sum of dims) partial pools.
     """
 
-    def __init__(self, stores: Dict[str, cncore.EmbeddingStore], feature_tables: List[str], is_weighted: bool,
-                 anchor: nn.Parameter, config: Optional[GroupedEmbeddingConfig] = None):
+    def __init__(self, stores: dict[str, cncore.EmbeddingStore], feature_tables: list[str], is_weighted: bool,
+                 anchor: nn.Parameter, config: GroupedEmbeddingConfig | None = None):
         super().__init__()
         self._stores = stores
         self._feature_stores = [stores[t] for t in feature_tables]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import numpy as np
 import torch
@@ -29,7 +29,7 @@ __all__ = ["check_features", "sharded_optimizer", "fused_anchor", "shard_store_c
            "keep_owned_rows"]
 
 
-def check_features(features, needed: List[str], is_weighted: bool) -> None:
+def check_features(features, needed: list[str], is_weighted: bool) -> None:
     """A rank's KJT, checked before any collective (a bad batch raises here, on its rank, with the
     single-process collection's messages, instead of reaching the all-to-all): CPU tensors with
     values, int IDs, float weights (present when is_weighted), lengths >= 0 adding up to the
@@ -62,7 +62,7 @@ def check_features(features, needed: List[str], is_weighted: bool) -> None:
         raise ValueError(f"features: no key {missing[0]!r} (it has {features.keys()})")
 
 
-def sharded_optimizer(module, owner: str, fused_params: Optional[Dict[str, Any]] = None):
+def sharded_optimizer(module, owner: str, fused_params: dict[str, Any] | None = None):
     """(optimizer, store configs with it) of a collection being sharded, read as TorchRec's own
     sharders read it: the collection's optimizer=, the optimizer `torchrec.optim.
     apply_optimizer_in_backward` attached to its parameters (DMP shards a meta module, which
@@ -86,8 +86,8 @@ def fused_anchor() -> nn.Parameter:
     return anchor
 
 
-def shard_store_configs(configs: Dict[str, cncore.StoreConfig], world_size: int,
-                        rank: int = 0) -> Dict[str, cncore.StoreConfig]:
+def shard_store_configs(configs: dict[str, cncore.StoreConfig], world_size: int,
+                        rank: int = 0) -> dict[str, cncore.StoreConfig]:
     """Each rank's config of every table: a table's row budget (max_rows, and headroom) is split
     between the ranks, ceil(max_rows / world_size) each, as row-wise sharding splits
     num_embeddings; keys spread evenly by the owner hash, so the ranks together hold about the

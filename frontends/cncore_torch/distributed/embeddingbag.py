@@ -12,16 +12,23 @@ collection's `stores` does.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Iterator, List, Optional, Type
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
-from torchrec.distributed.embedding_sharding import EmbeddingShardingContext, EmbeddingShardingInfo, \
-    KJTListSplitsAwaitable
+from torchrec.distributed.embedding_sharding import (
+    EmbeddingShardingContext,
+    EmbeddingShardingInfo,
+    KJTListSplitsAwaitable,
+)
 from torchrec.distributed.embedding_types import KJTList, ShardedEmbeddingModule
-from torchrec.distributed.embeddingbag import (EmbeddingBagCollectionContext, EmbeddingBagCollectionSharder,
-                                               ShardedEmbeddingBagCollection)
+from torchrec.distributed.embeddingbag import (
+    EmbeddingBagCollectionContext,
+    EmbeddingBagCollectionSharder,
+    ShardedEmbeddingBagCollection,
+)
 from torchrec.distributed.types import Awaitable, LazyAwaitable, ParameterSharding, ShardingEnv
 from torchrec.modules.embedding_configs import EmbeddingTableConfig, PoolingType
 from torchrec.optim.keyed import KeyedOptimizer
@@ -30,8 +37,14 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 import cncore
 from cncore_torch.collection import CNEmbeddingBagCollection
 from cncore_torch.distributed.checkpoint import agree_run_id
-from cncore_torch.distributed.embedding_sharding import (check_features, fused_anchor, keep_owned_rows, owned_writer,
-                                                         shard_store_configs, sharded_optimizer)
+from cncore_torch.distributed.embedding_sharding import (
+    check_features,
+    fused_anchor,
+    keep_owned_rows,
+    owned_writer,
+    shard_store_configs,
+    sharded_optimizer,
+)
 from cncore_torch.distributed.planner import KERNEL, ROW_WISE, check_plan, register_planner_estimates
 from cncore_torch.distributed.rw_sharding import CNRwPooledEmbeddingSharding, route_kjt
 from cncore_torch.optim import keyed_fused_optimizer
@@ -44,8 +57,8 @@ class _KeyedTensorAwaitable(LazyAwaitable[KeyedTensor]):
     """The summed pools as TorchRec's KeyedTensor, mean-pooled features divided by their full
     bag length (the partial sums of a bag split across ranks add up to the bag's sum)."""
 
-    def __init__(self, values: Awaitable[torch.Tensor], names: List[str], dims: List[int],
-                 divisor: Optional[torch.Tensor]):
+    def __init__(self, values: Awaitable[torch.Tensor], names: list[str], dims: list[int],
+                 divisor: torch.Tensor | None):
         super().__init__()
         self._values, self._names, self._dims, self._divisor = values, names, dims, divisor
 
@@ -66,9 +79,9 @@ class ShardedCNEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     state_dict (`tables.<name>.keys/rows/...`: this rank's keys only).
     """
 
-    def __init__(self, module: CNEmbeddingBagCollection, table_name_to_parameter_sharding: Dict[str, ParameterSharding],
-                 env: ShardingEnv, fused_params: Optional[Dict[str, Any]] = None,
-                 device: Optional[torch.device] = None, qcomm_codecs_registry=None, module_fqn: Optional[str] = None,
+    def __init__(self, module: CNEmbeddingBagCollection, table_name_to_parameter_sharding: dict[str, ParameterSharding],
+                 env: ShardingEnv, fused_params: dict[str, Any] | None = None,
+                 device: torch.device | None = None, qcomm_codecs_registry=None, module_fqn: str | None = None,
                  pack_pools: bool = False):
         ShardedEmbeddingModule.__init__(self, qcomm_codecs_registry=qcomm_codecs_registry)
         self._pack_pools = pack_pools
@@ -120,7 +133,7 @@ class ShardedCNEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     # --- what the collection offers -------------------------------------------------------------
 
     @property
-    def stores(self) -> Dict[str, cncore.EmbeddingStore]:
+    def stores(self) -> dict[str, cncore.EmbeddingStore]:
         """{table name: this rank's store} (the keys this rank owns)."""
         return self._stores
 
@@ -135,7 +148,7 @@ class ShardedCNEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         return self._optim
 
     @property
-    def unsharded_module_type(self) -> Type[CNEmbeddingBagCollection]:
+    def unsharded_module_type(self) -> type[CNEmbeddingBagCollection]:
         return CNEmbeddingBagCollection
 
     def reset_parameters(self) -> None:
@@ -173,13 +186,13 @@ class ShardedCNEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             return KJTListSplitsAwaitable([self._input_dists[0].send(routed)], ctx, self._module_fqn,
                                           self._sharding_types)
 
-    def compute(self, ctx: EmbeddingBagCollectionContext, dist_input: KJTList) -> List[torch.Tensor]:
+    def compute(self, ctx: EmbeddingBagCollectionContext, dist_input: KJTList) -> list[torch.Tensor]:
         if self._pack_pools:
             for sharding_ctx, features in zip(ctx.sharding_contexts, dist_input):
                 sharding_ctx.cn_received = features.lengths()  # which of my partial pools are not zero
         return [lookup(features) for lookup, features in zip(self._lookups, dist_input)]
 
-    def output_dist(self, ctx: EmbeddingBagCollectionContext, output: List[torch.Tensor]) -> LazyAwaitable[KeyedTensor]:
+    def output_dist(self, ctx: EmbeddingBagCollectionContext, output: list[torch.Tensor]) -> LazyAwaitable[KeyedTensor]:
         values = self._output_dists[0](output[0], ctx.sharding_contexts[0])
         return _KeyedTensorAwaitable(values, self._embedding_names, self._embedding_dims, ctx.divisor)
 
@@ -214,7 +227,7 @@ class ShardedCNEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         yield from (key for key, _ in self.named_parameters(prefix))
 
 
-def _split(flat: List[str], groups: List[List[str]]) -> List[List[str]]:
+def _split(flat: list[str], groups: list[list[str]]) -> list[list[str]]:
     out, at = [], 0
     for g in groups:
         out.append(flat[at:at + len(g)])
@@ -236,7 +249,7 @@ class CNEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
     measurements). So the
     default is off; turn it on where the network, not the CPU, is the bottleneck."""
 
-    def __init__(self, fused_params: Optional[Dict[str, Any]] = None, qcomm_codecs_registry=None, *,
+    def __init__(self, fused_params: dict[str, Any] | None = None, qcomm_codecs_registry=None, *,
                  pack_pools: bool = False, **kwargs) -> None:
         super().__init__(fused_params=fused_params, qcomm_codecs_registry=qcomm_codecs_registry, **kwargs)
         register_planner_estimates()  # DMP without a plan asks TorchRec's planner, which needs them
@@ -244,32 +257,32 @@ class CNEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             raise TypeError(f"pack_pools must be True or False, got {pack_pools!r}")
         self._pack_pools = pack_pools
 
-    def shard(self, module: CNEmbeddingBagCollection, params: Dict[str, ParameterSharding], env: ShardingEnv,
-              device: Optional[torch.device] = None,
-              module_fqn: Optional[str] = None) -> ShardedCNEmbeddingBagCollection:
+    def shard(self, module: CNEmbeddingBagCollection, params: dict[str, ParameterSharding], env: ShardingEnv,
+              device: torch.device | None = None,
+              module_fqn: str | None = None) -> ShardedCNEmbeddingBagCollection:
         return ShardedCNEmbeddingBagCollection(module, params, env, self.fused_params, device,
                                                qcomm_codecs_registry=self.qcomm_codecs_registry, module_fqn=module_fqn,
                                                pack_pools=self._pack_pools)
 
-    def shardable_parameters(self, module: CNEmbeddingBagCollection) -> Dict[str, nn.Parameter]:
+    def shardable_parameters(self, module: CNEmbeddingBagCollection) -> dict[str, nn.Parameter]:
         """One (num_embeddings, dim) meta parameter per table: what TorchRec's planner sizes
         (num_embeddings is a capacity hint; nothing is allocated)."""
         return {c.name: nn.Parameter(torch.empty(c.num_embeddings, c.embedding_dim, device="meta"),
                                      requires_grad=False)
                 for c in module.embedding_bag_configs()}
 
-    def sharding_types(self, compute_device_type: str) -> List[str]:
+    def sharding_types(self, compute_device_type: str) -> list[str]:
         return [ROW_WISE]
 
-    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
         return [KERNEL]
 
     @property
-    def module_type(self) -> Type[CNEmbeddingBagCollection]:
+    def module_type(self) -> type[CNEmbeddingBagCollection]:
         return CNEmbeddingBagCollection
 
     @property
-    def sharded_module_type(self) -> Type[ShardedCNEmbeddingBagCollection]:
+    def sharded_module_type(self) -> type[ShardedCNEmbeddingBagCollection]:
         return ShardedCNEmbeddingBagCollection
 
 

@@ -11,7 +11,6 @@ import datetime
 import os
 import socket
 import time
-from typing import Optional
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -25,7 +24,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(rank: int, world_size: int, port: int, timeout: Optional[float], fn, args) -> None:
+def _run(rank: int, world_size: int, port: int, timeout: float | None, fn, args) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     dist.init_process_group("gloo", rank=rank, world_size=world_size,
@@ -36,7 +35,7 @@ def _run(rank: int, world_size: int, port: int, timeout: Optional[float], fn, ar
         dist.destroy_process_group()
 
 
-def spawn(fn, nprocs: int, *args, timeout: Optional[float] = 120.0) -> None:
+def spawn(fn, nprocs: int, *args, timeout: float | None = 120.0) -> None:
     """fn(rank, nprocs, *args) in `nprocs` processes; raises if one fails or time runs out
     (timeout=None: no deadline for the run; a collective still gives up after 30 minutes)."""
     if not isinstance(nprocs, int) or isinstance(nprocs, bool) or nprocs < 1:

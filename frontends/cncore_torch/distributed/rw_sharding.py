@@ -35,14 +35,18 @@ MB minimum with the ids).
 from __future__ import annotations
 
 import itertools
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.dist_data import KJTAllToAll
-from torchrec.distributed.embedding_sharding import (BaseEmbeddingDist, BaseSparseFeaturesDist,
-                                                     EmbeddingShardingContext, EmbeddingShardingInfo)
+from torchrec.distributed.embedding_sharding import (
+    BaseEmbeddingDist,
+    BaseSparseFeaturesDist,
+    EmbeddingShardingContext,
+    EmbeddingShardingInfo,
+)
 from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingSharding
 from torchrec.distributed.types import Awaitable, NoWait, ShardingEnv
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -100,7 +104,7 @@ class CNRwPooledEmbeddingDist(BaseEmbeddingDist[EmbeddingShardingContext, torch.
     not zero). Without them it sends every partial pool. `bytes_sent` counts the pool bytes this
     rank sent to other ranks, forward and backward, since construction (`steps` calls)."""
 
-    def __init__(self, pg: dist.ProcessGroup, feature_dims: Optional[List[int]] = None):
+    def __init__(self, pg: dist.ProcessGroup, feature_dims: list[int] | None = None):
         super().__init__()
         self._pg = pg
         self._n_features = 0 if feature_dims is None else len(feature_dims)
@@ -112,7 +116,7 @@ class CNRwPooledEmbeddingDist(BaseEmbeddingDist[EmbeddingShardingContext, torch.
         self.bytes_sent, self.steps = 0, 0
 
     def forward(self, local_embs: torch.Tensor,
-                sharding_ctx: Optional[EmbeddingShardingContext] = None) -> Awaitable[torch.Tensor]:
+                sharding_ctx: EmbeddingShardingContext | None = None) -> Awaitable[torch.Tensor]:
         world_size, rank = self._pg.size(), self._pg.rank()
         if world_size == 1:
             return NoWait(local_embs)
@@ -162,7 +166,7 @@ class SplitAllToAll(torch.autograd.Function):
     `counter.bytes_sent` (when given) grows by the bytes sent to other ranks, each way."""
 
     @staticmethod
-    def forward(ctx, input: torch.Tensor, out_splits: List[int], in_splits: List[int], pg,
+    def forward(ctx, input: torch.Tensor, out_splits: list[int], in_splits: list[int], pg,
                 counter=None) -> torch.Tensor:
         out = input.new_empty((sum(out_splits),) + tuple(input.shape[1:]))
         dist.all_to_all_single(out, input.contiguous(), out_splits, in_splits, group=pg)
@@ -181,7 +185,7 @@ class SplitAllToAll(torch.autograd.Function):
         return grad_in, None, None, None, None
 
 
-def _foreign_bytes(tensor: torch.Tensor, splits: List[int], rank: int) -> int:
+def _foreign_bytes(tensor: torch.Tensor, splits: list[int], rank: int) -> int:
     """Bytes of `tensor` (split by rows as `splits`) that go to other ranks than `rank`."""
     row = tensor[0].numel() * tensor.element_size() if tensor.shape[0] else 0
     return (sum(splits) - splits[rank]) * row
@@ -194,22 +198,22 @@ class CNRwPooledEmbeddingSharding(RwPooledEmbeddingSharding):
     and dims per rank); the plan's row ranges are nominal for dynamic tables (a capacity hint per
     rank): rows go where the hash sends their keys."""
 
-    def __init__(self, sharding_infos: List[EmbeddingShardingInfo], env: ShardingEnv,
-                 device: Optional[torch.device], *, stores: Dict[str, cncore.EmbeddingStore],
-                 feature_tables: List[str], is_weighted: bool, anchor: nn.Parameter):
+    def __init__(self, sharding_infos: list[EmbeddingShardingInfo], env: ShardingEnv,
+                 device: torch.device | None, *, stores: dict[str, cncore.EmbeddingStore],
+                 feature_tables: list[str], is_weighted: bool, anchor: nn.Parameter):
         super().__init__(sharding_infos, env, device)
         self._cn_stores, self._cn_feature_tables = stores, feature_tables
         self._cn_is_weighted, self._cn_anchor = is_weighted, anchor
 
-    def create_input_dist(self, device: Optional[torch.device] = None) -> BaseSparseFeaturesDist[KeyedJaggedTensor]:
+    def create_input_dist(self, device: torch.device | None = None) -> BaseSparseFeaturesDist[KeyedJaggedTensor]:
         return CNRwSparseFeaturesDist(self._pg, len(self._cn_feature_tables))
 
-    def create_lookup(self, device: Optional[torch.device] = None, fused_params: Optional[Dict[str, Any]] = None,
+    def create_lookup(self, device: torch.device | None = None, fused_params: dict[str, Any] | None = None,
                       feature_processor=None) -> CNGroupedPooledEmbeddingsLookup:
         kernel = CNEmbeddingBagKernel(self._cn_stores, self._cn_feature_tables, self._cn_is_weighted,
                                       self._cn_anchor,
                                       self._grouped_embedding_configs[0] if self._grouped_embedding_configs else None)
         return CNGroupedPooledEmbeddingsLookup(kernel)
 
-    def create_output_dist(self, device: Optional[torch.device] = None) -> CNRwPooledEmbeddingDist:
+    def create_output_dist(self, device: torch.device | None = None) -> CNRwPooledEmbeddingDist:
         return CNRwPooledEmbeddingDist(self._pg, [self._cn_stores[t].dim for t in self._cn_feature_tables])

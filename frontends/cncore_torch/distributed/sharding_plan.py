@@ -6,8 +6,6 @@ sharders it names.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 from torch import nn
 from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
 from torchrec.distributed.types import ShardingPlan
@@ -20,7 +18,7 @@ from cncore_torch.distributed.planner import KERNEL
 __all__ = ["plan_for"]
 
 
-def plan_for(model: nn.Module, world_size: int, *, local_size: Optional[int] = None,
+def plan_for(model: nn.Module, world_size: int, *, local_size: int | None = None,
              device_type: str = "cpu") -> ShardingPlan:
     """The sharding plan DMP takes, without TorchRec's planner: every table of every
     `CNEmbeddingBagCollection` (and `CNEmbeddingCollection`) in `model` row-wise over all
