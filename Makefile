@@ -3,7 +3,7 @@
 #   make test    the test suite
 # Both create .venv on first use: torch pinned to 2.13.0 (the CPU wheel), TorchRec without
 # its GPU dependency, and this project built in place.
-# make lint runs ruff, mypy and the import checks (config in pyproject.toml).
+# make lint runs ruff, mypy and the import checks (config in pyproject.toml); CI (.ci/run) runs it before make test.
 # make test-fast skips the tests marked slow (full DLRM trainings, multi-process runs): a quick local run.
 
 PYTHON ?= python3
