@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -188,7 +188,7 @@ class EmbeddingStore:
               else (0, 0, 0, adm is not None and adm.unadmitted == "initial")), ROW_DTYPES[config.dtype],
             adm.threshold if isinstance(adm, Probability) else 0, config.seed,
             ev.halve_shift if isinstance(ev, LFU) else -1)
-        self._evict_callbacks = []
+        self._evict_callbacks: list[Callable] = []
         # For incremental saves (cncore.tablefile): which store a checkpoint is of, and how many
         # calls wrote rows without recording a step (a delta cannot see those rows).
         self._uid, self._writes = next(_STORE_IDS), 0

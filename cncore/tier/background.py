@@ -6,6 +6,7 @@ import functools
 import os
 import threading
 import weakref
+from typing import Any
 
 _PREFETCHER = None  # the background thread of every tiered store's prefetch reads
 
@@ -69,7 +70,8 @@ def _forget_prefetcher() -> None:  # a forked child has no copy of the parent's 
 
 os.register_at_fork(after_in_child=_forget_prefetcher)
 
-_OPEN_STORES = weakref.WeakSet()  # the process's open tiered stores: a forked child disowns them
+# The process's open tiered stores: a forked child disowns them.
+_OPEN_STORES: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def _disown_open_stores() -> None:

@@ -26,6 +26,7 @@ initial row would need a row of its own for the pooling).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -74,7 +75,7 @@ class DeviceRows:
             dim=2 if self.bounded else 1, capacity=config.capacity, max_load_factor=config.max_load_factor,
             initializer=cncore.Constant(0.0), seed=config.seed, max_rows=config.max_rows,
             eviction=config.eviction, admission=config.admission, headroom=config.headroom))
-        self._evict_callbacks = []
+        self._evict_callbacks: list[Callable] = []
         self.evictions = 0  # eviction events: a lookup context from before one is refused in backward
         if self.bounded:
             self.index.on_evict(self._evicted)
