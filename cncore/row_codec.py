@@ -20,7 +20,8 @@ import numpy as np
 __all__ = ["FILE_DTYPES", "encode_rows", "decode_rows"]
 
 # The .npy dtype of each row dtype's rows in a table file (format version 3 on).
-FILE_DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": np.dtype(np.uint16)}
+FILE_DTYPES: dict[str, np.dtype] = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
+                                    "bfloat16": np.dtype(np.uint16)}
 _F16_MAX = 65504.0
 
 

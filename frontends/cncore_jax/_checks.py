@@ -21,7 +21,7 @@ def as_int_array(x, name: str, what: str):
         raise TypeError(f"{name}: expected a 1-D int32 or int64 array of {what}, got {type(x).__name__}")
     if dtype not in _ID_DTYPES:
         raise TypeError(f"{name}: expected int32 or int64 {what}, got {dtype}")
-    if dtype == np.int64 and not jax.config.jax_enable_x64:
+    if dtype == np.int64 and not jax.config.jax_enable_x64:  # type: ignore[attr-defined]  # set at runtime
         raise TypeError(f"{name}: int64 {what} need jax.config.update('jax_enable_x64', True) (without it JAX "
                         "narrows them to int32); enable it, or pass int32")
     if len(x.shape) != 1:

@@ -28,7 +28,7 @@ class Placement:
 def _accelerator(index: int) -> torch.device:
     try:  # Cambricon MLU, through its PyTorch extension
         import torch_mlu  # noqa: F401
-        if torch.mlu.is_available():
+        if torch.mlu.is_available():  # type: ignore[attr-defined]  # torch_mlu adds it
             return torch.device("mlu", index)
     except ImportError:
         pass
