@@ -3,6 +3,8 @@ as `GroupedPooledEmbeddingsLookup` builds FBGEMM's batched kernels). One kernel 
 table of the collection: the core looks all of them up in one grouped call."""
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torchrec.distributed.embedding_types import BaseEmbeddingLookup
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -19,7 +21,7 @@ class CNGroupedPooledEmbeddingsLookup(BaseEmbeddingLookup[KeyedJaggedTensor, tor
 
     @property
     def kernel(self) -> CNEmbeddingBagKernel:
-        return self._emb_modules[0]
+        return cast(CNEmbeddingBagKernel, self._emb_modules[0])  # the one module the list holds
 
     def forward(self, sparse_features: KeyedJaggedTensor) -> torch.Tensor:
         return self.kernel(sparse_features)
