@@ -60,15 +60,10 @@ class Durability:
         self._flushes, self._commits = int(meta["flush"]), int(meta["commit"])
 
     def _cache_batches(self, batch_size: int = _CHUNK, with_rows: bool = True) -> Iterator[TableBatch]:
-        """The cached rows, batch_size at a time (the base class's cursor walk)."""
-        cursor = None
-        while True:
-            b = self.cache.export(cursor, batch_size, with_rows=with_rows)
+        """The cached rows, batch_size at a time (the cache's export walk, empty batches left out)."""
+        for b in self.cache.iter_export(batch_size, with_rows=with_rows):
             if len(b.keys):
                 yield b
-            cursor = b.next_cursor
-            if cursor is None:
-                return
 
     @_locked
     def flush(self) -> None:

@@ -483,14 +483,7 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, Durability):
         return self._iter_export(batch_size, with_rows)
 
     def _iter_export(self, batch_size: int, with_rows: bool) -> Iterator[TableBatch]:
-        cursor = None
-        while True:  # the cache, with the base class's cursor walk
-            b = self.cache.export(cursor, batch_size, with_rows=with_rows)
-            if len(b.keys):
-                yield b
-            cursor = b.next_cursor
-            if cursor is None:
-                break
+        yield from self._cache_batches(batch_size, with_rows)
         self._erases.settle()
         sf = self._tier_config.state_floats
         for disk_keys, disk_slots in self._disk.items(batch_size):
