@@ -505,3 +505,19 @@ class StoreConfig:
     def state_floats(self) -> int:
         """Optimizer-state floats stored after each row's embedding."""
         return _STATE_FLOATS[type(self.optimizer) if self.optimizer is not None else None](self.dim)
+
+
+def store_config_of(config: StoreConfig | None, config_fields: dict) -> StoreConfig:
+    """The StoreConfig a store constructor or the factory was given: `config`, or one built from
+    its fields as keywords (never both).
+
+    >>> store_config_of(None, {"dim": 4}).dim
+    4
+    """
+    if config is None:
+        return StoreConfig(**config_fields)
+    if config_fields:
+        raise TypeError("pass either a StoreConfig or its fields as keywords, not both")
+    if not isinstance(config, StoreConfig):
+        raise TypeError(f"config must be a cncore.StoreConfig, got {type(config).__name__}")
+    return config

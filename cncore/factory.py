@@ -17,7 +17,7 @@ never built in memory by mistake.
 """
 from __future__ import annotations
 
-from cncore.config import StoreConfig, Tiered
+from cncore.config import StoreConfig, Tiered, store_config_of
 from cncore.store import EmbeddingStore
 from cncore.tier import TieredStore
 
@@ -39,12 +39,7 @@ def make_store(config: StoreConfig | None = None, **config_fields) -> EmbeddingS
         TypeError: both a config and fields given, a config that is not a `StoreConfig`, or a
             storage this version does not know.
     """
-    if config is None:
-        config = StoreConfig(**config_fields)
-    elif config_fields:
-        raise TypeError("pass either a StoreConfig or its fields as keywords, not both")
-    elif not isinstance(config, StoreConfig):
-        raise TypeError(f"config must be a cncore.StoreConfig, got {type(config).__name__}")
+    config = store_config_of(config, config_fields)
     if config.storage is None:
         return EmbeddingStore(config)
     if isinstance(config.storage, Tiered):

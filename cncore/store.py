@@ -57,7 +57,7 @@ import numpy as np
 
 from cncore import _core
 from cncore._interchange import as_floats, as_keys, to_numpy
-from cncore.config import LFU, ROW_DTYPES, TTL, MinCount, Probability, StoreConfig
+from cncore.config import LFU, ROW_DTYPES, TTL, MinCount, Probability, StoreConfig, store_config_of
 from cncore.grouped import as_flag, grouped_apply_gradients, pooled_lookup_one, unique_gradients_one
 
 __all__ = ["EmbeddingStore", "TableBatch", "initial_rows"]
@@ -161,12 +161,7 @@ class EmbeddingStore:
     """
 
     def __init__(self, config: StoreConfig | None = None, **config_fields):
-        if config is None:
-            config = StoreConfig(**config_fields)
-        elif config_fields:
-            raise TypeError("pass either a StoreConfig or its fields as keywords, not both")
-        elif not isinstance(config, StoreConfig):
-            raise TypeError(f"config must be a cncore.StoreConfig, got {type(config).__name__}")
+        config = store_config_of(config, config_fields)
         if config.storage is not None:  # refused before anything is made (a tier's directory included)
             cls = type(self)
             raise TypeError(f"storage={config.storage!r}: {cls.__module__}.{cls.__qualname__} keeps its rows in memory "

@@ -369,6 +369,19 @@ def test_a_dangling_symlink_as_the_path_is_refused_by_name(tmp_path):
     assert len(store) == 10
 
 
+
+@pytest.mark.parametrize("build", ["make_store", "TieredStore", "EmbeddingStore"])
+def test_a_config_and_fields_together_are_refused_by_every_constructor_and_make_no_directory(tmp_path, build):
+    """TieredStore(config, dim=8) used to drop the fields without a word; every constructor and
+    the factory read their config through one check."""
+    from cncore.tier import TieredStore
+    make = {"make_store": cncore.make_store, "TieredStore": TieredStore, "EmbeddingStore": cncore.EmbeddingStore}[build]
+    with pytest.raises(TypeError, match=r"^pass either a StoreConfig or its fields as keywords, not both$"):
+        make(config_at(tmp_path / "t"), dim=8)
+    with pytest.raises(TypeError, match=r"^config must be a cncore.StoreConfig, got dict$"):
+        make({"dim": 8})
+    assert os.listdir(tmp_path) == []
+
 # --- a closed store -----------------------------------------------------------------------------------
 
 def test_every_verb_of_a_closed_store_raises_one_clear_error(tmp_path):

@@ -12,7 +12,7 @@ import numpy as np
 
 from cncore import _core
 from cncore._interchange import as_floats, as_keys
-from cncore.config import LRU, ROW_DTYPES, StoreConfig, Tiered
+from cncore.config import LRU, ROW_DTYPES, StoreConfig, Tiered, store_config_of
 from cncore.grouped import as_flag, grouped_apply_gradients, pooled_lookup_one, unique_gradients_one
 from cncore.store import EmbeddingStore, TableBatch, _u32
 from cncore.tier import heap, records
@@ -42,8 +42,7 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, Durability):
     `cncore.make_store(config)` (or `TieredStore(config)`) when `config.storage` is a `Tiered`."""
 
     def __init__(self, config: StoreConfig | None = None, **config_fields):
-        if config is None:
-            config = StoreConfig(**config_fields)
+        config = store_config_of(config, config_fields)
         storage = config.storage
         if not isinstance(storage, Tiered):
             raise TypeError(f"config.storage must be a cncore.Tiered, got {type(storage).__name__}")
