@@ -20,6 +20,7 @@ from cn_dlrm.cli import main  # noqa: E402
 from cn_dlrm.data import SPARSE_KEYS, read_criteo_tsv  # noqa: E402
 from cn_dlrm.options import InputError, parse_args  # noqa: E402
 from reference import tree  # noqa: E402
+from test_dlrm_job import exit_line  # noqa: E402  (cn-dlrm in this process: exit 2 and one line)
 
 SMALL = ["--batch-size", "32", "--embedding-dim", "4", "--no-progress", "--threads", "1", "--eval-batches", "1"]
 TABLES = [f"t_{key}" for key in SPARSE_KEYS]
@@ -29,18 +30,6 @@ def run_job(tmp_path, *argv):
     out = tmp_path / "summary.json"
     assert main([*SMALL, "--summary-json", str(out), *argv]) == 0
     return json.loads(out.read_text())["runs"][0]
-
-
-def exit_line(capsys, *argv):
-    """cn-dlrm in this process: exit code 2 and one line on stderr (no traceback); the line."""
-    try:
-        code = main([*argv])
-    except SystemExit as e:
-        code = e.code
-    err = capsys.readouterr().err
-    assert code == 2, err
-    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
-    return err.strip()
 
 
 def command(*argv, cwd=None):
