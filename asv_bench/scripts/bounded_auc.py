@@ -45,17 +45,20 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 from torch import nn
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import cncore
+from bounded_movielens import DEFAULT_CACHE, KEYS, MovieLens, find_wheel
 from cn_dlrm import bounded
 from cn_dlrm.compare import equal_memory_rows, hashed_run
 from cn_dlrm.data import SPARSE_KEYS, SyntheticCriteo
 from cn_dlrm.train import Run, _mute_is_fx_tracing_notice, build_dlrm, table_configs, train, used_bytes
 from cncore_torch.collection import CNEmbeddingBagCollection
 
-METHODS = ["ours-lru", "ours-lfu", "ours-lru+mincount2", "hashed", "hashed-same-memory", "mch-lru", "mch-lfu",
-           "mch-distance-lfu", "mch-lru-reset"]
-LABELS = {"ours-lru": "ours LRU", "ours-lfu": "ours LFU", "ours-lru+mincount2": "ours LRU + MinCount(2)",
+METHODS = ["ours-unbounded", "ours-lru", "ours-lfu", "ours-lru+mincount2", "hashed", "hashed-same-memory",
+           "mch-lru", "mch-lfu", "mch-distance-lfu", "mch-lru-reset"]
+LABELS = {"ours-unbounded": "ours, no budget",
+          "ours-lru": "ours LRU", "ours-lfu": "ours LFU", "ours-lru+mincount2": "ours LRU + MinCount(2)",
           "hashed": "TorchRec EBC, IDs modulo rows", "hashed-same-memory": "TorchRec EBC, modulo, ours' MiB",
           "mch-lru": "TorchRec MCH, LRU_EvictionPolicy",
           "mch-lfu": "TorchRec MCH, LFU_EvictionPolicy", "mch-distance-lfu": "TorchRec MCH, DistanceLFU_EvictionPolicy",
@@ -77,13 +80,83 @@ class CachedData:
         return iter(self.batches[start:])
 
 
+class SyntheticTask:
+    """The job's Criteo-like stream: its 26 tables and 13 dense inputs, row-wise Adagrad."""
+    keys = SPARSE_KEYS
+
+    @staticmethod
+    def configs(dim: int, rows: list[int]):
+        return table_configs(dim, rows)
+
+    @staticmethod
+    def dlrm(ebc, dim: int):
+        return build_dlrm(ebc, dim)
+
+    @staticmethod
+    def sparse_optimizer(lr: float):
+        return cncore.RowWiseAdagrad(lr=lr)
+
+    @staticmethod
+    def torch_sparse_optimizer(params, lr: float):
+        from torchrec.optim import RowWiseAdagrad as TorchRecRowWiseAdagrad
+        return TorchRecRowWiseAdagrad(params, lr=lr)
+
+    @staticmethod
+    def hashed(args, rows: list[int]) -> Run:
+        return hashed_run(args, rows)
+
+
+class MovieLensTask:
+    """MovieLens-100K (`bounded_movielens.py`): nine tables, one constant dense input, Adagrad
+    (ours `cncore.Adagrad`, TorchRec's tables `torch.optim.Adagrad`: the same update)."""
+    keys = KEYS
+
+    @staticmethod
+    def configs(dim: int, rows: list[int]):
+        from torchrec import EmbeddingBagConfig
+        return [EmbeddingBagConfig(name=f"t_{key}", embedding_dim=dim, num_embeddings=n, feature_names=[key])
+                for key, n in zip(KEYS, rows)]
+
+    @staticmethod
+    def dlrm(ebc, dim: int):
+        from torchrec.models.dlrm import DLRM
+        return DLRM(embedding_bag_collection=ebc, dense_in_features=1, dense_arch_layer_sizes=[64, dim],
+                    over_arch_layer_sizes=[128, 64, 1])
+
+    @staticmethod
+    def sparse_optimizer(lr: float):
+        return cncore.Adagrad(lr=lr)
+
+    @staticmethod
+    def torch_sparse_optimizer(params, lr: float):
+        return torch.optim.Adagrad(params, lr=lr)
+
+    @classmethod
+    def hashed(cls, args, rows: list[int]) -> Run:
+        from torchrec import EmbeddingBagCollection
+        sizes = torch.tensor(rows)
+
+        def modulo(kjt):
+            size_per_value = torch.repeat_interleave(sizes, torch.tensor(kjt.length_per_key()))
+            return KeyedJaggedTensor(keys=kjt.keys(), values=torch.remainder(kjt.values(), size_per_value),
+                                     lengths=kjt.lengths())
+
+        torch.manual_seed(args.seed)
+        model = cls.dlrm(EmbeddingBagCollection(tables=cls.configs(args.embedding_dim, rows)), args.embedding_dim)
+        sparse = [p for n, p in model.named_parameters() if "embedding_bags" in n]
+        dense = [p for n, p in model.named_parameters() if "embedding_bags" not in n]
+        return Run("hashed", model, [torch.optim.Adagrad(dense, lr=args.dense_lr),
+                                     cls.torch_sparse_optimizer(sparse, args.sparse_lr)], remap=modulo,
+                   fixed_rows=list(rows), dim=args.embedding_dim)
+
+
 def ours(args, budgets: list[int], eviction, admission=None) -> Run:
     torch.manual_seed(args.seed)  # the dense network starts where every other run's does
-    configs = table_configs(args.embedding_dim, budgets)
-    ebc = CNEmbeddingBagCollection(tables=configs, optimizer=cncore.RowWiseAdagrad(lr=args.sparse_lr), seed=args.seed,
-                                   max_rows={c.name: n for c, n in zip(configs, budgets)}, eviction=eviction,
-                                   admission=admission, row_dtype=args.row_dtype)
-    model = build_dlrm(ebc, args.embedding_dim)
+    configs = args.task.configs(args.embedding_dim, budgets)
+    ebc = CNEmbeddingBagCollection(tables=configs, optimizer=args.task.sparse_optimizer(args.sparse_lr),
+                                   seed=args.seed, eviction=eviction, admission=admission, row_dtype=args.row_dtype,
+                                   max_rows=None if eviction is None else {c.name: n for c, n in zip(configs, budgets)})
+    model = args.task.dlrm(ebc, args.embedding_dim)
     dense = [p for n, p in model.named_parameters() if "_anchor" not in n]
     return Run("ours", model, [torch.optim.Adagrad(dense, lr=args.dense_lr), ebc.fused_optimizer], tables=ebc)
 
@@ -164,19 +237,19 @@ def mch(args, budgets: list[int], policy_name: str) -> Run:
         LRU_EvictionPolicy,
         ManagedCollisionCollection,
     )
-    from torchrec.optim import RowWiseAdagrad as TorchRecRowWiseAdagrad
     policies = {"mch-lru": LRU_EvictionPolicy, "mch-lfu": LFU_EvictionPolicy,
                 "mch-distance-lfu": DistanceLFU_EvictionPolicy, "mch-lru-reset": LRU_EvictionPolicy}
     torch.manual_seed(args.seed)
-    configs = table_configs(args.embedding_dim, budgets)
+    configs = args.task.configs(args.embedding_dim, budgets)
     modules = {c.name: CountingMCH.make(c.num_embeddings, policies[policy_name](), args.mch_interval) for c in configs}
     mc_ebc = ManagedCollisionEmbeddingBagCollection(EmbeddingBagCollection(tables=configs),
                                                     ManagedCollisionCollection(modules, configs))
-    model = build_dlrm(KeyedTensorOnly(mc_ebc, configs), args.embedding_dim)
+    model = args.task.dlrm(KeyedTensorOnly(mc_ebc, configs), args.embedding_dim)
     sparse = [p for n, p in model.named_parameters() if "embedding_bags" in n]
     dense = [p for n, p in model.named_parameters() if "embedding_bags" not in n]
     kind = ResetRun if policy_name == "mch-lru-reset" else Run
-    optimizers = [torch.optim.Adagrad(dense, lr=args.dense_lr), TorchRecRowWiseAdagrad(sparse, lr=args.sparse_lr)]
+    optimizers = [torch.optim.Adagrad(dense, lr=args.dense_lr),
+                  args.task.torch_sparse_optimizer(sparse, args.sparse_lr)]
     run = kind("mch", model, optimizers, fixed_rows=list(budgets), dim=args.embedding_dim)
     run.mch_modules = modules
     return run
@@ -185,7 +258,7 @@ def mch(args, budgets: list[int], policy_name: str) -> Run:
 def hashed_rows_reached(data: CachedData, budgets: list[int]) -> int:
     """Rows of the modulo-hashed tables that any training ID reaches."""
     total = 0
-    for f, key in enumerate(SPARSE_KEYS):
+    for f, key in enumerate(data.batches[0].sparse.keys()):
         ids = np.concatenate([b.sparse[key].values().numpy() for b in data.batches])
         total += len(np.unique(np.remainder(ids, budgets[f])))
     return total
@@ -199,8 +272,10 @@ def build(method: str, args, budgets: list[int]) -> Run:
         return ours(args, budgets, cncore.LFU())
     if method == "ours-lru+mincount2":
         return ours(args, budgets, cncore.LRU(), cncore.MinCount(2))
+    if method == "ours-unbounded":  # its configs' rows (which scale the initial rows) are the distinct IDs
+        return ours(args, args.distinct, None)
     if method in ("hashed", "hashed-same-memory"):
-        return hashed_run(args, budgets)
+        return args.task.hashed(args, budgets)
     return mch(args, budgets, method)
 
 
@@ -230,8 +305,18 @@ def measure(method: str, args, data: CachedData, budgets: list[int]) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=200, help="training batches")
-    ap.add_argument("--batch-size", type=int, default=2048)
+    ap.add_argument("--data", choices=["synthetic", "movielens"], default="synthetic",
+                    help="the job's synthetic stream, or MovieLens-100K as a click-through task "
+                         "(bounded_movielens.py: one pass over the first 80%% of the ratings by time, "
+                         "tested on the rest)")
+    ap.add_argument("--cache", default=DEFAULT_CACHE, help="movielens: where RecBole's wheel is (or is downloaded)")
+    ap.add_argument("--budget-floor", choices=["peak", "none"], default="peak",
+                    help="peak: a budget is never below the most distinct IDs one batch brings to the table; "
+                         "none: P%% of the distinct IDs, at least one row")
+    ap.add_argument("--steps", type=int, default=200, help="training batches (synthetic)")
+    ap.add_argument("--batch-size", type=int, default=None, help="default 2048 (synthetic), 256 (movielens)")
+    ap.add_argument("--sparse-lr", type=float, default=0.05)
+    ap.add_argument("--dense-lr", type=float, default=0.01)
     ap.add_argument("--eval-batches", type=int, default=8)
     ap.add_argument("--embedding-dim", type=int, default=16)
     ap.add_argument("--row-dtype", choices=["float32", "float16", "bfloat16"], default="float32",
@@ -250,26 +335,46 @@ def main(argv=None) -> int:
     ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     args = ap.parse_args(argv)
     # what the job's Run/train read
+    if args.batch_size is None:
+        args.batch_size = 256 if args.data == "movielens" else 2048
     job = SimpleNamespace(steps=args.steps, batch_size=args.batch_size, eval_batches=args.eval_batches,
-                          eval_every=args.steps, embedding_dim=args.embedding_dim, sparse_lr=0.05, dense_lr=0.01,
+                          eval_every=args.steps, embedding_dim=args.embedding_dim, sparse_lr=args.sparse_lr,
+                          dense_lr=args.dense_lr,
                           seed=args.seed, no_progress=True, checkpoint=None, criteo_tsv=None,
                           mch_interval=args.mch_interval, row_dtype=args.row_dtype)
     torch.set_num_threads(args.threads)
     cncore.set_num_threads(args.threads)
     _mute_is_fx_tracing_notice()
     t0 = time.perf_counter()
-    data = CachedData(job)
-    counts = bounded.stream_counts(data.synthetic, args.steps)
-    print(f"# DLRM, synthetic Criteo-like stream: {args.steps} steps x {args.batch_size} samples, dim "
-          f"{args.embedding_dim}, eval on the next {args.eval_batches} batches; {sum(counts.distinct):,} distinct "
-          f"training IDs over 26 tables; {args.threads} thread(s); MCH eviction interval {args.mch_interval}",
-          flush=True)
+    if args.data == "movielens":
+        data = MovieLens(find_wheel(args.cache), args.batch_size)
+        job.task, job.steps = MovieLensTask, len(data.batches)
+        job.eval_every = job.steps
+        counts = bounded.StreamCounts(*data.counts())
+        print(f"# DLRM on MovieLens-100K (label: rating >= 4), {job.steps} steps x {args.batch_size} ratings in time "
+              f"order, tested on the last {sum(len(b.labels) for b in data.eval_set):,}; dim {args.embedding_dim}, "
+              f"Adagrad; distinct training IDs per table "
+              f"{dict(zip(KEYS, counts.distinct))}; {args.threads} thread(s); MCH eviction interval "
+              f"{args.mch_interval}; budget floor {args.budget_floor}", flush=True)
+    else:
+        job.task = SyntheticTask
+        data = CachedData(job)
+        counts = bounded.stream_counts(data.synthetic, args.steps)
+        print(f"# DLRM, synthetic Criteo-like stream: {args.steps} steps x {args.batch_size} samples, dim "
+              f"{args.embedding_dim}, eval on the next {args.eval_batches} batches; {sum(counts.distinct):,} "
+              f"distinct training IDs over 26 tables; {args.threads} thread(s); MCH eviction interval "
+              f"{args.mch_interval}", flush=True)
+    job.distinct = list(counts.distinct)
+    if args.budget_floor == "none":
+        counts = bounded.StreamCounts(counts.distinct, [1] * len(counts.distinct))
     rows = []
     print("| budget | budget rows (all tables) | method | AUC | log loss | rows used | evictions | table MiB | "
           "samples/s |" + ("" if args.seeds == 1 else f"   (means of {args.seeds} model seeds)"))
     print("|---|---|---|---|---|---|---|---|---|", flush=True)
     for percent in args.budgets:
         budgets = bounded.percent_budgets(counts, percent)
+        if percent >= 100:  # the tables hold every training ID (the test range's new IDs still evict)
+            budgets = list(counts.distinct)
         same_memory = None
         for method in args.methods:
             if method == "hashed-same-memory" and same_memory is None:
