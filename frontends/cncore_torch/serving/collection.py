@@ -1,0 +1,160 @@
+"""The frozen TorchRec collections: an in-graph ID remap in front of TorchRec's own modules.
+
+`FrozenEmbeddingBagCollection` holds `remap` (a `TableSlots` per table) and
+`embedding_bag_collection`, a plain TorchRec `EmbeddingBagCollection` whose tables hold the
+frozen rows (row 0 zeros, for unseen IDs). TorchRec's tools therefore see their own module:
+`torchrec.inference.modules.quantize_embeddings` / `quantize_inference_model` swap it for a
+`QuantEmbeddingBagCollection` (int8, int4, fp16 rows), `torch.export` records TorchRec's
+lookup, and the remap is a few tensor operations before it. `FrozenEmbeddingCollection` is the
+same over TorchRec's `EmbeddingCollection`.
+
+Mean pooling runs as a sum in TorchRec's module, then times 1/length here, in float32: the
+live tables' arithmetic (a division by the length differs from it in the last bit), and also
+what per-sample weights with mean need (the live collections' weighted sum / bag length,
+which `nn.EmbeddingBag` refuses).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+from torch import nn
+from torchrec import EmbeddingBagCollection, EmbeddingCollection
+from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, EmbeddingConfig, PoolingType
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
+
+from cncore_torch.serving.table import TableSlots, dense_rows
+
+__all__ = ["FrozenEmbeddingBagCollection", "FrozenEmbeddingCollection", "IdRemap"]
+
+
+class IdRemap(nn.Module):
+    """Raw IDs -> weight rows, per table (`tables[name]`), applied to a KJT's features.
+
+    >>> import numpy as np
+    >>> remap = IdRemap({"t": TableSlots(np.array([30, 10]))}, {"f": "t"})
+    >>> kjt = KeyedJaggedTensor.from_lengths_sync(["f"], torch.tensor([10, 30, 99]), torch.tensor([2, 1]))
+    >>> remap(kjt).values().tolist()
+    [2, 1, 0]
+    """
+
+    def __init__(self, tables: dict[str, TableSlots], table_of_feature: dict[str, str]) -> None:
+        super().__init__()
+        self.tables = nn.ModuleDict(tables)
+        self.table_of_feature = dict(table_of_feature)
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        values = features.values()
+        parts = torch.split(values, features.length_per_key()) if len(features.keys()) > 1 else [values]
+        remapped = []
+        for key, ids in zip(features.keys(), parts):
+            table = self.table_of_feature.get(key)
+            remapped.append(ids.to(torch.int64) if table is None else self.tables[table](ids))
+        return KeyedJaggedTensor(keys=features.keys(), values=torch.cat(remapped) if remapped else values,
+                                 lengths=features.lengths(), weights=features.weights_or_none(),
+                                 stride=features.stride())
+
+
+def _remap_of(configs, keys: dict[str, np.ndarray]) -> IdRemap:
+    return IdRemap({c.name: TableSlots(keys[c.name]) for c in configs},
+                   {f: c.name for c in configs for f in c.feature_names})
+
+
+def _load_weights(module: nn.Module, rows: dict[str, np.ndarray]) -> None:
+    """Each TorchRec table's weight (allocated on meta, so no initializer runs over it) as
+    the zero row followed by `rows[name]`."""
+    module.to_empty(device="cpu")
+    tables = module.embedding_bags if isinstance(module, EmbeddingBagCollection) else module.embeddings
+    assert isinstance(tables, nn.ModuleDict)
+    for name, table in tables.items():
+        table.weight = nn.Parameter(dense_rows(rows[name], first_slot=1), requires_grad=False)
+
+
+class FrozenEmbeddingBagCollection(nn.Module):
+    """A trained `CNEmbeddingBagCollection` as plain torch (see the module docstring): same
+    forward (KJT of raw IDs -> KeyedTensor), same keys and shapes; unseen IDs read zeros.
+    Built by `cncore_torch.serving.freeze`.
+
+    Args:
+        tables: the collection's `EmbeddingBagConfig`s (pooling SUM or MEAN).
+        is_weighted: whether the KJT's weights scale the rows.
+        keys: {table name: int64 (N,) IDs}.
+        rows: {table name: float32 (N, dim) rows, row i of ID keys[i]}.
+    """
+
+    def __init__(self, tables: list[EmbeddingBagConfig], is_weighted: bool, keys: dict[str, np.ndarray],
+                 rows: dict[str, np.ndarray]) -> None:
+        super().__init__()
+        self._configs = list(tables)
+        self._is_weighted = is_weighted
+        inner = [dataclasses.replace(c, num_embeddings=len(keys[c.name]) + 1, data_type=DataType.FP32,
+                                     pooling=PoolingType.SUM,
+                                     feature_names=list(c.feature_names)) for c in tables]
+        self.remap = _remap_of(tables, keys)
+        self.embedding_bag_collection = EmbeddingBagCollection(tables=inner, is_weighted=is_weighted, device="meta")
+        _load_weights(self.embedding_bag_collection, rows)
+        self.requires_grad_(False)
+        # (feature, first column, last column) of each mean feature, scaled by 1/length
+        self._means: list[tuple[str, int, int]] = []
+        column = 0
+        for c in tables:
+            for f in c.feature_names:
+                if c.pooling == PoolingType.MEAN:
+                    self._means.append((f, column, column + c.embedding_dim))
+                column += c.embedding_dim
+
+    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
+        return self._configs
+
+    def is_weighted(self) -> bool:
+        return self._is_weighted
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        out = self.embedding_bag_collection(self.remap(features))
+        if not self._means:
+            return out
+        values, lengths = out.values(), features.lengths().view(len(features.keys()), -1)
+        scale = torch.ones((1, values.shape[1]), dtype=values.dtype).expand(values.shape[0], -1).clone()
+        for feature, start, stop in self._means:
+            bag = lengths[features.keys().index(feature)].clamp(min=1).to(values.dtype)
+            scale[:, start:stop] = (1.0 / bag).unsqueeze(1)
+        return KeyedTensor(keys=out.keys(), length_per_key=out.length_per_key(), values=values * scale)
+
+
+class FrozenEmbeddingCollection(nn.Module):
+    """A trained `CNEmbeddingCollection` as plain torch: KJT of raw IDs -> {feature:
+    JaggedTensor of (N, dim) rows}, as the live one (with `need_indices`, the raw IDs as the
+    JaggedTensors' weights); unseen IDs read zeros. Built by `cncore_torch.serving.freeze`.
+
+    Args:
+        tables: the collection's `EmbeddingConfig`s.
+        need_indices: as the live collection's.
+        keys, rows: as `FrozenEmbeddingBagCollection`'s.
+    """
+
+    def __init__(self, tables: list[EmbeddingConfig], need_indices: bool, keys: dict[str, np.ndarray],
+                 rows: dict[str, np.ndarray]) -> None:
+        super().__init__()
+        self._configs = list(tables)
+        self._need_indices = need_indices
+        inner = [dataclasses.replace(c, num_embeddings=len(keys[c.name]) + 1, data_type=DataType.FP32,
+                                     feature_names=list(c.feature_names)) for c in tables]
+        self.remap = _remap_of(tables, keys)
+        self.embedding_collection = EmbeddingCollection(tables=inner, device="meta")
+        _load_weights(self.embedding_collection, rows)
+        self.requires_grad_(False)
+
+    def embedding_configs(self) -> list[EmbeddingConfig]:
+        return self._configs
+
+    def need_indices(self) -> bool:
+        return self._need_indices
+
+    def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
+        out = self.embedding_collection(self.remap(features))
+        if not self._need_indices:
+            return out
+        ids = dict(zip(features.keys(), torch.split(features.values(), features.length_per_key())))
+        return {name: JaggedTensor(values=jt.values(), lengths=jt.lengths(), weights=ids[name])
+                for name, jt in out.items()}
