@@ -425,8 +425,12 @@ class StoreConfig:
     Bounded tables (cn_evict.h has the exact policy):
     max_rows: the row budget, or None. An insert that would take the table past it first
     evicts, by `eviction`, the lowest-scoring rows the call does not use, down to
-    ``max_rows - headroom`` rows after the insert; a call whose own distinct keys exceed
-    max_rows is refused (ValueError, table unchanged). Evicted rows go to the callbacks of
+    ``max_rows - headroom`` rows after the insert. A training lookup whose own distinct keys
+    exceed max_rows still trains: every row it does not use is evicted, its new keys get the
+    free rows in order of first occurrence, and the rest overflow (they read as keys admission
+    refuses: zeros, or the initial row with ``unadmitted="initial"``, and take no update); an
+    explicit insert (``find_or_insert``) that large is refused (ValueError, table unchanged).
+    Evicted rows go to the callbacks of
     ``store.on_evict`` and are counted in ``store.evicted_count``. An eviction, like an erase,
     makes earlier lookups' contexts stale (their backward is refused).
     eviction: LRU(), LFU() or TTL(steps); required with max_rows, allowed without it (then only

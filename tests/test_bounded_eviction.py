@@ -73,6 +73,17 @@ class BoundedModel(DictStore):
         n = min(len(self.rows) + len(new) - self.low_water, len(self.rows) - len(used))
         self.evict_lowest(n, exclude=used)
 
+    def overflow(self, keys):
+        """A training lookup's keys that get (or have) a row: when its distinct keys exceed the
+        budget, its new keys past the room its own rows leave (max_rows - the rows it uses), in
+        order of first occurrence, get none."""
+        if self.max_rows is None:
+            return keys
+        used = {k for k in keys if k in self.rows}
+        new = list(dict.fromkeys(k for k in keys if k not in self.rows))
+        over = set(new[self.max_rows - len(used):])
+        return [k for k in keys if k not in over]
+
     def insert(self, keys):
         self.make_room(keys)
         self.admitted += len({k for k in keys if k not in self.rows})
@@ -160,11 +171,9 @@ class BoundedMachine(RuleBasedStateMachine):
         # Weights scale gradients only: counts are occurrences whatever the weights (0 included).
         weights = rng.choice([0.0, 0.5, 3.0], len(keys)).astype(np.float32) if weighted else None
         arr = np.array(keys, dtype=np.int64)
-        try:
-            self.ref.insert(self.ref.admit(keys))
-        except Full:
-            self.ref.take_back()
-            return self._refused(lambda: self.store.pooled_lookup(arr, offsets, per_sample_weights=weights), keys)
+        # A training lookup never stops on the budget: the keys past it overflow (read as keys
+        # without a row, no update); the model's insert would raise Full otherwise.
+        self.ref.insert(self.ref.overflow(self.ref.admit(keys)))
         lookup_step = self.store.step
         out, ctx = self.store.pooled_lookup(arr, offsets, per_sample_weights=weights)
         assert ((ctx.slots >= 0) == [k in self.ref.rows for k in keys]).all()
@@ -277,7 +286,7 @@ def test_an_evicted_key_that_comes_back_gets_its_initial_row_not_its_old_one():
     assert s.read(np.array([1])).counts.tolist() == [0]
 
 
-def test_the_batch_being_looked_up_is_never_evicted_and_a_call_too_big_is_refused():
+def test_the_batch_being_looked_up_is_never_evicted_and_an_insert_too_big_is_refused():
     s = lru_store(3)
     s.find_or_insert(np.array([10, 11, 12]))
     out, _ = s.pooled_lookup(np.array([10, 11, 13]), lengths=np.array([3]))  # 12 must go, not 10 or 11
@@ -287,6 +296,39 @@ def test_the_batch_being_looked_up_is_never_evicted_and_a_call_too_big_is_refuse
     with pytest.raises(ValueError, match=r"max_rows \(3\).*the table is unchanged"):
         s.find_or_insert(np.array([1, 2, 3, 10]))
     assert_unchanged(s, before)
+
+
+def test_a_training_batch_with_more_distinct_keys_than_the_budget_trains_and_its_tail_overflows():
+    """max_rows 3, rows for 10, 11, 12; a training batch of 10 and five new keys: 11 and 12 (the
+    rows it does not use) are evicted, 1 and 2 (the first new keys in the batch) get the two free
+    rows, 3 and 4 overflow: no row, zeros in the pooled sum, no update, no access."""
+    s = lru_store(3)
+    sink = []
+    s.on_evict(sink.append)
+    s.find_or_insert(np.array([10, 11, 12]))
+    keys = np.array([10, 1, 2, 3, 2, 4, 1])
+    out, ctx = s.pooled_lookup(keys, lengths=np.array([4, 3]))
+    assert sorted(s.export().keys.tolist()) == [1, 2, 10]
+    assert sorted(sink[0].keys.tolist()) == [11, 12] and s.evicted_count == 2
+    assert (ctx.slots >= 0).tolist() == [True, True, True, False, True, False, True]
+    initial = dict(zip([10, 1, 2], cncore.initial_rows(s.config, np.array([10, 1, 2]))))
+    np.testing.assert_allclose(out, [initial[10] + initial[1] + initial[2], initial[2] + initial[1]], rtol=1e-6)
+    s.apply_gradients(ctx, np.ones((2, 2), np.float32))  # SGD lr 1: a row moves by -(its bags' count)
+    got = s.read(np.array([10, 1, 2]))
+    np.testing.assert_allclose(got.rows, [initial[10] - 1, initial[1] - 2, initial[2] - 2], rtol=1e-6)
+    assert got.counts.tolist() == [1, 2, 2]  # occurrences
+    assert len(s) == 3
+    # An explicit insert of more keys than the budget still refuses: its rows could not all be kept.
+    with pytest.raises(ValueError, match=r"exceed the table's max_rows \(3\)"):
+        s.find_or_insert(np.array([5, 6, 7, 8]))
+
+
+def test_a_training_batch_whose_own_rows_fill_the_budget_gives_every_new_key_no_row():
+    s = lru_store(2)
+    s.find_or_insert(np.array([1, 2]))
+    out, ctx = s.pooled_lookup(np.array([1, 2, 3]), lengths=np.array([3]))
+    assert ctx.slots.tolist()[2] == -1 and sorted(s.export().keys.tolist()) == [1, 2] and s.evicted_count == 0
+    np.testing.assert_allclose(out, cncore.initial_rows(s.config, np.array([1, 2])).sum(0, keepdims=True), rtol=1e-6)
 
 
 def test_a_table_under_two_features_never_evicts_rows_the_other_feature_uses():

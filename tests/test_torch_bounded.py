@@ -56,15 +56,18 @@ def test_module_trains_exactly_as_the_core_store_with_the_same_config(eviction, 
     assert sum(len(b.keys) for b in sink) == bag.store.evicted_count
 
 
-def test_cnembedding_takes_the_options_and_refuses_a_lookup_past_its_budget():
+def test_cnembedding_takes_the_options_and_trains_a_lookup_past_its_budget():
     emb = CNEmbedding(10, 3, optimizer=cncore.SGD(lr=0.1), max_rows=4, eviction=cncore.LRU(), headroom=0)
     emb(torch.tensor([1, 2, 3, 4])).sum().backward()
     emb(torch.tensor([5])).sum().backward()
     assert sorted(emb.keys().tolist()) == [2, 3, 4, 5] and emb.store.evicted_count == 1
-    before = snapshot(emb.store)
-    with pytest.raises(ValueError, match="exceed its max_rows"):
-        emb(torch.tensor([10, 11, 12, 13, 14]))
-    assert_unchanged(emb.store, before)
+    # Five new IDs, four rows: every old row goes, 10..13 (first seen) get rows, 14 overflows
+    # (reads zeros, takes no update).
+    out = emb(torch.tensor([10, 11, 12, 13, 14]))
+    assert sorted(emb.keys().tolist()) == [10, 11, 12, 13] and emb.store.evicted_count == 5
+    assert out[4].tolist() == [0.0, 0.0, 0.0] and bool((out[:4] != 0).any(dim=1).all())
+    out.sum().backward()
+    assert sorted(emb.keys().tolist()) == [10, 11, 12, 13]
 
 
 def test_state_dict_keeps_the_evicted_count_and_a_larger_checkpoint_is_refused():

@@ -417,17 +417,52 @@ static inline int64_t cn_count_distinct_missing(const int64_t *keys, const int64
     return distinct;
 }
 
+/* Overflow of a training lookup whose distinct keys exceed the budget: of the call's distinct
+ * keys without a row (slots -1), the first `room` in order of first occurrence keep -1 (they
+ * get rows); every occurrence of the others becomes -2 (the caller turns them back into -1
+ * after the inserts: they read as keys without a row and take no update, as keys admission
+ * refuses do). Returns the keys kept, or -1 when out of memory (slots unchanged). First
+ * occurrence, not frequency in the batch, decides: one pass, and the same keys whatever the
+ * policy, so a model of the table can say which. */
+static inline int64_t cn_table_mark_overflow(const int64_t *keys, int64_t *slots, int64_t n, int64_t room) {
+    int64_t m = 0;
+    for (int64_t i = 0; i < n; i++) m += slots[i] == -1;
+    const uint64_t cap = (uint64_t)cn_pow2_at_least(2 * (m > 0 ? m : 1)), mask = cap - 1;
+    int64_t *set = (int64_t *)malloc((size_t)cap * (2 * sizeof(int64_t) + 1));
+    if (set == NULL) return -1;
+    int64_t *ordinal = set + cap;
+    uint8_t *used = (uint8_t *)(ordinal + cap);
+    memset(used, 0, cap);
+    int64_t distinct = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (slots[i] != -1) continue;
+        uint64_t h = cn_hash_key(keys[i]) & mask;
+        while (used[h] && set[h] != keys[i]) h = (h + 1) & mask;
+        if (!used[h]) {
+            used[h] = 1;
+            set[h] = keys[i];
+            ordinal[h] = distinct++;
+        }
+        if (ordinal[h] >= room) slots[i] = -2;
+    }
+    free(set);
+    return distinct < room ? distinct : room;
+}
+
 /* Before inserting the absent keys of a call (slots < 0 after a find) into a table with a row
  * budget: if they would take it past max_rows, evict the lowest-scoring rows the call does not
  * use, down to the low-water mark after the inserts (fewer when the call's own rows leave too
  * few candidates). The call's rows are kept out of the selection by clearing their live bits
- * for its duration. CN_EFULL: the call's distinct keys alone exceed max_rows; CN_ENOMEM; both
- * leave the table unchanged. */
-static inline int cn_table_make_room(cn_table *t, const int64_t *keys, int64_t n, const int64_t *slots,
-                                     int want_rows, cn_evicted *ev) {
+ * for its duration. When the call's distinct keys alone exceed max_rows: with overflow (a
+ * training lookup), the new keys past the room the call's own rows leave get no row
+ * (cn_table_mark_overflow) and every row the call does not use is evicted, so training never
+ * stops on the budget; without it (an explicit insert, whose rows the caller means to keep),
+ * CN_EFULL. CN_EFULL and CN_ENOMEM leave the table unchanged. */
+static inline int cn_table_make_room(cn_table *t, const int64_t *keys, int64_t n, int64_t *slots,
+                                     int want_rows, cn_evicted *ev, int overflow) {
     memset(ev, 0, sizeof(*ev));
     if (t->bound.max_rows <= 0) return CN_OK;
-    const int64_t n_new = cn_count_distinct_missing(keys, slots, n);
+    int64_t n_new = cn_count_distinct_missing(keys, slots, n);
     if (n_new < 0) return CN_ENOMEM;
     const int64_t size = t->index.size;
     if (size + n_new <= t->bound.max_rows) return CN_OK;
@@ -435,7 +470,11 @@ static inline int cn_table_make_room(cn_table *t, const int64_t *keys, int64_t n
     for (int64_t i = 0; i < n; i++)
         if (slots[i] >= 0) pinned += cn_arena_set_live(&t->arena, slots[i], 0);
     int rc = CN_EFULL;
-    if (pinned + n_new <= t->bound.max_rows) {
+    if (overflow && pinned + n_new > t->bound.max_rows) {
+        n_new = cn_table_mark_overflow(keys, slots, n, t->bound.max_rows - pinned);
+        if (n_new < 0) rc = CN_ENOMEM;
+    }
+    if (n_new >= 0 && pinned + n_new <= t->bound.max_rows) {
         int64_t k = size + n_new - t->bound.low_water;
         if (k > size - pinned) k = size - pinned;
         rc = cn_table_evict_lowest(t, k, size - pinned, want_rows, ev, size + n_new - k);
@@ -491,7 +530,8 @@ static inline int cn_table_take_found(const cn_table *t, const int64_t *keys, co
 /* slots[i] = the slot of keys[i]; with insert, the keys not yet present are inserted (and
  * initialised), after making room in a bounded table (rows evicted into ev). With admit (a
  * training lookup) and admission configured, only the keys admitted by the sketch are
- * inserted (cn_admit.h); the others keep slot -1. found[i] (may be NULL) = 1 if keys[i] was
+ * inserted (cn_admit.h), and in a bounded table the keys past the budget's room overflow
+ * (cn_table_make_room); the others keep slot -1. found[i] (may be NULL) = 1 if keys[i] was
  * present before the call. Duplicate keys in one batch share one new row. *n_new receives the
  * number of rows inserted. */
 static inline int cn_table_resolve(cn_table *t, const int64_t *keys, int64_t n, int64_t *slots, uint8_t *found,
@@ -516,9 +556,9 @@ static inline int cn_table_resolve(cn_table *t, const int64_t *keys, int64_t n, 
         for (int64_t i = 0; i < n; i++)
             if (slots[i] < 0 && cn_admit_estimate(&t->admit, keys[i]) < t->admit.min_count) slots[i] = -2;
     }
-    int rc = cn_table_make_room(t, keys, n, slots, want_rows, ev);
+    int rc = cn_table_make_room(t, keys, n, slots, want_rows, ev, admit);
     if (rc == CN_OK) rc = cn_table_insert_missing(t, keys, n, slots, n_new);
-    if (gate || draw)
+    if (gate || draw || (admit && t->bound.max_rows > 0))
         for (int64_t i = 0; i < n; i++) {
             if (gate && rc != CN_OK && slots[i] < 0) cn_admit_add(&t->admit, keys[i], -1);
             if (slots[i] == -2) slots[i] = -1;

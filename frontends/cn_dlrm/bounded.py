@@ -4,8 +4,9 @@ about them (rows per table, evictions).
 
 A budget given as a percentage is P% of the distinct IDs the training range brings to each
 table, counted in one pass over the synthetic stream, but never below the most distinct IDs
-one training batch brings to that table: the core refuses a lookup whose own distinct keys
-exceed the budget (it never evicts rows the lookup uses). On W processes each table is sharded
+one training batch brings to that table, so that every ID of a batch gets a row (a lookup
+whose own distinct keys exceed the budget trains, but the keys past it overflow: no row, no
+update; the core never evicts rows the lookup uses). On W processes each table is sharded
 and each shard bounds itself at ceil(budget / W) rows, so the floor is W times the most IDs one
 batch brings to a single shard (the keys' owners by `owner_of`, as the sharded lookup routes them).
 
