@@ -26,11 +26,13 @@ from cncore_jax.lookup import (
                                accumulate_gradients,
                                apply_gradients,
                                discard,
+                               discard_pending,
                                grouped_lookup,
                                lookup,
                                set_boundary,
 )
 from cncore_jax.table import Table
 
-__all__ = ["Table", "lookup", "grouped_lookup", "apply_gradients", "accumulate_gradients", "discard", "LookupRef",
+__all__ = ["Table", "lookup", "grouped_lookup", "apply_gradients", "accumulate_gradients", "discard", "discard_pending",
+           "LookupRef",
            "SparseGrad", "set_boundary"]

@@ -5,9 +5,11 @@ A traced program cannot hold a Python object, so a lookup leaves its `cncore.Loo
 list here, in a bounded registry keyed by an int32 token, and hands the token to the program
 as an array. The update (or accumulation) callback that runs after it in program order takes
 the context out again. A step abandoned between the two (an exception in the loss, a lookup
-whose gradient is never used) leaves its context behind; the registry keeps at most
-`MAX_PENDING` of them and drops the oldest, so nothing grows without bound, and a token whose
-context was dropped or already used is refused with a message that says which.
+whose gradient is never used) leaves its context behind. The registry holds at most
+`MAX_PENDING` of them and drops none: a training lookup that would exceed the bound is refused
+before it inserts anything, with a message that names what consumes a context (`discard` for
+one, `discard_pending` for all); a token whose context was discarded or already used is
+refused with a message that says which.
 
 Every host function here holds the lock of each table it touches (`holding`) while it runs, and
 `cncore_jax.Table.save` takes the same lock: a save from one Python thread never sees half of
@@ -25,7 +27,7 @@ import numpy as np
 
 import cncore
 
-MAX_PENDING = 64     # contexts waiting for their gradient, all tables together
+MAX_PENDING = 64     # contexts waiting for their gradient, all tables together; more are refused
 _HISTORY = 4096      # tokens remembered after they leave, to say why a late one is refused
 NO_CONTEXT = -1      # the token of an evaluation lookup made outside differentiation
 
@@ -73,16 +75,33 @@ class Registry:
         while len(self._gone) > _HISTORY:
             self._gone.popitem(last=False)
 
+    def check_room(self) -> None:
+        """Refuse a new training lookup while `limit` contexts wait (nothing is dropped)."""
+        if len(self._pending) >= self.limit:
+            raise RuntimeError(
+                f"cncore_jax: {len(self._pending)} training lookups are waiting for their gradients (the "
+                f"limit, MAX_PENDING = {self.limit}); this lookup is refused and the tables are unchanged. Each "
+                "training lookup needs its update once: differentiate through the module (nnx.value_and_grad"
+                "(loss_fn)(model)), or call cncore_jax.apply_gradients(ctx, grad) for a functional lookup; "
+                "cncore_jax.discard(ctx) drops one you abandon, cncore_jax.discard_pending() drops them all "
+                "(their rows stay, untrained).")
+
     def put(self, ctxs: list[cncore.LookupContext]) -> int:
         with self._lock:
+            self.check_room()
             token = self._next
             self._next = (self._next + 1) % 2**31  # int32 tokens; the registry never holds 2^31
             self._pending[token] = ctxs
-            while len(self._pending) > self.limit:
-                old, _ = self._pending.popitem(last=False)
-                self._forget(old, f"dropped: more than {self.limit} lookups were waiting for their gradients "
-                                  "(steps abandoned between lookup and update?)")
             return token
+
+    def discard_all(self) -> int:
+        """Drop every pending context; the number dropped."""
+        with self._lock:
+            tokens = list(self._pending)
+            self._pending.clear()
+            for token in tokens:
+                self._forget(token, "discarded")
+            return len(tokens)
 
     def get(self, token: int, tables: Sequence, pop: bool) -> list[cncore.LookupContext]:
         token = int(token)
@@ -129,10 +148,15 @@ def _trim(ids: np.ndarray, bags: np.ndarray, is_lengths: bool, weights, name: st
     return ids[:used], (None if weights is None else weights[:used])
 
 
-def forward(tables, modes, is_lengths, training: bool, keep: bool, ids, bags, weights, outs=None):
+def forward(tables, modes, is_lengths, training: bool, keep: bool, ids, bags, weights, outs=None, refuse: str = ""):
     """Grouped pooled lookup: (out (B, sum of dims) float32, token int32).
     `keep`: register the contexts (a training lookup, or any lookup being differentiated).
-    `outs`: the caller's output buffers (the FFI route): the pooled rows are written there."""
+    `outs`: the caller's output buffers (the FFI route): the pooled rows are written there.
+    `refuse`: a lookup that must not run (this message is raised before anything changes)."""
+    if refuse:
+        raise RuntimeError(refuse)
+    if keep:
+        REGISTRY.check_room()
     keys, lens, offs, ws = [], [], [], []
     for f in range(len(tables)):
         b = np.asarray(bags[f], dtype=np.int64)
@@ -148,6 +172,42 @@ def forward(tables, modes, is_lengths, training: bool, keep: bool, ids, bags, we
                                                  out=None if outs is None else outs[0])
     token = REGISTRY.put(ctxs) if keep else NO_CONTEXT
     return out, np.int32(token)
+
+
+def forward_gathered(tables, modes, is_lengths, training: bool, keep: bool, index, ids, bags, refuse: str = ""):
+    """Data parallel: on the device of index 0, one lookup of every device's bags, in device
+    order (ids (n_dev, N), bags (n_dev, B) or (n_dev, B + 1) per feature; each device's
+    padding trimmed); (out (n_dev * B, sum of dims), token). Other devices return zeros and
+    change nothing."""
+    n_dev, n_bags = ids[0].shape[0], (bags[0].shape[1] if is_lengths[0] else bags[0].shape[1] - 1)
+    width = sum(t.dim for t in tables)
+    if int(index) != 0:
+        return np.zeros((n_dev * n_bags, width), np.float32), np.int32(0)
+    all_ids, all_lengths = [], []
+    for f in range(len(tables)):
+        keys, lens = [], []
+        for d in range(n_dev):
+            b = np.asarray(bags[f][d], dtype=np.int64)
+            k, _ = _trim(np.asarray(ids[f][d], dtype=np.int64), b, is_lengths[f], None, f"{f}, device {d}")
+            keys.append(k)
+            lens.append(b if is_lengths[f] else np.diff(b))
+        all_ids.append(np.concatenate(keys))
+        all_lengths.append(np.concatenate(lens))
+    return forward(tables, modes, (True,) * len(tables), training, keep, all_ids, all_lengths,
+                   [None] * len(tables), refuse=refuse)
+
+
+def apply_in_backward(tables, token, grad, after=()) -> None:
+    """The update a module's lookup runs in its backward pass (`after`: what it waits for)."""
+    apply(tables, token, grad, None)
+
+
+def apply_gathered(tables, index, token, grads) -> None:
+    """Data parallel: the device of index 0 applies every device's gradient (n_dev, B, width),
+    in device order, as one update of the one lookup; the others do nothing."""
+    if int(index) == 0:
+        grads = np.asarray(grads, dtype=np.float32)
+        apply(tables, token, grads.reshape(-1, grads.shape[-1]), None)
 
 
 def weight_grads(tables, token, grad, padded: Sequence[int | None]):

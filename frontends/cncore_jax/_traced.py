@@ -21,7 +21,7 @@ from cncore_jax import _ffi, _host
 from cncore_jax._checks import as_flag, as_int_array, as_mode, as_weights, per_feature
 
 __all__ = ["LookupRef", "SparseGrad", "set_boundary", "pooled_lookup", "apply_gradients", "accumulate_gradients",
-           "discard"]
+           "discard", "discard_pending"]
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,8 @@ class _Spec:
     weighted: tuple[int | None, ...]  # padded id count of each weighted feature, else None
     training: bool
     n_bags: int
+    fused: bool = False  # the update runs in the backward pass (the modules' route)
+    axis_name: Any = None  # data parallel: one lookup of every device's batch, one update
 
     @property
     def width(self) -> int:
@@ -44,16 +46,16 @@ class LookupRef:
     """Refers to a lookup's context, kept on the host until its gradient is applied (or
     accumulated) once. A pytree: it may leave one jitted function and enter another."""
 
-    def __init__(self, token, tables, n_bags, id_counts, id_dtypes):
+    def __init__(self, token, tables, n_bags, id_counts, id_dtypes, axis_name=None):
         self.token, self.tables, self.n_bags = token, tables, n_bags
-        self.id_counts, self.id_dtypes = id_counts, id_dtypes
+        self.id_counts, self.id_dtypes, self.axis_name = id_counts, id_dtypes, axis_name
 
     @property
     def width(self) -> int:
         return sum(t.dim for t in self.tables)
 
     def tree_flatten(self):
-        return (self.token,), (self.tables, self.n_bags, self.id_counts, self.id_dtypes)
+        return (self.token,), (self.tables, self.n_bags, self.id_counts, self.id_dtypes, self.axis_name)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
@@ -102,10 +104,42 @@ def _call(host_fn, result_shape, *args, write_into: bool = False):
         raise
 
 
-def _run(spec: _Spec, keep: bool, ids, bags, weights):
+def _run(spec: _Spec, keep: bool, ids, bags, weights, refuse: str = ""):
+    if spec.axis_name is not None:
+        return _run_gathered(spec, keep, ids, bags, refuse)
     shape = (jax.ShapeDtypeStruct((spec.n_bags, spec.width), jnp.float32), jax.ShapeDtypeStruct((), jnp.int32))
-    fn = partial(_host.forward, spec.tables, spec.modes, spec.is_lengths, spec.training, keep)
+    fn = partial(_host.forward, spec.tables, spec.modes, spec.is_lengths, spec.training, keep, refuse=refuse)
     return _call(fn, shape, ids, bags, weights, write_into=True)
+
+
+def _run_gathered(spec: _Spec, keep: bool, ids, bags, refuse: str):
+    """Data parallel: every device's batch is gathered, the device of index 0 looks up their
+    concatenation in one core call (the others' callbacks do nothing), the pooled rows are
+    shared with a psum (zeros elsewhere: exact) and each device keeps its own bags."""
+    axis = spec.axis_name
+    index = jax.lax.axis_index(axis)
+    all_ids = tuple(jax.lax.all_gather(k, axis) for k in ids)
+    all_bags = tuple(jax.lax.all_gather(b, axis) for b in bags)
+    n_dev = all_ids[0].shape[0]
+    shape = (jax.ShapeDtypeStruct((n_dev * spec.n_bags, spec.width), jnp.float32),
+             jax.ShapeDtypeStruct((), jnp.int32))
+    fn = partial(_host.forward_gathered, spec.tables, spec.modes, spec.is_lengths, spec.training, keep,
+                 refuse=refuse)
+    out, token = _call(fn, shape, index, all_ids, all_bags)
+    out, token = jax.lax.psum((out, token), axis)
+    return jax.lax.dynamic_slice_in_dim(out, index * spec.n_bags, spec.n_bags), token
+
+
+def _update_in_backward(spec: _Spec, token, g_out, after):
+    """The modules' fused update, run by the lookup's backward: once per differentiation, in
+    program order (an ordered effect); `after` (the weights' gradients) orders it after them
+    on the FFI route too, which orders by data only."""
+    if spec.axis_name is None:
+        _call(partial(_host.apply_in_backward, spec.tables), None, token, g_out, after)
+        return
+    index = jax.lax.axis_index(spec.axis_name)
+    all_g = jax.lax.all_gather(g_out, spec.axis_name)
+    _call(partial(_host.apply_gathered, spec.tables), None, index, token, all_g)
 
 
 def _keep(spec: _Spec, differentiating: bool) -> bool:
@@ -114,9 +148,19 @@ def _keep(spec: _Spec, differentiating: bool) -> bool:
     return spec.training or (differentiating and any(n is not None for n in spec.weighted))
 
 
+NOT_DIFFERENTIATED = (
+    "cncore_jax: a module's training lookup ran outside differentiation, so its gradient can never reach "
+    "the table; it is refused and nothing was inserted. Train with the loss differentiated over the model: "
+    "nnx.value_and_grad(loss_fn)(model) (a table is an nnx.Param, cncore_jax.modules.TableState, so the "
+    "default wrt=nnx.Param trains it; a filter that leaves TableState out cannot), under nnx.jit or jax.jit; "
+    "for a forward pass that only reads, call model.eval() first.")
+
+
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _lookup(spec, ids, bags, weights, sink):
-    return _run(spec, _keep(spec, False), ids, bags, weights)
+    # Not differentiated: a module's training lookup would insert rows that no update can reach.
+    refuse = NOT_DIFFERENTIATED if spec.fused and spec.training else ""
+    return _run(spec, _keep(spec, False), ids, bags, weights, refuse=refuse)
 
 
 def _lookup_fwd(spec, ids, bags, weights, sink):
@@ -132,16 +176,23 @@ def _lookup_bwd(spec, token, cotangents):
         shapes = tuple(jax.ShapeDtypeStruct((n,), jnp.float32) for n in padded)
         grads = iter(_call(partial(_host.weight_grads, spec.tables), shapes, token, g_out, tuple(spec.weighted)))
         g_weights = [None if n is None else next(grads) for n in spec.weighted]
-    return None, None, tuple(g_weights), g_out
+    if not spec.fused:
+        return None, None, tuple(g_weights), g_out
+    if spec.training:
+        _update_in_backward(spec, token, g_out, tuple(g for g in g_weights if g is not None))
+    return None, None, tuple(g_weights), jnp.zeros((), jnp.float32)  # the tap's cotangent: always 0
 
 
 _lookup.defvjp(_lookup_fwd, _lookup_bwd)
 
 
 def pooled_lookup(tables, ids, lengths=None, *, offsets=None, modes="sum", weights=None, training: bool = True,
-                  sink=None):
+                  sink=None, tap=None, axis_name=None):
     """`cncore_jax.grouped_lookup` on tables already checked to be `Table` handles: the same
-    arguments, checks and result."""
+    arguments, checks and result. `tap` (the modules' route): a float32 scalar, the value of
+    the tables' `TableState`, whose differentiation runs the fused update in the backward pass;
+    the result's ctx is then None. `axis_name`: the named axis of pmap / shard_map over which
+    the batch is split (one lookup of every device's bags, one update of their gradients)."""
     n = len(tables)
     if not isinstance(ids, (list, tuple)) or len(ids) != n:
         raise ValueError(f"ids: expected a list with one array per table ({n})")
@@ -177,7 +228,19 @@ def pooled_lookup(tables, ids, lengths=None, *, offsets=None, modes="sum", weigh
         is_lengths.append(lengths[f] is not None)
         weighted.append(None if w is None else k.shape[0])
         modes_ok.append(mode)
-    spec = _Spec(tuple(tables), tuple(modes_ok), tuple(is_lengths), tuple(weighted), training, n_bags)
+    if axis_name is not None and any(w is not None for w in w_arrays):
+        raise ValueError(f"weights: per-sample weights are not supported with axis_name={axis_name!r} (data "
+                         "parallel); look up without weights, or without axis_name on one device")
+    spec = _Spec(tuple(tables), tuple(modes_ok), tuple(is_lengths), tuple(weighted), training, n_bags,
+                 fused=tap is not None, axis_name=axis_name)
+    if tap is not None:
+        if sink is not None:
+            raise ValueError("sink: a module's lookup updates its tables in the backward pass; it has no sink")
+        tap = jnp.asarray(tap)
+        if tap.shape != () or tap.dtype != jnp.float32:
+            raise TypeError(f"tap: expected the float32 scalar of a TableState, got {tap.dtype}{list(tap.shape)}")
+        out, _ = _lookup(spec, tuple(id_arrays), tuple(bag_arrays), tuple(w_arrays), tap)
+        return out, None
     if sink is not None:
         sink = jnp.asarray(sink)
         if sink.shape != (n_bags, spec.width):
@@ -185,7 +248,7 @@ def pooled_lookup(tables, ids, lengths=None, *, offsets=None, modes="sum", weigh
         sink = sink.astype(jnp.float32)
     out, token = _lookup(spec, tuple(id_arrays), tuple(bag_arrays), tuple(w_arrays), sink)
     ref = LookupRef(token, spec.tables, n_bags, tuple(k.shape[0] for k in id_arrays),
-                    tuple(str(k.dtype) for k in id_arrays))
+                    tuple(str(k.dtype) for k in id_arrays), axis_name)
     return out, ref
 
 
@@ -213,6 +276,14 @@ def apply_gradients(ctx, grad, *, lr=None) -> None:
     once, in program order, after the lookup; a second call for one lookup is refused."""
     ctx = _as_ref(ctx)
     grad = _as_grad(ctx, grad)
+    if ctx.axis_name is not None:
+        if lr is not None:
+            raise ValueError(f"lr: a learning rate override is not supported with axis_name={ctx.axis_name!r}; "
+                             "set the table's optimizer (Table.store.set_optimizer) instead")
+        index = jax.lax.axis_index(ctx.axis_name)
+        _call(partial(_host.apply_gathered, ctx.tables), None, index, ctx.token,
+              jax.lax.all_gather(grad, ctx.axis_name))
+        return
     args = (ctx.token, grad) if lr is None else (ctx.token, grad, jnp.asarray(lr, jnp.float32))
 
     def host(token, g, rate=None):
@@ -235,6 +306,9 @@ def accumulate_gradients(ctx, grad):
     """
     ctx = _as_ref(ctx)
     grad = _as_grad(ctx, grad)
+    if ctx.axis_name is not None:
+        raise ValueError(f"ctx: accumulate_gradients is not supported for a lookup with axis_name="
+                         f"{ctx.axis_name!r}; use apply_gradients(ctx, grad)")
     shapes = tuple(SparseGrad(jax.ShapeDtypeStruct((n,), jnp.dtype(dt)), jax.ShapeDtypeStruct((n, t.dim), jnp.float32),
                               jax.ShapeDtypeStruct((), jnp.int32))
                    for t, n, dt in zip(ctx.tables, ctx.id_counts, ctx.id_dtypes))
@@ -257,3 +331,16 @@ def discard(ctx) -> None:
     Not needed for correctness: forgotten contexts are dropped once too many wait."""
     ctx = _as_ref(ctx)
     _call(lambda token: _host.REGISTRY.discard(token) and None, None, ctx.token)
+
+
+def discard_pending() -> int:
+    """Drop every context still waiting for its gradient (their rows stay, untrained), after
+    the steps this thread dispatched have run; returns how many. Outside `jit`: what to call
+    once a training lookup was refused because too many wait.
+
+    >>> import cncore_jax as cj
+    >>> cj.discard_pending() >= 0
+    True
+    """
+    jax.effects_barrier()
+    return _host.REGISTRY.discard_all()

@@ -52,17 +52,19 @@ from cncore_jax._traced import (
     accumulate_gradients,
     apply_gradients,
     discard,
+    discard_pending,
     pooled_lookup,
     set_boundary,
 )
 from cncore_jax.table import Table
 
-__all__ = ["lookup", "grouped_lookup", "apply_gradients", "accumulate_gradients", "discard", "LookupRef",
+__all__ = ["lookup", "grouped_lookup", "apply_gradients", "accumulate_gradients", "discard", "discard_pending",
+           "LookupRef",
            "SparseGrad", "set_boundary"]
 
 
 def grouped_lookup(tables, ids, lengths=None, *, offsets=None, modes="sum", weights=None, training: bool = True,
-                   sink=None):
+                   sink=None, axis_name=None):
     """Pooled lookup of several tables in one core call: feature f pools ids[f] in tables[f].
 
     ids: list of 1-D int32/int64 arrays (int64 needs `jax_enable_x64`; int32 is widened).
@@ -72,6 +74,10 @@ def grouped_lookup(tables, ids, lengths=None, *, offsets=None, modes="sum", weig
     float arrays or None (sum and mean only). training: insert unseen IDs (True) or read them
     as zero rows and change nothing (False, evaluation). sink: optional (B, sum of dims)
     array whose value is ignored and whose cotangent is the gradient of the output.
+    axis_name: under `pmap` / `shard_map`, the named axis the batch is split over: the
+    devices' bags are looked up as one batch (device order) and `apply_gradients` applies
+    the sum of their gradients once, as one device would on the concatenated batch. Under a
+    `jit` over a mesh, leave it None: the lookup already sees the whole batch.
 
     Returns ``(out, ctx)``: out (B, sum of dims) float32, feature f in its own column block;
     ctx a `LookupRef` for `apply_gradients` / `accumulate_gradients`.
@@ -82,11 +88,11 @@ def grouped_lookup(tables, ids, lengths=None, *, offsets=None, modes="sum", weig
         if not isinstance(t, Table):
             raise TypeError(f"tables[{f}]: expected a cncore_jax.Table, got {type(t).__name__}")
     return pooled_lookup(tables, ids, lengths, offsets=offsets, modes=modes, weights=weights, training=training,
-                         sink=sink)
+                         sink=sink, axis_name=axis_name)
 
 
 def lookup(table, ids, lengths=None, *, offsets=None, mode: str = "sum", weights=None, training: bool = True,
-           sink=None):
+           sink=None, axis_name=None):
     """Pooled lookup of one table: ``(out (B, dim) float32, ctx)``; see `grouped_lookup`.
 
     >>> import jax.numpy as jnp, cncore, cncore_jax as cj
@@ -98,4 +104,5 @@ def lookup(table, ids, lengths=None, *, offsets=None, mode: str = "sum", weights
     """
     return grouped_lookup([table], [ids], None if lengths is None else [lengths],
                           offsets=None if offsets is None else [offsets], modes=mode,
-                          weights=None if weights is None else [weights], training=training, sink=sink)
+                          weights=None if weights is None else [weights], training=training, sink=sink,
+                          axis_name=axis_name)

@@ -74,6 +74,21 @@ class Table:
         with _host.holding([store]):
             save_table(store, path)
 
+    def copy(self) -> Table:
+        """A new table holding a copy of every row, its optimizer state, metadata and the step
+        (what `nnx.clone` of a model gives its tables). An in-memory table only: a tiered
+        table's rows live in its files; save it and `Table.load` the copy instead."""
+        store = self._settled()
+        if not isinstance(store, cncore.EmbeddingStore):
+            raise TypeError(f"Table.copy: a {type(store).__name__} (tiered) table is not copied in memory; save it "
+                            "(Table.save) and Table.load the copy")
+        with _host.holding([store]):
+            batch = store.export()
+            twin = cncore.EmbeddingStore(store.config)
+            twin.load(batch.keys, batch.rows, batch.optimizer_state, batch.counts, batch.last_steps)
+            twin.step = store.step
+        return Table.from_store(twin)
+
     def _settled(self) -> cncore.EmbeddingStore:
         """The store, once every computation with side effects this thread dispatched is done
         (the steps that may still insert into or update it)."""
