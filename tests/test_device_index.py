@@ -1,0 +1,328 @@
+"""The device key index (cncore_torch.device_index) against the core's index and a literal model.
+
+Runs on the CPU device; with CNCORE_TEST_ACCELERATOR=1 on the accelerator (CUDA or MLU), where
+the same checks compare the device's results (brought back with .cpu()) with the core's.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from reference import EDGE_KEYS, M64, _mix64, uniform_row
+
+import cncore
+from cncore_torch.device_index import WAYS, DeviceKeyIndex, initial_rows, mix64
+
+
+def _device() -> torch.device:
+    if os.environ.get("CNCORE_TEST_ACCELERATOR") == "1":
+        from cncore_torch.devices import resolve_device
+        return resolve_device("cncard").device
+    return torch.device("cpu")
+
+
+DEVICE = _device()
+POOL = EDGE_KEYS + list(range(-20, 21))
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().cpu().numpy()
+
+
+# --- the hashes and the initialiser, bit for bit ---------------------------------------------------
+
+def test_mix64_equals_the_specification_on_edge_keys():
+    keys = EDGE_KEYS + [123456789, -987654321]
+    got = _np(mix64(torch.tensor(keys, device=DEVICE))).astype(np.uint64).tolist()
+    assert got == [_mix64(k & M64) for k in keys]
+
+
+@pytest.mark.parametrize("init", [cncore.Uniform(-0.3, 0.7), cncore.Uniform(), cncore.Constant(0.25),
+                                  cncore.Normal(0.5, 2.0), cncore.TruncatedNormal(0.0, 1.0, -0.5, 0.5)])
+def test_initial_rows_equal_the_cores_bit_for_bit(init):
+    keys = np.array(EDGE_KEYS + list(np.random.default_rng(0).integers(-2**63, 2**63 - 1, 500)), dtype=np.int64)
+    cfg = cncore.StoreConfig(dim=13, seed=11, initializer=init)
+    got = _np(initial_rows(cfg, torch.from_numpy(keys).to(DEVICE)))
+    assert got.dtype == np.float32
+    assert np.array_equal(got.view(np.uint32), cncore.initial_rows(cfg, keys).view(np.uint32))
+
+
+def test_uniform_rows_equal_the_specification_within_one_rounding():
+    """The spec's low + span * u, rounded twice; the core (and the device) round once (a fused
+    multiply-add), so the two may differ by one unit in the last place."""
+    cfg = cncore.StoreConfig(dim=5, seed=3, initializer=cncore.Uniform(-1.0, 2.0))
+    got = _np(initial_rows(cfg, torch.tensor(EDGE_KEYS, device=DEVICE)))
+    want = np.stack([uniform_row(3, k, 5, -1.0, 2.0) for k in EDGE_KEYS])
+    np.testing.assert_allclose(got, want, rtol=0, atol=np.spacing(np.float32(2.0)))
+
+
+# --- a literal model of the core's index (cn_table.h, cn_arena.h, cn_evict.h as they state it) ---
+
+class LiteralIndex:
+    """A dict key -> slot; slots from a free stack, else the next new one; eviction by sorting
+    (score, key) over the live rows; every rule as the core's comments state it."""
+
+    def __init__(self, cfg: cncore.StoreConfig):
+        self.cfg, self.slot, self.meta = cfg, {}, {}
+        self.free: list[int] = []
+        self.high, self.step, self.evicted = 0, 0, []
+        self.max_rows = cfg.max_rows or 0
+        self.low_water = self.max_rows - (cfg.headroom or 0)
+
+    def score(self, key):
+        count, last = self.meta[key]
+        ev = self.cfg.eviction
+        if isinstance(ev, cncore.LFU):
+            if ev.halve_every is not None:
+                idle = self.step - last
+                halvings = idle // ev.halve_every if idle > 0 else 0
+                count = 0 if halvings >= 32 else count >> halvings
+            return (count, last, key)
+        return (last, key)
+
+    def evict_lowest(self, k, pinned=()):
+        order = sorted((key for key in self.slot if key not in pinned), key=self.score)[:k]
+        for key in order:
+            self.free.append(self.slot.pop(key))
+            del self.meta[key]
+        self.evicted.extend(order)
+        return len(order)
+
+    def find_or_insert(self, keys):
+        found = [k in self.slot for k in keys]
+        new = list(dict.fromkeys(k for k in keys if k not in self.slot))
+        if self.max_rows and len(self.slot) + len(new) > self.max_rows:
+            pinned = {k for k in keys if k in self.slot}
+            if len(pinned) + len(new) > self.max_rows:
+                raise ValueError("max_rows")
+            self.evict_lowest(min(len(self.slot) + len(new) - self.low_water, len(self.slot) - len(pinned)), pinned)
+        for k in new:
+            if self.free:
+                self.slot[k] = self.free.pop()
+            else:
+                self.slot[k] = self.high
+                self.high += 1
+            self.meta[k] = (0, 0)
+        return [self.slot[k] for k in keys], found
+
+    def erase(self, keys):
+        out = []
+        for k in keys:
+            out.append(k in self.slot)
+            if k in self.slot:
+                self.free.append(self.slot.pop(k))
+                del self.meta[k]
+        return out
+
+    def train(self, keys):
+        self.find_or_insert(keys)
+        for k, c in zip(*np.unique(np.array(keys, dtype=np.int64), return_counts=True)):
+            count, _ = self.meta[int(k)]
+            self.meta[int(k)] = (min(count + int(c), 2**32 - 1), self.step)
+        self.step += 1
+
+
+CONFIGS = {
+    "unbounded": {},
+    "lru": {"max_rows": 12, "eviction": cncore.LRU(), "headroom": 3},
+    "lfu": {"max_rows": 12, "eviction": cncore.LFU()},
+    "lfu-aging": {"max_rows": 10, "eviction": cncore.LFU(halve_every=2), "headroom": 2},
+    "ttl": {"max_rows": 14, "eviction": cncore.TTL(3), "headroom": 1},
+    "mincount": {"max_rows": 12, "eviction": cncore.LRU(), "admission": cncore.MinCount(2, width=16, depth=2)},
+    "probability": {"admission": cncore.Probability(0.5)},
+}
+keys_st = st.lists(st.sampled_from(POOL), min_size=0, max_size=24)
+
+
+class IndexMachine(RuleBasedStateMachine):
+    """Every call on the device index, the core store and (without admission) the literal model;
+    after each, the same keys in the same slots with the same metadata and evicted keys."""
+
+    @initialize(name=st.sampled_from(sorted(CONFIGS)))
+    def build(self, name):
+        self.cfg = cncore.StoreConfig(dim=3, capacity=16, seed=5, optimizer=cncore.SGD(lr=0.0),
+                                      initializer=cncore.Uniform(-1.0, 1.0), **CONFIGS[name])
+        self.core = cncore.EmbeddingStore(self.cfg)
+        self.core_evicted: list[int] = []
+        self.dev_evicted: list[int] = []
+        self.idx = DeviceKeyIndex(self.cfg, DEVICE)
+        if self.cfg.eviction is not None:  # a sink makes the core hand victims over in eviction order
+            self.core.on_evict(lambda b: self.core_evicted.extend(b.keys.tolist()))
+            self.idx.on_evict(lambda b: self.dev_evicted.extend(_np(b.keys).tolist()))
+        self.model = LiteralIndex(self.cfg) if self.cfg.admission is None else None
+
+    def _both(self, core_call, dev_call):
+        try:
+            want = core_call()
+        except ValueError as exc:
+            with pytest.raises(ValueError, match="exceed the table's max_rows"):
+                dev_call()
+            return exc
+        return want, dev_call()
+
+    @rule(keys=keys_st)
+    def find_or_insert(self, keys):
+        arr = np.array(keys, dtype=np.int64)
+        out = self._both(lambda: self.core.find_or_insert(arr), lambda: self.idx.find_or_insert(torch.from_numpy(arr)))
+        if isinstance(out, ValueError):
+            if self.model is not None:
+                with pytest.raises(ValueError):
+                    self.model.find_or_insert(keys)
+            return
+        (slots, found), r = out
+        assert _np(r.slots).tolist() == slots.tolist()
+        assert _np(r.found).tolist() == found.tolist()
+        new = _np(r.new_keys)
+        assert new.tolist() == list(dict.fromkeys(arr[~found].tolist()))
+        assert np.array_equal(_np(initial_rows(self.cfg, r.new_keys)), self.core.read(new).rows)
+        if self.model is not None:
+            assert self.model.find_or_insert(keys) == (slots.tolist(), found.tolist())
+
+    @rule(keys=keys_st)
+    def train(self, keys):
+        """A training lookup (admission decides) and its backward (accesses recorded)."""
+        arr = np.array(keys, dtype=np.int64)
+
+        def core_call():
+            out, ctx = self.core.pooled_lookup(arr, lengths=np.array([len(arr)]))
+            self.core.apply_gradients(ctx, np.zeros_like(out))
+            return self.core.find(arr)
+
+        def dev_call():
+            r = self.idx.find_or_insert(torch.from_numpy(arr).to(DEVICE), admit=True)
+            used = r.slots[r.slots >= 0]
+            uniq, occ = torch.unique(used, return_counts=True)
+            self.idx.record_access(uniq, occ)
+            self.idx.step += 1
+            return r
+
+        out = self._both(core_call, dev_call)
+        if isinstance(out, ValueError):
+            return
+        (slots, _), r = out
+        assert _np(r.slots).tolist() == slots.tolist()
+        if self.model is not None:
+            self.model.train(keys)
+
+    @rule(keys=keys_st)
+    def erase(self, keys):
+        arr = np.array(keys, dtype=np.int64)
+        erased = self.core.erase(arr)
+        assert _np(self.idx.erase(torch.from_numpy(arr))).tolist() == erased.tolist()
+        if self.model is not None:
+            assert self.model.erase(keys) == erased.tolist()
+
+    @rule(n=st.integers(0, 6))
+    def evict(self, n):
+        if self.cfg.eviction is None:
+            with pytest.raises(TypeError, match="no eviction policy"):
+                self.idx.evict(n)
+            return
+        k = self.core.evict(n)
+        assert self.idx.evict(n) == k
+        if self.model is not None:
+            assert self.model.evict_lowest(min(n, len(self.model.slot))) == k
+
+    @rule()
+    def evict_expired(self):
+        if not isinstance(self.cfg.eviction, cncore.TTL):
+            return
+        k = self.core.evict_expired()
+        assert self.idx.evict_expired() == k
+        if self.model is not None:
+            expired = [key for key, (_, last) in self.model.meta.items() if self.model.step - last > 3]
+            assert self.model.evict_lowest(len(expired)) == k
+
+    @invariant()
+    def same_table(self):
+        if not hasattr(self, "core"):
+            return
+        exp = self.core.export()
+        keys, slots = self.idx.export_slots()
+        got = dict(zip(_np(keys).tolist(), _np(slots).tolist()))
+        core_slots, _ = self.core.find(exp.keys)
+        assert got == dict(zip(exp.keys.tolist(), core_slots.tolist()))
+        assert len(self.idx) == len(self.core) == len(got)
+        order = np.argsort(exp.keys)
+        at = torch.from_numpy(core_slots[order]).to(DEVICE)
+        assert _np(self.idx.counts[at]).tolist() == exp.counts[order].tolist()
+        assert _np(self.idx.last_steps[at]).tolist() == exp.last_steps[order].tolist()
+        assert self.idx.evicted_count == self.core.evicted_count
+        assert self.dev_evicted == self.core_evicted
+        if self.model is not None:
+            assert self.model.slot == got
+            assert self.model.evicted == self.core_evicted
+
+
+IndexMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=25, deadline=None)
+test_index_against_core_and_literal_model = pytest.mark.slow(IndexMachine.TestCase)
+
+
+# --- batches ----------------------------------------------------------------------------------------
+
+@settings(max_examples=40, deadline=None)
+@given(keys=st.lists(st.sampled_from([0, -1, 2**63 - 1, -(2**63), 7]), min_size=1, max_size=200))
+def test_duplicate_heavy_batch_gives_one_slot_per_key_in_first_occurrence_order(keys):
+    idx = DeviceKeyIndex(cncore.StoreConfig(dim=1), DEVICE)
+    r = idx.find_or_insert(torch.tensor(keys, device=DEVICE))
+    first = list(dict.fromkeys(keys))
+    assert _np(r.new_keys).tolist() == first
+    assert _np(r.slots).tolist() == [first.index(k) for k in keys]
+    assert len(idx) == len(first)
+
+
+def _colliding_keys(n_buckets: int, n: int) -> list[int]:
+    """n keys whose home bucket is the same in an index of n_buckets buckets."""
+    cand = torch.arange(200_000)
+    b = mix64(cand) & (n_buckets - 1)
+    return cand[b == b[0]][:n].tolist()
+
+
+def test_a_full_bucket_doubles_the_buckets_and_keeps_every_key():
+    idx = DeviceKeyIndex(cncore.StoreConfig(dim=1, capacity=16), DEVICE)
+    nb = idx.n_buckets
+    keys = _colliding_keys(nb, 3 * WAYS)
+    r = idx.find_or_insert(torch.tensor(keys, device=DEVICE))
+    assert idx.n_buckets > nb
+    assert _np(r.slots).tolist() == list(range(len(keys)))
+    slots, found = idx.find(torch.tensor(keys, device=DEVICE))
+    assert bool(found.all()) and _np(slots).tolist() == list(range(len(keys)))
+
+
+def test_growth_by_load_keeps_slots_and_load_under_the_limit():
+    core = cncore.EmbeddingStore(dim=1, capacity=16)
+    idx = DeviceKeyIndex(cncore.StoreConfig(dim=1, capacity=16), DEVICE)
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        keys = rng.integers(-2**63, 2**63 - 1, 300, dtype=np.int64)
+        keys[::7] = keys[0]
+        assert _np(idx.find_or_insert(torch.from_numpy(keys)).slots).tolist() == core.find_or_insert(keys)[0].tolist()
+    assert len(idx) == len(core) and idx.load_factor <= 0.5 and idx.high_water == len(core)
+
+
+# --- refusals ---------------------------------------------------------------------------------------
+
+def test_bad_keys_are_refused_naming_the_argument():
+    idx = DeviceKeyIndex(cncore.StoreConfig(dim=1), DEVICE)
+    with pytest.raises(TypeError, match=r"keys: expected an integer tensor of keys, got dtype torch\.float32"):
+        idx.find_or_insert(torch.tensor([1.0]))
+    with pytest.raises(ValueError, match=r"keys: expected a 1-D tensor of keys, got shape \(1, 2\)"):
+        idx.find(torch.tensor([[1, 2]]))
+    with pytest.raises(TypeError, match=r"config must be a cncore\.StoreConfig, got dict"):
+        DeviceKeyIndex({"dim": 1})  # type: ignore[arg-type]
+
+
+def test_a_batch_past_the_budget_is_refused_and_changes_nothing():
+    cfg = cncore.StoreConfig(dim=1, max_rows=4, eviction=cncore.LRU(), admission=cncore.MinCount(1, width=16))
+    idx = DeviceKeyIndex(cfg, DEVICE)
+    idx.find_or_insert(torch.tensor([1, 2], device=DEVICE))
+    sketch = idx._sketch.clone()
+    with pytest.raises(ValueError, match=r"the call's distinct keys exceed the table's max_rows \(4\)"):
+        idx.find_or_insert(torch.tensor([1, 2, 3, 4, 5], device=DEVICE), admit=True)
+    assert _np(idx.export_slots()[0]).tolist() == [1, 2] and idx.evicted_count == 0
+    assert torch.equal(idx._sketch, sketch)
