@@ -17,6 +17,9 @@ the module's arguments) and `check_flag`.
 """
 from __future__ import annotations
 
+import sys
+from types import FrameType
+
 import torch
 from torch import nn
 
@@ -61,6 +64,29 @@ class TableModule(nn.Module):
         """{state_dict prefix: (its StoreConfig, what loads a checked TableState into it)}."""
         raise NotImplementedError
 
+    # --- torch.ao quantization, as TorchRec's inference quantizers drive it ----------------------
+    # quantize_embeddings / quantize_inference_model swap TorchRec's own classes only: a model
+    # holding ours would come back with its tables untouched. Both set `qconfig` on every
+    # module before swapping, which is where ours refuse; other torch.ao callers (say,
+    # quantize_dynamic of the dense Linear layers) set it too and go through.
+
+    @property
+    def qconfig(self):
+        return self.__dict__.get("_qconfig")
+
+    @qconfig.setter
+    def qconfig(self, value) -> None:
+        caller = _torchrec_quantizer()
+        if caller is not None:
+            raise TypeError(f"{caller}: {type(self).__name__} holds dynamic tables, which TorchRec's quantizer "
+                            f"cannot read (it would return them unquantized); freeze the model first, "
+                            f"cncore_torch.serving.freeze(model), and quantize the frozen copy (docs/serving.md)")
+        self.__dict__["_qconfig"] = value
+
+    @qconfig.deleter
+    def qconfig(self) -> None:
+        self.__dict__.pop("_qconfig", None)
+
     def __setstate__(self, state):
         super().__setstate__(state)
         register_operators()
@@ -80,3 +106,15 @@ class TableModule(nn.Module):
             self._load_rest(rest, prefix, local_metadata, strict, missing, unexpected, errors)
 
         load_tables(self._tables(prefix), load_rest, state_dict, missing_keys, unexpected_keys, error_msgs)
+
+def _torchrec_quantizer() -> str | None:
+    """The name of the outermost TorchRec inference quantizer on the call stack (the one the
+    user called; None: not called by one)."""
+    frame: FrameType | None = sys._getframe(2)
+    found = None
+    while frame is not None:
+        if (frame.f_globals.get("__name__") == "torchrec.inference.modules"
+                and frame.f_code.co_name in ("quantize_embeddings", "quantize_inference_model")):
+            found = f"torchrec.inference.modules.{frame.f_code.co_name}"
+        frame = frame.f_back
+    return found
