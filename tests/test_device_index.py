@@ -93,11 +93,13 @@ class LiteralIndex:
         self.evicted.extend(order)
         return len(order)
 
-    def find_or_insert(self, keys):
+    def find_or_insert(self, keys, overflow=False):
         found = [k in self.slot for k in keys]
         new = list(dict.fromkeys(k for k in keys if k not in self.slot))
         if self.max_rows and len(self.slot) + len(new) > self.max_rows:
             pinned = {k for k in keys if k in self.slot}
+            if overflow:  # a training lookup: the first new keys that fit get rows
+                new = new[: self.max_rows - len(pinned)]
             if len(pinned) + len(new) > self.max_rows:
                 raise ValueError("max_rows")
             self.evict_lowest(min(len(self.slot) + len(new) - self.low_water, len(self.slot) - len(pinned)), pinned)
@@ -108,7 +110,7 @@ class LiteralIndex:
                 self.slot[k] = self.high
                 self.high += 1
             self.meta[k] = (0, 0)
-        return [self.slot[k] for k in keys], found
+        return [self.slot.get(k, -1) for k in keys], found
 
     def erase(self, keys):
         out = []
@@ -120,8 +122,9 @@ class LiteralIndex:
         return out
 
     def train(self, keys):
-        self.find_or_insert(keys)
-        for k, c in zip(*np.unique(np.array(keys, dtype=np.int64), return_counts=True)):
+        self.find_or_insert(keys, overflow=True)
+        kept = [k for k in keys if k in self.slot]
+        for k, c in zip(*np.unique(np.array(kept, dtype=np.int64), return_counts=True)):
             count, _ = self.meta[int(k)]
             self.meta[int(k)] = (min(count + int(c), 2**32 - 1), self.step)
         self.step += 1
@@ -317,12 +320,22 @@ def test_bad_keys_are_refused_naming_the_argument():
         DeviceKeyIndex({"dim": 1})  # type: ignore[arg-type]
 
 
-def test_a_batch_past_the_budget_is_refused_and_changes_nothing():
-    cfg = cncore.StoreConfig(dim=1, max_rows=4, eviction=cncore.LRU(), admission=cncore.MinCount(1, width=16))
-    idx = DeviceKeyIndex(cfg, DEVICE)
+def test_an_explicit_insert_past_the_budget_is_refused_and_changes_nothing():
+    idx = DeviceKeyIndex(cncore.StoreConfig(dim=1, max_rows=4, eviction=cncore.LRU()), DEVICE)
     idx.find_or_insert(torch.tensor([1, 2], device=DEVICE))
-    sketch = idx._sketch.clone()
     with pytest.raises(ValueError, match=r"the call's distinct keys exceed the table's max_rows \(4\)"):
-        idx.find_or_insert(torch.tensor([1, 2, 3, 4, 5], device=DEVICE), admit=True)
+        idx.find_or_insert(torch.tensor([1, 2, 3, 4, 5], device=DEVICE))
     assert _np(idx.export_slots()[0]).tolist() == [1, 2] and idx.evicted_count == 0
-    assert torch.equal(idx._sketch, sketch)
+
+
+def test_a_training_lookup_past_the_budget_gives_rows_to_the_first_new_keys_as_the_core():
+    cfg = cncore.StoreConfig(dim=1, max_rows=4, eviction=cncore.LRU(), admission=cncore.MinCount(1, width=16))
+    core, idx = cncore.EmbeddingStore(cfg), DeviceKeyIndex(cfg, DEVICE)
+    keys = np.array([9, 1, 9, 2, 3, 4, 5, 1], dtype=np.int64)
+    core.find_or_insert(np.array([1, 7]))
+    idx.find_or_insert(torch.tensor([1, 7], device=DEVICE))
+    core.pooled_lookup(keys, lengths=np.array([len(keys)]))
+    r = idx.find_or_insert(torch.from_numpy(keys).to(DEVICE), admit=True)
+    assert _np(r.slots).tolist() == core.find(keys)[0].tolist() == [1, 0, 1, 2, 3, -1, -1, 0]
+    assert _np(r.new_keys).tolist() == [9, 2, 3] and idx.evicted_count == core.evicted_count == 1
+    assert torch.equal(idx._sketch.cpu(), torch.from_numpy(core._table.admission_counters.astype(np.int64)))

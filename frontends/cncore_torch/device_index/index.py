@@ -291,21 +291,20 @@ class DeviceKeyIndex:
         self._free[self._n_free: self._n_free + k] = slots
         self._n_free += k
 
-    def _admitted(self, keys: torch.Tensor,
-                  missing: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-        """(admitted mask, what to take back on a refusal): the core's admission (cn_admit.h)."""
+    def _admitted(self, keys: torch.Tensor, missing: torch.Tensor) -> torch.Tensor:
+        """Which keys the core's admission (cn_admit.h) admits; counts the missing ones' sightings."""
         adm = self.config.admission
         if isinstance(adm, cncore.Probability):
-            return admission_draw(keys, self.config.seed, adm.threshold), None
+            return admission_draw(keys, self.config.seed, adm.threshold)
         if self._sketch is None or not isinstance(adm, cncore.MinCount):
-            return torch.ones_like(missing), None
+            return torch.ones_like(missing)
         cols = sketch_columns(keys, adm.depth, adm.width)
         add = missing.to(torch.int64)
         for i in range(adm.depth):
             self._sketch[i].index_add_(0, cols[i], add)
         self._sketch.clamp_(max=_COUNT_MAX)
         estimate = self._sketch.gather(1, cols).min(0).values
-        return estimate >= adm.count, (cols, add)
+        return estimate >= adm.count
 
     def decay_admission(self) -> None:
         """Halve every admission counter (as `EmbeddingStore.decay_admission`)."""
@@ -324,33 +323,32 @@ class DeviceKeyIndex:
             `InsertResult` (slots, found, new_slots, new_keys).
 
         Raises:
-            ValueError: the call's distinct keys exceed max_rows (the index is unchanged).
+            ValueError: without `admit`, the call's distinct keys exceed max_rows (the index is
+                unchanged); a training lookup (`admit`) that large gives slots to the first new
+                keys that fit and -1 to the rest, as the core's.
         """
         keys = self._keys(keys)
         n = len(keys)
         entry, found = self._probe(keys)
         slots = torch.where(found, self.bucket_slots[entry], -1)
         want = ~found
-        taken_back: tuple[torch.Tensor, torch.Tensor] | None = None
         if admit and self.config.admission is not None:
-            admitted, taken_back = self._admitted(keys, want)
-            want = want & admitted
+            want = want & self._admitted(keys, want)
         rep = _first_occurrence(keys)
         is_new = want & (rep == torch.arange(n, device=self.device))
         n_new = int(is_new.sum())  # the host sync: eviction, growth and placement depend on it
         empty = keys.new_empty(0)
         if n_new == 0:
             return InsertResult(slots, found, empty, empty)
-        if self.max_rows:
-            try:
-                self._make_room(slots, found, n_new)
-            except ValueError:
-                if taken_back is not None and self._sketch is not None:
-                    cols, add = taken_back
-                    for i in range(len(cols)):
-                        self._sketch[i].index_add_(0, cols[i], -add)
-                raise
         rank = torch.cumsum(is_new, 0) - 1
+        if self.max_rows:
+            room = self._make_room(slots, found, n_new, overflow=admit)  # refuses only without admit
+            if room < n_new:  # overflow: the new keys past the room get no slot, as keys not admitted
+                is_new = is_new & (rank < room)
+                want = want & is_new[rep]
+                n_new = room
+                if n_new == 0:
+                    return InsertResult(torch.where(want, slots, -1), found, empty, empty)
         nf = self._n_free
         fresh = self._high + (rank - nf)
         if nf:
@@ -388,20 +386,25 @@ class DeviceKeyIndex:
             raise TypeError(f"{what}: this index has no eviction policy; build it from a StoreConfig with "
                             "eviction=cncore.LRU(), LFU() or TTL(steps)")
 
-    def _make_room(self, slots: torch.Tensor, found: torch.Tensor, n_new: int) -> None:
+    def _make_room(self, slots: torch.Tensor, found: torch.Tensor, n_new: int, overflow: bool) -> int:
         """The core's cn_table_make_room: evict the rows the call does not use, down to the low
-        water mark after the inserts."""
+        water mark after the inserts. Returns how many new keys get a slot: all of them, or with
+        `overflow` (a training lookup whose distinct keys exceed the budget) the room its own
+        rows leave, the first ones in order of first occurrence."""
         if self._size + n_new <= self.max_rows:
-            return
+            return n_new
         pinned = torch.zeros_like(self.live)
         pinned[torch.where(found, slots, self.slot_capacity)] = True
         pinned[-1] = False
         n_pinned = int(pinned.sum())
+        if overflow and n_pinned + n_new > self.max_rows:
+            n_new = self.max_rows - n_pinned
         if n_pinned + n_new > self.max_rows:
             raise ValueError(f"the call's distinct keys exceed the table's max_rows ({self.max_rows}): its own rows "
                              "cannot all be kept; the table is unchanged")
         k = min(self._size + n_new - self.low_water, self._size - n_pinned)
         self._evict_lowest(k, pinned)
+        return n_new
 
     def eviction_order(self, exclude: torch.Tensor | None = None) -> torch.Tensor:
         """Every live slot (not in `exclude`) in the policy's eviction order: ascending (score,
