@@ -39,6 +39,7 @@ class ServingLock:
         self._writer = False
         self._writers_waiting = 0
         self.version = 0  # deltas applied under this lock
+        self._applying = threading.Lock()  # one delta at a time, prepared and swapped
 
     def __getstate__(self) -> dict:
         return {"version": self.version}
@@ -65,6 +66,13 @@ class ServingLock:
             self.readers -= 1
             if not self.readers:
                 self._cond.notify_all()
+
+    @contextmanager
+    def applying(self) -> Iterator[None]:
+        """Held by one delta from its preparation to its swap, so two deltas never prepare
+        against the same old arrays."""
+        with self._applying:
+            yield
 
     @contextmanager
     def writing(self) -> Iterator[None]:

@@ -1,0 +1,282 @@
+"""Fresh serving: training's incremental saves applied to a frozen model while it serves.
+
+A `TableDelta` is what changed in one table: rows to write (changed IDs and new ones) and IDs
+to drop (evicted or erased). `TableDelta.from_chain` reads it from a table file chain (the
+deltas `save_table(since=...)` and cn-dlrm's `--incremental-checkpoint-every` write), netting
+every version after the one the frozen model holds. `apply_delta` lands deltas of any number of
+tables as one version:
+
+1. Prepared aside, while requests run: the new sorted ID array and slots (an O(N) merge), the
+   weight rows the new IDs take (an evicted ID's row first, then new rows at the end; growth
+   copies the table into a larger tensor, 1.25x or what the delta needs).
+2. Swapped under the model's `ServingLock` (no request is reading): the delta's rows are
+   written in place (or were, into the grown copy), the ID arrays swapped. Only the delta's
+   rows and the ID arrays move, so the time under the lock does not grow with the table.
+
+Nothing is recompiled and no request waits for more than the swap. An exported `.pt2` is a
+snapshot: its shapes and rows are fixed in the file; export a new one from the updated model.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, cast
+
+import numpy as np
+import torch
+from torch import nn
+from torchrec import EmbeddingBagCollection, EmbeddingCollection
+
+from cncore_torch.serving.collection import FrozenEmbeddingBagCollection, FrozenEmbeddingCollection
+from cncore_torch.serving.freeze import serving_lock
+from cncore_torch.serving.modules import FrozenEmbedding, FrozenEmbeddingBag
+from cncore_torch.serving.table import TableSlots
+
+__all__ = ["TableDelta", "DeltaReport", "apply_delta", "frozen_tables"]
+
+
+@dataclass(frozen=True, eq=False)
+class TableDelta:
+    """What changed in one table.
+
+    Args:
+        keys: int64 (M,) IDs whose rows are written (changed or new), each once.
+        rows: float32 (M, dim), row i for keys[i].
+        removed: int64 IDs dropped from the table (IDs it does not hold are ignored).
+    """
+    keys: np.ndarray
+    rows: np.ndarray
+    removed: np.ndarray
+
+    def __post_init__(self) -> None:
+        keys, rows = np.asarray(self.keys), np.asarray(self.rows)
+        if keys.dtype.kind not in "iu" or keys.ndim != 1:
+            raise TypeError(f"keys: expected 1-D int64 IDs, got {keys.dtype} of shape {keys.shape}")
+        if rows.ndim != 2 or len(rows) != len(keys):
+            raise ValueError(f"rows: expected ({len(keys)}, dim) rows for {len(keys)} keys, got shape {rows.shape}")
+        if len(np.unique(keys)) != len(keys):
+            raise ValueError("keys: an ID appears twice; a delta writes each ID once")
+        object.__setattr__(self, "keys", keys.astype(np.int64))
+        object.__setattr__(self, "rows", rows.astype(np.float32, copy=False))
+        object.__setattr__(self, "removed", np.unique(np.asarray(self.removed, dtype=np.int64)))
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.rows.nbytes + self.removed.nbytes
+
+    @classmethod
+    def from_chain(cls, path: str | os.PathLike, since: str, until: str | None = None) -> TableDelta:
+        """The net change of the table file chain at `path` from version `since` (the state the
+        frozen model holds) to `until` (default: the live version): later versions win, an ID
+        removed and then written again is written.
+
+        >>> import numpy as np, tempfile, os, cncore
+        >>> from cncore.tablefile import save_table
+        >>> s = cncore.EmbeddingStore(dim=2, optimizer=cncore.SGD(), initializer=cncore.Constant(1.0))
+        >>> _ = s.find_or_insert(np.array([1, 2, 3]))
+        >>> path = os.path.join(tempfile.mkdtemp(), "t.cnt"); base = save_table(s, path)
+        >>> _ = s.erase(np.array([2])); _ = s.find_or_insert(np.array([4]))
+        >>> d = TableDelta.from_chain(path, base.version, save_table(s, path, since=base).version)
+        >>> d.keys.tolist(), d.removed.tolist()      # (rows never trained travel in every delta)
+        ([1, 3, 4], [2])
+        """
+        from cncore.tablefile.reader import _open_chain
+
+        links = _open_chain(os.fspath(path), verify=True, head=until)
+        versions = [link.version for link in links]
+        if since not in versions:
+            raise ValueError(f"since: {since!r} is not a version of the chain at {path} (it holds {versions}); "
+                             f"pass the version the frozen model was built from or last updated to")
+        dim = links[-1].config.dim
+        keys, rows = np.empty(0, np.int64), np.empty((0, dim), np.float32)
+        removed = np.empty(0, np.int64)
+        for link in links[versions.index(since) + 1:]:
+            gone = np.asarray(link.delta["removed"] if link.delta else np.empty(0, np.int64), dtype=np.int64)
+            keep = ~np.isin(keys, gone)
+            keys, rows, removed = keys[keep], rows[keep], np.union1d(removed, gone)
+            new_keys, new_rows = link.read("keys", 0, len(link)), link.read("rows", 0, len(link))
+            if link.delta is None:  # a full version: everything it does not hold is gone
+                removed = np.union1d(removed, np.setdiff1d(keys, new_keys))
+                keys, rows = np.empty(0, np.int64), np.empty((0, dim), np.float32)
+            keep = ~np.isin(keys, new_keys)
+            keys, rows = np.concatenate([keys[keep], new_keys]), np.concatenate([rows[keep], new_rows])
+            removed = np.setdiff1d(removed, new_keys)
+        return cls(keys, rows, removed)
+
+
+@dataclass
+class DeltaReport:
+    """What `apply_delta` did: rows written, IDs added and removed, bytes written into the
+    model (rows and ID arrays), tables grown, and the seconds the swap held requests out."""
+    rows_written: int = 0
+    ids_added: int = 0
+    ids_removed: int = 0
+    bytes_written: int = 0
+    tables_grown: int = 0
+    locked_seconds: float = 0.0
+
+
+@dataclass
+class _Table:
+    """Where one frozen table lives: its ID map, and how to read and replace its weight."""
+    module: Any        # the frozen collection or module
+    slots: TableSlots
+    owner: Any         # the module holding `weight` (an nn.EmbeddingBag / nn.Embedding, or the frozen module)
+    config_index: int | None = None  # its config in TorchRec's collection (num_embeddings follows growth)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return cast(torch.Tensor, self.owner.weight)
+
+    def set_weight(self, weight: torch.Tensor) -> None:
+        if isinstance(self.owner, (FrozenEmbeddingBag, FrozenEmbedding)):
+            self.owner.weight = weight
+            return
+        self.owner.weight = nn.Parameter(weight, requires_grad=False)
+        self.owner.num_embeddings = weight.shape[0]
+        if self.config_index is not None:
+            inner = getattr(self.module, "embedding_bag_collection", None) or self.module.embedding_collection
+            configs = (inner.embedding_bag_configs() if hasattr(inner, "embedding_bag_configs")
+                       else inner.embedding_configs())
+            configs[self.config_index] = dataclasses.replace(configs[self.config_index],
+                                                             num_embeddings=weight.shape[0])
+
+
+def frozen_tables(model: nn.Module) -> dict[str, _Table]:
+    """{name: table} of every frozen table in `model`: "<module path>.<table>" for a
+    collection's tables (just "<table>" for a collection at the top), the module path for a
+    frozen module ("weight" for one at the top)."""
+    out: dict[str, _Table] = {}
+    for path, module in model.named_modules():
+        if isinstance(module, (FrozenEmbeddingBagCollection, FrozenEmbeddingCollection)):
+            bag = isinstance(module, FrozenEmbeddingBagCollection)
+            inner = module.embedding_bag_collection if bag else module.embedding_collection
+            tables = getattr(inner, "embedding_bags" if bag else "embeddings", None)
+            quantized = type(inner) not in (EmbeddingBagCollection, EmbeddingCollection)
+            if quantized or not isinstance(tables, nn.ModuleDict):
+                raise TypeError(f"model: the tables of {path or 'the model'} are quantized ({type(inner).__module__}."
+                                f"{type(inner).__name__}); apply the delta to the float frozen model, then quantize "
+                                f"it again")
+            configs = (module.embedding_bag_configs() if isinstance(module, FrozenEmbeddingBagCollection)
+                       else module.embedding_configs())
+            names = [c.name for c in configs]
+            for i, name in enumerate(names):
+                slots = cast(TableSlots, module.remap.tables[name])
+                out[f"{path}.{name}" if path else name] = _Table(module, slots, tables[name], i)
+        elif isinstance(module, (FrozenEmbeddingBag, FrozenEmbedding)):
+            out[path or "weight"] = _Table(module, module.table, module)
+    return out
+
+
+def _resolve(tables: dict[str, _Table], name: str) -> _Table:
+    if name in tables:
+        return tables[name]
+    short = [full for full in tables if full.rsplit(".", 1)[-1] == name]
+    if len(short) == 1:
+        return tables[short[0]]
+    held = ", ".join(sorted(tables)) or "none"
+    why = "the name is ambiguous, use the full one" if short else "no such table"
+    raise KeyError(f"deltas: {name!r}: {why} (the model's frozen tables: {held})")
+
+
+@dataclass
+class _Prepared:
+    """One table's delta, ready to swap in (see the module docstring)."""
+    table: _Table
+    ids: torch.Tensor
+    slots: torch.Tensor
+    free: torch.Tensor
+    write_at: torch.Tensor   # weight rows the delta's rows go to
+    rows: torch.Tensor
+    weight: torch.Tensor | None  # a grown copy holding the rows already (None: write in place)
+    added: int
+    removed: int
+
+
+def _prepare(table: _Table, name: str, delta: TableDelta) -> _Prepared:
+    weight = table.weight
+    if delta.rows.shape[1] != weight.shape[1]:
+        raise ValueError(f"deltas[{name!r}]: rows of dim {delta.rows.shape[1]}, but the table's dim is "
+                         f"{weight.shape[1]}")
+    ids, slots = table.slots.ids.numpy(), table.slots.slots.numpy()
+    pos = np.searchsorted(ids, delta.removed).clip(max=max(len(ids) - 1, 0))
+    gone = pos[ids[pos] == delta.removed] if len(ids) else pos[:0]
+    keep = np.ones(len(ids), bool)
+    keep[gone] = False
+    ids, pool = ids[keep], np.concatenate([table.slots.free.numpy(), slots[gone]])
+    slots = slots[keep]
+    pos = np.searchsorted(ids, delta.keys).clip(max=max(len(ids) - 1, 0))
+    found = ids[pos] == delta.keys if len(ids) else np.zeros(len(delta.keys), bool)
+    write_at = np.empty(len(delta.keys), np.int64)
+    write_at[found] = slots[pos[found]]
+    n_new = int((~found).sum())
+    capacity = weight.shape[0]
+    extra = max(n_new - len(pool), 0)
+    fresh = np.concatenate([pool[:n_new], np.arange(capacity, capacity + extra, dtype=np.int64)])
+    write_at[~found] = fresh
+    new_keys, order = delta.keys[~found], np.argsort(delta.keys[~found], kind="stable")
+    at = np.searchsorted(ids, new_keys[order])
+    ids, slots = np.insert(ids, at, new_keys[order]), np.insert(slots, at, fresh[order])
+    rows = torch.from_numpy(delta.rows)
+    grown = None
+    if extra:
+        grown = torch.zeros((max(capacity + extra, capacity * 5 // 4), weight.shape[1]), dtype=weight.dtype)
+        grown[:capacity] = weight
+        grown[torch.from_numpy(write_at)] = rows.to(weight.dtype)
+    return _Prepared(table, torch.from_numpy(ids), torch.from_numpy(slots), torch.from_numpy(pool[n_new:].copy()),
+                     torch.from_numpy(write_at), rows, grown, n_new, len(gone))
+
+
+def apply_delta(model: nn.Module, deltas: Mapping[str, TableDelta]) -> DeltaReport:
+    """Apply `deltas` ({table name: TableDelta}) to the frozen `model` in place, as one
+    version: a request running on another thread sees all of them or none (see the module
+    docstring). Table names as `frozen_tables` gives them, or a collection's table name
+    alone where it is unique in the model.
+
+    Args:
+        model (nn.Module): the model `cncore_torch.serving.freeze` returned.
+        deltas (Mapping[str, TableDelta]): what changed, per table.
+
+    Returns:
+        DeltaReport: rows written, IDs added and removed, bytes, tables grown, time locked.
+
+    >>> import numpy as np, torch
+    >>> bag = FrozenEmbeddingBag(np.array([1, 2]), np.ones((2, 2)), mode="sum")
+    >>> from cncore_torch.serving.freeze import freeze
+    >>> frozen = freeze(torch.nn.Sequential(bag))
+    >>> report = apply_delta(frozen, {"0": TableDelta(np.array([2, 5]), np.full((2, 2), 3.0), np.array([1]))})
+    >>> frozen(torch.tensor([[1, 2, 5]])).tolist(), report.ids_added, report.ids_removed
+    ([[6.0, 6.0]], 1, 1)
+    """
+    import time
+
+    lock = serving_lock(model)
+    if not isinstance(deltas, Mapping):
+        raise TypeError(f"deltas must be a mapping {{table name: TableDelta}}, got {type(deltas).__name__}")
+    tables = frozen_tables(model)
+    chosen = {}
+    for name, delta in deltas.items():
+        if not isinstance(delta, TableDelta):
+            raise TypeError(f"deltas[{name!r}]: expected a TableDelta, got {type(delta).__name__}")
+        chosen[name] = (_resolve(tables, name), delta)
+    report = DeltaReport()
+    with lock.applying():
+        prepared = [_prepare(table, name, delta) for name, (table, delta) in chosen.items()]
+        start = time.perf_counter()
+        with lock.writing():
+            for p in prepared:
+                if p.weight is None:
+                    p.table.weight.index_copy_(0, p.write_at, p.rows.to(p.table.weight.dtype))
+                else:
+                    p.table.set_weight(p.weight)
+                p.table.slots.ids, p.table.slots.slots, p.table.slots.free = p.ids, p.slots, p.free
+        report.locked_seconds = time.perf_counter() - start
+    for p in prepared:
+        report.rows_written += len(p.write_at)
+        report.ids_added += p.added
+        report.ids_removed += p.removed
+        report.bytes_written += p.rows.nbytes + (p.ids.nbytes + p.slots.nbytes if p.added or p.removed else 0)
+        report.tables_grown += p.weight is not None
+    return report
