@@ -74,14 +74,19 @@ class BoundedModel(DictStore):
         self.evict_lowest(n, exclude=used)
 
     def overflow(self, keys):
-        """A training lookup's keys that get (or have) a row: when its distinct keys exceed the
-        budget, its new keys past the room its own rows leave (max_rows - the rows it uses), in
-        order of first occurrence, get none."""
+        """A training lookup's keys that get (or have) a row. When its distinct keys exceed the
+        budget, one round of eviction frees rows down to max_rows - headroom and at least one row
+        (never the rows it uses), its new keys take the free rows in order of first occurrence,
+        and the rest get none."""
         if self.max_rows is None:
             return keys
         used = {k for k in keys if k in self.rows}
         new = list(dict.fromkeys(k for k in keys if k not in self.rows))
-        over = set(new[self.max_rows - len(used):])
+        if len(used) + len(new) <= self.max_rows:
+            return keys
+        n = max(len(self.rows) - self.low_water, len(self.rows) + 1 - self.max_rows)
+        self.evict_lowest(max(0, min(n, len(self.rows) - len(used))), exclude=used)
+        over = set(new[self.max_rows - len(self.rows):])
         return [k for k in keys if k not in over]
 
     def insert(self, keys):
@@ -299,28 +304,46 @@ def test_the_batch_being_looked_up_is_never_evicted_and_an_insert_too_big_is_ref
 
 
 def test_a_training_batch_with_more_distinct_keys_than_the_budget_trains_and_its_tail_overflows():
-    """max_rows 3, rows for 10, 11, 12; a training batch of 10 and five new keys: 11 and 12 (the
-    rows it does not use) are evicted, 1 and 2 (the first new keys in the batch) get the two free
-    rows, 3 and 4 overflow: no row, zeros in the pooled sum, no update, no access."""
-    s = lru_store(3)
+    """max_rows 4, headroom 2, rows for 10..13 (LRU: 11 oldest, then 12); a training batch of 10
+    and five new keys: one round of eviction frees 11 and 12 (down to 4 - 2 rows, never 10), 1
+    and 2 (the first new keys in the batch) take the two free rows, 3 and 4 overflow: no row,
+    zeros in the pooled sum, no update, no access."""
+    s = lru_store(4, headroom=2)
     sink = []
     s.on_evict(sink.append)
-    s.find_or_insert(np.array([10, 11, 12]))
+    for key in (11, 12, 13, 10):
+        _, ctx = s.pooled_lookup(np.array([key]), lengths=np.array([1]))
+        s.apply_gradients(ctx, np.zeros((1, 2), np.float32))
     keys = np.array([10, 1, 2, 3, 2, 4, 1])
     out, ctx = s.pooled_lookup(keys, lengths=np.array([4, 3]))
-    assert sorted(s.export().keys.tolist()) == [1, 2, 10]
-    assert sorted(sink[0].keys.tolist()) == [11, 12] and s.evicted_count == 2
+    assert sorted(s.export().keys.tolist()) == [1, 2, 10, 13]
+    assert sink[0].keys.tolist() == [11, 12] and s.evicted_count == 2
     assert (ctx.slots >= 0).tolist() == [True, True, True, False, True, False, True]
     initial = dict(zip([10, 1, 2], cncore.initial_rows(s.config, np.array([10, 1, 2]))))
     np.testing.assert_allclose(out, [initial[10] + initial[1] + initial[2], initial[2] + initial[1]], rtol=1e-6)
     s.apply_gradients(ctx, np.ones((2, 2), np.float32))  # SGD lr 1: a row moves by -(its bags' count)
     got = s.read(np.array([10, 1, 2]))
     np.testing.assert_allclose(got.rows, [initial[10] - 1, initial[1] - 2, initial[2] - 2], rtol=1e-6)
-    assert got.counts.tolist() == [1, 2, 2]  # occurrences
-    assert len(s) == 3
+    assert got.counts.tolist() == [2, 2, 2]  # occurrences (10: one before, one now)
+    assert len(s) == 4
     # An explicit insert of more keys than the budget still refuses: its rows could not all be kept.
-    with pytest.raises(ValueError, match=r"exceed the table's max_rows \(3\)"):
-        s.find_or_insert(np.array([5, 6, 7, 8]))
+    with pytest.raises(ValueError, match=r"exceed the table's max_rows \(4\)"):
+        s.find_or_insert(np.array([5, 6, 7, 8, 9]))
+
+
+def test_a_batch_past_the_budget_keeps_the_rows_lfu_ranks_above_its_new_keys():
+    s = cncore.EmbeddingStore(dim=2, seed=3, max_rows=4, eviction=cncore.LFU(), headroom=1,
+                              optimizer=cncore.SGD(lr=1.0))
+    for keys in ([1, 1, 1, 2, 2, 3, 4], [1, 2, 3]):  # counts: 1: 4, 2: 3, 3: 2, 4: 1
+        out, ctx = s.pooled_lookup(np.array(keys), lengths=np.array([len(keys)]))
+        s.apply_gradients(ctx, np.zeros_like(out))
+    _, ctx = s.pooled_lookup(np.arange(100, 110), lengths=np.array([10]))  # ten new keys, no old one
+    assert sorted(s.export().keys.tolist()) == [1, 2, 3, 100]  # one round: 4 (the lowest count) went
+    assert (ctx.slots >= 0).tolist() == [True] + [False] * 9
+    s = lru_store(2, headroom=0)  # headroom 0: a batch past the budget still frees one row
+    s.find_or_insert(np.array([1, 2]))
+    _, ctx = s.pooled_lookup(np.array([7, 8, 9]), lengths=np.array([3]))
+    assert sorted(s.export().keys.tolist()) == [2, 7] and (ctx.slots >= 0).tolist() == [True, False, False]
 
 
 def test_a_training_batch_whose_own_rows_fill_the_budget_gives_every_new_key_no_row():

@@ -61,13 +61,13 @@ def test_cnembedding_takes_the_options_and_trains_a_lookup_past_its_budget():
     emb(torch.tensor([1, 2, 3, 4])).sum().backward()
     emb(torch.tensor([5])).sum().backward()
     assert sorted(emb.keys().tolist()) == [2, 3, 4, 5] and emb.store.evicted_count == 1
-    # Five new IDs, four rows: every old row goes, 10..13 (first seen) get rows, 14 overflows
-    # (reads zeros, takes no update).
+    # Five new IDs, four rows, headroom 0: one round of eviction frees one row (2, the oldest),
+    # 10 (first seen) takes it, 11..14 overflow (read zeros, take no update).
     out = emb(torch.tensor([10, 11, 12, 13, 14]))
-    assert sorted(emb.keys().tolist()) == [10, 11, 12, 13] and emb.store.evicted_count == 5
-    assert out[4].tolist() == [0.0, 0.0, 0.0] and bool((out[:4] != 0).any(dim=1).all())
+    assert sorted(emb.keys().tolist()) == [3, 4, 5, 10] and emb.store.evicted_count == 2
+    assert out[1:].tolist() == [[0.0] * 3] * 4 and bool((out[0] != 0).any())
     out.sum().backward()
-    assert sorted(emb.keys().tolist()) == [10, 11, 12, 13]
+    assert sorted(emb.keys().tolist()) == [3, 4, 5, 10]
 
 
 def test_state_dict_keeps_the_evicted_count_and_a_larger_checkpoint_is_refused():

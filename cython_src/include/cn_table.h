@@ -454,9 +454,10 @@ static inline int64_t cn_table_mark_overflow(const int64_t *keys, int64_t *slots
  * use, down to the low-water mark after the inserts (fewer when the call's own rows leave too
  * few candidates). The call's rows are kept out of the selection by clearing their live bits
  * for its duration. When the call's distinct keys alone exceed max_rows: with overflow (a
- * training lookup), the new keys past the room the call's own rows leave get no row
- * (cn_table_mark_overflow) and every row the call does not use is evicted, so training never
- * stops on the budget; without it (an explicit insert, whose rows the caller means to keep),
+ * training lookup), one round of eviction frees rows down to the low-water mark and at least
+ * one row (fewer when the call's own rows leave too few candidates), the new keys take the free rows in order of
+ * first occurrence and the rest get no row (cn_table_mark_overflow), so training never stops
+ * on the budget; without it (an explicit insert, whose rows the caller means to keep),
  * CN_EFULL. CN_EFULL and CN_ENOMEM leave the table unchanged. */
 static inline int cn_table_make_room(cn_table *t, const int64_t *keys, int64_t n, int64_t *slots,
                                      int want_rows, cn_evicted *ev, int overflow) {
@@ -470,13 +471,25 @@ static inline int cn_table_make_room(cn_table *t, const int64_t *keys, int64_t n
     for (int64_t i = 0; i < n; i++)
         if (slots[i] >= 0) pinned += cn_arena_set_live(&t->arena, slots[i], 0);
     int rc = CN_EFULL;
+    int64_t k = -1;
     if (overflow && pinned + n_new > t->bound.max_rows) {
-        n_new = cn_table_mark_overflow(keys, slots, n, t->bound.max_rows - pinned);
-        if (n_new < 0) rc = CN_ENOMEM;
-    }
-    if (n_new >= 0 && pinned + n_new <= t->bound.max_rows) {
-        int64_t k = size + n_new - t->bound.low_water;
+        /* One round of eviction, down to the low-water mark and at least one row (never the
+         * call's own rows), as a call within the budget makes it: a batch too big for the table
+         * does not flush the rows the policy ranks above its new keys (LFU's popular rows), and
+         * with headroom 0 new keys still get in. */
+        k = size - t->bound.low_water;
+        if (k < size + 1 - t->bound.max_rows) k = size + 1 - t->bound.max_rows;
         if (k > size - pinned) k = size - pinned;
+        if (k < 0) k = 0;
+        n_new = cn_table_mark_overflow(keys, slots, n, t->bound.max_rows - size + k);
+        if (n_new < 0) rc = CN_ENOMEM;
+        else if (k == 0) rc = CN_OK;
+    }
+    if (n_new >= 0 && k != 0 && pinned + n_new <= t->bound.max_rows) {
+        if (k < 0) {
+            k = size + n_new - t->bound.low_water;
+            if (k > size - pinned) k = size - pinned;
+        }
         rc = cn_table_evict_lowest(t, k, size - pinned, want_rows, ev, size + n_new - k);
     }
     for (int64_t i = 0; i < n; i++)
