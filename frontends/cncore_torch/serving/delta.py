@@ -67,10 +67,10 @@ class TableDelta:
         return self.keys.nbytes + self.rows.nbytes + self.removed.nbytes
 
     @classmethod
-    def from_chain(cls, path: str | os.PathLike, since: str, until: str | None = None) -> TableDelta:
+    def from_chain(cls, path: str | os.PathLike, since: str | None, until: str | None = None) -> TableDelta:
         """The net change of the table file chain at `path` from version `since` (the state the
-        frozen model holds) to `until` (default: the live version): later versions win, an ID
-        removed and then written again is written.
+        frozen model holds; None: from nothing, so every row of `until`) to `until` (default:
+        the live version): later versions win, an ID removed and then written again is written.
 
         >>> import numpy as np, tempfile, os, cncore
         >>> from cncore.tablefile import save_table
@@ -86,13 +86,13 @@ class TableDelta:
 
         links = _open_chain(os.fspath(path), verify=True, head=until)
         versions = [link.version for link in links]
-        if since not in versions:
+        if since is not None and since not in versions:
             raise ValueError(f"since: {since!r} is not a version of the chain at {path} (it holds {versions}); "
                              f"pass the version the frozen model was built from or last updated to")
         dim = links[-1].config.dim
         keys, rows = np.empty(0, np.int64), np.empty((0, dim), np.float32)
         removed = np.empty(0, np.int64)
-        for link in links[versions.index(since) + 1:]:
+        for link in links[0 if since is None else versions.index(since) + 1:]:
             gone = np.asarray(link.delta["removed"] if link.delta else np.empty(0, np.int64), dtype=np.int64)
             keep = ~np.isin(keys, gone)
             keys, rows, removed = keys[keep], rows[keep], np.union1d(removed, gone)

@@ -1,0 +1,5 @@
+import sys
+
+from cncore_torch.serving.cli import main
+
+sys.exit(main())
