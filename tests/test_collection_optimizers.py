@@ -178,7 +178,8 @@ def _sharded_with_tag(rank, world_size):
     model = CNEmbeddingBagCollection(tables=configs(), device="meta", seed=3)
     apply_optimizer_in_backward(TorchRecRowWiseAdagrad, model.parameters(), {"lr": 0.2})
     dmp = DistributedModelParallel(model, device=torch.device("cpu"), sharders=[CNEmbeddingBagCollectionSharder()])
-    ref = CNEmbeddingBagCollection(tables=configs(), seed=3, optimizer=cncore.RowWiseAdagrad(lr=0.2, eps=1e-10))
+    ref = CNEmbeddingBagCollection(tables=configs(), seed=3, optimizer=cncore.RowWiseAdagrad(lr=0.2, eps=1e-10),
+                                   per_rank_tables=True)  # each rank's own one-process reference
     rng = np.random.default_rng(5)
     for _ in range(2):
         kjt = batch(rng)  # every rank feeds the same batch: the single process sees it world_size times
@@ -389,13 +390,14 @@ def _sharded_fused_params_and_unpooled_tag(rank, world_size):
                                                             "beta1": 0.8})
     dmp = DistributedModelParallel(model, device=torch.device("cpu"), sharders=[sharder])  # TorchRec's planner
     assert not dict(in_backward_optimizer_filter(dmp.named_parameters()))  # no dense parameter left
-    ref = CNEmbeddingBagCollection(tables=configs(), seed=3,
+    ref = CNEmbeddingBagCollection(tables=configs(), seed=3, per_rank_tables=True,  # each rank's own reference
                                    optimizer=cncore.Adam(lr=0.05, betas=(0.8, 0.999), eps=1e-8))
     unpooled = CNEmbeddingCollection(tables=ec_configs(), device="meta", seed=4)
     apply_optimizer_in_backward(torch.optim.Adagrad, unpooled.parameters(), {"lr": 0.2})
     dmp_ec = DistributedModelParallel(unpooled, device=torch.device("cpu"), sharders=[CNEmbeddingCollectionSharder()],
                                       plan=plan_for(unpooled, world_size))
-    ref_ec = CNEmbeddingCollection(tables=ec_configs(), seed=4, optimizer=cncore.Adagrad(lr=0.2, eps=1e-10))
+    ref_ec = CNEmbeddingCollection(tables=ec_configs(), seed=4, optimizer=cncore.Adagrad(lr=0.2, eps=1e-10),
+                                   per_rank_tables=True)
     rng = np.random.default_rng(5)
     for _ in range(2):
         kjt = batch(rng)  # every rank feeds the same batch: the single process sees it world_size times

@@ -19,7 +19,9 @@ SIZES = {3: [3, 4, 2], 2: [5, 4], 1: [9]}
 def _model(device):
     import cncore
     from cncore_torch import CNEmbeddingBagCollection
-    return CNEmbeddingBagCollection(_configs(KIND), device=device, optimizer=cncore.Adam(lr=0.05), seed=11)
+    # on the CPU: a one-process model, also each rank's own reference (per_rank_tables)
+    return CNEmbeddingBagCollection(_configs(KIND), device=device, optimizer=cncore.Adam(lr=0.05), seed=11,
+                                    per_rank_tables=device == "cpu")
 
 
 class Net(torch.nn.Module):

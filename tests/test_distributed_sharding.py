@@ -101,13 +101,13 @@ def _train_and_compare(rank, world_size, kind, batch_sizes, steps, use_plan, opt
 
     weighted = kind.startswith("weighted")
     optimizer = getattr(cncore, optimizer_name)(lr=0.05)
-    make = lambda device: CNEmbeddingBagCollection(_configs(kind), is_weighted=weighted, device=device,  # noqa: E731
-                                                  optimizer=optimizer, seed=7)
+    make = lambda device, **kw: CNEmbeddingBagCollection(_configs(kind), is_weighted=weighted,  # noqa: E731
+                                                        device=device, optimizer=optimizer, seed=7, **kw)
     model = make("meta")
     kw = dict(plan=plan_for(model, world_size)) if use_plan else {}
     dmp = DistributedModelParallel(model, device=torch.device("cpu"),
                                    sharders=[CNEmbeddingBagCollectionSharder(pack_pools=pack)], **kw)
-    ref = make("cpu")
+    ref = make("cpu", per_rank_tables=True)  # each rank's own one-process reference
     sharded = dmp.module
     start = sum(batch_sizes[:rank])
     pool_bytes = 0

@@ -40,7 +40,7 @@ def _ranks(rank, world_size, root):
     model = CNEmbeddingBagCollection(_configs(), device="meta", optimizer=optimizer, seed=3,
                                      storage=cncore.Tiered(root, cache_bytes=1 << 16))
     dmp = DistributedModelParallel(model, device=torch.device("cpu"), sharders=[CNEmbeddingBagCollectionSharder()])
-    ref = CNEmbeddingBagCollection(_configs(), optimizer=optimizer, seed=3)
+    ref = CNEmbeddingBagCollection(_configs(), optimizer=optimizer, seed=3, per_rank_tables=True)  # each rank's own
     for name, store in dmp.module.stores.items():
         assert isinstance(store, TieredStore)
         assert store.config.storage.path == os.path.join(root, name, f"shard-{rank}-of-{world_size}")

@@ -28,10 +28,10 @@ def _ranks(rank, world_size, batch_sizes, steps):
     from cncore_torch.collection import CNEmbeddingCollection
     from cncore_torch.distributed import CNEmbeddingCollectionSharder, owner_of
 
-    make = lambda device: CNEmbeddingCollection(_configs(), device=device, optimizer=cncore.Adagrad(lr=0.1),  # noqa
-                                                seed=5)
+    make = lambda device, **kw: CNEmbeddingCollection(_configs(), device=device,  # noqa: E731
+                                                      optimizer=cncore.Adagrad(lr=0.1), seed=5, **kw)
     dmp = DistributedModelParallel(make("meta"), device=torch.device("cpu"), sharders=[CNEmbeddingCollectionSharder()])
-    ref = make("cpu")
+    ref = make("cpu", per_rank_tables=True)  # each rank's own one-process reference
     sharded = dmp.module
     for step in range(steps):
         kjts = _kjts(step, batch_sizes, False, high=30 if step % 2 else 2**62)

@@ -13,7 +13,8 @@ What they share is what they are to the bridge (`cncore_torch.bridge`) and to `s
   `_load_tables` loads all or nothing, the rest of the entries going to `nn.Module`.
 
 Also the checks both spell alike: `store_config` (a `cncore.StoreConfig` whose errors name
-the module's arguments) and `check_flag`.
+the module's arguments), `check_flag`, and `check_unsharded_world` (a collection left unsharded
+in a process group of several ranks).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import sys
 from types import FrameType
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import cncore
@@ -28,7 +30,7 @@ from cncore_torch import bridge
 from cncore_torch.ops import register_operators
 from cncore_torch.state import load_tables
 
-__all__ = ["TableModule", "store_config", "check_flag"]
+__all__ = ["TableModule", "store_config", "check_flag", "check_unsharded_world"]
 
 
 def store_config(context: str, embedding_dim, **fields) -> cncore.StoreConfig:
@@ -44,6 +46,33 @@ def store_config(context: str, embedding_dim, **fields) -> cncore.StoreConfig:
 def check_flag(name: str, value) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be True or False, got {value!r}")
+
+
+def check_unsharded_world(owner: str, sharder: str, per_rank_tables: bool) -> None:
+    """Refuse a collection running unsharded in a process group of more than one rank (DMP
+    without our sharder, or DDP): each rank would train its own copy of every table, and the
+    copies would drift apart silently. `per_rank_tables=True` says each rank owns a separate
+    table on purpose.
+
+    Args:
+        owner: the collection's class name.
+        sharder: the name of its sharder in `cncore_torch.distributed`.
+        per_rank_tables: the collection's opt-in.
+
+    Returns:
+        None; raises RuntimeError in a group of several ranks without the opt-in.
+
+    >>> check_unsharded_world("CNEmbeddingBagCollection", "CNEmbeddingBagCollectionSharder", False)  # no group
+    """
+    if per_rank_tables or not dist.is_available() or not dist.is_initialized():
+        return
+    world = dist.get_world_size()
+    if world > 1:
+        raise RuntimeError(
+            f"{owner} runs unsharded in a process group of {world} ranks: each rank would train its own copy of "
+            f"every table, and the copies drift apart silently. Shard it: DistributedModelParallel(model, "
+            f"sharders=[cncore_torch.distributed.{sharder}()]); or, if each rank owns a separate table on purpose, "
+            f"build it with per_rank_tables=True")
 
 
 class TableModule(nn.Module):
@@ -106,6 +135,7 @@ class TableModule(nn.Module):
             self._load_rest(rest, prefix, local_metadata, strict, missing, unexpected, errors)
 
         load_tables(self._tables(prefix), load_rest, state_dict, missing_keys, unexpected_keys, error_msgs)
+
 
 def _torchrec_quantizer() -> str | None:
     """The name of the outermost TorchRec inference quantizer on the call stack (the one the

@@ -25,13 +25,15 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from torch import nn
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
-from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface, EmbeddingCollectionInterface
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
 import cncore
 from cncore_torch import bridge
 from cncore_torch.base import TableModule, check_flag
+from cncore_torch.collection_shape import CollectionShape
 from cncore_torch.device_rows import DeviceRows
 from cncore_torch.embedding_configs import (
     POOLING,
@@ -49,6 +51,7 @@ from cncore_torch.optim import (
     resolve_optimizer,
 )
 from cncore_torch.state import save_store
+from cncore_torch.table_views import table_views
 
 __all__ = ["CNEmbeddingBagCollection", "CNEmbeddingCollection", "initializer_from_config"]
 
@@ -56,10 +59,17 @@ def features_by_key(features, feature_names: list[list[str]], rows_device=None) 
     """The KJT's JaggedTensor per key, every feature the tables read being present. The KJT is
     checked first (TorchRec's constructor checks little): CPU tensors (or on `rows_device`, where
     the tables' rows are on an accelerator) with values, int IDs,
-    floating weights, lengths >= 0 adding up to the number of values."""
+    floating weights, lengths >= 0 adding up to the number of values. A collection on meta
+    (`rows_device` meta: shape inference) also takes a KJT on meta, whose values go unchecked."""
     if not isinstance(features, KeyedJaggedTensor):
         raise TypeError(f"features must be a KeyedJaggedTensor, got {type(features).__name__}")
     values, lengths, weights = features.values(), features.lengths(), features.weights_or_none()
+    if values.is_meta and rows_device is not None and rows_device.type == "meta":
+        by_key = features.to_dict()
+        missing = [n for names in feature_names for n in names if n not in by_key]
+        if missing:
+            raise ValueError(f"features: no key {missing[0]!r} (it has {features.keys()})")
+        return by_key
     for name, t in (("values", values), ("lengths", lengths), ("weights", weights)):
         if t is not None and t.is_meta:
             raise ValueError(f"features: {name} is a meta tensor, which holds no values; expected a CPU tensor")
@@ -96,14 +106,17 @@ def features_by_key(features, feature_names: list[list[str]], rows_device=None) 
 ANCHOR_SHAPE = (0, 1)
 
 
-class _DynamicTables(TableModule):
+class _DynamicTables(CollectionShape, TableModule):
     """What both collections share: a store per table (created by `_init_tables`), the fused
     optimizer over them, and every table's rows, optimizer state and metadata in the module's
     state_dict (the anchor and the handle: `TableModule`).
 
     On device="meta" there are no stores (and no fused optimizer) until `to_empty(device="cpu")`
     creates them, empty; forward then only infers shapes. DMP shards a meta collection without
-    ever materialising it (each rank builds its own shard)."""
+    ever materialising it (each rank builds its own shard).
+
+    What TorchRec code reads from a collection (`device`, `reset_parameters`, the per-table
+    modules, being TorchRec's own collection): `cncore_torch.collection_shape`."""
 
     def _init_tables(self, tables, config_type, optimizer, initializers, capacities, seed: int, device, owner: str,
                      optimizer_prefix: str, options: dict | None = None) -> None:
@@ -121,8 +134,8 @@ class _DynamicTables(TableModule):
 
     @property
     def _rows_device(self):
-        """The accelerator device the rows are on (None: the core or meta)."""
-        return self._placement.device if self._placement.kind == "device" else None
+        """The accelerator device the rows are on, or meta (None: the core)."""
+        return self._placement.device if self._placement.kind != "core" else None
 
     @property
     def is_meta(self) -> bool:
@@ -200,7 +213,7 @@ class _DynamicTables(TableModule):
     def _apply(self, fn, recurse=True):
         """`.to_empty(device="cpu")` (or `.to("cpu")`) of a meta collection creates its empty tables;
         moving tables that hold rows anywhere but the CPU is refused (their rows live in the core)."""
-        was_meta = self.is_meta
+        was_meta = self._placement.kind == "meta"  # (DMP's meta init may have moved the anchor alone)
         target = fn(torch.empty(0, device=self._anchor.device)).device
         if not was_meta and target.type != "meta" and target != self._placement.device:
             raise ValueError(f"{self._owner} keeps its rows where it was built ({self._placement.device}); moving "
@@ -321,7 +334,7 @@ def _positions(collection, features: KeyedJaggedTensor) -> list[int]:
     return [keys.index(f) for names in collection._feature_names for f in names]
 
 
-class CNEmbeddingBagCollection(_DynamicTables, EmbeddingBagCollectionInterface):
+class CNEmbeddingBagCollection(_DynamicTables, EmbeddingBagCollection):
     """TorchRec's `EmbeddingBagCollection` on dynamic tables (see the module docstring).
 
     Args: `tables`, `is_weighted`, `device` as TorchRec: "cpu" (rows in the core), "meta" (no
@@ -378,8 +391,10 @@ class CNEmbeddingBagCollection(_DynamicTables, EmbeddingBagCollectionInterface):
                  optimizer=None, initializers: dict[str, object] | None = None,
                  capacities: dict[str, int] | None = None, seed: int = 0, max_rows=None, eviction=None,
                  admission=None, headroom=None, row_dtype=None,
-                 storage=None):
+                 storage=None, per_rank_tables: bool = False):
         super().__init__()
+        check_flag("per_rank_tables", per_rank_tables)
+        self._per_rank_tables = per_rank_tables
         self._init_tables(tables, EmbeddingBagConfig, optimizer, initializers, capacities, seed, device,
                           "CNEmbeddingBagCollection", "embedding_bags.fused",
                           {"max_rows": max_rows, "eviction": eviction, "admission": admission, "headroom": headroom,
@@ -391,6 +406,7 @@ class CNEmbeddingBagCollection(_DynamicTables, EmbeddingBagCollectionInterface):
         self._embedding_names = [n for names in names_by_table for n in names]
         self._modes = [POOLING[c.pooling] for c, f in zip(tables, self._feature_names) for _ in f]
         self._lengths_per_embedding = [c.embedding_dim for c, f in zip(tables, self._feature_names) for _ in f]
+        self.embedding_bags: nn.ModuleDict = table_views(self, tables, [POOLING[c.pooling] for c in tables])
         self._bind_stores()
 
     def _bind_stores(self) -> None:
@@ -399,6 +415,7 @@ class CNEmbeddingBagCollection(_DynamicTables, EmbeddingBagCollectionInterface):
 
     def _lookup_tables(self) -> list:
         """The table of each feature, in the order of the lookup (see cncore_torch.bridge)."""
+        self._check_world()
         return self._feature_stores
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
@@ -444,7 +461,14 @@ class CNEmbeddingBagCollection(_DynamicTables, EmbeddingBagCollectionInterface):
         return sum(store.nbytes for store in self._stores.values())
 
 
-class CNEmbeddingCollection(_DynamicTables, EmbeddingCollectionInterface):
+@torch.fx.wrap
+def unpooled_collection_lookup(anchor: torch.Tensor, handle: int, features: KeyedJaggedTensor,
+                               training: bool) -> dict[str, JaggedTensor]:
+    """CNEmbeddingCollection's eager forward: one node under torch.fx, as the pooled one's."""
+    return bridge.table_of(handle)._eager_lookup(features, training)
+
+
+class CNEmbeddingCollection(_DynamicTables, EmbeddingCollection):
     """TorchRec's `EmbeddingCollection` (unpooled: one row per ID) over dynamic tables.
 
     forward(KJT) -> Dict[str, JaggedTensor] with TorchRec's keys; each JaggedTensor holds the
@@ -464,9 +488,11 @@ class CNEmbeddingCollection(_DynamicTables, EmbeddingCollectionInterface):
     def __init__(self, tables: list[EmbeddingConfig], device=None, need_indices: bool = False, *, optimizer=None,
                  initializers: dict[str, object] | None = None, capacities: dict[str, int] | None = None,
                  seed: int = 0, max_rows=None, eviction=None, admission=None, headroom=None, row_dtype=None,
-                 storage=None):
+                 storage=None, per_rank_tables: bool = False):
         super().__init__()
         check_flag("need_indices", need_indices)
+        check_flag("per_rank_tables", per_rank_tables)
+        self._per_rank_tables = per_rank_tables
         self._init_tables(tables, EmbeddingConfig, optimizer, initializers, capacities, seed, device,
                           "CNEmbeddingCollection", "embeddings.fused",
                           {"max_rows": max_rows, "eviction": eviction, "admission": admission, "headroom": headroom,
@@ -477,6 +503,7 @@ class CNEmbeddingCollection(_DynamicTables, EmbeddingCollectionInterface):
                              f"{sorted(dims)}")
         self._configs, self._need_indices, self._dim = tables, need_indices, dims.pop()
         self._feature_names, self._names_by_table = feature_names_of(tables)
+        self.embeddings: nn.ModuleDict = table_views(self, tables, None)
         self._bind_stores()
 
     def _bind_stores(self) -> None:
@@ -484,6 +511,7 @@ class CNEmbeddingCollection(_DynamicTables, EmbeddingCollectionInterface):
 
     def _lookup_tables(self) -> list:
         """Each table once: its features' IDs are looked up together (see unpooled_lookup)."""
+        self._check_world()
         return self._table_stores
 
     def embedding_configs(self) -> list[EmbeddingConfig]:
@@ -503,14 +531,18 @@ class CNEmbeddingCollection(_DynamicTables, EmbeddingCollectionInterface):
         each way, no graph break)."""
         if torch.compiler.is_compiling() and self._placement.kind == "core" and not features.variable_stride_per_key():
             return self._compiled_lookup(features)
+        return unpooled_collection_lookup(self._anchor, self._handle, features, self.training)
+
+    def _eager_lookup(self, features: KeyedJaggedTensor, training: bool) -> dict[str, JaggedTensor]:
+        """The eager forward (`unpooled_collection_lookup`)."""
         by_key = features_by_key(features, self._feature_names, self._rows_device)
         keys_by_table = [torch.cat([by_key[n].values().detach().to(torch.int64) for n in names])
                          for names in self._feature_names]
         if self.is_meta:  # shape inference only
             outs = [torch.empty((len(k), self._dim), device="meta") for k in keys_by_table]
         else:
-            self._require_optimizer(self.training and torch.is_grad_enabled())
-            outs = unpooled_lookup(self._anchor, self, keys_by_table, self.training)
+            self._require_optimizer(training and torch.is_grad_enabled())
+            outs = unpooled_lookup(self._anchor, self, keys_by_table, training)
         result: dict[str, JaggedTensor] = {}
         for out, names, emb_names in zip(outs, self._feature_names, self._names_by_table):
             start = 0

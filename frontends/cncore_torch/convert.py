@@ -28,10 +28,15 @@ __all__ = ["to_dynamic", "to_fixed", "remap_to_fixed"]
 def to_dynamic(model: nn.Module, *, optimizer, seed: int = 0) -> nn.Module:
     """Replace every TorchRec `EmbeddingBagCollection` / `EmbeddingCollection` in `model` (in
     place; returned for chaining) with ours on the same configs, carrying each existing row over
-    as the row of its ID (row i -> ID i). `optimizer` is the new tables' fused optimizer."""
+    as the row of its ID (row i -> ID i). `optimizer` is the new tables' fused optimizer. Ours
+    (which are TorchRec's collections too) are left as they are."""
+    if isinstance(model, (CNEmbeddingBagCollection, CNEmbeddingCollection)):
+        return model
     if isinstance(model, (EmbeddingBagCollection, EmbeddingCollection)):
         return _convert(model, optimizer, seed)
     for name, child in list(model.named_children()):
+        if isinstance(child, (CNEmbeddingBagCollection, CNEmbeddingCollection)):
+            continue
         if isinstance(child, (EmbeddingBagCollection, EmbeddingCollection)):
             setattr(model, name, _convert(child, optimizer, seed))
         else:

@@ -13,19 +13,57 @@ import functools
 import zlib
 
 import torch
-from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import get_embedding_names_by_table
 
 import cncore
 from cncore_torch.base import store_config
 from cncore_torch.devices import Placement, resolve_device
-from cncore_torch.table_options import per_table_options
+from cncore_torch.table_options import per_table_options, row_dtype_name
 
 __all__ = ["initializer_from_config", "store_configs", "make_stores", "collection_placement", "feature_names_of",
-           "POOLING"]
+           "row_dtype_of", "POOLING", "ROW_DTYPES"]
 
 _MAX_INITIAL_ROWS = 1 << 20
 POOLING = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
+# A config's data_type as the row dtype (docs/row-dtypes.md); the integer types have no rows here.
+ROW_DTYPES = {DataType.FP32: "float32", DataType.FP16: "float16", DataType.BF16: "bfloat16"}
+
+
+def row_dtype_of(config, row_dtype) -> str:
+    """The row dtype of a table: its config's `data_type` (FP32, FP16 or BF16), or `row_dtype`
+    where that is given and the config says FP32 (TorchRec's default). Other data types, and a
+    row_dtype that disagrees with FP16 / BF16, are refused, naming both.
+
+    Args:
+        config: the table's EmbeddingBagConfig / EmbeddingConfig.
+        row_dtype: the collection's `row_dtype` for this table (a string, torch dtype or None).
+
+    Returns:
+        'float32', 'float16' or 'bfloat16'.
+
+    >>> from torchrec import EmbeddingBagConfig
+    >>> from torchrec.types import DataType
+    >>> row_dtype_of(EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=9, data_type=DataType.BF16), None)
+    'bfloat16'
+    >>> row_dtype_of(EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=9, data_type=DataType.INT8), None)
+    Traceback (most recent call last):
+    ...
+    ValueError: table 't': data_type DataType.INT8 is not supported: rows are stored as FP32, FP16 or BF16 (pass one of those; for 8-bit serving, quantize the trained model)
+    """  # noqa: E501 (a doctest's expected error message is one line)
+    data_type = getattr(config, "data_type", DataType.FP32)
+    if data_type not in ROW_DTYPES:
+        raise ValueError(f"table {config.name!r}: data_type DataType.{data_type.name} is not supported: rows are "
+                         "stored as FP32, FP16 or BF16 (pass one of those; for 8-bit serving, quantize the trained "
+                         "model)")
+    wanted = ROW_DTYPES[data_type]
+    if row_dtype is None:
+        return wanted
+    given = row_dtype_name(row_dtype, f"table {config.name!r}: ")
+    if data_type != DataType.FP32 and given != wanted:
+        raise ValueError(f"table {config.name!r}: row_dtype={given!r} disagrees with the config's data_type "
+                         f"DataType.{data_type.name} ({wanted!r}); give one of them")
+    return given
 
 
 def initializer_from_config(config: EmbeddingBagConfig):
@@ -60,7 +98,10 @@ def make_stores(tables, config_type, optimizer, initializers, capacities, seed: 
 def collection_placement(device, what: str) -> Placement:
     """Where the tables live: 'cpu' (the core), 'meta' (no storage until `to_empty`, as DMP
     builds models) or 'cncard' / an accelerator device (rows in device memory, keys indexed by
-    the core on the host; `CNCORE_CNCARD=cpu` runs that path on the CPU)."""
+    the core on the host; `CNCORE_CNCARD=cpu` runs that path on the CPU). device=None inside
+    `with torch.device("meta"):` is 'meta', as for TorchRec's collections."""
+    if device is None and torch.empty(0).is_meta:
+        device = "meta"
     try:
         placement = resolve_device(device)
         if placement.kind == "device":
@@ -99,6 +140,7 @@ def store_configs(tables, config_type, optimizer, initializers, capacities, seed
             raise ValueError(f"table {config.name!r}: num_embeddings must be an int >= 1 (a capacity hint), got {n!r}")
         init = initializers.pop(config.name, None) or initializer_from_config(config)
         fields = per_table[config.name]
+        fields["dtype"] = row_dtype_of(config, _given(options or {}, "row_dtype", config.name))
         capacity = capacities.pop(config.name, min(n, _MAX_INITIAL_ROWS))
         if isinstance(fields["max_rows"], int) and not isinstance(fields["max_rows"], bool) \
                 and 0 < fields["max_rows"] < capacity:
@@ -111,6 +153,12 @@ def store_configs(tables, config_type, optimizer, initializers, capacities, seed
             raise ValueError(f"{name}: no table named {sorted(leftover)}")
     return stores
 
+
+def _given(options: dict, option: str, table: str):
+    """The value of `option` given for `table` (one value for every table, or {table: value}),
+    None where none was."""
+    value = options.get(option)
+    return value.get(table) if isinstance(value, dict) else value
 
 
 def feature_names_of(tables) -> tuple[list[list[str]], list[list[str]]]:

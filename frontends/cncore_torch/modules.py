@@ -32,6 +32,7 @@ from cncore_torch.functional import MODES
 from cncore_torch.optim import FusedOptimizer
 from cncore_torch.state import TableState, export_tensors, is_store_entry, save_evicted_count
 from cncore_torch.table_options import module_options
+from cncore_torch.table_weight import TableWeight
 
 __all__ = ["CNEmbeddingBag", "CNEmbedding"]
 
@@ -240,6 +241,23 @@ class _DynamicTable(TableModule):
         self._require_storage()
         self.storage.reserve(n_rows)
 
+    @property
+    def weight(self) -> TableWeight:
+        """What `nn.EmbeddingBag.weight` tells, without values: a tensor of shape (rows held now,
+        embedding_dim) with the row dtype, on the rows' device ('meta' before materialisation),
+        every operation on whose values raises, naming what reads and writes rows instead
+        (cncore_torch.table_weight). Not a parameter."""
+        rows = 0 if self.storage is None else len(self.storage)
+        return TableWeight(rows, self.embedding_dim, getattr(torch, self.config.dtype), self.placement.device,
+                           type(self).__name__)
+
+    def reset_parameters(self) -> None:
+        """Every row back to its initial value, as `nn.EmbeddingBag.reset_parameters` redraws
+        the weight: the table is emptied (rows, optimizer state, counts), and each ID's row is
+        drawn again from (seed, ID) when it next arrives. On meta there is nothing to reset."""
+        if self.storage is not None:
+            self.storage.clear()
+
     # --- state ----------------------------------------------------------------------------------
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
@@ -268,7 +286,10 @@ class _DynamicTable(TableModule):
         return {prefix: (self.config, self._replace_rows)}
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, rows={self.num_rows}"
+        mode = f", mode={self.mode!r}" if hasattr(self, "mode") else ""
+        dtype = "" if self.config.dtype == "float32" else f", row_dtype={self.config.dtype!r}"
+        rows = "meta" if self.storage is None else len(self.storage)
+        return f"{self.num_embeddings}, {self.embedding_dim}{mode}{dtype}, rows={rows}"
 
 
 class CNEmbeddingBag(_DynamicTable):
