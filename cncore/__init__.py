@@ -30,7 +30,8 @@ from cncore.config import (
 )
 from cncore.factory import make_store
 from cncore.grouped import LookupContext, grouped_apply_gradients, grouped_pooled_lookup
-from cncore.store import EmbeddingStore, TableBatch, initial_rows
+from cncore.rows import TableBatch, initial_rows
+from cncore.store import EmbeddingStore
 from cncore.threads import get_num_threads, set_num_threads, traced_bytes
 
 __version__ = "0.1.0"

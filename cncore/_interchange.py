@@ -101,3 +101,24 @@ def as_output(obj, name: str, shape: tuple) -> np.ndarray:
         raise BufferError(f"{name}: each row must be contiguous with rows not overlapping "
                           f"(strides {arr.strides} for shape {shape})")
     return arr
+
+
+def as_count(value, name: str, low: int, high: int) -> int:
+    """An int argument in [low, high): Python or NumPy integers; bools and floats are refused."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or not low <= int(value) < high:
+        raise ValueError(f"{name} must be an int in [{low}, {high}), got {value!r}")
+    return int(value)
+
+
+def as_uint32(obj, name: str, n: int) -> np.ndarray | None:
+    """An optional (n,) array of values in [0, 2**32) as uint32 (None stays None)."""
+    if obj is None:
+        return None
+    arr = to_numpy(obj, name)
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"{name}: expected an integer array, got {arr.dtype}")
+    if arr.shape != (n,):
+        raise ValueError(f"{name}: expected shape ({n},), got {arr.shape}")
+    if arr.size and (arr.min() < 0 or arr.max() > 2**32 - 1):
+        raise ValueError(f"{name}: values must be in [0, 2**32 - 1]")
+    return np.ascontiguousarray(arr, dtype=np.uint32)

@@ -48,88 +48,33 @@ alone. Every call is atomic with respect to the others; a sequence of calls is n
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from cncore import _core
-from cncore._interchange import as_floats, as_keys, to_numpy
-from cncore.config import LFU, ROW_DTYPES, TTL, MinCount, Probability, StoreConfig, store_config_of
-from cncore.grouped import as_flag, grouped_apply_gradients, pooled_lookup_one, unique_gradients_one
+from cncore._interchange import as_count, as_floats, as_keys, as_uint32
+from cncore.config import (
+    LFU,
+    ROW_DTYPES,
+    TTL,
+    MinCount,
+    Optimizer,
+    Probability,
+    StoreConfig,
+    config_with_optimizer,
+    store_config_of,
+)
+from cncore.grouped import LookupContext, as_flag, grouped_apply_gradients, pooled_lookup_one, unique_gradients_one
+from cncore.rows import TableBatch, initial_rows
+from cncore.store_eviction import EvictionVerbs
 
 __all__ = ["EmbeddingStore", "TableBatch", "initial_rows"]
 
 _STORE_IDS = itertools.count()
-
-
-def config_with_optimizer(config: StoreConfig, optimizer) -> StoreConfig:
-    """`config` with `optimizer`, for a table built without one (`set_optimizer` of every row
-    storage); refused when it has one already (its rows' state would be lost) or for None."""
-    if config.optimizer is not None:
-        raise ValueError(f"optimizer: this table already has {config.optimizer!r}; its rows' optimizer state would "
-                         "be lost (build a new table to change it)")
-    if optimizer is None:
-        raise TypeError("optimizer must be a cncore optimizer (SGD, Adagrad, RowWiseAdagrad, Adam), got None")
-    return dataclasses.replace(config, optimizer=optimizer)  # checks the optimizer
-
-
-def initial_rows(config: StoreConfig, keys) -> np.ndarray:
-    """The rows a store with `config` gives `keys` when it inserts them, without a store: for
-    front ends that keep rows elsewhere (accelerator memory) and the core's index only.
-
-    >>> import numpy as np
-    >>> from cncore import EmbeddingStore, StoreConfig, initial_rows
-    >>> cfg = StoreConfig(dim=3, seed=5)
-    >>> bool((initial_rows(cfg, np.array([9])) == EmbeddingStore(cfg).lookup(np.array([9]), insert_missing=True)).all())
-    True
-    """
-    if not isinstance(config, StoreConfig):
-        raise TypeError(f"config must be a cncore.StoreConfig, got {type(config).__name__}")
-    keys = as_keys(keys)
-    out = np.empty((len(keys), config.dim), dtype=np.float32)
-    if len(keys):
-        _core.init_rows(config.initializer.kind, config.seed, *config.initializer.params(), keys, out)
-    return out
-
-
-@dataclass(frozen=True)
-class TableBatch:
-    """Rows of a store with everything attached to them.
-
-    keys (N,) int64; rows (N, dim) float32; optimizer_state (N, state_floats) float32;
-    counts, last_steps (N,) uint32; found (N,) bool (all True in an export);
-    next_cursor: where an export continues (None when it is finished).
-    """
-    keys: np.ndarray
-    rows: np.ndarray
-    optimizer_state: np.ndarray
-    counts: np.ndarray
-    last_steps: np.ndarray
-    found: np.ndarray
-    next_cursor: tuple | None = None
-
-
-def _count(value, name: str, low: int, high: int) -> int:
-    """An int argument in [low, high): Python or NumPy integers; bools and floats are refused."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or not low <= int(value) < high:
-        raise ValueError(f"{name} must be an int in [{low}, {high}), got {value!r}")
-    return int(value)
-
-
-def _u32(obj, name: str, n: int) -> np.ndarray | None:
-    if obj is None:
-        return None
-    arr = to_numpy(obj, name)
-    if arr.dtype.kind not in "iu":
-        raise TypeError(f"{name}: expected an integer array, got {arr.dtype}")
-    if arr.shape != (n,):
-        raise ValueError(f"{name}: expected shape ({n},), got {arr.shape}")
-    if arr.size and (arr.min() < 0 or arr.max() > 2**32 - 1):
-        raise ValueError(f"{name}: values must be in [0, 2**32 - 1]")
-    return np.ascontiguousarray(arr, dtype=np.uint32)
 
 
 def _restore(config, keys, rows, optimizer_state, counts, last_steps, step, kind=None, evicted_count=0,
@@ -144,7 +89,7 @@ def _restore(config, keys, rows, optimizer_state, counts, last_steps, step, kind
     return store
 
 
-class EmbeddingStore:
+class EmbeddingStore(EvictionVerbs):
     """A growable embedding table in memory. See the module docstring for the verbs.
 
     It keeps its rows in memory only: a config with ``storage=`` is refused (TypeError);
@@ -158,9 +103,13 @@ class EmbeddingStore:
     >>> b = EmbeddingStore(dim=4, seed=1).lookup(np.array([2**63 - 1]), insert_missing=True)
     >>> bool((a == b).all()), len(store)
     (True, 1)
+
+    Args:
+        config (StoreConfig | None): the table's configuration; or give its fields as keywords.
+        **config_fields: `StoreConfig` fields (``dim=`` at least) when `config` is None.
     """
 
-    def __init__(self, config: StoreConfig | None = None, **config_fields):
+    def __init__(self, config: StoreConfig | None = None, **config_fields: Any):
         config = store_config_of(config, config_fields)
         if config.storage is not None:  # refused before anything is made (a tier's directory included)
             cls = type(self)
@@ -226,7 +175,7 @@ class EmbeddingStore:
 
     @step.setter
     def step(self, value: int) -> None:
-        self._table.step = _count(value, "step", 0, 2**63)
+        self._table.step = as_count(value, "step", 0, 2**63)
 
     @property
     def evicted_count(self) -> int:
@@ -237,7 +186,7 @@ class EmbeddingStore:
     @evicted_count.setter
     def evicted_count(self, value) -> None:
         # What a checkpoint restores (table files and torch state_dicts keep the count).
-        self._table.evicted_count = _count(value, "evicted_count", 0, 2**63)
+        self._table.evicted_count = as_count(value, "evicted_count", 0, 2**63)
 
     def __repr__(self) -> str:
         return f"EmbeddingStore(rows={len(self)}, capacity={self.capacity}, config={self._config})"
@@ -254,8 +203,16 @@ class EmbeddingStore:
 
     # --- key verbs -------------------------------------------------------------------------
 
-    def find(self, keys):
+    def find(self, keys: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
         """Slots of keys (-1 where absent) and the found mask. Inserts nothing.
+
+        Args:
+            keys (ArrayLike): (N,) int64 keys (any int64 value; a NumPy array, a DLPack tensor
+                or a sequence of ints).
+
+        Returns:
+            tuple[np.ndarray, np.ndarray]: slots (N,) int64, stable row addresses (-1 where
+            absent), and found (N,) bool.
 
         >>> import numpy as np
         >>> s = EmbeddingStore(dim=2); _ = s.find_or_insert(np.array([5]))
@@ -268,13 +225,38 @@ class EmbeddingStore:
         self._table.find(keys, slots)
         return slots, slots >= 0
 
-    def contains(self, keys) -> np.ndarray:
-        """Boolean mask: which keys are present."""
+    def contains(self, keys: ArrayLike) -> np.ndarray:
+        """Which keys are present.
+
+        Args:
+            keys (ArrayLike): (N,) int64 keys.
+
+        Returns:
+            np.ndarray: (N,) bool, True where the key has a row.
+
+        >>> import numpy as np
+        >>> s = EmbeddingStore(dim=2); _ = s.find_or_insert(np.array([5]))
+        >>> s.contains([5, 6]).tolist()
+        [True, False]
+        """
         return self.find(keys)[1]
 
-    def find_or_insert(self, keys):
+    def find_or_insert(self, keys: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
         """Slots of keys, inserting absent ones with their deterministic initial row.
-        `found` says which keys were present before the call."""
+
+        Args:
+            keys (ArrayLike): (N,) int64 keys; duplicates get one row.
+
+        Returns:
+            tuple[np.ndarray, np.ndarray]: slots (N,) int64 and found (N,) bool, which keys
+            were present before the call.
+
+        >>> import numpy as np
+        >>> s = EmbeddingStore(dim=2)
+        >>> slots, found = s.find_or_insert(np.array([3, 3]))
+        >>> found.tolist(), bool(slots[0] == slots[1]), len(s)
+        ([False, False], True, 1)
+        """
         keys = as_keys(keys)
         slots = np.empty(len(keys), dtype=np.int64)
         found = np.zeros(len(keys), dtype=np.uint8)
@@ -290,30 +272,86 @@ class EmbeddingStore:
             # Checked even when the store keeps no state: (n, 0) (what its export gives) is
             # accepted, anything else is a mismatch the caller should hear about, not lose.
             optimizer_state = as_floats(optimizer_state, "optimizer_state", (n, sf))
-        counts = _u32(counts, "counts", n)
-        last_steps = _u32(last_steps, "last_steps", n)
+        counts = as_uint32(counts, "counts", n)
+        last_steps = as_uint32(last_steps, "last_steps", n)
         found = np.zeros(n, dtype=np.uint8)
         self._writes += 1
         self._table.upsert(keys, rows, optimizer_state, counts, last_steps, found, insert)
         return found.view(bool)
 
-    def insert_or_assign(self, keys, rows, optimizer_state=None) -> np.ndarray:
-        """Write `rows` (N, dim) for keys, inserting absent keys. Without `optimizer_state`,
-        existing rows keep theirs and new rows start from the optimizer's initial state.
-        Returns the found mask (present before the call). Duplicates: the last one wins."""
+    def insert_or_assign(self, keys: ArrayLike, rows: ArrayLike, optimizer_state: ArrayLike | None = None
+                         ) -> np.ndarray:
+        """Write rows for keys, inserting absent keys. Duplicates: the last one wins.
+
+        Args:
+            keys (ArrayLike): (N,) int64 keys.
+            rows (ArrayLike): (N, dim) float32 rows.
+            optimizer_state (ArrayLike | None): (N, state_floats) float32; without it,
+                existing rows keep theirs and new rows start from the optimizer's initial state.
+
+        Returns:
+            np.ndarray: found (N,) bool, which keys were present before the call.
+
+        >>> import numpy as np
+        >>> s = EmbeddingStore(dim=1)
+        >>> s.insert_or_assign([4], np.array([[2.0]], np.float32)).tolist(), s.lookup([4]).tolist()
+        ([False], [[2.0]])
+        """
         return self._upsert(keys, rows, optimizer_state, None, None, insert=True)
 
-    def assign(self, keys, rows, optimizer_state=None) -> np.ndarray:
-        """Write rows for keys that are present; absent keys are left out (found is False)."""
+    def assign(self, keys: ArrayLike, rows: ArrayLike, optimizer_state: ArrayLike | None = None) -> np.ndarray:
+        """Write rows for keys that are present; absent keys are left out.
+
+        Args:
+            keys (ArrayLike): (N,) int64 keys.
+            rows (ArrayLike): (N, dim) float32 rows.
+            optimizer_state (ArrayLike | None): (N, state_floats) float32, or None to keep theirs.
+
+        Returns:
+            np.ndarray: found (N,) bool; the rows of keys not found were not written.
+
+        >>> import numpy as np
+        >>> s = EmbeddingStore(dim=1); _ = s.find_or_insert([1])
+        >>> s.assign([1, 2], np.ones((2, 1), np.float32)).tolist(), len(s)
+        ([True, False], 1)
+        """
         return self._upsert(keys, rows, optimizer_state, None, None, insert=False)
 
-    def load(self, keys, rows, optimizer_state=None, counts=None, last_steps=None) -> np.ndarray:
+    def load(self, keys: ArrayLike, rows: ArrayLike, optimizer_state: ArrayLike | None = None,
+             counts: ArrayLike | None = None, last_steps: ArrayLike | None = None) -> np.ndarray:
         """Import rows with their optimizer state and metadata (the inverse of `export`).
-        Inserts or overwrites; returns the found mask."""
+
+        Args:
+            keys (ArrayLike): (N,) int64 keys; inserted or overwritten.
+            rows (ArrayLike): (N, dim) float32 rows.
+            optimizer_state (ArrayLike | None): (N, state_floats) float32, or None.
+            counts (ArrayLike | None): (N,) access counts in [0, 2**32), or None.
+            last_steps (ArrayLike | None): (N,) last steps in [0, 2**32), or None.
+
+        Returns:
+            np.ndarray: found (N,) bool, which keys were present before the call.
+
+        >>> import numpy as np
+        >>> a = EmbeddingStore(dim=1); _ = a.find_or_insert([8, 9])
+        >>> b = EmbeddingStore(dim=1); e = a.export()
+        >>> b.load(e.keys, e.rows, counts=e.counts, last_steps=e.last_steps).tolist(), len(b)
+        ([False, False], 2)
+        """
         return self._upsert(keys, rows, optimizer_state, counts, last_steps, insert=True)
 
-    def erase(self, keys) -> np.ndarray:
-        """Remove keys; returns a mask of the keys this call removed."""
+    def erase(self, keys: ArrayLike) -> np.ndarray:
+        """Remove keys (the caller's removal: not an eviction, not counted or handed on).
+
+        Args:
+            keys (ArrayLike): (N,) int64 keys.
+
+        Returns:
+            np.ndarray: erased (N,) bool, the keys this call removed.
+
+        >>> s = EmbeddingStore(dim=1); _ = s.find_or_insert([1])
+        >>> s.erase([1, 1, 2]).tolist(), len(s)
+        ([True, False, False], 0)
+        """
         keys = as_keys(keys)
         erased = np.zeros(len(keys), dtype=np.uint8)
         self._table.erase(keys, erased)
@@ -324,18 +362,49 @@ class EmbeddingStore:
         self._table.clear()
 
     def reserve(self, n_rows: int) -> None:
-        """Allocate room for `n_rows` rows in all, so that growing to it allocates nothing."""
-        self._table.reserve(_count(n_rows, "n_rows", 0, 2**63))
+        """Allocate room for `n_rows` rows in all, so that growing to it allocates nothing.
 
-    def lookup(self, keys, *, insert_missing: bool = False) -> np.ndarray:
-        """Rows (N, dim) of keys; absent keys read as zeros, or are inserted first when
-        `insert_missing`. Does not count as a training access."""
+        Args:
+            n_rows (int): rows the store should hold without growing.
+
+        >>> s = EmbeddingStore(dim=1); s.reserve(1000); s.capacity >= 1000
+        True
+        """
+        self._table.reserve(as_count(n_rows, "n_rows", 0, 2**63))
+
+    def lookup(self, keys: ArrayLike, *, insert_missing: bool = False) -> np.ndarray:
+        """Rows of keys. Does not count as a training access.
+
+        Args:
+            keys (ArrayLike): (N,) int64 keys.
+            insert_missing (bool): insert absent keys first (with their initial rows);
+                without it they read as zeros.
+
+        Returns:
+            np.ndarray: (N, dim) float32 rows.
+
+        >>> from cncore import Constant
+        >>> s = EmbeddingStore(dim=1, initializer=Constant(0.5))
+        >>> s.lookup([1]).tolist(), s.lookup([1], insert_missing=True).tolist()
+        ([[0.0]], [[0.5]])
+        """
         if as_flag(insert_missing, "insert_missing"):
             self.find_or_insert(keys)
         return self.read(keys).rows
 
-    def read(self, keys) -> TableBatch:
-        """Rows, optimizer state and metadata of keys (zeros where absent)."""
+    def read(self, keys: ArrayLike) -> TableBatch:
+        """Rows, optimizer state and metadata of keys (zeros where absent).
+
+        Args:
+            keys (ArrayLike): (N,) int64 keys.
+
+        Returns:
+            TableBatch: the keys' rows, optimizer state, counts, last steps and found mask.
+
+        >>> s = EmbeddingStore(dim=1); _ = s.find_or_insert([2])
+        >>> s.read([2, 3]).found.tolist()
+        [True, False]
+        """
         keys = as_keys(keys)
         n = len(keys)
         rows = np.empty((n, self.dim), dtype=np.float32)
@@ -358,6 +427,14 @@ class EmbeddingStore:
         A store that gains or loses keys during a cursor walk raises RuntimeError at the
         next batch rather than skipping or repeating rows.
 
+        Args:
+            cursor (tuple | None): a previous batch's ``next_cursor``, or None to start.
+            max_rows (int | None): rows in this batch at most (None: every row, at once).
+            with_rows (bool): copy rows and optimizer state (False: keys and metadata only).
+
+        Returns:
+            TableBatch: the rows, with ``next_cursor`` None once the walk is finished.
+
         >>> import numpy as np
         >>> s = EmbeddingStore(dim=2); _ = s.find_or_insert(np.arange(5))
         >>> first = s.export(max_rows=3); rest = s.export(first.next_cursor, max_rows=3)
@@ -365,22 +442,34 @@ class EmbeddingStore:
         ([0, 1, 2, 3, 4], None)
         """
         whole = max_rows is None and cursor is None  # every row, atomically (one batch)
-        max_rows = max(len(self), 1) if max_rows is None else _count(max_rows, "max_rows", 1, 2**63)
+        max_rows = max(len(self), 1) if max_rows is None else as_count(max_rows, "max_rows", 1, 2**63)
         if cursor is None:
             position, version = 0, 0
         else:
             if not (isinstance(cursor, tuple) and len(cursor) == 2):
                 raise TypeError("cursor must be the next_cursor of a previous export (a tuple of two ints)")
-            position = _count(cursor[0], "cursor position", 0, 2**63)
-            version = _count(cursor[1], "cursor version", 0, 2**64)
+            position = as_count(cursor[0], "cursor position", 0, 2**63)
+            version = as_count(cursor[1], "cursor version", 0, 2**64)
         nxt, done, version, keys, rows, state, counts, steps = self._table.export(
             position, max_rows, version, as_flag(with_rows, "with_rows"), cursor is None, whole)
         return TableBatch(keys, rows, state, counts, steps, np.ones(len(keys), dtype=bool),
                           None if done else (nxt, version))
 
     def iter_export(self, batch_size: int = 65536, *, with_rows: bool = True) -> Iterator[TableBatch]:
-        """Export in batches of at most `batch_size` rows (checked now, not at the first batch)."""
-        batch_size = _count(batch_size, "batch_size", 1, 2**63)
+        """Export in batches (a cursor walk, as `export` documents).
+
+        Args:
+            batch_size (int): rows a batch at most (checked now, not at the first batch).
+            with_rows (bool): copy rows and optimizer state (False: keys and metadata only).
+
+        Returns:
+            Iterator[TableBatch]: the batches, every row once.
+
+        >>> s = EmbeddingStore(dim=1); _ = s.find_or_insert(np.arange(5))
+        >>> [len(b.keys) for b in s.iter_export(2)]
+        [2, 2, 1]
+        """
+        batch_size = as_count(batch_size, "batch_size", 1, 2**63)
 
         def batches():
             batch = self.export(None, batch_size, with_rows=with_rows)
@@ -392,18 +481,29 @@ class EmbeddingStore:
 
     # --- pooled lookup and training -----------------------------------------------------------
 
-    def pooled_lookup(self, keys, offsets=None, *, lengths=None, mode: str = "sum", per_sample_weights=None,
-                      insert_missing: bool = True, out=None):
-        """Pool the rows of each bag: returns ``(out, ctx)``, out of shape (B, dim).
+    def pooled_lookup(self, keys: ArrayLike, offsets: ArrayLike | None = None, *, lengths: ArrayLike | None = None,
+                      mode: str = "sum", per_sample_weights: ArrayLike | None = None, insert_missing: bool = True,
+                      out: np.ndarray | None = None) -> tuple[np.ndarray, LookupContext]:
+        """Pool the rows of each bag.
 
-        Bags are given by `offsets` (B+1 entries, the last one len(keys): TorchRec's and
-        ``include_last_offset=True`` convention; empty bags allowed) or by `lengths` (B).
-        mode: "sum", "mean" or "max" (empty bags give zeros). per_sample_weights (N,) float32
-        scale each row (sum and mean). Training (`insert_missing=True`) inserts unseen keys;
-        evaluation (`False`) reads unseen keys as zero rows and changes nothing. `ctx` is what
-        `apply_gradients` / `accumulate_gradients` need; they also record the accesses of a
-        training lookup in the rows' metadata (count += occurrences, last step = the step of
-        this lookup), once per distinct row rather than once per ID in the forward.
+        `apply_gradients` / `accumulate_gradients` take the context; they also record the
+        accesses of a training lookup in the rows' metadata (count += occurrences, last step =
+        the step of this lookup), once per distinct row rather than once per ID.
+
+        Args:
+            keys (ArrayLike): (N,) int64 keys of every bag, bag after bag.
+            offsets (ArrayLike | None): (B + 1,) bag starts, the last one N (TorchRec's and
+                ``include_last_offset=True`` convention; empty bags allowed); or give `lengths`.
+            lengths (ArrayLike | None): (B,) keys per bag, instead of `offsets`.
+            mode (str): "sum", "mean" or "max" (empty bags give zeros).
+            per_sample_weights (ArrayLike | None): (N,) float32 scaling each row (sum and mean).
+            insert_missing (bool): training (True) inserts unseen keys; evaluation (False)
+                reads them as zero rows and changes nothing.
+            out (np.ndarray | None): a (B, dim) float32 array to write into.
+
+        Returns:
+            tuple[np.ndarray, LookupContext]: the pooled rows (B, dim) float32, and what the
+            backward needs.
 
         >>> import numpy as np
         >>> from cncore import EmbeddingStore, Constant
@@ -417,16 +517,34 @@ class EmbeddingStore:
         # after a model's dense layers).
         return pooled_lookup_one(self, keys, offsets, lengths, mode, per_sample_weights, insert_missing, out)
 
-    def apply_gradients(self, ctx, grad_output, *, lr: float | None = None) -> None:
-        """Fused backward: given d(loss)/d(out) (B, dim), update every row the lookup used
-        (and its optimizer state) in place, with the configured optimizer (`lr` overrides
-        its learning rate for this step). Advances `step` by one."""
+    def apply_gradients(self, ctx: LookupContext, grad_output: ArrayLike, *, lr: float | None = None) -> None:
+        """Fused backward: update every row the lookup used, and its optimizer state, in
+        place with the configured optimizer. Advances `step` by one.
+
+        Args:
+            ctx (LookupContext): what `pooled_lookup` returned.
+            grad_output (ArrayLike): (B, dim) float32, d(loss)/d(out).
+            lr (float | None): this step's learning rate (None: the optimizer's own).
+
+        >>> import numpy as np, cncore
+        >>> s = EmbeddingStore(dim=1, optimizer=cncore.SGD(lr=0.5), initializer=cncore.Constant(1.0))
+        >>> _, ctx = s.pooled_lookup([7], lengths=[1])
+        >>> s.apply_gradients(ctx, np.ones((1, 1), np.float32)); s.lookup([7]).tolist(), s.step
+        ([[0.5]], 1)
+        """
         grouped_apply_gradients([ctx], grad_output, lr=lr, stores=[self])
 
-    def accumulate_gradients(self, ctx, grad_output):
-        """Non-fused backward: ``(unique_keys, grads)``, the gradient of each distinct row
-        the lookup used (first-occurrence order), for callers that update rows themselves.
-        Records a training lookup's accesses, as `apply_gradients` does.
+    def accumulate_gradients(self, ctx: LookupContext, grad_output: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
+        """Non-fused backward, for callers that update rows themselves. Records a training
+        lookup's accesses, as `apply_gradients` does.
+
+        Args:
+            ctx (LookupContext): what `pooled_lookup` returned.
+            grad_output (ArrayLike): (B, dim) float32, d(loss)/d(out).
+
+        Returns:
+            tuple[np.ndarray, np.ndarray]: the distinct keys (U,) int64 in first-occurrence
+            order, and their gradients (U, dim) float32.
 
         >>> import numpy as np
         >>> s = EmbeddingStore(dim=1)
@@ -437,13 +555,16 @@ class EmbeddingStore:
         """
         return unique_gradients_one(self, ctx, grad_output)
 
-    def set_optimizer(self, optimizer) -> None:
+    def set_optimizer(self, optimizer: Optimizer) -> None:
         """Give a store built without an optimizer its fused optimizer (a cncore optimizer
         config). Rows, counts, last steps, the step, the eviction count, the admission
         sketch's counters and the on_evict callbacks stay; each row starts from the optimizer's
         initial state, as a row loaded without state does. For front ends that
         learn the optimizer after building the table (TorchRec's apply_optimizer_in_backward);
         call it between steps, never beside another call on the store.
+
+        Args:
+            optimizer (Optimizer): a cncore optimizer config (SGD, Adagrad, RowWiseAdagrad, Adam).
 
         >>> import numpy as np, cncore
         >>> s = cncore.EmbeddingStore(dim=2); _ = s.find_or_insert(np.array([7]))
@@ -463,95 +584,3 @@ class EmbeddingStore:
         if self._evict_callbacks:
             self._table.evict_sink = self._deliver
         self._writes += 1
-
-    # --- bounded tables: eviction --------------------------------------------------------------
-
-    def on_evict(self, callback) -> None:
-        """Register `callback(batch)`: it receives a `TableBatch` of every eviction's rows
-        (keys, rows, optimizer state, counts, last steps; lowest (score, key) first, or the
-        export order for evict_if), called after the evicting call has released the store's lock, in the thread
-        that made the call. Callbacks run in registration order, each with every evicted row;
-        when one raises, the others still run, and the first error then propagates out of the
-        call that evicted (the eviction has happened; later errors are attached to it as
-        notes). Without callbacks evicted rows are dropped, and still counted.
-
-        >>> import numpy as np, cncore
-        >>> s = cncore.EmbeddingStore(dim=1, max_rows=2, eviction=cncore.LRU(), headroom=0)
-        >>> sink = []
-        >>> s.on_evict(sink.append)
-        >>> _ = s.find_or_insert(np.array([5, 3])); _ = s.find_or_insert(np.array([9]))
-        >>> sink[0].keys.tolist(), sorted(s.export().keys.tolist()), s.evicted_count
-        ([3], [5, 9], 1)
-        """
-        if not callable(callback):
-            raise TypeError(f"callback must be callable, got {type(callback).__name__}")
-        self._evict_callbacks.append(callback)
-        self._table.evict_sink = self._deliver
-
-    def _deliver(self, keys, rows, state, counts, last_steps) -> None:
-        batch = TableBatch(keys, rows, state, counts, last_steps, np.ones(len(keys), dtype=bool))
-        errors = []
-        for callback in list(self._evict_callbacks):
-            try:
-                callback(batch)
-            except BaseException as e:  # the other callbacks still get the rows
-                errors.append(e)
-        if errors:
-            _core.raise_first(errors)
-
-    def decay_admission(self) -> None:
-        """Halve every counter of the admission sketch (MinCount), so that old sightings fade."""
-        if self._config.admission is None:
-            raise TypeError("decay_admission: this store has no admission policy (StoreConfig.admission=None)")
-        if not isinstance(self._config.admission, MinCount):
-            raise TypeError(f"decay_admission: only MinCount admission counts sightings; this store's admission is "
-                            f"{self._config.admission!r}")
-        self._table.decay_admission()
-
-    def _require_policy(self, verb: str):
-        if self._config.eviction is None:
-            raise TypeError(f"{verb}: this store has no eviction policy (StoreConfig.eviction=None)")
-
-    def evict(self, n: int) -> int:
-        """Evict the `n` lowest-scoring rows now (all of them if n >= len); returns how many.
-
-        >>> import numpy as np, cncore
-        >>> s = cncore.EmbeddingStore(dim=1, eviction=cncore.LFU())
-        >>> _ = s.find_or_insert(np.array([4, -2, 7]))
-        >>> s.evict(2), s.export().keys.tolist()
-        (2, [7])
-        """
-        self._require_policy("evict")
-        return self._table.evict(_count(n, "n", 0, 2**63))
-
-    def evict_expired(self) -> int:
-        """TTL: evict every row with ``step - last_step > ttl``; returns how many."""
-        if not isinstance(self._config.eviction, TTL):
-            raise TypeError("evict_expired: this store's eviction policy is not TTL(steps)")
-        return self._table.evict_expired()
-
-    def evict_if(self, predicate, *, batch_size: int = 65536) -> int:
-        """Evict the rows `predicate` chooses: it is called with each `TableBatch` of an export
-        (keys, rows, state, counts, last steps) and returns a bool mask over the batch; the
-        chosen keys are then evicted (handed to the on_evict callbacks, counted). The export
-        runs first and the eviction after it (HierarchicalKV's erase_if): call it between
-        steps. Returns how many rows were evicted.
-
-        >>> import numpy as np, cncore
-        >>> s = cncore.EmbeddingStore(dim=1, eviction=cncore.LRU())
-        >>> _ = s.find_or_insert(np.arange(6))
-        >>> s.evict_if(lambda b: b.keys % 2 == 1), sorted(s.export().keys.tolist())
-        (3, [0, 2, 4])
-        """
-        self._require_policy("evict_if")
-        if not callable(predicate):
-            raise TypeError(f"predicate must be callable, got {type(predicate).__name__}")
-        chosen = []
-        for batch in self.iter_export(batch_size):
-            mask = np.asarray(predicate(batch))
-            if mask.dtype != bool or mask.shape != batch.keys.shape:
-                raise ValueError(f"predicate must return a bool mask of shape {batch.keys.shape}, got "
-                                 f"{mask.dtype} {mask.shape}; nothing was evicted")
-            chosen.append(batch.keys[mask])
-        keys = np.concatenate(chosen) if chosen else np.empty(0, dtype=np.int64)
-        return self._table.evict_keys(np.ascontiguousarray(keys, dtype=np.int64))

@@ -8,6 +8,7 @@ import os
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Literal, overload
 
 import numpy as np
 
@@ -16,7 +17,7 @@ from cncore.fileio import TableFormatError
 from cncore.row_codec import decode_rows
 from cncore.tablefile.format import _VERSION, ARRAYS, MAX_CHAIN, _check_manifest, _sha256_fd
 from cncore.tablefile_lookup import file_lookup, file_pooled_lookup
-from cncore.tier import is_tier_directory, open_tier
+from cncore.tier import TierFile, is_tier_directory, open_tier
 
 
 def open_table_rows(path: str, version: str) -> int:
@@ -71,6 +72,10 @@ def chain_length(path: str, verify: bool = False) -> int:
     return len(_open_chain(path, verify)) - 1
 
 
+@overload
+def _read_current(path: str, missing_ok: Literal[False] = ..., must_parse: Literal[True] = ...) -> str: ...
+@overload
+def _read_current(path: str, missing_ok: bool = ..., must_parse: bool = ...) -> str | None: ...
 def _read_current(path: str, missing_ok: bool = False, must_parse: bool = True) -> str | None:
     """The version CURRENT names (None if there is no CURRENT and `missing_ok`); a damaged
     CURRENT raises, or gives None when not `must_parse` (a save then replaces it)."""
@@ -163,7 +168,7 @@ class TableFile:
         out = np.empty((max(stop - start, 0),) + mapped.shape[1:], dtype=mapped.dtype)
         if out.nbytes:
             row_bytes = out.nbytes // len(out)
-            view, offset = memoryview(out.reshape(-1)).cast("B"), mapped.offset + start * row_bytes
+            view, offset = out.reshape(-1).data.cast("B"), mapped.offset + start * row_bytes
             fd = self._file(name).fileno()
             while len(view):
                 got = os.preadv(fd, [view], offset)
@@ -334,7 +339,8 @@ def _manifest_sha256(path: str, version: str) -> str:
 def _check_link(path: str, child: TableFile, parent: TableFile) -> None:
     """`child` (a delta) was written over exactly `parent`, under the name it is read by.
     A delta written before deltas recorded these has nothing to check."""
-    name, digest = child.delta.get("name"), child.delta.get("parent_sha256")
+    delta = child.delta or {}
+    name, digest = delta.get("name"), delta.get("parent_sha256")
     if name is not None and name != child.version:
         raise TableFormatError(f"{path}: {child.version}/manifest.json was written as {name}: the chain's versions "
                                f"were renamed, so its links no longer follow one save after another; restore the "
@@ -391,7 +397,7 @@ def chain_versions(path: str, head: str | None = None) -> tuple[str, ...]:
     return tuple(link.version for link in _open_chain(path, verify=False, head=head))
 
 
-def open_table(path: str, verify: bool = True) -> TableFile:
+def open_table(path: str, verify: bool = True) -> TableFile | TierFile:
     """Open a table directory read-only, every field checked (see the module docstring);
     with `verify`, every array's SHA-256 and the keys' uniqueness too.
 

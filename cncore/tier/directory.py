@@ -199,7 +199,8 @@ class WriterLock:
             os.close(fd)
             raise OSError(exc.errno, f"Tiered.path: {directory} cannot be locked for one writer "
                                      f"({exc.strerror}); give a directory on a local file system") from None
-        self.directory, self.fd, self.owner, self._pid_written = directory, fd, os.getpid(), False
+        self.directory, self.owner, self._pid_written = directory, os.getpid(), False
+        self.fd: int | None = fd
 
     @property
     def held(self) -> bool:

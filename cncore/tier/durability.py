@@ -9,7 +9,7 @@ import numpy as np
 
 from cncore import _core
 from cncore.fileio import TableFormatError, fsync_dir
-from cncore.store import TableBatch
+from cncore.rows import TableBatch
 from cncore.tier import heap
 from cncore.tier.background import _locked
 from cncore.tier.directory import _CHUNK, _FORMAT, _config_record, _meta_digest, _sha256_file, read_flushed

@@ -49,7 +49,8 @@ class TierFile:
     delta = None  # never a chain
 
     def __init__(self, path: str, verify: bool = True):
-        self.path, self._fd, error = path, None, None
+        self.path, error = path, None
+        self._fd: int | None = None
         for _ in range(_OPEN_TRIES):
             try:  # held open: while it is, its inode is meta.json's exactly when no flush replaced it
                 meta_fd = os.open(os.path.join(path, "meta.json"), os.O_RDONLY)
@@ -109,12 +110,12 @@ class TierFile:
         if len(self._slots) and (self._slots[0] < 0 or (np.diff(self._slots) == 0).any()):
             raise TableFormatError(f"{path}: the index gives a negative or repeated slot; the tier is damaged")
         try:
-            self._fd = os.open(os.path.join(path, "rows.dat"), os.O_RDONLY)
+            self._fd = fd = os.open(os.path.join(path, "rows.dat"), os.O_RDONLY)
         except FileNotFoundError:
             raise TableFormatError(f"{path}: rows.dat is missing (meta.json names {len(self.keys)} rows in it); "
                                    "the tier is damaged") from None
         end = records_end(self._slots, self._record.itemsize, self._per_page)
-        size = os.fstat(self._fd).st_size
+        size = os.fstat(fd).st_size
         if size < end:
             raise TableFormatError(f"{path}: rows.dat has {size} bytes, the index needs {end} (truncated)")
 
@@ -135,10 +136,17 @@ class TierFile:
         """Bytes of rows.dat and the index on disk."""
         self._check_current()
         try:
-            return os.fstat(self._fd).st_size + os.path.getsize(os.path.join(self.path, self.version))
+            return os.fstat(self._rows_fd).st_size + os.path.getsize(os.path.join(self.path, self.version))
         except FileNotFoundError:  # removed by a flush after the check above
             self._check_current()
             raise
+
+    @property
+    def _rows_fd(self) -> int:
+        """The open rows.dat (set by a successful open: every other method runs after one)."""
+        if self._fd is None:
+            raise RuntimeError(f"{self.path}: read before the tier was opened")
+        return self._fd
 
     def _records(self, at: np.ndarray) -> np.ndarray:
         """The records of row numbers `at`, checked against the index's keys."""
@@ -147,7 +155,8 @@ class TierFile:
         if len(slots):
             raw = buf.view(np.uint8).reshape(len(slots), -1)
             try:
-                _core.block_io(self._fd, record_offsets(slots, self._record.itemsize, self._per_page), raw, False, 4)
+                offsets = record_offsets(slots, self._record.itemsize, self._per_page)
+                _core.block_io(self._rows_fd, offsets, raw, False, 4)
             except OSError as exc:
                 self._check_current()
                 raise TableFormatError(f"{self.path}: rows.dat cannot be read ({exc.strerror}): truncated or damaged "
@@ -167,7 +176,7 @@ class TierFile:
             elif name == "rows":
                 out[name] = rows_of(rec, self.config.dtype)
             elif name == "optimizer_state":
-                out[name] = (np.ascontiguousarray(rec["state"]) if "state" in rec.dtype.names
+                out[name] = (np.ascontiguousarray(rec["state"]) if "state" in (rec.dtype.names or ())
                              else np.empty((len(rec), 0), np.float32))
             elif name == "counts":
                 out[name] = rec["count"].copy()

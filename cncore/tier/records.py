@@ -2,6 +2,8 @@
 cached row takes."""
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 
 from cncore import _core
@@ -51,8 +53,11 @@ def record_layout(config: StoreConfig, version: int = _VERSION):
     rec = -(-(packed.itemsize + 4 * check) // 8) * 8
     if rec > _PAGE:
         rec = -(-rec // _PAGE) * _PAGE   # a record of its own pages
-    names, formats = list(packed.names), [packed.fields[n][0] for n in packed.names]
-    offsets = [packed.fields[n][1] for n in packed.names]
+    packed_names: tuple[str, ...] = packed.names or ()
+    packed_fields: Mapping[str, tuple] = packed.fields or {}
+    names = list(packed_names)
+    formats = [packed_fields[n][0] for n in packed_names]
+    offsets = [packed_fields[n][1] for n in packed_names]
     if check:
         names, formats, offsets = names + ["check"], formats + ["<u4"], offsets + [rec - 4]
     record = np.dtype({"names": names, "formats": formats, "offsets": offsets, "itemsize": rec})
@@ -61,7 +66,8 @@ def record_layout(config: StoreConfig, version: int = _VERSION):
 
 def check_offset(record: np.dtype) -> int:
     """Where a record of this layout holds its checksum (0: none, before version 4)."""
-    return record.fields["check"][1] if "check" in record.names else 0
+    fields: Mapping[str, tuple] = record.fields or {}
+    return fields["check"][1] if "check" in fields else 0
 
 
 def rows_of(rec: np.ndarray, dtype: str) -> np.ndarray:

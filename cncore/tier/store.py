@@ -11,10 +11,11 @@ from collections.abc import Iterator
 import numpy as np
 
 from cncore import _core
-from cncore._interchange import as_floats, as_keys
+from cncore._interchange import as_floats, as_keys, as_uint32
 from cncore.config import LRU, ROW_DTYPES, StoreConfig, Tiered, store_config_of
 from cncore.grouped import as_flag, grouped_apply_gradients, pooled_lookup_one, unique_gradients_one
-from cncore.store import EmbeddingStore, TableBatch, _u32
+from cncore.rows import TableBatch
+from cncore.store import EmbeddingStore
 from cncore.tier import heap, records
 from cncore.tier.background import _OPEN_STORES, _locked
 from cncore.tier.directory import WriterLock, _open_rows, check_directory
@@ -50,13 +51,15 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, Durability):
             raise ValueError("max_rows: a tiered table keeps every row (on disk); its memory is bounded by "
                              "Tiered.cache_bytes instead")
         self._tier_config = config
+        self._cache_bytes = storage.cache_bytes
         self._lock = threading.RLock()  # the tiers' state: cache membership, disk index, slots, file
         # Why every verb is refused (closed, or inherited by a forked child), or None; set while
         # the store is being built, so that a half-built store refuses too.
-        self._unusable = "the store is not open (its construction failed)"
+        self._unusable: str | None = "the store is not open (its construction failed)"
         self._fd = None  # rows.dat
         self._writer_lock = None  # the directory's (WriterLock), from the open to close()
         self._prefetch = PrefetchState()  # the prefetch under way and what it left for the next call
+        self._spare: np.ndarray | None = None  # a record buffer kept for the next read (_keep_spare)
         self._erases: EraseBehind | None = None  # disk-index erases left to the background thread
         self._erase_behind_at = _ERASE_BEHIND_AT  # (tests set it to 1)
         self._find_on_disk_here = _FIND_ON_DISK_HERE  # (tests set it to 0)
@@ -147,6 +150,13 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, Durability):
                 f["count"][1], f["last_step"][1], f["row"][1], f["state"][1] if "state" in f else 0,
                 check_offset(r))
 
+    @property
+    def _open_erases(self) -> EraseBehind:
+        """The disk-index erases of an open store (every verb runs on an open one: _locked)."""
+        if self._erases is None:
+            raise RuntimeError("the tiered store is not open")
+        return self._erases
+
     def _offsets(self, slots: np.ndarray) -> np.ndarray:
         return record_offsets(slots, self._record.itemsize, self._per_page)
 
@@ -155,13 +165,13 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, Durability):
         every step of a Zipf run), if it is at most 1/32 of the cache."""
         base = rec if rec.base is None else rec.base
         if isinstance(base, np.ndarray) and base.dtype == self._record and base.ndim == 1 \
-                and base.nbytes <= self._tier_config.storage.cache_bytes // 32:
+                and base.nbytes <= self._cache_bytes // 32:
             self._spare = base
 
     def _buffer(self, n: int) -> np.ndarray:
         """n records' room: the spare buffer of the last fault-in if large enough (every byte is
         then read from the file), else a new one."""
-        spare, self._spare = getattr(self, "_spare", None), None
+        spare, self._spare = self._spare, None
         if spare is not None and len(spare) >= n and spare.dtype == self._record:
             return spare[:n]
         return np.zeros(n, self._record)
@@ -260,7 +270,7 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, Durability):
         distinct = len(np.unique(keys))
         if distinct > self.cache_rows:
             raise ValueError(f"keys: this call uses {distinct} distinct keys, more than the cache's "
-                             f"{self.cache_rows} rows (Tiered.cache_bytes={self._tier_config.storage.cache_bytes}); "
+                             f"{self.cache_rows} rows (Tiered.cache_bytes={self._cache_bytes}); "
                              "give a larger cache_bytes or smaller batches. The table is unchanged")
 
     # --- the verbs of a store ------------------------------------------------------------------
@@ -335,7 +345,7 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, Durability):
         round of a fault-in's loads (its keys leave the disk index after they are loaded, and
         the rows evicted to make their room are indexed on disk before that), plus two rounds
         whose erase is left to the background thread and may not have run yet (EraseBehind)."""
-        low_water = self.cache_rows - self.cache.config.headroom  # the cache's own config
+        low_water = self.cache_rows - (self.cache.config.headroom or 0)  # the cache's own config
         return max(0, int(rows) - low_water + 3 * self._evict_chunk)
 
     @property
@@ -350,7 +360,7 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, Durability):
 
     @_locked
     def __len__(self) -> int:
-        self._erases.settle()
+        self._open_erases.settle()
         return len(self.cache) + len(self._disk)
 
     def __reduce__(self):
@@ -397,7 +407,7 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, Durability):
         rows = as_floats(rows, "rows", (n, self.dim))
         if optimizer_state is not None:
             optimizer_state = as_floats(optimizer_state, "optimizer_state", (n, self._tier_config.state_floats))
-        counts, last_steps = _u32(counts, "counts", n), _u32(last_steps, "last_steps", n)
+        counts, last_steps = as_uint32(counts, "counts", n), as_uint32(last_steps, "last_steps", n)
         # As in memory, `found` says which keys had a row before the call: a key given twice
         # (in two chunks) is not found the second time because the first chunk loaded it.
         found = self.contains(keys)
@@ -409,7 +419,7 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, Durability):
 
     @_locked
     def erase(self, keys) -> np.ndarray:
-        self._erases.settle()
+        self._open_erases.settle()
         erased = self.cache.erase(keys)
         arr = as_keys(keys)
         on_disk = self._disk.find(arr) >= 0
@@ -423,7 +433,7 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, Durability):
 
     @_locked
     def clear(self) -> None:
-        self._erases.settle()
+        self._open_erases.settle()
         self.cache.clear()
         self._disk.clear()
 
@@ -453,8 +463,7 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, Durability):
         step = max(1, self.cache_rows // 2)
         if len(keys) > step:
             parts = [self.read(keys[a:a + step]) for a in range(0, len(keys), step)]
-            return TableBatch(*(np.concatenate([getattr(p, f) for p in parts]) for f in
-                                ("keys", "rows", "optimizer_state", "counts", "last_steps", "found")))
+            return TableBatch.concat(parts)
         self._fault_in(keys, insert=False)
         return self.cache.read(keys)
 
@@ -473,8 +482,7 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, Durability):
         parts = list(self.iter_export(1 << 18, with_rows=with_rows))
         if not parts:
             return self.cache.export(with_rows=with_rows)
-        return TableBatch(*(np.concatenate([getattr(p, f) for p in parts]) for f in
-                            ("keys", "rows", "optimizer_state", "counts", "last_steps", "found")))
+        return TableBatch.concat(parts)
 
     def iter_export(self, batch_size: int = 65536, *, with_rows: bool = True) -> Iterator[TableBatch]:
         """Every row, a batch at a time: the cache's, then the disk's (each record checked)."""
@@ -483,7 +491,7 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, Durability):
 
     def _iter_export(self, batch_size: int, with_rows: bool) -> Iterator[TableBatch]:
         yield from self._cache_batches(batch_size, with_rows)
-        self._erases.settle()
+        self._open_erases.settle()
         sf = self._tier_config.state_floats
         for disk_keys, disk_slots in self._disk.items(batch_size):
             rec = self._read(disk_slots)
@@ -523,8 +531,9 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, Durability):
         if getattr(self, "_spills", None) is not None:
             self._spills.forget()
         self._prefetch = PrefetchState()
-        if getattr(self, "_erases", None) is not None:
-            self._erases.forget()
+        erases = getattr(self, "_erases", None)
+        if erases is not None:
+            erases.forget()
 
     def close(self) -> None:
         """Close the file (without flushing) and give the directory's writer lock back; every
@@ -539,8 +548,9 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, Durability):
                 return  # closed, never opened, or a forked child's copy (_disown)
             if getattr(self, "_prefetch", None) is not None and self._prefetch.future is not None:
                 self._wait_prefetch()
-            if getattr(self, "_erases", None) is not None and self._erases.outstanding:
-                self._erases.settle()
+            erases = getattr(self, "_erases", None)
+            if erases is not None and erases.outstanding:
+                erases.settle()
             if getattr(self, "_spills", None) is not None and self._spills.pending:
                 self._wait_writes()
             heap._HEAP_TRIM.discard(self)  # its share of the trigger (_HeapTrim) goes with it

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import os
 import re
+from typing import Any
 
 import torch
 
@@ -133,7 +134,7 @@ class TableChains:
         os.makedirs(os.path.join(self.directory, TABLES), exist_ok=True)
         if self.committed is None:
             self.committed = self._read_committed(list(stores))
-        versions = {}
+        versions: dict[str, str | None] = {}
         for name, store in stores.items():
             path = self.table_path(name)
             self.last[name] = save_table(store, path, since=self.last.get(name),
@@ -142,11 +143,11 @@ class TableChains:
             self.deltas += self.last[name].delta
         steps = {name: store.step for name, store in stores.items()}
         # table files do not hold the eviction counter: it travels here (per shard on W processes)
-        evicted = {name: int(store.evicted_count) for name, store in stores.items()}
+        evicted: dict[str, Any] = {name: int(store.evicted_count) for name, store in stores.items()}
         state = model.state_dict()  # (under DMP: a collective, so before rank 0 goes its own way)
         if self.world_size > 1:
             import torch.distributed as dist
-            ranks = [None] * self.world_size
+            ranks: list[Any] = [None] * self.world_size
             dist.all_gather_object(ranks, (steps, evicted, versions))  # also the barrier: every shard is saved
             evicted = {name: [r[1][name] for r in ranks] for name in evicted}
             # Rank 0 writes dense.pt next; the others reach their next save only through the
@@ -155,7 +156,7 @@ class TableChains:
             if self.rank != 0:
                 self.saves += 1
                 return
-            all_versions = {name: [r[2][name] for r in ranks] for name in versions}
+            all_versions: dict[str, Any] = {name: [r[2][name] for r in ranks] for name in versions}
         else:
             all_versions = versions
         for prefix in table_prefixes(state):

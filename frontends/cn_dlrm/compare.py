@@ -16,6 +16,7 @@ from torchrec.optim import RowWiseAdagrad as TorchRecRowWiseAdagrad
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from cn_dlrm.data import SPARSE_KEYS
+from cn_dlrm.options import InputError
 from cn_dlrm.train import Data, Run, build_dlrm, table_configs, used_bytes
 from cncore_torch.collection import CNEmbeddingBagCollection
 
@@ -55,6 +56,9 @@ def hashed_run(args, rows: list[int]) -> Run:
 def collision_free_remap(args, data: Data):
     """(table sizes, remap): every ID the synthetic run can meet mapped to 0..N-1 beforehand."""
     gen = data.synthetic
+    if gen is None:
+        raise InputError("--compare's collision-free tables need the synthetic stream's item counts; "
+                         "with --criteo-tsv only the hashed comparison runs")
     n_items = gen.items_by_batch(args.steps + args.eval_batches)
     sorted_ids, order = [], []
     for f, n in enumerate(n_items):

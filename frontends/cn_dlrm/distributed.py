@@ -26,6 +26,7 @@ import os
 import time
 import warnings
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -108,7 +109,8 @@ class DistributedRun:
         # TTL tables drop their expired rows after every step (train.py does it for one process)
         self.ttl = sharded is not None and any(isinstance(s.config.eviction, cncore.TTL)
                                                for s in sharded.stores.values())
-        self.chains = None  # --incremental-checkpoint-every: this rank's table chains (see `keep_chains`)
+        # --incremental-checkpoint-every: this rank's table chains (see `keep_chains`)
+        self.chains: TableChains | None = None
         self.at = 0  # the step reached
         self.seen, self.saving_s = 0, 0.0  # samples trained here, seconds spent saving chains inside `step`
 
@@ -117,6 +119,8 @@ class DistributedRun:
         self.chains, self.at, self._args = TableChains(directory, every, self.rank, self.world_size), start, args
 
     def save_chains(self) -> None:
+        if self.chains is None:
+            raise RuntimeError("save_chains: no table chains kept (keep_chains was not called)")
         t0 = time.perf_counter()
         with job.writing("--checkpoint", self._args.checkpoint):
             self.chains.save(self.model, self.optimizers, self.sharded.stores, self.at, {"args": vars(self._args)})
@@ -161,7 +165,7 @@ class DistributedRun:
             mine = self._share(b)
             scores.append(self.model(mine.dense, mine.sparse).squeeze(1))
             labels.append(mine.labels)
-        gathered = [None] * self.world_size
+        gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, (torch.cat(scores), torch.cat(labels)))
         logits = torch.cat([g[0] for g in gathered])
         y = torch.cat([g[1] for g in gathered])
@@ -201,7 +205,8 @@ def _summed_evictions(stores) -> dict:
     names = sorted(stores)
     fields = ("rows_per_table", "evicted_per_table", "max_rows_per_table")
     totals = _all_sum([float(mine[f][n] or 0) for f in fields for n in names])
-    out = {f: {n: int(totals[i * len(names) + j]) for j, n in enumerate(names)} for i, f in enumerate(fields)}
+    out: dict[str, Any] = {f: {n: int(totals[i * len(names) + j]) for j, n in enumerate(names)}
+                           for i, f in enumerate(fields)}
     out["evicted"] = float(sum(out["evicted_per_table"].values()))
     return out
 
@@ -281,9 +286,9 @@ def _worker(rank: int, world_size: int, args) -> None:
     quiet = contextlib.redirect_stdout(io.StringIO()) if rank != 0 else contextlib.nullcontext()
     with quiet:
         state = job.load_checkpoint(args.resume, args) if args.resume else None
-        data = job.Data(args)
-        if args.criteo_tsv:  # each rank parses its share of the training lines (the held-out ones: all)
-            data.train = lambda start: rank_batches(args, start, rank, world_size)
+        # With a Criteo file, each rank parses its share of the training lines (the held-out ones: all).
+        data = job.Data(args, train_batches=(lambda start: rank_batches(args, start, rank, world_size))
+                        if args.criteo_tsv else None)
         run = distributed_run(args, data, rank, world_size)
         start = 0
         if state is not None:  # any number of processes wrote it: each rank keeps the keys it owns

@@ -45,6 +45,8 @@ def one_process(args) -> int:
     data = train.Data(args)
     ours = train.dynamic_run(args, data)
     if getattr(args, "prefill", False):
+        if data.synthetic is None:
+            raise InputError("--prefill fills the tables with the synthetic stream's items; not with --criteo-tsv")
         began = time.perf_counter()
         rows = train.prefill_tables(ours.tables, data.synthetic, args.steps + args.eval_batches)
         print(f"prefilled {rows:,} rows in {time.perf_counter() - began:.1f} s")

@@ -15,8 +15,9 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from itertools import islice
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -45,7 +46,10 @@ MAX_INITIAL_ROWS = 1 << 16
 class Data:
     """Training batches by index, and a fixed evaluation set."""
 
-    def __init__(self, args):
+    def __init__(self, args, train_batches: Callable[[int], Iterator[Batch]] | None = None):
+        """`train_batches(start)`, where given, yields the training batches from `start` on (a
+        rank's share of a Criteo file under several processes) instead of the whole stream's."""
+        self._train_batches = train_batches
         self.synthetic = None if args.criteo_tsv else SyntheticCriteo(
             seed=args.seed, batch_size=args.batch_size, scale=getattr(args, "data_scale", None) or 0.01,
             zipf_alpha=getattr(args, "zipf_alpha", None) or 1.2)
@@ -68,6 +72,8 @@ class Data:
             self.cardinalities = [10**6] * len(SPARSE_KEYS)
 
     def train(self, start: int) -> Iterator[Batch]:
+        if self._train_batches is not None:
+            return self._train_batches(start)
         if self.synthetic is not None:
             return self.synthetic.batches(start, self.args.steps)
         reader = read_criteo_tsv(self.args.criteo_tsv, self.args.batch_size,
@@ -285,19 +291,33 @@ class Progress:
             self.bar.close()
 
 
-def train(run: Run, data: Data, args, start: int = 0) -> dict[str, float]:
+class TrainingRun(Protocol):
+    """What `train` needs of a run: `Run` here, `cn_dlrm.distributed.DistributedRun` on N processes."""
+    name: str
+    model: torch.nn.Module
+    optimizers: list[torch.optim.Optimizer]
+    tables: CNEmbeddingBagCollection | None
+    upcoming: Batch | None
+
+    def step(self, batch: Batch) -> float: ...
+    def evaluate(self, batches: list[Batch]) -> dict[str, float]: ...
+    def table_summary(self) -> dict[str, float]: ...
+
+
+def train(run: TrainingRun, data: Data, args, start: int = 0) -> dict[str, Any]:
     """Train `run` from step `start` to `args.steps` (or to the end of a Criteo file), evaluating
     every `args.eval_every` steps and at the end; checkpoints (ours only) at every evaluation, or
     with --incremental-checkpoint-every K, table chains every K steps and at the end (chains.py).
     TTL tables drop their expired rows after every step."""
-    seen, t_train, history = 0, 0.0, []
+    seen, t_train = 0, 0.0
+    history: list[dict[str, Any]] = []
     progress = Progress(run.name, args.steps, start, enabled=not args.no_progress)
-    every = getattr(args, "incremental_checkpoint_every", None)
+    every: int = getattr(args, "incremental_checkpoint_every", None) or 0
     ours = run.tables is not None and not hasattr(run, "checkpoint_state")  # a single-process run of ours
     chains = TableChains(args.checkpoint, every) if every and ours else None
     ttl = ours and any(isinstance(s.config.eviction, cncore.TTL) for s in run.tables.stores.values())
 
-    def save_chains(step: int) -> None:
+    def save_chains(chains: TableChains, step: int) -> None:
         with writing("--checkpoint", args.checkpoint):
             chains.save(run.model, run.optimizers, run.tables.stores, step, {"args": vars(args)})
 
@@ -329,7 +349,7 @@ def train(run: Run, data: Data, args, start: int = 0) -> dict[str, float]:
         seen += len(batch.labels)
         step += 1
         if chains is not None and step % every == 0:
-            save_chains(step)
+            save_chains(chains, step)
         progress.update(step, loss, seen / t_train)
         if step % args.eval_every == 0 or step == args.steps:
             evaluate(step)
@@ -342,7 +362,7 @@ def train(run: Run, data: Data, args, start: int = 0) -> dict[str, float]:
     if not history or history[-1]["step"] != step:
         evaluate(step)
     if chains is not None and step % every:
-        save_chains(step)
+        save_chains(chains, step)
     progress.close()
     final = history[-1]
     return {"name": run.name, "steps": step, "samples_per_s": seen / t_train if t_train else 0.0,
