@@ -1,4 +1,4 @@
-"""A DLRM trained with JAX and optax on growable cncore tables: `python examples/jax_dlrm.py`.
+"""A DLRM trained with Flax NNX and optax on growable cncore tables: `python examples/jax_dlrm.py`.
 
 The model and run of `cn-dlrm` (TorchRec's DLRM), written in JAX: 26 tables of dim 16 with
 row-wise Adagrad fused in the core (lr 0.05), a dense arch 13 -> 64 -> 16, the pairwise dot
@@ -8,9 +8,12 @@ stream (`jax_criteo.py` beside this file, the same stream as cn-dlrm's for the s
 the 8 batches after the training range. The tables are configured as cn-dlrm's (TorchRec's
 default init bounds, the same per-table seeds), so they start from the same rows.
 
-One jitted step does the grouped lookup (one core call for the 26 tables), the loss and its
-gradient with respect to the dense parameters and the pooled activations, the optax update,
-and the tables' fused update, in that order. The last line printed is ``AUC 0.xxxx``.
+The model is an `nnx.Module` whose `EmbeddingBagCollection` holds the 26 tables, and the
+train step is the usual NNX one: `nnx.value_and_grad(loss_fn)(model)`, then
+`optimizer.update(model, grads)` (an `nnx.Optimizer` with optax's Adagrad for the dense
+network), under `nnx.jit`. The grouped lookup (one core call for the 26 tables) runs inside
+`model.__call__`; the tables' fused update runs in its backward pass, once per step. The
+last line printed is ``AUC 0.xxxx``.
 
 >>> main(["--steps", "2", "--batch-size", "64", "--eval-batches", "1", "--no-progress"])  # doctest: +ELLIPSIS
 [cncore_jax] step 2: AUC ...
@@ -24,16 +27,17 @@ import math
 import sys
 import time
 import zlib
-from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 from jax_criteo import N_DENSE, SPARSE_KEYS, SyntheticCriteo
 
 import cncore
 import cncore_jax as cj
+from cncore_jax.modules import EmbeddingBagCollection
 
 MAX_INITIAL_ROWS = 1 << 16  # as cn-dlrm: tables start at what the run can reach, at most this, and grow
 
@@ -89,41 +93,43 @@ def make_tables(args, gen: SyntheticCriteo) -> list[cj.Table]:
     return tables
 
 
-# --- the dense network ---------------------------------------------------------------------------
+# --- the model ----------------------------------------------------------------------------------
 
-def _linear(rng: np.random.Generator, fan_in: int, fan_out: int):
+def _linear(rng: np.random.Generator, fan_in: int, fan_out: int) -> nnx.Linear:
     """torch.nn.Linear's default init: weight and bias uniform +-1/sqrt(fan_in)."""
     bound = 1.0 / math.sqrt(fan_in)
-    return {"w": jnp.asarray(rng.uniform(-bound, bound, (fan_in, fan_out)), jnp.float32),
-            "b": jnp.asarray(rng.uniform(-bound, bound, fan_out), jnp.float32)}
+    layer = nnx.Linear(fan_in, fan_out, rngs=nnx.Rngs(0))
+    layer.kernel[...] = jnp.asarray(rng.uniform(-bound, bound, (fan_in, fan_out)), jnp.float32)
+    layer.bias[...] = jnp.asarray(rng.uniform(-bound, bound, fan_out), jnp.float32)
+    return layer
 
 
-def init_params(seed: int, dim: int, n_sparse: int = len(SPARSE_KEYS)):
-    rng = np.random.default_rng([seed, 7])
-    n_inter = (n_sparse + 1) * n_sparse // 2
-    dense = [(N_DENSE, 64), (64, dim)]
-    over = [(dim + n_inter, 128), (128, 64), (64, 1)]
-    return {"dense": [_linear(rng, a, b) for a, b in dense], "over": [_linear(rng, a, b) for a, b in over]}
-
-
-def logits(params, dense, pooled):
+class DLRM(nnx.Module):
     """TorchRec's DLRM: dense arch (ReLU after every layer), dot interactions of the dense
     vector and the 26 pooled vectors (upper triangle), over arch (ReLU but after the last)."""
-    x = dense
-    for layer in params["dense"]:
-        x = jax.nn.relu(x @ layer["w"] + layer["b"])
-    b, dim = x.shape
-    combined = jnp.concatenate([x[:, None, :], pooled.reshape(b, -1, dim)], axis=1)
-    inter = jnp.einsum("bid,bjd->bij", combined, combined)
-    i, j = np.triu_indices(combined.shape[1], k=1)
-    z = jnp.concatenate([x, inter[:, i, j]], axis=1)
-    for layer in params["over"][:-1]:
-        z = jax.nn.relu(z @ layer["w"] + layer["b"])
-    return (z @ params["over"][-1]["w"] + params["over"][-1]["b"])[:, 0]
 
+    def __init__(self, tables: list[cj.Table], seed: int, dim: int):
+        rng = np.random.default_rng([seed, 7])
+        n_sparse = len(tables)
+        n_inter = (n_sparse + 1) * n_sparse // 2
+        self.sparse = EmbeddingBagCollection({f"t_{key}": t for key, t in zip(SPARSE_KEYS, tables)})
+        self.dense = nnx.List([_linear(rng, a, b) for a, b in [(N_DENSE, 64), (64, dim)]])
+        self.over = nnx.List([_linear(rng, a, b) for a, b in [(dim + n_inter, 128), (128, 64), (64, 1)]])
 
-def loss_fn(params, dense, pooled, labels):
-    return optax.sigmoid_binary_cross_entropy(logits(params, dense, pooled), labels).mean()
+    def __call__(self, dense, ids, lengths):
+        names = self.sparse.names
+        pooled = self.sparse(dict(zip(names, ids)), dict(zip(names, lengths)))  # inserts unseen IDs
+        x = dense
+        for layer in self.dense:
+            x = jax.nn.relu(layer(x))
+        b, dim = x.shape
+        combined = jnp.concatenate([x[:, None, :], pooled.reshape(b, -1, dim)], axis=1)
+        inter = jnp.einsum("bid,bjd->bij", combined, combined)
+        i, j = np.triu_indices(combined.shape[1], k=1)
+        z = jnp.concatenate([x, inter[:, i, j]], axis=1)
+        for layer in self.over[:-1]:
+            z = jax.nn.relu(layer(z))
+        return self.over[-1](z)[:, 0]
 
 
 def dense_optimizer(lr: float) -> optax.GradientTransformation:
@@ -131,21 +137,20 @@ def dense_optimizer(lr: float) -> optax.GradientTransformation:
     return optax.adagrad(lr, initial_accumulator_value=0.0, eps=1e-10)
 
 
-def make_steps(tables: list[cj.Table], tx: optax.GradientTransformation):
-    @partial(jax.jit, donate_argnums=(0, 1))
-    def train_step(params, opt_state, dense, ids, lengths, labels):
-        pooled, ctx = cj.grouped_lookup(tables, list(ids), list(lengths))          # inserts unseen IDs
-        loss, (g_params, g_pooled) = jax.value_and_grad(loss_fn, argnums=(0, 2))(params, dense, pooled, labels)
-        updates, opt_state = tx.update(g_params, opt_state, params)
-        cj.apply_gradients(ctx, g_pooled)                                         # fused row-wise Adagrad
-        return optax.apply_updates(params, updates), opt_state, loss
+def loss_fn(model: DLRM, dense, ids, lengths, labels):
+    return optax.sigmoid_binary_cross_entropy(model(dense, ids, lengths), labels).mean()
 
-    @jax.jit
-    def predict(params, dense, ids, lengths):
-        pooled, _ = cj.grouped_lookup(tables, list(ids), list(lengths), training=False)
-        return jax.nn.sigmoid(logits(params, dense, pooled))
 
-    return train_step, predict
+@nnx.jit
+def train_step(model: DLRM, optimizer: nnx.Optimizer, dense, ids, lengths, labels):
+    loss, grads = nnx.value_and_grad(loss_fn)(model, dense, ids, lengths, labels)  # tables updated here
+    optimizer.update(model, grads)                                                 # Adagrad, dense network
+    return loss
+
+
+@nnx.jit
+def predict(model: DLRM, dense, ids, lengths):
+    return jax.nn.sigmoid(model(dense, ids, lengths))
 
 
 # --- evaluation ------------------------------------------------------------------------------------
@@ -171,11 +176,13 @@ def _arrays(batch):
             tuple(jnp.asarray(n) for n in batch.lengths))
 
 
-def evaluate(predict, params, batches):
+def evaluate(model: DLRM, batches):
+    model.eval()  # deterministic: the lookups read, insert nothing, update nothing
     probs, labels = [], []
     for b in batches:
-        probs.append(np.asarray(predict(params, *_arrays(b))))
+        probs.append(np.asarray(predict(model, *_arrays(b))))
         labels.append(b.labels)
+    model.train()
     p, y = np.concatenate(probs), np.concatenate(labels)
     eps = 1e-7
     logloss = float(-np.mean(y * np.log(np.clip(p, eps, 1)) + (1 - y) * np.log(np.clip(1 - p, eps, 1))))
@@ -188,15 +195,13 @@ def run(args) -> int:
     gen = SyntheticCriteo(seed=args.seed, batch_size=args.batch_size)
     eval_set = [gen.batch(args.steps + k) for k in range(args.eval_batches)]
     tables = make_tables(args, gen)
-    params = init_params(args.seed, args.embedding_dim)
-    tx = dense_optimizer(args.dense_lr)
-    opt_state = tx.init(params)
-    train_step, predict = make_steps(tables, tx)
+    model = DLRM(tables, args.seed, args.embedding_dim)
+    optimizer = nnx.Optimizer(model, dense_optimizer(args.dense_lr), wrt=nnx.Param)
     seen, t_train, every = 0, 0.0, max(1, args.steps // 10)
     score = float("nan")
     for step, batch in enumerate(gen.batches(0, args.steps), start=1):
         t0 = time.perf_counter()
-        params, opt_state, loss = train_step(params, opt_state, *_arrays(batch), jnp.asarray(batch.labels))
+        loss = train_step(model, optimizer, *_arrays(batch), jnp.asarray(batch.labels))
         loss = float(loss)  # waits for the step, so samples/s times whole steps, as cn-dlrm's does
         t_train += time.perf_counter() - t0
         seen += args.batch_size
@@ -204,7 +209,7 @@ def run(args) -> int:
             print(f"[cncore_jax] step {step}/{args.steps}: loss {loss:.4f}, {seen / t_train:,.0f} samples/s",
                   file=sys.stderr, flush=True)
         if step % args.eval_every == 0 or step == args.steps:
-            score, logloss = evaluate(predict, params, eval_set)
+            score, logloss = evaluate(model, eval_set)
             rows = sum(len(t) for t in tables)
             print(f"[cncore_jax] step {step}: AUC {score:.4f}, log loss {logloss:.4f}, {rows:,} rows, "
                   f"{seen / t_train:,.0f} samples/s", flush=True)

@@ -1,6 +1,7 @@
 """The JAX DLRM example (examples/jax_dlrm.py): its NumPy stream is cn-dlrm's stream, its AUC is
 torchmetrics', it runs end to end in one command with tiny settings, and the boundary benchmark
-(asv_bench/scripts/jax_boundary.py) measures."""
+(asv_bench/scripts/jax_boundary.py) measures, the boundary and the whole train step (the usual Flax
+NNX step against the explicit one)."""
 import glob
 import math
 import os
@@ -85,3 +86,14 @@ def test_the_benchmark_measures_every_column():
             assert value > 0, (key, value)
     text = bench.table(rows, 32, 8)
     assert text.count("\n| 1 | 32 |") == 3 and text.count("\n| 20 | 640 |") == 3  # eval, train, no-op
+
+
+@pytest.mark.slow
+def test_the_step_benchmark_times_the_usual_nnx_step_and_the_explicit_one():
+    pytest.importorskip("flax.nnx")
+    r = bench.measure_steps(n_bags=16, n_tables=2, pooling=2, dim=4, vocab=100, repeats=1, number=2)
+    assert sorted(r) == ["explicit_ms", "jax_jit_split_ms", "nnx_jit_ms"]
+    assert all(v > 0 for v in r.values()), r
+    text = bench.steps_table(r, 16, 2, 2, 4)
+    assert text.count("\n| ") == 4 and "usual NNX" in text and "| 1.00x |" in text
+

@@ -10,6 +10,11 @@ median time of
 - the boundary alone: a jitted ordered `io_callback` that does nothing with the same IDs, and
   an XLA FFI call that does nothing, in C, without Python (compiled here against
   `jax.ffi.include_dir()`, declared with side effects): the floor of each route.
+And the whole train step (`measure_steps`): the usual Flax NNX step (the collection's lookup
+inside the model, `nnx.value_and_grad` over the model, `nnx.Optimizer`, the tables' update in
+the lookup's backward), under `nnx.jit` and under `jax.jit` with `nnx.split` / `nnx.merge`,
+against the explicit step on the same model (lookup outside the loss, `jax.value_and_grad`
+with respect to the pooled activations, optax, `cj.apply_gradients`).
 The functions are measured interleaved, so load from other processes falls on all alike;
 FFI columns read "-" where no C++ compiler is found (tests/test_jax_dlrm.py runs `measure` on
 small shapes and checks every column).
@@ -143,6 +148,113 @@ def measure(n_bags: int = 4096, poolings=(1, 20), dim: int = 64, vocab: int = 10
     return rows
 
 
+def measure_steps(n_bags: int = 2048, n_tables: int = 8, pooling: int = 4, dim: int = 16, vocab: int = 100_000,
+                  repeats: int = 7, number: int = 10) -> dict[str, float]:
+    """Median ms per train step of the explicit step and the usual NNX step (two ways), on
+    `n_tables` tables of `dim` (row-wise Adagrad, every ID already in its table) and a linear
+    head (Adagrad): {"explicit_ms", "nnx_jit_ms", "jax_jit_split_ms"}."""
+    import optax
+    from flax import nnx
+
+    from cncore_jax.modules import EmbeddingBagCollection
+
+    jax.config.update("jax_enable_x64", True)
+    rng = np.random.default_rng(0)
+    names = [f"t{k}" for k in range(n_tables)]
+
+    def tables():
+        out = {}
+        for n in names:
+            store = cncore.EmbeddingStore(dim=dim, optimizer=cncore.RowWiseAdagrad(lr=0.01), capacity=vocab)
+            store.find_or_insert(np.arange(vocab))
+            out[n] = cj.Table.from_store(store)
+        return out
+
+    class Model(nnx.Module):
+        def __init__(self):
+            self.ebc = EmbeddingBagCollection(tables())
+            self.head = nnx.Linear(n_tables * dim, 1, rngs=nnx.Rngs(0))
+
+        def __call__(self, ids, lengths):
+            return self.head(self.ebc(ids, lengths))[:, 0]
+
+    ids = {n: jnp.asarray(rng.integers(0, vocab, n_bags * pooling)) for n in names}
+    lengths = {n: jnp.full(n_bags, pooling, jnp.int64) for n in names}
+    y = jnp.asarray(rng.random(n_bags) < 0.5, jnp.float32)
+    tx = optax.adagrad(0.01)
+
+    def loss_of(model, ids, lengths, y):
+        return optax.sigmoid_binary_cross_entropy(model(ids, lengths), y).mean()
+
+    # the usual NNX step, under nnx.jit
+    model = Model()
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    @nnx.jit
+    def nnx_step(model, optimizer, ids, lengths, y):
+        loss, grads = nnx.value_and_grad(loss_of)(model, ids, lengths, y)
+        optimizer.update(model, grads)
+        return loss
+
+    # the same step under jax.jit, the model split once
+    graphdef, params, *others = nnx.split(Model(), nnx.Param, ...)
+    rest = others[0]
+    state = [params, tx.init(params)]
+
+    @jax.jit
+    def split_step(params, opt_state, ids, lengths, y):
+        loss, grads = jax.value_and_grad(lambda p: loss_of(nnx.merge(graphdef, p, rest), ids, lengths, y))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    def run_split():
+        state[0], state[1], loss = split_step(state[0], state[1], ids, lengths, y)
+        return loss
+
+    # the explicit step: lookup outside the loss, apply_gradients with the pooled gradient
+    explicit_tables = list(tables().values())
+    head = {"w": jnp.zeros((n_tables * dim, 1)), "b": jnp.zeros(1)}
+    explicit_state = [head, tx.init(head)]
+
+    @jax.jit
+    def explicit_step(head, opt_state, ids, lengths, y):
+        pooled, ctx = cj.grouped_lookup(explicit_tables, [ids[n] for n in names], [lengths[n] for n in names])
+
+        def loss(head, pooled):
+            return optax.sigmoid_binary_cross_entropy((pooled @ head["w"] + head["b"])[:, 0], y).mean()
+
+        value, (g_head, g_pooled) = jax.value_and_grad(loss, argnums=(0, 1))(head, pooled)
+        updates, opt_state = tx.update(g_head, opt_state, head)
+        cj.apply_gradients(ctx, g_pooled)
+        return optax.apply_updates(head, updates), opt_state, value
+
+    def run_explicit():
+        explicit_state[0], explicit_state[1], loss = explicit_step(explicit_state[0], explicit_state[1], ids,
+                                                                   lengths, y)
+        return loss
+
+    fns = {"explicit_ms": lambda: run_explicit().block_until_ready(),
+           "nnx_jit_ms": lambda: nnx_step(model, optimizer, ids, lengths, y).block_until_ready(),
+           "jax_jit_split_ms": lambda: run_split().block_until_ready()}
+    result = _medians_ms(fns, repeats, number)
+    jax.effects_barrier()
+    return result
+
+
+def steps_table(r: dict[str, float], n_bags: int, n_tables: int, pooling: int, dim: int) -> str:
+    load = f", load average {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
+    base = r["explicit_ms"]
+    return "\n".join([
+        f"Train step: B = {n_bags} bags, {n_tables} tables of dim {dim}, pooling {pooling}, row-wise Adagrad on the "
+        f"tables, a linear head with Adagrad; median ms per step, measured interleaved ({os.cpu_count()} cores{load})",
+        "", "| step | ms | against the explicit step |", "|---|---|---|",
+        f"| explicit: lookup outside the loss, `cj.apply_gradients` (jax.jit) | {base:.3f} | 1.00x |",
+        f"| usual NNX: `nnx.value_and_grad(loss_fn)(model)`, `nnx.Optimizer`, under `nnx.jit` | "
+        f"{r['nnx_jit_ms']:.3f} | {r['nnx_jit_ms'] / base:.2f}x |",
+        f"| usual NNX under `jax.jit`, the model split once (`nnx.split` / `nnx.merge`) | "
+        f"{r['jax_jit_split_ms']:.3f} | {r['jax_jit_split_ms'] / base:.2f}x |"])
+
+
 def _over(ms: float, base: float) -> str:
     return "-" if ms != ms else f"{ms:.3f} (+{ms - base:.3f}, {ms / base:.2f}x)"
 
@@ -172,11 +284,16 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--number", type=int, default=20)
     ap.add_argument("--threads", type=int, default=None, help="core threads (default: all cores)")
+    ap.add_argument("--steps-only", action="store_true", help="only the train step table (usual NNX vs explicit)")
     args = ap.parse_args(argv)
     if args.threads:
         cncore.set_num_threads(args.threads)
-    rows = measure(args.bags, (1, 20), args.dim, repeats=args.repeats, number=args.number)
-    print(table(rows, args.bags, args.dim))
+    if not args.steps_only:
+        rows = measure(args.bags, (1, 20), args.dim, repeats=args.repeats, number=args.number)
+        print(table(rows, args.bags, args.dim))
+        print()
+    steps = measure_steps(repeats=args.repeats, number=args.number)
+    print(steps_table(steps, 2048, 8, 4, 16))
     return 0
 
 
