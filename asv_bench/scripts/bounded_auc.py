@@ -38,6 +38,8 @@ import argparse
 import contextlib
 import io
 import json
+import math
+import os
 import sys
 import time
 from types import SimpleNamespace
@@ -48,15 +50,19 @@ from torch import nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import cncore
-from bounded_movielens import DEFAULT_CACHE, KEYS, MovieLens, find_wheel
 from cn_dlrm import bounded
 from cn_dlrm.compare import equal_memory_rows, hashed_run
 from cn_dlrm.data import SPARSE_KEYS, SyntheticCriteo
 from cn_dlrm.train import Run, _mute_is_fx_tracing_notice, build_dlrm, table_configs, train, used_bytes
 from cncore_torch.collection import CNEmbeddingBagCollection
 
-METHODS = ["ours-unbounded", "ours-lru", "ours-lfu", "ours-lru+mincount2", "hashed", "hashed-same-memory",
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its sibling, however it is loaded
+from bounded_movielens import DEFAULT_CACHE, KEYS, MovieLens, find_wheel
+
+METHODS = ["ours-lru", "ours-lfu", "ours-lru+mincount2", "hashed", "hashed-same-memory",
            "mch-lru", "mch-lfu", "mch-distance-lfu", "mch-lru-reset"]
+OPTIONS = ["ours-unbounded", "ours-lfu+mincount2", "ours-lfu-aging", "ours-lru+hashed", "ours-lfu+hashed",
+           "ours-lfu+mincount2+hashed"]
 LABELS = {"ours-unbounded": "ours, no budget",
           "ours-lru": "ours LRU", "ours-lfu": "ours LFU", "ours-lru+mincount2": "ours LRU + MinCount(2)",
           "hashed": "TorchRec EBC, IDs modulo rows", "hashed-same-memory": "TorchRec EBC, modulo, ours' MiB",
@@ -264,14 +270,58 @@ def hashed_rows_reached(data: CachedData, budgets: list[int]) -> int:
     return total
 
 
+class SummedTables(nn.Module):
+    """Each feature's pooled row is ours (bounded, one row per ID it holds) plus TorchRec's
+    table hashed modulo `sizes` (rows shared by every ID): an ID without a row (overflowed,
+    evicted, not admitted) still reads a trained row, and one that comes back starts from it."""
+
+    def __init__(self, ours, hashed, sizes: list[int], configs):
+        super().__init__()
+        self.ours, self.hashed, self.sizes, self._configs = ours, hashed, torch.tensor(sizes), configs
+
+    def embedding_bag_configs(self):
+        return self._configs
+
+    def forward(self, kjt):
+        from torchrec.sparse.jagged_tensor import KeyedTensor
+        a = self.ours(kjt)
+        size_per_value = torch.repeat_interleave(self.sizes, torch.tensor(kjt.length_per_key()))
+        b = self.hashed(KeyedJaggedTensor(keys=kjt.keys(), values=torch.remainder(kjt.values(), size_per_value),
+                                          lengths=kjt.lengths()))
+        return KeyedTensor(keys=a.keys(), length_per_key=a.length_per_key(), values=a.values() + b.values())
+
+
+def ours_and_hashed(args, budgets: list[int], eviction, admission=None) -> Run:
+    """ours with --exact-share of each table's budget, TorchRec's hashed table with the rest, summed."""
+    from torchrec import EmbeddingBagCollection
+    torch.manual_seed(args.seed)
+    exact = [max(1, math.ceil(n * args.exact_share)) for n in budgets]
+    shared = [max(1, n - e) for n, e in zip(budgets, exact)]
+    configs = args.task.configs(args.embedding_dim, exact)
+    ebc = CNEmbeddingBagCollection(tables=configs, optimizer=args.task.sparse_optimizer(args.sparse_lr),
+                                   seed=args.seed, eviction=eviction, admission=admission, row_dtype=args.row_dtype,
+                                   max_rows={c.name: n for c, n in zip(configs, exact)})
+    fixed = EmbeddingBagCollection(tables=args.task.configs(args.embedding_dim, shared))
+    model = args.task.dlrm(SummedTables(ebc, fixed, shared, configs), args.embedding_dim)
+    sparse = [p for n, p in model.named_parameters() if "embedding_bags" in n and "_anchor" not in n]
+    dense = [p for n, p in model.named_parameters() if "embedding_bags" not in n and "_anchor" not in n]
+    run = Run("ours+hashed", model, [torch.optim.Adagrad(dense, lr=args.dense_lr), ebc.fused_optimizer,
+                                     args.task.torch_sparse_optimizer(sparse, args.sparse_lr)], tables=ebc)
+    run.fixed_extra = shared
+    return run
+
+
+POLICIES = {"lru": cncore.LRU, "lfu": cncore.LFU, "lfu-aging": lambda: cncore.LFU(halve_every=32)}
+
+
 def build(method: str, args, budgets: list[int]) -> Run:
     """`budgets`: rows per table (hashed-same-memory: the rows of ours' memory per table)."""
-    if method == "ours-lru":
-        return ours(args, budgets, cncore.LRU())
-    if method == "ours-lfu":
-        return ours(args, budgets, cncore.LFU())
-    if method == "ours-lru+mincount2":
-        return ours(args, budgets, cncore.LRU(), cncore.MinCount(2))
+    if method.startswith("ours-") and method != "ours-unbounded":  # ours-POLICY[+mincount2][+hashed]
+        policy, *extras = method[len("ours-"):].split("+")
+        admission = cncore.MinCount(2) if "mincount2" in extras else None
+        if "hashed" in extras:
+            return ours_and_hashed(args, budgets, POLICIES[policy](), admission)
+        return ours(args, budgets, POLICIES[policy](), admission)
     if method == "ours-unbounded":  # its configs' rows (which scale the initial rows) are the distinct IDs
         return ours(args, args.distinct, None)
     if method in ("hashed", "hashed-same-memory"):
@@ -288,6 +338,7 @@ def measure(method: str, args, data: CachedData, budgets: list[int]) -> dict:
         used = sum(len(s) for s in stores)
         evicted = sum(int(s.evicted_count) for s in stores)
         mib = sum(used_bytes(s) for s in stores) / 2**20
+        mib += sum(getattr(run, "fixed_extra", [])) * (args.embedding_dim + 1) * 4 / 2**20
         same_memory = equal_memory_rows(run.tables, args.embedding_dim)
     else:
         mib = sum(budgets) * (args.embedding_dim + 1) * 4 / 2**20
@@ -323,7 +374,11 @@ def main(argv=None) -> int:
                     help="our tables' row dtype (TorchRec's stay float32; hashed-same-memory gets our bytes)")
     ap.add_argument("--budgets", type=float, nargs="+", default=[100, 50, 25],
                     help="row budgets, percent of each table's distinct training IDs")
-    ap.add_argument("--methods", nargs="+", choices=METHODS, default=METHODS)
+    ap.add_argument("--methods", nargs="+", choices=METHODS + OPTIONS, default=METHODS,
+                    help="also: " + ", ".join(OPTIONS) + " (ours+hashed: --exact-share of the rows ours, the "
+                         "rest a hashed TorchRec table, summed)")
+    ap.add_argument("--exact-share", type=float, default=0.5,
+                    help="ours+hashed methods: the share of each table's rows that ours holds (the rest hashed)")
     ap.add_argument("--mch-interval", type=int, default=1, help="MCH's eviction_interval (steps)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch and core threads (1: on a shared 2-core machine, spinning OpenMP threads of two "
@@ -341,7 +396,7 @@ def main(argv=None) -> int:
                           eval_every=args.steps, embedding_dim=args.embedding_dim, sparse_lr=args.sparse_lr,
                           dense_lr=args.dense_lr,
                           seed=args.seed, no_progress=True, checkpoint=None, criteo_tsv=None,
-                          mch_interval=args.mch_interval, row_dtype=args.row_dtype)
+                          mch_interval=args.mch_interval, exact_share=args.exact_share, row_dtype=args.row_dtype)
     torch.set_num_threads(args.threads)
     cncore.set_num_threads(args.threads)
     _mute_is_fx_tracing_notice()
@@ -394,7 +449,7 @@ def main(argv=None) -> int:
             rows.append(r)
             evicted = "-" if r["evicted"] is None else f"{r['evicted']:,}"
             spread = f" +- {np.std(aucs):.4f}" if args.seeds > 1 else ""
-            print(f"| {percent:g}% | {sum(budgets):,} | {LABELS[method]} | {r['auc']:.4f}{spread} | "
+            print(f"| {percent:g}% | {sum(budgets):,} | {LABELS.get(method, method)} | {r['auc']:.4f}{spread} | "
                   f"{r['logloss']:.4f} | {r['rows_used']:,} | {evicted} | {r['table_mib']:.1f} | "
                   f"{r['samples_per_s']:,.0f} |", flush=True)
     print(f"# {time.perf_counter() - t0:.0f} s in all", file=sys.stderr)
