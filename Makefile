@@ -61,9 +61,12 @@ demo: setup
 	$(PY) examples/demo.py
 
 # The one-run comparisons against torch.nn.EmbeddingBag and FBGEMM (the README's benchmark tables):
-# tables far beyond the LLC at three row dtypes, the 1M-row training step, each also beside busy cores.
+# tables far beyond the LLC at three row dtypes, the 1M-row training step, each also beside busy cores;
+# the row-wise Adagrad step against FBGEMM's TBE and every forward against a plain C gather, far beyond
+# the LLC, torch with and without huge pages. Every table names the CPU, its caches and the load.
 # make bench BENCH_ARGS=--quick: the same scripts on small shapes (a smoke run, a minute)
 bench: setup
+	$(PY) asv_bench/scripts/step_large.py $(BENCH_ARGS)
 	$(PY) asv_bench/scripts/forward_large.py $(BENCH_ARGS)
 	$(PY) asv_bench/scripts/forward_large.py --background-load --rows 8e6 --dims 64 $(BENCH_ARGS)
 	$(PY) asv_bench/scripts/compare_reference.py $(BENCH_ARGS)

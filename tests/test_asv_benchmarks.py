@@ -16,7 +16,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 BENCH_DIR = ROOT / "asv_bench"
 PREFIXES = ("time_", "peakmem_", "track_", "mem_")
 # Benchmark classes whose one smoke run takes more than a few seconds.
-SLOW = {"bench_large.LargeTableForward", "bench_training.TrainingStep"}
+SLOW = {"bench_large.LargeTableForward", "bench_large.LargeTableStep", "bench_training.TrainingStep"}
 
 
 def discover():
@@ -42,7 +42,7 @@ def test_the_suite_is_not_empty():
     names = {p.id for p in BENCHMARKS}
     for expected in ("bench_store.Find", "bench_store.FindOrInsertNew", "bench_store.Export",
                      "bench_training.PooledLookup", "bench_training.TrainingStep", "bench_training.GroupedDLRM",
-                     "bench_large.LargeTableForward"):
+                     "bench_large.LargeTableForward", "bench_large.LargeTableStep"):
         assert expected in names
 
 
@@ -132,6 +132,33 @@ def test_forward_large_quick_prints_every_cell(tmp_path):
             assert re.fullmatch(r"\d+\.\d · \d+%", cells[name]) and float(cells[name].split()[0]) > 0, \
                 (name, cells[name])
     assert "background load: one busy process per core" in res.stdout
+
+
+@pytest.mark.slow
+def test_step_large_quick_prints_every_cell_with_and_without_huge_pages(tmp_path):
+    """asv_bench/scripts/step_large.py --quick: one table with torch's weights on huge pages and
+    one without (each run in its own child, as torch reads the setting once), each naming the
+    CPU, its caches and the load, every speed and ratio a positive number (the script first
+    checks that every forward reads the same rows as EmbeddingBag)."""
+    script = BENCH_DIR / "scripts" / "step_large.py"
+    res = subprocess.run([sys.executable, str(script), "--quick"], capture_output=True, text=True, timeout=300,
+                         cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = res.stdout
+    assert "torch weights on huge pages: yes (THP_MEM_ALLOC_ENABLE=1)" in out
+    assert "torch weights on huge pages: no (4 KiB pages)" in out
+    machine_lines = [ln for ln in out.splitlines() if ln.startswith("# Training step and forward")]
+    assert len(machine_lines) == 2 and all("LLC" in ln and "L1d" in ln and "load average" in ln
+                                           for ln in machine_lines), machine_lines
+    lines = out.splitlines()
+    heads = [i for i, ln in enumerate(lines) if ln.startswith("| rows |")]
+    assert len(heads) == 2
+    for head in heads:
+        cols = [c.strip() for c in lines[head].strip("|").split("|")]
+        assert cols[4:10] == ["EB fwd", "TBE fwd", "ours fwd", "gather", "TBE step", "ours step"]
+        cells = [c.strip().strip("*").rstrip("x") for c in lines[head + 2].strip("|").split("|")]
+        assert all(float(c) > 0 for c in cells[4:-1]), lines[head + 2]
+        assert re.fullmatch(r"[\d.]+/[\d.]+/[\d.]+", cells[-1]), cells[-1]  # the load average
 
 
 @pytest.mark.slow

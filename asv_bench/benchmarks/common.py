@@ -109,18 +109,19 @@ def flush():
 _SHARED: dict[tuple, tuple[cncore.EmbeddingStore, np.ndarray]] = {}
 
 
-def shared_store(dim, n_rows=None, dtype="float32"):
-    """A store of n_rows rows (SGD) under raw_keys(n_rows), and those keys, built once per
-    process and kept, for benchmarks that do not change rows. Only the last one asked for is
-    kept, so two large tables never sit in memory together."""
+def shared_store(dim, n_rows=None, dtype="float32", optimizer="sgd"):
+    """A store of n_rows rows (OPTIMIZERS[optimizer]) under raw_keys(n_rows), and those keys,
+    built once per process and kept, for benchmarks that do not change rows or whose updates
+    leave their timing alone (a training step on it). Only the last one asked for is kept, so
+    two large tables never sit in memory together."""
     n_rows = N_ROWS if n_rows is None else n_rows
-    spec = (dim, n_rows, dtype)
+    spec = (dim, n_rows, dtype, optimizer)
     if spec not in _SHARED:
         _SHARED.clear()
         cncore.set_num_threads(THREADS)
         keys = raw_keys(n_rows)
         store = cncore.EmbeddingStore(cncore.StoreConfig(dim=dim, dtype=dtype, capacity=n_rows,
-                                                         optimizer=OPTIMIZERS["sgd"]))
+                                                         optimizer=OPTIMIZERS[optimizer]))
         for part in np.array_split(keys, max(1, n_rows >> 20)):
             store.find_or_insert(part)
         _SHARED[spec] = (store, keys)

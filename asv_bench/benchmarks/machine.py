@@ -35,6 +35,27 @@ def llc_bytes() -> int:
     return best or 32 << 20
 
 
+def caches() -> str:
+    """cpu0's caches as sysfs lists them, one per level and type: "L1d 48 KiB, L1i 64 KiB, L2 2
+    MiB, L3 480 MiB" (each the size one core sees; shared caches are listed once); "" when the
+    machine does not say."""
+    found = []
+    entries = sorted(os.listdir(_CACHE_DIR)) if os.path.isdir(_CACHE_DIR) else []
+    for entry in entries:
+        try:
+            with open(f"{_CACHE_DIR}/{entry}/level") as fh:
+                level = fh.read().strip()
+            with open(f"{_CACHE_DIR}/{entry}/type") as fh:
+                kind = {"Data": "d", "Instruction": "i"}.get(fh.read().strip(), "")
+            with open(f"{_CACHE_DIR}/{entry}/size") as fh:
+                text = fh.read().strip()
+        except OSError:
+            continue
+        kib = int(text.rstrip("KMG")) * {"K": 1, "M": 1 << 10, "G": 1 << 20}.get(text[-1], 1)
+        found.append(f"L{level}{kind} {kib >> 10} MiB" if kib >= 1024 else f"L{level}{kind} {kib} KiB")
+    return ", ".join(found)
+
+
 def cpu_count() -> int:
     """CPUs this process may run on."""
     try:
@@ -71,9 +92,11 @@ def load_average() -> str:
 
 
 def describe() -> str:
-    """One line: CPU model, cores, last-level cache, memory, load average (1/5/15 min)."""
+    """One line: CPU model, cores, last-level cache (and every cache level), memory, load
+    average (1/5/15 min)."""
     total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return (f"{cpu_model()}, {cpu_count()} cores, LLC {llc_bytes() >> 20} MiB, "
+    levels = caches()
+    return (f"{cpu_model()}, {cpu_count()} cores, LLC {llc_bytes() >> 20} MiB{f' ({levels})' if levels else ''}, "
             f"RAM {total / 2**30:.0f} GiB ({available_memory() / 2**30:.0f} GiB available), "
             f"load average {load_average()}")
 
