@@ -2,7 +2,8 @@
 method (the names in a package's `__all__`, and the public methods and properties those classes
 define) has annotated parameters and return, and a docstring with an ``Args:`` section for its
 parameters (a class documents its constructor's in the class docstring) and a ``Returns:``
-section where it returns something.
+section where it returns something. A method whose docstring begins "As `EmbeddingStore.find`"
+and takes the same parameters is documented by that one (the tier's verbs are the store's).
 
 Names that still lack them are listed in `.ci/api_gaps.txt` (one `module.name: what` a line),
 as mypy's exclude list does for files: the check fails on a gap not listed, and on a listed
@@ -15,6 +16,7 @@ import dataclasses
 import importlib
 import inspect
 import os
+import re
 import sys
 
 PACKAGES = ["cncore", "cncore.tablefile", "cncore.tier", "cncore_numpy", "cncore_torch",
@@ -55,9 +57,31 @@ def _params(sig: inspect.Signature) -> list[inspect.Parameter]:
     return [p for p in list(sig.parameters.values()) if p.name not in ("self", "cls")]
 
 
+_AS = re.compile(r"^As `?([A-Za-z_][\w.]*)`?")
+
+
+def _documented_by(obj, doc: str):
+    """The callable a docstring that starts "As `Other.name`" defers to, where it takes the same
+    parameters (its Args and Returns then document this one too, as Sphinx inherits them)."""
+    match = _AS.match(doc)
+    if not match:
+        return None
+    target = sys.modules.get("cncore")
+    parts = match.group(1).rstrip(".").split(".")
+    for part in parts[1:] if parts[0] == "cncore" else parts:
+        target = getattr(target, part, None)
+    if not callable(target) or [p.name for p in _params(inspect.signature(target))] != \
+            [p.name for p in _params(inspect.signature(obj))]:
+        return None
+    return target
+
+
 def _gaps_of(obj, kind: str) -> list[str]:
     gaps = []
     doc = inspect.getdoc(obj) or ""
+    other = _documented_by(obj, doc) if kind == "method" else None
+    if other is not None:
+        doc = inspect.getdoc(other) or ""
     if kind == "class":
         init = obj.__init__
         if not inspect.isfunction(init) or (not _ours(init) and not dataclasses.is_dataclass(obj)):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Any
 
 from cncore.config import (
     LFU,
@@ -59,6 +60,17 @@ def _is_int(value, lo: int = 0, hi: int = 2**63) -> bool:
 
 
 def config_to_dict(config: StoreConfig) -> dict:
+    """A config as the JSON-able dict a table file's manifest holds (where the rows live left out).
+
+    Args:
+        config (StoreConfig): the config.
+
+    Returns:
+        dict: its fields; initializer, optimizer and policies as {"type": name, **fields}.
+
+    >>> config_to_dict(StoreConfig(dim=2))["initializer"]
+    {'type': 'Uniform', 'low': -0.05, 'high': 0.05}
+    """
     d = dataclasses.asdict(config)
     d["initializer"] = {"type": type(config.initializer).__name__, **dataclasses.asdict(config.initializer)}
     d["optimizer"] = (None if config.optimizer is None else
@@ -113,9 +125,16 @@ def _from_whitelist(d, classes: dict, what: str, where: str):
         raise _error(where, f"{what}: {exc}") from None
 
 
-def config_from_dict(d, where: str = "") -> StoreConfig:
+def config_from_dict(d: Any, where: str = "") -> StoreConfig:
     """The StoreConfig a file describes (see `config_to_dict`); anything else, an unknown
     initializer or optimizer type included, is a `TableFormatError` naming the field.
+
+    Args:
+        d (Any): the dict read from the file (anything: it is checked).
+        where (str): the file, for the errors.
+
+    Returns:
+        StoreConfig: the config.
 
     >>> config_from_dict(config_to_dict(StoreConfig(dim=3, optimizer=Adam()))).optimizer
     Adam(lr=0.001, betas=(0.9, 0.999), eps=1e-08)

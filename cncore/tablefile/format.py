@@ -8,6 +8,7 @@ import os
 import re
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 import cncore
 from cncore.fileio import TableFormatError, _error, _fields_exactly, _is_int, _show, config_from_dict
@@ -33,8 +34,16 @@ _ENTRY_KEYS = ("file", "dtype", "shape", "bytes", "sha256")
 
 
 def array_dtypes(config: cncore.StoreConfig, version: int = FORMAT_VERSION) -> dict[str, np.dtype]:
-    """The .npy dtype of each array of a table of `config` in format `version` (rows: float32
-    before version 3, the row dtype's own size from it)."""
+    """The .npy dtype of each array of a table.
+
+    Args:
+        config (StoreConfig): the table's config.
+        version (int): the file format version (rows: float32 before 3, the row dtype's own
+            size from it).
+
+    Returns:
+        dict[str, np.dtype]: each array's dtype, by name.
+    """
     dtypes = {name: np.dtype(dtype) for name, dtype in ARRAYS.items()}
     if version >= 3:
         dtypes["rows"] = FILE_DTYPES[config.dtype]
@@ -44,6 +53,13 @@ def array_dtypes(config: cncore.StoreConfig, version: int = FORMAT_VERSION) -> d
 def infer_config(dim: int, state_floats: int) -> cncore.StoreConfig:
     """A config for rows without one: the optimizer is guessed from the state width (0: none,
     1: row-wise Adagrad, dim: Adagrad, 2*dim: Adam), with default hyperparameters.
+
+    Args:
+        dim (int): the rows' width.
+        state_floats (int): optimizer state floats per row.
+
+    Returns:
+        StoreConfig: the guessed config.
 
     >>> infer_config(4, 8).optimizer
     Adam(lr=0.001, betas=(0.9, 0.999), eps=1e-08)
@@ -55,10 +71,17 @@ def infer_config(dim: int, state_floats: int) -> cncore.StoreConfig:
     return cncore.StoreConfig(dim=dim, optimizer=optimizer)
 
 
-def as_column(name: str, value) -> np.ndarray:
+def as_column(name: str, value: ArrayLike) -> np.ndarray:
     """`value` as the table column `name` (dtype of `ARRAYS`), refusing casts that would change
     it: keys must be integers within int64, counts and last steps integers in [0, 2**32 - 1],
     rows and optimizer state real numbers. Raises ValueError naming the column.
+
+    Args:
+        name (str): the column: "keys", "rows", "optimizer_state", "counts" or "last_steps".
+        value (ArrayLike): its values.
+
+    Returns:
+        np.ndarray: a C-contiguous array of the column's dtype.
 
     >>> as_column("counts", [3, 4]).dtype
     dtype('uint32')
@@ -88,18 +111,36 @@ def _sha256_fd(fd: int) -> str:
         offset += len(chunk)
 
 
-def npy_header(dtype, shape: tuple) -> bytes:
-    """The .npy (version 1.0) header of a C-ordered array: what comes before its raw bytes."""
+def npy_header(dtype: np.typing.DTypeLike, shape: tuple) -> bytes:
+    """The .npy (version 1.0) header of a C-ordered array: what comes before its raw bytes.
+
+    Args:
+        dtype (DTypeLike): the array's dtype.
+        shape (tuple): its shape.
+
+    Returns:
+        bytes: the header.
+
+    >>> len(npy_header("<i8", (3,))) % 64
+    0
+    """
     buf = io.BytesIO()
     np.lib.format.write_array_header_1_0(buf, {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)),
                                                "fortran_order": False, "shape": shape})
     return buf.getvalue()
 
 
-def check_path_name(name, what: str = "table name") -> str:
+def check_path_name(name: object, what: str = "table name") -> str:
     """`name`, checked to be usable as one directory name under a directory the caller chose:
     a non-empty string, not '.' or '..', without '/', '\\' or NUL (so that joining it to a
     path never leaves that path). ValueError naming it otherwise.
+
+    Args:
+        name (object): the name to check.
+        what (str): what it names, for the error.
+
+    Returns:
+        str: `name`.
 
     >>> check_path_name("t_user")
     't_user'

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal, overload
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 import cncore
 from cncore.fileio import TableFormatError
@@ -21,17 +22,35 @@ from cncore.tier import TierFile, is_tier_directory, open_tier
 
 
 def open_table_rows(path: str, version: str) -> int:
-    """Rows held by one version's own arrays (a delta's: the rows it writes)."""
+    """Rows held by one version's own arrays (a delta's: the rows it writes).
+
+    Args:
+        path (str): the table directory.
+        version (str): one of its versions (a directory name under `path`).
+
+    Returns:
+        int: the rows its manifest names.
+    """
     with open(os.path.join(path, version, "manifest.json"), "rb") as fh:
         return json.loads(fh.read())["rows"]
 
 
-def load_store(path: str, verify: bool = True, batch_rows: int = 1 << 18, kind=None,
+def load_store(path: str, verify: bool = True, batch_rows: int = 1 << 18, kind: type | None = None,
                version: str | None = None) -> cncore.EmbeddingStore:
     """A store (of class `kind`, an EmbeddingStore subclass; EmbeddingStore by default) holding
     everything in the table directory, read in batches: keys, rows, optimizer state, counts,
     last steps and the step, exactly. A chain (base + deltas) is read as one table; with
     `version`, the chain ending at that version (one the last save kept) instead of the live one.
+
+    Args:
+        path (str): the table directory (or a flushed tier's directory).
+        verify (bool): check every array's SHA-256 and the keys' uniqueness.
+        batch_rows (int): rows read at a time.
+        kind (type | None): the store class to build (an EmbeddingStore subclass).
+        version (str | None): the version the chain read ends at (None: the live one).
+
+    Returns:
+        EmbeddingStore: a new store holding the table.
 
     >>> import numpy as np, tempfile, os
     >>> s = cncore.EmbeddingStore(dim=3, optimizer=cncore.Adam()); _ = s.find_or_insert(np.array([-2**63, 7]))
@@ -60,6 +79,13 @@ def chain_length(path: str, verify: bool = False) -> int:
     """How many deltas (incremental saves) the table at `path` holds over its base: 0 for a
     table saved in full. Without `verify`, the chain's manifests and sizes are checked, not the
     arrays' checksums.
+
+    Args:
+        path (str): the table directory.
+        verify (bool): check every array's SHA-256 too.
+
+    Returns:
+        int: the deltas over the base.
 
     >>> import numpy as np, tempfile, os
     >>> s = cncore.EmbeddingStore(dim=2); _ = s.find_or_insert(np.arange(3))
@@ -116,7 +142,13 @@ class TableFile:
 
     The array files stay open for the life of the object (through `_files`), and every read
     goes through them: a save that replaces this version and deletes its directory leaves
-    this table readable to the end.
+    this table readable to the end. Made by `open_table`, not by hand.
+
+    Args:
+        path (str): the table directory.
+        config (StoreConfig): the table's config.
+        step (int): the step it was saved at.
+        keys, rows, optimizer_state, counts, last_steps (np.memmap): its arrays, row by row.
     """
     path: str
     config: cncore.StoreConfig
@@ -157,8 +189,16 @@ class TableFile:
         return fh
 
     def read(self, name: str, start: int, stop: int) -> np.ndarray:
-        """Rows [start, stop) of one array, read into a new array (not a view of the map);
-        rows as float32 whatever the file stores (see `cncore.row_codec`)."""
+        """Rows [start, stop) of one array, read into a new array (not a view of the map).
+
+        Args:
+            name (str): "keys", "rows", "optimizer_state", "counts" or "last_steps".
+            start (int): first row number.
+            stop (int): row number after the last (clipped to the table's length).
+
+        Returns:
+            np.ndarray: the entries; rows as float32 whatever the file stores (`cncore.row_codec`).
+        """
         out = self._read_stored(name, start, stop)
         return decode_rows(out, self.config.dtype) if name == "rows" and out.dtype != np.float32 else out
 
@@ -180,7 +220,16 @@ class TableFile:
     def take(self, name: str, rows: np.ndarray, chunk: int = 1 << 14) -> np.ndarray:
         """One array's entries at row numbers `rows` (any order, repeats allowed). Reads go in
         row order through short-lived maps of `chunk` rows each, so the pages a gather touches
-        leave the resident set when the chunk is done. Rows come as float32."""
+        leave the resident set when the chunk is done.
+
+        Args:
+            name (str): "keys", "rows", "optimizer_state", "counts" or "last_steps".
+            rows (np.ndarray): (N,) row numbers in [0, len(table)).
+            chunk (int): rows a short-lived map covers.
+
+        Returns:
+            np.ndarray: the entries in the order of `rows`; rows as float32.
+        """
         mapped = getattr(self, name)
         rows = np.asarray(rows, dtype=np.int64)
         out = np.empty((len(rows),) + mapped.shape[1:], mapped.dtype)
@@ -197,15 +246,30 @@ class TableFile:
             del window
         return decode_rows(out, self.config.dtype) if name == "rows" and out.dtype != np.float32 else out
 
-    def batches(self, batch_rows: int = 1 << 18, names=tuple(ARRAYS)) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
-        """(start, {name: rows [start, start + batch_rows)}) over the whole table, in file order."""
+    def batches(self, batch_rows: int = 1 << 18, names: tuple[str, ...] = tuple(ARRAYS)
+                ) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
+        """The whole table in file order, a batch at a time (plain reads into fresh buffers).
+
+        Args:
+            batch_rows (int): rows a batch.
+            names (tuple[str, ...]): the arrays to read.
+
+        Yields:
+            tuple[int, dict[str, np.ndarray]]: the batch's first row number, and each array's
+            entries [start, start + batch_rows).
+        """
         for start in range(0, len(self), batch_rows):
             yield start, {name: self.read(name, start, start + batch_rows) for name in names}
 
-    def lookup(self, keys) -> np.ndarray:
-        """Rows (N, dim) of keys, zeros where a key is not in the table. No compiled core is
-        involved: the keys are sorted once (16 bytes per row in memory), the rows are read
-        from the memory map.
+    def lookup(self, keys: ArrayLike) -> np.ndarray:
+        """Rows of keys, zeros where a key is not in the table. No compiled core is involved:
+        the keys are sorted once (16 bytes per row in memory), the rows are read from the map.
+
+        Args:
+            keys (ArrayLike): (N,) int64 keys.
+
+        Returns:
+            np.ndarray: (N, dim) float32 rows.
 
         >>> import numpy as np, tempfile, os, cncore
         >>> path = os.path.join(tempfile.mkdtemp(), "t.cnt")
@@ -217,11 +281,21 @@ class TableFile:
         """
         return file_lookup(self, keys)
 
-    def pooled_lookup(self, keys, offsets=None, *, lengths=None, mode: str = "sum",
-                      per_sample_weights=None) -> np.ndarray:
-        """Offline scoring: the pooled rows (B, dim) of bags of keys, as
+    def pooled_lookup(self, keys: ArrayLike, offsets: ArrayLike | None = None, *, lengths: ArrayLike | None = None,
+                      mode: str = "sum", per_sample_weights: ArrayLike | None = None) -> np.ndarray:
+        """Offline scoring: the pooled rows of bags of keys, as
         `EmbeddingStore.pooled_lookup(..., insert_missing=False)` computes them (unknown keys
         are zero rows), straight from the file.
+
+        Args:
+            keys (ArrayLike): (N,) int64 keys, bag after bag.
+            offsets (ArrayLike | None): (B + 1,) bag starts, the last one N; or `lengths`.
+            lengths (ArrayLike | None): (B,) keys per bag.
+            mode (str): "sum", "mean" or "max".
+            per_sample_weights (ArrayLike | None): (N,) float32 weights (sum and mean).
+
+        Returns:
+            np.ndarray: (B, dim) float32.
 
         >>> import numpy as np, tempfile, os, cncore
         >>> path = os.path.join(tempfile.mkdtemp(), "t.cnt")
@@ -387,13 +461,29 @@ def _open_chain(path: str, verify: bool = True, head: str | None = None) -> list
 
 def chain_head(path: str, verify: bool = False) -> TableFile:
     """The live version of a table (a chain's last delta), its chain's links checked: what
-    the table's step, eviction count and shard record are read from."""
+    the table's step, eviction count and shard record are read from.
+
+    Args:
+        path (str): the table directory.
+        verify (bool): check every array's SHA-256 too.
+
+    Returns:
+        TableFile: the last version of the live chain.
+    """
     return _open_chain(path, verify)[-1]
 
 
 def chain_versions(path: str, head: str | None = None) -> tuple[str, ...]:
     """The version names of the live chain (or of the chain ending at `head`), base first,
-    its manifests and links checked (not the arrays' checksums)."""
+    its manifests and links checked (not the arrays' checksums).
+
+    Args:
+        path (str): the table directory.
+        head (str | None): the version the chain ends at (None: the live one).
+
+    Returns:
+        tuple[str, ...]: the versions, base first.
+    """
     return tuple(link.version for link in _open_chain(path, verify=False, head=head))
 
 
@@ -407,6 +497,13 @@ def open_table(path: str, verify: bool = True) -> TableFile | TierFile:
 
     A tier's directory (`StoreConfig(storage=cncore.Tiered(path, ...))`, flushed) opens as a
     `cncore.tier.TierFile`: the same reading verbs, as of the tier's last flush.
+
+    Args:
+        path (str): the table (or flushed tier) directory.
+        verify (bool): check every array's SHA-256 and the keys' uniqueness.
+
+    Returns:
+        TableFile | TierFile: the table, read-only.
     """
     if is_tier_directory(path):
         return open_tier(path, verify)

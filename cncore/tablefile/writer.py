@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 import cncore
 from cncore.fileio import _is_int, config_to_dict, fsync_dir
@@ -28,6 +29,7 @@ from cncore.tablefile.format import (
     npy_header,
 )
 from cncore.tablefile.reader import _manifest_sha256, _open_chain, _read_current, load_store
+from cncore.tier import TieredStore
 
 
 class TableWriter:
@@ -41,6 +43,20 @@ class TableWriter:
     `path` must be new, an empty directory or an existing table: a directory holding anything
     else is refused (`TableFormatError`) before anything is written.
 
+    Args:
+        path (str): the table directory.
+        config (StoreConfig): the table's config.
+        n_rows (int): rows the batches will hold in all (checked at `commit`).
+        step (int): the table's step.
+        parent (str | None): a delta version's parent version (see the module docstring).
+        removed_keys (ArrayLike | None): the keys a delta removes.
+        keep (tuple[str, ...]): versions the commit must leave in place (the chain's, and any
+            other a caller still needs).
+        evicted_count (int): the table's count of evicted rows (`EmbeddingStore.evicted_count`).
+        parent_sha256 (str | None): the SHA-256 of the parent's manifest.json as the caller
+            checked it (read from the parent when not given).
+        shard (dict | None): {"rank", "world_size", "save"} of a shard table.
+
     >>> import numpy as np, tempfile, os, cncore
     >>> path = os.path.join(tempfile.mkdtemp(), "t.cnt")
     >>> with TableWriter(path, cncore.StoreConfig(dim=2), n_rows=3, step=7) as w:
@@ -52,14 +68,8 @@ class TableWriter:
     """
 
     def __init__(self, path: str, config: cncore.StoreConfig, n_rows: int, step: int = 0, *,
-                 parent: str | None = None, removed_keys=None, keep: tuple[str, ...] = (), evicted_count: int = 0,
-                 parent_sha256: str | None = None, shard: dict | None = None):
-        """parent, removed_keys, keep: a delta version (see the module docstring): the version
-        it extends, the keys it removes, and the versions its commit must keep (the chain's,
-        and any other a caller still needs). parent_sha256: the SHA-256 of the parent's
-        manifest.json as the caller checked it (read from the parent when not given).
-        evicted_count: the table's count of evicted rows (`EmbeddingStore.evicted_count`).
-        shard: {"rank", "world_size", "save"} of a shard table (see the module docstring)."""
+                 parent: str | None = None, removed_keys: ArrayLike | None = None, keep: tuple[str, ...] = (),
+                 evicted_count: int = 0, parent_sha256: str | None = None, shard: dict | None = None):
         if not isinstance(config, cncore.StoreConfig):
             raise TypeError(f"config must be a cncore.StoreConfig, got {type(config).__name__}")
         if not _is_int(int(n_rows) if isinstance(n_rows, np.integer) else n_rows):
@@ -114,10 +124,18 @@ class TableWriter:
         self._files[name].write(data)
         self._hashes[name].update(data)
 
-    def write(self, keys, rows, optimizer_state=None, counts=None, last_steps=None) -> None:
-        """Append a batch: keys (k,), rows (k, dim); optimizer state (k, state floats) defaults
-        to the optimizer's initial state, counts and last steps to 0. Values that a cast would
-        change (float keys, negative counts, ...) are refused (see `as_column`)."""
+    def write(self, keys: ArrayLike, rows: ArrayLike, optimizer_state: ArrayLike | None = None,
+              counts: ArrayLike | None = None, last_steps: ArrayLike | None = None) -> None:
+        """Append a batch. Values that a cast would change (float keys, negative counts, ...)
+        are refused (see `as_column`).
+
+        Args:
+            keys (ArrayLike): (k,) int64 keys.
+            rows (ArrayLike): (k, dim) rows.
+            optimizer_state (ArrayLike | None): (k, state_floats); default the optimizer's initial state.
+            counts (ArrayLike | None): (k,) access counts; default 0.
+            last_steps (ArrayLike | None): (k,) last steps; default 0.
+        """
         keys = as_column("keys", keys)
         k = len(keys) if keys.ndim else 0
         if keys.ndim != 1:
@@ -227,7 +245,15 @@ class TableWriter:
 @dataclass(frozen=True)
 class Checkpoint:
     """What `save_table` returns: pass it as `since` to make the next save of the same store to
-    the same path a delta. delta: whether this save was one; chain: deltas since the base."""
+    the same path a delta.
+
+    Args:
+        path (str): the table directory.
+        version (str): the version this save wrote.
+        step (int): the store's step at the save.
+        delta (bool): whether this save was a delta.
+        chain (int): deltas since the base.
+    """
     path: str
     version: str
     step: int
@@ -253,8 +279,8 @@ def _delta_blocker(store, path: str, since) -> str | None:
     return None
 
 
-def save_table(store: cncore.EmbeddingStore, path: str, batch_rows: int = 1 << 18, *, since=None,
-               keep: tuple[str, ...] = (), shard: dict | None = None) -> Checkpoint:
+def save_table(store: cncore.EmbeddingStore | TieredStore, path: str, batch_rows: int = 1 << 18, *,
+               since: Checkpoint | None = None, keep: tuple[str, ...] = (), shard: dict | None = None) -> Checkpoint:
     """Write `store` (rows, optimizer state, metadata, config, step) to the table directory
     `path`, atomically. Rows are streamed in batches of `batch_rows`, so memory stays bounded.
     `path` must be new, an empty directory or an existing table (see `TableWriter`).
@@ -264,9 +290,18 @@ def save_table(store: cncore.EmbeddingStore, path: str, batch_rows: int = 1 << 1
     docstring, which also says when a save falls back to a full one; the Checkpoint's
     `delta` tells). Memory: 8 bytes per row of the store and of the chain for the key sets.
 
-    keep: version names the commit leaves in place besides the new chain, e.g. the chain of
-    the state another file still refers to (`chain_versions(path)` lists them).
-    shard: the place of a shard table, {"rank", "world_size", "save"} (see `check_shard`).
+    Args:
+        store (EmbeddingStore | TieredStore): the store to save.
+        path (str): the table directory: new, an empty directory or an existing table.
+        batch_rows (int): rows streamed at a time.
+        since (Checkpoint | None): a previous save of this store to this path, for a delta.
+        keep (tuple[str, ...]): version names the commit leaves in place besides the new chain,
+            e.g. the chain of the state another file still refers to (`chain_versions(path)`).
+        shard (dict | None): the place of a shard table, {"rank", "world_size", "save"}
+            (see `check_shard`).
+
+    Returns:
+        Checkpoint: this save (pass it as `since` to the next).
 
     >>> import numpy as np, tempfile, os
     >>> s = cncore.EmbeddingStore(dim=2, optimizer=cncore.SGD())
@@ -348,6 +383,15 @@ def _chain_keys(chain) -> np.ndarray:
 def compact_table(path: str, verify: bool = True, out: str | None = None) -> Checkpoint:
     """Rewrite a chain (base + deltas) as one full base, atomically (the chain's versions are
     removed after the commit), or write it to the new table `out` and leave `path` as it is.
-    Holds the table in memory while it writes."""
+    Holds the table in memory while it writes.
+
+    Args:
+        path (str): the table directory.
+        verify (bool): check every array's SHA-256 as it is read.
+        out (str | None): a new table to write instead of replacing `path`.
+
+    Returns:
+        Checkpoint: the full save.
+    """
     store = load_store(path, verify)
     return save_table(store, path if out is None else out)

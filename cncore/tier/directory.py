@@ -25,8 +25,15 @@ _META_FIELDS = ("config", "flush", "commit", "index", "rows", "step", "evicted",
 
 
 def writer_of(directory: str) -> str:
-    """Who holds a tier directory's writer lock, in words, from its pid file ("held by process
-    1234"), for messages; the lock itself (flock on the directory) is what TieredStore checks."""
+    """Who holds a tier directory's writer lock, in words, from its pid file, for messages; the
+    lock itself (flock on the directory) is what TieredStore checks.
+
+    Args:
+        directory (str): the tier's directory.
+
+    Returns:
+        str: e.g. "held by process 1234".
+    """
     try:
         with open(os.path.join(directory, _WRITER_PID)) as fh:
             pid = int(fh.read().strip())
@@ -97,10 +104,19 @@ def _sha256_file(path: str) -> str:
     return digest.hexdigest()
 
 
-def read_flushed(directory: str, error=ValueError, prefix: str = ""):
-    """(meta, keys, slots) of the last flush of a tier directory: meta.json parsed and checked,
-    the index checksummed. Raises `error` (its message starting with `prefix`) saying what is
-    wrong: no meta.json (never flushed), damage, another format or version."""
+def read_flushed(directory: str, error: type[Exception] = ValueError, prefix: str = ""
+                 ) -> tuple[dict, np.ndarray, np.ndarray]:
+    """The last flush of a tier directory: meta.json parsed and checked, the index checksummed.
+
+    Args:
+        directory (str): the tier's directory.
+        error (type[Exception]): what to raise, saying what is wrong: no meta.json (never
+            flushed), damage, another format or version.
+        prefix (str): the start of the error's message.
+
+    Returns:
+        tuple[dict, np.ndarray, np.ndarray]: meta.json's fields, the keys and their slots.
+    """
     meta_path = os.path.join(directory, "meta.json")
     try:
         with open(meta_path) as fh:
@@ -142,7 +158,14 @@ def read_flushed(directory: str, error=ValueError, prefix: str = ""):
 
 
 def is_tier_directory(path: str) -> bool:
-    """Whether `path` is a tier's directory (meta.json or rows.dat, and no table file's CURRENT)."""
+    """Whether `path` is a tier's directory (meta.json or rows.dat, and no table file's CURRENT).
+
+    Args:
+        path (str): a directory.
+
+    Returns:
+        bool: True for a tier's directory.
+    """
     return os.path.isdir(path) and not os.path.exists(os.path.join(path, "CURRENT")) and (
         os.path.exists(os.path.join(path, "meta.json")) or os.path.exists(os.path.join(path, "rows.dat")))
 

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import os
 import weakref
+from collections.abc import Iterator
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from cncore import _core
 from cncore.config import StoreConfig
@@ -34,6 +36,10 @@ class TierFile:
     are not in it; once the writer flushes again (its flushes may reuse the slots this index
     names), every read refuses (TableFormatError naming the writer's pid): open it again. An
     open that races a flush starts over on the new one.
+
+    Args:
+        path (str): the tier's directory.
+        verify (bool): check the index's keys are distinct and its slots in order.
 
     >>> import numpy as np, tempfile, os, cncore
     >>> from cncore.tablefile import open_table
@@ -187,13 +193,13 @@ class TierFile:
         return out
 
     def read(self, name: str, start: int, stop: int) -> np.ndarray:
-        """Entries [start, stop) of one column (row numbers in the tier's slot order), a new array."""
+        """As `cncore.tablefile.TableFile.read` (row numbers in the tier's slot order)."""
         if name == "keys":
             return self.keys[start:stop].copy()
         return self._fields(self._records(np.arange(start, min(stop, len(self)))), (name,))[name]
 
     def take(self, name: str, rows: np.ndarray, chunk: int = 1 << 14) -> np.ndarray:
-        """One column's entries at row numbers `rows` (any order, repeats allowed)."""
+        """As `cncore.tablefile.TableFile.take` (row numbers in the tier's slot order)."""
         rows = np.asarray(rows, dtype=np.int64)
         if len(rows) and (rows.min() < 0 or rows.max() >= len(self)):
             raise IndexError(f"rows: row numbers must be in [0, {len(self)})")
@@ -204,9 +210,11 @@ class TierFile:
             return np.concatenate(parts)
         return self._fields(np.zeros(0, self._record), (name,))[name]
 
-    def batches(self, batch_rows: int = 1 << 18, names=("keys", "rows", "optimizer_state", "counts", "last_steps")):
-        """(start, {name: rows [start, start + batch_rows)}) over the whole table, in slot
-        order; each batch one batched read of rows.dat (none for keys alone)."""
+    def batches(self, batch_rows: int = 1 << 18,
+                names: tuple[str, ...] = ("keys", "rows", "optimizer_state", "counts", "last_steps")
+                ) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
+        """As `cncore.tablefile.TableFile.batches`, in slot order; each batch one batched read
+        of rows.dat (none for keys alone)."""
         for start in range(0, len(self), batch_rows):
             stop = min(start + batch_rows, len(self))
             if all(n == "keys" for n in names):
@@ -214,17 +222,24 @@ class TierFile:
             else:
                 yield start, self._fields(self._records(np.arange(start, stop)), names)
 
-    def lookup(self, keys) -> np.ndarray:
-        """Rows (N, dim) of keys, zeros where a key is not in the table (see TableFile.lookup)."""
+    def lookup(self, keys: ArrayLike) -> np.ndarray:
+        """As `cncore.tablefile.TableFile.lookup`."""
         return file_lookup(self, keys)
 
-    def pooled_lookup(self, keys, offsets=None, *, lengths=None, mode: str = "sum",
-                      per_sample_weights=None) -> np.ndarray:
-        """Pooled rows (B, dim) of bags of keys, as TableFile.pooled_lookup."""
+    def pooled_lookup(self, keys: ArrayLike, offsets: ArrayLike | None = None, *, lengths: ArrayLike | None = None,
+                      mode: str = "sum", per_sample_weights: ArrayLike | None = None) -> np.ndarray:
+        """As `cncore.tablefile.TableFile.pooled_lookup`."""
         return file_pooled_lookup(self, keys, offsets, lengths, mode, per_sample_weights)
 
 
 def open_tier(path: str, verify: bool = True) -> TierFile:
-    """A flushed tier directory as a read-only table (TierFile); open_table(path) calls this
-    for a tier's directory."""
+    """A flushed tier directory as a read-only table; open_table(path) calls this for one.
+
+    Args:
+        path (str): the tier's directory.
+        verify (bool): check the index's keys are distinct and its slots in order.
+
+    Returns:
+        TierFile: the table as of the last flush.
+    """
     return TierFile(path, verify)

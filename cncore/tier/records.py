@@ -7,7 +7,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from cncore import _core
-from cncore.config import StoreConfig
+from cncore.config import ROW_DTYPES, StoreConfig
 from cncore.fileio import TableFormatError
 from cncore.row_codec import FILE_DTYPES, decode_rows
 
@@ -28,8 +28,8 @@ def _cache_rows(config: StoreConfig, cache_bytes: int) -> int:
 
 
 
-def record_layout(config: StoreConfig, version: int = _VERSION):
-    """(record dtype, records per 4 KiB page) of a tier of `config` in directory format `version`.
+def record_layout(config: StoreConfig, version: int = _VERSION) -> tuple[np.dtype, int]:
+    """The layout of a tier's records in rows.dat.
 
     From version 3 a row is stored at its dtype's size (float16 as <f2, bfloat16 as the <u2 bit
     patterns, as table files store them: cncore.row_codec), so a 16-bit table's records are
@@ -39,7 +39,15 @@ def record_layout(config: StoreConfig, version: int = _VERSION):
     From version 4 a record's last 4 bytes ("check") hold the checksum of the bytes before them
     (cn_tier_sum, cn_tier.h), written with the record and checked at every read: where the
     fields leave 4 bytes of padding (dim 64 with row-wise Adagrad: 276 bytes of data in 280) it
-    costs no space, else 8 bytes a record."""
+    costs no space, else 8 bytes a record.
+
+    Args:
+        config (StoreConfig): the tier's config.
+        version (int): the directory's format version.
+
+    Returns:
+        tuple[np.dtype, int]: the record's dtype, and records per 4 KiB page.
+    """
     row = FILE_DTYPES[config.dtype].str if version >= 3 else "<f4"
     fields = [("key", "<i8"), ("count", "<u4"), ("last_step", "<u4"), ("row", row, (config.dim,))]
     if config.state_floats:
@@ -68,6 +76,16 @@ def check_offset(record: np.dtype) -> int:
     """Where a record of this layout holds its checksum (0: none, before version 4)."""
     fields: Mapping[str, tuple] = record.fields or {}
     return fields["check"][1] if "check" in fields else 0
+
+
+def writer_layout(config: StoreConfig, record: np.dtype, per_page: int) -> tuple:
+    """The record layout as the core's RecordWriter takes it (cn_tier_layout): record bytes,
+    records a page, dim, state floats, the row's dtype code and the fields' offsets."""
+    fields: Mapping[str, tuple] = record.fields or {}
+    row_code = 0 if fields["row"][0].base == np.float32 else ROW_DTYPES[config.dtype]
+    return (record.itemsize, per_page, config.dim, config.state_floats, row_code, fields["count"][1],
+            fields["last_step"][1], fields["row"][1], fields["state"][1] if "state" in fields else 0,
+            check_offset(record))
 
 
 def rows_of(rec: np.ndarray, dtype: str) -> np.ndarray:

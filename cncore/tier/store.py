@@ -6,14 +6,15 @@ import contextlib
 import dataclasses
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from cncore import _core
 from cncore._interchange import as_floats, as_keys, as_uint32
-from cncore.config import LRU, ROW_DTYPES, StoreConfig, Tiered, store_config_of
-from cncore.grouped import as_flag, grouped_apply_gradients, pooled_lookup_one, unique_gradients_one
+from cncore.config import LRU, Optimizer, StoreConfig, Tiered, store_config_of
+from cncore.grouped import LookupContext, as_flag, grouped_apply_gradients, pooled_lookup_one, unique_gradients_one
 from cncore.rows import TableBatch
 from cncore.store import EmbeddingStore
 from cncore.tier import heap, records
@@ -25,11 +26,11 @@ from cncore.tier.prefetch import Prefetch, PrefetchState
 from cncore.tier.records import (
     _cache_rows,
     _row_bytes,
-    check_offset,
     record_error,
     record_layout,
     record_offsets,
     rows_of,
+    writer_layout,
 )
 from cncore.tier.slots import SlotAllocator
 from cncore.tier.write_behind import SpillQueue, WriteBehind
@@ -60,7 +61,7 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, Durability):
         self._writer_lock = None  # the directory's (WriterLock), from the open to close()
         self._prefetch = PrefetchState()  # the prefetch under way and what it left for the next call
         self._spare: np.ndarray | None = None  # a record buffer kept for the next read (_keep_spare)
-        self._erases: EraseBehind | None = None  # disk-index erases left to the background thread
+        self._erases: EraseBehind  # disk-index erases left to the background thread (set with the disk index)
         self._erase_behind_at = _ERASE_BEHIND_AT  # (tests set it to 1)
         self._find_on_disk_here = _FIND_ON_DISK_HERE  # (tests set it to 0)
         self.cache_rows = _cache_rows(config, storage.cache_bytes)
@@ -110,8 +111,9 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, Durability):
         self._disk.reserve(max(0, self.disk_keys_at_most(config.capacity) - len(self._disk)))
         # The cache's evictions go to the writer in C (cn_tier.h): packed from the eviction's
         # buffer into records, written, indexed on disk; no NumPy copies, no callback.
-        self._writer = _core.RecordWriter(self._fd, self._layout_fields(), self._disk, self._spill_slots,
-                                          self._io_threads, records._IO_ROWS)
+        layout = writer_layout(self._tier_config, self._record, self._per_page)
+        self._writer = _core.RecordWriter(self._fd, layout, self._disk, self._spill_slots, self._io_threads,
+                                          records._IO_ROWS)
         self.cache._table.evict_sink = self._writer
         # Write-behind: the rows the cache evicts are written by the background thread, not by
         # the call that evicted them (RecordWriter.behind, SpillJob); see _write_behind.
@@ -133,29 +135,11 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, Durability):
 
     # --- the layout of a record ------------------------------------------------------------------
 
-    def _rows_of(self, rec: np.ndarray) -> np.ndarray:
-        return rows_of(rec, self._tier_config.dtype)
-
     def _layout(self) -> None:
         """The record layout of the directory's version, and the slot allocator its pages make
         (built before anything is allocated: at the open, and again for an older directory)."""
         self._record, self._per_page = record_layout(self._tier_config, self._version)
         self._allocator = SlotAllocator(self._per_page)  # where spills and flushes write in rows.dat
-
-    def _layout_fields(self) -> tuple:
-        """The record layout as RecordWriter takes it (cn_tier_layout)."""
-        r, f = self._record, self._record.fields
-        row_code = 0 if r["row"].base == np.float32 else ROW_DTYPES[self._tier_config.dtype]
-        return (r.itemsize, self._per_page, self.dim, self._tier_config.state_floats, row_code,
-                f["count"][1], f["last_step"][1], f["row"][1], f["state"][1] if "state" in f else 0,
-                check_offset(r))
-
-    @property
-    def _open_erases(self) -> EraseBehind:
-        """The disk-index erases of an open store (every verb runs on an open one: _locked)."""
-        if self._erases is None:
-            raise RuntimeError("the tiered store is not open")
-        return self._erases
 
     def _offsets(self, slots: np.ndarray) -> np.ndarray:
         return record_offsets(slots, self._record.itemsize, self._per_page)
@@ -208,11 +192,18 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, Durability):
         self.stats["bytes_written"] += n * self._record.itemsize
 
     @contextlib.contextmanager
-    def faulted_in(self, keys, insert: bool):
+    def faulted_in(self, keys: ArrayLike, insert: bool) -> Iterator[np.ndarray | None]:
         """A context in which `keys` are in the memory cache (with `insert`, absent keys get
         their initial rows) and no other thread moves rows between the tiers: run a core lookup
-        of these keys inside it (what `grouped_pooled_lookup` and the torch modules do). It
-        gives the cache slot of every key, or None (see _fault_in)."""
+        of these keys inside it (what `grouped_pooled_lookup` and the torch modules do).
+
+        Args:
+            keys (ArrayLike): (N,) int64 keys.
+            insert (bool): give absent keys their initial rows in the cache.
+
+        Yields:
+            np.ndarray | None: the cache slot of every key, or None (see _fault_in).
+        """
         with self._lock:
             self._check_usable()
             yield self._fault_in(keys, insert)
@@ -222,18 +213,19 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, Durability):
         if self._unusable is not None:
             raise ValueError(self._unusable)
 
-    def pooled_lookup(self, keys, offsets=None, *, lengths=None, mode: str = "sum", per_sample_weights=None,
-                      insert_missing: bool = True, out=None):
+    def pooled_lookup(self, keys: ArrayLike, offsets: ArrayLike | None = None, *, lengths: ArrayLike | None = None,
+                      mode: str = "sum", per_sample_weights: ArrayLike | None = None, insert_missing: bool = True,
+                      out: np.ndarray | None = None) -> tuple[np.ndarray, LookupContext]:
         """As EmbeddingStore.pooled_lookup: its keys are faulted into the cache first, under the
         store's lock (`faulted_in`)."""
         return pooled_lookup_one(self, keys, offsets, lengths, mode, per_sample_weights, insert_missing, out)
 
-    def apply_gradients(self, ctx, grad_output, *, lr: float | None = None) -> None:
+    def apply_gradients(self, ctx: LookupContext, grad_output: ArrayLike, *, lr: float | None = None) -> None:
         """As EmbeddingStore.apply_gradients (the rows of a lookup are in the cache)."""
         self._check_usable()
         grouped_apply_gradients([ctx], grad_output, lr=lr, stores=[self])
 
-    def accumulate_gradients(self, ctx, grad_output):
+    def accumulate_gradients(self, ctx: LookupContext, grad_output: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
         """As EmbeddingStore.accumulate_gradients."""
         self._check_usable()
         return unique_gradients_one(self, ctx, grad_output)
@@ -246,15 +238,16 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, Durability):
 
     @_locked
     def evict(self, n: int) -> int:
-        """Move the `n` lowest-scoring cached rows to disk now; returns how many."""
+        """As EmbeddingStore.evict: the `n` lowest-scoring cached rows go to disk now."""
         return self.cache.evict(n)
 
     @_locked
     def evict_expired(self) -> int:
+        """As EmbeddingStore.evict_expired, over the cached rows (the expired rows go to disk)."""
         return self.cache.evict_expired()
 
     @_locked
-    def evict_if(self, predicate, *, batch_size: int = 65536) -> int:
+    def evict_if(self, predicate: Callable[[TableBatch], ArrayLike], *, batch_size: int = 65536) -> int:
         """As EmbeddingStore.evict_if, over the cached rows (the rows go to disk). Under the
         store's lock: the spill's writer has one buffer."""
         return self.cache.evict_if(predicate, batch_size=batch_size)
@@ -341,10 +334,15 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, Durability):
 
     def disk_keys_at_most(self, rows: int) -> int:
         """The most keys the disk index holds at once in a table of `rows` rows: all but the
-        cache's low-water mark (eviction takes the cache down to max_rows - headroom), plus one
-        round of a fault-in's loads (its keys leave the disk index after they are loaded, and
-        the rows evicted to make their room are indexed on disk before that), plus two rounds
-        whose erase is left to the background thread and may not have run yet (EraseBehind)."""
+        cache's low-water mark, plus a fault-in's round of loads (indexed on disk until they are
+        loaded) and two rounds of erases the background thread may not have run yet (EraseBehind).
+
+        Args:
+            rows (int): rows in the table, memory and disk together.
+
+        Returns:
+            int: the bound on the disk index's keys.
+        """
         low_water = self.cache_rows - (self.cache.config.headroom or 0)  # the cache's own config
         return max(0, int(rows) - low_water + 3 * self._evict_chunk)
 
@@ -360,40 +358,47 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, Durability):
 
     @_locked
     def __len__(self) -> int:
-        self._open_erases.settle()
+        self._erases.settle()
         return len(self.cache) + len(self._disk)
 
     def __reduce__(self):
         raise TypeError("a TieredStore does not pickle: flush() it and reopen the directory with its config")
 
     @_locked
-    def find(self, keys):
+    def find(self, keys: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
+        """As EmbeddingStore.find: the keys on disk are faulted into the cache first."""
         self._fault_in(keys, insert=False)
         return self.cache.find(keys)
 
     @_locked
-    def contains(self, keys) -> np.ndarray:
+    def contains(self, keys: ArrayLike) -> np.ndarray:
+        """As EmbeddingStore.contains, in memory or on disk (nothing moves)."""
         return self.cache.find(keys)[1] | (self._disk.find(as_keys(keys)) >= 0)
 
     @_locked
-    def find_or_insert(self, keys):
+    def find_or_insert(self, keys: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
+        """As EmbeddingStore.find_or_insert (`found`: in memory or on disk before the call)."""
         present = self.contains(keys)
         self._fault_in(keys, insert=True)
         slots, _ = self.cache.find_or_insert(keys)
         return slots, present
 
     @_locked
-    def insert_or_assign(self, keys, rows, optimizer_state=None) -> np.ndarray:
+    def insert_or_assign(self, keys: ArrayLike, rows: ArrayLike, optimizer_state: ArrayLike | None = None
+                         ) -> np.ndarray:
+        """As EmbeddingStore.insert_or_assign."""
         self._fault_in(keys, insert=False)
         return self.cache.insert_or_assign(keys, rows, optimizer_state)
 
     @_locked
-    def assign(self, keys, rows, optimizer_state=None) -> np.ndarray:
+    def assign(self, keys: ArrayLike, rows: ArrayLike, optimizer_state: ArrayLike | None = None) -> np.ndarray:
+        """As EmbeddingStore.assign."""
         self._fault_in(keys, insert=False)
         return self.cache.assign(keys, rows, optimizer_state)
 
     @_locked
-    def load(self, keys, rows, optimizer_state=None, counts=None, last_steps=None) -> np.ndarray:
+    def load(self, keys: ArrayLike, rows: ArrayLike, optimizer_state: ArrayLike | None = None,
+             counts: ArrayLike | None = None, last_steps: ArrayLike | None = None) -> np.ndarray:
         """As EmbeddingStore.load, in chunks of half the cache (restoring a table larger than the
         cache spills as it goes)."""
         keys = as_keys(keys)
@@ -418,8 +423,9 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, Durability):
         return found
 
     @_locked
-    def erase(self, keys) -> np.ndarray:
-        self._open_erases.settle()
+    def erase(self, keys: ArrayLike) -> np.ndarray:
+        """As EmbeddingStore.erase, in memory and on disk."""
+        self._erases.settle()
         erased = self.cache.erase(keys)
         arr = as_keys(keys)
         on_disk = self._disk.find(arr) >= 0
@@ -433,16 +439,18 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, Durability):
 
     @_locked
     def clear(self) -> None:
-        self._open_erases.settle()
+        """As EmbeddingStore.clear, in memory and on disk."""
+        self._erases.settle()
         self.cache.clear()
         self._disk.clear()
 
     @_locked
     def reserve(self, n_rows: int) -> None:
+        """As EmbeddingStore.reserve, for the cache (at most its rows)."""
         self.cache.reserve(min(int(n_rows), self.cache_rows))
 
     @_locked
-    def lookup(self, keys, *, insert_missing: bool = False) -> np.ndarray:
+    def lookup(self, keys: ArrayLike, *, insert_missing: bool = False) -> np.ndarray:
         """As EmbeddingStore.lookup; more keys than the cache holds go in chunks of half the
         cache (the rows are copies, so a later chunk may send an earlier one's rows to disk)."""
         insert = as_flag(insert_missing, "insert_missing")
@@ -457,7 +465,7 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, Durability):
         return self.cache.read(keys).rows
 
     @_locked
-    def read(self, keys) -> TableBatch:
+    def read(self, keys: ArrayLike) -> TableBatch:
         """As EmbeddingStore.read; more keys than the cache holds go in chunks of half the cache."""
         keys = as_keys(keys)
         step = max(1, self.cache_rows // 2)
@@ -467,16 +475,19 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, Durability):
         self._fault_in(keys, insert=False)
         return self.cache.read(keys)
 
-    def on_evict(self, callback) -> None:
+    def on_evict(self, callback: Callable[[TableBatch], object]) -> None:
+        """Refused: a tiered store's evicted rows go to its disk tier (TypeError)."""
         raise TypeError("on_evict: a tiered store's evicted rows go to its disk tier, not to callbacks")
 
-    def set_optimizer(self, optimizer) -> None:
+    def set_optimizer(self, optimizer: Optimizer) -> None:
+        """Refused: a tier's records have the optimizer's width (TypeError)."""
         raise TypeError("set_optimizer: not on a tiered store (its records have the optimizer's width)")
 
     @_locked
     def export(self, cursor: tuple | None = None, max_rows: int | None = None, *,
                with_rows: bool = True) -> TableBatch:
-        """Every row, the cache's then the disk's (no cursor: iter_export walks both tiers)."""
+        """As EmbeddingStore.export, whole only: the cache's rows, then the disk's (iter_export
+        walks both tiers in batches; a cursor or max_rows is refused)."""
         if cursor is not None or max_rows is not None:
             raise ValueError("cursor / max_rows: a tiered store exports whole or through iter_export()")
         parts = list(self.iter_export(1 << 18, with_rows=with_rows))
@@ -485,19 +496,19 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, Durability):
         return TableBatch.concat(parts)
 
     def iter_export(self, batch_size: int = 65536, *, with_rows: bool = True) -> Iterator[TableBatch]:
-        """Every row, a batch at a time: the cache's, then the disk's (each record checked)."""
+        """As EmbeddingStore.iter_export: the cache's rows, then the disk's (each record checked)."""
         self._check_usable()
         return self._iter_export(batch_size, with_rows)
 
     def _iter_export(self, batch_size: int, with_rows: bool) -> Iterator[TableBatch]:
         yield from self._cache_batches(batch_size, with_rows)
-        self._open_erases.settle()
+        self._erases.settle()
         sf = self._tier_config.state_floats
         for disk_keys, disk_slots in self._disk.items(batch_size):
             rec = self._read(disk_slots)
             self._check_records(rec.view(np.uint8).reshape(len(rec), -1), disk_keys, disk_slots)
             dim = self.dim if with_rows else 0
-            rows = self._rows_of(rec) if with_rows else np.empty((len(rec), 0), np.float32)
+            rows = rows_of(rec, self._tier_config.dtype) if with_rows else np.empty((len(rec), 0), np.float32)
             state = (rec["state"] if sf else np.empty((len(rec), 0), np.float32)) if with_rows \
                 else np.empty((len(rec), 0), np.float32)
             assert rows.shape[1] == dim
