@@ -34,12 +34,14 @@ build: setup
 PACKAGES := cncore cncore_torch cncore_numpy cn_dlrm cncore_jax
 LINT_PATHS := cncore frontends asv_bench .ci
 
-# Lint (ruff), types (mypy) and import layers (import-linter's contracts, then no import circle).
+# Lint (ruff), types (mypy), import layers (import-linter's contracts, then no import circle), and the
+# public API's annotations and Args/Returns docstrings (.ci/check_api.py against .ci/api_gaps.txt).
 lint: setup
 	$(VENV)/bin/ruff check $(LINT_PATHS)
 	$(PY) -m mypy $(LINT_PATHS)
 	$(VENV)/bin/lint-imports --no-cache
 	$(PY) .ci/check_imports.py
+	$(PY) .ci/check_api.py
 
 test: setup
 	$(PY) -m pytest -n 2 -p no:cacheprovider --doctest-modules tests examples --pyargs $(PACKAGES)
