@@ -25,7 +25,7 @@ def _trim() -> None:
     after a flush or compaction, and when the process's tiered stores have spilled 1/16 of their
     caches (_HeapTrim). Without it, a table 10x a 32 MiB cache under Zipf 1.05 IDs crept from 72
     to 84 MiB over 90 steps in some runs (freed eviction batches kept in the heap, fragmented).
-    Rejected (round 4, 300-step runs): the eviction's row buffers mapped and unmapped directly
+    Rejected (300-step runs): the eviction's row buffers mapped and unmapped directly
     instead (no trim needed for them): page faults 57k trimmed heap -> 67k mapped untrimmed,
     105k mapped and trimmed; and trimming 4x less often: no faster, the 3x store peak 41.3-42.0
     -> 42.4-42.6 MiB."""

@@ -13,7 +13,7 @@
  * Erased slots go on a free stack of their own (8 bytes per free slot), not on a list threaded
  * through the dead rows' metadata. A threaded list costs no memory, but then a dead row's bytes
  * are structure: a stale or forged slot that reaches the backward (which writes counts and
- * last steps) overwrote the link, and the next insert followed it out of the arena (issue 9:
+ * last steps) overwrote the link, and the next insert followed it out of the arena (measured:
  * a crash in 11 of 12 runs of a training thread racing an erasing one). With the stack, no row
  * byte is ever structure, so a slot that passes the cheap range check (cn_arena_slot_ok) can at
  * worst write a dead row. The stack's room is reserved before an erase changes anything, so an
