@@ -133,15 +133,16 @@ def test_options_without_a_fused_form_are_refused_naming_them(optimizer_class, k
         assert store.config.optimizer is None
 
 
-def test_neither_optimizer_says_both_ways_at_the_first_forward():
+def test_neither_optimizer_says_both_ways_at_the_first_backward():
     ours, _ = twins()
     model = torch.nn.Sequential()
     model.add_module("ebc", ours)
     torch.optim.SGD(list(model.parameters()), lr=0.1)  # what a user of plain torch would write
     kjt = batch(np.random.default_rng(0))
+    out = ours(kjt)  # the forward runs (and inserts, as a training forward does)
     with pytest.raises(RuntimeError, match=r"has no optimizer.*optimizer=cncore\.RowWiseAdagrad.*"
                                            r"apply_optimizer_in_backward"):
-        ours(kjt)
+        out.values().sum().backward()
     with torch.no_grad():
         ours(kjt)  # inference needs no optimizer
     ours.eval()
@@ -500,8 +501,9 @@ def test_compiled_collection_honours_apply_optimizer_in_backward_and_says_when_t
     ref, _ = twins()
     run = torch.compile(ours, backend="aot_eager", fullgraph=True)
     kjt = batch(np.random.default_rng(0))
+    out = run(kjt)
     with pytest.raises(RuntimeError, match=r"has no optimizer.*apply_optimizer_in_backward"):
-        run(kjt)
+        out.values().sum().backward()
     for model in (ours, ref):
         apply_optimizer_in_backward(TorchRecRowWiseAdagrad, model.parameters(), {"lr": 0.1})
     rng = np.random.default_rng(1)

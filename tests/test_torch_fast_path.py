@@ -230,12 +230,14 @@ def test_cnembedding_takes_the_fast_path_for_any_shape_and_equals_nn_embedding(f
 
 
 def test_no_grad_and_eval_on_the_fast_path():
-    """Under no_grad the fast path builds no graph (nothing to backward) and, in training mode,
-    still inserts; in eval mode unseen IDs read as zeros and nothing is inserted."""
+    """Under no_grad the fast path builds no graph (nothing to backward) and, in training mode
+    too, reads as in eval mode: unseen IDs read as zeros and nothing is inserted."""
     bag = CNEmbeddingBag(N, DIM, mode="sum", optimizer=cncore.SGD(lr=0.1))
     with torch.no_grad():
         out = bag(torch.tensor([[1, 2]]))
-    assert not out.requires_grad and out.grad_fn is None and bag.num_rows == 2
+    assert not out.requires_grad and out.grad_fn is None and bag.num_rows == 0 and out.tolist() == [[0.0] * DIM]
+    bag(torch.tensor([[1, 2]]))  # a training lookup with gradients inserts
+    assert bag.num_rows == 2
     bag.eval()
     out = bag(torch.tensor([[1, 2**50]]))
     torch.testing.assert_close(out[0], rows(bag)[1])

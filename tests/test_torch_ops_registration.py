@@ -21,8 +21,9 @@ def registered_ops_snippet(after: str) -> str:
         import cncore_torch
         from cncore_torch import ops
         def registered():
-            return [name for name in ("lookup", "weights_grad", "apply_gradients", "collection_pooled_rows",
-                                      "collection_unpooled_rows", "collection_unpooled_apply_gradients")
+            return [name for name in ("lookup", "weights_grad", "apply_gradients", "collection_pooled_lookup",
+                                      "collection_pooled_backward", "collection_unpooled_lookup",
+                                      "collection_unpooled_apply_gradients")
                     if torch._C._dispatch_has_kernel(f"cncore::{{name}}")]
         print(registered())
         {after}
@@ -30,10 +31,11 @@ def registered_ops_snippet(after: str) -> str:
     """
 
 
-def test_importing_cncore_torch_registers_no_operator_and_building_a_module_registers_all_six():
+def test_importing_cncore_torch_registers_no_operator_and_building_a_module_registers_all_seven():
     out = run(registered_ops_snippet("cncore_torch.CNEmbedding(10, 2)"))
-    assert out.splitlines() == ["[]", "['lookup', 'weights_grad', 'apply_gradients', 'collection_pooled_rows', "
-                                      "'collection_unpooled_rows', 'collection_unpooled_apply_gradients']"]
+    assert out.splitlines() == ["[]", "['lookup', 'weights_grad', 'apply_gradients', 'collection_pooled_lookup', "
+                                      "'collection_pooled_backward', 'collection_unpooled_lookup', "
+                                      "'collection_unpooled_apply_gradients']"]
 
 
 def test_an_unpickled_module_registers_the_operators_in_a_fresh_process(tmp_path):

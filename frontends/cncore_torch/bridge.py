@@ -74,12 +74,14 @@ def table_of(handle: int):
 
 class Pending:
     """What a lookup's backward needs: its owner, tables, per-feature contexts, layout."""
-    __slots__ = ("ctxs", "on_device", "owner", "sizes", "split", "tables")
+    __slots__ = ("ctxs", "expanded", "on_device", "owner", "sizes", "spans", "split", "tables")
 
     def __init__(self, owner, tables, ctxs, on_device: bool, split: bool):
         self.owner, self.tables, self.ctxs = owner, tables, ctxs
         self.on_device, self.split = on_device, split
         self.sizes = None  # what a caller splits the outputs by (the unpooled collection's features)
+        self.expanded = None  # (F, B) inverse indices a pooled collection expanded its bags by (variable batch)
+        self.spans = None  # each feature's (start, stop) in the KJT's weights (a pooled collection's operator)
 
 
 def _np(t):
@@ -145,6 +147,8 @@ def weights_grad_impl(pending: Pending, grad, features: list[int]) -> list[torch
     result: list[torch.Tensor | None] = [None] * len(pending.tables)
     for f in features:
         table, ctx, g = pending.tables[f], pending.ctxs[f], blocks[f]
+        if g is None:  # (a split lookup's unused output)
+            g = torch.zeros((len(ctx.offsets) - 1, table.dim))
         if pending.on_device:
             rows, lengths = table.rows_of(ctx), ctx.offsets[1:] - ctx.offsets[:-1]
         else:  # (the context's arrays are read-only: np.diff makes a new one)
@@ -182,7 +186,7 @@ def _moved():
 def _no_optimizer(owner):
     check = getattr(owner, "_require_optimizer", None)
     if check is not None:
-        check(True)  # raises, saying both ways to set one
+        check()  # raises, saying both ways to set one
     raise RuntimeError(f"{type(owner).__name__} has no fused optimizer; its rows cannot be trained")
 
 
@@ -294,11 +298,13 @@ class Lookup(torch.autograd.Function):
         pending = ctx.pending
         grad = grads if pending.split else grads[0]
         wants = ctx.needs_input_grad[_ARGS:]  # (per feature: a weight that needs its gradient)
+        update = ctx.needs_input_grad[0]  # (a frozen module's anchor needs none: its rows stay)
         if True not in wants:
-            backward_impl(pending, grad)
+            backward_impl(pending, grad)  # (the anchor needs its gradient, or there would be no backward)
             return (None,) * (_ARGS + len(wants))
         weight_grads = weights_grad_impl(pending, grad, [f for f, want in enumerate(wants) if want])
-        backward_impl(pending, grad)
+        if update:
+            backward_impl(pending, grad)
         return (None,) * _ARGS + tuple(weight_grads)
 
 
@@ -370,24 +376,50 @@ def check_versions(versions: tuple) -> None:
 _apply_table = super(torch.autograd.Function, TableLookup).apply
 
 
+def lookup_training(anchor: torch.Tensor, training: bool) -> bool:
+    """Whether a lookup runs as a training one (inserting unseen IDs, recording the rows'
+    accesses): in training mode, with gradients on, for a module whose rows can train (its
+    anchor requires grad). Under `torch.no_grad()` (a validation loop without `.eval()`) and for
+    a frozen module (`requires_grad_(False)`) it reads as in eval mode: unseen IDs give zero
+    rows and nothing is inserted.
+
+    Args:
+        anchor (torch.Tensor): the module's anchor parameter.
+        training (bool): the module's `training`.
+
+    Returns:
+        bool: the lookup's `training`.
+
+    >>> anchor = torch.nn.Parameter(torch.empty(0))
+    >>> lookup_training(anchor, True), lookup_training(anchor.requires_grad_(False), True)
+    (True, False)
+    >>> with torch.no_grad():
+    ...     lookup_training(anchor.requires_grad_(True), True)
+    False
+    """
+    return training and torch.is_grad_enabled() and anchor.requires_grad
+
+
 def lookup_table(owner, keys, offsets, mode: int, training: bool, shape=None, inputs=()) -> torch.Tensor:
     """The modules' eager lookup of their one table in the core, no per-sample weights (see
     TableLookup), with no functorch transform active: keys (N,) int64 and offsets (B+1,)
     int64 as NumPy arrays; `inputs`: the caller's tensors they are views of, which the backward
-    checks were not changed in place since (check_versions). Under torch.no_grad() no context
-    is kept."""
-    call = (owner, keys, offsets, mode, training, shape, inputs)
-    if not torch.is_grad_enabled():  # (its record dies here)
-        return TableLookup.forward(_NoNode(), None, call)
-    return _apply_table(owner._parameters["_anchor"], call)
+    checks were not changed in place since (check_versions). Under torch.no_grad(), or for a
+    frozen module, no context is kept and nothing is inserted (`lookup_training`)."""
+    anchor = owner._parameters["_anchor"]
+    if not torch.is_grad_enabled() or not anchor.requires_grad:  # (no backward: its record dies here)
+        return TableLookup.forward(_NoNode(), None, (owner, keys, offsets, mode, False, shape, inputs))
+    return _apply_table(anchor, (owner, keys, offsets, mode, training, shape, inputs))
 
 
 def lookup(anchor, owner, keys, offsets, weights, modes, training: bool, split: bool = False):
     """The eager lookup of `owner`'s tables (see the module docstring); weights: a list with
     None for unweighted features. Under torch.no_grad() no backward can follow: the lookup
-    runs without autograd and keeps no contexts (the evaluation path: ~30 us less a call)."""
+    runs without autograd and keeps no contexts (the evaluation path: ~30 us less a call).
+    It inserts only where a backward can train the rows (`lookup_training`)."""
     if torch.jit.is_tracing():
         _refuse_jit_trace(owner)
+    training = lookup_training(anchor, training)
     if not torch.is_grad_enabled():
         out, _ = forward_impl(owner, owner._lookup_tables(), keys, offsets, weights, modes, training, split,
                               backward=False)

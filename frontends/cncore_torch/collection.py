@@ -52,6 +52,7 @@ from cncore_torch.optim import (
 )
 from cncore_torch.state import save_store
 from cncore_torch.table_views import table_views
+from cncore_torch.variable_batch import expand, inverse_rows, strides_of, weight_spans
 
 __all__ = ["CNEmbeddingBagCollection", "CNEmbeddingCollection", "initializer_from_config"]
 
@@ -180,11 +181,13 @@ class _DynamicTables(CollectionShape, TableModule):
                                                          self._optimizer_prefix)
         self.__dict__["_adopted_tag"] = tag
 
-    def _require_optimizer(self, needed: bool) -> None:
-        """A training forward with gradients (`needed`) needs an optimizer: say so here, not deep
-        in backward."""
+    def _require_optimizer(self) -> None:
+        """A gradient reached the rows (the bridge's backward calls this when the collection has
+        no optimizer): refuse, naming both ways to give one, before any row changes. The forward
+        needs none (it only adopts a tagged one): a model runs, and a frozen collection
+        (`requires_grad_(False)`) never gets here."""
         self._adopt_tagged_optimizer()
-        if needed and self._optimizer is None:
+        if self._optimizer is None:
             raise no_optimizer_error(self._owner)
 
     def _materialise(self) -> None:
@@ -267,33 +270,41 @@ def pooled_collection_lookup(anchor: torch.Tensor, handle: int, features: KeyedJ
     tracer cannot see; `training` is read when traced, as TorchRec's own traced modules do)."""
     collection = bridge.table_of(handle)
     by_key = features_by_key(features, collection._feature_names, collection._rows_device)
+    inverse = None if strides_of(features) is None else inverse_rows(
+        features, [n for names in collection._feature_names for n in names], collection._owner)
     if collection.is_meta:  # shape inference only
         values = torch.empty((features.stride(), sum(collection._lengths_per_embedding)), device="meta")
         return KeyedTensor(keys=collection._embedding_names, length_per_key=collection._lengths_per_embedding,
                            values=values)
-    collection._require_optimizer(training and torch.is_grad_enabled())
+    collection._adopt_tagged_optimizer()
     keys, offsets, weights = grouped_arrays(collection, by_key)
-    values = _eager_lookup(anchor, collection, keys, offsets, weights, training)
+    if inverse is None:
+        values = _eager_lookup(anchor, collection, keys, offsets, weights, training)
+    else:  # a batch size per feature: each feature's bags, then every sample's (autograd sums them back)
+        values = expand(_eager_lookup(anchor, collection, keys, offsets, weights, training, split=True), inverse,
+                        collection._embedding_names)
     return KeyedTensor(keys=collection._embedding_names, length_per_key=collection._lengths_per_embedding,
                        values=values)
 
 
-def _eager_lookup(anchor, collection, keys, offsets, weights, training: bool):
+def _eager_lookup(anchor, collection, keys, offsets, weights, training: bool, split: bool = False):
     """The bridge's eager lookup (cncore_torch.bridge); on accelerator rows a graph break for
     torch.compile, as the modules' device path."""
     if collection._placement.kind == "device":
-        return _device_lookup(anchor, collection, keys, offsets, weights, training)
-    return bridge.lookup(anchor, collection, keys, offsets, weights, collection._modes, training)
+        return _device_lookup(anchor, collection, keys, offsets, weights, training, split)
+    return bridge.lookup(anchor, collection, keys, offsets, weights, collection._modes, training, split)
 
 
 @torch.compiler.disable
-def _device_lookup(anchor, collection, keys, offsets, weights, training: bool):
-    return bridge.lookup(anchor, collection, keys, offsets, weights, collection._modes, training)
+def _device_lookup(anchor, collection, keys, offsets, weights, training: bool, split: bool):
+    return bridge.lookup(anchor, collection, keys, offsets, weights, collection._modes, training, split)
 
 
 def grouped_arrays(collection, by_key: dict[str, JaggedTensor]):
     """(keys, offsets, weights): one tensor per feature of `collection`, in its order (int64
-    keys and offsets, float32 weights or None), as the bridge takes them."""
+    keys and offsets, float32 weights or None), as the bridge takes them. The weights keep
+    their autograd history: a weight that requires grad gets its gradient (TorchRec's
+    `PositionWeightedModule` learns so)."""
     keys, offsets, weights = [], [], []
     is_weighted = collection._is_weighted
     for names in collection._feature_names:
@@ -304,7 +315,7 @@ def grouped_arrays(collection, by_key: dict[str, JaggedTensor]):
             w = jt.weights_or_none() if is_weighted else None
             if is_weighted and w is None:
                 raise ValueError(f"features: is_weighted=True but key {name!r} has no weights")
-            weights.append(None if w is None else w.detach().to(torch.float32).contiguous())
+            weights.append(None if w is None else w.to(torch.float32).contiguous())
     return keys, offsets, weights
 
 
@@ -316,13 +327,15 @@ def grouped_arrays(collection, by_key: dict[str, JaggedTensor]):
 # (`_pooled_rows`, `_unpooled_rows`) and calls the same forward_impl.
 
 
-def _kjt_of_parts(collection, values, lengths, weights, n_keys: int, positions: list[int]) -> KeyedJaggedTensor:
+def _kjt_of_parts(collection, values, lengths, weights, n_keys: int, positions: list[int],
+                  strides: list[int] | None) -> KeyedJaggedTensor:
     """The KJT an operator got in parts: the collection's features at their positions, the
-    keys it does not read named by position."""
+    keys it does not read named by position; `strides`: each key's batch size (None: one)."""
     names = [f"<key {i}>" for i in range(n_keys)]
     for name, at in zip((n for group in collection._feature_names for n in group), positions):
         names[at] = name
-    return KeyedJaggedTensor(keys=names, values=values, lengths=lengths, weights=weights)
+    return KeyedJaggedTensor(keys=names, values=values, lengths=lengths, weights=weights,
+                             stride_per_key_per_rank=[[s] for s in strides] if strides else None)
 
 
 def _positions(collection, features: KeyedJaggedTensor) -> list[int]:
@@ -367,7 +380,8 @@ class CNEmbeddingBagCollection(_DynamicTables, EmbeddingBagCollection):
     ({'t': 3}, 1)
 
     The optimizer the TorchRec way (a plain `torch.optim.SGD(model.parameters())` cannot move
-    the rows, which are not parameters: a training forward with no optimizer says so):
+    the rows, which are not parameters: the forward runs, and a gradient reaching rows with no
+    optimizer says so, before any row changes):
 
     >>> import warnings
     >>> from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
@@ -375,10 +389,10 @@ class CNEmbeddingBagCollection(_DynamicTables, EmbeddingBagCollection):
     ...                                                    feature_names=["f"])],
     ...                                initializers={"t": cncore.Constant(1.0)})
     >>> kjt = KeyedJaggedTensor.from_lengths_sync(["f"], torch.tensor([7, 7]), torch.tensor([2]))
-    >>> ebc(kjt)
+    >>> ebc(kjt).values().sum().backward()
     Traceback (most recent call last):
     ...
-    RuntimeError: CNEmbeddingBagCollection has no optimizer, and a torch.optim optimizer over model.parameters() cannot train its rows (they are not parameters). Either build it with optimizer=cncore.RowWiseAdagrad(lr=...) (or SGD, Adagrad, Adam), or call torchrec.optim.apply_optimizer_in_backward(optimizer_class, <its parameters>, {"lr": ...}) before training, as for TorchRec's fused tables. (Forward under torch.no_grad() or in eval mode needs neither.)
+    RuntimeError: CNEmbeddingBagCollection has no optimizer, and a torch.optim optimizer over model.parameters() cannot train its rows (they are not parameters). Either build it with optimizer=cncore.RowWiseAdagrad(lr=...) (or SGD, Adagrad, Adam), or call torchrec.optim.apply_optimizer_in_backward(optimizer_class, <its parameters>, {"lr": ...}) before training, as for TorchRec's fused tables. (A forward needs neither, nor does a frozen collection: requires_grad_(False).)
     >>> with warnings.catch_warnings():
     ...     warnings.simplefilter("ignore", DeprecationWarning)  # TorchRec points at torch's private twin
     ...     apply_optimizer_in_backward(torch.optim.Adagrad, ebc.parameters(), {"lr": 0.5})
@@ -427,7 +441,7 @@ class CNEmbeddingBagCollection(_DynamicTables, EmbeddingBagCollection):
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         """(B, sum of dims) pooled rows as a KeyedTensor; `torch.fx.symbolic_trace`-able (one
         node) and `torch.compile`-able (one operator each way, no graph break)."""
-        if torch.compiler.is_compiling() and self._placement.kind == "core" and not features.variable_stride_per_key():
+        if torch.compiler.is_compiling() and self._placement.kind == "core":
             return self._compiled_lookup(features)
         return pooled_collection_lookup(self._anchor, self._handle, features, self.training)
 
@@ -436,21 +450,31 @@ class CNEmbeddingBagCollection(_DynamicTables, EmbeddingBagCollection):
         weights = features.weights_or_none() if self._is_weighted else None
         if self._is_weighted and weights is None:
             raise ValueError("features: is_weighted=True but the KJT has no weights")
-        values, _ = torch.ops.cncore.collection_pooled_rows(
+        strides = strides_of(features)
+        inverse = None if strides is None else inverse_rows(
+            features, [n for names in self._feature_names for n in names], self._owner)
+        values, _ = torch.ops.cncore.collection_pooled_lookup(
             self._anchor, self._handle, features.values(), features.lengths(), weights, len(features.keys()),
-            positions, self.training, self.training and torch.is_grad_enabled())
+            positions, strides, inverse, bridge.lookup_training(self._anchor, self.training))
         return KeyedTensor(keys=self._embedding_names, length_per_key=self._lengths_per_embedding, values=values)
 
-    def _pooled_rows(self, values, lengths, weights, n_keys: int, positions: list[int], training: bool,
-                     needs_optimizer: bool):
-        """What the `cncore::collection_pooled_rows` operator runs (cncore_torch.ops): the KJT's
+    def _pooled_rows(self, values, lengths, weights, n_keys: int, positions: list[int], strides: list[int] | None,
+                     inverse, training: bool):
+        """What the `cncore::collection_pooled_lookup` operator runs (cncore_torch.ops): the KJT's
         parts checked as the eager forward checks them (`features_by_key`), then the bridge's
-        forward: ((B, sum of dims) rows, what its backward needs)."""
-        by_key = features_by_key(_kjt_of_parts(self, values, lengths, weights, n_keys, positions),
-                                 self._feature_names)
-        self._require_optimizer(needs_optimizer)
-        keys, offsets, weights = grouped_arrays(self, by_key)
-        return bridge.forward_impl(self, self._lookup_tables(), keys, offsets, weights, self._modes, training)
+        forward: ((B, sum of dims) rows, what its backward needs). With a batch size per key
+        (`strides`), each feature's bags expanded by `inverse` (cncore_torch.variable_batch)."""
+        features = _kjt_of_parts(self, values, lengths, weights, n_keys, positions, strides)
+        by_key = features_by_key(features, self._feature_names)
+        self._adopt_tagged_optimizer()
+        keys, offsets, feature_weights = grouped_arrays(self, by_key)
+        out, pending = bridge.forward_impl(self, self._lookup_tables(), keys, offsets, feature_weights, self._modes,
+                                           training, split=inverse is not None)
+        if inverse is not None:
+            out, pending.expanded = expand(out, inverse, self._embedding_names), inverse
+        if weights is not None:
+            pending.spans = weight_spans(features, positions)
+        return out, pending
 
     def table_rows(self) -> dict[str, int]:
         """Rows in each table."""
@@ -529,7 +553,7 @@ class CNEmbeddingCollection(_DynamicTables, EmbeddingCollection):
     def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
         """{embedding name: JaggedTensor of (N, dim) rows}; `torch.compile`-able (one operator
         each way, no graph break)."""
-        if torch.compiler.is_compiling() and self._placement.kind == "core" and not features.variable_stride_per_key():
+        if torch.compiler.is_compiling() and self._placement.kind == "core":
             return self._compiled_lookup(features)
         return unpooled_collection_lookup(self._anchor, self._handle, features, self.training)
 
@@ -541,7 +565,7 @@ class CNEmbeddingCollection(_DynamicTables, EmbeddingCollection):
         if self.is_meta:  # shape inference only
             outs = [torch.empty((len(k), self._dim), device="meta") for k in keys_by_table]
         else:
-            self._require_optimizer(training and torch.is_grad_enabled())
+            self._adopt_tagged_optimizer()
             outs = unpooled_lookup(self._anchor, self, keys_by_table, training)
         result: dict[str, JaggedTensor] = {}
         for out, names, emb_names in zip(outs, self._feature_names, self._names_by_table):
@@ -557,22 +581,25 @@ class CNEmbeddingCollection(_DynamicTables, EmbeddingCollection):
     def _compiled_lookup(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
         positions = _positions(self, features)
         n_keys, n = len(features.keys()), len(positions)
-        outs = torch.ops.cncore.collection_unpooled_rows(
-            self._anchor, self._handle, features.values(), features.lengths(), n_keys, positions, self.training,
-            self.training and torch.is_grad_enabled(), self._need_indices)
-        lengths = features.lengths().view(n_keys, -1)
+        strides = strides_of(features)
+        outs = torch.ops.cncore.collection_unpooled_lookup(
+            self._anchor, self._handle, features.values(), features.lengths(), n_keys, positions, strides,
+            bridge.lookup_training(self._anchor, self.training), self._need_indices)
+        lengths = (features.lengths().view(n_keys, -1) if strides is None
+                   else torch.split(features.lengths(), strides))
         emb_names = [e for names in self._names_by_table for e in names]
         return {e: JaggedTensor(values=outs[i], lengths=lengths[positions[i]],
                                 weights=outs[n + i] if self._need_indices else None)
                 for i, e in enumerate(emb_names)}
 
-    def _unpooled_rows(self, values, lengths, n_keys: int, positions: list[int], training: bool,
-                       needs_optimizer: bool, need_indices: bool):
-        """What the `cncore::collection_unpooled_rows` operator runs (cncore_torch.ops): the (N_f,
+    def _unpooled_rows(self, values, lengths, n_keys: int, positions: list[int], strides: list[int] | None,
+                       training: bool, need_indices: bool):
+        """What the `cncore::collection_unpooled_lookup` operator runs (cncore_torch.ops): the (N_f,
         dim) rows of each feature, then (need_indices) each feature's IDs; and what the backward
         needs (with each table's features' sizes, by which the backward joins their gradients)."""
-        by_key = features_by_key(_kjt_of_parts(self, values, lengths, None, n_keys, positions), self._feature_names)
-        self._require_optimizer(needs_optimizer)
+        by_key = features_by_key(_kjt_of_parts(self, values, lengths, None, n_keys, positions, strides),
+                                 self._feature_names)
+        self._adopt_tagged_optimizer()
         ids = [[by_key[n].values().detach() for n in names] for names in self._feature_names]
         keys = [torch.cat(t).to(torch.int64).contiguous() for t in ids]
         offsets = [torch.arange(len(k) + 1, dtype=torch.int64) for k in keys]

@@ -29,6 +29,7 @@ __all__ = ["embedding_bag_lookup", "embedding_lookup", "unpooled_lookup", "MODES
 MODES = {"sum": 0, "mean": 1, "max": 2}
 
 
+
 def _as_ids(input, name="input") -> torch.Tensor:
     if not isinstance(input, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of IDs, got {type(input).__name__}")
@@ -129,6 +130,7 @@ def _check_device(placement: str, **tensors) -> None:
 
 
 def _lookup(anchor, handle, placement, dim, keys, offsets, weights, mode, training):
+    training = bridge.lookup_training(anchor, training)
     if placement == "core":
         if torch.compiler.is_compiling():  # one opaque operator in the graph
             return torch.ops.cncore.lookup(anchor, handle, [keys], [offsets], [weights], [mode], training)[0]

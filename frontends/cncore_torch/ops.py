@@ -8,9 +8,12 @@ returns its rows and a token (an int64 tensor) naming what its backward needs (`
 - `cncore::lookup`: the modules' pooled lookup (per-feature keys, offsets, weights);
   `cncore::weights_grad`: the gradient of its per-sample weights; `cncore::apply_gradients`:
   the backward of every lookup operator (the fused update, or the gradient hooks);
-- `cncore::collection_pooled_rows`: `CNEmbeddingBagCollection`'s lookup of a whole KJT (values,
-  lengths, weights and each feature's position among its keys, known when traced);
-- `cncore::collection_unpooled_rows` / `cncore::collection_unpooled_apply_gradients`:
+- `cncore::collection_pooled_lookup` / `cncore::collection_pooled_backward`:
+  `CNEmbeddingBagCollection`'s lookup of a whole KJT (values, lengths, weights, each feature's
+  position among its keys and each key's batch size (None: one), known when traced, and the inverse indices
+  of a KJT with a batch size per key), and its backward: the per-sample-weight gradient, then
+  the update;
+- `cncore::collection_unpooled_lookup` / `cncore::collection_unpooled_apply_gradients`:
   `CNEmbeddingCollection`'s, whose outputs have sizes known only at run time (unbacked sizes
   when traced).
 
@@ -40,6 +43,7 @@ import weakref
 import torch
 
 from cncore_torch.bridge import backward_impl, forward_impl, table_of, weights_grad_impl
+from cncore_torch.variable_batch import gather_gradients
 
 __all__ = ["register_operators", "token_for", "pending_of"]
 
@@ -126,44 +130,77 @@ def _lookup_backward(ctx, grad_out, _grad_token):
 
 # --- the collections' lookups ------------------------------------------------------------------------
 
-def collection_pooled_rows(anchor: torch.Tensor, handle: int, values: torch.Tensor, lengths: torch.Tensor,
-                           weights: torch.Tensor | None, n_keys: int, positions: list[int], training: bool,
-                           needs_optimizer: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def collection_pooled_lookup(anchor: torch.Tensor, handle: int, values: torch.Tensor, lengths: torch.Tensor,
+                             weights: torch.Tensor | None, n_keys: int, positions: list[int],
+                             strides: list[int] | None, inverse: torch.Tensor | None,
+                             training: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """CNEmbeddingBagCollection's lookup as an operator: (B, sum of dims) pooled rows and the
-    token of its contexts. The collection checks the KJT as its eager forward does."""
-    out, pending = table_of(handle)._pooled_rows(values, lengths, weights, n_keys, positions, training,
-                                                 needs_optimizer)
+    token of its contexts. The collection checks the KJT as its eager forward does; `strides`
+    (each key's batch size, None when they share one) and `inverse` ((F, B) bag of each sample
+    per feature, or None) carry a KJT with a batch size per key."""
+    out, pending = table_of(handle)._pooled_rows(values, lengths, weights, n_keys, positions, strides, inverse,
+                                                 training)
     return out, token_for(pending)
 
 
-def _pooled_rows_fake(anchor, handle, values, lengths, weights, n_keys, positions, training, needs_optimizer):
+def _pooled_lookup_fake(anchor, handle, values, lengths, weights, n_keys, positions, strides, inverse, training):
     dims = sum(table_of(handle)._lengths_per_embedding)
-    return (values.new_empty((lengths.shape[0] // n_keys, dims), dtype=torch.float32),
-            values.new_empty((1,), dtype=torch.int64))
+    bags = inverse.shape[1] if inverse is not None else lengths.shape[0] // n_keys
+    return values.new_empty((bags, dims), dtype=torch.float32), values.new_empty((1,), dtype=torch.int64)
 
 
-def _pooled_rows_setup_context(ctx, inputs, output):
+def _pooled_lookup_setup_context(ctx, inputs, output):
+    weights = inputs[4]
+    ctx.n_weights = None if weights is None else weights.shape[0]
+    ctx.weights_dtype = None if weights is None else weights.dtype
     ctx.save_for_backward(inputs[0], output[1])
 
 
-def _pooled_rows_backward(ctx, grad_out, _grad_token):
+def _pooled_lookup_backward(ctx, grad_out, _grad_token):
     anchor, token = ctx.saved_tensors
-    grad_anchor = torch.ops.cncore.apply_gradients(anchor, [grad_out.contiguous()], token, [])
-    return grad_anchor, None, None, None, None, None, None, None, None
+    wants_weights = ctx.n_weights is not None and ctx.needs_input_grad[4]
+    grad_anchor, grad_weights = torch.ops.cncore.collection_pooled_backward(
+        anchor, grad_out.contiguous(), token, ctx.needs_input_grad[0], ctx.n_weights if wants_weights else -1)
+    grad_weights = grad_weights.to(ctx.weights_dtype) if wants_weights else None
+    return grad_anchor, None, None, None, grad_weights, None, None, None, None, None
 
 
-def collection_unpooled_rows(anchor: torch.Tensor, handle: int, values: torch.Tensor, lengths: torch.Tensor,
-                             n_keys: int, positions: list[int], training: bool, needs_optimizer: bool,
-                             need_indices: bool) -> list[torch.Tensor]:
-    """CNEmbeddingCollection's lookup as an operator (see collection_pooled_rows): the (N_f,
+def collection_pooled_backward(anchor: torch.Tensor, grad: torch.Tensor, token: torch.Tensor, update: bool,
+                               n_weights: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Backward of `collection_pooled_lookup`: the gradient of the KJT's weights (its
+    `n_weights` values; -1: none wanted, an empty tensor), read from the rows before they move,
+    then (`update`: the anchor needs its gradient, i.e. the collection is not frozen) the fused
+    update. Returns (the anchor's zero gradient, the weights' gradient)."""
+    pending = pending_of(token)
+    grads = grad if pending.expanded is None else gather_gradients(  # (each feature's bags: their samples' sum)
+        grad, pending.expanded, [len(c.offsets) - 1 for c in pending.ctxs], [t.dim for t in pending.tables])
+    grad_weights = torch.empty(0)
+    if n_weights >= 0:
+        grad_weights = torch.zeros(n_weights)
+        by_feature = weights_grad_impl(pending, grads, list(range(len(pending.tables))))
+        for (start, stop), g in zip(pending.spans, by_feature):
+            if g is not None:
+                grad_weights[start:stop] += g
+    if update:
+        backward_impl(pending, grads)
+    return torch.zeros_like(anchor), grad_weights
+
+
+def _pooled_backward_fake(anchor, grad, token, update, n_weights):
+    return torch.empty_like(anchor), grad.new_empty((max(n_weights, 0),))
+
+
+def collection_unpooled_lookup(anchor: torch.Tensor, handle: int, values: torch.Tensor, lengths: torch.Tensor,
+                               n_keys: int, positions: list[int], strides: list[int] | None, training: bool,
+                               need_indices: bool) -> list[torch.Tensor]:
+    """CNEmbeddingCollection's lookup as an operator (see collection_pooled_lookup): the (N_f,
     dim) rows of each feature, then (need_indices) each feature's IDs, then the token."""
-    outputs, pending = table_of(handle)._unpooled_rows(values, lengths, n_keys, positions, training,
-                                                       needs_optimizer, need_indices)
+    outputs, pending = table_of(handle)._unpooled_rows(values, lengths, n_keys, positions, strides, training,
+                                                       need_indices)
     return outputs + [token_for(pending)]
 
 
-def _unpooled_rows_fake(anchor, handle, values, lengths, n_keys, positions, training, needs_optimizer,
-                        need_indices):
+def _unpooled_rows_fake(anchor, handle, values, lengths, n_keys, positions, strides, training, need_indices):
     ctx, dim = torch.library.get_ctx(), table_of(handle)._dim
     counts = [ctx.new_dynamic_size() for _ in positions]
     rows = [values.new_empty((n, dim), dtype=torch.float32) for n in counts]
@@ -178,6 +215,8 @@ def _unpooled_rows_setup_context(ctx, inputs, output):
 
 def _unpooled_rows_backward(ctx, grads):
     anchor, token = ctx.saved_tensors
+    if not ctx.needs_input_grad[0]:  # (a frozen collection: its rows stay)
+        return (None,) * 9
     grad_anchor = torch.ops.cncore.collection_unpooled_apply_gradients(anchor, list(grads[:ctx.n_features]), token)
     return grad_anchor, None, None, None, None, None, None, None, None
 
@@ -209,9 +248,10 @@ _OPERATORS = (
     ("cncore::lookup", lookup_op, _lookup_fake, (_lookup_backward, _lookup_setup_context)),
     ("cncore::weights_grad", weights_grad_op, _weights_grad_fake, None),
     ("cncore::apply_gradients", apply_gradients_op, _apply_gradients_fake, None),
-    ("cncore::collection_pooled_rows", collection_pooled_rows, _pooled_rows_fake,
-     (_pooled_rows_backward, _pooled_rows_setup_context)),
-    ("cncore::collection_unpooled_rows", collection_unpooled_rows, _unpooled_rows_fake,
+    ("cncore::collection_pooled_lookup", collection_pooled_lookup, _pooled_lookup_fake,
+     (_pooled_lookup_backward, _pooled_lookup_setup_context)),
+    ("cncore::collection_pooled_backward", collection_pooled_backward, _pooled_backward_fake, None),
+    ("cncore::collection_unpooled_lookup", collection_unpooled_lookup, _unpooled_rows_fake,
      (_unpooled_rows_backward, _unpooled_rows_setup_context)),
     ("cncore::collection_unpooled_apply_gradients", collection_unpooled_apply_gradients,
      _unpooled_apply_gradients_fake, None),

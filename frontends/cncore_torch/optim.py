@@ -287,5 +287,5 @@ def no_optimizer_error(owner: str) -> RuntimeError:
         f"{owner} has no optimizer, and a torch.optim optimizer over model.parameters() cannot train its "
         "rows (they are not parameters). Either build it with optimizer=cncore.RowWiseAdagrad(lr=...) (or "
         "SGD, Adagrad, Adam), or call torchrec.optim.apply_optimizer_in_backward(optimizer_class, "
-        "<its parameters>, {\"lr\": ...}) before training, as for TorchRec's fused tables. (Forward under "
-        "torch.no_grad() or in eval mode needs neither.)")
+        "<its parameters>, {\"lr\": ...}) before training, as for TorchRec's fused tables. (A forward "
+        "needs neither, nor does a frozen collection: requires_grad_(False).)")
