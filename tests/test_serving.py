@@ -12,6 +12,7 @@ from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingConfig
 
 import cncore
 from cncore_torch import CNEmbedding, CNEmbeddingBag, CNEmbeddingBagCollection, CNEmbeddingCollection
+from cncore_torch.base import TableModule
 from cncore_torch.serving import (
     FrozenEmbedding,
     FrozenEmbeddingBag,
@@ -185,6 +186,7 @@ def test_freeze_copies_a_model_and_leaves_the_original_training():
     kjt = batch(np.random.default_rng(4), 40, False)
     before = frozen(kjt).values().clone()
     assert frozen[0] is not ebc and not frozen.training and not any(p.requires_grad for p in frozen.parameters())
+    assert not [n for n, m in frozen.named_modules() if isinstance(m, TableModule)]  # no live table left inside
     ebc(kjt).values().sum().backward()   # the original keeps training: the frozen copy does not move
     assert model.training and torch.equal(frozen(kjt).values(), before)
 

@@ -83,9 +83,12 @@ def freeze(model: nn.Module) -> nn.Module:
                             f"the unsharded model: load the checkpoint into a one-process model first "
                             f"(docs/distributed.md, checkpoints across world sizes)")
     memo: dict = {}
+    frozen_paths: list[str] = []
     for where, module in model.named_modules():
-        if isinstance(module, TableModule):
+        inside = any(where.startswith(f"{p}.") or not p for p in frozen_paths)
+        if isinstance(module, TableModule) and not inside:  # (a collection's per-table views go with it)
             memo[id(module)] = _frozen(module, where or type(module).__name__)
+            frozen_paths.append(where)
     frozen = memo[id(model)] if id(model) in memo else copy.deepcopy(model, memo)
     frozen.eval().requires_grad_(False)
     lock = ServingLock()
