@@ -3,15 +3,18 @@
 The job's DLRM (`cn-dlrm`'s model, row-wise Adagrad on the tables, Adagrad on the dense
 network) on the job's default synthetic Criteo-like stream (`cncore.synthetic`: Zipf IDs
 that drift, so new IDs keep coming), trained with each table held to a row budget of
---budgets percent of the distinct IDs the training range brings to it (never below the most
-distinct IDs one batch brings to it: `cn_dlrm.bounded.percent_budgets`, what
-`cn-dlrm --max-rows P%` uses), each method given the same rows per table:
+--budgets percent of the distinct IDs the training range brings to it (with --budget-floor
+peak, never below the most distinct IDs one batch brings to it: `cn_dlrm.bounded.percent_budgets`,
+what `cn-dlrm --max-rows P%` uses), each method given the same rows per table. With --data
+movielens, MovieLens-100K as a click-through task instead (`bounded_movielens.py`: nine tables,
+one pass over the first 80% of the ratings in time order, tested on the rest, Adagrad on
+every table):
 
 - ours: `CNEmbeddingBagCollection(max_rows=..., eviction=LRU() | LFU())`, and LRU with
   `admission=MinCount(2)` (an ID gets a row at its second sighting);
 - TorchRec hashed: its `EmbeddingBagCollection` with IDs taken modulo the budget, and modulo
-  as many rows as fit in the memory our LRU tables used at that budget (index, rows, metadata,
-  keys: about twice a fixed row's bytes at dim 16);
+  as many rows as fit in the memory the first of ours' methods in --methods used at that
+  budget (index, rows, metadata, keys: about twice a fixed row's bytes at dim 16);
 - TorchRec MCH: `ManagedCollisionEmbeddingBagCollection` over its `EmbeddingBagCollection`,
   a `MCHManagedCollisionModule` per table (zch_size = the budget; its last slot takes the IDs
   it has no slot for) with `LRU_EvictionPolicy`, `LFU_EvictionPolicy` or
@@ -31,6 +34,8 @@ rows, metadata, keys; fixed tables: rows x (dim + 1 Adagrad float) x 4 B) and tr
 
     python asv_bench/scripts/bounded_auc.py                        # 200 steps: about 6 minutes on 2 cores
     python asv_bench/scripts/bounded_auc.py --steps 40 --budgets 50 --methods ours-lru hashed mch-lru
+    python asv_bench/scripts/bounded_auc.py --data movielens --budget-floor none --budgets 50 25 10 \
+        --methods ours-lfu hashed-same-memory hashed mch-lfu --seeds 5
 """
 from __future__ import annotations
 
@@ -62,7 +67,7 @@ from bounded_movielens import DEFAULT_CACHE, KEYS, MovieLens, find_wheel
 METHODS = ["ours-lru", "ours-lfu", "ours-lru+mincount2", "hashed", "hashed-same-memory",
            "mch-lru", "mch-lfu", "mch-distance-lfu", "mch-lru-reset"]
 OPTIONS = ["ours-unbounded", "ours-lfu+mincount2", "ours-lfu-aging", "ours-lru+hashed", "ours-lfu+hashed",
-           "ours-lfu+mincount2+hashed"]
+           "ours-lfu+mincount2+hashed", "ours-lfu+zero", "ours-lru+zero"]
 LABELS = {"ours-unbounded": "ours, no budget",
           "ours-lru": "ours LRU", "ours-lfu": "ours LFU", "ours-lru+mincount2": "ours LRU + MinCount(2)",
           "hashed": "TorchRec EBC, IDs modulo rows", "hashed-same-memory": "TorchRec EBC, modulo, ours' MiB",
@@ -156,10 +161,12 @@ class MovieLensTask:
                    fixed_rows=list(rows), dim=args.embedding_dim)
 
 
-def ours(args, budgets: list[int], eviction, admission=None) -> Run:
+def ours(args, budgets: list[int], eviction, admission=None, initializer=None) -> Run:
     torch.manual_seed(args.seed)  # the dense network starts where every other run's does
     configs = args.task.configs(args.embedding_dim, budgets)
     ebc = CNEmbeddingBagCollection(tables=configs, optimizer=args.task.sparse_optimizer(args.sparse_lr),
+                                   initializers=None if initializer is None else dict.fromkeys(
+                                       [c.name for c in configs], initializer),
                                    seed=args.seed, eviction=eviction, admission=admission, row_dtype=args.row_dtype,
                                    max_rows=None if eviction is None else {c.name: n for c, n in zip(configs, budgets)})
     model = args.task.dlrm(ebc, args.embedding_dim)
@@ -321,7 +328,7 @@ def build(method: str, args, budgets: list[int]) -> Run:
         admission = cncore.MinCount(2) if "mincount2" in extras else None
         if "hashed" in extras:
             return ours_and_hashed(args, budgets, POLICIES[policy](), admission)
-        return ours(args, budgets, POLICIES[policy](), admission)
+        return ours(args, budgets, POLICIES[policy](), admission, cncore.Constant(0.0) if "zero" in extras else None)
     if method == "ours-unbounded":  # its configs' rows (which scale the initial rows) are the distinct IDs
         return ours(args, args.distinct, None)
     if method in ("hashed", "hashed-same-memory"):
@@ -433,13 +440,13 @@ def main(argv=None) -> int:
         same_memory = None
         for method in args.methods:
             if method == "hashed-same-memory" and same_memory is None:
-                print(f"# {method} needs ours-lru before it in --methods: skipped", file=sys.stderr)
+                print(f"# {method} needs a method of ours before it in --methods: skipped", file=sys.stderr)
                 continue
             runs = []
             for seed in range(args.seeds):
                 job.seed = seed
                 runs.append(measure(method, job, data, same_memory if method == "hashed-same-memory" else budgets))
-            if method == "ours-lru":
+            if same_memory is None and "same_memory_rows" in runs[0]:  # the first of ours' methods
                 same_memory = runs[0]["same_memory_rows"]
             r = {k: v for k, v in runs[0].items() if k != "same_memory_rows"}
             aucs, losses = [x["auc"] for x in runs], [x["logloss"] for x in runs]
