@@ -105,7 +105,7 @@ MODES = ["eager", "compiled"]
 
 # --- per-sample weights -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", ["eager", pytest.param("compiled", marks=pytest.mark.slow)])
 def test_per_sample_weights_get_torchrecs_gradient_and_rows_its_update(mode):
     ours, ref = bag_twins(weighted=True)
     run = compiled(ours, mode)
@@ -188,6 +188,28 @@ def test_variable_batch_kjt_pools_and_expands_as_torchrecs_collection(mode, weig
     assert_rows_moved_as_sgd(ours, ref.embedding_bags)
     if weighted:
         torch.testing.assert_close(ours_grad, features.weights().grad)
+
+
+def test_variable_batch_weighted_on_accelerator_rows_as_in_the_core(cncard):
+    """device="cncard" (PyTorch ops on device rows): the same output, weight gradient and update."""
+    card = CNEmbeddingBagCollection(bag_configs(), is_weighted=True, optimizer=SGD, seed=3, device="cncard")
+    core = CNEmbeddingBagCollection(bag_configs(), is_weighted=True, optimizer=SGD, seed=3)
+    rng = np.random.default_rng(7)
+    features = variable_batch_kjt(rng, weighted=True)
+    twin = KeyedJaggedTensor(keys=features.keys(), values=features.values(), lengths=features.lengths(),
+                             weights=features.weights().detach().clone().requires_grad_(),
+                             stride_per_key_per_rank=features.stride_per_key_per_rank(),
+                             inverse_indices=features.inverse_indices())
+    a, b = card(features), core(twin)
+    torch.testing.assert_close(a.values().cpu(), b.values())
+    grad = torch.from_numpy(rng.standard_normal(tuple(a.values().shape)).astype(np.float32))
+    (a.values() * grad.to(a.values().device)).sum().backward()
+    (b.values() * grad).sum().backward()
+    torch.testing.assert_close(features.weights().grad, twin.weights().grad)
+    for name in core.stores:
+        ours, theirs = snapshot(card.stores[name]), snapshot(core.stores[name])
+        np.testing.assert_array_equal(ours[1], theirs[1])
+        np.testing.assert_allclose(ours[2], theirs[2], rtol=1e-6, atol=1e-6)
 
 
 def test_variable_batch_kjt_without_inverse_indices_is_refused():
