@@ -17,6 +17,8 @@ never built in memory by mistake.
 """
 from __future__ import annotations
 
+from typing import Any
+
 from cncore.config import StoreConfig, Tiered, store_config_of
 from cncore.store import EmbeddingStore
 from cncore.tier import TieredStore
@@ -24,7 +26,7 @@ from cncore.tier import TieredStore
 __all__ = ["make_store"]
 
 
-def make_store(config: StoreConfig | None = None, **config_fields) -> EmbeddingStore | TieredStore:
+def make_store(config: StoreConfig | None = None, **config_fields: Any) -> EmbeddingStore | TieredStore:
     """The store a config describes: an `EmbeddingStore` for ``storage=None``, a
     `cncore.tier.TieredStore` for ``storage=cncore.Tiered(...)``.
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from cncore import _core
 from cncore._interchange import as_keys
@@ -13,9 +14,16 @@ from cncore.config import StoreConfig
 __all__ = ["TableBatch", "initial_rows"]
 
 
-def initial_rows(config: StoreConfig, keys) -> np.ndarray:
+def initial_rows(config: StoreConfig, keys: ArrayLike) -> np.ndarray:
     """The rows a store with `config` gives `keys` when it inserts them, without a store: for
     front ends that keep rows elsewhere (accelerator memory) and the core's index only.
+
+    Args:
+        config (StoreConfig): the table's config (its initializer and seed count).
+        keys (ArrayLike): (N,) int64 keys.
+
+    Returns:
+        np.ndarray: (N, dim) float32 rows.
 
     >>> import numpy as np
     >>> from cncore import EmbeddingStore, StoreConfig, initial_rows
@@ -36,9 +44,14 @@ def initial_rows(config: StoreConfig, keys) -> np.ndarray:
 class TableBatch:
     """Rows of a store with everything attached to them.
 
-    keys (N,) int64; rows (N, dim) float32; optimizer_state (N, state_floats) float32;
-    counts, last_steps (N,) uint32; found (N,) bool (all True in an export);
-    next_cursor: where an export continues (None when it is finished).
+    Args:
+        keys (np.ndarray): (N,) int64.
+        rows (np.ndarray): (N, dim) float32.
+        optimizer_state (np.ndarray): (N, state_floats) float32.
+        counts (np.ndarray): (N,) uint32 access counts.
+        last_steps (np.ndarray): (N,) uint32 steps of the last training access.
+        found (np.ndarray): (N,) bool (all True in an export).
+        next_cursor (tuple | None): where an export continues (None when it is finished).
     """
     keys: np.ndarray
     rows: np.ndarray
@@ -50,7 +63,14 @@ class TableBatch:
 
     @classmethod
     def concat(cls, parts: list[TableBatch]) -> TableBatch:
-        """One batch of `parts`' rows in order (a finished export: no cursor)."""
+        """One batch of `parts`' rows in order (a finished export: no cursor).
+
+        Args:
+            parts (list[TableBatch]): the batches.
+
+        Returns:
+            TableBatch: their rows, joined.
+        """
         def joined(field: str) -> np.ndarray:
             return np.concatenate([getattr(p, field) for p in parts])
         return cls(joined("keys"), joined("rows"), joined("optimizer_state"), joined("counts"),

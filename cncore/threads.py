@@ -17,8 +17,17 @@ from cncore import _core
 __all__ = ["set_num_threads", "get_num_threads", "traced_bytes"]
 
 
-def set_num_threads(n) -> None:
-    """Use `n` threads in the core's parallel loops; None restores the default."""
+def set_num_threads(n: int | None) -> None:
+    """Use `n` threads in the core's parallel loops.
+
+    Args:
+        n (int | None): threads in [1, MAX_THREADS], or None for the default.
+
+    >>> import cncore
+    >>> cncore.set_num_threads(1); cncore.get_num_threads()
+    1
+    >>> cncore.set_num_threads(None)
+    """
     if n is None:
         _core.set_thread_setting(0)
         return
@@ -28,10 +37,18 @@ def set_num_threads(n) -> None:
 
 
 def get_num_threads() -> int:
-    """Threads the next large parallel loop will use (small ones run on the calling thread)."""
+    """Threads the next large parallel loop will use (small ones run on the calling thread).
+
+    Returns:
+        int: the thread count.
+    """
     return _core.max_threads()
 
 
 def traced_bytes() -> int:
-    """Bytes held by all stores of this process, as counted by the core's allocator."""
+    """Bytes held by all stores of this process, as counted by the core's allocator.
+
+    Returns:
+        int: the bytes.
+    """
     return _core.traced_bytes()
