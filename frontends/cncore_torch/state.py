@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 import cncore
+from cncore_torch.dcp import ShardLayout, TableEntry, ungather
 
 FIELDS = ("keys", "rows", "optimizer_state", "counts", "last_steps")
 ENTRIES = FIELDS + ("step",)
@@ -53,15 +54,22 @@ def export_tensors(store) -> dict:
 
 
 def save_store(store: cncore.EmbeddingStore, destination: dict, prefix: str,
-               shard: tuple[int, int, int] | None = None) -> None:
+               shard: tuple[int, int, int] | None = None, group=None) -> None:
     """The store's entries under `prefix`; `shard` (rank, world size, run id): the place of a
-    sharded table's shard, written as the entry `shard` (see `read_table`)."""
-    for name, value in export_tensors(store).items():
-        destination[prefix + name] = value
-    destination[prefix + "step"] = torch.tensor(store.step, dtype=torch.int64)
-    save_evicted_count(store, destination, prefix)
+    sharded table's shard, written as the entry `shard` (see `read_table`), among the ranks of
+    process group `group`. The entries are `cncore_torch.dcp.TableEntry` tensors, which DCP
+    writes as this rank's part of each table rather than as replicas."""
+    tensors = export_tensors(store)
+    rank, world_size = (shard[0], shard[1]) if shard is not None else (0, 1)
+    layout = ShardLayout(len(tensors["keys"]), rank, world_size, group)
+    for name, value in tensors.items():
+        destination[prefix + name] = TableEntry(value, layout)
+    per_rank: dict = {"step": torch.tensor(store.step, dtype=torch.int64)}
+    save_evicted_count(store, per_rank, "")
     if shard is not None:
-        destination[prefix + "shard"] = torch.tensor(list(shard), dtype=torch.int64)
+        per_rank["shard"] = torch.tensor(list(shard), dtype=torch.int64)
+    for name, value in per_rank.items():  # one value a rank: stacked by DCP when sharded
+        destination[prefix + name] = value if shard is None else TableEntry(value, layout, per_rank=True)
 
 
 # evicted_count: written for tables that evicted rows or have an eviction policy. shard: written
@@ -212,7 +220,16 @@ def load_tables(tables: dict[str, TableSpec], load_rest: Callable, state_dict, m
     errors: list[str] = []
     rest = {k: v for k, v in state_dict.items() if not any(is_store_entry(k, p) for p in tables)}
     load_rest(rest, missing_keys, unexpected_keys, errors)
-    states = {prefix: read_table(state_dict, prefix, config.dim, config.state_floats, missing_keys, errors)
+    refused = set()
+    for prefix, (_, write) in tables.items():  # a DCP load's whole tables: this rank's view of them
+        entries, problems = ungather(state_dict, prefix, getattr(write, "place", (0, 1)))
+        if entries:
+            state_dict = {**state_dict, **entries}
+        if problems:
+            errors.extend(problems)
+            refused.add(prefix)
+    states = {prefix: None if prefix in refused else
+              read_table(state_dict, prefix, config.dim, config.state_floats, missing_keys, errors)
               for prefix, (config, _) in tables.items()}
     for prefix, (config, write) in tables.items():
         state = states[prefix]

@@ -169,7 +169,8 @@ class ShardedCNEmbeddingCollection(ShardedEmbeddingCollection):
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         nn.Module._save_to_state_dict(self, destination, prefix, keep_vars)
         for name, store in self._stores.items():
-            save_store(store, destination, f"{prefix}tables.{name}.", (self._rank, self._world_size, self._run_id))
+            save_store(store, destination, f"{prefix}tables.{name}.", (self._rank, self._world_size, self._run_id),
+                       self._pg)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):

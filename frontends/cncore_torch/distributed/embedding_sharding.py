@@ -50,6 +50,11 @@ def check_features(features, needed: list[str], is_weighted: bool) -> None:
     if weights is not None and (not weights.is_floating_point() or weights.shape != values.shape):
         raise ValueError(f"features: weights must be floating point with one weight per ID, got {weights.dtype} "
                          f"{tuple(weights.shape)} for {values.numel()} IDs")
+    if weights is not None and weights.requires_grad and torch.is_grad_enabled():
+        raise ValueError("features: the per-sample weights require grad, and the sharded collection does not send "
+                         "their gradient back across ranks (a PositionWeightedModule in front of it would never "
+                         "learn): run the collection unsharded (CNEmbeddingBagCollection passes it), or give it "
+                         "weights.detach() to train the tables alone")
     if lengths.numel() and int(lengths.min()) < 0:
         raise ValueError(f"features: lengths must be >= 0, got {int(lengths.min())}")
     if int(lengths.sum()) != values.numel():
@@ -113,15 +118,17 @@ def shard_store_configs(configs: dict[str, cncore.StoreConfig], world_size: int,
 
 def owned_writer(store: cncore.EmbeddingStore, world_size: int, rank: int):
     """What loads a checked TableState into `store`: the rows this rank owns (replacing all).
-    (A shard's evicted count starts at 0: merge_shards sums the ranks' counts, which no single
-    rank's count can be restored from.)"""
+    The evicted count comes back from this rank's own shard entries (its ``shard`` entry names
+    this rank and world size); from other entries it starts at 0 (merge_shards sums the ranks'
+    counts, which no single rank's count can be restored from)."""
     def owned(keys: np.ndarray) -> np.ndarray:
         return (owner_of(torch.from_numpy(keys), world_size) == rank).numpy()
 
     def write(state: TableState) -> None:
         mine = owned(state.keys)
+        own_shard = state.shard is not None and state.shard[:2] == (rank, world_size)
         TableState(state.keys[mine], state.rows[mine], state.optimizer_state[mine], state.counts[mine],
-                   state.last_steps[mine], state.step).load_into(store)
+                   state.last_steps[mine], state.step, state.evicted_count if own_shard else None).load_into(store)
     write.rows_kept = lambda keys: int(owned(keys).sum())
     write.place = (rank, world_size)  # whose shard entries are this table whole (cncore_torch.state)
     return write

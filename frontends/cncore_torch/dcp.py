@@ -1,0 +1,298 @@
+"""Dynamic tables in `torch.distributed.checkpoint` (DCP).
+
+Layout
+------
+A rank's state_dict holds its shard of each table as plain tensors (``tables.<name>.keys``,
+``rows``, ...), the layout `torch.save`, `merge_shards` and `load_state_dict` read. DCP, given
+the same plain tensors under the same names on every rank, takes them for replicas and writes
+one rank's. So the table entries are `TableEntry` tensors: plain tensors in every operation
+(each op returns a plain `torch.Tensor`; `torch.save` and pickling write a plain tensor) that
+tell DCP where they sit in one global tensor (DCP's `__create_write_items__` protocol, which
+DTensor implements too):
+
+- the row fields (keys, rows, optimizer_state, counts, last_steps) are rank r's rows of one
+  global tensor of every rank's rows, at row offset ``sum of the row counts of ranks < r``;
+- the per-rank fields of a sharded table (step, evicted_count, shard) are row r of a global
+  tensor of one row per rank.
+
+The row counts come from one all-gather per table while DCP plans the save (`dcp.save` is a
+collective; `state_dict()` itself stays local). DCP's own checks then see the shards cover
+each global tensor, and its metadata records every rank's chunk.
+
+Loading
+-------
+A fresh model does not know how many rows a checkpoint holds, and DCP loads into tensors of
+the saved size. `CNLoadPlanner` (pass it to `dcp.load`) reads the sizes from the checkpoint's
+metadata, refuses a checkpoint whose chunks leave rows out, and loads each table whole (every
+saved rank's rows, and the per-rank fields stacked). `load_state_dict` then keeps the rows each
+rank owns at its world size (`ungather`), as it does for `merge_shards`' whole tables, so a
+checkpoint written by N ranks loads into M.
+
+>>> import tempfile, torch, cncore
+>>> import torch.distributed.checkpoint as dcp
+>>> from torchrec import EmbeddingBagConfig
+>>> from cncore_torch import CNEmbeddingBagCollection
+>>> def make():
+...     tables = [EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=100, feature_names=["f"])]
+...     return CNEmbeddingBagCollection(tables, optimizer=cncore.Adagrad(lr=0.1))
+>>> ebc = make()
+>>> _ = ebc.stores["t"].find_or_insert(torch.tensor([3, 7, 11]).numpy())
+>>> path = tempfile.mkdtemp()
+>>> _ = dcp.save({"model": ebc.state_dict()}, checkpoint_id=path, no_dist=True)
+>>> fresh = make()
+>>> state = {"model": fresh.state_dict()}
+>>> dcp.load(state, checkpoint_id=path, planner=CNLoadPlanner(), no_dist=True)
+>>> fresh.load_state_dict(state["model"])
+<All keys matched successfully>
+>>> sorted(fresh.stores["t"].export().keys.tolist())
+[3, 7, 11]
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+__all__ = ["CNLoadPlanner", "TableEntry", "ShardLayout", "ungather"]
+
+# The entries of a table that hold one value per rank (stacked in a DCP checkpoint).
+PER_RANK = ("step", "evicted_count", "shard")
+
+
+class ShardLayout:
+    """Where one rank's shard of one table sits among the ranks: its row count, rank, world
+    size and process group; `row_counts` gathers every rank's count once, when DCP asks.
+
+    Args:
+        rows (int): this rank's row count.
+        rank (int): this rank, in [0, world_size).
+        world_size (int): how many ranks share the table.
+        group: the process group of the ranks (None: the default group).
+    """
+
+    def __init__(self, rows: int, rank: int = 0, world_size: int = 1, group: Any = None) -> None:
+        self.rows, self.rank, self.world_size, self.group = rows, rank, world_size, group
+        self._counts: list[int] | None = None
+
+    def row_counts(self) -> list[int]:
+        """Every rank's row count (an all-gather over the group when world_size > 1)."""
+        if self._counts is None:
+            if self.world_size == 1:
+                self._counts = [self.rows]
+            else:
+                gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+                dist.all_gather(gathered, torch.tensor([self.rows], dtype=torch.int64), group=self.group)
+                self._counts = [int(c) for c in gathered]
+        return self._counts
+
+    def __deepcopy__(self, memo) -> ShardLayout:
+        return self  # holds a process group, which is not copied; the counts are the same
+
+
+class TableEntry(torch.Tensor):
+    """A plain tensor (every operation returns a `torch.Tensor`, pickling writes one) that DCP
+    writes as rank `layout.rank`'s part of a global tensor (see the module docstring).
+
+    Args:
+        data (Tensor): this rank's entry; shared, not copied.
+        layout (ShardLayout): where the rank's rows sit.
+        per_rank (bool): one value per rank (step, evicted_count, shard) rather than rows.
+    """
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+    cn_layout: ShardLayout
+    cn_per_rank: bool
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, layout: ShardLayout, per_rank: bool = False) -> TableEntry:
+        entry = torch.Tensor._make_subclass(cls, data, False)
+        entry.cn_layout, entry.cn_per_rank = layout, per_rank
+        return entry
+
+    def __reduce_ex__(self, protocol):
+        return torch.Tensor(self.as_subclass(torch.Tensor)).__reduce_ex__(protocol)
+
+    def __deepcopy__(self, memo) -> TableEntry:
+        return TableEntry(copy.deepcopy(self.as_subclass(torch.Tensor), memo), self.cn_layout, self.cn_per_rank)
+
+    def _place(self) -> tuple[torch.Size, torch.Size, torch.Tensor] | None:
+        """(global size, this chunk's offsets, this chunk) or None when this rank writes nothing."""
+        local = self.as_subclass(torch.Tensor)
+        layout = self.cn_layout
+        if self.cn_per_rank:
+            chunk = local.reshape(1, *local.shape)
+            return (torch.Size([layout.world_size, *local.shape]),
+                    torch.Size([layout.rank] + [0] * local.dim()), chunk)
+        counts = layout.row_counts()
+        total, offset = sum(counts), sum(counts[:layout.rank])
+        # An empty chunk would share its offset with the next rank's and be taken for a replica;
+        # only rank 0 writes one, when every rank is empty (so the entry is in the checkpoint).
+        if local.shape[0] == 0 and (total or layout.rank):
+            return None
+        return torch.Size([total, *local.shape[1:]]), torch.Size([offset] + [0] * (local.dim() - 1)), local
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
+        place = self._place()
+        if place is None:
+            return []
+        size, offsets, chunk = place
+        return [WriteItem(index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(
+                              chunk=ChunkStorageMetadata(offsets=offsets, sizes=chunk.shape),
+                              properties=TensorProperties.create_from_tensor(chunk), size=size))]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        # TypeError: DCP turns a ValueError from here into its own message, which loses the fix
+        raise TypeError("a dynamic table's entries load with torch.distributed.checkpoint.load(..., "
+                         "planner=cncore_torch.dcp.CNLoadPlanner()): a fresh table does not know the "
+                         "checkpoint's row count")
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        place = self._place()
+        if place is None or index.offset != place[1]:
+            raise ValueError(f"{index.fqn}: this rank holds no chunk at {index.offset}")
+        return place[2]
+
+
+def check_chunks(fqn: str, md: TensorStorageMetadata) -> None:
+    """The chunks a checkpoint holds of a table entry cover it whole: row ranges, each the full
+    width, that tile [0, rows) with no gap (ValueError naming the rows missing otherwise)."""
+    size = list(md.size)
+    if not size:
+        return
+    spans = []
+    for chunk in md.chunks:
+        if list(chunk.offsets[1:]) != [0] * (len(size) - 1) or list(chunk.sizes[1:]) != size[1:]:
+            raise ValueError(f"{fqn}: the checkpoint holds a chunk at {list(chunk.offsets)} of size "
+                             f"{list(chunk.sizes)}, not whole rows of a table entry of size {size}; it was not "
+                             f"written by a dynamic table; nothing was loaded")
+        spans.append((chunk.offsets[0], chunk.offsets[0] + chunk.sizes[0]))
+    at = 0
+    for start, end in sorted(spans):
+        if start > at:
+            break
+        at = max(at, end)
+    if at < size[0] or (all(size) and not spans):
+        gap = next((f"[{at}, {s})" for s, _ in sorted(spans) if s > at), f"[{at}, {size[0]})")
+        raise ValueError(f"{fqn}: the checkpoint holds {size[0]} rows but no chunk covers rows {gap}: a rank's "
+                         f"shard is missing from it; load a complete checkpoint; nothing was loaded")
+
+
+class CNLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, which also loads dynamic tables whole: each `TableEntry` of
+    the state_dict is replaced by a tensor of the checkpoint's size (every saved rank's rows)
+    after checking that the checkpoint holds all of it. Pass it to `dcp.load`, then hand the
+    state_dict to `load_state_dict`, which keeps the rows each rank owns.
+
+    Args:
+        **kwargs: DefaultLoadPlanner's (flatten_state_dict, allow_partial_load, ...).
+
+    Example::
+
+        state = {"model": model.state_dict()}
+        dcp.load(state, checkpoint_id=path, planner=CNLoadPlanner())
+        model.load_state_dict(state["model"])
+    """
+
+    def set_up_planner(self, state_dict: dict[str, Any], metadata: Metadata | None = None,
+                       is_coordinator: bool = False) -> None:
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        if metadata is None:
+            return
+        for fqn, value in list(self.state_dict.items()):
+            md = metadata.state_dict_metadata.get(fqn)
+            if md is None:
+                continue  # an entry the checkpoint lacks: DCP's own check names it
+            if isinstance(value, torch.Tensor) and isinstance(md, TensorStorageMetadata) and not value.numel() \
+                    and not all(md.size) and value.shape != md.size:
+                # An empty tensor of another shape (a collection's (0, 1) anchor, a sharded one's
+                # (0,)) holds no values to load; the module's own load takes either shape.
+                self._replace(fqn, torch.empty(md.size, dtype=value.dtype))
+                continue
+            if not isinstance(value, TableEntry):
+                continue
+            if not isinstance(md, TensorStorageMetadata):
+                raise ValueError(f"{fqn}: the checkpoint holds a {type(md).__name__} here, not a table entry; "
+                                 f"nothing was loaded")
+            check_chunks(fqn, md)
+            self._replace(fqn, torch.empty(md.size, dtype=md.properties.dtype))
+            if fqn.endswith(".keys"):
+                self._per_rank_entries(fqn[:-len("keys")], metadata)
+
+    def _per_rank_entries(self, prefix: str, metadata: Metadata) -> None:
+        """A table's step, evicted_count and shard as the checkpoint holds them, whichever module
+        saved it and whichever loads it: stacked per saved rank (a sharded save) or one value (a
+        plain collection's); entries the checkpoint lacks are left out, entries only it holds
+        are added, so `load_state_dict` sees the saved table."""
+        keys_path = self.mappings.get(prefix + "keys") if self.flatten_state_dict else None
+        for name in PER_RANK:
+            fqn, md = prefix + name, metadata.state_dict_metadata.get(prefix + name)
+            if isinstance(md, TensorStorageMetadata):
+                self._replace(fqn, torch.empty(md.size, dtype=md.properties.dtype), keys_path, name)
+            elif fqn in self.state_dict:
+                self._drop(fqn)
+
+    def _drop(self, fqn: str) -> None:
+        del self.state_dict[fqn]
+        if self.flatten_state_dict:
+            *parents, last = self.mappings.pop(fqn)
+            node: Any = self.original_state_dict
+            for step in parents:
+                node = node[step]
+            del node[last]
+
+    def _replace(self, fqn: str, value: torch.Tensor, sibling_path: Any = None, name: str = "") -> None:
+        """Put `value` at `fqn` in the planner's state_dict and the caller's (nested) one; an
+        entry the caller's lacks goes beside its table's keys (`sibling_path`), named `name`."""
+        self.state_dict[fqn] = value
+        if self.flatten_state_dict:
+            if fqn not in self.mappings:
+                *parents, last = sibling_path
+                self.mappings[fqn] = (*parents, last[:-len("keys")] + name)
+            set_element(self.original_state_dict, self.mappings[fqn], value)
+
+
+def ungather(state_dict, prefix: str, place: tuple[int, int]) -> tuple[dict, list[str]]:
+    """The entries of the table under `prefix` as one rank's load reads them, from a DCP load's
+    whole table (`CNLoadPlanner`: the ``shard`` entry holds one (rank, world size, run id) row
+    per saved rank). Returns (replacement entries, errors); ({}, []) when the entries are not
+    that form. Every saved rank must be there once, of one run; their steps must agree. At the
+    saved world size each rank takes its own evicted count back; at another one rank 0 takes
+    their sum (the total over ranks stays what it was)."""
+    shards = state_dict.get(prefix + "shard")
+    if not isinstance(shards, torch.Tensor) or shards.dim() != 2:
+        return {}, []
+    rank, world_size = place
+    rows = [tuple(int(v) for v in row) for row in shards]
+    saved = len(rows)
+    if shards.shape[1] != 3 or [r[:2] for r in rows] != [(r, saved) for r in range(saved)] \
+            or len({r[2] for r in rows}) != 1:
+        return {}, [f"{prefix}shard: expected (rank, {saved}, run id) for ranks 0..{saved - 1} of one save, got "
+                    f"{rows}: not every rank's shard of one checkpoint; nothing was loaded"]
+    out: dict[str, torch.Tensor] = {}
+    step = state_dict.get(prefix + "step")
+    if isinstance(step, torch.Tensor) and step.dim() == 1:
+        if len(set(step.tolist())) > 1:
+            return {}, [f"{prefix}step: the saved shards disagree ({step.tolist()}); were they saved at one step? "
+                        f"nothing was loaded"]
+        out[prefix + "step"] = step[0].clone()
+    evicted = state_dict.get(prefix + "evicted_count")
+    if isinstance(evicted, torch.Tensor) and evicted.dim() == 1:
+        if saved == world_size:
+            out[prefix + "evicted_count"] = evicted[rank].clone()
+        else:
+            out[prefix + "evicted_count"] = evicted.sum() if rank == 0 else torch.zeros((), dtype=evicted.dtype)
+    out[prefix + "shard"] = torch.tensor([rank, world_size, rows[0][2]], dtype=torch.int64)
+    return out, []
