@@ -359,7 +359,7 @@ def test_the_readme_quick_start_saves_the_trained_table_every_time(route_name, t
             exec(compile(block, "README.md (JAX quick start)", "exec"), ns)
             saved = snapshot(cj.Table.load("users.cnt").store)
             jax.effects_barrier()
-            live = snapshot(ns["table"].store)
+            live = snapshot(ns["model"].users.table.store)
             assert (saved[0], saved[6]) == (3, 1), run
             assert same(saved, live), run
     finally:
