@@ -6,6 +6,7 @@ the same checks compare the device's results (brought back with .cpu()) with the
 from __future__ import annotations
 
 import os
+import traceback
 
 import numpy as np
 import pytest
@@ -98,11 +99,18 @@ class LiteralIndex:
         new = list(dict.fromkeys(k for k in keys if k not in self.slot))
         if self.max_rows and len(self.slot) + len(new) > self.max_rows:
             pinned = {k for k in keys if k in self.slot}
-            if overflow:  # a training lookup: the first new keys that fit get rows
-                new = new[: self.max_rows - len(pinned)]
-            if len(pinned) + len(new) > self.max_rows:
+            if overflow and len(pinned) + len(new) > self.max_rows:
+                # a training lookup: one round of eviction (at least one row, never the call's
+                # own), then the first new keys that fit get rows
+                size = len(self.slot)
+                k = max(0, min(max(size - self.low_water, size + 1 - self.max_rows), size - len(pinned)))
+                self.evict_lowest(k, pinned)
+                new = new[: max(0, self.max_rows - len(self.slot))]
+            elif len(pinned) + len(new) > self.max_rows:
                 raise ValueError("max_rows")
-            self.evict_lowest(min(len(self.slot) + len(new) - self.low_water, len(self.slot) - len(pinned)), pinned)
+            else:
+                self.evict_lowest(min(len(self.slot) + len(new) - self.low_water, len(self.slot) - len(pinned)),
+                                  pinned)
         for k in new:
             if self.free:
                 self.slot[k] = self.free.pop()
@@ -336,6 +344,111 @@ def test_a_training_lookup_past_the_budget_gives_rows_to_the_first_new_keys_as_t
     idx.find_or_insert(torch.tensor([1, 7], device=DEVICE))
     core.pooled_lookup(keys, lengths=np.array([len(keys)]))
     r = idx.find_or_insert(torch.from_numpy(keys).to(DEVICE), admit=True)
-    assert _np(r.slots).tolist() == core.find(keys)[0].tolist() == [1, 0, 1, 2, 3, -1, -1, 0]
-    assert _np(r.new_keys).tolist() == [9, 2, 3] and idx.evicted_count == core.evicted_count == 1
+    # 2 rows of 4, low water 3: no row needs to go, so the first two new keys take the free rows
+    assert _np(r.slots).tolist() == core.find(keys)[0].tolist() == [2, 0, 2, 3, -1, -1, -1, 0]
+    assert _np(r.new_keys).tolist() == [9, 2] and idx.evicted_count == core.evicted_count == 0
+    r = idx.find_or_insert(torch.tensor([8, 6, 5, 4, 3], device=DEVICE), admit=True)  # one round evicts 1
+    core.pooled_lookup(np.array([8, 6, 5, 4, 3]), lengths=np.array([5]))
+    assert _np(r.slots).tolist() == core.find(np.array([8, 6, 5, 4, 3]))[0].tolist()
+    assert idx.evicted_count == core.evicted_count == 1
     assert torch.equal(idx._sketch.cpu(), torch.from_numpy(core._table.admission_counters.astype(np.int64)))
+
+
+# --- the device index behind CNEmbeddingBag(device="cncard") ----------------------------------------
+
+@pytest.fixture
+def device_index(cncard, monkeypatch):
+    """Accelerator tables built with their key index on the device."""
+    monkeypatch.setenv("CNCORE_DEVICE_INDEX", "device")
+
+
+def _sorted_export(module):
+    e = module.export()
+    order = torch.argsort(e["keys"].cpu())
+    return {k: v.cpu()[order] for k, v in e.items()}
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+@pytest.mark.parametrize("optimizer", [cncore.SGD(lr=0.1), cncore.RowWiseAdagrad(lr=0.1), cncore.Adam(lr=0.01)],
+                         ids=["sgd", "rowwise", "adam"])
+def test_a_bounded_bag_with_the_device_index_trains_like_the_core(device_index, mode, optimizer):
+    from cncore_torch import CNEmbeddingBag
+    from cncore_torch.device_rows import DeviceIndexedRows
+    kw = {"mode": mode, "optimizer": optimizer, "max_rows": 24, "eviction": cncore.LFU(), "headroom": 3, "seed": 4,
+              "admission": cncore.MinCount(2, width=64), "initializer": cncore.Uniform(-0.5, 0.5)}
+    core, card = CNEmbeddingBag(1000, 4, **kw), CNEmbeddingBag(1000, 4, device="cncard", **kw)
+    assert isinstance(card.device_rows, DeviceIndexedRows)
+    sunk = {"core": [], "card": []}
+    core.store.on_evict(lambda b: sunk["core"].append((b.keys.tolist(), b.rows.copy())))
+    card.device_rows.on_evict(lambda b: sunk["card"].append((b.keys.tolist(), b.rows.copy())))
+    rng = np.random.default_rng(2)
+    for _ in range(12):
+        ids = torch.from_numpy(rng.integers(-15, 30, (8, 3)))
+        ids[0, 0] = -(2**63)
+        w = torch.rand(8, 3)
+        g = torch.randn(8, 4)
+        a, b = core(ids, per_sample_weights=w), card(ids, per_sample_weights=w)
+        torch.testing.assert_close(b.cpu(), a)
+        a.backward(g)
+        b.backward(g.to(b.device))
+    ea, eb = _sorted_export(core), _sorted_export(card)
+    assert eb["keys"].tolist() == ea["keys"].tolist()
+    for name in ea:
+        torch.testing.assert_close(eb[name], ea[name], rtol=1e-5, atol=1e-6)
+    assert [k for k, _ in sunk["card"]] == [k for k, _ in sunk["core"]] and sunk["core"]
+    for (_, rc), (_, rd) in zip(sunk["core"], sunk["card"]):
+        np.testing.assert_allclose(rd, rc, rtol=1e-5, atol=1e-6)
+    assert card.device_rows.evicted_count == core.store.evicted_count
+
+
+def test_state_dict_moves_between_the_device_index_and_the_core(device_index):
+    from cncore_torch import CNEmbeddingBag
+    kw = {"mode": "sum", "optimizer": cncore.Adagrad(lr=0.1), "max_rows": 10, "eviction": cncore.LRU()}
+    card = CNEmbeddingBag(100, 3, device="cncard", **kw)
+    for ids in ([[1, 2, 3]], [[4, -(2**63), 2**63 - 1]], [[7, 8, 9, 10, 11]]):
+        card(torch.tensor(ids)).sum().backward()
+    core = CNEmbeddingBag(100, 3, **kw)
+    core.load_state_dict(card.state_dict())
+    back = CNEmbeddingBag(100, 3, device="cncard", **kw)
+    back.load_state_dict(core.state_dict())
+    ea, eb, ec = _sorted_export(card), _sorted_export(core), _sorted_export(back)
+    for name in ea:
+        assert torch.equal(eb[name], ea[name]) and torch.equal(ec[name], ea[name])
+    assert core.store.evicted_count == card.device_rows.evicted_count == back.device_rows.evicted_count
+
+
+_HOST_READS = ("item", "tolist", "cpu", "numpy", "__int__", "__bool__", "__float__", "__index__")
+
+
+def test_a_training_step_on_known_keys_reads_one_number_from_the_device(device_index, monkeypatch):
+    """The device table's one host read in a step is the forward's count of new keys (the input
+    checks of the functional lookup read the host IDs' offsets, which are not counted)."""
+    from cncore_torch import CNEmbeddingBag
+    bag = CNEmbeddingBag(100, 8, mode="sum", optimizer=cncore.SGD(lr=0.1), device="cncard",
+                         initializer=cncore.Uniform())
+    ids = torch.tensor([[1, 2, 3], [3, 4, -1]])
+    bag(ids).sum().backward()  # the keys exist from here on
+    reads: list[str] = []
+    for name in _HOST_READS:
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *a, _name=name, _original=original, **k):
+            caller = traceback.extract_stack()[-2]
+            if any(part in caller.filename for part in ("device_index", "device_rows", "bridge")):
+                reads.append(f"{_name} in {caller.name}")
+            return _original(self, *a, **k)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    out = bag(ids)
+    forward_reads = list(reads)
+    out.sum().backward()
+    assert forward_reads == reads == ["__int__ in find_or_insert"]
+
+
+def test_a_bad_key_index_choice_is_refused_naming_it(cncard, monkeypatch):
+    from cncore_torch import CNEmbeddingBag
+    from cncore_torch.device_rows import DeviceRows
+    monkeypatch.setenv("CNCORE_DEVICE_INDEX", "gpu")
+    with pytest.raises(ValueError, match=r"CNCORE_DEVICE_INDEX='gpu': expected 'host' .* or 'device'"):
+        CNEmbeddingBag(10, 2, device="cncard")
+    with pytest.raises(ValueError, match=r"key_index='hbm': expected 'host'"):
+        DeviceRows(cncore.StoreConfig(dim=2), torch.device("cpu"), key_index="hbm")

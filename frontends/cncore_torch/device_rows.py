@@ -22,10 +22,19 @@ A lookup context of device rows, like one of the core, is refused in backward wh
 evicted since its forward (their device rows may hold other keys by then). Admission: a key
 not admitted reads the zero row (MinCount(unadmitted="initial") is refused here for now: its
 initial row would need a row of its own for the pooling).
+
+The key index on the device (`key_index="device"`, or CNCORE_DEVICE_INDEX=device for every
+table built without the argument): `DeviceIndexedRows`, the same rows with a
+`cncore_torch.device_index.DeviceKeyIndex` beside them on the device instead of the host
+index, so a step's find, insert, admission, eviction and access records run as torch ops
+there (docs/design/device-index.md). Its slots, evicted keys and their order equal the
+host index's; the keys go to the host only for the normal initialisers' new rows, eviction
+sinks, exports and writes.
 """
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 
 import numpy as np
@@ -34,7 +43,11 @@ import torch.nn.functional as F
 
 import cncore
 from cncore import _core
+from cncore._interchange import as_keys
 from cncore.store import config_with_optimizer
+from cncore_torch.device_index import DeviceKeyIndex, EvictedSlots, initial_rows
+
+KEY_INDEXES = ("host", "device")
 
 _MODES = ("sum", "mean", "max")
 _SLOT_SPLIT = 1 << 20  # a slot number as two floats, each an integer below 2**24 (exact)
@@ -60,8 +73,27 @@ class DeviceLookup:
     evictions: int           # eviction events before the lookup (a later one makes it stale)
 
 
+def key_index_choice(key_index: str | None) -> str:
+    """Where a table's key index lives: `key_index`, else CNCORE_DEVICE_INDEX, else "host"."""
+    source = "key_index"
+    if key_index is None:
+        key_index, source = os.environ.get("CNCORE_DEVICE_INDEX", "host"), "CNCORE_DEVICE_INDEX"
+    if key_index not in KEY_INDEXES:
+        raise ValueError(f"{source}={key_index!r}: expected 'host' (the core's index on the host) or 'device' "
+                         "(cncore_torch.device_index on the rows' device)")
+    return key_index
+
+
 class DeviceRows:
-    def __init__(self, config: cncore.StoreConfig, device: torch.device):
+    """Rows on an accelerator with the key index in the core on the host (`key_index="host"`),
+    or, built with `key_index="device"`, a `DeviceIndexedRows` (the index on the device too)."""
+
+    def __new__(cls, config: cncore.StoreConfig, device: torch.device, key_index: str | None = None):
+        if cls is DeviceRows and key_index_choice(key_index) == "device":
+            return super().__new__(DeviceIndexedRows)
+        return super().__new__(cls)
+
+    def __init__(self, config: cncore.StoreConfig, device: torch.device, key_index: str | None = None):
         self.config = config
         self.device = device
         admission = config.admission
@@ -319,10 +351,13 @@ class DeviceRows:
         """Write rows for the keys that are present; returns which were."""
         return self._write(keys, rows, optimizer_state, insert=False)
 
+    def _present(self, keys) -> np.ndarray:
+        return self.index.contains(keys)
+
     def _write(self, keys, rows, optimizer_state, insert: bool) -> np.ndarray:
         if isinstance(keys, torch.Tensor):
             keys = keys.detach().cpu().numpy()
-        found = self.index.contains(keys)  # checks the keys as the core store does
+        found = self._present(keys)  # checks the keys as the core store does
         host = np.asarray(keys).astype(np.int64)
         rows = torch.as_tensor(rows).detach().cpu()
         if rows.dtype != torch.float32:  # as the core store: no silent casts
@@ -361,6 +396,126 @@ class DeviceRows:
 
     def clear(self) -> None:
         self.index.clear()
+
+    def reserve(self, n_rows: int) -> None:
+        self.index.reserve(n_rows)
+        self._grow(n_rows + 1)
+
+
+class DeviceIndexedRows(DeviceRows):
+    """Rows on an accelerator with their key index there too (`DeviceKeyIndex`): a lookup and
+    its backward make no host round trip (Uniform or Constant initialisers; the normal laws
+    draw new rows in the core on the host). The index holds each slot's access metadata, which
+    the policies read; device row s + 1 holds slot s, row 0 is the zero row."""
+
+    index: DeviceKeyIndex  # type: ignore[assignment]  # the base's methods use the same verbs of it
+
+    def __init__(self, config: cncore.StoreConfig, device: torch.device, key_index: str | None = None):
+        self.config = config
+        self.device = torch.device(device)
+        admission = config.admission
+        if admission is not None and getattr(admission, "unadmitted", "zeros") != "zeros":
+            raise ValueError(f"admission={admission!r}: rows on an accelerator read keys not admitted as zeros; "
+                             "pass unadmitted='zeros', or keep this table on device='cpu' (the core)")
+        self.bounded = config.eviction is not None or config.admission is not None or config.max_rows is not None
+        self.index = DeviceKeyIndex(config, self.device)
+        self._evict_callbacks = []
+        self.evictions = 0
+        self.index.on_evict(self._evicted_slots)
+        self._step = 0
+        cap = self.index.slot_capacity + 1
+        self.rows = torch.zeros(cap, config.dim, device=self.device)
+        self.state = torch.zeros(cap, config.state_floats, device=self.device)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held on the device: rows, optimizer state and the key index."""
+        return sum(t.numel() * t.element_size() for t in (self.rows, self.state)) + self.index.nbytes
+
+    @property
+    def slot_keys(self) -> torch.Tensor:  # type: ignore[override]
+        """Device row -> key (row 0, the zero row: key 0)."""
+        return torch.cat([self.index.slot_keys.new_zeros(1), self.index.slot_keys[:-1]])
+
+    @property
+    def counts(self) -> torch.Tensor:  # type: ignore[override]
+        return torch.cat([self.index.counts.new_zeros(1), self.index.counts[:-1]])
+
+    @property
+    def last_steps(self) -> torch.Tensor:  # type: ignore[override]
+        return torch.cat([self.index.last_steps.new_zeros(1), self.index.last_steps[:-1]])
+
+    def _evicted_slots(self, batch: EvictedSlots) -> None:
+        """The index evicts these slots: copy their rows out before the slots are reused."""
+        self.evictions += 1
+        if not self._evict_callbacks:
+            return
+        at = batch.slots + 1
+        out = cncore.TableBatch(batch.keys.cpu().numpy(), self.rows[at].cpu().numpy(), self.state[at].cpu().numpy(),
+                                batch.counts.cpu().numpy().astype(np.uint32),
+                                batch.last_steps.cpu().numpy().astype(np.uint32), np.ones(len(at), bool))
+        for callback in list(self._evict_callbacks):
+            callback(out)
+
+    def _grow(self, rows_needed: int) -> None:
+        cap = self.rows.shape[0]
+        if rows_needed <= cap:
+            return
+        while cap < rows_needed:
+            cap *= 2
+        for name in ("rows", "state"):
+            old = getattr(self, name)
+            new = old.new_zeros((cap,) + tuple(old.shape[1:]))
+            new[: old.shape[0]] = old
+            setattr(self, name, new)
+
+    def _init_new(self, new_slots: torch.Tensor, new_keys: torch.Tensor) -> None:
+        self._grow(self.index.high_water + 1)
+        if len(new_slots):
+            at = new_slots + 1
+            self.rows[at] = initial_rows(self.config, new_keys)
+            self.state[at] = self.config.optimizer.initial_state if self.config.optimizer else 0.0
+
+    def resolve(self, keys: torch.Tensor, training: bool, lookup: bool = True) -> torch.Tensor:
+        """Device row of every key, on the device (inserting and initialising unseen keys when
+        training; a training lookup goes through admission, an explicit write does not)."""
+        keys = torch.as_tensor(keys).to(self.device, torch.int64)
+        if not training:
+            return self.index.find(keys)[0] + 1
+        r = self.index.find_or_insert(keys, admit=lookup)
+        self._init_new(r.new_slots, r.new_keys)
+        return r.slots + 1
+
+    def record_access(self, idx, occurrences, step: int) -> None:
+        self.index.record_access(idx - 1, occurrences, min(int(step), 2**32 - 1))
+
+    def export(self) -> cncore.TableBatch:
+        """Every row, in slot order, as host NumPy arrays (as `EmbeddingStore.export` gives them)."""
+        keys, slots = self.index.export_slots()
+        at = slots + 1
+        return cncore.TableBatch(keys.cpu().numpy(), self.rows[at].cpu().numpy(), self.state[at].cpu().numpy(),
+                                 self.index.counts[slots].cpu().numpy().astype(np.uint32),
+                                 self.index.last_steps[slots].cpu().numpy().astype(np.uint32),
+                                 np.ones(len(slots), bool))
+
+    def _present(self, keys) -> np.ndarray:
+        return self.index.contains(torch.from_numpy(as_keys(keys))).cpu().numpy()  # checked as the core's
+
+    def load(self, keys, rows, optimizer_state=None, counts=None, last_steps=None) -> None:
+        """Replace or add rows with their state and metadata (as `EmbeddingStore.load`)."""
+        host = np.asarray(keys, dtype=np.int64)
+        n = len(host)
+        r = self.index.find_or_insert(torch.from_numpy(host).to(self.device))
+        self._grow(self.index.high_water + 1)
+        at = r.slots + 1
+        self.rows[at] = torch.as_tensor(rows).to(self.device)
+        if optimizer_state is not None and self.state.shape[1]:
+            self.state[at] = torch.as_tensor(optimizer_state).to(self.device)
+        else:  # as the core's load: rows without state start from the optimizer's initial state
+            self.state[at] = self.config.optimizer.initial_state if self.config.optimizer else 0.0
+        counts = np.zeros(n, np.int64) if counts is None else np.asarray(counts, np.int64)
+        last_steps = np.zeros(n, np.int64) if last_steps is None else np.asarray(last_steps, np.int64)
+        self.index.set_metadata(r.slots, torch.from_numpy(counts), torch.from_numpy(last_steps))
 
     def reserve(self, n_rows: int) -> None:
         self.index.reserve(n_rows)

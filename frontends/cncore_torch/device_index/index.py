@@ -389,8 +389,8 @@ class DeviceKeyIndex:
     def _make_room(self, slots: torch.Tensor, found: torch.Tensor, n_new: int, overflow: bool) -> int:
         """The core's cn_table_make_room: evict the rows the call does not use, down to the low
         water mark after the inserts. Returns how many new keys get a slot: all of them, or with
-        `overflow` (a training lookup whose distinct keys exceed the budget) the room its own
-        rows leave, the first ones in order of first occurrence."""
+        `overflow` (a training lookup whose distinct keys exceed the budget) as many as fit after
+        one round of eviction, the first ones in order of first occurrence."""
         if self._size + n_new <= self.max_rows:
             return n_new
         pinned = torch.zeros_like(self.live)
@@ -398,7 +398,12 @@ class DeviceKeyIndex:
         pinned[-1] = False
         n_pinned = int(pinned.sum())
         if overflow and n_pinned + n_new > self.max_rows:
-            n_new = self.max_rows - n_pinned
+            # One round of eviction, down to the low water mark and at least one row (never the
+            # call's own rows): a batch too big for the table does not flush the rows the policy
+            # ranks above its new keys; those take the freed rows, first occurrences first.
+            k = max(0, min(max(self._size - self.low_water, self._size + 1 - self.max_rows), self._size - n_pinned))
+            self._evict_lowest(k, pinned)
+            return max(0, min(n_new, self.max_rows - self._size))
         if n_pinned + n_new > self.max_rows:
             raise ValueError(f"the call's distinct keys exceed the table's max_rows ({self.max_rows}): its own rows "
                              "cannot all be kept; the table is unchanged")
