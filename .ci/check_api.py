@@ -20,7 +20,7 @@ import re
 import sys
 
 PACKAGES = ["cncore", "cncore.tablefile", "cncore.tier", "cncore_numpy", "cncore_torch",
-            "cncore_torch.distributed", "cncore_jax"]
+            "cncore_torch.distributed", "cncore_torch.serving", "cncore_jax"]
 GAPS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "api_gaps.txt")
 OURS = ("cncore", "cncore_numpy", "cncore_torch", "cncore_jax", "cn_dlrm")
 

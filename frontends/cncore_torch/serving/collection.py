@@ -142,12 +142,30 @@ class FrozenEmbeddingBagCollection(nn.Module):
                 column += c.embedding_dim
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
+        """The trained collection's table configs.
+
+        Returns:
+            list[EmbeddingBagConfig]: as given.
+        """
         return self._configs
 
     def is_weighted(self) -> bool:
+        """Whether the KJT's weights scale the rows.
+
+        Returns:
+            bool: as the trained collection's.
+        """
         return self._is_weighted
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        """The pooled rows, as the trained collection's forward in eval mode.
+
+        Args:
+            features (KeyedJaggedTensor): raw int64 IDs per feature (and weights if weighted).
+
+        Returns:
+            KeyedTensor: (B, sum of dims), one key per feature.
+        """
         out = self.embedding_bag_collection(self.remap(features))
         if not self._means:
             return out
@@ -183,12 +201,30 @@ class FrozenEmbeddingCollection(nn.Module):
         self.requires_grad_(False)
 
     def embedding_configs(self) -> list[EmbeddingConfig]:
+        """The trained collection's table configs.
+
+        Returns:
+            list[EmbeddingConfig]: as given.
+        """
         return self._configs
 
     def need_indices(self) -> bool:
+        """Whether the outputs carry the raw IDs as their weights.
+
+        Returns:
+            bool: as the trained collection's.
+        """
         return self._need_indices
 
     def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
+        """The rows of each ID, as the trained collection's forward in eval mode.
+
+        Args:
+            features (KeyedJaggedTensor): raw int64 IDs per feature.
+
+        Returns:
+            dict[str, JaggedTensor]: per feature, (N, dim) rows and the feature's lengths.
+        """
         out = self.embedding_collection(self.remap(features))
         if not self._need_indices:
             return out

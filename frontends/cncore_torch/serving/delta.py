@@ -72,6 +72,14 @@ class TableDelta:
         frozen model holds; None: from nothing, so every row of `until`) to `until` (default:
         the live version): later versions win, an ID removed and then written again is written.
 
+        Args:
+            path: the table directory (`save_table`'s path).
+            since: the version the frozen model holds (`Checkpoint.version`), or None.
+            until: the last version to take (None: the live one).
+
+        Returns:
+            TableDelta: the net change.
+
         >>> import numpy as np, tempfile, os, cncore
         >>> from cncore.tablefile import save_table
         >>> s = cncore.EmbeddingStore(dim=2, optimizer=cncore.SGD(), initializer=cncore.Constant(1.0))
@@ -108,8 +116,16 @@ class TableDelta:
 
 @dataclass
 class DeltaReport:
-    """What `apply_delta` did: rows written, IDs added and removed, bytes written into the
-    model (rows and ID arrays), tables grown, and the seconds the swap held requests out."""
+    """What `apply_delta` did.
+
+    Args:
+        rows_written: rows of the deltas written into the tables.
+        ids_added: IDs the tables did not hold before.
+        ids_removed: IDs dropped.
+        bytes_written: bytes written into the model (rows, and the ID arrays where IDs changed).
+        tables_grown: tables whose weight moved to a larger tensor.
+        locked_seconds: how long the swap kept requests out.
+    """
     rows_written: int = 0
     ids_added: int = 0
     ids_removed: int = 0
@@ -147,7 +163,14 @@ class _Table:
 def frozen_tables(model: nn.Module) -> dict[str, _Table]:
     """{name: table} of every frozen table in `model`: "<module path>.<table>" for a
     collection's tables (just "<table>" for a collection at the top), the module path for a
-    frozen module ("weight" for one at the top)."""
+    frozen module ("weight" for one at the top).
+
+    Args:
+        model (nn.Module): a frozen model.
+
+    Returns:
+        dict: {name: the table's ID map (`.slots`, a `TableSlots`) and rows (`.weight`)}.
+    """
     out: dict[str, _Table] = {}
     for path, module in model.named_modules():
         if isinstance(module, (FrozenEmbeddingBagCollection, FrozenEmbeddingCollection)):

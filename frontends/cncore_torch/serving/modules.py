@@ -55,6 +55,16 @@ class FrozenEmbeddingBag(_FrozenTable):
 
     def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+        """The pooled rows of each bag, as `nn.EmbeddingBag.forward`.
+
+        Args:
+            input (Tensor): (B, L) IDs, or 1-D IDs with `offsets`.
+            offsets (Tensor): (B,) bag starts (B + 1 with include_last_offset) for 1-D input.
+            per_sample_weights (Tensor): weights of input's shape (sum and mean).
+
+        Returns:
+            Tensor: (B, dim) float32.
+        """
         if input.dim() == 2:
             n_bags, length = input.shape
             offsets = torch.arange(0, n_bags * length + 1, max(length, 1), dtype=torch.int64)[:n_bags + 1]
@@ -83,6 +93,10 @@ class FrozenEmbeddingBag(_FrozenTable):
 class FrozenEmbedding(_FrozenTable):
     """`CNEmbedding.forward` (any input shape -> input.shape + (dim,)) over frozen rows.
 
+    Args:
+        keys: int64 (N,) IDs; rows: float32 (N, dim), row i of keys[i]; padding_idx: as the
+            live module's (positions holding it read zeros).
+
     >>> import numpy as np
     >>> emb = FrozenEmbedding(np.array([5]), np.array([[1.0, 2.0]]))
     >>> emb(torch.tensor([5, 6])).tolist()
@@ -90,4 +104,12 @@ class FrozenEmbedding(_FrozenTable):
     """
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        """The rows of `input`'s IDs.
+
+        Args:
+            input (Tensor): int IDs of any shape.
+
+        Returns:
+            Tensor: input.shape + (dim,) float32.
+        """
         return F.embedding(self._slots(input), self.weight)
