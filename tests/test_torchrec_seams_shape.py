@@ -424,3 +424,15 @@ def test_an_unsharded_collection_in_two_ranks_refuses_at_its_first_forward_namin
 def test_per_rank_tables_must_be_a_flag():
     with pytest.raises(TypeError, match=r"^per_rank_tables must be True or False, got 'yes'$"):
         CNEmbeddingBagCollection(bag_configs(), per_rank_tables="yes")
+
+
+@pytest.mark.parametrize("make", [lambda: CNEmbeddingBagCollection(bag_configs()),
+                                  lambda: nn.Sequential(nn.Linear(2, 2), CNEmbeddingCollection(ec_configs())),
+                                  lambda: CNEmbeddingBag(ROWS, 4)])
+def test_torch_jit_script_is_refused_naming_what_compiles_instead(make):
+    module = make()
+    name = type(module[1] if isinstance(module, nn.Sequential) else module).__name__
+    with pytest.raises(TypeError, match=rf"^torch.jit.script cannot compile {name}: its rows live in a dynamic table "
+                                        r"outside TorchScript; use torch.compile or torch.export \(docs/torchrec.md\), "
+                                        r"or cncore_torch.serving.freeze\(model\) for a copy in plain torch$"):
+        torch.jit.script(module)

@@ -116,6 +116,13 @@ class TableModule(nn.Module):
     def qconfig(self) -> None:
         self.__dict__.pop("_qconfig", None)
 
+    def __prepare_scriptable__(self):
+        """`torch.jit.script` (which calls this on every module it compiles): refused, naming
+        what compiles instead; the rows live in a dynamic table TorchScript cannot reach."""
+        raise TypeError(f"torch.jit.script cannot compile {type(self).__name__}: its rows live in a dynamic table "
+                        "outside TorchScript; use torch.compile or torch.export (docs/torchrec.md), or "
+                        "cncore_torch.serving.freeze(model) for a copy in plain torch")
+
     def __setstate__(self, state):
         super().__setstate__(state)
         register_operators()

@@ -489,7 +489,7 @@ class CNEmbeddingBagCollection(_DynamicTables, EmbeddingBagCollection):
 def unpooled_collection_lookup(anchor: torch.Tensor, handle: int, features: KeyedJaggedTensor,
                                training: bool) -> dict[str, JaggedTensor]:
     """CNEmbeddingCollection's eager forward: one node under torch.fx, as the pooled one's."""
-    return bridge.table_of(handle)._eager_lookup(features, training)
+    return bridge.table_of(handle)._eager_forward(features, training)
 
 
 class CNEmbeddingCollection(_DynamicTables, EmbeddingCollection):
@@ -557,7 +557,7 @@ class CNEmbeddingCollection(_DynamicTables, EmbeddingCollection):
             return self._compiled_lookup(features)
         return unpooled_collection_lookup(self._anchor, self._handle, features, self.training)
 
-    def _eager_lookup(self, features: KeyedJaggedTensor, training: bool) -> dict[str, JaggedTensor]:
+    def _eager_forward(self, features: KeyedJaggedTensor, training: bool) -> dict[str, JaggedTensor]:
         """The eager forward (`unpooled_collection_lookup`)."""
         by_key = features_by_key(features, self._feature_names, self._rows_device)
         keys_by_table = [torch.cat([by_key[n].values().detach().to(torch.int64) for n in names])
