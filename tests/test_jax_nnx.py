@@ -10,6 +10,7 @@ jax = pytest.importorskip("jax")
 nnx = pytest.importorskip("flax.nnx")
 optax = pytest.importorskip("optax")
 import jax.numpy as jnp  # noqa: E402
+from jax_routes import route  # noqa: E402,F401  (the fixture)
 from reference import uniform_row  # noqa: E402
 
 import cncore  # noqa: E402
@@ -110,7 +111,9 @@ def test_the_usual_nnx_step_trains_the_tables_as_a_dense_table(kind):
     assert len(_host.REGISTRY) == 0  # no context left waiting
 
 
+@pytest.mark.usefixtures("route")
 def test_plain_jax_jit_with_split_and_merge_trains_the_tables():
+    """Through both boundaries: the ordered io_callback and the FFI call (ordered by data)."""
     model, dense = Model(cncore.SGD(lr=0.3), nnx.Rngs(1)), DenseModel(nnx.Rngs(1))
     tx = optax.sgd(0.3)
 
