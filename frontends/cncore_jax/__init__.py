@@ -11,8 +11,12 @@ ordered host callbacks that `jax.jit` keeps exactly once, in program order.
   `accumulate_gradients(ctx, grad)`: the non-fused alternative (`SparseGrad` per table).
 - `set_boundary("callback" | "ffi")`: how traced code reaches the core (ordered io_callback,
   the default, or an XLA FFI custom call compiled on first use; see `cncore_jax.lookup`).
-- `cncore_jax.modules.EmbeddingBag`: a Flax NNX module (train/eval with `model.train()` /
-  `model.eval()`); `python examples/jax_dlrm.py` (the repository's example): a DLRM trained with JAX and optax.
+- `cncore_jax.modules.EmbeddingBag` / `EmbeddingBagCollection`: Flax NNX modules trained by
+  the usual NNX step (`nnx.value_and_grad(loss_fn)(model)`; each table a `TableState`);
+  `cncore_jax.checkpoint`: orbax checkpoints with the tables; `cncore_jax.frozen`: frozen
+  tables for `jax.export`; `python examples/jax_dlrm.py`: a DLRM trained that way.
+- `discard_pending()`: drop the contexts still waiting for their gradients (past
+  `MAX_PENDING` of them a training lookup is refused; none is dropped silently).
 
 >>> import jax, jax.numpy as jnp, cncore, cncore_jax as cj
 >>> t = cj.Table(dim=2, initializer=cncore.Constant(1.0))

@@ -21,8 +21,10 @@ itself refuses `jax.checkpoint` (remat) around one, which would repeat the looku
 The lookup is a `jax.custom_vjp`: when a loss is differentiated through it, the cotangent of
 its output is the gradient of the pooled rows (exposed through `sink`, an argument whose
 cotangent is that gradient), and per-sample weights get their gradient
-(<bag gradient, row>, / length for mean). No update ever happens inside autodiff: the update
-is the explicit `apply_gradients` call, which JAX cannot replay or drop.
+(<bag gradient, row>, / length for mean). A functional lookup never updates inside autodiff:
+its update is the explicit `apply_gradients` call, which JAX cannot replay or drop. (The Flax
+NNX modules, `cncore_jax.modules`, differentiate a `TableState` instead, and their lookup's
+backward runs the update: the usual NNX train step.)
 
 How a traced program refers to the lookup's host-side context: the lookup's callback keeps
 the contexts in a bounded registry (`cncore_jax._host`) and returns an int32 token; the
