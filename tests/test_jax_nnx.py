@@ -223,3 +223,28 @@ def test_pending_lookups_past_the_bound_are_refused_and_none_is_dropped():
     _, ctx = cj.lookup(table, jnp.array([7]), jnp.array([1]))  # room again
     cj.apply_gradients(ctx, jnp.ones((1, 2)))
     assert len(_host.REGISTRY) == 0
+
+
+def test_a_module_whose_output_never_reaches_the_loss_is_refused_past_the_bound():
+    """Its backward never runs (JAX drops a zero cotangent's work), so its contexts wait: past
+    MAX_PENDING the next step is refused, naming why, instead of inserting untrained rows forever."""
+    bag = EmbeddingBag(dim=2, optimizer=cncore.SGD(lr=0.1))
+
+    class Unused(nnx.Module):
+        def __init__(self):
+            self.bag, self.w = bag, nnx.Param(jnp.ones(()))
+
+        def __call__(self, ids, lengths):
+            self.bag(ids, lengths)  # looked up, never used
+            return self.w[...] * 2.0
+
+    model = Unused()
+    step = nnx.jit(lambda m, i: nnx.value_and_grad(lambda m: m(i, jnp.array([1])))(m)[0])
+    for k in range(_host.MAX_PENDING):
+        step(model, jnp.array([k]))
+    jax.effects_barrier()
+    with pytest.raises(Exception, match="a module whose output does not reach the loss never gets its backward"):
+        step(model, jnp.array([999]))
+        jax.effects_barrier()
+    assert len(bag.table) == _host.MAX_PENDING and bag.table.store.step == 0
+

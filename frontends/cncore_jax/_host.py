@@ -82,7 +82,9 @@ class Registry:
                 f"cncore_jax: {len(self._pending)} training lookups are waiting for their gradients (the "
                 f"limit, MAX_PENDING = {self.limit}); this lookup is refused and the tables are unchanged. Each "
                 "training lookup needs its update once: differentiate through the module (nnx.value_and_grad"
-                "(loss_fn)(model)), or call cncore_jax.apply_gradients(ctx, grad) for a functional lookup; "
+                "(loss_fn)(model); a module whose output does not reach the loss never gets its backward, so "
+                "use its output or look up in eval mode), or call cncore_jax.apply_gradients(ctx, grad) for a "
+                "functional lookup; "
                 "cncore_jax.discard(ctx) drops one you abandon, cncore_jax.discard_pending() drops them all "
                 "(their rows stay, untrained).")
 
