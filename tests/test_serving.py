@@ -241,3 +241,22 @@ def test_exported_files_run_without_cncore_in_a_fresh_process(tmp_path):
             torch.save((inputs, live(*inputs)), tmp_path / f"{name}.io")
     got = run_isolated(CHILD.replace("{DIR}", str(tmp_path)), timeout=120)
     assert got == {"pooled": True, "unpooled": True, "bag": True, "cncore_loaded": False}
+
+
+def test_the_cn_dlrm_model_freezes_to_its_exact_outputs():
+    """The main job's DLRM (26 tables, dense and over arches), prefilled: the frozen copy gives
+    the live model's outputs exactly, for batches with IDs the tables hold and IDs they do not."""
+    from cn_dlrm.data import SyntheticCriteo
+    from cn_dlrm.train import build_dlrm, prefill_tables, table_configs
+
+    gen = SyntheticCriteo(seed=0, batch_size=16, scale=1e-4)
+    ebc = CNEmbeddingBagCollection(tables=table_configs(4, gen.cardinalities))
+    prefill_tables(ebc, gen, 2)      # the first two batches' IDs; later batches reach unseen ones
+    live = build_dlrm(ebc, 4).eval()
+    frozen = freeze(live)
+    held = np.concatenate([s.export().keys for s in ebc.stores.values()])
+    for index in (0, 1, 50):
+        batch = gen.batch(index)
+        assert np.isin(batch.sparse.values().numpy(), held).all() == (index < 2)
+        with torch.no_grad():
+            assert torch.equal(frozen(batch.dense, batch.sparse), live(batch.dense, batch.sparse))
