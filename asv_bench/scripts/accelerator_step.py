@@ -9,7 +9,17 @@ the same table of `--rows` rows, trained with plain SGD (sum pooling) on the sam
   [0, rows) (a fixed table cannot take raw 64-bit IDs; hashing them would be the user's work);
 - `CNEmbeddingBag(device="cncard")`: rows, optimizer state and metadata on the accelerator, the
   key index on the host (the core), fused SGD in the backward;
+- `CNEmbeddingBag(device="cncard")` with the key index on the accelerator too
+  (`CNCORE_DEVICE_INDEX=device`: `cncore_torch.device_index`), the initialiser Uniform (drawn
+  on the device; the normal laws are drawn by the core on the host);
 - `CNEmbeddingBag()` in the core (host memory), for reference on the same machine.
+
+Then the device index alone (`DeviceKeyIndex`): keys per second of `find`, of `find_or_insert`
+on keys present (a training step's case) and of filling it with new keys, in batches of
+`--index-batch` keys, beside the core's index (`EmbeddingStore.find_or_insert`) on the host.
+
+Without an accelerator, `CNCORE_CNCARD=cpu` runs every "device" column on the CPU (the code
+path, not an accelerator's speed).
 
 IDs come from the data loader on the host, so every step starts from host IDs (the fixed table
 pays their copy to the device too). Each round draws fresh IDs (uniform, or Zipf(1.05) with
@@ -19,6 +29,7 @@ median of `--steps` timed steps after `--warmup`, the device synchronised around
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -28,6 +39,7 @@ from torch import nn
 
 import cncore
 from cncore_torch import CNEmbeddingBag
+from cncore_torch.device_index import DeviceKeyIndex
 from cncore_torch.devices import resolve_device
 
 
@@ -57,6 +69,48 @@ def timed(step, inputs, warmup: int, sync) -> float:
     return statistics.median(times) * 1e3
 
 
+def index_rates(device, sync, n_keys: int, batch: int, repeats: int) -> list[tuple[str, float, float]]:
+    """(operation, device index M keys/s, core index M keys/s): the best of `repeats` passes."""
+    rng = np.random.default_rng(3)
+    keys = rng.integers(-2**63, 2**63 - 1, n_keys, dtype=np.int64)
+    chunks = [keys[i:i + batch] for i in range(0, n_keys, batch)]
+    dev_chunks = [torch.from_numpy(c).to(device) for c in chunks]
+
+    def best(run) -> float:
+        times = []
+        for _ in range(repeats):
+            sync()
+            start = time.perf_counter()
+            run()
+            sync()
+            times.append(time.perf_counter() - start)
+        return n_keys / min(times) / 1e6
+
+    def fresh():
+        return DeviceKeyIndex(cncore.StoreConfig(dim=1), device), cncore.EmbeddingStore(dim=1)
+
+    def fill_device():
+        idx = DeviceKeyIndex(cncore.StoreConfig(dim=1), device)
+        for c in dev_chunks:
+            idx.find_or_insert(c)
+
+    def fill_core():
+        store = cncore.EmbeddingStore(dim=1)
+        for c in chunks:
+            store.find_or_insert(c)
+
+    rows = [("fill (new keys)", best(fill_device), best(fill_core))]
+    idx, store = fresh()
+    for c, d in zip(chunks, dev_chunks):
+        idx.find_or_insert(d)
+        store.find_or_insert(c)
+    rows.append(("find_or_insert (keys present)", best(lambda: [idx.find_or_insert(d) for d in dev_chunks]),
+                 best(lambda: [store.find_or_insert(c) for c in chunks])))
+    rows.append(("find", best(lambda: [idx.find(d) for d in dev_chunks]),
+                 best(lambda: [store.find(c) for c in chunks])))
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=10**6)
@@ -66,6 +120,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dists", nargs="+", default=["uniform", "zipf1.05"])
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--index-keys", type=int, default=2**22, help="keys of the index rate runs")
+    ap.add_argument("--index-batch", type=int, default=2**16, help="keys a call in the index rate runs")
     args = ap.parse_args(argv)
     device = resolve_device("cncard").device
     sync = (torch.cuda.synchronize if device.type == "cuda" else lambda: None)
@@ -77,8 +133,18 @@ def main(argv=None) -> int:
     fixed = nn.EmbeddingBag(args.rows, args.dim, mode="sum", sparse=True).to(device)
     fixed_opt = torch.optim.SGD(fixed.parameters(), lr=0.01)
     card = CNEmbeddingBag(args.rows, args.dim, mode="sum", optimizer=cncore.SGD(lr=0.01), device="cncard")
+    previous = os.environ.get("CNCORE_DEVICE_INDEX")
+    os.environ["CNCORE_DEVICE_INDEX"] = "device"
+    try:
+        indexed = CNEmbeddingBag(args.rows, args.dim, mode="sum", optimizer=cncore.SGD(lr=0.01), device="cncard",
+                                 initializer=cncore.Uniform())
+    finally:
+        if previous is None:
+            del os.environ["CNCORE_DEVICE_INDEX"]
+        else:
+            os.environ["CNCORE_DEVICE_INDEX"] = previous
     core = CNEmbeddingBag(args.rows, args.dim, mode="sum", optimizer=cncore.SGD(lr=0.01))
-    for module in (card, core):
+    for module in (card, indexed, core):
         for chunk in fill:
             module(chunk.reshape(1, -1))  # every row exists before timing
     grad = torch.full((args.batch, args.dim), 1e-3)
@@ -92,19 +158,30 @@ def main(argv=None) -> int:
     def card_step(ids):
         card(ids).backward(grads["dev"])
 
+    def indexed_step(ids):
+        indexed(ids).backward(grads["dev"])
+
     def core_step(ids):
         core(ids).backward(grads["cpu"])
 
-    print("| IDs | pooling | nn.EmbeddingBag on the device, ms | CNEmbeddingBag on the device, ms | "
-          "device / EmbeddingBag | CNEmbeddingBag in host memory, ms |")
-    print("|---|---|---|---|---|---|")
+    print("| IDs | pooling | nn.EmbeddingBag on the device, ms | CNEmbeddingBag on the device (host index), ms | "
+          "/ EmbeddingBag | CNEmbeddingBag, index on the device, ms | / EmbeddingBag | "
+          "CNEmbeddingBag in host memory, ms |")
+    print("|---|---|---|---|---|---|---|---|")
     for dist in args.dists:
         for pooling in args.pooling:
             inputs = batches(dist, args.rows, args.batch, pooling, args.warmup + args.steps)
             t_fixed = timed(fixed_step, inputs, args.warmup, sync)
             t_card = timed(card_step, inputs, args.warmup, sync)
+            t_indexed = timed(indexed_step, inputs, args.warmup, sync)
             t_core = timed(core_step, inputs, args.warmup, sync)
-            print(f"| {dist} | {pooling} | {t_fixed:.2f} | {t_card:.2f} | {t_card / t_fixed:.2f}x | {t_core:.2f} |")
+            print(f"| {dist} | {pooling} | {t_fixed:.2f} | {t_card:.2f} | {t_card / t_fixed:.2f}x | {t_indexed:.2f} | "
+                  f"{t_indexed / t_fixed:.2f}x | {t_core:.2f} |")
+    print(f"\nThe key index alone: {args.index_keys:,} random int64 keys, {args.index_batch:,} a call, best of 3")
+    print(f"| operation | DeviceKeyIndex on {device}, M keys/s | core index (host), M keys/s | device / core |")
+    print("|---|---|---|---|")
+    for name, dev_rate, core_rate in index_rates(device, sync, args.index_keys, args.index_batch, 3):
+        print(f"| {name} | {dev_rate:.2f} | {core_rate:.2f} | {dev_rate / core_rate:.2f}x |")
     return 0
 
 

@@ -23,10 +23,11 @@ Batched insert
 Duplicates in a batch are resolved with a stable sort: each occurrence points at the first
 occurrence of its key, which is the one that inserts. The new keys of a bucket take its free
 ways in batch order (a stable sort by bucket gives each its rank; a cumulative sum of the
-bucket's free ways turns the rank into a way). One host sync remains in a find-or-insert: the
-number of new keys, which decides eviction, the slot arrays' growth and whether every new key
-found a free way; a bucket that would overflow doubles the buckets (a batched rehash) and the
-placement runs again. `find` has no host sync.
+bucket's free ways turns the rank into a way). Host syncs in a find-or-insert: one when every
+key is present (the count of absent keys: zero, done); with absent keys, also the number of new
+keys, which decides eviction, the slot arrays' growth, and whether every new key found a free
+way (a bucket that would overflow doubles the buckets, a batched rehash, and the placement runs
+again); an eviction round reads the victims' count. `find` has no host sync.
 
 Eviction
 --------
@@ -334,12 +335,12 @@ class DeviceKeyIndex:
         want = ~found
         if admit and self.config.admission is not None:
             want = want & self._admitted(keys, want)
+        empty = keys.new_empty(0)
+        if int(want.sum()) == 0:  # the host sync of a batch of known keys: nothing more to do
+            return InsertResult(slots, found, empty, empty)
         rep = _first_occurrence(keys)
         is_new = want & (rep == torch.arange(n, device=self.device))
-        n_new = int(is_new.sum())  # the host sync: eviction, growth and placement depend on it
-        empty = keys.new_empty(0)
-        if n_new == 0:
-            return InsertResult(slots, found, empty, empty)
+        n_new = int(is_new.sum())  # eviction, growth and placement depend on it
         rank = torch.cumsum(is_new, 0) - 1
         if self.max_rows:
             room = self._make_room(slots, found, n_new, overflow=admit)  # refuses only without admit
