@@ -248,3 +248,40 @@ def test_a_module_whose_output_never_reaches_the_loss_is_refused_past_the_bound(
         jax.effects_barrier()
     assert len(bag.table) == _host.MAX_PENDING and bag.table.store.step == 0
 
+
+def test_per_sample_weights_from_the_model_train_with_the_rows():
+    """Weights computed from a model parameter: one usual step updates the rows (SGD, in the
+    lookup's backward) and the parameter (optax), as jax.grad of the dense reference gives."""
+    keys, base = np.array([4, 9, 4]), jnp.array([1.0, 2.0, 3.0])
+    lengths = jnp.array([2, 1])
+
+    class Weighted(nnx.Module):
+        def __init__(self):
+            self.bag = EmbeddingBag(dim=DIM, mode="mean", optimizer=cncore.SGD(lr=0.5),
+                                    initializer=cncore.Uniform(-0.5, 0.5), seed=SEED)
+            self.scale = nnx.Param(jnp.float32(1.5))
+
+        def __call__(self, ids):
+            return (self.bag(ids, lengths, weights=self.scale[...] * base) ** 2).sum()
+
+    model = Weighted()
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer, ids):
+        loss, grads = nnx.value_and_grad(lambda m: m(ids))(model)
+        optimizer.update(model, grads)
+        return loss
+
+    step(model, optimizer, jnp.asarray(keys))
+    rows = jnp.asarray(np.stack([uniform_row(SEED, k, DIM, -0.5, 0.5) for k in (4, 9)]))
+    idx = jnp.array([0, 1, 0])
+
+    def dense_loss(rows, scale):
+        w = (scale * base)[:, None] * rows[idx]
+        return (jnp.stack([(w[0] + w[1]) / 2, w[2]]) ** 2).sum()
+
+    g_rows, g_scale = jax.grad(dense_loss, argnums=(0, 1))(rows, jnp.float32(1.5))
+    np.testing.assert_allclose(model.bag.table.store.lookup(np.array([4, 9])), rows - 0.5 * g_rows, rtol=1e-5)
+    np.testing.assert_allclose(float(model.scale[...]), 1.5 - 0.1 * float(g_scale), rtol=1e-5)
+
