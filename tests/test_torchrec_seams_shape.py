@@ -407,6 +407,14 @@ def _unsharded_ranks(rank, world_size):
                                                             device="meta"), device=torch.device("cpu"))
     with pytest.raises(RuntimeError, match=sharder.format("CNEmbeddingBagCollectionSharder")):
         dmp(kjt3())
+    # with our sharder: sharded, data_type FP16 honoured by every rank's shard
+    from cncore_torch.distributed import CNEmbeddingBagCollectionSharder
+    half = DistributedModelParallel(CNEmbeddingBagCollection(bag_configs(data_type=DataType.FP16), device="meta",
+                                                             optimizer=cncore.SGD(lr=0.1)),
+                                    device=torch.device("cpu"), sharders=[CNEmbeddingBagCollectionSharder()])
+    half(kjt3()).wait().values().sum().backward()
+    assert {s.config.dtype for s in half.module.stores.values()} == {"float16"}
+    assert sum(len(s) for s in half.module.stores.values()) > 0
     # each rank's own table, on purpose: runs, and the ranks' rows differ as their batches do
     mine = CNEmbeddingBagCollection(bag_configs(), optimizer=cncore.SGD(lr=0.1), per_rank_tables=True)
     features = KeyedJaggedTensor.from_lengths_sync(["f1", "f3", "f2"], torch.tensor([rank, 5, 6]),
