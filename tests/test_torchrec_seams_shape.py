@@ -103,6 +103,10 @@ def test_the_per_table_modules_follow_to_empty_and_refuse_to_move_alone():
     assert bag.store is ebc.stores["t1"] and bag.weight.device == torch.device("cpu")
     with pytest.raises(ValueError, match=r"^table 't1' belongs to its collection and moves with it"):
         bag.move_to("meta")
+    with pytest.raises(ValueError, match=r"^table 't1' belongs to its collection and moves with it"):
+        bag.to("meta")
+    bag.to("cpu")  # where it is: nothing to move
+    assert bag.store is ebc.stores["t1"]
     with pytest.raises(RuntimeError, match="gradient hooks are for a CNEmbeddingBag / CNEmbedding of its own"):
         bag.register_gradient_hook(lambda ids, grads: None)
 

@@ -224,7 +224,11 @@ class _DynamicTables(CollectionShape, TableModule):
         if target.type == "meta" and not was_meta and any(len(s) for s in self._stores.values()):
             raise ValueError(f"moving {self._owner} to meta would drop its rows; build a new one with device='meta' "
                              "for shape inference instead")
-        result = super()._apply(fn, recurse)
+        self.__dict__["_moving_tables"] = True  # (its per-table modules follow; alone they refuse)
+        try:
+            result = super()._apply(fn, recurse)
+        finally:
+            self.__dict__["_moving_tables"] = False
         if was_meta and not self.is_meta:
             self._placement = collection_placement(target, self._owner)
             self._materialise()

@@ -93,7 +93,14 @@ class TableView:
                          f"collection (to_empty / to), not embedding table {self._table_name!r}")
 
     def _apply(self, fn, recurse=True):
-        return self  # nothing of its own: the collection moves the table, the view follows
+        """Nothing of its own to move: the collection moves the table and the view follows.
+        Moved alone (`embedding_bags[name].to(...)`) to another device, it refuses."""
+        collection = self.__dict__["_collection"]
+        if not collection.__dict__.get("_moving_tables"):
+            here = collection._anchor.device
+            if fn(torch.empty(0, device=here)).device != here:
+                self.move_to(None)  # raises, naming the collection
+        return self
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
         """Nothing: the collection saves the table (under `tables.<name>.`)."""
