@@ -48,7 +48,8 @@ def models(args):
     quant = quantize_embeddings(freeze(live), dtype=torch.qint8, inplace=False)
     remap = quant.sparse_arch.embedding_bag_collection.remap
     quant.sparse_arch.embedding_bag_collection = quant.sparse_arch.embedding_bag_collection.embedding_bag_collection
-    return gen, rows, {"live": live, "frozen": frozen, "frozen int8": frozen_int8, "QuantEBC (pre-remapped)": quant}, remap
+    variants = {"live": live, "frozen": frozen, "frozen int8": frozen_int8, "QuantEBC (pre-remapped)": quant}
+    return gen, rows, variants, remap
 
 
 def latency(args) -> list[str]:
