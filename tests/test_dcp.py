@@ -328,3 +328,50 @@ def test_table_entries_are_plain_tensors_to_everything_but_dcp(tmp_path):
     assert type(torch.cat([sd["tables.o_a.keys"], sd["tables.o_a.keys"]])) is torch.Tensor
     twin = copy.deepcopy(sd)
     assert torch.equal(twin["tables.o_a.keys"], sd["tables.o_a.keys"])
+
+
+def _plain_into_ranks(rank, world_size, path, saved):
+    import torch.distributed.checkpoint as dcp
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+
+    from cncore_torch.dcp import CNLoadPlanner
+    from cncore_torch.distributed import CNEmbeddingBagCollectionSharder, owner_of
+    dmp = DistributedModelParallel(_plain_collection("meta"), device=torch.device("cpu"),
+                                   sharders=[CNEmbeddingBagCollectionSharder()])
+    state = {"model": dmp.state_dict()}
+    dcp.load(state, checkpoint_id=path, planner=CNLoadPlanner())
+    dmp.load_state_dict(state["model"])
+    for name, whole in saved.items():
+        mine = dmp.module.stores[name].export()
+        keep = (owner_of(torch.from_numpy(whole["keys"]), world_size) == rank).numpy()
+        order, want = np.argsort(mine.keys), np.argsort(whole["keys"][keep])
+        for f in FIELDS:
+            np.testing.assert_array_equal(np.asarray(getattr(mine, f))[order], whole[f][keep][want], err_msg=name)
+        assert dmp.module.stores[name].step == whole["step"]
+
+
+def _plain_collection(device):
+    import cncore
+    from cncore_torch import CNEmbeddingBagCollection
+    return CNEmbeddingBagCollection(_bag_configs("o"), device=device, optimizer=cncore.Adagrad(lr=0.1), seed=4)
+
+
+@pytest.mark.slow
+def test_a_plain_collections_checkpoint_loads_into_two_ranks(tmp_path):
+    """Trained in one process without DMP, then sharded: each rank keeps the saved rows it owns."""
+    import torch.distributed.checkpoint as dcp
+    from torchrec import KeyedJaggedTensor
+
+    from cncore_torch.distributed.launch import spawn
+    model = _plain_collection("cpu")
+    kjt = KeyedJaggedTensor.from_lengths_sync(["f1", "f2", "f3"], torch.arange(45) * 5, torch.tensor([5] * 9))
+    for _ in range(2):
+        model(kjt).values().sum().backward()
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    saved = {}
+    for name, store in model.stores.items():
+        e = store.export()
+        saved[name] = {f: np.asarray(getattr(e, f)).copy() for f in FIELDS}
+        saved[name]["step"] = store.step
+    assert min(len(s["keys"]) for s in saved.values()) > 0
+    spawn(_plain_into_ranks, 2, str(tmp_path / "ckpt"), saved, timeout=TIMEOUT)

@@ -33,6 +33,7 @@ import cncore
 from cncore_torch.collection import CNEmbeddingCollection
 from cncore_torch.distributed.checkpoint import agree_run_id
 from cncore_torch.distributed.embedding_sharding import (
+    anchor_as_here,
     check_features,
     fused_anchor,
     keep_owned_rows,
@@ -180,6 +181,7 @@ class ShardedCNEmbeddingCollection(ShardedEmbeddingCollection):
 
         tables = {f"{prefix}tables.{name}.": (store.config, owned_writer(store, self._world_size, self._rank))
                   for name, store in self._stores.items()}
+        state_dict = anchor_as_here(state_dict, prefix, self._anchor)
         load_tables(tables, load_rest, state_dict, missing_keys, unexpected_keys, error_msgs)
 
 

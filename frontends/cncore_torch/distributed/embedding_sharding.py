@@ -26,7 +26,7 @@ from cncore_torch.optim import no_optimizer_error, resolve_optimizer
 from cncore_torch.state import TableState, export_tensors
 
 __all__ = ["check_features", "sharded_optimizer", "fused_anchor", "shard_store_configs", "owned_writer",
-           "keep_owned_rows"]
+           "keep_owned_rows", "anchor_as_here"]
 
 
 def check_features(features, needed: list[str], is_weighted: bool) -> None:
@@ -132,6 +132,16 @@ def owned_writer(store: cncore.EmbeddingStore, world_size: int, rank: int):
     write.rows_kept = lambda keys: int(owned(keys).sum())
     write.place = (rank, world_size)  # whose shard entries are this table whole (cncore_torch.state)
     return write
+
+
+def anchor_as_here(state_dict, prefix: str, anchor: nn.Parameter):
+    """`state_dict` with its empty `_anchor` entry in this module's anchor shape: a collection's
+    anchor is (0, 1), a sharded one's (0,), and neither holds a value, so a checkpoint of either
+    loads into the other."""
+    entry = state_dict.get(prefix + "_anchor")
+    if isinstance(entry, torch.Tensor) and entry.numel() == 0 and entry.shape != anchor.shape:
+        return {**state_dict, prefix + "_anchor": entry.reshape(anchor.shape)}
+    return state_dict
 
 
 def keep_owned_rows(stores, source_stores, world_size: int, rank: int) -> None:

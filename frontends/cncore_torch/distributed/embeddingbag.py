@@ -38,6 +38,7 @@ import cncore
 from cncore_torch.collection import CNEmbeddingBagCollection
 from cncore_torch.distributed.checkpoint import agree_run_id
 from cncore_torch.distributed.embedding_sharding import (
+    anchor_as_here,
     check_features,
     fused_anchor,
     keep_owned_rows,
@@ -218,6 +219,7 @@ class ShardedCNEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         def load_rest(rest, missing, unexpected, errors):
             nn.Module._load_from_state_dict(self, rest, prefix, local_metadata, strict, missing, unexpected, errors)
 
+        state_dict = anchor_as_here(state_dict, prefix, self._anchor)
         load_tables(self._tables(prefix), load_rest, state_dict, missing_keys, unexpected_keys, error_msgs)
 
     def _tables(self, prefix: str) -> dict:
