@@ -122,12 +122,16 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--index-keys", type=int, default=2**22, help="keys of the index rate runs")
     ap.add_argument("--index-batch", type=int, default=2**16, help="keys a call in the index rate runs")
+    ap.add_argument("--torch-threads", type=int, default=None,
+                    help="torch's intra-op threads (default: torch's own); the CPU device's kernels use them")
     args = ap.parse_args(argv)
+    if args.torch_threads is not None:
+        torch.set_num_threads(args.torch_threads)
     device = resolve_device("cncard").device
     sync = (torch.cuda.synchronize if device.type == "cuda" else lambda: None)
     print(f"device {device} ({torch.cuda.get_device_name() if device.type == 'cuda' else device.type}), "
           f"{args.rows:,} rows x dim {args.dim}, batch {args.batch}, torch {torch.__version__}, "
-          f"{cncore.get_num_threads()} core threads")
+          f"{cncore.get_num_threads()} core threads, {torch.get_num_threads()} torch threads")
     fill = torch.arange(args.rows).reshape(-1, 1000)
 
     fixed = nn.EmbeddingBag(args.rows, args.dim, mode="sum", sparse=True).to(device)

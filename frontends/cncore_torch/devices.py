@@ -7,7 +7,8 @@
   the key index stays in the core on the host, rows and optimizer state are device tensors,
   and gathering, pooling and updates run as PyTorch ops on the slots the core returns.
   With no accelerator it fails, saying so; ``CNCORE_CNCARD=cpu`` maps it onto the CPU, so
-  that this code path runs (and is tested) on machines without one.
+  that this code path runs (and is tested) on machines without one. ``CNCORE_DEVICE_INDEX=device``
+  keeps the key index on the device too (``cncore_torch.device_index``; `device_rows.DeviceRows`).
 """
 from __future__ import annotations
 
