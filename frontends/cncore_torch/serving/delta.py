@@ -299,7 +299,7 @@ def apply_delta(model: nn.Module, deltas: Mapping[str, TableDelta]) -> DeltaRepo
         with lock.writing():
             for p in prepared:
                 if p.weight is None:
-                    p.table.weight.index_copy_(0, p.write_at, p.rows.to(p.table.weight.dtype))
+                    p.table.weight.index_put_((p.write_at,), p.rows.to(p.table.weight.dtype))
                 else:
                     p.table.set_weight(p.weight)
                 p.table.slots.ids, p.table.slots.slots, p.table.slots.free = p.ids, p.slots, p.free
