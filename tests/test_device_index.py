@@ -452,3 +452,40 @@ def test_a_bad_key_index_choice_is_refused_naming_it(cncard, monkeypatch):
         CNEmbeddingBag(10, 2, device="cncard")
     with pytest.raises(ValueError, match=r"key_index='hbm': expected 'host'"):
         DeviceRows(cncore.StoreConfig(dim=2), torch.device("cpu"), key_index="hbm")
+
+
+def test_both_collections_with_the_device_index_train_like_the_core(device_index):
+    from torchrec import EmbeddingBagConfig, EmbeddingConfig, KeyedJaggedTensor
+
+    from cncore_torch import CNEmbeddingBagCollection, CNEmbeddingCollection
+    from cncore_torch.device_rows import DeviceIndexedRows
+    bags = [EmbeddingBagConfig(name="t_user", embedding_dim=4, num_embeddings=50, feature_names=["user", "friend"]),
+            EmbeddingBagConfig(name="t_item", embedding_dim=8, num_embeddings=50, feature_names=["item"])]
+    seqs = [EmbeddingConfig(name="t_user", embedding_dim=4, num_embeddings=50, feature_names=["user", "friend"])]
+    kw = {"optimizer": cncore.RowWiseAdagrad(lr=0.1), "seed": 3}
+    for cls, configs in ((CNEmbeddingBagCollection, bags), (CNEmbeddingCollection, seqs)):
+        core, card = cls(configs, **kw), cls(configs, device="cncard", **kw)
+        assert all(isinstance(s, DeviceIndexedRows) for s in card.stores.values())
+        rng = np.random.default_rng(4)
+        features = [f for c in configs for f in c.feature_names]
+        for _ in range(5):
+            lengths = torch.from_numpy(rng.integers(0, 4, len(features) * 5))
+            values = torch.from_numpy(rng.integers(-20, 20, int(lengths.sum())))
+            kjt = KeyedJaggedTensor.from_lengths_sync(features, values, lengths)
+            a, b = core(kjt), card(kjt)
+            if cls is CNEmbeddingBagCollection:
+                torch.testing.assert_close(b.values().cpu(), a.values())
+                a.values().sum().backward()
+                b.values().sum().backward()
+            else:
+                for f in features:
+                    torch.testing.assert_close(b[f].values().cpu(), a[f].values())
+                sum(a[f].values().sum() for f in features).backward()
+                sum(b[f].values().sum() for f in features).backward()
+        for name in core.stores:
+            ea, eb = core.stores[name].export(), card.stores[name].export()
+            oa, ob = np.argsort(ea.keys), np.argsort(eb.keys)
+            assert eb.keys[ob].tolist() == ea.keys[oa].tolist()
+            np.testing.assert_allclose(eb.rows[ob], ea.rows[oa], rtol=1e-5, atol=1e-6)
+            assert eb.counts[ob].tolist() == ea.counts[oa].tolist()
+            assert card.stores[name].evicted_count == core.stores[name].evicted_count
