@@ -54,6 +54,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import (
@@ -64,8 +65,9 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-__all__ = ["CNLoadPlanner", "TableEntry", "ShardLayout", "ungather"]
+__all__ = ["CNLoadPlanner", "CNStager", "TableEntry", "ShardLayout", "ungather"]
 
 # The entries of a table that hold one value per rank (stacked in a DCP checkpoint).
 PER_RANK = ("step", "evicted_count", "shard")
@@ -262,6 +264,35 @@ class CNLoadPlanner(DefaultLoadPlanner):
                 *parents, last = sibling_path
                 self.mappings[fqn] = (*parents, last[:-len("keys")] + name)
             set_element(self.original_state_dict, self.mappings[fqn], value)
+
+
+class CNStager(DefaultStager):
+    """DCP's default stager for `dcp.async_save`, keeping the table entries `TableEntry`s: the
+    default one copies every tensor into a plain one, and DCP then takes the ranks' shards for
+    replicas and keeps one. Pass it to every `async_save` of a model holding dynamic tables.
+
+    Args:
+        config (StagingOptions | None): as DefaultStager's; None: what `async_save` gives its own
+            stager (synchronous staging to plain CPU memory).
+
+    Example::
+
+        stager = CNStager()
+        dcp.async_save({"model": model.state_dict()}, checkpoint_id=path, async_stager=stager).result()
+        stager.close()
+    """
+
+    def __init__(self, config: StagingOptions | None = None) -> None:
+        super().__init__(config if config is not None else StagingOptions(False, False, False, False))
+
+    def _stage(self, state_dict: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+        staged = super()._stage(state_dict, **kwargs)
+        flat, mappings = flatten_state_dict(state_dict)
+        flat_staged, _ = flatten_state_dict(staged)
+        for fqn, value in flat.items():
+            if isinstance(value, TableEntry):
+                set_element(staged, mappings[fqn], TableEntry(flat_staged[fqn], value.cn_layout, value.cn_per_rank))
+        return staged
 
 
 def ungather(state_dict, prefix: str, place: tuple[int, int]) -> tuple[dict, list[str]]:
