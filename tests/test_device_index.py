@@ -444,6 +444,22 @@ def test_a_training_step_on_known_keys_reads_one_number_from_the_device(device_i
     assert forward_reads == reads == ["__int__ in find_or_insert"]
 
 
+def test_a_deep_copy_keeps_the_device_index_and_every_row(device_index):
+    import copy
+
+    from cncore_torch import CNEmbeddingBag
+    from cncore_torch.device_rows import DeviceIndexedRows
+    bag = CNEmbeddingBag(100, 3, mode="sum", optimizer=cncore.SGD(lr=0.1), device="cncard")
+    bag(torch.tensor([[1, -(2**63), 5]])).sum().backward()
+    twin = copy.deepcopy(bag)
+    assert isinstance(twin.device_rows, DeviceIndexedRows)
+    ea, eb = _sorted_export(bag), _sorted_export(twin)
+    for name in ea:
+        assert torch.equal(ea[name], eb[name])
+    twin(torch.tensor([[7]])).sum().backward()
+    assert len(twin.device_rows) == 4 and len(bag.device_rows) == 3
+
+
 def test_a_bad_key_index_choice_is_refused_naming_it(cncard, monkeypatch):
     from cncore_torch import CNEmbeddingBag
     from cncore_torch.device_rows import DeviceRows

@@ -88,9 +88,12 @@ class DeviceRows:
     """Rows on an accelerator with the key index in the core on the host (`key_index="host"`),
     or, built with `key_index="device"`, a `DeviceIndexedRows` (the index on the device too)."""
 
-    def __new__(cls, config: cncore.StoreConfig, device: torch.device, key_index: str | None = None):
-        if cls is DeviceRows and key_index_choice(key_index) == "device":
-            return super().__new__(DeviceIndexedRows)
+    def __new__(cls, *args, **kwargs):
+        # (copy and pickle call __new__ without arguments: they rebuild the class they saved)
+        if cls is DeviceRows and args:
+            key_index = kwargs.get("key_index", args[2] if len(args) > 2 else None)
+            if key_index_choice(key_index) == "device":
+                return super().__new__(DeviceIndexedRows)
         return super().__new__(cls)
 
     def __init__(self, config: cncore.StoreConfig, device: torch.device, key_index: str | None = None):
