@@ -423,3 +423,65 @@ def test_async_save_with_cn_stager_keeps_every_shard(tmp_path):
     kept); CNStager keeps them table entries: both ranks' rows are saved and load back."""
     from cncore_torch.distributed.launch import spawn
     spawn(_async_ranks, 2, str(tmp_path / "ckpt"), timeout=TIMEOUT)
+
+
+class _Mixed(torch.nn.Module):
+    """Our collection beside TorchRec's own EBC (sharded by TorchRec's sharder, ShardedTensor state)."""
+
+    def __init__(self):
+        super().__init__()
+        from torchrec import EmbeddingBagCollection
+        self.ours = _plain_collection("meta")
+        self.torchrec = EmbeddingBagCollection(_bag_configs("r"), device=torch.device("meta"))
+
+    def forward(self, kjt):
+        return torch.cat([self.ours(kjt).values(), self.torchrec(kjt).values()], dim=1)
+
+
+def _mixed_ranks(rank, world_size, path):
+    import torch.distributed.checkpoint as dcp
+    from torchrec import KeyedJaggedTensor
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+
+    from cncore_torch.dcp import CNLoadPlanner
+    from cncore_torch.distributed import CNEmbeddingBagCollectionSharder
+
+    def build(seed):
+        torch.manual_seed(seed)  # TorchRec's tables start from random rows
+        return DistributedModelParallel(_Mixed(), device=torch.device("cpu"),
+                                        sharders=[CNEmbeddingBagCollectionSharder(), EmbeddingBagCollectionSharder()])
+
+    def torchrec_shards(dmp):
+        """This rank's part of TorchRec's tables (the planner picks their sharding)."""
+        return {k: [s.tensor.clone() for s in v.local_shards()] if hasattr(v, "local_shards") else [v.clone()]
+                for k, v in dmp.state_dict().items() if k.startswith("torchrec.")}
+    dmp = build(0)
+    kjt = KeyedJaggedTensor.from_lengths_sync(["f1", "f2", "f3"], torch.arange(36) * 4 + rank, torch.tensor([3] * 12))
+    for _ in range(2):
+        dmp(kjt).sum().backward()
+    saved = {name: store.export() for name, store in dmp.module.ours.stores.items()}
+    theirs = torchrec_shards(dmp)
+    probe = dmp(kjt).detach()
+    dcp.save({"model": dmp.state_dict()}, checkpoint_id=path)
+    fresh = build(1)
+    assert any(not torch.equal(a, b) for k, v in torchrec_shards(fresh).items() for a, b in zip(v, theirs[k]))
+    state = {"model": fresh.state_dict()}
+    dcp.load(state, checkpoint_id=path, planner=CNLoadPlanner())
+    fresh.load_state_dict(state["model"])
+    for key, shards in torchrec_shards(fresh).items():  # TorchRec's own tables: DCP's own resharding
+        for got, want in zip(shards, theirs[key]):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for name, e in saved.items():
+        got = fresh.module.ours.stores[name].export()
+        order, want = np.argsort(got.keys), np.argsort(e.keys)
+        for f in FIELDS:
+            np.testing.assert_array_equal(np.asarray(getattr(got, f))[order], np.asarray(getattr(e, f))[want])
+    torch.testing.assert_close(fresh(kjt).detach(), probe, rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_a_model_mixing_ours_with_torchrecs_ebc_round_trips_under_dmp(tmp_path):
+    """The same DCP call carries TorchRec's sharded EBC (its ShardedTensors) and our tables."""
+    from cncore_torch.distributed.launch import spawn
+    spawn(_mixed_ranks, 2, str(tmp_path / "ckpt"), timeout=TIMEOUT)
