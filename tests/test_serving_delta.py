@@ -198,3 +198,37 @@ class DeltaMachine(RuleBasedStateMachine):
 
 TestDeltaMachine = DeltaMachine.TestCase
 TestDeltaMachine.settings = settings(max_examples=25, stateful_step_count=12, deadline=None)
+
+
+def test_an_unpooled_collection_and_a_module_follow_deltas_too(tmp_path):
+    """CNEmbeddingCollection and CNEmbedding, each growing past its rows: equal to the live ones
+    after the delta their own saves give."""
+    from torchrec import EmbeddingConfig
+
+    from cncore_torch import CNEmbedding, CNEmbeddingCollection
+
+    ec = CNEmbeddingCollection([EmbeddingConfig(name="u", embedding_dim=4, num_embeddings=10, feature_names=["f"])],
+                               optimizer=cncore.SGD(lr=0.1))
+    emb = CNEmbedding(10, 4, optimizer=cncore.SGD(lr=0.1))
+    features = KeyedJaggedTensor.from_lengths_sync(["f"], torch.arange(5), torch.tensor([5]))
+    ec(features)["f"].values().sum().backward()
+    emb(torch.arange(5)).sum().backward()
+    model = torch.nn.ModuleDict({"ec": ec.eval(), "emb": emb.eval()})
+    bases = {"u": save_table(ec.stores["u"], tmp_path / "u"), "emb": save_table(emb.store, tmp_path / "emb")}
+    frozen = freeze(model)
+    ec.train(), emb.train()
+    more = KeyedJaggedTensor.from_lengths_sync(["f"], torch.arange(3, 40), torch.tensor([37]))
+    ec(more)["f"].values().sum().backward()
+    emb(torch.arange(3, 40)).sum().backward()
+    ec.stores["u"].erase(np.array([0])), emb.store.erase(np.array([1]))
+    ec.eval(), emb.eval()
+    deltas = {"u": TableDelta.from_chain(tmp_path / "u", bases["u"].version,
+                                         save_table(ec.stores["u"], tmp_path / "u", since=bases["u"]).version),
+              "emb": TableDelta.from_chain(tmp_path / "emb", bases["emb"].version,
+                                           save_table(emb.store, tmp_path / "emb", since=bases["emb"]).version)}
+    report = apply_delta(frozen, deltas)
+    assert report.tables_grown == 2
+    probe = KeyedJaggedTensor.from_lengths_sync(["f"], torch.arange(-1, 45), torch.tensor([46]))
+    with torch.no_grad():
+        assert torch.equal(frozen["ec"](probe)["f"].values(), ec(probe)["f"].values())
+        assert torch.equal(frozen["emb"](torch.arange(-1, 45)), emb(torch.arange(-1, 45)))
