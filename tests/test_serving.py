@@ -21,6 +21,7 @@ from cncore_torch.serving import (
     freeze,
 )
 from cncore_torch.serving.export import export_program
+from cncore_torch.serving.freeze import serving_lock
 
 FEATURES = ["f", "g", "h"]
 
@@ -260,3 +261,12 @@ def test_the_cn_dlrm_model_freezes_to_its_exact_outputs():
         assert np.isin(batch.sparse.values().numpy(), held).all() == (index < 2)
         with torch.no_grad():
             assert torch.equal(frozen(batch.dense, batch.sparse), live(batch.dense, batch.sparse))
+
+
+def test_a_kjt_with_a_batch_size_per_feature_is_refused():
+    frozen = freeze(trained_ebc())
+    vbe = KeyedJaggedTensor(keys=FEATURES, values=torch.tensor([1, 2, 3, 4]), lengths=torch.tensor([1, 1, 1, 1]),
+                            stride_per_key_per_rank=[[2], [1], [1]])
+    with pytest.raises(ValueError, match=r"features: a KJT with a batch size per feature \(VBE"):
+        frozen(vbe)
+    assert serving_lock(frozen).readers == 0

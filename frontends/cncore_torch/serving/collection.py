@@ -75,6 +75,10 @@ class IdRemap(nn.Module):
         return (torch.from_numpy(ids), torch.from_numpy(tables), torch.from_numpy(slots), max(int(np.max(runs)), 1))
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        if features.variable_stride_per_key():
+            raise ValueError("features: a KJT with a batch size per feature (VBE: stride_per_key_per_rank) reached a "
+                             "frozen collection, which takes one batch size for all features; expand it first "
+                             "(one bag per sample and feature, empty bags allowed)")
         values = features.values().to(torch.int64)
         n_keys = len(features.keys())
         table_of_key = torch.tensor([self.table_index.get(self.table_of_feature.get(k, ""), -1)
