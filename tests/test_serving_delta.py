@@ -232,3 +232,15 @@ def test_an_unpooled_collection_and_a_module_follow_deltas_too(tmp_path):
     with torch.no_grad():
         assert torch.equal(frozen["ec"](probe)["f"].values(), ec(probe)["f"].values())
         assert torch.equal(frozen["emb"](torch.arange(-1, 45)), emb(torch.arange(-1, 45)))
+
+
+def test_table_delta_and_export_refuse_bad_input():
+    with pytest.raises(TypeError, match=r"keys: expected 1-D int64 IDs, got float64 of shape \(2,\)"):
+        TableDelta(np.array([1.0, 2.0]), np.ones((2, 4)), np.array([], np.int64))
+    with pytest.raises(ValueError, match=r"rows: expected \(2, dim\) rows for 2 keys, got shape \(3, 4\)"):
+        TableDelta(np.array([1, 2]), np.ones((3, 4)), np.array([], np.int64))
+    with pytest.raises(TypeError, match="deltas must be a mapping"):
+        apply_delta(freeze(torch.nn.Sequential(FrozenEmbedding(np.arange(2), np.ones((2, 2))))), [])
+    from cncore_torch.serving import export_program
+    with pytest.raises(TypeError, match="args must be a tuple of the model's positional inputs, got Tensor"):
+        export_program(torch.nn.Identity(), torch.ones(2))
