@@ -77,7 +77,7 @@ def _documented_by(obj, doc: str):
 
 
 def _gaps_of(obj, kind: str) -> list[str]:
-    gaps = []
+    gaps: list[str] = []
     doc = inspect.getdoc(obj) or ""
     other = _documented_by(obj, doc) if kind == "method" else None
     if other is not None:

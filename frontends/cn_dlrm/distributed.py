@@ -111,6 +111,7 @@ class DistributedRun:
                                                for s in sharded.stores.values())
         # --incremental-checkpoint-every: this rank's table chains (see `keep_chains`)
         self.chains: TableChains | None = None
+        self.upcoming: Batch | None = None  # the next training batch (train() sets it; unused here)
         self.at = 0  # the step reached
         self.seen, self.saving_s = 0, 0.0  # samples trained here, seconds spent saving chains inside `step`
 

@@ -230,7 +230,7 @@ def used_bytes(store: cncore.EmbeddingStore) -> int:
 
 # --- training ------------------------------------------------------------------------------------
 
-def save_checkpoint(path: str, run: Run, step: int, args) -> None:
+def save_checkpoint(path: str, run: TrainingRun, step: int, args) -> None:
     """One file, whatever the number of processes (a distributed run's rank 0 writes the tables
     merged from every rank: the same format, so any number of processes resumes from it)."""
     if hasattr(run, "checkpoint_state"):
@@ -313,13 +313,14 @@ def train(run: TrainingRun, data: Data, args, start: int = 0) -> dict[str, Any]:
     history: list[dict[str, Any]] = []
     progress = Progress(run.name, args.steps, start, enabled=not args.no_progress)
     every: int = getattr(args, "incremental_checkpoint_every", None) or 0
+    stores = run.tables.stores if run.tables is not None else {}
     ours = run.tables is not None and not hasattr(run, "checkpoint_state")  # a single-process run of ours
     chains = TableChains(args.checkpoint, every) if every and ours else None
-    ttl = ours and any(isinstance(s.config.eviction, cncore.TTL) for s in run.tables.stores.values())
+    ttl = ours and any(isinstance(s.config.eviction, cncore.TTL) for s in stores.values())
 
     def save_chains(chains: TableChains, step: int) -> None:
         with writing("--checkpoint", args.checkpoint):
-            chains.save(run.model, run.optimizers, run.tables.stores, step, {"args": vars(args)})
+            chains.save(run.model, run.optimizers, stores, step, {"args": vars(args)})
 
     def evaluate(step: int) -> None:
         metrics = run.evaluate(data.eval_set)
@@ -344,7 +345,7 @@ def train(run: TrainingRun, data: Data, args, start: int = 0) -> dict[str, Any]:
         t0 = time.perf_counter()
         loss = run.step(batch)
         if ttl:  # expired rows go between steps, also below the budget (part of the step's cost)
-            bounded.sweep_expired(run.tables.stores)
+            bounded.sweep_expired(stores)
         t_train += time.perf_counter() - t0
         seen += len(batch.labels)
         step += 1
@@ -374,6 +375,8 @@ def best_attainable(data: Data) -> float | None:
         return None
     auc = torchmetrics.classification.BinaryAUROC(sync_on_compute=False)
     for b in data.eval_set:
+        if b.probabilities is None:  # a batch without the generator's click probabilities
+            return None
         auc.update(b.probabilities, b.labels.long())
     return float(auc.compute())
 
