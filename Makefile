@@ -20,7 +20,7 @@ $(VENV)/.installed: setup.py setup.cfg pyproject.toml
 	$(PIP) install "fbgemm-gpu-cpu==1.8.0"
 	$(PIP) install --no-deps "torchrec==1.8.0"
 	$(PIP) install tensordict "torchmetrics==1.0.3" tqdm pyre-extensions
-	$(PIP) install "pytest>=8" pytest-xdist "hypothesis>=6.100" "jax[cpu]" flax optax "asv>=0.6" pyarrow
+	$(PIP) install "pytest>=8" pytest-xdist "hypothesis>=6.100" "jax[cpu]" flax optax flatbuffers "asv>=0.6" pyarrow
 	$(PIP) install "ruff==0.17.6" "mypy==2.4.1" "import-linter==2.17"
 	$(PIP) install --no-build-isolation -e .
 	touch $@
