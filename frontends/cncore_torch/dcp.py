@@ -17,7 +17,8 @@ DTensor implements too):
 
 The row counts come from one all-gather per table while DCP plans the save (`dcp.save` is a
 collective; `state_dict()` itself stays local). DCP's own checks then see the shards cover
-each global tensor, and its metadata records every rank's chunk.
+each global tensor, and its metadata records every rank's chunk. `dcp.async_save` copies the
+state_dict into plain tensors first unless its stager is `CNStager`, which keeps the entries.
 
 Loading
 -------
