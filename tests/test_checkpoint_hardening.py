@@ -713,6 +713,14 @@ def test_every_mix_of_shard_files_loads_exactly_one_save_or_is_refused_on_every_
 # --- table names are directory names -----------------------------------------------------------------
 
 BAD_NAMES = ["../x", "ABSOLUTE", "a/b", "..", ".", "", "a\\b", "a\0b"]  # ABSOLUTE: a path under tmp_path
+MODULE_NAME_REFUSAL = (r"^table name {}: a collection holds a module per table under its name \(embedding_bags\[name\], "
+                       r"as TorchRec's collections do\), so a table name is a non-empty string without '\.'; rename "
+                       r"the table$")
+
+
+def _not_a_module_name(name):
+    """Names a collection refuses when it is built (TorchRec's ModuleDict of tables cannot hold them)."""
+    return name == "" or "." in name
 
 
 def _named_collection(name, **options):
@@ -729,6 +737,10 @@ def test_save_shard_tables_refuses_a_table_name_that_is_not_one_path_component(t
     pytest.importorskip("torchrec")
     from cncore_torch.distributed.checkpoint import save_shard_tables
     name = str(tmp_path / "abs") if name == "ABSOLUTE" else name
+    if _not_a_module_name(name):
+        with pytest.raises(ValueError, match=MODULE_NAME_REFUSAL.format(re.escape(repr(name)))):
+            _named_collection(name)
+        return
     module = _named_collection(name)
     out = tmp_path / "inner" / "files"
     os.makedirs(out)
@@ -745,6 +757,7 @@ def test_a_tiered_collection_refuses_a_table_name_that_is_not_one_path_component
     pytest.importorskip("torchrec")
     name = str(tmp_path / "abs") if name == "ABSOLUTE" else name
     before = tree(tmp_path)
+    # The tier's directory is checked first (before the module names): every bad name gets its refusal.
     with pytest.raises(ValueError, match=f"^table name {re.escape(repr(name))}: is used as a directory name"):
         _named_collection(name, storage=cncore.Tiered(str(tmp_path / "tier"), cache_bytes=1 << 20))
     assert tree(tmp_path) == before  # not even the collection's directory
@@ -753,12 +766,12 @@ def test_a_tiered_collection_refuses_a_table_name_that_is_not_one_path_component
 def test_table_names_that_are_one_path_component_still_save(tmp_path):
     pytest.importorskip("torchrec")
     from cncore_torch.distributed.checkpoint import load_shard_tables, save_shard_tables
-    module = _named_collection("t.user-1 x")
-    module.stores["t.user-1 x"].find_or_insert(np.arange(4))
-    assert save_shard_tables(module, str(tmp_path)) == [str(tmp_path / "t.user-1 x" / "shard-0-of-1")]
-    back = _named_collection("t.user-1 x")
+    module = _named_collection("t_user-1 x")
+    module.stores["t_user-1 x"].find_or_insert(np.arange(4))
+    assert save_shard_tables(module, str(tmp_path)) == [str(tmp_path / "t_user-1 x" / "shard-0-of-1")]
+    back = _named_collection("t_user-1 x")
     load_shard_tables(back, str(tmp_path))
-    assert sorted(back.stores["t.user-1 x"].export().keys.tolist()) == [0, 1, 2, 3]
+    assert sorted(back.stores["t_user-1 x"].export().keys.tolist()) == [0, 1, 2, 3]
 
 
 # --- cn-table reshard --max-rows on an unbounded table -----------------------------------------------

@@ -133,6 +133,10 @@ def store_configs(tables, config_type, optimizer, initializers, capacities, seed
             raise TypeError(f"tables: expected {config_type.__name__}, got {type(config).__name__}")
         if config.name in stores:
             raise ValueError(f"tables: duplicate table name {config.name!r}")
+        if not isinstance(config.name, str) or not config.name or "." in config.name:
+            raise ValueError(f"table name {config.name!r}: a collection holds a module per table under its name "
+                             "(embedding_bags[name], as TorchRec's collections do), so a table name is a non-empty "
+                             "string without '.'; rename the table")
         if isinstance(config, EmbeddingBagConfig) and config.pooling not in POOLING:
             raise ValueError(f"table {config.name!r}: pooling {config.pooling} is not supported (SUM or MEAN)")
         n = config.num_embeddings
