@@ -43,6 +43,7 @@ from cncore_torch.embedding_configs import (
     store_configs,
 )
 from cncore_torch.functional import unpooled_lookup
+from cncore_torch.kjt_features import feature_positions, features_by_key, grouped_arrays, kjt_of_parts
 from cncore_torch.optim import (
     changed_optimizer_error,
     keyed_fused_optimizer,
@@ -55,54 +56,6 @@ from cncore_torch.table_views import table_views
 from cncore_torch.variable_batch import expand, inverse_rows, strides_of, weight_spans
 
 __all__ = ["CNEmbeddingBagCollection", "CNEmbeddingCollection", "initializer_from_config"]
-
-def features_by_key(features, feature_names: list[list[str]], rows_device=None) -> dict[str, JaggedTensor]:
-    """The KJT's JaggedTensor per key, every feature the tables read being present. The KJT is
-    checked first (TorchRec's constructor checks little): CPU tensors (or on `rows_device`, where
-    the tables' rows are on an accelerator) with values, int IDs,
-    floating weights, lengths >= 0 adding up to the number of values. A collection on meta
-    (`rows_device` meta: shape inference) also takes a KJT on meta, whose values go unchecked."""
-    if not isinstance(features, KeyedJaggedTensor):
-        raise TypeError(f"features must be a KeyedJaggedTensor, got {type(features).__name__}")
-    values, lengths, weights = features.values(), features.lengths(), features.weights_or_none()
-    if values.is_meta and rows_device is not None and rows_device.type == "meta":
-        by_key = features.to_dict()
-        missing = [n for names in feature_names for n in names if n not in by_key]
-        if missing:
-            raise ValueError(f"features: no key {missing[0]!r} (it has {features.keys()})")
-        return by_key
-    for name, t in (("values", values), ("lengths", lengths), ("weights", weights)):
-        if t is not None and t.is_meta:
-            raise ValueError(f"features: {name} is a meta tensor, which holds no values; expected a CPU tensor")
-        if t is not None and t.device.type != "cpu" and t.device != rows_device:
-            raise ValueError(f"features: {name} is on {t.device}; the tables are in the core, expected the CPU"
-                             if rows_device is None else
-                             f"features: {name} is on {t.device}; expected the CPU or the tables' {rows_device}")
-    if values.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"features: values must be int64 or int32 IDs, got {values.dtype}")
-    if weights is not None and not weights.is_floating_point():
-        raise TypeError(f"features: weights must be floating point, got {weights.dtype}")
-    if values.dim() != 1 or (weights is not None and weights.shape != values.shape):
-        raise ValueError(f"features: values (and weights) must be 1-D and of one length, got shapes "
-                         f"{tuple(values.shape)} and {None if weights is None else tuple(weights.shape)}")
-    if lengths.numel() and int(lengths.min()) < 0:
-        raise ValueError(f"features: lengths must be >= 0, got {int(lengths.min())} (offsets must never decrease)")
-    if int(lengths.sum()) != values.numel():
-        raise ValueError(f"features: lengths add up to {int(lengths.sum())}, but values holds {values.numel()} IDs")
-    if not features.variable_stride_per_key() and lengths.numel() != len(features.keys()) * features.stride():
-        raise ValueError(f"features: {lengths.numel()} lengths for {len(features.keys())} keys of batch size "
-                         f"{features.stride()}")
-    if lengths.numel() == 0:  # an empty batch, which TorchRec's to_dict cannot split
-        empty = JaggedTensor(values=values, lengths=lengths, weights=weights)
-        by_key = dict.fromkeys(features.keys(), empty)
-    else:
-        by_key = features.to_dict()
-    for names in feature_names:
-        for name in names:
-            if name not in by_key:
-                raise ValueError(f"features: no key {name!r} (it has {features.keys()})")
-    return by_key
-
 
 ANCHOR_SHAPE = (0, 1)
 
@@ -304,53 +257,6 @@ def _device_lookup(anchor, collection, keys, offsets, weights, training: bool, s
     return bridge.lookup(anchor, collection, keys, offsets, weights, collection._modes, training, split)
 
 
-def grouped_arrays(collection, by_key: dict[str, JaggedTensor]):
-    """(keys, offsets, weights): one tensor per feature of `collection`, in its order (int64
-    keys and offsets, float32 weights or None), as the bridge takes them. The weights keep
-    their autograd history: a weight that requires grad gets its gradient (TorchRec's
-    `PositionWeightedModule` learns so)."""
-    keys, offsets, weights = [], [], []
-    is_weighted = collection._is_weighted
-    for names in collection._feature_names:
-        for name in names:
-            jt = by_key[name]
-            keys.append(jt.values().detach().to(torch.int64).contiguous())
-            offsets.append(jt.offsets().detach().to(torch.int64).contiguous())
-            w = jt.weights_or_none() if is_weighted else None
-            if is_weighted and w is None:
-                raise ValueError(f"features: is_weighted=True but key {name!r} has no weights")
-            weights.append(None if w is None else w.to(torch.float32).contiguous())
-    return keys, offsets, weights
-
-
-# --- the KJT in parts: how the collections' operators take it (cncore_torch.ops) -----------------
-#
-# The bridge's `cncore::lookup` takes per-feature tensors; splitting a KJT per feature is
-# data-dependent, so the collections' operators take the whole KJT (values, lengths, weights)
-# and each feature's position among its keys (known when traced), and the collection splits it
-# (`_pooled_rows`, `_unpooled_rows`) and calls the same forward_impl.
-
-
-def _kjt_of_parts(collection, values, lengths, weights, n_keys: int, positions: list[int],
-                  strides: list[int] | None) -> KeyedJaggedTensor:
-    """The KJT an operator got in parts: the collection's features at their positions, the
-    keys it does not read named by position; `strides`: each key's batch size (None: one)."""
-    names = [f"<key {i}>" for i in range(n_keys)]
-    for name, at in zip((n for group in collection._feature_names for n in group), positions):
-        names[at] = name
-    return KeyedJaggedTensor(keys=names, values=values, lengths=lengths, weights=weights,
-                             stride_per_key_per_rank=[[s] for s in strides] if strides else None)
-
-
-def _positions(collection, features: KeyedJaggedTensor) -> list[int]:
-    """Where each feature the collection reads sits among the KJT's keys (known when traced)."""
-    keys = features.keys()
-    missing = [f for names in collection._feature_names for f in names if f not in keys]
-    if missing:
-        raise ValueError(f"features: no key {missing[0]!r} (it has {keys})")
-    return [keys.index(f) for names in collection._feature_names for f in names]
-
-
 class CNEmbeddingBagCollection(_DynamicTables, EmbeddingBagCollection):
     """TorchRec's `EmbeddingBagCollection` on dynamic tables (see the module docstring).
 
@@ -450,7 +356,7 @@ class CNEmbeddingBagCollection(_DynamicTables, EmbeddingBagCollection):
         return pooled_collection_lookup(self._anchor, self._handle, features, self.training)
 
     def _compiled_lookup(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        positions = _positions(self, features)
+        positions = feature_positions(self, features)
         weights = features.weights_or_none() if self._is_weighted else None
         if self._is_weighted and weights is None:
             raise ValueError("features: is_weighted=True but the KJT has no weights")
@@ -468,7 +374,7 @@ class CNEmbeddingBagCollection(_DynamicTables, EmbeddingBagCollection):
         parts checked as the eager forward checks them (`features_by_key`), then the bridge's
         forward: ((B, sum of dims) rows, what its backward needs). With a batch size per key
         (`strides`), each feature's bags expanded by `inverse` (cncore_torch.variable_batch)."""
-        features = _kjt_of_parts(self, values, lengths, weights, n_keys, positions, strides)
+        features = kjt_of_parts(self, values, lengths, weights, n_keys, positions, strides)
         by_key = features_by_key(features, self._feature_names)
         self._adopt_tagged_optimizer()
         keys, offsets, feature_weights = grouped_arrays(self, by_key)
@@ -583,7 +489,7 @@ class CNEmbeddingCollection(_DynamicTables, EmbeddingCollection):
         return result
 
     def _compiled_lookup(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
-        positions = _positions(self, features)
+        positions = feature_positions(self, features)
         n_keys, n = len(features.keys()), len(positions)
         strides = strides_of(features)
         outs = torch.ops.cncore.collection_unpooled_lookup(
@@ -601,7 +507,7 @@ class CNEmbeddingCollection(_DynamicTables, EmbeddingCollection):
         """What the `cncore::collection_unpooled_lookup` operator runs (cncore_torch.ops): the (N_f,
         dim) rows of each feature, then (need_indices) each feature's IDs; and what the backward
         needs (with each table's features' sizes, by which the backward joins their gradients)."""
-        by_key = features_by_key(_kjt_of_parts(self, values, lengths, None, n_keys, positions, strides),
+        by_key = features_by_key(kjt_of_parts(self, values, lengths, None, n_keys, positions, strides),
                                  self._feature_names)
         self._adopt_tagged_optimizer()
         ids = [[by_key[n].values().detach() for n in names] for names in self._feature_names]
