@@ -23,6 +23,7 @@ import contextlib
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -53,6 +54,24 @@ def _sealed(store, keys, slots, offsets, weights, mode, argmax, erase_epoch, col
     return ctx
 
 
+class CoreStore(Protocol):
+    """What a lookup and its backward read from a store (an `EmbeddingStore` or a
+    `TieredStore`, which import this module): the core table its rows are in, and their width."""
+
+    @property
+    def _table(self) -> _core.Table: ...
+
+    @property
+    def dim(self) -> int: ...
+
+
+class FaultingStore(CoreStore, Protocol):
+    """A store with a disk tier (`cncore.tier.TieredStore`): a lookup runs with its keys
+    faulted into the memory cache."""
+
+    def faulted_in(self, keys: np.ndarray, insert: bool) -> contextlib.AbstractContextManager[np.ndarray | None]: ...
+
+
 @dataclass(frozen=True)
 class LookupContext:
     """What the backward of one pooled lookup needs (kept by autograd between the passes).
@@ -67,7 +86,7 @@ class LookupContext:
     A context is opaque: only a lookup makes one. Its arrays are read-only, and a copy made by
     `dataclasses.replace`, `copy` or pickling carries no seal and is refused by the backward,
     so a context either is what its lookup made or is not used at all."""
-    store: object
+    store: CoreStore
     keys: np.ndarray
     slots: np.ndarray
     offsets: np.ndarray
@@ -145,7 +164,10 @@ def grouped_pooled_lookup(stores: Sequence, keys: Sequence, offsets: Sequence | 
         modes = [modes] * n
     modes = _per_feature(modes, n, "modes")
 
-    key_arrays, offset_arrays, weight_arrays, mode_codes = [], [], [], []
+    key_arrays: list[np.ndarray] = []
+    offset_arrays: list[np.ndarray] = []
+    weight_arrays: list[np.ndarray | None] = []
+    mode_codes: list[int] = []
     for f in range(n):
         k, o, w, code = feature_arrays(f, keys[f], offsets[f], lengths[f], weights[f], modes[f])
         if f and len(o) - 1 != len(offset_arrays[0]) - 1:
@@ -326,7 +348,7 @@ def tiers_faulted_in(stores, key_arrays, insert: bool):
     Returns (the context, found): found[f] is the cache slots of feature f's keys when its store
     is tiered, used by f alone in this call, and gave them (TieredStore._fault_in), else None;
     `found` is None when no store gave any (_core.grouped_forward's found_slots)."""
-    by_store = {}
+    by_store: dict[int, tuple[FaultingStore, list[np.ndarray], list[int]]] = {}
     for f, (store, k) in enumerate(zip(stores, key_arrays)):
         if hasattr(store, "faulted_in"):
             entry = by_store.setdefault(id(store), (store, [], []))
@@ -335,7 +357,7 @@ def tiers_faulted_in(stores, key_arrays, insert: bool):
     if not by_store:
         return _NOTHING_HELD, None
     held = contextlib.ExitStack()  # entered here; the caller's `with` closes it
-    found = None
+    found: list[np.ndarray | None] | None = None
     try:
         for _, (store, parts, features) in sorted(by_store.items()):
             slots = held.enter_context(store.faulted_in(np.concatenate(parts) if len(parts) > 1 else parts[0], insert))
@@ -430,7 +452,7 @@ def apply_blocks(ctxs: Sequence[LookupContext], grads: Sequence[np.ndarray], opt
     if len(ctxs) == 1:  # one feature (the modules): no grouping to do
         apply_one(ctxs[0], grads[0], optims[0])
         return
-    by_store = {}
+    by_store: dict[int, list[int]] = {}
     for f, ctx in enumerate(ctxs):
         by_store.setdefault(id(ctx.store), []).append(f)
     tables, slots, offsets, weights, modes, argmaxes = [], [], [], [], [], []

@@ -48,9 +48,10 @@ import numpy as np
 import torch
 
 from cncore import _core
+from cncore.config import Optimizer
 from cncore.grouped import MODES, apply_blocks, apply_one, backward_one, context_of, forward_one, lookup_arrays
 from cncore.grouped import _optim_tuple as optimizer_arguments
-from cncore_torch.device_rows import DeviceRows
+from cncore_torch.device_rows import DeviceLookup, DeviceRows
 
 _TABLES: weakref.WeakValueDictionary[int, object] = weakref.WeakValueDictionary()
 _next_handle = [0]
@@ -79,9 +80,12 @@ class Pending:
     def __init__(self, owner, tables, ctxs, on_device: bool, split: bool):
         self.owner, self.tables, self.ctxs = owner, tables, ctxs
         self.on_device, self.split = on_device, split
-        self.sizes = None  # what a caller splits the outputs by (the unpooled collection's features)
-        self.expanded = None  # (F, B) inverse indices a pooled collection expanded its bags by (variable batch)
-        self.spans = None  # each feature's (start, stop) in the KJT's weights (a pooled collection's operator)
+        # What a caller splits the outputs by (the unpooled collection's features).
+        self.sizes: list[list[int]] | None = None
+        # (F, B) inverse indices a pooled collection expanded its bags by (variable batch).
+        self.expanded: torch.Tensor | None = None
+        # Each feature's (start, stop) in the KJT's weights (a pooled collection's operator).
+        self.spans: list[tuple[int, int]] | None = None
 
 
 def _np(t):
@@ -161,7 +165,8 @@ def weights_grad_impl(pending: Pending, grad, features: list[int]) -> list[torch
     return result
 
 
-_last_arguments = (None, None, None)  # (optimizer config, lr, their checked tuple)
+# (optimizer config, lr, their checked tuple); no config yet: the first call computes the tuple.
+_last_arguments: tuple[Optimizer | None, float | None, tuple] = (None, None, ())
 
 
 def _optimizer_arguments(store, lr: float) -> tuple:
@@ -221,11 +226,11 @@ def backward_impl(pending: Pending, grad) -> None:
     if pending.on_device:
         _device_backward(pending, blocks, optimizer, deliver)
         return
-    if optimizer is None:
+    if deliver is not None:  # (no optimizer: the gradient hooks)
         for ctx, g in zip(pending.ctxs, blocks):
-            g = np.ascontiguousarray(g.detach().numpy(), dtype=np.float32).reshape(ctx.n_bags, ctx.store.dim)
+            rows_grad = np.ascontiguousarray(g.detach().numpy(), dtype=np.float32).reshape(ctx.n_bags, ctx.store.dim)
             positions, grads = _core.unique_gradients(ctx.store._table, ctx.slots, ctx.offsets, ctx.weights, ctx.mode,
-                                                      ctx.argmax if ctx.mode == 2 else None, g, ctx.training,
+                                                      ctx.argmax if ctx.mode == 2 else None, rows_grad, ctx.training,
                                                       ctx.step, ctx.erase_epoch)
             deliver(torch.from_numpy(ctx.keys[positions]), torch.from_numpy(grads))
         return
@@ -248,7 +253,7 @@ def backward_impl(pending: Pending, grad) -> None:
 def _device_backward(pending: Pending, blocks, optimizer, deliver) -> None:
     """Per table: the gradients of every feature it served summed per row (one update per row,
     as in the core), the rows' access recorded, then the update (or the hooks)."""
-    by_table = {}
+    by_table: dict[int, tuple[DeviceRows, DeviceLookup, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]] = {}
     for table, ctx in zip(pending.tables, pending.ctxs):
         table.check_fresh(ctx)
     for table, ctx, g in zip(pending.tables, pending.ctxs, blocks):

@@ -23,6 +23,7 @@ fused optimizer given at construction (features sharing a table get one update p
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -44,6 +45,7 @@ from cncore_torch.embedding_configs import (
 )
 from cncore_torch.functional import unpooled_lookup
 from cncore_torch.kjt_features import feature_positions, features_by_key, grouped_arrays, kjt_of_parts
+from cncore_torch.modules import TableStorage
 from cncore_torch.optim import (
     changed_optimizer_error,
     keyed_fused_optimizer,
@@ -51,7 +53,7 @@ from cncore_torch.optim import (
     optimizer_tag,
     resolve_optimizer,
 )
-from cncore_torch.state import save_store
+from cncore_torch.state import TableState, save_store
 from cncore_torch.table_views import table_views
 from cncore_torch.variable_batch import expand, inverse_rows, strides_of, weight_spans
 
@@ -216,7 +218,7 @@ class _DynamicTables(CollectionShape, TableModule):
         return {f"{prefix}tables.{name}.": (store.config, store_writer(store)) for name, store in self._stores.items()}
 
 
-def store_writer(store: cncore.EmbeddingStore):
+def store_writer(store: TableStorage) -> Callable[[TableState], None]:
     return lambda state: state.load_into(store)
 
 

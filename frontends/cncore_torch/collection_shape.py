@@ -29,6 +29,7 @@ CNEmbeddingBagCollection(
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -50,8 +51,11 @@ class CollectionShape:
     _stores: dict
     _anchor: nn.Parameter
     _owner: str
-    is_meta: bool
     _materialise: Callable[[], None]
+
+    if TYPE_CHECKING:
+        @property
+        def is_meta(self) -> bool: ...
 
     def __init__(self) -> None:
         nn.Module.__init__(self)  # type: ignore[arg-type]  # not TorchRec's constructor: no dense tables

@@ -17,6 +17,7 @@ from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, Poo
 from torchrec.modules.embedding_modules import get_embedding_names_by_table
 
 import cncore
+from cncore.tier import TieredStore
 from cncore_torch.base import store_config
 from cncore_torch.devices import Placement, resolve_device
 from cncore_torch.table_options import per_table_options, row_dtype_name
@@ -88,7 +89,7 @@ def initializer_from_config(config: EmbeddingBagConfig):
 
 
 def make_stores(tables, config_type, optimizer, initializers, capacities, seed: int, device,
-                what: str, options: dict | None = None) -> dict[str, cncore.EmbeddingStore]:
+                what: str, options: dict | None = None) -> dict[str, cncore.EmbeddingStore | TieredStore]:
     """One store per TorchRec table config (checked: type, unique names, known overrides)."""
     return {name: cncore.make_store(config) for name, config in
             store_configs(tables, config_type, optimizer, initializers, capacities, seed, device, what,

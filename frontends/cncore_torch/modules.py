@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 import cncore
+from cncore.tier import TieredStore
 from cncore_torch import bridge, functional
 from cncore_torch.base import TableModule, check_flag, store_config
 from cncore_torch.device_rows import DeviceRows
@@ -59,6 +60,10 @@ def _check_unsupported(max_norm, scale_grad_by_freq, sparse, device, dtype):
         raise TypeError(f"dtype must be torch.float32 (or None), got {dtype}")
 
 
+# A table's rows: in the core (in memory, or tiered) or on an accelerator.
+TableStorage = cncore.EmbeddingStore | TieredStore | DeviceRows
+
+
 class _DynamicTable(TableModule):
     """What both modules share: the store, optimizer and table methods (the anchor and the
     handle: `TableModule`)."""
@@ -78,13 +83,14 @@ class _DynamicTable(TableModule):
             initializer=initializer if initializer is not None else cncore.Normal(0.0, 1.0),
             max_load_factor=max_load_factor, optimizer=optimizer, **(options or {}))
         self.placement = resolve_device(device)
-        self.storage = None  # the table's RowStorage (cncore.storage): in the core, or device rows; None on meta
+        # The table's RowStorage (cncore.storage): in the core, or device rows; None on meta.
+        self.storage: TableStorage | None = None
         self._make_storage()
         # Zero-size parameter: carries the backward (see TableModule) and the fused optimizer's lr.
         self._init_lookup((0,), self.placement.device)
         self.fused_optimizer = FusedOptimizer(self._anchor, optimizer, lambda: self.storage) if optimizer else None
         self._gradient_hooks: list[Callable] = []
-        self.last_gradients = None
+        self.last_gradients: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # --- placement --------------------------------------------------------------------------------
 
@@ -114,10 +120,12 @@ class _DynamicTable(TableModule):
         """What the lookup reads (see cncore_torch.bridge): this table's storage."""
         return [self.storage]
 
-    def _require_storage(self):
-        if self.placement.kind == "meta":
+    def _require_storage(self) -> TableStorage:
+        """The table's storage; on the meta device (no rows) a RuntimeError naming what to do."""
+        if self.placement.kind == "meta" or self.storage is None:
             raise RuntimeError("this table is on the meta device and holds no rows; materialise it with "
                                "to_empty(device='cpu') or move_to('cncard')")
+        return self.storage
 
     def move_to(self, device) -> _DynamicTable:
         """Move every row, its optimizer state and metadata to `device` ('cpu': the core;
@@ -130,8 +138,9 @@ class _DynamicTable(TableModule):
                              "with device='meta' for shape inference instead")
         rows = None
         if self.placement.kind != "meta":
-            rows = dataclasses.replace(TableState.from_export(self.export(), self.storage.step),
-                                       evicted_count=self.storage.evicted_count)  # moves with the rows
+            storage = self._require_storage()
+            rows = dataclasses.replace(TableState.from_export(self.export(), storage.step),
+                                       evicted_count=storage.evicted_count)  # moves with the rows
         self.placement = target
         self._make_storage()
         if rows is not None and target.kind != "meta":
@@ -200,13 +209,11 @@ class _DynamicTable(TableModule):
 
     @property
     def num_rows(self) -> int:
-        self._require_storage()
-        return len(self.storage)
+        return len(self._require_storage())
 
     @property
     def capacity(self) -> int:
-        self._require_storage()
-        return self.storage.capacity
+        return self._require_storage().capacity
 
     def keys(self) -> torch.Tensor:
         """Every ID in the table (int64, in no particular order)."""
@@ -214,14 +221,12 @@ class _DynamicTable(TableModule):
 
     def export(self) -> dict:
         """keys, rows, optimizer_state, counts and last_steps, as CPU tensors."""
-        self._require_storage()
-        return export_tensors(self.storage)
+        return export_tensors(self._require_storage())
 
     def _replace_rows(self, state: TableState) -> None:
         """Every row, its optimizer state, metadata and the step replaced (in place: the store
         object stays, so the operator handle and `module.store` references stay valid)."""
-        self._require_storage()
-        state.load_into(self.storage)
+        state.load_into(self._require_storage())
 
     def insert(self, ids, rows) -> torch.Tensor:
         """Write rows for IDs, inserting the absent ones; returns which were present."""
@@ -232,14 +237,13 @@ class _DynamicTable(TableModule):
         return self._write(ids, rows, insert=False)
 
     def _write(self, ids, rows, insert: bool) -> torch.Tensor:
-        self._require_storage()
+        storage = self._require_storage()
         rows = torch.as_tensor(rows).detach().cpu().contiguous()
-        verb = self.storage.insert_or_assign if insert else self.storage.assign
+        verb = storage.insert_or_assign if insert else storage.assign
         return torch.from_numpy(np.array(verb(ids, rows), dtype=bool))
 
     def reserve(self, n_rows: int) -> None:
-        self._require_storage()
-        self.storage.reserve(n_rows)
+        self._require_storage().reserve(n_rows)
 
     @property
     def weight(self) -> TableWeight:
@@ -419,7 +423,7 @@ class CNEmbedding(_DynamicTable):
                                            self.padding_idx, self.training)
 
 
-_FIXED_OFFSETS = {}  # (B, L): the read-only offsets 0, L, ..., B * L
+_FIXED_OFFSETS: dict[tuple[int, int], np.ndarray] = {}  # (B, L): the read-only offsets 0, L, ..., B * L
 
 
 def _fixed_offsets(n_bags: int, length: int) -> np.ndarray:

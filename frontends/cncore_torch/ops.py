@@ -42,18 +42,18 @@ import weakref
 
 import torch
 
-from cncore_torch.bridge import backward_impl, forward_impl, table_of, weights_grad_impl
+from cncore_torch.bridge import Pending, backward_impl, forward_impl, table_of, weights_grad_impl
 from cncore_torch.variable_batch import gather_gradients
 
 __all__ = ["register_operators", "token_for", "pending_of"]
 
 # --- tokens: what a backward operator needs, named by an int64 tensor ---------------------------------
 
-_PENDING = {}
+_PENDING: dict[int, Pending] = {}
 _tokens = itertools.count(1)
 
 
-def token_for(pending) -> torch.Tensor:
+def token_for(pending: Pending) -> torch.Tensor:
     """An int64 tensor naming `pending` until the tensor dies."""
     number = next(_tokens)
     _PENDING[number] = pending
@@ -62,7 +62,7 @@ def token_for(pending) -> torch.Tensor:
     return token
 
 
-def pending_of(token: torch.Tensor):
+def pending_of(token: torch.Tensor) -> Pending:
     pending = _PENDING.get(int(token[0]))
     if pending is None:
         raise RuntimeError("this lookup's contexts are gone (its graph was freed); nothing was updated")
@@ -89,7 +89,8 @@ def _lookup_fake(anchor, handle, keys, offsets, weights, modes, training):
 def weights_grad_op(grad: torch.Tensor, token: torch.Tensor, keys: list[torch.Tensor]) -> list[torch.Tensor]:
     """Every feature's per-sample-weight gradient (read from the rows before they move)."""
     pending = pending_of(token)
-    return list(weights_grad_impl(pending, grad, list(range(len(pending.tables)))))
+    by_feature = weights_grad_impl(pending, grad, list(range(len(pending.tables))))
+    return [w for w in by_feature if w is not None]  # every feature is listed: none is None
 
 
 def _weights_grad_fake(grad, token, keys):
@@ -178,6 +179,7 @@ def collection_pooled_backward(anchor: torch.Tensor, grad: torch.Tensor, token: 
     if n_weights >= 0:
         grad_weights = torch.zeros(n_weights)
         by_feature = weights_grad_impl(pending, grads, list(range(len(pending.tables))))
+        assert pending.spans is not None  # a lookup with weights records their spans
         for (start, stop), g in zip(pending.spans, by_feature):
             if g is not None:
                 grad_weights[start:stop] += g
@@ -229,6 +231,7 @@ def collection_unpooled_apply_gradients(anchor: torch.Tensor, grads: list[torch.
     pending = pending_of(token)
     dim = pending.tables[0].dim
     by_table, at = [], 0
+    assert pending.sizes is not None  # an unpooled collection's lookup records its features' sizes
     for sizes in pending.sizes:
         parts = grads[at:at + len(sizes)]
         at += len(sizes)
