@@ -287,7 +287,7 @@ def apply_delta(model: nn.Module, deltas: Mapping[str, TableDelta]) -> DeltaRepo
     report = DeltaReport()
     with lock.applying():
         prepared = [_prepare(table, name, delta) for name, (table, delta) in chosen.items()]
-        # the collections' merged ID maps, rebuilt aside from the prepared tables
+        # the collections' hashes over all their tables, rebuilt aside from the prepared tables
         remaps: dict[int, tuple[Any, dict]] = {}
         for p in prepared:
             remap = getattr(p.table.module, "remap", None)
@@ -303,8 +303,8 @@ def apply_delta(model: nn.Module, deltas: Mapping[str, TableDelta]) -> DeltaRepo
                 else:
                     p.table.set_weight(p.weight)
                 p.table.slots.ids, p.table.slots.slots, p.table.slots.free = p.ids, p.slots, p.free
-            for remap, (ids, tables, slots, probes) in merged:
-                remap.merged_ids, remap.merged_tables, remap.merged_slots, remap.probes = ids, tables, slots, probes
+            for remap, (keys, slots, params) in merged:
+                remap.hash_keys, remap.hash_slots, remap.hash_params = keys, slots, params
         report.locked_seconds = time.perf_counter() - start
     for p in prepared:
         report.rows_written += len(p.write_at)
