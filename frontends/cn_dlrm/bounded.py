@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,6 +32,7 @@ import numpy as np
 import cncore
 from cn_dlrm.options import InputError, row_budget
 from cncore.synthetic import N_SPARSE, SyntheticCriteo
+from cncore.tier import TieredStore
 
 __all__ = ["StreamCounts", "stream_counts", "percent_budgets", "policy", "table_budgets", "collection_options",
            "sweep_expired", "eviction_summary", "tier_summary"]
@@ -81,7 +83,11 @@ def policy(evict: str | None, ttl_steps: int | None, lfu_halve_every: int | None
         return None
     if evict == "lfu":
         return cncore.LFU(halve_every=lfu_halve_every)
-    return cncore.LRU() if evict == "lru" else cncore.TTL(ttl_steps)
+    if evict == "lru":
+        return cncore.LRU()
+    if ttl_steps is None:
+        raise ValueError("--evict ttl needs --ttl-steps S (rows unused for more than S steps expire)")
+    return cncore.TTL(ttl_steps)
 
 
 def table_budgets(args, names: list[str], synthetic: SyntheticCriteo | None,
@@ -93,6 +99,9 @@ def table_budgets(args, names: list[str], synthetic: SyntheticCriteo | None,
         return dict.fromkeys(names, rows)
     if percent is None:
         return None
+    if synthetic is None:
+        raise ValueError(f"--max-rows {args.max_rows} counts distinct IDs in the synthetic stream; with "
+                         "--criteo-tsv give rows per table (--max-rows N)")
     return dict(zip(names, percent_budgets(stream_counts(synthetic, args.steps, world_size=world_size), percent)))
 
 
@@ -139,12 +148,12 @@ def sweep_expired(stores: dict[str, cncore.EmbeddingStore]) -> int:
                if isinstance(store.config.eviction, cncore.TTL))
 
 
-def tier_summary(stores: dict[str, cncore.EmbeddingStore]) -> dict:
+def tier_summary(stores: Mapping[str, cncore.EmbeddingStore | TieredStore]) -> dict:
     """The SSD tier's totals over the tables on it (for the job's report): the rows their memory
     caches hold at most, IDs found in memory (hits) and read from disk (misses) over every
     lookup of the run (prefill, training, evaluation), rows read and written; {} when no table
     is on the tier."""
-    tiered = [store for store in stores.values() if hasattr(store, "cache_rows")]
+    tiered = [store for store in stores.values() if isinstance(store, TieredStore)]
     if not tiered:
         return {}
     totals = {key: sum(int(store.stats[key]) for store in tiered)

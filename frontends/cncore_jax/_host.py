@@ -26,17 +26,19 @@ from collections.abc import Iterable, Iterator, Sequence
 import numpy as np
 
 import cncore
+from cncore.grouped import CoreStore
+from cncore.tier import TieredStore
 
 MAX_PENDING = 64     # contexts waiting for their gradient, all tables together; more are refused
 _HISTORY = 4096      # tokens remembered after they leave, to say why a late one is refused
 NO_CONTEXT = -1      # the token of an evaluation lookup made outside differentiation
 
 
-_LOCKS: weakref.WeakKeyDictionary[cncore.EmbeddingStore, threading.RLock] = weakref.WeakKeyDictionary()
+_LOCKS: weakref.WeakKeyDictionary[CoreStore, threading.RLock] = weakref.WeakKeyDictionary()
 _LOCKS_GUARD = threading.Lock()
 
 
-def store_lock(store: cncore.EmbeddingStore) -> threading.RLock:
+def store_lock(store: CoreStore) -> threading.RLock:
     """The lock of one store, shared by every `Table` handle on it (re-entrant: a table method
     may call another)."""
     with _LOCKS_GUARD:
@@ -47,7 +49,7 @@ def store_lock(store: cncore.EmbeddingStore) -> threading.RLock:
 
 
 @contextlib.contextmanager
-def holding(stores: Iterable[cncore.EmbeddingStore]) -> Iterator[None]:
+def holding(stores: Iterable[CoreStore]) -> Iterator[None]:
     """Hold the locks of `stores`, taken in one global order (by id) so two grouped calls over
     the same tables in different orders cannot deadlock."""
     unique = {id(s): s for s in stores}
@@ -223,8 +225,10 @@ def weight_grads(tables, token, grad, padded: Sequence[int | None]):
             continue
         lens = np.diff(ctx.offsets)
         bag = np.repeat(np.arange(len(lens)), lens)
-        with holding([ctx.store]):
-            rows = ctx.store.read(ctx.keys).rows  # absent keys (evaluation) read as zeros, as in the forward
+        store = ctx.store
+        assert isinstance(store, (cncore.EmbeddingStore, TieredStore))  # a Table's store: one of the two
+        with holding([store]):
+            rows = store.read(ctx.keys).rows  # absent keys (evaluation) read as zeros, as in the forward
         g = (grad[bag, ctx.columns] * rows).sum(axis=1)
         if ctx.mode == 1:  # mean
             g = g / lens[bag]

@@ -70,7 +70,7 @@ class SparseGrad(NamedTuple):
     ids[:count] (first-occurrence order) and rows[:count]; the rest is zeros."""
     ids: jax.Array
     rows: jax.Array
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # the public field shadows tuple.count, as named
 
 
 _BOUNDARY = ["callback"]
@@ -231,6 +231,7 @@ def pooled_lookup(tables, ids, lengths=None, *, offsets=None, modes="sum", weigh
     if axis_name is not None and any(w is not None for w in w_arrays):
         raise ValueError(f"weights: per-sample weights are not supported with axis_name={axis_name!r} (data "
                          "parallel); look up without weights, or without axis_name on one device")
+    assert n_bags is not None  # the callers pass at least one table
     spec = _Spec(tuple(tables), tuple(modes_ok), tuple(is_lengths), tuple(weighted), training, n_bags,
                  fused=tap is not None, axis_name=axis_name)
     if tap is not None:

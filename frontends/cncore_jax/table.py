@@ -89,15 +89,16 @@ class Table:
             twin.step = store.step
         return Table.from_store(twin)
 
-    def _settled(self) -> cncore.EmbeddingStore:
+    def _settled(self) -> cncore.EmbeddingStore | TieredStore:
         """The store, once every computation with side effects this thread dispatched is done
         (the steps that may still insert into or update it)."""
         jax.effects_barrier()
         return self._store
 
     @property
-    def store(self) -> cncore.EmbeddingStore:
-        """The `cncore.EmbeddingStore`, after this thread's dispatched steps have run."""
+    def store(self) -> cncore.EmbeddingStore | TieredStore:
+        """The `cncore.EmbeddingStore` (a `TieredStore` with `storage=`), after this thread's
+        dispatched steps have run."""
         return self._settled()
 
     @property

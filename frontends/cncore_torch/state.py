@@ -33,6 +33,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import FrameType
 
 import numpy as np
 import torch
@@ -103,7 +104,9 @@ class TableState:
     @classmethod
     def from_export(cls, tensors: dict, step: int) -> TableState:
         """What `export()` returned (a table moving between placements)."""
-        return cls(*(tensors[name].detach().cpu().contiguous().numpy() for name in FIELDS), step=step)
+        keys, rows, optimizer_state, counts, last_steps = (tensors[name].detach().cpu().contiguous().numpy()
+                                                           for name in FIELDS)
+        return cls(keys, rows, optimizer_state, counts, last_steps, step=step)
 
     def load_into(self, target) -> None:
         """Replace every row of `target` (an EmbeddingStore or DeviceRows) and its step."""
@@ -193,7 +196,8 @@ def read_table(state_dict, prefix: str, dim: int, state_floats: int, missing_key
                 errors.append(f"{prefix}shard: (rank, world size, run id) must have 0 <= rank < world size, got "
                               f"{[rank, world_size, run]}")
             shard = (rank, world_size, run)
-    if errors:
+    if (errors or keys is None or rows is None or state is None or counts is None or last_steps is None
+            or step is None):  # (a tensor that is None has left its error)
         error_msgs.extend(errors)
         return None
     return TableState(keys.numpy(), rows.numpy(), state.numpy(),
@@ -264,7 +268,7 @@ def _strict_load() -> bool:
     `_load_from_state_dict` strict=True and applies the caller's `strict` only after all modules
     have loaded, so a table that must stay as it was when the load is then refused for a
     missing or unexpected key reads it from that call's frame. Outside such a call: True."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         if frame.f_code is torch.nn.Module.load_state_dict.__code__:
             return bool(frame.f_locals.get("strict", True))
