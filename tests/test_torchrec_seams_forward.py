@@ -7,7 +7,7 @@ under torch.no_grad() never inserts."""
 import numpy as np
 import pytest
 import torch
-from reference import assert_unchanged, run_isolated, snapshot
+from reference import assert_unchanged, snapshot
 
 pytest.importorskip("torchrec")
 from torchrec import (
@@ -360,41 +360,3 @@ def test_lookup_under_no_grad_never_inserts_and_reads_as_eval(mode, kind):
         torch.testing.assert_close(train_out, eval_out, rtol=0, atol=0)
         if kind == "CNEmbedding":
             assert bool((train_out[features[0] >= ROWS] == 0).all())
-
-
-@pytest.mark.slow
-def test_sharded_collection_refuses_weights_that_require_grad_and_takes_detached_ones():
-    """Its input dist sends the weights to the rows' owners without a way back for their
-    gradient: refused at the first forward, before any collective (one gloo rank, in a child)."""
-    result = run_isolated("""
-        import json, socket, torch, cncore
-        import torch.distributed as dist
-        s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=1, rank=0)
-        from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
-        from torchrec.distributed.types import ShardingEnv
-        from cncore_torch import CNEmbeddingBagCollection
-        from cncore_torch.distributed import ShardedCNEmbeddingBagCollection, plan_for
-        model = CNEmbeddingBagCollection([EmbeddingBagConfig(name="t", embedding_dim=2, num_embeddings=10,
-                                                             feature_names=["f"])], is_weighted=True, device="meta",
-                                         optimizer=cncore.SGD(lr=0.1))
-        sharded = ShardedCNEmbeddingBagCollection(model, plan_for(model, 1).plan[""],
-                                                  ShardingEnv.from_process_group(dist.group.WORLD), None)
-        weights = torch.tensor([0.5, 2.0], requires_grad=True)
-        kjt = lambda w: KeyedJaggedTensor.from_lengths_sync(["f"], torch.tensor([1, 2]), torch.tensor([2]), weights=w)
-        try:
-            sharded(kjt(weights))
-            error = None
-        except ValueError as exc:
-            error = str(exc)
-        rows_after_refusal = len(sharded.stores["t"])
-        out = sharded(kjt(weights.detach()))
-        out = out.wait() if hasattr(out, "wait") else out
-        out.values().sum().backward()
-        print(json.dumps({"error": error, "rows_after_refusal": rows_after_refusal, "rows": len(sharded.stores["t"])}))
-    """, timeout=120)
-    assert result["error"] == (
-        "features: the per-sample weights require grad, and the sharded collection does not send their gradient "
-        "back across ranks (a PositionWeightedModule in front of it would never learn): run the collection "
-        "unsharded (CNEmbeddingBagCollection passes it), or give it weights.detach() to train the tables alone")
-    assert result["rows_after_refusal"] == 0 and result["rows"] == 2

@@ -50,11 +50,6 @@ def check_features(features, needed: list[str], is_weighted: bool) -> None:
     if weights is not None and (not weights.is_floating_point() or weights.shape != values.shape):
         raise ValueError(f"features: weights must be floating point with one weight per ID, got {weights.dtype} "
                          f"{tuple(weights.shape)} for {values.numel()} IDs")
-    if weights is not None and weights.requires_grad and torch.is_grad_enabled():
-        raise ValueError("features: the per-sample weights require grad, and the sharded collection does not send "
-                         "their gradient back across ranks (a PositionWeightedModule in front of it would never "
-                         "learn): run the collection unsharded (CNEmbeddingBagCollection passes it), or give it "
-                         "weights.detach() to train the tables alone")
     if lengths.numel() and int(lengths.min()) < 0:
         raise ValueError(f"features: lengths must be >= 0, got {int(lengths.min())}")
     if int(lengths.sum()) != values.numel():

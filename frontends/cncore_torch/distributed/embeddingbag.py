@@ -47,7 +47,8 @@ from cncore_torch.distributed.embedding_sharding import (
     sharded_optimizer,
 )
 from cncore_torch.distributed.planner import KERNEL, ROW_WISE, check_plan, register_planner_estimates
-from cncore_torch.distributed.rw_sharding import CNRwPooledEmbeddingSharding, route_kjt
+from cncore_torch.distributed.rw_sharding import CNRwPooledEmbeddingSharding, route_kjt_and_order
+from cncore_torch.distributed.weights_dist import attach_weights, weights_need_grad, weights_route
 from cncore_torch.optim import keyed_fused_optimizer
 from cncore_torch.state import load_tables, save_store
 
@@ -163,6 +164,9 @@ class ShardedCNEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     def input_dist(self, ctx: EmbeddingBagCollectionContext,
                    features: KeyedJaggedTensor) -> Awaitable[Awaitable[KJTList]]:
         check_features(features, self._features, self._is_weighted)
+        weights = features.weights_or_none() if self._is_weighted else None
+        attach = self._is_weighted and weights_need_grad(weights, self._pg)
+        given = features
         with torch.no_grad():
             keys = features.keys()
             order = [keys.index(f) for f in self._features]
@@ -180,7 +184,10 @@ class ShardedCNEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                     divisor[:, starts[f]:starts[f + 1]] = lengths[f].clamp(min=1).to(torch.float32).unsqueeze(1)
                 ctx.divisor = divisor
             sharding_ctx = EmbeddingShardingContext(batch_size_per_rank=[stride] * self._world_size)
-            routed = route_kjt(kjt, self._world_size)
+            routed, route_order = route_kjt_and_order(kjt, self._world_size)
+            if attach:  # where each weight went, for its gradient's way home
+                sharding_ctx.cn_weights = weights_route(given, order, route_order, routed.lengths(),
+                                                        self._world_size)
             if self._pack_pools:
                 sharding_ctx.cn_routed = routed.lengths()  # which ranks hold keys of which of my bags
             ctx.sharding_contexts.append(sharding_ctx)
@@ -191,6 +198,10 @@ class ShardedCNEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         if self._pack_pools:
             for sharding_ctx, features in zip(ctx.sharding_contexts, dist_input):
                 sharding_ctx.cn_received = features.lengths()  # which of my partial pools are not zero
+        route = getattr(ctx.sharding_contexts[0], "cn_weights", None)
+        if route is not None:
+            dist_input = KJTList([attach_weights(dist_input[0], route, self._anchor, len(self._features),
+                                                 list(ctx.sharding_contexts[0].batch_size_per_rank), self._pg)])
         return [lookup(features) for lookup, features in zip(self._lookups, dist_input)]
 
     def output_dist(self, ctx: EmbeddingBagCollectionContext, output: list[torch.Tensor]) -> LazyAwaitable[KeyedTensor]:

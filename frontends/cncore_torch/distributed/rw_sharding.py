@@ -57,13 +57,18 @@ from cncore_torch.distributed.embedding_lookup import CNGroupedPooledEmbeddingsL
 from cncore_torch.distributed.routing import owner_of
 
 __all__ = ["CNRwSparseFeaturesDist", "CNRwPooledEmbeddingDist", "CNRwPooledEmbeddingSharding", "SplitAllToAll",
-           "route_kjt"]
+           "route_kjt", "route_kjt_and_order"]
 
 
 def route_kjt(features: KeyedJaggedTensor, world_size: int) -> KeyedJaggedTensor:
     """The KJT each rank's share goes out in: keys = features' keys repeated world_size times
     (the first block for rank 0, ...), stride B; in block r, bag b of feature f holds the keys
     of that bag owned by rank r, in their original order (with their weights)."""
+    return route_kjt_and_order(features, world_size)[0]
+
+
+def route_kjt_and_order(features: KeyedJaggedTensor, world_size: int) -> tuple[KeyedJaggedTensor, torch.Tensor]:
+    """`route_kjt`'s KJT and the position in `features.values()` of each routed value."""
     keys, stride = features.keys(), features.stride()
     n = len(keys) * stride
     values, lengths, weights = features.values(), features.lengths(), features.weights_or_none()
@@ -75,7 +80,7 @@ def route_kjt(features: KeyedJaggedTensor, world_size: int) -> KeyedJaggedTensor
     return KeyedJaggedTensor(keys=keys * world_size, values=values[order],
                              weights=None if weights is None else weights[order],
                              lengths=torch.bincount(bucket, minlength=world_size * n).to(lengths.dtype),
-                             stride=stride)
+                             stride=stride), order
 
 
 class CNRwSparseFeaturesDist(BaseSparseFeaturesDist[KeyedJaggedTensor]):
