@@ -11,6 +11,9 @@ import math
 import numbers
 from dataclasses import dataclass, field, replace
 
+# The bounded tables' eviction and admission policies (cncore/policies.py), part of a config.
+from cncore.policies import LFU, LRU, TTL, Admission, Eviction, MinCount, Probability
+
 __all__ = [
     "Uniform", "Normal", "TruncatedNormal", "Constant", "Initializer",
     "SGD", "Adagrad", "RowWiseAdagrad", "Adam", "Optimizer",
@@ -56,7 +59,18 @@ def _non_negative(obj, *fields: str) -> None:
 
 @dataclass(frozen=True)
 class Uniform:
-    """U(low, high), as torch.nn.init.uniform_."""
+    """U(low, high), as torch.nn.init.uniform_: how a new key's row is drawn.
+
+    Args:
+        low (float): the lower bound.
+        high (float): the upper bound, > low.
+
+    Example::
+
+        >>> from cncore import StoreConfig, Uniform
+        >>> StoreConfig(dim=4, initializer=Uniform(-0.1, 0.1)).initializer.params()
+        (-0.1, 0.1, 0.0, 0.0)
+    """
     low: float = -0.05
     high: float = 0.05
     kind = 0
@@ -67,12 +81,28 @@ class Uniform:
         _finite("Uniform.high - Uniform.low", float(self.high) - float(self.low))
 
     def params(self) -> tuple[float, float, float, float]:
+        """The initializer's four parameters as the core reads them (cn_init.h).
+
+        Returns:
+            tuple[float, float, float, float]: (low, high, 0, 0).
+        """
         return (self.low, self.high, 0.0, 0.0)
 
 
 @dataclass(frozen=True)
 class Normal:
-    """N(mean, std^2), as torch.nn.init.normal_."""
+    """N(mean, std^2), as torch.nn.init.normal_: how a new key's row is drawn.
+
+    Args:
+        mean (float): the mean.
+        std (float): the standard deviation, >= 1.2e-38 (a float32 that is not 0).
+
+    Example::
+
+        >>> from cncore import Normal
+        >>> Normal(std=0.01).params()
+        (0.0, 0.01, 0.0, 0.0)
+    """
     mean: float = 0.0
     std: float = 1.0
     kind = 1
@@ -84,7 +114,12 @@ class Normal:
         # A draw is at most ~6 std from the mean (24-bit uniforms); it must stay a finite float32.
         _finite("Normal.mean + 8 * Normal.std", abs(float(self.mean)) + 8 * float(self.std))
 
-    def params(self):
+    def params(self) -> tuple[float, float, float, float]:
+        """The initializer's four parameters as the core reads them (cn_init.h).
+
+        Returns:
+            tuple[float, float, float, float]: (mean, std, 0, 0).
+        """
         return (self.mean, self.std, 0.0, 0.0)
 
 
@@ -108,8 +143,17 @@ class TruncatedNormal:
     at `low`). Intervals whose mass underflows double precision (about 37 std from the mean)
     are refused.
 
-    >>> TruncatedNormal(0.0, 1.0, 3.9, 3.96).high
-    3.96
+    Args:
+        mean (float): the mean of the normal distribution.
+        std (float): its standard deviation, >= 1.2e-38.
+        low (float): the lower bound of the values (absolute, not in std).
+        high (float): the upper bound, > low.
+
+    Example::
+
+        >>> from cncore import TruncatedNormal
+        >>> TruncatedNormal(0.0, 1.0, 3.9, 3.96).high
+        3.96
     """
     mean: float = 0.0
     std: float = 1.0
@@ -129,20 +173,40 @@ class TruncatedNormal:
             raise ValueError(f"TruncatedNormal: [low, high] = [{lo}, {hi}] holds no probability mass a double can "
                              f"represent (it lies {min(abs(a), abs(b)):.0f} std from the mean); move it closer")
 
-    def params(self):
+    def params(self) -> tuple[float, float, float, float]:
+        """The initializer's four parameters as the core reads them (cn_init.h).
+
+        Returns:
+            tuple[float, float, float, float]: (mean, std, low, high).
+        """
         return (self.mean, self.std, self.low, self.high)
 
 
 @dataclass(frozen=True)
 class Constant:
-    """Every value of a new row is `value` (torch.nn.init.constant_)."""
+    """Every value of a new row is `value` (torch.nn.init.constant_).
+
+    Args:
+        value (float): the value of every entry of a new row.
+
+    Example::
+
+        >>> from cncore import Constant
+        >>> Constant(0.5).params()
+        (0.5, 0.0, 0.0, 0.0)
+    """
     value: float = 0.0
     kind = 3
 
     def __post_init__(self):
         _field(self, "value")
 
-    def params(self):
+    def params(self) -> tuple[float, float, float, float]:
+        """The initializer's four parameters as the core reads them (cn_init.h).
+
+        Returns:
+            tuple[float, float, float, float]: (value, 0, 0, 0).
+        """
         return (self.value, 0.0, 0.0, 0.0)
 
 
@@ -153,7 +217,17 @@ Initializer = Uniform | Normal | TruncatedNormal | Constant
 
 @dataclass(frozen=True)
 class SGD:
-    """w -= lr * g. No per-row state."""
+    """w -= lr * g, the fused update of the rows a backward reaches. No per-row state.
+
+    Args:
+        lr (float): the learning rate, >= 0.
+
+    Example::
+
+        >>> from cncore import SGD, StoreConfig
+        >>> StoreConfig(dim=4, optimizer=SGD(lr=0.1)).state_floats
+        0
+    """
     lr: float = 0.01
     kind = 1
     eps = 0.0
@@ -178,7 +252,19 @@ class _AdagradFamily:
 
 @dataclass(frozen=True)
 class Adagrad(_AdagradFamily):
-    """torch.optim.Adagrad (lr_decay=0, weight_decay=0): one state float per value."""
+    """torch.optim.Adagrad (lr_decay=0, weight_decay=0): one state float per value.
+
+    Args:
+        lr (float): the learning rate, >= 0.
+        eps (float): added to the accumulator's square root, >= 0.
+        initial_accumulator_value (float): a new row's accumulator, >= 0.
+
+    Example::
+
+        >>> from cncore import Adagrad, StoreConfig
+        >>> StoreConfig(dim=4, optimizer=Adagrad(lr=0.1)).state_floats
+        4
+    """
     lr: float = 0.01
     eps: float = 1e-10
     initial_accumulator_value: float = 0.0
@@ -188,7 +274,19 @@ class Adagrad(_AdagradFamily):
 @dataclass(frozen=True)
 class RowWiseAdagrad(_AdagradFamily):
     """FBGEMM's EXACT_ROWWISE_ADAGRAD: one state float per row,
-    s += mean(g^2); w -= lr / (sqrt(s) + eps) * g."""
+    s += mean(g^2); w -= lr / (sqrt(s) + eps) * g.
+
+    Args:
+        lr (float): the learning rate, >= 0.
+        eps (float): added to the accumulator's square root, >= 0.
+        initial_accumulator_value (float): a new row's accumulator, >= 0.
+
+    Example::
+
+        >>> from cncore import RowWiseAdagrad, StoreConfig
+        >>> StoreConfig(dim=4, optimizer=RowWiseAdagrad(lr=0.1)).state_floats
+        1
+    """
     lr: float = 0.01
     eps: float = 1e-8
     initial_accumulator_value: float = 0.0
@@ -198,7 +296,19 @@ class RowWiseAdagrad(_AdagradFamily):
 @dataclass(frozen=True)
 class Adam:
     """torch.optim.Adam's formula applied lazily (only rows with a gradient move; the bias
-    correction uses the store's step). Two state vectors per row (m, v)."""
+    correction uses the store's step). Two state vectors per row (m, v).
+
+    Args:
+        lr (float): the learning rate, >= 0.
+        betas (tuple[float, float]): the decay rates of m and v, each in [0, 1).
+        eps (float): added to sqrt(v), >= 0.
+
+    Example::
+
+        >>> from cncore import Adam, StoreConfig
+        >>> StoreConfig(dim=4, optimizer=Adam(betas=(0.8, 0.99))).state_floats
+        8
+    """
     lr: float = 0.001
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
@@ -218,141 +328,6 @@ Optimizer = SGD | Adagrad | RowWiseAdagrad | Adam
 _STATE_FLOATS = {None: lambda d: 0, SGD: lambda d: 0, Adagrad: lambda d: d, RowWiseAdagrad: lambda d: 1,
                  Adam: lambda d: 2 * d}
 
-# --- bounded tables: eviction and admission policies (cn_evict.h states them exactly) -------
-
-@dataclass(frozen=True)
-class LRU:
-    """Evict the least recently used rows first: score = last_step, ties by key (ascending).
-
-    >>> StoreConfig(dim=4, max_rows=1000, eviction=LRU()).headroom
-    31
-    """
-    kind = 1
-
-
-@dataclass(frozen=True, repr=False)
-class LFU:
-    """Evict the least frequently used rows first: score = (count, last_step), ties by key.
-
-    halve_every (a power of two, or None): aging. A row's count then counts half for every
-    `halve_every` steps since its last use: score = (count >> ((step - last_step) //
-    halve_every), last_step) at the eviction's step (no more than 32 halvings). Without it, rows
-    that were popular once keep their place however long they go unused, so LFU suits only
-    streams whose popular IDs never change. The stored counts are left as they are (export shows
-    the lookups); the decay is in the eviction order alone, so a row on a tier's disk ages too.
-
-    >>> LFU(halve_every=1024).halve_every
-    1024
-    """
-    halve_every: int | None = None
-    kind = 2
-
-    def __post_init__(self):
-        h = self.halve_every
-        if h is None:
-            return
-        if isinstance(h, bool) or not isinstance(h, numbers.Integral) or not 1 <= h <= 2**31 or h & (h - 1):
-            raise ValueError(f"LFU.halve_every must be None or a power of two in [1, 2**31] (the decay is a shift "
-                             f"in the eviction's scan), got {h!r}")
-        object.__setattr__(self, "halve_every", int(h))
-
-    def __repr__(self) -> str:  # LFU() as before aging existed (reports, cn-table inspect)
-        return "LFU()" if self.halve_every is None else f"LFU(halve_every={self.halve_every})"
-
-    @property
-    def halve_shift(self) -> int:
-        """log2(halve_every), or -1 without aging (the core's form)."""
-        return -1 if self.halve_every is None else self.halve_every.bit_length() - 1
-
-
-@dataclass(frozen=True)
-class TTL:
-    """Rows not used for more than `steps` steps (store.step - last_step > steps) are expired:
-    `store.evict_expired()` sweeps them, and under pressure rows go by last_step (as LRU), so
-    expired rows, the oldest, go first.
-
-    >>> TTL(100).steps
-    100
-    """
-    steps: int
-    kind = 3
-
-    def __post_init__(self):
-        if isinstance(self.steps, bool) or not isinstance(self.steps, numbers.Integral) \
-                or not 0 <= self.steps < 2**32:
-            raise ValueError(f"TTL.steps must be an int in [0, 2**32), got {self.steps!r}")
-        object.__setattr__(self, "steps", int(self.steps))
-
-
-Eviction = LRU | LFU | TTL
-
-
-@dataclass(frozen=True)
-class MinCount:
-    """Admission: a key gets a row in a training lookup only once it has been seen `count`
-    times (every occurrence counts; weights never do), counted while it has no row in a
-    count-min sketch of `depth` rows of `width` uint32 counters (depth * width * 4 bytes;
-    cn_admit.h states the hashing, so the decisions can be replayed). The sketch may admit a
-    key early (colliding keys raise its counters), never late; ``store.decay_admission()``
-    halves its counters. A key not admitted reads as zeros (``unadmitted="zeros"``) or as its
-    initial row (``"initial"``, also for any absent key in an evaluation lookup), takes no
-    update, and has slot -1 in its context. find_or_insert, insert_or_assign and load are not
-    gated.
-
-    >>> MinCount(2).width, MinCount(2, unadmitted="initial").unadmitted
-    (262144, 'initial')
-    """
-    count: int
-    unadmitted: str = "zeros"
-    width: int = 2**18
-    depth: int = 4
-
-    def __post_init__(self):
-        if isinstance(self.count, bool) or not isinstance(self.count, numbers.Integral) or not 1 <= self.count < 2**32:
-            raise ValueError(f"MinCount.count must be an int in [1, 2**32), got {self.count!r}")
-        if self.unadmitted not in ("zeros", "initial"):
-            raise ValueError(f"MinCount.unadmitted must be 'zeros' or 'initial', got {self.unadmitted!r}")
-        if isinstance(self.width, bool) or not isinstance(self.width, numbers.Integral) \
-                or not 16 <= self.width <= 2**30 or self.width & (self.width - 1):
-            raise ValueError(f"MinCount.width must be a power of two in [16, 2**30], got {self.width!r}")
-        if isinstance(self.depth, bool) or not isinstance(self.depth, numbers.Integral) or not 1 <= self.depth <= 16:
-            raise ValueError(f"MinCount.depth must be an int in [1, 16], got {self.depth!r}")
-        for name in ("count", "width", "depth"):
-            object.__setattr__(self, name, int(getattr(self, name)))
-
-
-@dataclass(frozen=True)
-class Probability:
-    """Admission by probability: a key a training lookup sees without a row gets one with
-    probability `p`, decided once per (table seed, key): it is admitted when a uniform draw in
-    [0, 1) fixed by the seed and the key (53 bits of mix64, cn_admit.h states it) is below p. No
-    memory and no counting; the same keys are admitted whatever the order or batching, and a
-    key refused once is refused every time (so about a fraction p of the distinct keys ever gets
-    a row: TFRA's and DeepRec's probability filters). A key not admitted reads as zeros
-    (``unadmitted="zeros"``) or its initial row (``"initial"``) and takes no update;
-    find_or_insert, insert_or_assign and load are not gated.
-
-    >>> Probability(0.25), Probability(1).p
-    (Probability(p=0.25, unadmitted='zeros'), 1.0)
-    """
-    p: float
-    unadmitted: str = "zeros"
-
-    def __post_init__(self):
-        if isinstance(self.p, bool) or not isinstance(self.p, numbers.Real) or not 0 < float(self.p) <= 1:
-            raise ValueError(f"Probability.p must be a number in (0, 1], got {self.p!r}")
-        if self.unadmitted not in ("zeros", "initial"):
-            raise ValueError(f"Probability.unadmitted must be 'zeros' or 'initial', got {self.unadmitted!r}")
-        object.__setattr__(self, "p", float(self.p))
-
-    @property
-    def threshold(self) -> int:
-        """ceil(p * 2^53): a key is admitted when its 53-bit draw is below it (exact: p * 2^53
-        is a float scaled by a power of two)."""
-        return math.ceil(self.p * 2**53)
-
-
-Admission = MinCount | Probability
 
 
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
@@ -363,26 +338,37 @@ ROW_DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2}
 
 @dataclass(frozen=True)
 class Tiered:
-    """Storage for a table larger than memory (cncore/tier/): every row lives in the directory
-    `path` on disk (a slotted file of page-aligned records plus the key index of the last flush);
-    a bounded in-memory cache of about `cache_bytes` holds the hot rows with their optimizer
-    state and metadata (evicting by the config's eviction policy, LRU by default).
-    `compact_ratio`: a flush compacts the file when it holds more than this many records per
-    row. Rewritten rows go to free space, so the file holds the live rows plus those rewritten
-    since the last flushes; a low ratio bounds the space but rewrites records more often (10
-    uniform passes over a table 3x its cache, dim 64, a flush after each: write amplification
-    2.43 at ratio 2, a compaction at every flush, and 1.35 at 3, none, the file 2.1x the live
-    records; 1.08 of it is the record itself, 280 bytes for 260 of row and state).
-    `io_threads`: threads that move a batch's records (each issues blocking preads/pwrites, so
-    this many I/Os are in flight), apart from the core's compute threads: a thread waiting on a
-    device uses no core. Reading 1,400 records of a step took 2.0 ms on 1 thread, 1.1 on 2 or 4,
-    1.4 on 8 (page cache, 2 cores); a real SSD wants more in flight. The reads of `prefetch`
-    and the writes of evicted rows run on the tier's background thread alone (plus the training
-    thread reading beside it when it needs the records early): pool workers woken there took
-    the cores the training thread computes on (cncore/tier/prefetch.py, TieredStore.prefetch).
+    """Storage for a table larger than memory (cncore/tier/): every row lives in a directory on
+    disk (a slotted file of page-aligned records plus the key index of the last flush); a
+    bounded in-memory cache holds the hot rows with their optimizer state and metadata
+    (evicting by the config's eviction policy, LRU by default).
 
-    >>> Tiered(path="/tmp/users.tier", cache_bytes=2**30).cache_bytes
-    1073741824
+    Rewritten rows go to free space, so the file holds the live rows plus those rewritten
+    since the last flushes; a low `compact_ratio` bounds the space but rewrites records more
+    often (10 uniform passes over a table 3x its cache, dim 64, a flush after each: write
+    amplification 2.43 at ratio 2, a compaction at every flush, and 1.35 at 3, none, the file
+    2.1x the live records; 1.08 of it is the record itself, 280 bytes for 260 of row and
+    state). The `io_threads` are apart from the core's compute threads: a thread waiting on a
+    device uses no core. Reading 1,400 records of a step took 2.0 ms on 1 thread, 1.1 on 2 or
+    4, 1.4 on 8 (page cache, 2 cores); a real SSD wants more in flight. The reads of `prefetch`
+    and the writes of evicted rows run on the tier's background thread alone (plus the
+    training thread reading beside it when it needs the records early): pool workers woken
+    there took the cores the training thread computes on (cncore/tier/prefetch.py,
+    TieredStore.prefetch).
+
+    Args:
+        path (str | os.PathLike): the table's directory (made if absent).
+        cache_bytes (int): the memory cache's size in bytes, in [1, 2**56].
+        compact_ratio (float): a flush compacts the file when it holds more than this many
+            records per row, in [1, 1e6].
+        io_threads (int): threads that move a batch's records (each issues blocking preads /
+            pwrites, so this many I/Os are in flight), in [1, 256].
+
+    Example::
+
+        >>> from cncore import Tiered
+        >>> Tiered(path="/tmp/users.tier", cache_bytes=2**30).cache_bytes
+        1073741824
     """
     path: str
     cache_bytes: int
@@ -411,41 +397,57 @@ class Tiered:
 
 @dataclass(frozen=True)
 class StoreConfig:
-    """Everything that defines a store.
+    """Everything that defines a store (`cncore.make_store(config)` builds it).
 
-    dim: row width. dtype: storage dtype of the embedding values: "float32", "float16" or
-    "bfloat16" (half the bytes; optimizer state stays float32, every update computes in float32
-    and rounds to nearest even once per row and step, values past float16's 65504 saturate;
-    rows cross the API as float32 arrays, exact for these dtypes; cython_src/include/cn_dtype.h).
-    initializer: how a new key's row is drawn; seed: the table seed of that draw.
-    capacity: rows to allocate up front (a hint: the store grows past it).
-    max_load_factor: the index grows when size / buckets would exceed it (0.1 .. 0.9).
-    optimizer: the fused optimizer whose per-row state the rows carry, or None.
+    Half-precision rows take half the bytes; optimizer state stays float32, every update
+    computes in float32 and rounds to nearest even once per row and step, values past
+    float16's 65504 saturate; rows cross the API as float32 arrays, exact for these dtypes
+    (cython_src/include/cn_dtype.h).
 
-    Bounded tables (cn_evict.h has the exact policy):
-    max_rows: the row budget, or None. An insert that would take the table past it first
-    evicts, by `eviction`, the lowest-scoring rows the call does not use, down to
-    ``max_rows - headroom`` rows after the insert. A training lookup whose own distinct keys
+    Bounded tables (cn_evict.h has the exact policy): an insert that would take the table past
+    `max_rows` first evicts, by `eviction`, the lowest-scoring rows the call does not use, down
+    to ``max_rows - headroom`` rows after the insert. A training lookup whose own distinct keys
     exceed max_rows still trains: one round of eviction frees rows down to
     ``max_rows - headroom`` (at least one; never rows the call uses), its new keys take the
     free rows in order of first occurrence, and the rest overflow (they read as keys admission
     refuses: zeros, or the initial row with ``unadmitted="initial"``, and take no update); an
     explicit insert (``find_or_insert``) that large is refused (ValueError, table unchanged).
-    Evicted rows go to the callbacks of
-    ``store.on_evict`` and are counted in ``store.evicted_count``. An eviction, like an erase,
-    makes earlier lookups' contexts stale (their backward is refused).
-    eviction: LRU(), LFU() or TTL(steps); with max_rows, None means LFU() (the policy that held
-    the most AUC on real data and as much as LRU on the synthetic stream); allowed without it (then only
-    the explicit ``evict`` / ``evict_expired`` verbs evict). The table then keeps each row's key
-    next to its metadata (8 bytes + 1 bit per row) so eviction scans memory in order.
-    admission: MinCount(c), Probability(p) or None: which keys a training lookup gives a row.
-    headroom: rows freed beyond the need by one round of eviction (default max(1, max_rows // 32),
-    at most max_rows - 1):
-    each round scans the table a few times, so a larger headroom pays that scan over more
+    Evicted rows go to the callbacks of ``store.on_evict`` and are counted in
+    ``store.evicted_count``. An eviction, like an erase, makes earlier lookups' contexts stale
+    (their backward is refused). With an eviction policy the table keeps each row's key next
+    to its metadata (8 bytes + 1 bit per row) so eviction scans memory in order. Each round of
+    eviction scans the table a few times, so a larger `headroom` pays that scan over more
     inserts, at the price of a table that runs up to `headroom` rows below its budget.
 
-    storage: None (every row in memory) or Tiered(path, cache_bytes): rows on disk under a
-    bounded memory cache; `cncore.make_store(config)` then builds a `cncore.tier.TieredStore`.
+    Args:
+        dim (int): row width, in [1, 65536].
+        dtype (str): storage dtype of the rows' values: "float32", "float16" or "bfloat16".
+        initializer (Initializer): how a new key's row is drawn (`Uniform`, `Normal`,
+            `TruncatedNormal` or `Constant`).
+        seed (int): the table seed of that draw (a key's initial row depends on it alone).
+        capacity (int): rows to allocate up front (a hint: the store grows past it).
+        max_load_factor (float): the index grows when size / buckets would exceed it (0.1 .. 0.9).
+        optimizer (Optimizer | None): the fused optimizer whose per-row state the rows carry
+            (`SGD`, `Adagrad`, `RowWiseAdagrad` or `Adam`), or None.
+        max_rows (int | None): the row budget, or None (unbounded).
+        eviction (Eviction | None): `LRU()`, `LFU()` or `TTL(steps)`; with max_rows, None means
+            `LFU()` (the policy that held the most AUC on real data and as much as LRU on the
+            synthetic stream); allowed without it (then only the explicit ``evict`` /
+            ``evict_expired`` verbs evict).
+        headroom (int | None): rows freed beyond the need by one round of eviction (None:
+            max(1, max_rows // 32); at most max_rows - 1).
+        admission (Admission | None): `MinCount(c)`, `Probability(p)` or None: which keys a
+            training lookup gives a row.
+        storage (Tiered | None): None (every row in memory) or `Tiered(path, cache_bytes)`: rows
+            on disk under a bounded memory cache; `cncore.make_store(config)` then builds a
+            `cncore.tier.TieredStore`.
+
+    Example::
+
+        >>> from cncore import LRU, StoreConfig, make_store
+        >>> cfg = StoreConfig(dim=4, max_rows=100, eviction=LRU())
+        >>> cfg.headroom, len(make_store(cfg))
+        (3, 0)
     """
     dim: int
     dtype: str = "float32"

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from cncore import _core
 from cncore._interchange import as_float_rows, as_floats, as_keys, as_offsets, as_output
@@ -85,7 +86,32 @@ class LookupContext:
 
     A context is opaque: only a lookup makes one. Its arrays are read-only, and a copy made by
     `dataclasses.replace`, `copy` or pickling carries no seal and is refused by the backward,
-    so a context either is what its lookup made or is not used at all."""
+    so a context either is what its lookup made or is not used at all.
+
+    Args:
+        store (CoreStore): the store the lookup read (an `EmbeddingStore` or `TieredStore`).
+        keys (np.ndarray): (N,) int64, the lookup's keys.
+        slots (np.ndarray): (N,) the keys' rows in the store at the lookup.
+        offsets (np.ndarray): (B + 1,) int64, where each bag's keys start.
+        weights (np.ndarray | None): (N,) float32 per-sample weights, or None.
+        mode (int): the pooling: 0 sum, 1 mean, 2 max.
+        argmax (np.ndarray | None): (B, dim) the key each max-pooled value came from, or None.
+        erase_epoch (int): the store's erase epoch at the lookup.
+        columns (slice): this lookup's column block in the grouped output.
+        n_new (int): rows the lookup inserted.
+        training (bool): whether the lookup inserted unseen keys (and its backward records the
+            rows' accesses).
+        step (int): the store's step at the lookup.
+
+    Example::
+
+        >>> import numpy as np
+        >>> from cncore import EmbeddingStore, LookupContext
+        >>> store = EmbeddingStore(dim=2)
+        >>> out, ctx = store.pooled_lookup(np.array([3, 4]), np.array([0, 2]))
+        >>> isinstance(ctx, LookupContext), ctx.n_bags, ctx.columns
+        (True, 1, slice(0, 2, None))
+    """
     store: CoreStore
     keys: np.ndarray
     slots: np.ndarray
@@ -134,18 +160,38 @@ def _per_feature(value, n: int, name: str) -> list:
     return list(value)
 
 
-def grouped_pooled_lookup(stores: Sequence, keys: Sequence, offsets: Sequence | None = None, *,
-                          lengths: Sequence | None = None, modes="sum", per_sample_weights=None,
-                          insert_missing: bool = True, out=None):
+def grouped_pooled_lookup(stores: Sequence[CoreStore], keys: Sequence[ArrayLike],
+                          offsets: Sequence[ArrayLike | None] | None = None, *,
+                          lengths: Sequence[ArrayLike | None] | None = None, modes: str | Sequence[str] = "sum",
+                          per_sample_weights: Sequence[ArrayLike | None] | None = None,
+                          insert_missing: bool = True,
+                          out: np.ndarray | None = None) -> tuple[np.ndarray, list[LookupContext]]:
     """Pooled lookup of F features at once; feature f looks up keys[f] in stores[f].
 
-    All features have the same number of bags B (the batch size). Returns ``(out, ctxs)``:
-    out is (B, sum of dims), feature f in columns [sum of earlier dims, + its dim);
-    ctxs[f] is feature f's LookupContext. `modes` is one mode or one per feature. A store may
-    appear several times (features sharing a table): it is looked up once with all of its
-    features' keys, so a bounded store never evicts a row another feature of the call uses.
-    Bad input raises before any store changes. Rows a bounded store evicts reach its
-    ``on_evict`` callbacks before this returns.
+    All features have the same number of bags B (the batch size). A store may appear several
+    times (features sharing a table): it is looked up once with all of its features' keys, so
+    a bounded store never evicts a row another feature of the call uses. Bad input raises
+    before any store changes. Rows a bounded store evicts reach its ``on_evict`` callbacks
+    before this returns.
+
+    Args:
+        stores (Sequence[CoreStore]): F stores (`EmbeddingStore` or `TieredStore`), one per
+            feature.
+        keys (Sequence[ArrayLike]): F integer arrays, (N_f,) each: feature f's keys.
+        offsets (Sequence[ArrayLike | None] | None): F arrays of B + 1 bag starts (the last is
+            N_f); give exactly one of offsets and lengths per feature.
+        lengths (Sequence[ArrayLike | None] | None): F arrays of B bag lengths.
+        modes (str | Sequence[str]): "sum", "mean" or "max", one for all or one per feature.
+        per_sample_weights (Sequence[ArrayLike | None] | None): F float arrays, (N_f,) each, or
+            None (sum and mean only).
+        insert_missing (bool): insert unseen keys with their initial rows (training), or read
+            them as zero rows and change nothing (evaluation).
+        out (np.ndarray | None): a (B, sum of dims) float32 C-contiguous array to write into.
+
+    Returns:
+        tuple[np.ndarray, list[LookupContext]]: out, (B, sum of dims) float32, feature f in
+        columns [sum of earlier dims, + its dim); and ctxs, ctxs[f] feature f's context for
+        `grouped_apply_gradients`.
     """
     insert_missing = as_flag(insert_missing, "insert_missing")
     if not isinstance(stores, (list, tuple)):
@@ -402,15 +448,35 @@ def _optim_tuple(store, lr):
     return (opt.kind, float(rate), float(opt.eps), float(opt.betas[0]), float(opt.betas[1]))
 
 
-def grouped_apply_gradients(ctxs: Sequence[LookupContext], grad_output, *, lr=None, stores=None) -> None:
-    """Fused backward of `grouped_pooled_lookup`: grad_output is (B, sum of dims), the
-    gradient of its `out`. Each store's rows are updated by its own optimizer; `lr` is one
-    learning rate for all or one per context (None: each optimizer's own). A store used by
-    several features gets one update per row with the summed gradient (except with max
-    pooling, where its features are applied one after another).
-
+def grouped_apply_gradients(ctxs: Sequence[LookupContext], grad_output: ArrayLike, *,
+                            lr: float | Sequence[float | None] | None = None,
+                            stores: Sequence[CoreStore] | None = None) -> None:
+    """Fused backward of `grouped_pooled_lookup`: each store's rows are updated by its own
+    optimizer. A store used by several features gets one update per row with the summed
+    gradient (except with max pooling, where its features are applied one after another).
     The rows' access metadata of training lookups is recorded here: count += occurrences in
-    the batch, last_step = the store's step at the lookup."""
+    the batch, last_step = the store's step at the lookup. A stale or forged context is
+    refused with every row unchanged.
+
+    Args:
+        ctxs (Sequence[LookupContext]): the contexts one `grouped_pooled_lookup` returned, all
+            of them, in order.
+        grad_output (ArrayLike): (B, sum of dims) float32, the gradient of its `out`.
+        lr (float | Sequence[float | None] | None): one learning rate for all, one per
+            context, or None (each optimizer's own).
+        stores (Sequence[CoreStore] | None): the store of each context, checked against it
+            when given.
+
+    Example::
+
+        >>> import numpy as np
+        >>> from cncore import SGD, Constant, EmbeddingStore, grouped_apply_gradients, grouped_pooled_lookup
+        >>> s = EmbeddingStore(dim=2, initializer=Constant(1.0), optimizer=SGD(lr=1.0))
+        >>> out, ctxs = grouped_pooled_lookup([s], [np.array([5])], lengths=[np.array([1])])
+        >>> grouped_apply_gradients(ctxs, np.full((1, 2), 0.25, dtype=np.float32), lr=2.0)
+        >>> s.lookup(np.array([5])).tolist()
+        [[0.5, 0.5]]
+    """
     if not isinstance(ctxs, (list, tuple)):
         raise TypeError(f"ctxs: expected a list of LookupContext, got {type(ctxs).__name__}")
     ctxs = list(ctxs)

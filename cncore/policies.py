@@ -1,0 +1,185 @@
+"""The bounded tables' policies (cn_evict.h and cn_admit.h state them exactly): which rows an
+eviction removes first (`LRU`, `LFU`, `TTL`) and which keys a training lookup gives a row
+(`MinCount`, `Probability`). They are parts of a `cncore.StoreConfig` (`eviction=`,
+`admission=`), re-exported by `cncore` and `cncore.config`.
+
+>>> from cncore import LFU, MinCount, StoreConfig
+>>> cfg = StoreConfig(dim=4, max_rows=1000, eviction=LFU(), admission=MinCount(2))
+>>> cfg.eviction, cfg.admission.count
+(LFU(), 2)
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+__all__ = ["LRU", "LFU", "TTL", "Eviction", "MinCount", "Probability", "Admission"]
+
+
+@dataclass(frozen=True)
+class LRU:
+    """Evict the least recently used rows first: score = last_step, ties by key (ascending).
+
+    Takes no arguments.
+
+    Example::
+
+        >>> from cncore import LRU, StoreConfig
+        >>> StoreConfig(dim=4, max_rows=1000, eviction=LRU()).headroom
+        31
+    """
+    kind = 1
+
+
+@dataclass(frozen=True, repr=False)
+class LFU:
+    """Evict the least frequently used rows first: score = (count, last_step), ties by key.
+
+    Without aging, rows that were popular once keep their place however long they go unused,
+    so LFU alone suits only streams whose popular IDs never change. The stored counts are left
+    as they are (export shows the lookups); the decay is in the eviction order alone, so a row
+    on a tier's disk ages too.
+
+    Args:
+        halve_every (int | None): aging, a power of two in [1, 2**31], or None (no aging). A
+            row's count then counts half for every `halve_every` steps since its last use:
+            score = (count >> ((step - last_step) // halve_every), last_step) at the
+            eviction's step (no more than 32 halvings).
+
+    Example::
+
+        >>> from cncore import LFU
+        >>> LFU(halve_every=1024).halve_every
+        1024
+    """
+    halve_every: int | None = None
+    kind = 2
+
+    def __post_init__(self):
+        h = self.halve_every
+        if h is None:
+            return
+        if isinstance(h, bool) or not isinstance(h, numbers.Integral) or not 1 <= h <= 2**31 or h & (h - 1):
+            raise ValueError(f"LFU.halve_every must be None or a power of two in [1, 2**31] (the decay is a shift "
+                             f"in the eviction's scan), got {h!r}")
+        object.__setattr__(self, "halve_every", int(h))
+
+    def __repr__(self) -> str:  # LFU() as before aging existed (reports, cn-table inspect)
+        return "LFU()" if self.halve_every is None else f"LFU(halve_every={self.halve_every})"
+
+    @property
+    def halve_shift(self) -> int:
+        """log2(halve_every), or -1 without aging (the core's form)."""
+        return -1 if self.halve_every is None else self.halve_every.bit_length() - 1
+
+
+@dataclass(frozen=True)
+class TTL:
+    """Rows not used for more than `steps` steps (store.step - last_step > steps) expire:
+    `store.evict_expired()` sweeps them, and under pressure rows go by last_step (as LRU), so
+    expired rows, the oldest, go first.
+
+    Args:
+        steps (int): the steps in [0, 2**32) a row may go unused before it expires.
+
+    Example::
+
+        >>> from cncore import TTL
+        >>> TTL(100).steps
+        100
+    """
+    steps: int
+    kind = 3
+
+    def __post_init__(self):
+        if isinstance(self.steps, bool) or not isinstance(self.steps, numbers.Integral) \
+                or not 0 <= self.steps < 2**32:
+            raise ValueError(f"TTL.steps must be an int in [0, 2**32), got {self.steps!r}")
+        object.__setattr__(self, "steps", int(self.steps))
+
+
+Eviction = LRU | LFU | TTL
+
+
+@dataclass(frozen=True)
+class MinCount:
+    """Admission: a key gets a row in a training lookup only once it has been seen `count`
+    times (every occurrence counts; weights never do), counted while it has no row in a
+    count-min sketch (depth * width * 4 bytes; cn_admit.h states the hashing, so the decisions
+    can be replayed). The sketch may admit a key early (colliding keys raise its counters),
+    never late; ``store.decay_admission()`` halves its counters. A key not admitted takes no
+    update and has slot -1 in its context. find_or_insert, insert_or_assign and load are not
+    gated.
+
+    Args:
+        count (int): sightings in [1, 2**32) a key needs before it gets a row.
+        unadmitted (str): what a key not admitted reads as: "zeros", or "initial" (its
+            initial row, also for any absent key in an evaluation lookup).
+        width (int): uint32 counters per sketch row, a power of two in [16, 2**30].
+        depth (int): sketch rows (hash functions), in [1, 16].
+
+    Example::
+
+        >>> from cncore import MinCount
+        >>> MinCount(2).width, MinCount(2, unadmitted="initial").unadmitted
+        (262144, 'initial')
+    """
+    count: int
+    unadmitted: str = "zeros"
+    width: int = 2**18
+    depth: int = 4
+
+    def __post_init__(self):
+        if isinstance(self.count, bool) or not isinstance(self.count, numbers.Integral) or not 1 <= self.count < 2**32:
+            raise ValueError(f"MinCount.count must be an int in [1, 2**32), got {self.count!r}")
+        if self.unadmitted not in ("zeros", "initial"):
+            raise ValueError(f"MinCount.unadmitted must be 'zeros' or 'initial', got {self.unadmitted!r}")
+        if isinstance(self.width, bool) or not isinstance(self.width, numbers.Integral) \
+                or not 16 <= self.width <= 2**30 or self.width & (self.width - 1):
+            raise ValueError(f"MinCount.width must be a power of two in [16, 2**30], got {self.width!r}")
+        if isinstance(self.depth, bool) or not isinstance(self.depth, numbers.Integral) or not 1 <= self.depth <= 16:
+            raise ValueError(f"MinCount.depth must be an int in [1, 16], got {self.depth!r}")
+        for name in ("count", "width", "depth"):
+            object.__setattr__(self, name, int(getattr(self, name)))
+
+
+@dataclass(frozen=True)
+class Probability:
+    """Admission by probability: a key a training lookup sees without a row gets one with
+    probability `p`, decided once per (table seed, key): it is admitted when a uniform draw in
+    [0, 1) fixed by the seed and the key (53 bits of mix64, cn_admit.h states it) is below p. No
+    memory and no counting; the same keys are admitted whatever the order or batching, and a
+    key refused once is refused every time (so about a fraction p of the distinct keys ever gets
+    a row: TFRA's and DeepRec's probability filters). A key not admitted takes no update;
+    find_or_insert, insert_or_assign and load are not gated.
+
+    Args:
+        p (float): the probability in (0, 1] that a key gets a row.
+        unadmitted (str): what a key not admitted reads as: "zeros", or "initial" (its
+            initial row).
+
+    Example::
+
+        >>> from cncore import Probability
+        >>> Probability(0.25), Probability(1).p
+        (Probability(p=0.25, unadmitted='zeros'), 1.0)
+    """
+    p: float
+    unadmitted: str = "zeros"
+
+    def __post_init__(self):
+        if isinstance(self.p, bool) or not isinstance(self.p, numbers.Real) or not 0 < float(self.p) <= 1:
+            raise ValueError(f"Probability.p must be a number in (0, 1], got {self.p!r}")
+        if self.unadmitted not in ("zeros", "initial"):
+            raise ValueError(f"Probability.unadmitted must be 'zeros' or 'initial', got {self.unadmitted!r}")
+        object.__setattr__(self, "p", float(self.p))
+
+    @property
+    def threshold(self) -> int:
+        """ceil(p * 2^53): a key is admitted when its 53-bit draw is below it (exact: p * 2^53
+        is a float scaled by a power of two)."""
+        return math.ceil(self.p * 2**53)
+
+
+Admission = MinCount | Probability
