@@ -89,6 +89,20 @@ class Table(TableVerbs, cncore.EmbeddingStore, metaclass=abc.ABCMeta):
     rows on disk under a bounded cache), as `cncore.make_store` builds a TieredStore; a
     `TieredTable` counts as a `Table` (``isinstance``). A subclass of `Table` has no tiered form:
     given ``storage=`` it is refused, as `EmbeddingStore` refuses it.
+
+    Args:
+        config (cncore.StoreConfig | None): the table's configuration, or None to build one
+            from `config_fields`.
+        **config_fields: `cncore.StoreConfig`'s fields (dim, initializer, optimizer, max_rows,
+            storage, ...), when `config` is None.
+
+    Example::
+
+        >>> import cncore
+        >>> from cncore_numpy import Table
+        >>> t = Table(dim=2, initializer=cncore.Constant(1.0))
+        >>> t[[7, 8]].tolist(), len(t)   # absent IDs read as zeros; indexing inserts nothing
+        ([[0.0, 0.0], [0.0, 0.0]], 0)
     """
 
     def __new__(cls, config: cncore.StoreConfig | None = None, **config_fields):
@@ -99,7 +113,25 @@ class Table(TableVerbs, cncore.EmbeddingStore, metaclass=abc.ABCMeta):
 
     @classmethod
     def open(cls, path: str, verify: bool = True) -> Table:
-        """`load_table` into a `Table`."""
+        """`load_table` into a `Table`: every row of a table file, read in batches.
+
+        Args:
+            path (str): the table file (a directory written by `save`).
+            verify (bool): check every array's SHA-256 and the keys' uniqueness.
+
+        Returns:
+            Table: a new in-memory table holding the file's rows, optimizer state, metadata,
+            step and config.
+
+        Example::
+
+            >>> import os, tempfile
+            >>> from cncore_numpy import Table
+            >>> t = Table(dim=2); _ = t.find_or_insert([5])
+            >>> path = os.path.join(tempfile.mkdtemp(), "t.cnt"); t.save(path)
+            >>> Table.open(path).export().keys.tolist()
+            [5]
+        """
         return load_table(path, verify)
 
 
@@ -122,6 +154,17 @@ Table.register(TieredTable)  # a Table by its verbs; its rows are a TieredStore'
 
 def load_table(path: str, verify: bool = True, batch_rows: int = 1 << 18) -> Table:
     """A `Table` holding everything in the table directory (read in batches).
+
+    Args:
+        path (str): the table file (a directory written by `save`).
+        verify (bool): check every array's SHA-256 and the keys' uniqueness.
+        batch_rows (int): rows read per batch (bounds the memory a read takes besides the table).
+
+    Returns:
+        Table: a new in-memory table holding the file's rows, optimizer state, metadata, step
+        and config.
+
+    Example::
 
     >>> import os, tempfile
     >>> t = Table(dim=3); _ = t.find_or_insert([-2**63, 2**63 - 1])
