@@ -5,8 +5,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cncore_torch.serving.hashmap import StaticHash, lookup, mix64, mix64_np, place
+from cncore_torch.serving.hashmap import StaticHash, lookup, place, places
 
+M1, M2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9
 EDGES = [0, 1, -1, 2**63 - 1, -2**63, 2**32, -2**32, 2**62]
 
 
@@ -18,14 +19,19 @@ def reference(tables, table_of_id, ids):
 
 def hashed(tables, table_of_id, ids):
     h = StaticHash(tables)
-    params = h.params[torch.tensor(table_of_id, dtype=torch.int64)]
-    return lookup(h.keys, h.slots, params, torch.tensor(ids, dtype=torch.int64)).tolist()
+    params = h.params[:, torch.tensor(table_of_id, dtype=torch.int64)]
+    return lookup(h.entries, params, torch.tensor(ids, dtype=torch.int64)).tolist()
 
 
-def test_mix64_in_torch_equals_numpy_over_the_int64_range():
-    x = np.concatenate([np.array(EDGES, np.int64),
-                        np.random.default_rng(0).integers(-2**63, 2**63 - 1, 10_000, dtype=np.int64)])
-    assert np.array_equal(mix64(torch.from_numpy(x)).numpy(), mix64_np(x))
+def test_places_are_the_top_bits_of_the_wrapping_products():
+    # reference: Python's unbounded ints, the product taken mod 2**64 and read unsigned
+    x = [int(i) for i in EDGES] + [int(i) for i in np.random.default_rng(0).integers(-2**63, 2**63 - 1, 1000)]
+    for bits in (1, 5, 20, 40):
+        half = 1 << bits
+        params = torch.tensor([[100], [100 + half], [64 - bits], [half - 1]]).expand(4, len(x))
+        first, second = places(torch.tensor(x), params)
+        assert first.tolist() == [100 + ((i * M1) % 2**64 >> (64 - bits)) for i in x]
+        assert second.tolist() == [100 + half + ((i * M2) % 2**64 >> (64 - bits)) for i in x]
 
 
 @pytest.mark.parametrize("n", [0, 1, 2, 3, 100, 20_000])

@@ -1,7 +1,7 @@
 """Serving latency of the cn-dlrm DLRM, frozen vs live vs TorchRec's QuantEBC, and the cost of a delta.
 
     python asv_bench/scripts/serving_bench.py [--scale 0.01] [--dim 16] [--requests 200]
-                                              [--delta-rows 2000000] [--delta-dim 64]
+                                              [--delta-rows 2000000] [--delta-dim 64] [--remaps]
 
 Latency: the job's DLRM (cn_dlrm.train.build_dlrm over the 26 Criteo tables at `--scale` of
 their cardinalities, every row the first batches reach inserted), one request = one forward of
@@ -15,6 +15,11 @@ a synthetic Criteo batch of B samples (B = 1, 32, 512), one thread, no gradients
 
 The variants take turns request by request (each request's batch is timed on every variant in
 a rotating order), so a busy neighbour slows all of them alike. p50 / p99 over `--requests`.
+
+Remap alone (`--remaps`): the frozen collection's ID remap of each request, the static cuckoo
+hash it uses against the two layouts measured before it, on the same values: one `searchsorted`
+over all tables' merged sorted IDs plus a table compare, and one `searchsorted` per feature over
+its table's sorted IDs. All three give the same rows (checked on every request).
 
 Delta: a frozen table of `--delta-rows` x `--delta-dim` float32 rows (the issue's 5 GiB table,
 scaled to what a shared machine holds quickly), one delta of 1% of its rows: (a) changed rows
@@ -34,6 +39,7 @@ from cn_dlrm.data import SyntheticCriteo
 from cn_dlrm.train import build_dlrm, prefill_tables, table_configs
 from cncore_torch import CNEmbeddingBagCollection
 from cncore_torch.serving import FrozenEmbeddingBag, TableDelta, apply_delta, freeze
+from cncore_torch.serving.hashmap import lookup
 
 
 def models(args):
@@ -78,6 +84,79 @@ def latency(args) -> list[str]:
     return lines
 
 
+def _merged_searchsorted(remap):
+    """The earlier remap: every table's IDs sorted together, one searchsorted, one compare."""
+    tables = list(remap.tables.values())
+    ids = np.concatenate([t.ids.numpy() for t in tables])
+    which = np.repeat(np.arange(len(tables)), [t.ids.numel() for t in tables])
+    order = np.lexsort((which, ids))
+    ids, which = torch.from_numpy(ids[order]), torch.from_numpy(which[order])
+    slots = torch.from_numpy(np.concatenate([t.slots.numpy() for t in tables])[order])
+    assert bool((ids[1:] != ids[:-1]).all()), "an ID in two tables needs more than one probe"
+
+    def run(kjt):
+        values = kjt.values()
+        per_key = kjt.lengths().view(len(kjt.keys()), -1).sum(dim=1)
+        table = torch.repeat_interleave(remap.feature_tables, per_key, output_size=values.numel())
+        at = torch.searchsorted(ids, values).clamp(max=ids.numel() - 1)
+        hit = (torch.take(ids, at) == values) & (torch.take(which, at) == table)
+        return torch.where(hit, torch.take(slots, at), 0)
+    return run
+
+
+def _static_hash(remap):
+    """The remap's own lookup (IdRemap.forward less the KJT around it, as the others)."""
+    def run(kjt):
+        values = kjt.values()
+        per_key = kjt.lengths().view(len(kjt.keys()), -1).sum(dim=1)
+        params = torch.repeat_interleave(remap.hash_params.index_select(1, remap.feature_tables), per_key, dim=1,
+                                         output_size=values.numel())
+        return lookup(remap.hash_entries, params, values)
+    return run
+
+
+def _per_table_searchsorted(remap):
+    """One searchsorted per feature over its own table's sorted IDs."""
+    tables = [remap.tables[remap.table_of_feature[f]] for f in remap.feature_order]
+
+    def run(kjt):
+        parts = torch.split(kjt.values(), kjt.length_per_key())
+        out = []
+        for t, v in zip(tables, parts):
+            at = torch.searchsorted(t.ids, v).clamp(max=t.ids.numel() - 1)
+            out.append(torch.where(torch.take(t.ids, at) == v, torch.take(t.slots, at), 0))
+        return torch.cat(out)
+    return run
+
+
+def remaps(args) -> list[str]:
+    gen, _, _, remap = models(args)
+    ways = {"static hash (freeze's)": _static_hash(remap),
+            "merged searchsorted": _merged_searchsorted(remap),
+            "per-table searchsorted": _per_table_searchsorted(remap)}
+    lines = ["| batch | IDs / request | remap | p50 ms | p99 ms | p50 / hash |", "|---|---|---|---|---|---|"]
+    for batch_size in (1, 32, 512):
+        gen.batch_size = batch_size
+        times: dict[str, list[float]] = {name: [] for name in ways}
+        names = list(ways)
+        for i in range(args.requests + 5):
+            kjt = gen.batch(1000 + i).sparse
+            order = names[i % len(names):] + names[:i % len(names)]
+            got = {}
+            for name in order:
+                start = time.perf_counter()
+                got[name] = ways[name](kjt)
+                if i >= 5:
+                    times[name].append(time.perf_counter() - start)
+            assert all(torch.equal(got[names[0]], g) for g in got.values())
+        p50h = np.percentile(times[names[0]], 50)
+        for name in names:
+            p50, p99 = np.percentile(times[name], 50), np.percentile(times[name], 99)
+            lines.append(f"| {batch_size} | {kjt.values().numel():,} | {name} | {p50 * 1e3:.3f} | {p99 * 1e3:.3f} "
+                         f"| {p50 / p50h:.2f} |")
+    return lines
+
+
 def delta_cost(args) -> list[str]:
     rng = np.random.default_rng(0)
     n, dim = args.delta_rows, args.delta_dim
@@ -109,11 +188,15 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--delta-rows", type=int, default=2_000_000)
     ap.add_argument("--delta-dim", type=int, default=64)
+    ap.add_argument("--remaps", action="store_true", help="time the remap layouts alone instead")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     print(f"load average at start: {os.getloadavg()}")
-    print("\n".join(latency(args)))
-    print("\n".join(delta_cost(args)))
+    if args.remaps:
+        print("\n".join(remaps(args)))
+    else:
+        print("\n".join(latency(args)))
+        print("\n".join(delta_cost(args)))
     print(f"load average at end: {os.getloadavg()}")
     return 0
 

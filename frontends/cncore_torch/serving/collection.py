@@ -35,9 +35,9 @@ class IdRemap(nn.Module):
     """Raw IDs -> weight rows, per table (`tables[name]`), applied to a KJT's features.
 
     Each table's ID map (a `TableSlots`: sorted IDs, kept for deltas) is also held as one
-    static cuckoo hash over every table (`hashmap.StaticHash`: buffers `hash_keys`,
-    `hash_slots`, `hash_params`), which a request reads: every value of every feature at once,
-    two gathers of a key and two of a slot per ID, so neither the number of operations nor the
+    static cuckoo hash over every table (`hashmap.StaticHash`: buffers `hash_entries`,
+    `hash_params`), which a request reads: every value of every feature at once, two gathers
+    of a (key, slot) pair per ID, so neither the number of operations nor the
     work per ID grows with the number of features or of IDs held (a `searchsorted` over all
     tables' sorted IDs took 2.2x as long at 13,000 IDs a request).
 
@@ -49,8 +49,7 @@ class IdRemap(nn.Module):
     [2, 1, 0, 1, 0]
     """
 
-    hash_keys: torch.Tensor
-    hash_slots: torch.Tensor
+    hash_entries: torch.Tensor
     hash_params: torch.Tensor
     feature_tables: torch.Tensor
 
@@ -66,16 +65,16 @@ class IdRemap(nn.Module):
         self.register_buffer("feature_tables", torch.tensor(
             [self.table_index.get(t, self.no_table) for t in table_of_feature.values()], dtype=torch.int64),
             persistent=False)
-        for name, t in zip(("hash_keys", "hash_slots", "hash_params"), self.merged({})):
+        for name, t in zip(("hash_entries", "hash_params"), self.merged({})):
             self.register_buffer(name, t)
 
     def merged(self, replaced: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> tuple:
-        """(keys, slots, params) of the hash over every table, each table's (ids, slots) taken
+        """(entries, params) of the hash over every table, each table's (ids, slots) taken
         from `replaced` where given (a delta prepares them before swapping them in)."""
         held = {name: cast(TableSlots, t) for name, t in self.tables.items()}
         parts = [replaced.get(name, (t.ids, t.slots)) for name, t in held.items()]
         built = StaticHash([(ids.numpy(), slots.numpy()) for ids, slots in parts])
-        return built.keys, built.slots, built.params
+        return built.entries, built.params
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
         if features.variable_stride_per_key():
@@ -91,9 +90,9 @@ class IdRemap(nn.Module):
             table_of_key = torch.tensor([self.table_index.get(self.table_of_feature.get(k, ""), self.no_table)
                                          for k in keys], dtype=torch.int64)
         per_key = features.lengths().view(n_keys, -1).sum(dim=1) if n_keys else table_of_key
-        params = torch.repeat_interleave(self.hash_params.index_select(0, table_of_key), per_key, dim=0,
+        params = torch.repeat_interleave(self.hash_params.index_select(1, table_of_key), per_key, dim=1,
                                          output_size=values.numel())
-        slots = lookup(self.hash_keys, self.hash_slots, params, values)
+        slots = lookup(self.hash_entries, params, values)
         return KeyedJaggedTensor(keys=keys, values=slots, lengths=features.lengths(),
                                  weights=features.weights_or_none(), stride=features.stride(),
                                  offsets=features.offsets_or_none(),

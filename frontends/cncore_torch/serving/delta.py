@@ -303,8 +303,8 @@ def apply_delta(model: nn.Module, deltas: Mapping[str, TableDelta]) -> DeltaRepo
                 else:
                     p.table.set_weight(p.weight)
                 p.table.slots.ids, p.table.slots.slots, p.table.slots.free = p.ids, p.slots, p.free
-            for remap, (keys, slots, params) in merged:
-                remap.hash_keys, remap.hash_slots, remap.hash_params = keys, slots, params
+            for remap, (entries, params) in merged:
+                remap.hash_entries, remap.hash_params = entries, params
         report.locked_seconds = time.perf_counter() - start
     for p in prepared:
         report.rows_written += len(p.write_at)
