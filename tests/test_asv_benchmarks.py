@@ -42,7 +42,8 @@ def test_the_suite_is_not_empty():
     names = {p.id for p in BENCHMARKS}
     for expected in ("bench_store.Find", "bench_store.FindOrInsertNew", "bench_store.Export",
                      "bench_training.PooledLookup", "bench_training.TrainingStep", "bench_training.GroupedDLRM",
-                     "bench_large.LargeTableForward", "bench_large.LargeTableStep"):
+                     "bench_large.LargeTableForward", "bench_large.LargeTableStep",
+                     "bench_serving.FrozenRequest", "bench_serving.DeltaApply"):
         assert expected in names
 
 
