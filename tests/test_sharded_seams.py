@@ -177,3 +177,135 @@ def test_two_ranks_position_weights_learn_as_torchrecs():
     sharded FPEBC leaves them), and the rows move by the whole batch's gradient as TorchRec's."""
     from cncore_torch.distributed.launch import spawn
     spawn(_position_weights_learn, 2, timeout=TIMEOUT)
+
+
+STRIDES = [[2, 3, 1], [1, 2, 2]]  # each rank's batch size per key (KEYS), expanded to 4 and 3 samples
+SAMPLES = [4, 3]
+
+
+def _variable_batch_kjts(seed):
+    """One weighted KJT per rank with a batch size per key and its inverse_indices; and the same
+    batch as an ordinary KJT, built here bag by bag, whose weights are the VBE weights' entries."""
+    from torchrec import KeyedJaggedTensor
+    rng = np.random.default_rng(seed)
+    vbe, plain = [], []
+    for strides, samples in zip(STRIDES, SAMPLES):
+        lengths = rng.integers(0, 4, sum(strides))
+        values = rng.integers(0, ROWS, int(lengths.sum()))
+        weights = torch.from_numpy(rng.random(len(values)).astype(np.float32) + 0.5).requires_grad_()
+        inverse = torch.stack([torch.from_numpy(rng.integers(0, s, samples)) for s in strides])
+        vbe.append(KeyedJaggedTensor(keys=KEYS, values=torch.from_numpy(values), lengths=torch.from_numpy(lengths),
+                                     weights=weights, stride_per_key_per_rank=[[s] for s in strides],
+                                     inverse_indices=(KEYS, inverse)))
+        starts = np.concatenate([[0], np.cumsum(lengths)])
+        first_bag = np.concatenate([[0], np.cumsum(strides)])
+        positions, new_lengths = [], []
+        for k in range(len(KEYS)):
+            for b in range(samples):
+                bag = first_bag[k] + int(inverse[k, b])
+                positions.extend(range(starts[bag], starts[bag + 1]))
+                new_lengths.append(lengths[bag])
+        plain.append((torch.tensor(values[positions]), torch.tensor(new_lengths), torch.tensor(positions,
+                                                                                              dtype=torch.int64)))
+    return vbe, plain
+
+
+def _concat_plain(plain, weights):
+    """The ordinary KJTs of every rank, each key's bags in rank order, weighted by `weights` (one
+    leaf per rank) on the graph."""
+    from torchrec import KeyedJaggedTensor
+    values, lengths, parts = [], [], []
+    for k in range(len(KEYS)):
+        for (v, n, pos), w, samples in zip(plain, weights, SAMPLES):
+            bags = n.view(len(KEYS), samples)
+            start, stop = int(bags[:k].sum()), int(bags[:k + 1].sum())
+            values.append(v[start:stop]), lengths.append(bags[k]), parts.append(w[pos[start:stop]])
+    return KeyedJaggedTensor.from_lengths_sync(keys=KEYS, values=torch.cat(values), lengths=torch.cat(lengths),
+                                               weights=torch.cat(parts))
+
+
+def _variable_batch(rank, world_size):
+    from torchrec import EmbeddingBagCollection
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+
+    import cncore
+    from cncore_torch import CNEmbeddingBagCollection
+    from cncore_torch.distributed import CNEmbeddingBagCollectionSharder
+
+    make = lambda device: CNEmbeddingBagCollection(_configs(), is_weighted=True, device=device,  # noqa: E731
+                                                   optimizer=cncore.Adagrad(lr=0.1), seed=7, per_rank_tables=True)
+    dmp = DistributedModelParallel(make("meta"), device=torch.device("cpu"),
+                                   sharders=[CNEmbeddingBagCollectionSharder()])
+    sharded, ref = dmp.module, make("cpu")
+    torchrec_ebc = EmbeddingBagCollection(_configs()[:1], is_weighted=True)
+    with torch.no_grad():
+        rows = make("cpu").stores["t_shared"].lookup(np.arange(ROWS), insert_missing=True)
+        torchrec_ebc.embedding_bags["t_shared"].weight.copy_(torch.from_numpy(rows))
+    start = sum(SAMPLES[:rank])
+    for step in range(2):
+        vbe, plain = _variable_batch_kjts(20 + step)
+        targets = torch.from_numpy(np.random.default_rng(step).standard_normal((sum(SAMPLES), 11)).astype(np.float32))
+        out = dmp(vbe[rank])
+        ref_weights = [k.weights().detach().clone().requires_grad_() for k in vbe]
+        expected = ref(_concat_plain(plain, ref_weights))
+        assert out.values().shape == (SAMPLES[rank], 11)
+        torch.testing.assert_close(out.values(), expected.values()[start:start + SAMPLES[rank]], rtol=1e-5, atol=1e-6)
+        if step == 0:  # TorchRec's EBC expands the same VBE KJT to the same rows
+            torch.testing.assert_close(out.values()[:, :8], torchrec_ebc(vbe[rank]).values(), rtol=1e-5, atol=1e-6)
+        (out.values() * targets[start:start + SAMPLES[rank]]).sum().backward()
+        (expected.values() * targets).sum().backward()
+        torch.testing.assert_close(vbe[rank].weights().grad, ref_weights[rank].grad, rtol=1e-5, atol=1e-6)
+        for name, store in sharded.stores.items():
+            batch = store.export()
+            torch.testing.assert_close(torch.from_numpy(batch.rows), torch.from_numpy(ref.stores[name].lookup(
+                batch.keys)), rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(torch.from_numpy(batch.optimizer_state), torch.from_numpy(
+                ref.stores[name].read(batch.keys).optimizer_state), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_two_ranks_variable_batch_per_key_equals_its_expansion_and_torchrec():
+    """KJTs with a batch size per key (stride_per_key_per_rank, inverse_indices), a different one
+    per rank: each rank's output equals TorchRec's EBC's expansion of it and the unsharded
+    collection's output on the expanded batch; the weights' gradient (samples sharing a bag add
+    up) and the rows and Adagrad state after each step equal the unsharded collection's on the
+    expanded batches of both ranks."""
+    from cncore_torch.distributed.launch import spawn
+    spawn(_variable_batch, 2, timeout=TIMEOUT)
+
+
+@pytest.mark.slow
+def test_variable_batch_without_inverse_indices_is_refused_by_name():
+    """The sharded collection pools every feature into rows of one batch and needs the KJT's
+    inverse_indices, as TorchRec's EBC does: refused at the first forward, nothing inserted (one
+    gloo rank, in a child)."""
+    from reference import run_isolated
+    result = run_isolated("""
+        import json, socket, torch, cncore
+        import torch.distributed as dist
+        s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=1, rank=0)
+        from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
+        from torchrec.distributed.types import ShardingEnv
+        from cncore_torch import CNEmbeddingBagCollection
+        from cncore_torch.distributed import ShardedCNEmbeddingBagCollection, plan_for
+        model = CNEmbeddingBagCollection([EmbeddingBagConfig(name="t", embedding_dim=2, num_embeddings=10,
+                                                             feature_names=["a", "b"])], device="meta",
+                                         optimizer=cncore.SGD(lr=0.1))
+        sharded = ShardedCNEmbeddingBagCollection(model, plan_for(model, 1).plan[""],
+                                                  ShardingEnv.from_process_group(dist.group.WORLD), None)
+        kjt = KeyedJaggedTensor(keys=["a", "b"], values=torch.tensor([1, 2, 3]), lengths=torch.tensor([1, 1, 1]),
+                                stride_per_key_per_rank=[[1], [2]])
+        try:
+            sharded(kjt)
+            error = None
+        except ValueError as exc:
+            error = str(exc)
+        print(json.dumps({"error": error, "rows": len(sharded.stores["t"])}))
+    """, timeout=120)
+    assert result["error"] == (
+        "features: the KJT has a batch size per key (stride_per_key_per_rank=[[1], [2]]) but no inverse_indices; "
+        "ShardedCNEmbeddingBagCollection pools every feature into rows of one batch, as TorchRec's "
+        "EmbeddingBagCollection does, and needs them: build the KJT with inverse_indices=(keys, (len(keys), batch "
+        "size) int tensor)")
+    assert result["rows"] == 0

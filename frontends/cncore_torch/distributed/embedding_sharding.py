@@ -29,14 +29,16 @@ __all__ = ["check_features", "sharded_optimizer", "fused_anchor", "shard_store_c
            "keep_owned_rows", "anchor_as_here"]
 
 
-def check_features(features, needed: list[str], is_weighted: bool) -> None:
+def check_features(features, needed: list[str], is_weighted: bool, variable_batch: bool = False) -> None:
     """A rank's KJT, checked before any collective (a bad batch raises here, on its rank, with the
     single-process collection's messages, instead of reaching the all-to-all): CPU tensors with
     values, int IDs, float weights (present when is_weighted), lengths >= 0 adding up to the
-    values, one batch size for every key, every feature the tables read present."""
+    values, one batch size for every key (or, with `variable_batch`, one per key), every feature
+    the tables read present."""
     if not isinstance(features, KeyedJaggedTensor):
         raise TypeError(f"features must be a KeyedJaggedTensor, got {type(features).__name__}")
-    if features.variable_stride_per_key():
+    vbe = features.variable_stride_per_key()
+    if vbe and not variable_batch:
         raise ValueError("features: a variable batch size per key is not supported; one batch size per rank is "
                          "(ranks may differ)")
     values, lengths, weights = features.values(), features.lengths(), features.weights_or_none()
@@ -54,7 +56,9 @@ def check_features(features, needed: list[str], is_weighted: bool) -> None:
         raise ValueError(f"features: lengths must be >= 0, got {int(lengths.min())}")
     if int(lengths.sum()) != values.numel():
         raise ValueError(f"features: lengths add up to {int(lengths.sum())}, but values holds {values.numel()} IDs")
-    if lengths.numel() != len(features.keys()) * features.stride():
+    if vbe and lengths.numel() != sum(int(s) for s in features.stride_per_key()):
+        raise ValueError(f"features: {lengths.numel()} lengths for keys of batch sizes {features.stride_per_key()}")
+    if not vbe and lengths.numel() != len(features.keys()) * features.stride():
         raise ValueError(f"features: {lengths.numel()} lengths for {len(features.keys())} keys of batch size "
                          f"{features.stride()}")
     missing = [f for f in needed if f not in features.keys()]

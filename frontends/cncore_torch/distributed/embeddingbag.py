@@ -48,7 +48,13 @@ from cncore_torch.distributed.embedding_sharding import (
 )
 from cncore_torch.distributed.planner import KERNEL, ROW_WISE, check_plan, register_planner_estimates
 from cncore_torch.distributed.rw_sharding import CNRwPooledEmbeddingSharding, route_kjt_and_order
-from cncore_torch.distributed.weights_dist import attach_weights, weights_need_grad, weights_route
+from cncore_torch.distributed.vbe import expand_variable_batch
+from cncore_torch.distributed.weights_dist import (
+    attach_weights,
+    permuted_positions,
+    weights_need_grad,
+    weights_route,
+)
 from cncore_torch.optim import keyed_fused_optimizer
 from cncore_torch.state import load_tables, save_store
 
@@ -163,15 +169,18 @@ class ShardedCNEmbeddingBagCollection(ShardedEmbeddingBagCollection):
 
     def input_dist(self, ctx: EmbeddingBagCollectionContext,
                    features: KeyedJaggedTensor) -> Awaitable[Awaitable[KJTList]]:
-        check_features(features, self._features, self._is_weighted)
+        check_features(features, self._features, self._is_weighted, variable_batch=True)
         weights = features.weights_or_none() if self._is_weighted else None
         attach = self._is_weighted and weights_need_grad(weights, self._pg)
-        given = features
         with torch.no_grad():
             keys = features.keys()
             order = [keys.index(f) for f in self._features]
-            if order != list(range(len(keys))):
-                features = features.permute(order)
+            if features.variable_stride_per_key():  # each sample's bag, as one batch (see vbe.py)
+                features, positions = expand_variable_batch(features, self._features, type(self).__name__)
+            else:
+                positions = permuted_positions(features, order) if attach else None
+                if order != list(range(len(keys))):
+                    features = features.permute(order)
             stride = features.stride()
             kjt = KeyedJaggedTensor(keys=self._embedding_names, values=features.values(),
                                     lengths=features.lengths(), stride=stride,
@@ -186,7 +195,7 @@ class ShardedCNEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             sharding_ctx = EmbeddingShardingContext(batch_size_per_rank=[stride] * self._world_size)
             routed, route_order = route_kjt_and_order(kjt, self._world_size)
             if attach:  # where each weight went, for its gradient's way home
-                sharding_ctx.cn_weights = weights_route(given, order, route_order, routed.lengths(),
+                sharding_ctx.cn_weights = weights_route(weights, positions, route_order, routed.lengths(),
                                                         self._world_size)
             if self._pack_pools:
                 sharding_ctx.cn_routed = routed.lengths()  # which ranks hold keys of which of my bags

@@ -20,14 +20,16 @@ import torch
 import torch.distributed as dist
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-__all__ = ["WeightsRoute", "WeightsHome", "weights_need_grad", "weights_route", "attach_weights"]
+__all__ = ["WeightsRoute", "WeightsHome", "weights_need_grad", "permuted_positions", "weights_route",
+           "attach_weights"]
 
 
 @dataclass
 class WeightsRoute:
     """Where each weight a rank sent went: `weights`, the caller's weights (requiring grad or
     not); `index`, the position in `weights` of each routed value (routed order: owner rank,
-    then feature, then bag); `sent`, how many values went to each rank."""
+    then feature, then bag; a position appears more than once where a VBE KJT's bag serves
+    several samples, and its gradients add up); `sent`, how many values went to each rank."""
 
     weights: torch.Tensor
     index: torch.Tensor
@@ -45,19 +47,24 @@ def weights_need_grad(weights: torch.Tensor | None, pg: dist.ProcessGroup) -> bo
     return bool(flag.item())
 
 
-def weights_route(features: KeyedJaggedTensor, feature_order: list[int], route_order: torch.Tensor,
+def permuted_positions(features: KeyedJaggedTensor, feature_order: list[int]) -> torch.Tensor:
+    """The position in `features.values()` of each value of `features.permute(feature_order)`."""
+    index = torch.arange(features.values().numel())
+    if feature_order == list(range(len(features.keys()))):
+        return index
+    positions = KeyedJaggedTensor(keys=features.keys(), values=index, lengths=features.lengths(),
+                                  stride=features.stride())
+    return positions.permute(feature_order).values()
+
+
+def weights_route(weights: torch.Tensor, positions: torch.Tensor, route_order: torch.Tensor,
                   routed_lengths: torch.Tensor, world_size: int) -> WeightsRoute:
-    """The route of `features`' weights: permuted to the tables' feature order (`feature_order`,
-    as `KeyedJaggedTensor.permute`), then sorted by owner (`route_order`, from `route_kjt`);
-    `routed_lengths` are the routed KJT's lengths (one block per rank)."""
-    n = features.values().numel()
-    index = torch.arange(n)
-    if feature_order != list(range(len(features.keys()))):
-        positions = KeyedJaggedTensor(keys=features.keys(), values=index, lengths=features.lengths(),
-                                      stride=features.stride())
-        index = positions.permute(feature_order).values()
+    """The route of the caller's `weights`: `positions` gives the position in them of each value
+    of the KJT that was routed (the tables' feature order; a VBE KJT's expansion), `route_order`
+    the position in that KJT of each routed value (from `route_kjt_and_order`); `routed_lengths`
+    are the routed KJT's lengths (one block per rank)."""
     sent = routed_lengths.to(torch.int64).view(world_size, -1).sum(dim=1).tolist()
-    return WeightsRoute(features.weights(), index[route_order], sent)
+    return WeightsRoute(weights, positions[route_order], sent)
 
 
 def _received_to_sent(lengths: torch.Tensor, n_features: int, splits: list[int]) -> torch.Tensor:
@@ -94,7 +101,7 @@ class WeightsHome(torch.autograd.Function):
         dist.all_to_all_single(grad_home, grad[order].contiguous(), ctx.sent, ctx.received_splits, group=ctx.pg)
         grad_weights = None
         if ctx.needs_input_grad[2]:
-            grad_weights = grad.new_zeros((ctx.n_weights,)).index_put_((index,), grad_home).to(ctx.dtype)
+            grad_weights = grad.new_zeros((ctx.n_weights,)).index_add_(0, index, grad_home).to(ctx.dtype)
         return None, grad.new_zeros(ctx.anchor_shape), grad_weights, None, None, None, None, None
 
 
