@@ -8,14 +8,16 @@ calls in here): nothing here needs the `Table` class, only handles with a `dim` 
 """
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
+from jax.typing import ArrayLike
 
 from cncore_jax import _ffi, _host
 from cncore_jax._checks import as_flag, as_int_array, as_mode, as_weights, per_feature
@@ -41,12 +43,43 @@ class _Spec:
         return sum(t.dim for t in self.tables)
 
 
+class TableHandle(Protocol):
+    """What a lookup's reference reads of its tables (`cncore_jax.Table`): their row width."""
+
+    @property
+    def dim(self) -> int: ...
+
+
+# LookupRef's static pytree data: tables, n_bags, id_counts, id_dtypes, axis_name.
+_RefAux = tuple[tuple[TableHandle, ...], int, tuple[int, ...], tuple[str, ...], Hashable | None]
+
+
 @jax.tree_util.register_pytree_node_class
 class LookupRef:
     """Refers to a lookup's context, kept on the host until its gradient is applied (or
-    accumulated) once. A pytree: it may leave one jitted function and enter another."""
+    accumulated) once. A pytree: it may leave one jitted function and enter another. Made by
+    the lookups (`cncore_jax.lookup`, `grouped_lookup`, `Table.lookup`), not by hand.
 
-    def __init__(self, token, tables, n_bags, id_counts, id_dtypes, axis_name=None):
+    Args:
+        token (jax.Array): the int64 scalar naming the context on the host.
+        tables (tuple[TableHandle, ...]): the lookup's tables (`cncore_jax.Table`), one per feature.
+        n_bags (int): B, the bags of every feature.
+        id_counts (tuple[int, ...]): each feature's (padded) ID count.
+        id_dtypes (tuple[str, ...]): each feature's ID dtype.
+        axis_name (Hashable | None): the named axis the batch was split over, or None.
+
+    Example::
+
+        >>> import jax.numpy as jnp, cncore_jax as cj
+        >>> t = cj.Table(dim=2)
+        >>> out, ctx = cj.lookup(t, jnp.array([1, 2, 3]), jnp.array([2, 1]))
+        >>> ctx.n_bags, ctx.width, ctx.id_counts
+        (2, 2, (3,))
+        >>> cj.discard(ctx)
+    """
+
+    def __init__(self, token: jax.Array, tables: tuple[TableHandle, ...], n_bags: int, id_counts: tuple[int, ...],
+                 id_dtypes: tuple[str, ...], axis_name: Hashable | None = None) -> None:
         self.token, self.tables, self.n_bags = token, tables, n_bags
         self.id_counts, self.id_dtypes, self.axis_name = id_counts, id_dtypes, axis_name
 
@@ -54,11 +87,26 @@ class LookupRef:
     def width(self) -> int:
         return sum(t.dim for t in self.tables)
 
-    def tree_flatten(self):
+    def tree_flatten(self) -> tuple[tuple[jax.Array], _RefAux]:
+        """JAX's pytree protocol: the token is the one leaf, the rest static data.
+
+        Returns:
+            tuple: ((token,), (tables, n_bags, id_counts, id_dtypes, axis_name)).
+        """
         return (self.token,), (self.tables, self.n_bags, self.id_counts, self.id_dtypes, self.axis_name)
 
     @classmethod
-    def tree_unflatten(cls, aux, children):
+    def tree_unflatten(cls, aux: _RefAux, children: tuple[jax.Array]) -> LookupRef:
+        """JAX's pytree protocol: the reference rebuilt from its token and static data.
+
+        Args:
+            aux (tuple): the static data `tree_flatten` returned (tables, n_bags, id_counts,
+                id_dtypes, axis_name).
+            children (tuple[jax.Array]): the token.
+
+        Returns:
+            LookupRef: the reference.
+        """
         return cls(children[0], *aux)
 
     def __repr__(self) -> str:
@@ -82,7 +130,20 @@ def set_boundary(route: str) -> str:
     the program runs in program order; "ffi": an XLA FFI custom call declared with side effects
     (`cncore_jax._ffi`, compiled on first use), a fraction of the fixed cost, but ordered only
     by data (a lookup before its own update; independent calls in one program in any order).
-    Returns the previous route."""
+
+    Args:
+        route (str): "callback" or "ffi".
+
+    Returns:
+        str: the previous route.
+
+    Example::
+
+        >>> import cncore_jax as cj
+        >>> previous = cj.set_boundary("callback")
+        >>> cj.set_boundary(previous)
+        'callback'
+    """
     if route not in ("callback", "ffi"):
         raise ValueError(f"route: expected 'callback' or 'ffi', got {route!r}")
     if route == "ffi" and not _ffi.available():
@@ -270,11 +331,26 @@ def _as_grad(ctx: LookupRef, grad):
     return jnp.asarray(grad, jnp.float32)
 
 
-def apply_gradients(ctx, grad, *, lr=None) -> None:
-    """The fused update: given d(loss)/d(out) (B, sum of dims), update every row the lookup
-    used and its optimizer state in place, with each table's own optimizer; `lr` (a number or
-    a traced scalar, e.g. from a schedule) overrides the learning rate for this step. Runs
-    once, in program order, after the lookup; a second call for one lookup is refused."""
+def apply_gradients(ctx: LookupRef, grad: ArrayLike, *, lr: ArrayLike | None = None) -> None:
+    """The fused update: update every row the lookup used and its optimizer state in place,
+    with each table's own optimizer. Runs once, in program order, after the lookup; a second
+    call for one lookup is refused.
+
+    Args:
+        ctx (LookupRef): the lookup's context.
+        grad (ArrayLike): (B, sum of dims) float32, d(loss)/d(out).
+        lr (ArrayLike | None): a learning rate for this step (a number or a traced scalar,
+            e.g. from a schedule), or None (each optimizer's own).
+
+    Example::
+
+        >>> import jax.numpy as jnp, cncore, cncore_jax as cj
+        >>> t = cj.Table(dim=1, initializer=cncore.Constant(1.0), optimizer=cncore.SGD(lr=1.0))
+        >>> out, ctx = cj.lookup(t, jnp.array([7]), jnp.array([1]))
+        >>> cj.apply_gradients(ctx, jnp.array([[0.25]]), lr=2.0)
+        >>> t.store.lookup([7]).tolist()
+        [[0.5]]
+    """
     ctx = _as_ref(ctx)
     grad = _as_grad(ctx, grad)
     if ctx.axis_name is not None:
@@ -293,10 +369,17 @@ def apply_gradients(ctx, grad, *, lr=None) -> None:
     _call(host, None, *args)
 
 
-def accumulate_gradients(ctx, grad):
-    """The non-fused backward, for updating rows yourself (e.g. with optax): one `SparseGrad`
-    per table of the lookup, padded to that table's id count. Consumes the context, and
-    records the accesses of a training lookup as `apply_gradients` does.
+def accumulate_gradients(ctx: LookupRef, grad: ArrayLike) -> list[SparseGrad]:
+    """The non-fused backward, for updating rows yourself (e.g. with optax). Consumes the
+    context, and records the accesses of a training lookup as `apply_gradients` does.
+
+    Args:
+        ctx (LookupRef): the lookup's context.
+        grad (ArrayLike): (B, sum of dims) float32, d(loss)/d(out).
+
+    Returns:
+        list[SparseGrad]: one per table of the lookup, padded to that table's ID count: ids,
+        rows (count, dim) summed per distinct ID, and count.
 
     >>> import jax.numpy as jnp, cncore, cncore_jax as cj
     >>> t = cj.Table(dim=1)
@@ -310,8 +393,10 @@ def accumulate_gradients(ctx, grad):
     if ctx.axis_name is not None:
         raise ValueError(f"ctx: accumulate_gradients is not supported for a lookup with axis_name="
                          f"{ctx.axis_name!r}; use apply_gradients(ctx, grad)")
-    shapes = tuple(SparseGrad(jax.ShapeDtypeStruct((n,), jnp.dtype(dt)), jax.ShapeDtypeStruct((n, t.dim), jnp.float32),
-                              jax.ShapeDtypeStruct((), jnp.int32))
+    # The result's structure: a SparseGrad per table whose fields are ShapeDtypeStructs.
+    shapes = tuple(SparseGrad._make((jax.ShapeDtypeStruct((n,), jnp.dtype(dt)),
+                                     jax.ShapeDtypeStruct((n, t.dim), jnp.float32),
+                                     jax.ShapeDtypeStruct((), jnp.int32)))
                    for t, n, dt in zip(ctx.tables, ctx.id_counts, ctx.id_dtypes))
 
     def host(token, g):
@@ -327,9 +412,19 @@ def accumulate_gradients(ctx, grad):
     return list(_call(host, shapes, ctx.token, grad))
 
 
-def discard(ctx) -> None:
+def discard(ctx: LookupRef) -> None:
     """Drop a lookup's context without updating anything (a step you abandon on purpose).
-    Not needed for correctness: forgotten contexts are dropped once too many wait."""
+    Not needed for correctness: forgotten contexts are dropped once too many wait.
+
+    Args:
+        ctx (LookupRef): the lookup's context.
+
+    Example::
+
+        >>> import jax.numpy as jnp, cncore_jax as cj
+        >>> out, ctx = cj.lookup(cj.Table(dim=2), jnp.array([1]), jnp.array([1]))
+        >>> cj.discard(ctx)
+    """
     ctx = _as_ref(ctx)
     _call(lambda token: _host.REGISTRY.discard(token) and None, None, ctx.token)
 
@@ -338,6 +433,9 @@ def discard_pending() -> int:
     """Drop every context still waiting for its gradient (their rows stay, untrained), after
     the steps this thread dispatched have run; returns how many. Outside `jit`: what to call
     once a training lookup was refused because too many wait.
+
+    Returns:
+        int: how many contexts were dropped.
 
     >>> import cncore_jax as cj
     >>> cj.discard_pending() >= 0

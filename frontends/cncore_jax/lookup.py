@@ -48,6 +48,11 @@ of `lengths`, or the last offset) are padding and ignored (their weight gradient
 """
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
+
+import jax
+from jax.typing import ArrayLike
+
 from cncore_jax._traced import (
     LookupRef,
     SparseGrad,
@@ -65,24 +70,47 @@ __all__ = ["lookup", "grouped_lookup", "apply_gradients", "accumulate_gradients"
            "SparseGrad", "set_boundary"]
 
 
-def grouped_lookup(tables, ids, lengths=None, *, offsets=None, modes="sum", weights=None, training: bool = True,
-                   sink=None, axis_name=None):
+def grouped_lookup(tables: Sequence[Table], ids: Sequence[ArrayLike],
+                   lengths: Sequence[ArrayLike | None] | None = None, *,
+                   offsets: Sequence[ArrayLike | None] | None = None, modes: str | Sequence[str] = "sum",
+                   weights: Sequence[ArrayLike | None] | None = None, training: bool = True,
+                   sink: ArrayLike | None = None, axis_name: Hashable | None = None) -> tuple[jax.Array, LookupRef]:
     """Pooled lookup of several tables in one core call: feature f pools ids[f] in tables[f].
+    Every feature has B bags; IDs past the last bag are padding.
 
-    ids: list of 1-D int32/int64 arrays (int64 needs `jax_enable_x64`; int32 is widened).
-    lengths: list of (B,) bag lengths, or offsets: list of (B+1,) bag offsets (per feature one
-    or the other); every feature has B bags. IDs past the last bag are padding.
-    modes: "sum", "mean" or "max", one for all or one per feature. weights: list of (N_f,)
-    float arrays or None (sum and mean only). training: insert unseen IDs (True) or read them
-    as zero rows and change nothing (False, evaluation). sink: optional (B, sum of dims)
-    array whose value is ignored and whose cotangent is the gradient of the output.
-    axis_name: under `pmap` / `shard_map`, the named axis the batch is split over: the
-    devices' bags are looked up as one batch (device order) and `apply_gradients` applies
-    the sum of their gradients once, as one device would on the concatenated batch. Under a
-    `jit` over a mesh, leave it None: the lookup already sees the whole batch.
+    Args:
+        tables (Sequence[Table]): F tables, one per feature (a table may appear twice).
+        ids (Sequence[ArrayLike]): F 1-D int32/int64 arrays (int64 needs `jax_enable_x64`;
+            int32 is widened).
+        lengths (Sequence[ArrayLike | None] | None): F (B,) bag lengths; or give `offsets`
+            (per feature one or the other).
+        offsets (Sequence[ArrayLike | None] | None): F (B + 1,) bag offsets.
+        modes (str | Sequence[str]): "sum", "mean" or "max", one for all or one per feature.
+        weights (Sequence[ArrayLike | None] | None): F (N_f,) float arrays or None (sum and mean
+            only).
+        training (bool): insert unseen IDs (True) or read them as zero rows and change nothing
+            (False, evaluation).
+        sink (ArrayLike | None): a (B, sum of dims) array whose value is ignored and whose
+            cotangent is the gradient of the output.
+        axis_name (Hashable | None): under `pmap` / `shard_map`, the named axis the batch is
+            split over: the devices' bags are looked up as one batch (device order) and
+            `apply_gradients` applies the sum of their gradients once, as one device would on
+            the concatenated batch. Under a `jit` over a mesh, leave it None: the lookup
+            already sees the whole batch.
 
-    Returns ``(out, ctx)``: out (B, sum of dims) float32, feature f in its own column block;
-    ctx a `LookupRef` for `apply_gradients` / `accumulate_gradients`.
+    Returns:
+        tuple[jax.Array, LookupRef]: out, (B, sum of dims) float32, feature f in its own column
+        block; and ctx, for `apply_gradients` / `accumulate_gradients`.
+
+    Example::
+
+        >>> import jax.numpy as jnp, cncore, cncore_jax as cj
+        >>> a, b = cj.Table(dim=1, initializer=cncore.Constant(1.0)), cj.Table(dim=2)
+        >>> out, ctx = cj.grouped_lookup([a, b], [jnp.array([3, 4]), jnp.array([9])],
+        ...                              [jnp.array([2]), jnp.array([1])])
+        >>> out.shape, out[0, 0].item()
+        ((1, 3), 2.0)
+        >>> cj.discard(ctx)
     """
     if not isinstance(tables, (list, tuple)) or not tables:
         raise TypeError("tables: expected a non-empty list of cncore_jax.Table")
@@ -93,9 +121,28 @@ def grouped_lookup(tables, ids, lengths=None, *, offsets=None, modes="sum", weig
                          sink=sink, axis_name=axis_name)
 
 
-def lookup(table, ids, lengths=None, *, offsets=None, mode: str = "sum", weights=None, training: bool = True,
-           sink=None, axis_name=None):
-    """Pooled lookup of one table: ``(out (B, dim) float32, ctx)``; see `grouped_lookup`.
+def lookup(table: Table, ids: ArrayLike, lengths: ArrayLike | None = None, *, offsets: ArrayLike | None = None,
+           mode: str = "sum", weights: ArrayLike | None = None, training: bool = True, sink: ArrayLike | None = None,
+           axis_name: Hashable | None = None) -> tuple[jax.Array, LookupRef]:
+    """Pooled lookup of one table (`grouped_lookup` of one feature).
+
+    Args:
+        table (Table): the table.
+        ids (ArrayLike): (N,) int32/int64 IDs.
+        lengths (ArrayLike | None): (B,) bag lengths; or give `offsets`.
+        offsets (ArrayLike | None): (B + 1,) bag offsets.
+        mode (str): "sum", "mean" or "max".
+        weights (ArrayLike | None): (N,) float per-ID weights (sum and mean only).
+        training (bool): insert unseen IDs (True) or read them as zero rows (False).
+        sink (ArrayLike | None): a (B, dim) array whose cotangent is the output's gradient.
+        axis_name (Hashable | None): the named axis the batch is split over (see
+            `grouped_lookup`).
+
+    Returns:
+        tuple[jax.Array, LookupRef]: the (B, dim) float32 pooled rows, and the lookup's
+        context.
+
+    Example::
 
     >>> import jax.numpy as jnp, cncore, cncore_jax as cj
     >>> t = cj.Table(dim=1, initializer=cncore.Constant(2.0))

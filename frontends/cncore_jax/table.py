@@ -31,7 +31,10 @@ from before a step (``s = table.store``) does not wait: read through the handle.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import jax
+from jax.typing import ArrayLike
 
 import cncore
 from cncore.tier import TieredStore
@@ -44,14 +47,38 @@ __all__ = ["Table"]
 class Table:
     """A cncore `EmbeddingStore` seen from JAX. Build it from a `StoreConfig` (or its fields as
     keywords), wrap an existing store with `Table.from_store`, or `Table.load` a table file.
-    Everything the store does (find, erase, export, ...) is on `table.store`."""
+    Everything the store does (find, erase, export, ...) is on `table.store`.
 
-    def __init__(self, config: cncore.StoreConfig | None = None, **config_fields):
+    Args:
+        config (cncore.StoreConfig | None): the table's configuration, or None to build one
+            from `config_fields`.
+        **config_fields: `cncore.StoreConfig`'s fields (dim, initializer, optimizer, ...),
+            when `config` is None.
+
+    Example::
+
+        >>> import jax.numpy as jnp, cncore
+        >>> from cncore_jax import Table
+        >>> t = Table(dim=2, initializer=cncore.Constant(1.0), optimizer=cncore.SGD(lr=0.5))
+        >>> out, ctx = t.lookup(jnp.array([4, 5]), jnp.array([2]))
+        >>> t.apply_gradients(ctx, jnp.ones((1, 2)))
+        >>> out.tolist(), t.store.lookup([4]).tolist()
+        ([[2.0, 2.0]], [[0.5, 0.5]])
+    """
+
+    def __init__(self, config: cncore.StoreConfig | None = None, **config_fields: Any) -> None:
         self._store = cncore.make_store(config, **config_fields)
 
     @classmethod
-    def from_store(cls, store: cncore.EmbeddingStore) -> Table:
-        """A handle on `store` itself (no copy): updates through JAX change it."""
+    def from_store(cls, store: cncore.EmbeddingStore | TieredStore) -> Table:
+        """A handle on `store` itself (no copy): updates through JAX change it.
+
+        Args:
+            store (cncore.EmbeddingStore | TieredStore): the store to wrap.
+
+        Returns:
+            Table: a handle whose lookups read and update `store`.
+        """
         if not isinstance(store, (cncore.EmbeddingStore, TieredStore)):
             raise TypeError(f"store: expected a cncore.EmbeddingStore or TieredStore, got {type(store).__name__}")
         table = cls.__new__(cls)
@@ -60,7 +87,16 @@ class Table:
 
     @classmethod
     def load(cls, path: str, verify: bool = True) -> Table:
-        """A table read from a table file directory (`cncore.tablefile`), checked."""
+        """A table read from a table file directory (`cncore.tablefile`), checked.
+
+        Args:
+            path (str): the table file (a directory written by `save`).
+            verify (bool): check every array's SHA-256 and the keys' uniqueness.
+
+        Returns:
+            Table: a new in-memory table holding the file's rows, optimizer state, metadata,
+            step and config.
+        """
         from cncore.tablefile import load_store
         return cls.from_store(load_store(path, verify=verify))
 
@@ -68,7 +104,11 @@ class Table:
         """Write the table (rows, optimizer state, metadata, step) to the directory `path` in
         the shared table file format; an existing table there is replaced atomically. Call it
         between steps, outside `jit` (host I/O is not part of a traced program); it waits for
-        the steps this thread dispatched, and holds the table still while it writes."""
+        the steps this thread dispatched, and holds the table still while it writes.
+
+        Args:
+            path (str): the directory to write (replaced atomically if it holds a table).
+        """
         from cncore.tablefile import save_table
         store = self._settled()
         with _host.holding([store]):
@@ -77,7 +117,11 @@ class Table:
     def copy(self) -> Table:
         """A new table holding a copy of every row, its optimizer state, metadata and the step
         (what `nnx.clone` of a model gives its tables). An in-memory table only: a tiered
-        table's rows live in its files; save it and `Table.load` the copy instead."""
+        table's rows live in its files; save it and `Table.load` the copy instead.
+
+        Returns:
+            Table: the copy, on a new `cncore.EmbeddingStore`.
+        """
         store = self._settled()
         if not isinstance(store, cncore.EmbeddingStore):
             raise TypeError(f"Table.copy: a {type(store).__name__} (tiered) table is not copied in memory; save it "
@@ -116,23 +160,60 @@ class Table:
         return f"cncore_jax.Table(rows={len(self)}, config={self.config})"
 
     # A pytree with no leaves: jit sees it as static structure, compared by identity.
-    def tree_flatten(self):
+    def tree_flatten(self) -> tuple[tuple[()], Table]:
+        """JAX's pytree protocol: no leaves; the table itself is static data, compared by
+        identity under `jit`.
+
+        Returns:
+            tuple[tuple[()], Table]: ((), the table).
+        """
         return (), self
 
     @classmethod
-    def tree_unflatten(cls, table, children):
+    def tree_unflatten(cls, table: Table, children: tuple[()]) -> Table:
+        """JAX's pytree protocol: the table itself, which `tree_flatten` kept as static data.
+
+        Args:
+            table (Table): the static data `tree_flatten` returned.
+            children (tuple[()]): no leaves.
+
+        Returns:
+            Table: `table`.
+        """
         return table
 
     # Shortcuts to the functional API (cncore_jax.lookup), for one table.
-    def lookup(self, ids, lengths=None, *, offsets=None, mode: str = "sum", weights=None, training: bool = True,
-               sink=None):
-        """`cncore_jax.lookup(self, ids, lengths, ...)`."""
+    def lookup(self, ids: ArrayLike, lengths: ArrayLike | None = None, *, offsets: ArrayLike | None = None,
+               mode: str = "sum", weights: ArrayLike | None = None, training: bool = True,
+               sink: ArrayLike | None = None) -> tuple[jax.Array, _traced.LookupRef]:
+        """`cncore_jax.lookup(self, ids, lengths, ...)`: the pooled rows of each bag.
+
+        Args:
+            ids (ArrayLike): (N,) integer IDs.
+            lengths (ArrayLike | None): (B,) bag lengths; or give `offsets`.
+            offsets (ArrayLike | None): (B + 1,) bag starts, the last N.
+            mode (str): "sum", "mean" or "max".
+            weights (ArrayLike | None): (N,) float per-ID weights (sum and mean only).
+            training (bool): insert unseen IDs (True) or read them as zero rows (False).
+            sink (ArrayLike | None): a (B, dim) array whose cotangent is the output's gradient.
+
+        Returns:
+            tuple[jax.Array, LookupRef]: the (B, dim) float32 pooled rows, and the lookup's
+            context for `apply_gradients` / `accumulate_gradients`.
+        """
         return _traced.pooled_lookup([self], [ids], None if lengths is None else [lengths],
                                      offsets=None if offsets is None else [offsets], modes=mode,
                                      weights=None if weights is None else [weights], training=training, sink=sink)
 
-    def apply_gradients(self, ctx, grad, *, lr=None) -> None:
-        """`cncore_jax.apply_gradients(ctx, grad, lr=lr)` for a lookup of this table."""
+    def apply_gradients(self, ctx: _traced.LookupRef, grad: ArrayLike, *, lr: ArrayLike | None = None) -> None:
+        """`cncore_jax.apply_gradients(ctx, grad, lr=lr)` for a lookup of this table.
+
+        Args:
+            ctx (LookupRef): the context this table's `lookup` returned.
+            grad (ArrayLike): (B, dim) float32, the gradient of its output.
+            lr (ArrayLike | None): the learning rate (a float or scalar array), or None (the
+                optimizer's own).
+        """
         if ctx.tables != (self,):
             raise ValueError("ctx: it belongs to a lookup of other tables")
         _traced.apply_gradients(ctx, grad, lr=lr)
