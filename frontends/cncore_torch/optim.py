@@ -16,14 +16,43 @@ tables). `state_dict()` carries the learning rate and the table's step.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any, Protocol, overload
 
 import torch
+
+from cncore.config import Optimizer
 
 __all__ = ["FusedOptimizer"]
 
 
+class StepHolder(Protocol):
+    """What the optimizer reads and sets on a table's storage: its optimizer step."""
+    step: int
+
+
 class FusedOptimizer(torch.optim.Optimizer):
-    def __init__(self, anchor: torch.nn.Parameter, config, store_ref):
+    """The optimizer a table applies inside its backward (see the module docstring): a
+    module's or collection's `fused_optimizer`, built by it, not by hand.
+
+    Args:
+        anchor (torch.nn.Parameter): the module's zero-size parameter, the one entry of
+            `param_groups` (whose "lr" is the learning rate the backward applies).
+        config (cncore.Optimizer): the table's optimizer (`cncore.SGD`, `Adagrad`, ...).
+        store_ref (Callable[[], StepHolder | None]): returns the table's storage, or None
+            before it is materialised.
+
+    Example::
+
+        >>> import cncore
+        >>> from cncore_torch import CNEmbedding
+        >>> opt = CNEmbedding(10, 2, optimizer=cncore.Adagrad(lr=0.1)).fused_optimizer
+        >>> opt.lr, opt.state_dict()
+        (0.1, {'lr': 0.1, 'step': 0, 'optimizer': 'Adagrad'})
+    """
+
+    def __init__(self, anchor: torch.nn.Parameter, config: Optimizer,
+                 store_ref: Callable[[], StepHolder | None]) -> None:
         self._config = config
         self._store_ref = store_ref  # a callable returning the store (or None before materialisation)
         super().__init__([anchor], {"lr": config.lr})
@@ -32,21 +61,47 @@ class FusedOptimizer(torch.optim.Optimizer):
     def lr(self) -> float:
         return float(self.param_groups[0]["lr"])
 
-    def step(self, closure=None):
-        """Nothing to do: the rows were updated in backward. Runs `closure` if given."""
+    @overload
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
+
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """Nothing to do: the rows were updated in backward. Runs `closure` if given.
+
+        Args:
+            closure (Callable[[], float] | None): re-evaluates the model and returns the loss.
+
+        Returns:
+            float | None: the closure's loss, or None without one.
+        """
         return closure() if closure is not None else None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Nothing to do: a fused table keeps no gradient."""
+        """Nothing to do: a fused table keeps no gradient.
 
-    def state_dict(self):
+        Args:
+            set_to_none (bool): accepted as `torch.optim.Optimizer.zero_grad` takes it.
+        """
+
+    def state_dict(self) -> dict[str, Any]:
+        """The learning rate, the table's step and the optimizer's name.
+
+        Returns:
+            dict[str, Any]: {"lr": float, "step": int, "optimizer": str}.
+        """
         store = self._store_ref()
         return {"lr": self.lr, "step": store.step if store is not None else 0,
                 "optimizer": type(self._config).__name__}
 
-    def load_state_dict(self, state_dict) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Checked whole before anything changes: the optimizer's name, lr a finite number >= 0,
-        step an int >= 0."""
+        step an int >= 0.
+
+        Args:
+            state_dict (dict[str, Any]): what `state_dict()` returned.
+        """
         if not isinstance(state_dict, dict):
             raise TypeError(f"state_dict must be a dict (from state_dict()), got {type(state_dict).__name__}")
         if state_dict.get("optimizer") != type(self._config).__name__:
