@@ -148,4 +148,4 @@ def lookup(entries: torch.Tensor, params: torch.Tensor, ids: torch.Tensor) -> to
     # a sum, not a choice: an empty entry (key 0) may sit at one place while ID 0 sits at the
     # other, and it adds slot 0
     a, b = entries.index_select(0, first), entries.index_select(0, second)
-    return a[:, 1] * (a[:, 0] == ids) + b[:, 1] * (b[:, 0] == ids)
+    return torch.where(a[:, 0] == ids, a[:, 1], 0) + torch.where(b[:, 0] == ids, b[:, 1], 0)
