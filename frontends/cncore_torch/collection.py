@@ -32,6 +32,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection, Embedding
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
 import cncore
+from cncore.config import Admission, Eviction, Initializer, Optimizer, Tiered
 from cncore_torch import bridge
 from cncore_torch.base import TableModule, check_flag
 from cncore_torch.collection_shape import CollectionShape
@@ -313,11 +314,14 @@ class CNEmbeddingBagCollection(_DynamicTables, EmbeddingBagCollection):
     (Adagrad(lr=0.5, eps=1e-10, initial_accumulator_value=0.0), [[0.5, 0.5]])
     """  # noqa: E501 (a doctest's expected error message is one line)
 
-    def __init__(self, tables: list[EmbeddingBagConfig], is_weighted: bool = False, device=None, *,
-                 optimizer=None, initializers: dict[str, object] | None = None,
-                 capacities: dict[str, int] | None = None, seed: int = 0, max_rows=None, eviction=None,
-                 admission=None, headroom=None, row_dtype=None,
-                 storage=None, per_rank_tables: bool = False):
+    def __init__(self, tables: list[EmbeddingBagConfig], is_weighted: bool = False,
+                 device: str | torch.device | None = None, *, optimizer: Optimizer | None = None,
+                 initializers: dict[str, Initializer] | None = None, capacities: dict[str, int] | None = None,
+                 seed: int = 0, max_rows: int | str | dict[str, int | None] | None = None,
+                 eviction: Eviction | dict[str, Eviction | None] | None = None,
+                 admission: Admission | dict[str, Admission | None] | None = None,
+                 headroom: int | dict[str, int | None] | None = None, row_dtype: str | dict[str, str] | None = None,
+                 storage: Tiered | dict[str, Tiered | None] | None = None, per_rank_tables: bool = False) -> None:
         super().__init__()
         check_flag("per_rank_tables", per_rank_tables)
         self._per_rank_tables = per_rank_tables
@@ -351,8 +355,17 @@ class CNEmbeddingBagCollection(_DynamicTables, EmbeddingBagCollection):
         return self._is_weighted
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        """(B, sum of dims) pooled rows as a KeyedTensor; `torch.fx.symbolic_trace`-able (one
-        node) and `torch.compile`-able (one operator each way, no graph break)."""
+        """The pooled rows of every feature; `torch.fx.symbolic_trace`-able (one node) and
+        `torch.compile`-able (one operator each way, no graph break).
+
+        Args:
+            features (KeyedJaggedTensor): int64 or int32 IDs of every feature the tables read
+                (other keys are ignored), with float weights when `is_weighted`.
+
+        Returns:
+            KeyedTensor: (B, sum of dims) float32, one key per embedding name, in the tables'
+            order.
+        """
         if torch.compiler.is_compiling() and self._placement.kind == "core":
             return self._compiled_lookup(features)
         return pooled_collection_lookup(self._anchor, self._handle, features, self.training)
@@ -389,11 +402,19 @@ class CNEmbeddingBagCollection(_DynamicTables, EmbeddingBagCollection):
         return out, pending
 
     def table_rows(self) -> dict[str, int]:
-        """Rows in each table."""
+        """Rows in each table.
+
+        Returns:
+            dict[str, int]: {table name: rows}.
+        """
         return {name: len(store) for name, store in self._stores.items()}
 
     def nbytes(self) -> int:
-        """Bytes held by all tables."""
+        """Bytes held by all tables.
+
+        Returns:
+            int: the bytes of every table's rows, optimizer state, metadata and index.
+        """
         return sum(store.nbytes for store in self._stores.values())
 
 
@@ -408,8 +429,21 @@ class CNEmbeddingCollection(_DynamicTables, EmbeddingCollection):
     """TorchRec's `EmbeddingCollection` (unpooled: one row per ID) over dynamic tables.
 
     forward(KJT) -> Dict[str, JaggedTensor] with TorchRec's keys; each JaggedTensor holds the
-    (N, dim) rows of that feature's IDs and its lengths. Same extra arguments as
-    `CNEmbeddingBagCollection`.
+    (N, dim) rows of that feature's IDs and its lengths.
+
+    Args:
+        tables (list[EmbeddingConfig]): TorchRec's table configs, one embedding_dim for all.
+        device (str | torch.device | None): "cpu" (rows in the core), "meta" or "cncard" / an
+            accelerator device, as `CNEmbeddingBagCollection`'s.
+        need_indices (bool): each output JaggedTensor's weights carry its IDs (TorchRec's).
+        optimizer (Optimizer | None): the fused optimizer of every table, or None (the one
+            `apply_optimizer_in_backward` tags, read at the first forward).
+        initializers (dict[str, Initializer] | None): {table name: cncore initializer}.
+        capacities (dict[str, int] | None): {table name: rows to allocate up front}.
+        seed (int): each table's rows are drawn from (seed, table name, ID).
+        max_rows, eviction, admission, headroom, row_dtype, storage: one value for every table
+            or {table name: value}, as `CNEmbeddingBagCollection`'s.
+        per_rank_tables (bool): each rank keeps its own tables unsharded in a process group.
 
     >>> import torch, cncore
     >>> from torchrec import EmbeddingConfig, KeyedJaggedTensor
@@ -421,10 +455,14 @@ class CNEmbeddingCollection(_DynamicTables, EmbeddingCollection):
     (torch.Size([3, 4]), [2, 1])
     """
 
-    def __init__(self, tables: list[EmbeddingConfig], device=None, need_indices: bool = False, *, optimizer=None,
-                 initializers: dict[str, object] | None = None, capacities: dict[str, int] | None = None,
-                 seed: int = 0, max_rows=None, eviction=None, admission=None, headroom=None, row_dtype=None,
-                 storage=None, per_rank_tables: bool = False):
+    def __init__(self, tables: list[EmbeddingConfig], device: str | torch.device | None = None,
+                 need_indices: bool = False, *, optimizer: Optimizer | None = None,
+                 initializers: dict[str, Initializer] | None = None, capacities: dict[str, int] | None = None,
+                 seed: int = 0, max_rows: int | str | dict[str, int | None] | None = None,
+                 eviction: Eviction | dict[str, Eviction | None] | None = None,
+                 admission: Admission | dict[str, Admission | None] | None = None,
+                 headroom: int | dict[str, int | None] | None = None, row_dtype: str | dict[str, str] | None = None,
+                 storage: Tiered | dict[str, Tiered | None] | None = None, per_rank_tables: bool = False) -> None:
         super().__init__()
         check_flag("need_indices", need_indices)
         check_flag("per_rank_tables", per_rank_tables)
@@ -463,8 +501,16 @@ class CNEmbeddingCollection(_DynamicTables, EmbeddingCollection):
         return self._names_by_table
 
     def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
-        """{embedding name: JaggedTensor of (N, dim) rows}; `torch.compile`-able (one operator
-        each way, no graph break)."""
+        """Each feature's rows, one per ID; `torch.compile`-able (one operator each way, no
+        graph break).
+
+        Args:
+            features (KeyedJaggedTensor): int64 or int32 IDs of every feature the tables read.
+
+        Returns:
+            dict[str, JaggedTensor]: {embedding name: (N_f, dim) rows with the feature's
+            lengths (and its IDs as weights with `need_indices`)}.
+        """
         if torch.compiler.is_compiling() and self._placement.kind == "core":
             return self._compiled_lookup(features)
         return unpooled_collection_lookup(self._anchor, self._handle, features, self.training)
