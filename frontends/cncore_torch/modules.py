@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
 
 import cncore
+from cncore.config import Admission, Eviction, Initializer, Optimizer, Tiered
 from cncore.tier import TieredStore
 from cncore_torch import bridge, functional
 from cncore_torch.base import TableModule, check_flag, store_config
@@ -309,6 +311,32 @@ class CNEmbeddingBag(_DynamicTable):
     `module.store.on_evict` and are counted in `module.store.evicted_count` (kept in state_dict).
     `row_dtype`: the rows' storage dtype (StoreConfig.dtype); the output stays float32.
 
+    Args:
+        num_embeddings (int): a capacity hint (IDs are not bounded by it).
+        embedding_dim (int): the row width.
+        max_norm, norm_type, scale_grad_by_freq, sparse: as nn.EmbeddingBag; max_norm,
+            scale_grad_by_freq and sparse=True are refused.
+        mode (str): "sum", "mean" or "max".
+        include_last_offset (bool): `offsets` has B + 1 entries, the last the ID count.
+        padding_idx (int | None): an ID that reads as zeros and takes no gradient.
+        device (str | torch.device | None): "cpu" (rows in the core), "meta" (no rows until
+            `to_empty`) or "cncard" / an accelerator device (rows there, the key index on the host).
+        dtype (torch.dtype | None): torch.float32 or None (the output's dtype).
+        optimizer (Optimizer | None): the fused optimizer applied in backward (`cncore.SGD`,
+            `Adagrad`, `RowWiseAdagrad`, `Adam`), or None (gradients go to the hooks).
+        initializer (Initializer | None): how a new ID's row is drawn (None: N(0, 1)).
+        seed (int): the table seed of that draw.
+        max_load_factor (float): the index grows past it (0.1 .. 0.9).
+        max_rows (int | None): the row budget of a bounded table, or None.
+        eviction (Eviction | None): `cncore.LRU()`, `LFU()` or `TTL(steps)`.
+        admission (Admission | None): `cncore.MinCount(c)` or `Probability(p)`.
+        headroom (int | None): rows one eviction frees beyond the need.
+        row_dtype (str): the rows' storage dtype: "float32", "float16" or "bfloat16".
+        storage (Tiered | None): `cncore.Tiered(path, cache_bytes)`: rows on disk under a
+            bounded cache.
+
+    Example::
+
     >>> import torch, cncore
     >>> bag = CNEmbeddingBag(100, 4, mode="sum", optimizer=cncore.SGD(lr=0.1), max_rows=2, eviction=cncore.LRU(),
     ...                      headroom=0)
@@ -321,10 +349,11 @@ class CNEmbeddingBag(_DynamicTable):
     def __init__(self, num_embeddings: int, embedding_dim: int, max_norm: float | None = None,
                  norm_type: float = 2.0, scale_grad_by_freq: bool = False, mode: str = "mean", sparse: bool = False,
                  _weight: torch.Tensor | None = None, include_last_offset: bool = False,
-                 padding_idx: int | None = None, device=None, dtype=None, *, optimizer=None, initializer=None,
-                 seed: int = 0, max_load_factor: float = 0.7, max_rows: int | None = None, eviction=None,
-                 admission=None, headroom: int | None = None, row_dtype="float32",
-                 storage=None):
+                 padding_idx: int | None = None, device: str | torch.device | None = None,
+                 dtype: torch.dtype | None = None, *, optimizer: Optimizer | None = None,
+                 initializer: Initializer | None = None, seed: int = 0, max_load_factor: float = 0.7,
+                 max_rows: int | None = None, eviction: Eviction | None = None, admission: Admission | None = None,
+                 headroom: int | None = None, row_dtype: str = "float32", storage: Tiered | None = None) -> None:
         _check_unsupported(max_norm, scale_grad_by_freq, sparse, device, dtype)
         if mode not in MODES:
             raise ValueError(f"mode must be 'sum', 'mean' or 'max', got {mode!r}")
@@ -339,9 +368,25 @@ class CNEmbeddingBag(_DynamicTable):
             _load_dense(self, _weight)
 
     @classmethod
-    def from_pretrained(cls, embeddings: torch.Tensor, freeze: bool = True, **kwargs) -> CNEmbeddingBag:
+    def from_pretrained(cls, embeddings: torch.Tensor, freeze: bool = True, **kwargs: Any) -> CNEmbeddingBag:
         """Rows 0..N-1 from a dense (N, dim) matrix (as nn.EmbeddingBag.from_pretrained); with
-        freeze (the default) the module stays in eval mode: no insertions."""
+        freeze (the default) the module stays in eval mode: no insertions.
+
+        Args:
+            embeddings (torch.Tensor): (N, dim) float rows, row i for ID i.
+            freeze (bool): keep the module in eval mode (lookups insert nothing).
+            **kwargs: the constructor's other arguments (mode, optimizer, ...).
+
+        Returns:
+            CNEmbeddingBag: the module holding those N rows.
+
+        Example::
+
+            >>> import torch
+            >>> bag = CNEmbeddingBag.from_pretrained(torch.eye(3), mode="sum")
+            >>> bag(torch.tensor([[0, 2]])).tolist()
+            [[1.0, 0.0, 1.0]]
+        """
         _check_dense("embeddings", embeddings)
         module = cls(embeddings.shape[0], embeddings.shape[1], _weight=embeddings, **kwargs)
         if freeze:
@@ -350,6 +395,18 @@ class CNEmbeddingBag(_DynamicTable):
 
     def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+        """The pooled rows of each bag, as nn.EmbeddingBag's forward.
+
+        Args:
+            input (torch.Tensor): (B, L) int IDs (B bags of L), or (N,) IDs with `offsets`.
+            offsets (torch.Tensor | None): (B,) bag starts of a 1-D input ((B + 1,) with
+                `include_last_offset`).
+            per_sample_weights (torch.Tensor | None): float weights of input's shape ("sum" and
+                "mean" only).
+
+        Returns:
+            torch.Tensor: (B, embedding_dim) float32.
+        """
         if per_sample_weights is None and _fast_ids(self, input):
             # The common eager calls go straight to the bridge (bridge.lookup_table), with the
             # keys as their NumPy view: a (B, L) batch with the shared offsets of its shape
@@ -391,14 +448,46 @@ def _fast_ids(module: _DynamicTable, input) -> bool:
 
 class CNEmbedding(_DynamicTable):
     """`torch.nn.Embedding` over a growable table: any input shape, output input.shape + (dim,).
-    Positions holding `padding_idx` read as zeros and take no gradient."""
+    Positions holding `padding_idx` read as zeros and take no gradient.
+
+    Args:
+        num_embeddings (int): a capacity hint (IDs are not bounded by it).
+        embedding_dim (int): the row width.
+        padding_idx (int | None): an ID that reads as zeros and takes no gradient.
+        max_norm, norm_type, scale_grad_by_freq, sparse: as nn.Embedding; max_norm,
+            scale_grad_by_freq and sparse=True are refused.
+        device (str | torch.device | None): "cpu" (rows in the core), "meta" (no rows until
+            `to_empty`) or "cncard" / an accelerator device (rows there, the key index on the host).
+        dtype (torch.dtype | None): torch.float32 or None (the output's dtype).
+        optimizer (Optimizer | None): the fused optimizer applied in backward (`cncore.SGD`,
+            `Adagrad`, `RowWiseAdagrad`, `Adam`), or None (gradients go to the hooks).
+        initializer (Initializer | None): how a new ID's row is drawn (None: N(0, 1)).
+        seed (int): the table seed of that draw.
+        max_load_factor (float): the index grows past it (0.1 .. 0.9).
+        max_rows (int | None): the row budget of a bounded table, or None.
+        eviction (Eviction | None): `cncore.LRU()`, `LFU()` or `TTL(steps)`.
+        admission (Admission | None): `cncore.MinCount(c)` or `Probability(p)`.
+        headroom (int | None): rows one eviction frees beyond the need.
+        row_dtype (str): the rows' storage dtype: "float32", "float16" or "bfloat16".
+        storage (Tiered | None): `cncore.Tiered(path, cache_bytes)`: rows on disk under a
+            bounded cache.
+
+    Example::
+
+        >>> import torch, cncore
+        >>> emb = CNEmbedding(10, 2, optimizer=cncore.SGD(lr=0.1), initializer=cncore.Constant(1.0))
+        >>> emb(torch.tensor([[2**50, 3]])).shape
+        torch.Size([1, 2, 2])
+    """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None,
                  max_norm: float | None = None, norm_type: float = 2.0, scale_grad_by_freq: bool = False,
-                 sparse: bool = False, _weight: torch.Tensor | None = None, _freeze: bool = False, device=None,
-                 dtype=None, *, optimizer=None, initializer=None, seed: int = 0, max_load_factor: float = 0.7,
-                 max_rows: int | None = None, eviction=None, admission=None, headroom: int | None = None,
-                 row_dtype="float32", storage=None):
+                 sparse: bool = False, _weight: torch.Tensor | None = None, _freeze: bool = False,
+                 device: str | torch.device | None = None,
+                 dtype: torch.dtype | None = None, *, optimizer: Optimizer | None = None,
+                 initializer: Initializer | None = None, seed: int = 0, max_load_factor: float = 0.7,
+                 max_rows: int | None = None, eviction: Eviction | None = None, admission: Admission | None = None,
+                 headroom: int | None = None, row_dtype: str = "float32", storage: Tiered | None = None) -> None:
         _check_unsupported(max_norm, scale_grad_by_freq, sparse, device, dtype)
         _check_padding_idx(padding_idx)
         super().__init__(num_embeddings, embedding_dim, optimizer, initializer, seed, max_load_factor, device,
@@ -410,11 +499,35 @@ class CNEmbedding(_DynamicTable):
             self.eval()
 
     @classmethod
-    def from_pretrained(cls, embeddings: torch.Tensor, freeze: bool = True, **kwargs) -> CNEmbedding:
+    def from_pretrained(cls, embeddings: torch.Tensor, freeze: bool = True, **kwargs: Any) -> CNEmbedding:
+        """Rows 0..N-1 from a dense (N, dim) matrix (as nn.Embedding.from_pretrained).
+
+        Args:
+            embeddings (torch.Tensor): (N, dim) float rows, row i for ID i.
+            freeze (bool): keep the module in eval mode (lookups insert nothing).
+            **kwargs: the constructor's other arguments (padding_idx, optimizer, ...).
+
+        Returns:
+            CNEmbedding: the module holding those N rows.
+
+        Example::
+
+            >>> import torch
+            >>> CNEmbedding.from_pretrained(torch.eye(2))(torch.tensor([1])).tolist()
+            [[0.0, 1.0]]
+        """
         _check_dense("embeddings", embeddings)
         return cls(embeddings.shape[0], embeddings.shape[1], _weight=embeddings, _freeze=freeze, **kwargs)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        """Each ID's row, as nn.Embedding's forward.
+
+        Args:
+            input (torch.Tensor): int IDs of any shape.
+
+        Returns:
+            torch.Tensor: input.shape + (embedding_dim,) float32.
+        """
         if _fast_ids(self, input):  # the fast path (see CNEmbeddingBag.forward): each ID a bag of one
             keys = input.numpy().reshape(-1)
             return bridge.lookup_table(self, keys, _unit_offsets(len(keys)), MODES["sum"], self.training,
