@@ -263,23 +263,46 @@ def _device_lookup(anchor, collection, keys, offsets, weights, training: bool, s
 class CNEmbeddingBagCollection(_DynamicTables, EmbeddingBagCollection):
     """TorchRec's `EmbeddingBagCollection` on dynamic tables (see the module docstring).
 
-    Args: `tables`, `is_weighted`, `device` as TorchRec: "cpu" (rows in the core), "meta" (no
-    storage until `to_empty`, as DMP builds models) or "cncard" / an accelerator device (rows,
-    optimizer state and metadata as device tensors, the key index in the core on the host, as
-    the modules' `device="cncard"`; `stores` then holds each table's `DeviceRows`);
-    `optimizer`: the fused optimizer of every table (a cncore optimizer config); without it,
-    the one `torchrec.optim.apply_optimizer_in_backward` puts on the collection's parameters
-    (torch.optim.SGD, Adagrad, Adam or torchrec.optim.RowWiseAdagrad, mapped by
-    `cncore_torch.optim.optimizer_from_torch`), read at the first forward (or load, or
-    `fused_optimizer`), and also by the DMP sharder. One optimizer per collection: a tag that
-    disagrees with `optimizer=`, or that changes once adopted, is refused;
-    `initializers`: {table name: cncore initializer} overriding the configs' init;
-    `capacities`: {table name: rows to allocate up front} (default min(num_embeddings, 2^20));
-    `seed`: each table's rows are drawn from (seed, table name, ID).
-    Bounded tables (README "Bounded tables") and row dtypes: `max_rows`, `eviction`, `admission`,
-    `headroom`, `row_dtype`, each one value for every table or {table name: value};
-    `max_rows="num_embeddings"` makes each config's num_embeddings its table's row budget. Evicted
-    rows go to `stores[name].on_evict` callbacks and are counted in `stores[name].evicted_count`.
+    One optimizer per collection: a tag that disagrees with `optimizer=`, or that changes once
+    adopted, is refused. Evicted rows of a bounded table go to `stores[name].on_evict`
+    callbacks and are counted in `stores[name].evicted_count`.
+
+    Args:
+        tables (list[EmbeddingBagConfig]): TorchRec's table configs (num_embeddings is a
+            capacity hint, not a bound on the IDs).
+        is_weighted (bool): the KJT carries per-ID weights.
+        device (str | torch.device | None): "cpu" (rows in the core), "meta" (no storage until
+            `to_empty`, as DMP builds models) or "cncard" / an accelerator device (rows,
+            optimizer state and metadata as device tensors, the key index in the core on the
+            host, as the modules' `device="cncard"`; `stores` then holds each table's
+            `DeviceRows`).
+        optimizer (Optimizer | None): the fused optimizer of every table (a cncore optimizer
+            config); without it, the one `torchrec.optim.apply_optimizer_in_backward` puts on
+            the collection's parameters (torch.optim.SGD, Adagrad, Adam or
+            torchrec.optim.RowWiseAdagrad, mapped by `cncore_torch.optim.optimizer_from_torch`),
+            read at the first forward (or load, or `fused_optimizer`), and also by the DMP
+            sharder.
+        initializers (dict[str, Initializer] | None): {table name: cncore initializer}
+            overriding the configs' init.
+        capacities (dict[str, int] | None): {table name: rows to allocate up front} (default
+            min(num_embeddings, 2^20)).
+        seed (int): each table's rows are drawn from (seed, table name, ID).
+        max_rows (int | str | dict[str, int | None] | None): the row budget (README "Bounded
+            tables"); "num_embeddings" makes each config's num_embeddings its table's budget.
+        eviction (Eviction | dict[str, Eviction | None] | None): `cncore.LRU()`, `LFU()` or
+            `TTL(steps)`.
+        admission (Admission | dict[str, Admission | None] | None): `cncore.MinCount(c)` or
+            `Probability(p)`.
+        headroom (int | dict[str, int | None] | None): rows one eviction frees beyond the need.
+        row_dtype (str | dict[str, str] | None): "float32", "float16" or "bfloat16".
+        storage (Tiered | dict[str, Tiered | None] | None): `cncore.Tiered(path, cache_bytes)`:
+            rows on disk under a bounded cache.
+        per_rank_tables (bool): each rank keeps its own tables unsharded in a process group.
+
+    Each of max_rows, eviction, admission, headroom, row_dtype and storage is one value for
+    every table or {table name: value}.
+
+    Example::
 
     >>> import torch, cncore
     >>> from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
