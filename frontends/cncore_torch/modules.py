@@ -33,7 +33,7 @@ from cncore_torch.device_rows import DeviceRows
 from cncore_torch.devices import resolve_device
 from cncore_torch.functional import MODES
 from cncore_torch.optim import FusedOptimizer
-from cncore_torch.state import TableState, export_tensors, is_store_entry, save_evicted_count
+from cncore_torch.state import TableState, export_tensors, is_store_entry, save_store
 from cncore_torch.table_options import module_options
 from cncore_torch.table_weight import TableWeight
 
@@ -270,10 +270,8 @@ class _DynamicTable(TableModule):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if self.placement.kind == "meta":
             return
-        for name, value in self.export().items():
-            destination[prefix + name] = value
-        destination[prefix + "step"] = torch.tensor(self.storage.step, dtype=torch.int64)
-        save_evicted_count(self.storage, destination, prefix)
+        # TableEntry tensors, as a collection's tables: DCP saves them and CNLoadPlanner loads them whole
+        save_store(self._require_storage(), destination, prefix)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
