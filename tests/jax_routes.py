@@ -1,4 +1,6 @@
-"""The `route` fixture of the JAX tests: each test that takes it runs through both boundaries."""
+"""The JAX tests' shared fixtures: `route` (each test that takes it runs through both boundaries)
+and `no_context_left_waiting` (autouse where a test module imports it)."""
+import jax
 import pytest
 
 import cncore_jax as cj
@@ -14,3 +16,14 @@ def route(request):
     previous = cj.set_boundary(request.param)
     yield request.param
     cj.set_boundary(previous)
+
+
+@pytest.fixture(autouse=True)
+def no_context_left_waiting():
+    """Tests look up without applying; each starts with no context waiting (the bound refuses more)."""
+    yield
+    try:
+        jax.effects_barrier()
+    except Exception:  # a test's own refused call, already asserted
+        pass
+    cj.discard_pending()

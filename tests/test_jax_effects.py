@@ -14,18 +14,8 @@ from cncore_jax import _ffi, _host  # noqa: E402
 jax.config.update("jax_enable_x64", True)
 
 
-from jax_routes import route  # noqa: E402,F401  (the fixture)
+from jax_routes import no_context_left_waiting, route  # noqa: E402,F401  (the fixtures)
 
-
-@pytest.fixture(autouse=True)
-def _no_context_left_waiting():
-    """Tests look up without applying; each starts with no context waiting (the bound refuses more)."""
-    yield
-    try:
-        jax.effects_barrier()
-    except Exception:  # a test's own refused call, already asserted
-        pass
-    cj.discard_pending()
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ import cncore  # noqa: E402
 import cncore_jax as cj  # noqa: E402
 from cncore_jax import _ffi  # noqa: E402
 
-from jax_routes import route  # noqa: E402,F401  (the fixture)
+from jax_routes import no_context_left_waiting, route  # noqa: E402,F401  (the fixtures)
 from reference import run_isolated, snapshot  # noqa: E402
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -34,16 +34,6 @@ DELAY = 256                    # side of the matrices multiplied between lookup 
 ROUTE_NAMES = ["callback", pytest.param("ffi", marks=pytest.mark.skipif(
     not _ffi.available(), reason="no C++ compiler for the FFI route"))]
 
-
-@pytest.fixture(autouse=True)
-def _no_context_left_waiting():
-    """Tests look up without applying; each starts with no context waiting (the bound refuses more)."""
-    yield
-    try:
-        jax.effects_barrier()
-    except Exception:  # a test's own refused call, already asserted
-        pass
-    cj.discard_pending()
 
 
 def new_table() -> cj.Table:

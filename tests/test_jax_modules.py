@@ -16,19 +16,10 @@ import jax.numpy as jnp  # noqa: E402
 import cncore  # noqa: E402
 import cncore_jax as cj  # noqa: E402
 from cncore_jax.modules import EmbeddingBag, EmbeddingBagCollection  # noqa: E402
+from jax_routes import no_context_left_waiting  # noqa: E402,F401  (autouse: no context left waiting)
 
 jax.config.update("jax_enable_x64", True)
 
-
-@pytest.fixture(autouse=True)
-def _no_context_left_waiting():
-    """Tests look up without applying; each starts with no context waiting (the bound refuses more)."""
-    yield
-    try:
-        jax.effects_barrier()
-    except Exception:  # a test's own refused call, already asserted
-        pass
-    cj.discard_pending()
 
 needs_tablefile = pytest.mark.skipif(not importlib.util.find_spec("cncore.tablefile"),
                                      reason="cncore.tablefile (the shared table format) is not in the core yet")

@@ -10,7 +10,7 @@ jax = pytest.importorskip("jax")
 nnx = pytest.importorskip("flax.nnx")
 optax = pytest.importorskip("optax")
 import jax.numpy as jnp  # noqa: E402
-from jax_routes import route  # noqa: E402,F401  (the fixture)
+from jax_routes import no_context_left_waiting, route  # noqa: E402,F401  (the fixtures)
 from reference import uniform_row  # noqa: E402
 
 import cncore  # noqa: E402
@@ -20,16 +20,6 @@ from cncore_jax.modules import EmbeddingBag, EmbeddingBagCollection, TableState 
 
 jax.config.update("jax_enable_x64", True)
 
-
-@pytest.fixture(autouse=True)
-def _no_context_left_waiting():
-    """Tests look up without applying; each starts with no context waiting (the bound refuses more)."""
-    yield
-    try:
-        jax.effects_barrier()
-    except Exception:  # a test's own refused call, already asserted
-        pass
-    cj.discard_pending()
 
 DIM, SEED = 3, 11
 KEYS = np.array([2**62 + 5, -7, 0, 13, 99, 2**40])  # the vocabulary the batches draw from
