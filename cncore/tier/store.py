@@ -7,6 +7,7 @@ import dataclasses
 import os
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -41,9 +42,14 @@ _MIN_CACHE_ROWS = 16
 class TieredStore(FaultIn, Prefetch, WriteBehind, Durability):
     """A table whose rows live on disk under a bounded memory cache, `cache` (an `EmbeddingStore`
     it holds), with the verbs of `cncore.storage.RowStorage` (see `cncore.tier`). Built by
-    `cncore.make_store(config)` (or `TieredStore(config)`) when `config.storage` is a `Tiered`."""
+    `cncore.make_store(config)` (or `TieredStore(config)`) when `config.storage` is a `Tiered`.
 
-    def __init__(self, config: StoreConfig | None = None, **config_fields):
+    Args:
+        config (StoreConfig | None): the table's config, with ``storage=cncore.Tiered(path, cache_bytes)``.
+        **config_fields: `StoreConfig` fields, when `config` is None.
+    """
+
+    def __init__(self, config: StoreConfig | None = None, **config_fields: Any):
         config = store_config_of(config, config_fields)
         storage = config.storage
         if not isinstance(storage, Tiered):
@@ -248,15 +254,13 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, Durability):
 
     @_locked
     def evict_if(self, predicate: Callable[[TableBatch], ArrayLike], *, batch_size: int = 65536) -> int:
-        """As EmbeddingStore.evict_if, over the cached rows (the rows go to disk). Under the
-        store's lock: the spill's writer has one buffer."""
+        """As EmbeddingStore.evict_if, over the cached rows (to disk), under the store's lock."""
         return self.cache.evict_if(predicate, batch_size=batch_size)
 
     @_locked
     def decay_admission(self) -> None:
-        """Halve every counter of the admission sketch (MinCount). The sketch counts the
-        sightings of keys that have no row, in memory or on disk; it lives in memory only, so
-        reopening a tier's directory starts it over (as loading a table file does)."""
+        """As EmbeddingStore.decay_admission. The sketch counts keys with no row in memory or on
+        disk; it lives in memory only: reopening the directory starts it over."""
         self.cache.decay_admission()
 
     def _check_fits(self, keys: np.ndarray) -> None:
@@ -476,11 +480,11 @@ class TieredStore(FaultIn, Prefetch, WriteBehind, Durability):
         return self.cache.read(keys)
 
     def on_evict(self, callback: Callable[[TableBatch], object]) -> None:
-        """Refused: a tiered store's evicted rows go to its disk tier (TypeError)."""
+        """As EmbeddingStore.on_evict, refused (TypeError): a tier's evicted rows go to its disk."""
         raise TypeError("on_evict: a tiered store's evicted rows go to its disk tier, not to callbacks")
 
     def set_optimizer(self, optimizer: Optimizer) -> None:
-        """Refused: a tier's records have the optimizer's width (TypeError)."""
+        """As EmbeddingStore.set_optimizer, refused (TypeError): a record has the optimizer's width."""
         raise TypeError("set_optimizer: not on a tiered store (its records have the optimizer's width)")
 
     @_locked

@@ -34,6 +34,7 @@ import secrets
 
 import numpy as np
 import torch
+from torch import nn
 
 from cncore.routing import owner_of, parse_shard_name, shard_name
 from cncore.tablefile import chain_head, chain_length, check_path_name, check_shard, load_store, open_table, save_table
@@ -67,7 +68,7 @@ def _stores(module) -> dict:
     return stores
 
 
-def save_shard_tables(module, directory: str) -> list[str]:
+def save_shard_tables(module: nn.Module, directory: str) -> list[str]:
     """Write this rank's shard of every table of `module` (a sharded collection, pooled or not,
     or a plain `CNEmbeddingBagCollection` / `CNEmbeddingCollection`: shard 0 of 1) to
     ``directory/<table>/shard-<rank>-of-<world size>``: keys, rows, optimizer state, counts,
@@ -79,7 +80,15 @@ def save_shard_tables(module, directory: str) -> list[str]:
     Each file records its place and the save (``{"rank", "world_size", "save"}``: the
     module's run id and the table's step), which `load_shard_tables` and `cn-table reshard`
     check. Table names are directory names here: a name that is not one plain path component
-    (``../x``, ``a/b``, an absolute path) is refused before anything is written."""
+    (``../x``, ``a/b``, an absolute path) is refused before anything is written.
+
+    Args:
+        module (nn.Module): a sharded collection, or a plain one.
+        directory (str): where each table's folder goes.
+
+    Returns:
+        list[str]: the paths written, one per table.
+    """
     rank, world_size = _place(module)
     stores = _stores(module)
     for name in stores:
@@ -117,7 +126,7 @@ def _shard_files(directory: str, table: str) -> tuple[int, dict[int, str]]:
     return n, shards
 
 
-def load_shard_tables(module, directory: str, verify: bool = True) -> None:
+def load_shard_tables(module: nn.Module, directory: str, verify: bool = True) -> None:
     """Load every table of `module` from its shard tables in ``directory/<table>/`` (written by
     `save_shard_tables` on any number of ranks, or by `cn-table reshard`). Every file is opened
     and checked (dim and optimizer state against this module's table, one step) before any
@@ -131,7 +140,13 @@ def load_shard_tables(module, directory: str, verify: bool = True) -> None:
     Every rank checks every shard file of a table, so all ranks refuse alike, before any
     table changes: each file's recorded place must be its name's and every file must be of
     one save (`save_shard_tables` records both); a file without records (written before
-    them) has its keys checked against its rank instead."""
+    them) has its keys checked against its rank instead.
+
+    Args:
+        module (nn.Module): a sharded collection, or a plain one.
+        directory (str): what `save_shard_tables` (or `cn-table reshard`) wrote.
+        verify (bool): check every array's SHA-256 too.
+    """
     rank, world_size = _place(module)
     stores = _stores(module)
     entries, evicted = {}, {}
@@ -236,7 +251,14 @@ def merge_shards(state_dicts: list[dict[str, torch.Tensor]]) -> dict[str, torch.
     rank, world size, run id): every rank of one world size and one run must be there, each
     once, or the merge is refused (ValueError) naming what is missing or mixed. The merged
     table is whole: its ``shard`` entry is (0, 1, run id). State_dicts without the entry
-    (written before it existed, or by a plain collection) merge as they are."""
+    (written before it existed, or by a plain collection) merge as they are.
+
+    Args:
+        state_dicts (list[dict[str, torch.Tensor]]): every rank's state_dict of one checkpoint.
+
+    Returns:
+        dict[str, torch.Tensor]: one state_dict, every table whole (shard 0 of 1).
+    """
     if not isinstance(state_dicts, (list, tuple)) or not state_dicts:
         raise ValueError("state_dicts: expected a non-empty list of the ranks' state_dicts")
     first = state_dicts[0]

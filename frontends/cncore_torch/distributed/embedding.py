@@ -61,11 +61,23 @@ class _Rows(LazyAwaitable[dict[str, JaggedTensor]]):
 
 
 class ShardedCNEmbeddingCollection(ShardedEmbeddingCollection):
-    """`CNEmbeddingCollection` with every table sharded row-wise by key hash over the process group."""
+    """`CNEmbeddingCollection` with every table sharded row-wise by key hash over the process group.
+    Built by `CNEmbeddingCollectionSharder.shard`, which DMP calls.
+
+    Args:
+        module (CNEmbeddingCollection): the unsharded collection (its configs and options).
+        table_name_to_parameter_sharding (dict[str, ParameterSharding]): the plan's entries.
+        env (ShardingEnv): the process group, rank and world size.
+        fused_params (dict[str, Any] | None): the sharder's fused optimizer parameters.
+        device (torch.device | None): the compute device (cpu).
+        qcomm_codecs_registry (dict | None): TorchRec's quantized-communication codecs.
+        module_fqn (str | None): the module's path in the model.
+    """
 
     def __init__(self, module: CNEmbeddingCollection, table_name_to_parameter_sharding: dict[str, ParameterSharding],
                  env: ShardingEnv, fused_params: dict[str, Any] | None = None,
-                 device: torch.device | None = None, qcomm_codecs_registry=None, module_fqn: str | None = None):
+                 device: torch.device | None = None, qcomm_codecs_registry: dict | None = None,
+                 module_fqn: str | None = None):
         ShardedEmbeddingModule.__init__(self, qcomm_codecs_registry=qcomm_codecs_registry)
         if not isinstance(module, CNEmbeddingCollection):
             raise TypeError(f"module must be a CNEmbeddingCollection, got {type(module).__name__}")
@@ -111,6 +123,11 @@ class ShardedCNEmbeddingCollection(ShardedEmbeddingCollection):
         """Nothing to reset: rows are drawn from (seed, table, key) as keys arrive."""
 
     def create_context(self) -> EmbeddingCollectionContext:
+        """A fresh context for one forward.
+
+        Returns:
+            EmbeddingCollectionContext: empty.
+        """
         return EmbeddingCollectionContext()
 
     def _exchange(self, tensor: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
@@ -119,6 +136,15 @@ class ShardedCNEmbeddingCollection(ShardedEmbeddingCollection):
         return out
 
     def input_dist(self, ctx: EmbeddingCollectionContext, features: KeyedJaggedTensor) -> Awaitable[Awaitable[Any]]:
+        """Route each ID to the rank that owns its row.
+
+        Args:
+            ctx (EmbeddingCollectionContext): this forward's context.
+            features (KeyedJaggedTensor): the rank's batch.
+
+        Returns:
+            Awaitable[Awaitable[Any]]: the IDs this rank owns, from every rank, with their tables.
+        """
         check_features(features, self._features, False)
         with torch.no_grad():
             keys = features.keys()
@@ -140,7 +166,16 @@ class ShardedCNEmbeddingCollection(ShardedEmbeddingCollection):
                       self._exchange(table[sort], recv_splits, send_splits))
             return NoWait(NoWait(routed))
 
-    def compute(self, ctx: EmbeddingCollectionContext, dist_input) -> torch.Tensor:
+    def compute(self, ctx: EmbeddingCollectionContext, dist_input: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Read this rank's rows of the routed IDs (the backward updates them).
+
+        Args:
+            ctx (EmbeddingCollectionContext): this forward's context.
+            dist_input (tuple[torch.Tensor, torch.Tensor]): the routed keys and their tables.
+
+        Returns:
+            torch.Tensor: (N, dim) rows, in the routed order.
+        """
         keys, tables = dist_input
         positions = [torch.nonzero(tables == t).squeeze(1) for t in range(len(self._configs))]
         rows = unpooled_lookup(self._anchor, self, [keys[p].contiguous() for p in positions], self.training)
@@ -149,6 +184,15 @@ class ShardedCNEmbeddingCollection(ShardedEmbeddingCollection):
 
     def output_dist(self, ctx: EmbeddingCollectionContext,
                     output: torch.Tensor) -> LazyAwaitable[dict[str, JaggedTensor]]:
+        """Send each rank the rows of its IDs back (an all-to-all), as one jagged tensor a feature.
+
+        Args:
+            ctx (EmbeddingCollectionContext): this forward's context.
+            output (torch.Tensor): what `compute` returned.
+
+        Returns:
+            LazyAwaitable[dict[str, JaggedTensor]]: each feature's rows, as TorchRec's EC gives them.
+        """
         c = ctx.cn
         back = SplitAllToAll.apply(output, c["send"], c["recv"], self._pg)  # rows of my keys, in `sort` order
 
@@ -164,7 +208,17 @@ class ShardedCNEmbeddingCollection(ShardedEmbeddingCollection):
 
         return _Rows(assemble)
 
-    def compute_and_output_dist(self, ctx: EmbeddingCollectionContext, input) -> LazyAwaitable[dict[str, JaggedTensor]]:
+    def compute_and_output_dist(self, ctx: EmbeddingCollectionContext, input: tuple[torch.Tensor, torch.Tensor]
+                                ) -> LazyAwaitable[dict[str, JaggedTensor]]:
+        """`compute`, then `output_dist`.
+
+        Args:
+            ctx (EmbeddingCollectionContext): this forward's context.
+            input (tuple[torch.Tensor, torch.Tensor]): what `input_dist` delivered.
+
+        Returns:
+            LazyAwaitable[dict[str, JaggedTensor]]: each feature's rows.
+        """
         return self.output_dist(ctx, self.compute(ctx, input))
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
@@ -186,9 +240,17 @@ class ShardedCNEmbeddingCollection(ShardedEmbeddingCollection):
 
 
 class CNEmbeddingCollectionSharder(EmbeddingCollectionSharder):
-    """Shards `CNEmbeddingCollection` row-wise by key hash (CUSTOMIZED_KERNEL), on cpu."""
+    """Shards `CNEmbeddingCollection` row-wise by key hash (CUSTOMIZED_KERNEL), on cpu.
 
-    def __init__(self, fused_params: dict[str, Any] | None = None, qcomm_codecs_registry=None, **kwargs) -> None:
+    Args:
+        fused_params (dict[str, Any] | None): the fused optimizer's parameters, as TorchRec's
+            sharders take them.
+        qcomm_codecs_registry (dict | None): TorchRec's quantized-communication codecs.
+        **kwargs (Any): passed to TorchRec's `EmbeddingCollectionSharder`.
+    """
+
+    def __init__(self, fused_params: dict[str, Any] | None = None, qcomm_codecs_registry: dict | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(fused_params=fused_params, qcomm_codecs_registry=qcomm_codecs_registry, **kwargs)
         register_planner_estimates()  # DMP without a plan asks TorchRec's planner, which needs them
 
@@ -198,14 +260,39 @@ class CNEmbeddingCollectionSharder(EmbeddingCollectionSharder):
                                             qcomm_codecs_registry=self.qcomm_codecs_registry, module_fqn=module_fqn)
 
     def shardable_parameters(self, module: CNEmbeddingCollection) -> dict[str, nn.Parameter]:
+        """One (num_embeddings, dim) meta parameter per table: what TorchRec's planner sizes.
+
+        Args:
+            module (CNEmbeddingCollection): the collection to shard.
+
+        Returns:
+            dict[str, nn.Parameter]: a meta parameter per table name.
+        """
         return {c.name: nn.Parameter(torch.empty(c.num_embeddings, c.embedding_dim, device="meta"),
                                      requires_grad=False)
                 for c in module.embedding_configs()}
 
     def sharding_types(self, compute_device_type: str) -> list[str]:
+        """The shardings on offer: row-wise only.
+
+        Args:
+            compute_device_type (str): the device type ("cpu").
+
+        Returns:
+            list[str]: ``[ShardingType.ROW_WISE.value]``.
+        """
         return [ROW_WISE]
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
+        """The kernels on offer: ours (`EmbeddingComputeKernel.CUSTOMIZED_KERNEL`).
+
+        Args:
+            sharding_type (str): the plan's sharding type.
+            compute_device_type (str): the device type ("cpu").
+
+        Returns:
+            list[str]: the one kernel.
+        """
         return [KERNEL]
 
     @property

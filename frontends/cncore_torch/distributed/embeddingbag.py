@@ -30,7 +30,7 @@ from torchrec.distributed.embeddingbag import (
     ShardedEmbeddingBagCollection,
 )
 from torchrec.distributed.types import Awaitable, LazyAwaitable, ParameterSharding, ShardingEnv
-from torchrec.modules.embedding_configs import EmbeddingTableConfig, PoolingType
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingTableConfig, PoolingType
 from torchrec.optim.keyed import KeyedOptimizer
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
@@ -84,13 +84,25 @@ class ShardedCNEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     unsharded module's parameters and registers sharded tensors per table); this subclass keeps its
     interface (input_dist / compute / output_dist, context, `fused_optimizer`) and replaces the
     construction: one `CNRwPooledEmbeddingSharding` for all tables, the rank's stores, and the
-    state_dict (`tables.<name>.keys/rows/...`: this rank's keys only).
+    state_dict (`tables.<name>.keys/rows/...`: this rank's keys only). Built by
+    `CNEmbeddingBagCollectionSharder.shard`, which DMP calls.
+
+    Args:
+        module (CNEmbeddingBagCollection): the unsharded collection (its configs and options).
+        table_name_to_parameter_sharding (dict[str, ParameterSharding]): the plan's entries
+            (row-wise, our kernel, every rank).
+        env (ShardingEnv): the process group, rank and world size.
+        fused_params (dict[str, Any] | None): the sharder's fused optimizer parameters.
+        device (torch.device | None): the compute device (cpu).
+        qcomm_codecs_registry (dict | None): TorchRec's quantized-communication codecs.
+        module_fqn (str | None): the module's path in the model.
+        pack_pools (bool): send back only the partial pools of bags with a key on the rank.
     """
 
     def __init__(self, module: CNEmbeddingBagCollection, table_name_to_parameter_sharding: dict[str, ParameterSharding],
                  env: ShardingEnv, fused_params: dict[str, Any] | None = None,
-                 device: torch.device | None = None, qcomm_codecs_registry=None, module_fqn: str | None = None,
-                 pack_pools: bool = False):
+                 device: torch.device | None = None, qcomm_codecs_registry: dict | None = None,
+                 module_fqn: str | None = None, pack_pools: bool = False):
         ShardedEmbeddingModule.__init__(self, qcomm_codecs_registry=qcomm_codecs_registry)
         self._pack_pools = pack_pools
         if not isinstance(module, CNEmbeddingBagCollection):
@@ -145,10 +157,20 @@ class ShardedCNEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         """{table name: this rank's store} (the keys this rank owns)."""
         return self._stores
 
-    def embedding_bag_configs(self):
+    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
+        """The collection's table configs, as TorchRec's sharded collection gives them.
+
+        Returns:
+            list[EmbeddingBagConfig]: one per table.
+        """
         return self._embedding_bag_configs
 
     def is_weighted(self) -> bool:
+        """Whether the features carry per-sample weights.
+
+        Returns:
+            bool: the collection's `is_weighted`.
+        """
         return self._is_weighted
 
     @property
@@ -165,10 +187,24 @@ class ShardedCNEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     # --- the three stages --------------------------------------------------------------------------
 
     def create_context(self) -> EmbeddingBagCollectionContext:
+        """A fresh context for one forward (TorchRec's pipeline keeps it between the stages).
+
+        Returns:
+            EmbeddingBagCollectionContext: empty.
+        """
         return EmbeddingBagCollectionContext()
 
     def input_dist(self, ctx: EmbeddingBagCollectionContext,
                    features: KeyedJaggedTensor) -> Awaitable[Awaitable[KJTList]]:
+        """Route each ID (and its weight) to the rank that owns its row (TorchRec's KJT all-to-all).
+
+        Args:
+            ctx (EmbeddingBagCollectionContext): this forward's context.
+            features (KeyedJaggedTensor): the rank's batch (a variable batch per key is expanded).
+
+        Returns:
+            Awaitable[Awaitable[KJTList]]: the IDs this rank owns, from every rank.
+        """
         check_features(features, self._features, self._is_weighted, variable_batch=True)
         weights = features.weights_or_none() if self._is_weighted else None
         attach = self._is_weighted and weights_need_grad(weights, self._pg)
@@ -204,6 +240,15 @@ class ShardedCNEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                                           self._sharding_types)
 
     def compute(self, ctx: EmbeddingBagCollectionContext, dist_input: KJTList) -> list[torch.Tensor]:
+        """Pool this rank's rows of every rank's bags (partial pools; the backward updates the rows).
+
+        Args:
+            ctx (EmbeddingBagCollectionContext): this forward's context.
+            dist_input (KJTList): what `input_dist` delivered.
+
+        Returns:
+            list[torch.Tensor]: the partial pools, one tensor for all tables.
+        """
         if self._pack_pools:
             for sharding_ctx, features in zip(ctx.sharding_contexts, dist_input):
                 sharding_ctx.cn_received = features.lengths()  # which of my partial pools are not zero
@@ -214,10 +259,28 @@ class ShardedCNEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         return [lookup(features) for lookup, features in zip(self._lookups, dist_input)]
 
     def output_dist(self, ctx: EmbeddingBagCollectionContext, output: list[torch.Tensor]) -> LazyAwaitable[KeyedTensor]:
+        """Send each rank its bags' partial pools and add them up (an all-to-all).
+
+        Args:
+            ctx (EmbeddingBagCollectionContext): this forward's context.
+            output (list[torch.Tensor]): what `compute` returned.
+
+        Returns:
+            LazyAwaitable[KeyedTensor]: the pooled embeddings of this rank's batch.
+        """
         values = self._output_dists[0](output[0], ctx.sharding_contexts[0])
         return _KeyedTensorAwaitable(values, self._embedding_names, self._embedding_dims, ctx.divisor)
 
     def compute_and_output_dist(self, ctx: EmbeddingBagCollectionContext, input: KJTList) -> LazyAwaitable[KeyedTensor]:
+        """`compute`, then `output_dist`.
+
+        Args:
+            ctx (EmbeddingBagCollectionContext): this forward's context.
+            input (KJTList): what `input_dist` delivered.
+
+        Returns:
+            LazyAwaitable[KeyedTensor]: the pooled embeddings of this rank's batch.
+        """
         return self.output_dist(ctx, self.compute(ctx, input))
 
     # --- state ---------------------------------------------------------------------------------------
@@ -247,6 +310,14 @@ class ShardedCNEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                 for name, store in self._stores.items()}
 
     def sharded_parameter_names(self, prefix: str = "") -> Iterator[str]:
+        """The names of the module's parameters (the anchor; the rows are not parameters).
+
+        Args:
+            prefix (str): prepended to each name.
+
+        Returns:
+            Iterator[str]: the names.
+        """
         yield from (key for key, _ in self.named_parameters(prefix))
 
 
@@ -270,10 +341,18 @@ class CNEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
     gathers and scatters cost more CPU than the unpacked sum, and on loopback gloo sending the
     bytes it saves costs less than that (docs/distributed.md and docs/benchmarks.md have the
     measurements). So the
-    default is off; turn it on where the network, not the CPU, is the bottleneck."""
+    default is off; turn it on where the network, not the CPU, is the bottleneck.
 
-    def __init__(self, fused_params: dict[str, Any] | None = None, qcomm_codecs_registry=None, *,
-                 pack_pools: bool = False, **kwargs) -> None:
+    Args:
+        fused_params (dict[str, Any] | None): the fused optimizer's parameters
+            (``optimizer``, ``learning_rate``, ...), as TorchRec's sharders take them.
+        qcomm_codecs_registry (dict | None): TorchRec's quantized-communication codecs.
+        pack_pools (bool): send back only the partial pools of bags with a key on the rank.
+        **kwargs (Any): passed to TorchRec's `EmbeddingBagCollectionSharder`.
+    """
+
+    def __init__(self, fused_params: dict[str, Any] | None = None, qcomm_codecs_registry: dict | None = None, *,
+                 pack_pools: bool = False, **kwargs: Any) -> None:
         super().__init__(fused_params=fused_params, qcomm_codecs_registry=qcomm_codecs_registry, **kwargs)
         register_planner_estimates()  # DMP without a plan asks TorchRec's planner, which needs them
         if not isinstance(pack_pools, bool):
@@ -289,15 +368,39 @@ class CNEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
 
     def shardable_parameters(self, module: CNEmbeddingBagCollection) -> dict[str, nn.Parameter]:
         """One (num_embeddings, dim) meta parameter per table: what TorchRec's planner sizes
-        (num_embeddings is a capacity hint; nothing is allocated)."""
+        (num_embeddings is a capacity hint; nothing is allocated).
+
+        Args:
+            module (CNEmbeddingBagCollection): the collection to shard.
+
+        Returns:
+            dict[str, nn.Parameter]: a meta parameter per table name.
+        """
         return {c.name: nn.Parameter(torch.empty(c.num_embeddings, c.embedding_dim, device="meta"),
                                      requires_grad=False)
                 for c in module.embedding_bag_configs()}
 
     def sharding_types(self, compute_device_type: str) -> list[str]:
+        """The shardings on offer: row-wise only (by key hash over every rank).
+
+        Args:
+            compute_device_type (str): the device type ("cpu").
+
+        Returns:
+            list[str]: ``[ShardingType.ROW_WISE.value]``.
+        """
         return [ROW_WISE]
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
+        """The kernels on offer: ours (`EmbeddingComputeKernel.CUSTOMIZED_KERNEL`).
+
+        Args:
+            sharding_type (str): the plan's sharding type.
+            compute_device_type (str): the device type ("cpu").
+
+        Returns:
+            list[str]: the one kernel.
+        """
         return [KERNEL]
 
     @property

@@ -42,7 +42,18 @@ def mix64(keys: torch.Tensor) -> torch.Tensor:
 
 
 def owner_of(keys: torch.Tensor, world_size: int) -> torch.Tensor:
-    """The rank (int64, in [0, world_size)) that owns each key."""
+    """The rank that owns each key (a hash of the key, the same on every rank and in cncore.routing).
+
+    Args:
+        keys (torch.Tensor): int64 keys, any shape.
+        world_size (int): the ranks, >= 1.
+
+    Returns:
+        torch.Tensor: int64 ranks in [0, world_size), the shape of `keys`.
+
+    >>> owner_of(torch.tensor([5, 5, -1]), 1).tolist()
+    [0, 0, 0]
+    """
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
     if world_size == 1:

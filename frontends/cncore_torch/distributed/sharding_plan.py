@@ -26,7 +26,17 @@ def plan_for(model: nn.Module, world_size: int, *, local_size: int | None = None
 
     `DistributedModelParallel(model, device=torch.device("cpu"), sharders=[CNEmbeddingBagCollectionSharder()],
     plan=plan_for(model, world_size))`. Use it to add TorchRec modules' plans by hand, or when the
-    planner is not wanted (it needs a process group; this does not)."""
+    planner is not wanted (it needs a process group; this does not).
+
+    Args:
+        model (nn.Module): the model holding our collections.
+        world_size (int): the ranks each table spreads over.
+        local_size (int | None): ranks per host (default: world_size).
+        device_type (str): "cpu".
+
+    Returns:
+        ShardingPlan: a module plan per collection path.
+    """
     plan = {}
     for path, module in model.named_modules():
         if isinstance(module, (CNEmbeddingBagCollection, CNEmbeddingCollection)):
