@@ -37,7 +37,16 @@ import torch
 from torch import nn
 
 from cncore.routing import owner_of, parse_shard_name, shard_name
-from cncore.tablefile import chain_head, chain_length, check_path_name, check_shard, load_store, open_table, save_table
+from cncore.tablefile import (
+    TableFile,
+    chain_head,
+    chain_length,
+    check_path_name,
+    check_shard,
+    load_store,
+    open_table,
+    save_table,
+)
 from cncore_torch.state import ENTRIES, FIELDS
 
 __all__ = ["merge_shards", "save_shard_tables", "load_shard_tables", "agree_run_id"]
@@ -200,7 +209,7 @@ def load_shard_tables(module: nn.Module, directory: str, verify: bool = True) ->
         stores[name].evicted_count = count
 
 
-def _check_shard_set(folder: str, n: int, shards: dict[int, str]) -> None:
+def _check_shard_set(folder: str, n: int, shards: dict[int, str]) -> dict[int, TableFile]:
     """The N shard files of one table (`_shard_files`) are of one save: each file's recorded
     place is its name's, and all record one save id, or none does (files written before
     they were recorded: their keys are checked against their rank), one step and one dim

@@ -125,6 +125,9 @@ class CNRwPooledEmbeddingDist(BaseEmbeddingDist[EmbeddingShardingContext, torch.
         world_size, rank = self._pg.size(), self._pg.rank()
         if world_size == 1:
             return NoWait(local_embs)
+        if sharding_ctx is None:
+            raise ValueError("sharding_ctx: the output dist of several ranks needs the input dist's context "
+                             "(its batch size per rank)")
         splits = list(sharding_ctx.batch_size_per_rank)
         mine, dim = splits[rank], local_embs.shape[1]
         routed = getattr(sharding_ctx, "cn_routed", None)
