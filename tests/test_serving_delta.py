@@ -5,6 +5,7 @@ a state machine against a dict of rows for any sequence of deltas."""
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -130,14 +131,19 @@ def test_every_request_sees_one_version_while_deltas_land():
 
     thread = threading.Thread(target=serve)
     thread.start()
+    def wait_for_version(v):
+        """Until a request has answered with version v: each version is served before the next
+        lands, however the two threads are scheduled."""
+        deadline = time.monotonic() + 60
+        while not (seen and seen[-1] == v) and not errors and -1 not in seen:
+            assert time.monotonic() < deadline, f"no request answered with version {v} in 60 s: {seen[-20:]}"
+            threading.Event().wait(0.001)
+
     try:
         for v, delta in enumerate(deltas):
-            while len(seen) < 3 + 3 * v:
-                threading.Event().wait(0.001)
+            wait_for_version(v)
             apply_delta(frozen, delta)
-        count = len(seen)
-        while len(seen) < count + 3:
-            threading.Event().wait(0.001)
+        wait_for_version(len(deltas))
     finally:
         stop.set()
         thread.join(timeout=60)
