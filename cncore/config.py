@@ -419,6 +419,14 @@ class StoreConfig:
     eviction scans the table a few times, so a larger `headroom` pays that scan over more
     inserts, at the price of a table that runs up to `headroom` rows below its budget.
 
+    Fallback rows (``fallback_rows=N``, docs/bounded-tables.md): N shared rows beside the keyed
+    ones, outside the budget and the index. In a pooled lookup, a key without a row of its own
+    (not admitted, overflowed, evicted and not back; in evaluation, unseen) reads the fallback
+    row ``mix64(key) % N``, and in training updates it with its optimizer state, as a table
+    hashed into N rows would; a key that gets a row starts from its fallback row's values
+    (``fallback_copy=True``) or from the initializer. Fallback row j starts as key j's initial
+    row. ``len``, find, read and export see keyed rows only; ``nbytes`` includes them.
+
     Args:
         dim (int): row width, in [1, 65536].
         dtype (str): storage dtype of the rows' values: "float32", "float16" or "bfloat16".
@@ -441,6 +449,10 @@ class StoreConfig:
         storage (Tiered | None): None (every row in memory) or `Tiered(path, cache_bytes)`: rows
             on disk under a bounded memory cache; `cncore.make_store(config)` then builds a
             `cncore.tier.TieredStore`.
+        fallback_rows (int): shared rows for keys without a row of their own (0: none, they
+            read as zeros as before); in [0, 2**56]. Not with ``storage=``.
+        fallback_copy (bool): a key's new row starts as a copy of its fallback row (True) or
+            from the initializer (False); only with fallback_rows.
 
     Example::
 
@@ -461,6 +473,8 @@ class StoreConfig:
     headroom: int | None = None
     admission: Admission | None = None
     storage: Tiered | None = None
+    fallback_rows: int = 0
+    fallback_copy: bool = True
 
     def __post_init__(self):
         if not isinstance(self.dim, int) or isinstance(self.dim, bool) or not 1 <= self.dim <= 65536:
@@ -508,6 +522,23 @@ class StoreConfig:
                     or not 0 <= self.headroom < self.max_rows:
                 raise ValueError(f"headroom must be an int in [0, max_rows), got {self.headroom!r}")
             object.__setattr__(self, "headroom", int(self.headroom))
+        self._check_fallback()
+
+    def _check_fallback(self) -> None:
+        if isinstance(self.fallback_rows, bool) or not isinstance(self.fallback_rows, numbers.Integral) \
+                or not 0 <= self.fallback_rows <= MAX_CAPACITY:
+            raise ValueError(f"fallback_rows must be an int in [0, 2**56], got {self.fallback_rows!r}")
+        object.__setattr__(self, "fallback_rows", int(self.fallback_rows))
+        if not isinstance(self.fallback_copy, bool):
+            raise TypeError(f"fallback_copy must be a bool, got {self.fallback_copy!r}")
+        if not self.fallback_rows:
+            return
+        if self.storage is not None:
+            raise ValueError(f"fallback_rows={self.fallback_rows}: a tiered table (storage={self.storage!r}) has no "
+                             "fallback rows; keep its rows in memory (storage=None) or set fallback_rows=0")
+        if self.admission is not None and self.admission.unadmitted != "zeros":
+            raise ValueError(f"fallback_rows={self.fallback_rows} with admission={self.admission!r}: keys not "
+                             "admitted read their fallback row; leave unadmitted='zeros' (the default)")
 
     @property
     def state_floats(self) -> int:

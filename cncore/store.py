@@ -71,6 +71,7 @@ from cncore.config import (
 from cncore.grouped import LookupContext, as_flag, grouped_apply_gradients, pooled_lookup_one, unique_gradients_one
 from cncore.rows import TableBatch, initial_rows
 from cncore.store_eviction import EvictionVerbs
+from cncore.store_fallback import FallbackVerbs
 
 __all__ = ["EmbeddingStore", "TableBatch", "initial_rows"]
 
@@ -78,8 +79,10 @@ _STORE_IDS = itertools.count()
 
 
 def _restore(config, keys, rows, optimizer_state, counts, last_steps, step, kind=None, evicted_count=0,
-             admission_counters=None):
+             admission_counters=None, fallback=None):
     store = (kind or EmbeddingStore)(config)
+    if fallback is not None:
+        store.load_fallback(*fallback)
     store.reserve(len(keys))
     store.load(keys, rows, optimizer_state if config.state_floats else None, counts, last_steps)
     store.step = step
@@ -89,7 +92,7 @@ def _restore(config, keys, rows, optimizer_state, counts, last_steps, step, kind
     return store
 
 
-class EmbeddingStore(EvictionVerbs):
+class EmbeddingStore(EvictionVerbs, FallbackVerbs):
     """A growable embedding table in memory. See the module docstring for the verbs.
 
     It keeps its rows in memory only: a config with ``storage=`` is refused (TypeError);
@@ -131,7 +134,7 @@ class EmbeddingStore(EvictionVerbs):
                                                                                             MinCount)
               else (0, 0, 0, adm is not None and adm.unadmitted == "initial")), ROW_DTYPES[config.dtype],
             adm.threshold if isinstance(adm, Probability) else 0, config.seed,
-            ev.halve_shift if isinstance(ev, LFU) else -1)
+            ev.halve_shift if isinstance(ev, LFU) else -1, config.fallback_rows, config.fallback_copy)
         self._evict_callbacks: list[Callable] = []
         # For incremental saves (cncore.tablefile): which store a checkpoint is of, and how many
         # calls wrote rows without recording a step (a delta cannot see those rows).
@@ -199,7 +202,7 @@ class EmbeddingStore(EvictionVerbs):
         batch = self.export()
         return (_restore, (self._config, batch.keys, batch.rows, batch.optimizer_state, batch.counts,
                            batch.last_steps, self.step, type(self), self.evicted_count,
-                           self._table.admission_counters))
+                           self._table.admission_counters, self.export_fallback() if self.fallback_rows else None))
 
     # --- key verbs -------------------------------------------------------------------------
 

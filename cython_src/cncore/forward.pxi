@@ -132,6 +132,8 @@ def grouped_forward(list tables, list keys, list offsets, list weights, list mod
                     else:
                         rc = cn_table_resolve(ut.t, ut.keys, ut.n, ut.slots, NULL, insert_missing, insert_missing,
                                               ut.want, &ut.ev, &ut.n_new)
+                        if rc == CN_OK:
+                            cn_table_use_fallback(ut.t, ut.keys, ut.n, ut.slots)
                     if rc == CN_OK:
                         for f in range(F):
                             ft = &feats[f]

@@ -74,10 +74,12 @@ cdef class Table:
                   float p0, float p1, float p2, float p3, double max_load, int64_t capacity_hint,
                   int policy=0, int64_t max_rows=0, int64_t low_water=0, int64_t ttl=0, uint32_t min_count=0,
                   int64_t sketch_width=0, int64_t sketch_depth=0, bint absent_initial=False, int row_dtype=0,
-                  uint64_t admit_threshold=0, uint64_t admit_seed=0, int lfu_halve_shift=-1):
+                  uint64_t admit_threshold=0, uint64_t admit_seed=0, int lfu_halve_shift=-1,
+                  int64_t fallback_rows=0, bint fallback_copy=True):
         cdef cn_init init = _make_init(init_kind, seed, p0, p1, p2, p3)
         cdef cn_bound bound
         cdef int rc
+        memset(&bound, 0, sizeof(bound))
         bound.policy = policy
         bound.max_rows = max_rows
         bound.low_water = low_water
@@ -89,6 +91,8 @@ cdef class Table:
         bound.absent_initial = absent_initial
         bound.admit_threshold = admit_threshold
         bound.admit_seed = admit_seed
+        bound.fallback_rows = fallback_rows
+        bound.fallback_copy = fallback_copy
         self.alive = False
         self.evict_sink = None
         with nogil:
@@ -108,6 +112,41 @@ cdef class Table:
     @property
     def size(self):
         return self.t.index.size
+
+    @property
+    def fallback_rows(self):
+        return self.t.bound.fallback_rows
+
+    def read_fallback(self, weight_t[:, ::1] rows, weight_t[:, ::1] state):
+        """Copy the fallback rows (slots [0, N), cn_table_core.h) and their optimizer state into
+        rows (N, dim) and state (N, state_floats)."""
+        cdef int64_t n = self.t.bound.fallback_rows
+        _check_len(rows, n, self.t.dim, "rows")
+        _check_len(state, n, self.t.state_floats, "optimizer_state")
+        if n == 0:
+            return
+        slots_arr = np.arange(n, dtype=np.int64)
+        cdef slot_t[::1] slots = slots_arr
+        with nogil:
+            _rdlock(self)
+            cn_table_gather(&self.t, &slots[0], n, &rows[0, 0], &state[0, 0] if self.t.state_floats else NULL,
+                            NULL, NULL)
+            _unlock(self)
+
+    def write_fallback(self, const weight_t[:, ::1] rows, const weight_t[:, ::1] state):
+        """Overwrite the fallback rows and their optimizer state (shapes as read_fallback's)."""
+        cdef int64_t n = self.t.bound.fallback_rows
+        _check_len(rows, n, self.t.dim, "rows")
+        _check_len(state, n, self.t.state_floats, "optimizer_state")
+        if n == 0:
+            return
+        slots_arr = np.arange(n, dtype=np.int64)
+        cdef slot_t[::1] slots = slots_arr
+        with nogil:
+            _wrlock(self)
+            cn_table_write_rows(&self.t, &slots[0], n, &rows[0, 0], self.t.dim,
+                                &state[0, 0] if self.t.state_floats else NULL, self.t.state_floats)
+            _unlock(self)
 
     @property
     def capacity(self):

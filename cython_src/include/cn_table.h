@@ -95,6 +95,14 @@ static inline int cn_table_resolve(cn_table *t, const int64_t *keys, int64_t n, 
     return rc;
 }
 
+/* A pooled lookup's keys without a row of their own (slots < 0 after cn_table_resolve) take
+ * their fallback rows (cn_table_core.h, Fallback Rows); nothing changes without them. */
+static inline void cn_table_use_fallback(const cn_table *t, const int64_t *keys, int64_t n, int64_t *slots) {
+    if (t->bound.fallback_rows <= 0) return;
+    for (int64_t i = 0; i < n; i++)
+        if (slots[i] < 0) slots[i] = cn_table_fallback_slot(t, keys[i]);
+}
+
 /* Pool one feature's bags over slots resolved by cn_table_resolve; slots < 0 read as zero
  * rows, or as the key's initial row with the bound's absent_initial. Access counts are recorded by the backward (cn_grad.h), once per distinct row, not
  * here once per key. */
@@ -138,6 +146,7 @@ static inline void cn_table_clear(cn_table *t) {
     memset(t->index.buckets, 0xff, (size_t)t->index.n_buckets * sizeof(cn_bucket));
     t->index.size = 0;
     cn_arena_reset(&t->arena);
+    cn_table_reset_fallback(t); /* the fallback rows start over too, at their initial values */
     t->erase_epoch = cn_next_stamp();
     t->version = cn_next_stamp();
 }

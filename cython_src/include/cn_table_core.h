@@ -34,7 +34,10 @@ enum { CN_OK = 0, CN_ENOMEM = -1, CN_ESTALE = -2, CN_EBADSLOT = -3, CN_EFULL = -
  * arena keeps keys and live bits, and with max_rows > 0 inserts evict down to low_water when
  * they would pass max_rows. Admission (cn_admit.h): min_count > 0 gates training inserts by
  * count, admit_threshold > 0 by a per-(seed, key) draw;
- * absent_initial: keys without a row read as their initial row in pooled lookups. */
+ * absent_initial: keys without a row read as their initial row in pooled lookups.
+ * fallback_rows > 0 (Fallback Rows, below): that many shared rows outside the index, read and
+ * trained by pooled lookups of keys without a row of their own; fallback_copy: a key's new row
+ * starts as a copy of its fallback row's values rather than its initial row. */
 typedef struct {
     int policy;
     int64_t max_rows;
@@ -47,6 +50,8 @@ typedef struct {
     int absent_initial;
     uint64_t admit_threshold; /* admission by probability (cn_admit.h, cn_admit_draw): 0 = off */
     uint64_t admit_seed;
+    int64_t fallback_rows;
+    int fallback_copy;
 } cn_bound;
 
 /* Rows a call evicted, copied out before their slots were reused (malloc'd; the caller frees
@@ -98,6 +103,8 @@ typedef struct {
     pthread_rwlock_t lock;
 } cn_table;
 
+static inline void cn_table_reset_fallback(cn_table *t); /* Fallback Rows, below */
+
 static inline int cn_table_create(cn_table *t, int64_t dim, int optimizer_kind, float state_init,
                                   cn_init init, double max_load, int64_t capacity_hint, cn_bound bound,
                                   int row_dtype) {
@@ -113,19 +120,22 @@ static inline int cn_table_create(cn_table *t, int64_t dim, int optimizer_kind, 
     t->max_load = max_load;
     t->erase_epoch = cn_next_stamp();
     t->version = cn_next_stamp();
-    if (capacity_hint < 0 || capacity_hint > CN_INDEX_MAX_BUCKETS ||
-        (double)capacity_hint * (4.0 * (double)(t->emb_floats + t->state_floats) + 16.0 + 16.0 / max_load) >
+    if (capacity_hint < 0 || capacity_hint > CN_INDEX_MAX_BUCKETS || bound.fallback_rows < 0 ||
+        bound.fallback_rows > CN_INDEX_MAX_BUCKETS ||
+        (double)capacity_hint * (4.0 * (double)(t->emb_floats + t->state_floats) + 16.0 + 16.0 / max_load) +
+                (double)bound.fallback_rows * (4.0 * (double)(t->emb_floats + t->state_floats) + 16.0) >
             cn_machine_bytes())
         return CN_ENOMEM;
     cn_arena_init(&t->arena, t->emb_floats + (t->state_in_meta ? 0 : t->state_floats), t->state_in_meta, capacity_hint,
                   bound.policy != CN_EVICT_NONE);
     if (cn_index_init(&t->index, cn_index_buckets_for(capacity_hint, max_load), &t->nbytes) != 0) return CN_ENOMEM;
-    if (cn_arena_reserve(&t->arena, capacity_hint, &t->nbytes) != 0 ||
+    if (cn_arena_reserve(&t->arena, capacity_hint + bound.fallback_rows, &t->nbytes) != 0 ||
         cn_admit_init(&t->admit, bound.min_count, bound.sketch_width, bound.sketch_depth, &t->nbytes) != 0) {
         cn_arena_free(&t->arena, &t->nbytes);
         cn_index_free(&t->index, &t->nbytes);
         return CN_ENOMEM;
     }
+    cn_table_reset_fallback(t);
     pthread_rwlock_init(&t->lock, NULL);
     return CN_OK;
 }
@@ -182,7 +192,8 @@ static inline float *cn_table_state(const cn_table *t, int64_t slot) {
                             : cn_arena_row(&t->arena, slot) + t->emb_floats;
 }
 
-static inline void cn_table_init_row(const cn_table *t, int64_t slot, int64_t key) {
+/* A row's values drawn by the initialiser for `key` (its metadata and state are left alone). */
+static inline void cn_table_draw_row(const cn_table *t, int64_t slot, int64_t key) {
     float *row = cn_arena_row(&t->arena, slot);
     if (t->row_dtype == CN_ROW_F32) {
         cn_init_row(&t->init, key, row, t->dim);
@@ -197,11 +208,52 @@ static inline void cn_table_init_row(const cn_table *t, int64_t slot, int64_t ke
             if (tmp != buf) free(tmp);
         }
     }
+}
+
+static inline void cn_table_fresh_meta(const cn_table *t, int64_t slot) {
     cn_meta *m = cn_arena_meta(&t->arena, slot);
     m->count = 0;
     m->last_step = 0;
     float *st = cn_table_state(t, slot);
     for (int64_t j = 0; j < t->state_floats; j++) st[j] = t->state_init;
+}
+
+/* Fallback Rows
+ *
+ * A table with bound.fallback_rows = N > 0 keeps N shared rows in slots [0, N) of its arena,
+ * taken at creation (and again by clear), never in the index: no key owns them, eviction never
+ * picks them (their live bit stays clear), size counts only keyed rows and the arena's bytes
+ * include them. A pooled lookup gives every key without a row of its own (not admitted,
+ * overflowed, evicted and not back, or unseen in evaluation) the slot
+ * cn_hash_key(key) mod N, so the pooled read, the backward and the fused optimizer update
+ * treat it as any row: keys that share a fallback row share its value, its gradient sum and its
+ * optimizer state, as a table hashed into N rows does. Fallback row j starts as the initial
+ * row of key j. With fallback_copy, a key's new row starts with its fallback row's values
+ * (what the key has been reading) and fresh optimizer state; without it, from the initialiser.
+ * The explicit verbs (find, read, assign, export) see keyed rows only. */
+static inline int64_t cn_table_fallback_slot(const cn_table *t, int64_t key) {
+    return (int64_t)(cn_hash_key(key) % (uint64_t)t->bound.fallback_rows);
+}
+
+/* Slots [0, N) become the fallback rows, at their initial values (the arena has room for them
+ * and holds no other row: creation, clear). */
+static inline void cn_table_reset_fallback(cn_table *t) {
+    const int64_t n = t->bound.fallback_rows;
+    if (n <= 0) return;
+    t->arena.high_water = n;
+    for (int64_t j = 0; j < n; j++) {
+        cn_table_draw_row(t, j, j);
+        cn_table_fresh_meta(t, j);
+    }
+}
+
+static inline void cn_table_init_row(const cn_table *t, int64_t slot, int64_t key) {
+    if (t->bound.fallback_rows > 0 && t->bound.fallback_copy)
+        memcpy(cn_arena_row(&t->arena, slot), cn_arena_row(&t->arena, cn_table_fallback_slot(t, key)),
+               (size_t)t->emb_floats * sizeof(float));
+    else
+        cn_table_draw_row(t, slot, key);
+    cn_table_fresh_meta(t, slot);
 }
 
 /* Keys (of a find) or keys + bags (of a pool) under which a lookup does not wake sleeping
