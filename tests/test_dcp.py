@@ -332,27 +332,6 @@ def test_single_modules_round_trip_in_one_process(tmp_path):
     torch.testing.assert_close(fresh["emb"](ids[:10]), model["emb"](ids[:10]), rtol=0, atol=0)
 
 
-def test_the_default_planner_refuses_a_table_it_cannot_size(tmp_path):
-    """Without CNLoadPlanner DCP cannot size a fresh table: it refuses (DCP's own size check, or
-    ours naming the planner when the sizes happen to agree); the table is unchanged."""
-    import torch.distributed.checkpoint as dcp
-
-    import cncore
-    from cncore_torch import CNEmbeddingBagCollection
-    model = CNEmbeddingBagCollection(_bag_configs("o"), optimizer=cncore.SGD(lr=0.1))
-    model.stores["o_a"].find_or_insert(np.array([1, 2, 3]))
-    dcp.save({"model": model.state_dict()}, checkpoint_id=str(tmp_path), no_dist=True)
-    fresh = CNEmbeddingBagCollection(_bag_configs("o"), optimizer=cncore.SGD(lr=0.1))
-    with pytest.raises(CheckpointException, match=r"Size mismatch between saved torch.Size\(\[3\]\) and current: "
-                                        r"torch.Size\(\[0\]\) for model.tables.o_a.keys"):
-        dcp.load({"model": fresh.state_dict()}, checkpoint_id=str(tmp_path), no_dist=True)
-    fresh.stores["o_a"].find_or_insert(np.array([5, 6, 7]))  # same row count: our own refusal
-    with pytest.raises(CheckpointException, match=r"load with torch.distributed.checkpoint.load\(..., "
-                                        r"planner=cncore_torch.dcp.CNLoadPlanner\(\)\)"):
-        dcp.load({"model": fresh.state_dict()}, checkpoint_id=str(tmp_path), no_dist=True)
-    assert sorted(fresh.stores["o_a"].export().keys.tolist()) == [5, 6, 7]
-
-
 def test_table_entries_are_plain_tensors_to_everything_but_dcp(tmp_path):
     """torch.save, weights_only torch.load, deepcopy and arithmetic see plain tensors."""
     import copy
@@ -419,54 +398,6 @@ def test_a_plain_collections_checkpoint_loads_into_two_ranks(tmp_path):
         saved[name]["step"] = store.step
     assert min(len(s["keys"]) for s in saved.values()) > 0
     spawn(_plain_into_ranks, 2, str(tmp_path / "ckpt"), saved, timeout=TIMEOUT)
-
-
-def _async_ranks(rank, world_size, path):
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
-    from torchrec import KeyedJaggedTensor
-    from torchrec.distributed.model_parallel import DistributedModelParallel
-
-    from cncore_torch.dcp import CNLoadPlanner, CNStager
-    from cncore_torch.distributed import CNEmbeddingBagCollectionSharder
-
-    def build():
-        return DistributedModelParallel(_plain_collection("meta"), device=torch.device("cpu"),
-                                        sharders=[CNEmbeddingBagCollectionSharder()])
-    dmp = build()
-    n = 4 + 3 * rank  # unequal batches
-    kjt = KeyedJaggedTensor.from_lengths_sync(["f1", "f2", "f3"], torch.arange(9 * n) * 3 + rank,
-                                              torch.tensor([3] * (3 * n)))
-    dmp(kjt).values().sum().backward()
-    saved = {name: store.export() for name, store in dmp.module.stores.items()}
-    stager = CNStager()
-    dcp.async_save({"model": dmp.state_dict()}, checkpoint_id=path, async_stager=stager).result()
-    stager.close()
-    dist.barrier()
-    counts = [None] * world_size
-    dist.all_gather_object(counts, {name: len(e.keys) for name, e in saved.items()})
-    metadata = FileSystemReader(path).read_metadata().state_dict_metadata
-    for name in saved:
-        md = metadata[f"model.tables.{name}.rows"]
-        assert sorted(c.sizes[0] for c in md.chunks) == sorted(c[name] for c in counts)
-    fresh = build()
-    state = {"model": fresh.state_dict()}
-    dcp.load(state, checkpoint_id=path, planner=CNLoadPlanner())
-    fresh.load_state_dict(state["model"])
-    for name, e in saved.items():
-        got = fresh.module.stores[name].export()
-        order, want = np.argsort(got.keys), np.argsort(e.keys)
-        for f in FIELDS:
-            np.testing.assert_array_equal(np.asarray(getattr(got, f))[order], np.asarray(getattr(e, f))[want])
-
-
-@pytest.mark.slow
-def test_async_save_with_cn_stager_keeps_every_shard(tmp_path):
-    """async_save's default stager copies the entries into plain tensors (one rank's would be
-    kept); CNStager keeps them table entries: both ranks' rows are saved and load back."""
-    from cncore_torch.distributed.launch import spawn
-    spawn(_async_ranks, 2, str(tmp_path / "ckpt"), timeout=TIMEOUT)
 
 
 class _Mixed(torch.nn.Module):

@@ -18,13 +18,16 @@ DTensor implements too):
 The row counts come from one all-gather per table while DCP plans the save (`dcp.save` is a
 collective; `state_dict()` itself stays local). DCP's own checks then see the shards cover
 each global tensor, and its metadata records every rank's chunk. `dcp.async_save` copies the
-state_dict into plain tensors first unless its stager is `CNStager`, which keeps the entries.
+state_dict first (its stager); the copies are entries in the same place (`TableEntry`), with the
+default stager, a `DefaultStager` of any options, a `FileSystemWriter` staging itself, and in
+the checkpoint process (`AsyncCheckpointerType.PROCESS`, which gathers the counts over its own
+default group).
 
 Loading
 -------
 A fresh model does not know how many rows a checkpoint holds, and DCP loads into tensors of
-the saved size. `CNLoadPlanner` (pass it to `dcp.load`) reads the sizes from the checkpoint's
-metadata, refuses a checkpoint whose chunks leave rows out, and loads each table whole (every
+the saved size. `CNLoadPlanner` (pass it to `dcp.load`; DCP's default planner is refused, naming
+it, before anything is read) reads the sizes from the checkpoint's metadata, refuses a checkpoint whose chunks leave rows out, and loads each table whole (every
 saved rank's rows, and the per-rank fields stacked). `load_state_dict` then keeps the rows each
 rank owns at its world size (`ungather`), as it does for `merge_shards`' whole tables, so a
 checkpoint written by N ranks loads into M.
@@ -51,13 +54,15 @@ checkpoint written by N ranks loads into M.
 from __future__ import annotations
 
 import copy
+import sys
+import warnings
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, create_default_local_load_plan
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
@@ -103,18 +108,42 @@ class ShardLayout:
     def __deepcopy__(self, memo) -> ShardLayout:
         return self  # holds a process group, which is not copied; the counts are the same
 
+    def __reduce__(self):
+        # Pickled for the process `async_save(async_checkpointer_type=PROCESS)` saves from: it
+        # has one process group, the default one over the same ranks, and gathers the counts there.
+        if self.world_size > 1 and self.group is not None and self.group is not dist.group.WORLD:
+            raise ValueError(f"a table sharded over a process group of its own ({self.world_size} ranks, not the "
+                             f"default group) cannot be saved from async_save's checkpoint process, which only has "
+                             f"the default group; use async_save(..., async_checkpointer_type="
+                             f"AsyncCheckpointerType.THREAD) (the default) or dcp.save")
+        return _layout_in_process, (self.rows, self.rank, self.world_size, self._counts)
+
+
+def _layout_in_process(rows: int, rank: int, world_size: int, counts: list[int] | None) -> ShardLayout:
+    layout = ShardLayout(rows, rank, world_size)
+    layout._counts = counts
+    return layout
+
 
 class TableEntry(torch.Tensor):
-    """A plain tensor (every operation returns a `torch.Tensor`, pickling writes one) that DCP
-    writes as rank `layout.rank`'s part of a global tensor (see the module docstring).
+    """A plain tensor (operations return a `torch.Tensor`, pickling writes one) that DCP writes
+    as rank `layout.rank`'s part of a global tensor (see the module docstring). The copies a
+    checkpoint stager makes stay entries: `new_empty`, `empty_like`, `zeros_like`, `clone`,
+    `detach`, `to`, `cpu`, `contiguous`, `pin_memory` return one with the same place, and
+    `dest.copy_(entry)` makes `dest` one (so `async_save`'s stagers, which copy the state_dict
+    into CPU buffers, keep every rank's rows).
 
     Args:
         data (Tensor): this rank's entry; shared, not copied.
         layout (ShardLayout): where the rank's rows sit.
         per_rank (bool): one value per rank (step, evicted_count, shard) rather than rows.
+
+    Example::
+
+        entry = TableEntry(torch.zeros(3, 4), ShardLayout(3))
+        assert type(entry * 2) is torch.Tensor and isinstance(entry.clone(), TableEntry)
     """
 
-    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
     cn_layout: ShardLayout
     cn_per_rank: bool
 
@@ -123,6 +152,23 @@ class TableEntry(torch.Tensor):
         entry = torch.Tensor._make_subclass(cls, data, False)
         entry.cn_layout, entry.cn_per_rank = layout, per_rank
         return entry
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is _SIZE:
+            caller = sys._getframe(1)
+            if caller.f_code is _DEFAULT_LOAD_PLAN:
+                # DCP's default load planner sizes the load by the fresh table's entries, before it reads
+                raise ValueError(f"{caller.f_locals.get('fqn')}: {_NEEDS_PLANNER}")
+        if func is _COPY and len(args) > 1 and isinstance(args[1], TableEntry) \
+                and type(args[0]) in (torch.Tensor, TableEntry):
+            return _copy_into(args[0], args[1], kwargs)
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **kwargs)
+        if func in _COPIES and isinstance(out, torch.Tensor) and isinstance(args[0], TableEntry):
+            return TableEntry(out, args[0].cn_layout, args[0].cn_per_rank)
+        return out
 
     def __reduce_ex__(self, protocol):
         return torch.Tensor(self.as_subclass(torch.Tensor)).__reduce_ex__(protocol)
@@ -158,15 +204,53 @@ class TableEntry(torch.Tensor):
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
         # TypeError: DCP turns a ValueError from here into its own message, which loses the fix
-        raise TypeError("a dynamic table's entries load with torch.distributed.checkpoint.load(..., "
-                         "planner=cncore_torch.dcp.CNLoadPlanner()): a fresh table does not know the "
-                         "checkpoint's row count")
+        raise TypeError(_NEEDS_PLANNER)
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
         place = self._place()
         if place is None or index.offset != place[1]:
             raise ValueError(f"{index.fqn}: this rank holds no chunk at {index.offset}")
         return place[2]
+
+
+_SIZE = torch.Tensor.size
+_COPY = torch.Tensor.copy_
+_DEFAULT_LOAD_PLAN = create_default_local_load_plan.__code__
+# The operations a stager copies an entry with: their result is the entry's copy, in the same place.
+_COPIES = frozenset({torch.Tensor.new_empty, torch.empty_like, torch.zeros_like, torch.Tensor.clone, torch.clone,
+                     torch.Tensor.detach, torch.detach, torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.contiguous,
+                     torch.Tensor.pin_memory})
+_NEEDS_PLANNER = ("a dynamic table's entries load with torch.distributed.checkpoint.load(..., "
+                  "planner=cncore_torch.dcp.CNLoadPlanner()): a fresh table does not know the checkpoint's row "
+                  "count; nothing was loaded")
+
+
+def _copy_into(dest: torch.Tensor, entry: TableEntry, kwargs: dict) -> TableEntry:
+    """`dest.copy_(entry)`, and `dest` becomes an entry in the same place: a stager's CPU buffer
+    then saves as this rank's part of the table, not as a replica."""
+    if dest.shape != entry.shape:
+        raise ValueError(f"copying a dynamic table's entry of shape {tuple(entry.shape)} into a buffer of shape "
+                         f"{tuple(dest.shape)}: the table's row count is not the buffer's (a stager that caches its "
+                         f"buffers, e.g. BlockingAsyncStager(cache_staged_state_dict=True), holds an earlier save's "
+                         f"row count); stage without a cache, e.g. with async_save's default stager")
+    with torch._C.DisableTorchFunctionSubclass():
+        dest.copy_(entry, **kwargs)
+    dest.__class__ = TableEntry
+    dest.cn_layout, dest.cn_per_rank = entry.cn_layout, entry.cn_per_rank  # type: ignore[attr-defined]
+    return dest  # type: ignore[return-value]
+
+
+def _rebuild_entry(data: torch.Tensor, layout: ShardLayout, per_rank: bool) -> TableEntry:
+    return TableEntry(data, layout, per_rank)
+
+
+def _reduce_for_process(entry: TableEntry):
+    return _rebuild_entry, (entry.as_subclass(torch.Tensor), entry.cn_layout, entry.cn_per_rank)
+
+
+# Sent to async_save's checkpoint process (AsyncCheckpointerType.PROCESS) as an entry, where
+# torch.save and pickle write a plain tensor.
+ForkingPickler.register(TableEntry, _reduce_for_process)
 
 
 def check_chunks(fqn: str, md: TensorStorageMetadata) -> None:
@@ -268,9 +352,9 @@ class CNLoadPlanner(DefaultLoadPlanner):
 
 
 class CNStager(DefaultStager):
-    """DCP's default stager for `dcp.async_save`, keeping the table entries `TableEntry`s: the
-    default one copies every tensor into a plain one, and DCP then takes the ranks' shards for
-    replicas and keeps one. Pass it to every `async_save` of a model holding dynamic tables.
+    """Deprecated: `dcp.async_save`'s own stagers keep the table entries now (see `TableEntry`),
+    so pass no `async_stager`. This is DCP's `DefaultStager` with the options `async_save` gives
+    its own, and warns (FutureWarning) when made.
 
     Args:
         config (StagingOptions | None): as DefaultStager's; None: what `async_save` gives its own
@@ -278,22 +362,14 @@ class CNStager(DefaultStager):
 
     Example::
 
-        stager = CNStager()
-        dcp.async_save({"model": model.state_dict()}, checkpoint_id=path, async_stager=stager).result()
-        stager.close()
+        dcp.async_save({"model": model.state_dict()}, checkpoint_id=path).result()  # instead
     """
 
     def __init__(self, config: StagingOptions | None = None) -> None:
+        warnings.warn("cncore_torch.dcp.CNStager is deprecated: torch.distributed.checkpoint.async_save's own "
+                      "stager keeps every rank's rows of a dynamic table; pass no async_stager",
+                      FutureWarning, stacklevel=2)
         super().__init__(config if config is not None else StagingOptions(False, False, False, False))
-
-    def _stage(self, state_dict: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
-        staged = super()._stage(state_dict, **kwargs)
-        flat, mappings = flatten_state_dict(state_dict)
-        flat_staged, _ = flatten_state_dict(staged)
-        for fqn, value in flat.items():
-            if isinstance(value, TableEntry):
-                set_element(staged, mappings[fqn], TableEntry(flat_staged[fqn], value.cn_layout, value.cn_per_rank))
-        return staged
 
 
 def ungather(state_dict, prefix: str, place: tuple[int, int]) -> tuple[dict, list[str]]:
