@@ -109,10 +109,12 @@ def openmp_wait() -> str:
 
 class Flush:
     """A buffer `factor` times the last-level cache; calling it reads and writes every line, so
-    the next timed call starts with none of the previous call's rows in any cache."""
+    the next timed call starts with none of the previous call's rows in any cache. `nbytes`, when
+    given, sets the size instead: the scripts' smoke runs (--quick) use a small one, as they check
+    that every cell prints, not what it measures."""
 
-    def __init__(self, factor: int = 2):
-        self.buf = np.zeros(factor * llc_bytes() // 8, np.float64)
+    def __init__(self, factor: int = 2, nbytes: int | None = None):
+        self.buf = np.zeros((nbytes if nbytes is not None else factor * llc_bytes()) // 8, np.float64)
 
     def __call__(self) -> None:
         self.buf += 1.0

@@ -146,6 +146,11 @@ def check_same_rows(fns: dict, pooling: int) -> None:
                              "the contenders do not hold the same rows")
 
 
+# The smoke run's cache flush and bandwidth buffer (x4): it checks that every cell prints, so it need
+# not evict a large LLC.
+SMOKE_BYTES = 16 << 20
+
+
 def measure(tables: Tables, dist: str, pooling: int, batch: int, rounds: int, flush, gen) -> dict:
     """Median seconds per forward of each contender over `rounds` rounds (after two warm-ups)."""
     import torch
@@ -213,7 +218,7 @@ def main(argv=None) -> int:
         cncore.set_num_threads(args.threads)
     threads = max(torch.get_num_threads(), cncore.get_num_threads())
     names = [n for n in CONTENDERS if n in args.contenders]
-    flush = machine.Flush(2)
+    flush = machine.Flush(2, nbytes=SMOKE_BYTES if args.quick else None)
     gen = np.random.default_rng(1)
     print(f"# Pooled forward, tables beyond the cache: {machine.describe()}")
     print(f"# threads: torch {torch.get_num_threads()}, cncore {cncore.get_num_threads()}"
@@ -232,7 +237,8 @@ def main(argv=None) -> int:
             fp32_bytes = rows_here * dim * 4
             load = machine.background_load() if args.background_load else contextlib.nullcontext()
             with load:
-                bandwidth = max(machine.read_bandwidth(threads=t) for t in {1, threads})
+                bandwidth = max(machine.read_bandwidth(SMOKE_BYTES * 4 if args.quick else None, threads=t)
+                                for t in {1, threads})
                 print(f"# {rows_here:,} rows x dim {dim}: float32 table {fp32_bytes / 2**30:.2f} GiB = "
                       f"{fp32_bytes / machine.llc_bytes():.1f}x the LLC"
                       f"{' (scaled down to fit half the available memory)' if rows_here != int(rows) else ''}; "

@@ -210,6 +210,10 @@ def check_same_rows(fns: dict, pooling: int, trained: bool) -> None:
             raise SystemExit(f"{name}: output differs from {ref}'s by {err:.3g}: not the same rows")
 
 
+# The smoke run's cache flush: it checks that every cell prints, so it need not evict a large LLC.
+SMOKE_FLUSH_BYTES = 16 << 20
+
+
 def measure(c: Contenders, dist: str, pooling: int, batch: int, rounds: int, flush, gen, gather, threads):
     """Median seconds of each contender (and of the steps' forward and backward parts)."""
     samples: dict[str, list[float]] = {}
@@ -262,7 +266,7 @@ def run(args) -> int:
         cncore.set_num_threads(args.threads)
     threads = max(torch.get_num_threads(), cncore.get_num_threads())
     gather = gather_kernel()
-    flush = machine.Flush(2)
+    flush = machine.Flush(2, nbytes=SMOKE_FLUSH_BYTES if args.quick else None)
     gen = np.random.default_rng(1)
     thp = os.environ.get("THP_MEM_ALLOC_ENABLE") == "1"
     print(f"# Training step and forward, tables beyond the cache: {machine.describe()}")
