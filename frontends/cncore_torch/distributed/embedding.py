@@ -44,6 +44,7 @@ from cncore_torch.distributed.embedding_sharding import (
 from cncore_torch.distributed.planner import KERNEL, ROW_WISE, check_plan, register_planner_estimates
 from cncore_torch.distributed.routing import owner_of
 from cncore_torch.distributed.rw_sharding import SplitAllToAll
+from cncore_torch.distributed.vbe import expand_variable_batch
 from cncore_torch.functional import unpooled_lookup
 from cncore_torch.optim import keyed_fused_optimizer
 from cncore_torch.state import load_tables, save_store
@@ -140,18 +141,26 @@ class ShardedCNEmbeddingCollection(ShardedEmbeddingCollection):
 
         Args:
             ctx (EmbeddingCollectionContext): this forward's context.
-            features (KeyedJaggedTensor): the rank's batch.
+            features (KeyedJaggedTensor): the rank's batch. With a batch size per key and
+                `inverse_indices`, sample b of feature f is its bag `inverse_indices[f, b]` (every
+                feature's JaggedTensor then has B bags, as TorchRec's sharded EC gives them); without
+                `inverse_indices`, each feature keeps its own bags (as the unsharded collection).
 
         Returns:
             Awaitable[Awaitable[Any]]: the IDs this rank owns, from every rank, with their tables.
         """
-        check_features(features, self._features, False)
+        check_features(features, self._features, False, variable_batch=True)
         with torch.no_grad():
+            if features.variable_stride_per_key() and features.inverse_indices_or_none() is not None:
+                # each sample's bag of every feature, as one batch (TorchRec's sharded EC expands too)
+                features, _ = expand_variable_batch(features, self._features, type(self).__name__)
             keys = features.keys()
             order = [keys.index(f) for f in self._features]
             if order != list(range(len(keys))):
                 features = features.permute(order)
             values = features.values().to(torch.int64)
+            strides = ([int(s) for s in features.stride_per_key()] if features.variable_stride_per_key()
+                       else [features.stride()] * len(self._features))
             per_feature = features.length_per_key()
             table = torch.repeat_interleave(torch.tensor(self._feature_table, dtype=torch.int64),
                                             torch.tensor(per_feature, dtype=torch.int64), output_size=values.numel())
@@ -161,7 +170,7 @@ class ShardedCNEmbeddingCollection(ShardedEmbeddingCollection):
             recv = self._exchange(send, [1] * self._world_size, [1] * self._world_size)
             send_splits, recv_splits = send.tolist(), recv.tolist()
             ctx.cn = {"sort": sort, "send": send_splits, "recv": recv_splits, "per_feature": per_feature,
-                      "lengths": features.lengths().view(len(self._features), -1)}
+                      "lengths": torch.split(features.lengths(), strides)}
             routed = (self._exchange(values[sort], recv_splits, send_splits),
                       self._exchange(table[sort], recv_splits, send_splits))
             return NoWait(NoWait(routed))

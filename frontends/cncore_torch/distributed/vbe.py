@@ -1,4 +1,4 @@
-"""A KJT with a batch size per key (TorchRec's "VBE") in the sharded pooled collection.
+"""A KJT with a batch size per key (TorchRec's "VBE") in the sharded collections.
 
 Sample b of feature f is pooled from its bag `inverse_indices[f, b]` (as TorchRec's
 `EmbeddingBagCollection` expands them, see `cncore_torch.variable_batch`). The sharded module
@@ -6,7 +6,10 @@ expands the KJT before routing: bag (f, b) of a one-batch KJT holds the IDs (and
 bag `inverse_indices[f, b]`, so the routing, the lookup, the output dist and MEAN's bag lengths
 are those of an ordinary batch of B samples. The pools of samples sharing a bag are the same
 pool; their gradients reach the bag's rows (the core adds a key's gradients within a step) and
-its weights (each expanded weight's gradient is added at its original position).
+its weights (each expanded weight's gradient is added at its original position). The sharded
+unpooled collection expands the same way: each feature's JaggedTensor has B bags, bag b holding
+the rows of bag `inverse_indices[f, b]`, as TorchRec's `ShardedEmbeddingCollection` reindexes
+them (`torchrec.modules.utils._vbe_reindex`).
 """
 from __future__ import annotations
 

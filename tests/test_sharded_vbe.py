@@ -1,0 +1,153 @@
+"""The sharded collections at TorchRec's seams over 2 gloo processes, in one spawned run:
+KJTs with a batch size per key (VBE) in the sharded unpooled collection.
+
+Unpooled VBE: each rank feeds its own KJT (batch sizes per key differ between ranks and keys,
+keys in another order than the tables', IDs owned by both ranks) to DMP with our sharder, and
+the same KJT to TorchRec's own sharded EmbeddingCollection (DMP, row-wise) holding our initial
+rows. Each feature's JaggedTensor equals TorchRec's sharded EC's (lengths and rows: sample b of
+feature f is bag inverse_indices[f, b]) and TorchRec's unsharded EC's output on the same KJT,
+indexed by inverse_indices. After each SGD step (lr 1) the rows each rank owns equal the
+unsharded EC's rows moved by the gradient of both ranks' samples (TorchRec's sharded EC is no
+reference for the rows on CPU: its VBE reindex, fbgemm's permute_1D_sparse_data, has no CPU
+autograd kernel, so no gradient reaches its rows). Without inverse_indices each feature keeps its
+own bags, as the unsharded collections return them.
+"""
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("torchrec")
+
+TIMEOUT = 240.0
+ROWS = 40
+KEYS = ["f3", "f1", "f2"]                 # not the tables' order
+STRIDES = [[2, 3, 1], [1, 2, 2]]          # each rank's batch size per key (KEYS)
+SAMPLES = [4, 3]                          # each rank's inverse_indices width
+
+
+def _ec_configs():
+    from torchrec import EmbeddingConfig
+    return [EmbeddingConfig(name="t_shared", embedding_dim=4, num_embeddings=ROWS, feature_names=["f1", "f2"]),
+            EmbeddingConfig(name="t_other", embedding_dim=4, num_embeddings=ROWS, feature_names=["f3"])]
+
+
+def _vbe_kjt(rank, seed, inverse=True):
+    """Rank `rank`'s KJT with a batch size per key (bags of 0..3 IDs in [0, ROWS))."""
+    from torchrec import KeyedJaggedTensor
+    rng = np.random.default_rng(seed + rank)
+    strides = STRIDES[rank]
+    lengths = torch.from_numpy(rng.integers(0, 4, sum(strides)))
+    values = torch.from_numpy(rng.integers(0, ROWS, int(lengths.sum())))
+    index = torch.stack([torch.from_numpy(rng.integers(0, s, SAMPLES[rank])) for s in strides])
+    return KeyedJaggedTensor(keys=KEYS, values=values, lengths=lengths,
+                             stride_per_key_per_rank=[[s] for s in strides],
+                             inverse_indices=(KEYS, index) if inverse else None)
+
+
+def _initial_rows(make):
+    """Our initial rows of IDs 0..ROWS-1, per table."""
+    return {c.name: torch.from_numpy(make("cpu").stores[c.name].lookup(np.arange(ROWS), insert_missing=True))
+            for c in _ec_configs()}
+
+
+def _torchrec_sharded_ec(rows):
+    """TorchRec's EmbeddingCollection under DMP (row-wise) holding `rows`."""
+    import torch.distributed as dist
+    from torchrec import EmbeddingCollection
+    from torchrec.distributed.embedding import EmbeddingCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+    from torchrec.distributed.planner.types import ParameterConstraints
+
+    sharder = EmbeddingCollectionSharder()
+    ec = EmbeddingCollection(_ec_configs(), device=torch.device("meta"))
+    planner = EmbeddingShardingPlanner(topology=Topology(world_size=dist.get_world_size(), compute_device="cpu"),
+                                       constraints={c.name: ParameterConstraints(sharding_types=["row_wise"])
+                                                    for c in _ec_configs()})
+    plan = planner.collective_plan(ec, [sharder], dist.group.WORLD)
+    dmp = DistributedModelParallel(ec, device=torch.device("cpu"), sharders=[sharder], plan=plan)
+    with torch.no_grad():
+        for name, tensor in dmp.state_dict().items():
+            table = name.split(".")[-2]
+            for shard in tensor.local_shards():
+                start, size = shard.metadata.shard_offsets[0], shard.metadata.shard_sizes[0]
+                shard.tensor.copy_(rows[table][start:start + size])
+    return dmp
+
+
+def _wait(out):
+    return out.wait() if hasattr(out, "wait") else out
+
+
+def _unpooled_variable_batch(rank, world_size):
+    from torchrec import EmbeddingCollection
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+
+    import cncore
+    from cncore_torch import CNEmbeddingCollection
+    from cncore_torch.distributed import CNEmbeddingCollectionSharder, owner_of
+
+    make = lambda device: CNEmbeddingCollection(_ec_configs(), device=device, optimizer=cncore.SGD(lr=1.0),  # noqa: E731
+                                                seed=3, per_rank_tables=True)
+    rows = _initial_rows(make)
+    ours = DistributedModelParallel(make("meta"), device=torch.device("cpu"),
+                                    sharders=[CNEmbeddingCollectionSharder()])
+    theirs = _torchrec_sharded_ec(rows)
+    unsharded = EmbeddingCollection(_ec_configs())
+    with torch.no_grad():
+        for name, weight in rows.items():
+            unsharded.embeddings[name].weight.copy_(weight)
+    for step in range(2):
+        kjts = [_vbe_kjt(r, 30 + 10 * step) for r in range(world_size)]
+        out = _wait(ours(kjts[rank]))
+        with torch.no_grad():
+            ref = _wait(theirs(kjts[rank]))
+        assert sorted(out) == sorted(ref) == ["f1", "f2", "f3"]
+        loss, ref_loss = 0, 0
+        for r, kjt in enumerate(kjts):
+            plain = unsharded(kjt)               # each feature's own bags
+            for f, index in zip(KEYS, kjt.inverse_indices()[1]):
+                bags = plain[f].to_dense()
+                expected = torch.cat([bags[int(b)] for b in index])
+                targets = torch.from_numpy(np.random.default_rng(10 * r + step).standard_normal(
+                    tuple(expected.shape)).astype(np.float32))
+                ref_loss = ref_loss + (expected * targets).sum()
+                if r != rank:
+                    continue
+                assert out[f].lengths().tolist() == ref[f].lengths().tolist()
+                assert out[f].lengths().tolist() == [len(bags[int(b)]) for b in index]
+                if step == 0:  # TorchRec's sharded EC holds the initial rows (its own do not move)
+                    torch.testing.assert_close(out[f].values(), ref[f].values(), rtol=1e-6, atol=1e-7)
+                torch.testing.assert_close(out[f].values(), expected, rtol=1e-6, atol=1e-7)
+                loss = loss + (out[f].values() * targets).sum()
+        loss.backward()
+        ref_loss.backward()
+        with torch.no_grad():  # SGD, lr 1, on the unsharded EC: the gradient of both ranks' samples
+            for embedding in unsharded.embeddings.values():
+                embedding.weight -= embedding.weight.grad
+                embedding.weight.grad = None
+        for name, store in ours.module.stores.items():
+            batch = store.export()
+            assert len(batch.keys) and (owner_of(torch.from_numpy(batch.keys), world_size) == rank).all()
+            weight = unsharded.embeddings[name].weight.detach()
+            torch.testing.assert_close(torch.from_numpy(batch.rows), weight[torch.from_numpy(batch.keys)],
+                                       rtol=1e-5, atol=1e-6)
+    # without inverse_indices: each feature's own bags, as the unsharded collections return them
+    kjt = _vbe_kjt(rank, 90, inverse=False)
+    out, plain = _wait(ours(kjt)), unsharded(kjt)  # unseen IDs get their initial rows in both
+    for f, stride in zip(KEYS, STRIDES[rank]):
+        assert out[f].lengths().tolist() == plain[f].lengths().tolist() and len(plain[f].lengths()) == stride
+        torch.testing.assert_close(out[f].values(), plain[f].values(), rtol=1e-6, atol=1e-7)
+
+
+def _seams(rank, world_size):
+    _unpooled_variable_batch(rank, world_size)
+
+
+@pytest.mark.slow
+def test_two_ranks_sharded_seams():
+    """One spawned 2-rank run: the sharded unpooled collection on VBE KJTs equals TorchRec's own
+    sharded EC (outputs, and rows after an SGD step) and its unsharded EC expanded by
+    inverse_indices."""
+    from cncore_torch.distributed.launch import spawn
+    spawn(_seams, 2, timeout=TIMEOUT)
