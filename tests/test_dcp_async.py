@@ -259,3 +259,53 @@ def test_a_load_without_cn_load_planner_is_refused_naming_it_and_nothing_is_load
             dcp.load({"model": target}, checkpoint_id=str(tmp_path), no_dist=True)
         assert sorted(fresh["ebc"].stores["o_a"].export().keys.tolist()) == sorted(ids)
         torch.testing.assert_close(fresh["dense"].weight, dense, rtol=0, atol=0)
+
+
+def test_torchs_state_dict_helpers_set_state_dict_loads_and_get_state_dict_is_refused_by_name(tmp_path):
+    """A TorchRec user's flow with torch's model + optimizer helpers: get_state_dict /
+    get_model_state_dict refuse a model with dynamic tables, naming what works; with the model's
+    own state_dict and get_optimizer_state_dict saved by DCP, set_state_dict loads every row and
+    the dense optimizer's state (the reference: the saved model's stores and torch.optim's state)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        get_state_dict,
+        set_state_dict,
+    )
+
+    import cncore
+    from cncore_torch import CNEmbeddingBagCollection
+    from cncore_torch.dcp import CNLoadPlanner
+
+    def make(seed):
+        torch.manual_seed(seed)
+        model = torch.nn.ModuleDict({"ebc": CNEmbeddingBagCollection(_configs("o"), optimizer=cncore.Adam(lr=0.1),
+                                                                     seed=seed),
+                                     "dense": torch.nn.Linear(4, 1)})
+        return model, torch.optim.Adam(model["dense"].parameters(), lr=0.01)
+    model, opt = make(0)
+    from torchrec import KeyedJaggedTensor
+    kjt = KeyedJaggedTensor.from_lengths_sync(["f1", "f2", "f3"], torch.arange(27) * 5, torch.tensor([3] * 9))
+    for _ in range(2):
+        model["dense"](model["ebc"](kjt).values()[:, :4]).sum().backward()
+        opt.step()
+    refusal = (r"torch.distributed.checkpoint.state_dict.get_state_dict / get_model_state_dict cannot take a model "
+               r"holding dynamic tables .*: take the model's part with model.state_dict\(\) and the optimizers' with "
+               r"get_optimizer_state_dict\(model, optimizers\); set_state_dict loads both")
+    with pytest.raises(ValueError, match=refusal):
+        get_state_dict(model, opt)
+    with pytest.raises(ValueError, match=refusal):
+        get_model_state_dict(model)
+    dcp.save({"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)},
+             checkpoint_id=str(tmp_path), no_dist=True)
+    fresh, fresh_opt = make(1)
+    state = {"model": fresh.state_dict(), "optim": get_optimizer_state_dict(fresh, fresh_opt)}
+    dcp.load(state, checkpoint_id=str(tmp_path), planner=CNLoadPlanner(), no_dist=True)
+    set_state_dict(fresh, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    for name, store in model["ebc"].stores.items():
+        _assert_same(fresh["ebc"].stores[name], store.export(), store.step)
+    torch.testing.assert_close(fresh["dense"].weight, model["dense"].weight, rtol=0, atol=0)
+    for p, q in zip(model["dense"].parameters(), fresh["dense"].parameters()):
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            torch.testing.assert_close(fresh_opt.state[q][key], opt.state[p][key], rtol=0, atol=0)

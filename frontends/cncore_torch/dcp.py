@@ -27,10 +27,15 @@ Loading
 -------
 A fresh model does not know how many rows a checkpoint holds, and DCP loads into tensors of
 the saved size. `CNLoadPlanner` (pass it to `dcp.load`; DCP's default planner is refused, naming
-it, before anything is read) reads the sizes from the checkpoint's metadata, refuses a checkpoint whose chunks leave rows out, and loads each table whole (every
-saved rank's rows, and the per-rank fields stacked). `load_state_dict` then keeps the rows each
+it, before anything is read) reads the sizes from the checkpoint's metadata, refuses a
+checkpoint whose chunks leave rows out, and loads each table whole (every saved rank's rows,
+and the per-rank fields stacked). `load_state_dict` then keeps the rows each
 rank owns at its world size (`ungather`), as it does for `merge_shards`' whole tables, so a
 checkpoint written by N ranks loads into M.
+
+torch's `set_state_dict` loads such a state_dict with an optimizer's
+(`get_optimizer_state_dict`); `get_state_dict` / `get_model_state_dict` are refused by name
+(they look every key up as a module attribute): take the model's part with `state_dict()`.
 
 >>> import tempfile, torch, cncore
 >>> import torch.distributed.checkpoint as dcp
@@ -57,6 +62,7 @@ import copy
 import sys
 import warnings
 from multiprocessing.reduction import ForkingPickler
+from types import FrameType
 from typing import Any
 
 import torch
@@ -72,11 +78,26 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict import _get_model_state_dict
 
 __all__ = ["CNLoadPlanner", "CNStager", "TableEntry", "ShardLayout", "ungather"]
 
 # The entries of a table that hold one value per rank (stacked in a DCP checkpoint).
 PER_RANK = ("step", "evicted_count", "shard")
+
+
+def _refuse_model_state_dict_helper() -> None:
+    """torch's `get_state_dict` / `get_model_state_dict` look every state_dict key up as a module
+    attribute path, and a table's entries are not attributes: refused by name, from the
+    `state_dict()` call they make (a layout is made once per table)."""
+    frame: FrameType | None = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code is _GET_MODEL_STATE_DICT:
+            raise ValueError("torch.distributed.checkpoint.state_dict.get_state_dict / get_model_state_dict cannot "
+                             "take a model holding dynamic tables (their entries, tables.<name>.keys ..., are not "
+                             "parameters or buffers): take the model's part with model.state_dict() and the "
+                             "optimizers' with get_optimizer_state_dict(model, optimizers); set_state_dict loads both")
+        frame = frame.f_back
 
 
 class ShardLayout:
@@ -91,6 +112,7 @@ class ShardLayout:
     """
 
     def __init__(self, rows: int, rank: int = 0, world_size: int = 1, group: Any = None) -> None:
+        _refuse_model_state_dict_helper()
         self.rows, self.rank, self.world_size, self.group = rows, rank, world_size, group
         self._counts: list[int] | None = None
 
@@ -214,6 +236,7 @@ class TableEntry(torch.Tensor):
 
 
 _SIZE = torch.Tensor.size
+_GET_MODEL_STATE_DICT = getattr(_get_model_state_dict, "__wrapped__", _get_model_state_dict).__code__  # (no_grad)
 _COPY = torch.Tensor.copy_
 _DEFAULT_LOAD_PLAN = create_default_local_load_plan.__code__
 # The operations a stager copies an entry with: their result is the entry's copy, in the same place.
