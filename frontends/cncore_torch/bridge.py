@@ -157,7 +157,8 @@ def weights_grad_impl(pending: Pending, grad, features: list[int]) -> list[torch
             rows, lengths = table.rows_of(ctx), ctx.offsets[1:] - ctx.offsets[:-1]
         else:  # (the context's arrays are read-only: np.diff makes a new one)
             rows, lengths = torch.from_numpy(table.lookup(ctx.keys)), torch.from_numpy(np.diff(ctx.offsets))
-        bag = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths)
+        bag = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths,
+                                      output_size=len(rows))  # (a size known here: no read of the device)
         w = (rows * g.to(rows.device)[bag]).sum(dim=1)
         if ctx.mode == 1:
             w = w / lengths[bag].clamp(min=1).to(w.dtype)
@@ -263,21 +264,14 @@ def _device_backward(pending: Pending, blocks, optimizer, deliver) -> None:
                                                      g.contiguous().to(table.device))
         by_table.setdefault(id(table), (table, ctx, []))[2].append((idx, grads, occurrences))
     for table, ctx, parts in by_table.values():
-        if len(parts) == 1:
-            idx, grads, occurrences = parts[0]
-        else:
-            idx, inverse = torch.unique(torch.cat([p[0] for p in parts]), return_inverse=True)
-            grads = torch.zeros((len(idx), table.dim), device=table.device).index_add_(
-                0, inverse, torch.cat([p[1] for p in parts]))
-            occurrences = torch.zeros(len(idx), dtype=torch.int64, device=table.device).index_add_(
-                0, inverse, torch.cat([p[2] for p in parts]))
+        idx, grads, occurrences = table.join_gradients(parts)
         if ctx.training:
             table.record_access(idx, occurrences, ctx.step)
         with torch.no_grad():
             if optimizer is not None:
                 table.apply(idx, grads, optimizer.lr)
             else:
-                deliver(table.slot_keys[idx.cpu()], grads)
+                deliver(*table.gradient_keys(idx, grads))
 
 
 class Lookup(torch.autograd.Function):

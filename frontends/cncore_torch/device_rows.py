@@ -46,6 +46,7 @@ from cncore import _core
 from cncore._interchange import as_keys
 from cncore.store import config_with_optimizer
 from cncore_torch.device_index import DeviceKeyIndex, EvictedSlots, initial_rows
+from cncore_torch.device_index.segments import join_row_gradients, pooled_row_gradients
 
 KEY_INDEXES = ("host", "device")
 
@@ -249,7 +250,7 @@ class DeviceRows:
         if weights is None or mode != 1:
             return mode, weights, None
         lengths = offsets[1:] - offsets[:-1]
-        inv = (1.0 / lengths.clamp(min=1).to(weights.dtype)).repeat_interleave(lengths)
+        inv = (1.0 / lengths.clamp(min=1).to(weights.dtype)).repeat_interleave(lengths, output_size=len(weights))
         return 0, weights * inv, inv
 
     def pool(self, rows_idx, offsets, weights, mode: int):
@@ -273,6 +274,22 @@ class DeviceRows:
             grad_weights = grads[1] if inv_len is None else grads[1] * inv_len
         keep = unique != 0
         return unique[keep], grads[0][keep], occurrences[keep], grad_weights
+
+    def join_gradients(self, parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One (row, gradient, occurrences) per distinct row of several lookups' `gradients`."""
+        if len(parts) == 1:
+            return parts[0]
+        idx, inverse = torch.unique(torch.cat([p[0] for p in parts]), return_inverse=True)
+        grads = torch.zeros((len(idx), self.dim), device=self.device).index_add_(0, inverse,
+                                                                                  torch.cat([p[1] for p in parts]))
+        occurrences = torch.zeros(len(idx), dtype=torch.int64, device=self.device).index_add_(
+            0, inverse, torch.cat([p[2] for p in parts]))
+        return idx, grads, occurrences
+
+    def gradient_keys(self, idx: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys, gradients) of the rows of `gradients` / `join_gradients`, for the gradient hooks."""
+        return self.slot_keys[idx.cpu()], grads
 
     # --- the lookup and its backward (called by the bridge, cncore_torch/bridge.py) ----------------
 
@@ -488,6 +505,24 @@ class DeviceIndexedRows(DeviceRows):
         r = self.index.find_or_insert(keys, admit=lookup)
         self._init_new(r.new_slots, r.new_keys)
         return r.slots + 1
+
+    def gradients(self, rows_idx, offsets, weights, mode: int, grad_out):
+        """(rows, their gradient, occurrences, d/d weights) in static shapes, with no host
+        sync (`device_index.segments`): N entries for N IDs, the distinct rows first, then row
+        0 with a zero gradient and no occurrence, which the update and the access records leave
+        as they are (row 0 records into the index's spare slot)."""
+        return pooled_row_gradients(self.rows, rows_idx, offsets, weights, mode, grad_out)
+
+    def join_gradients(self, parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One entry per distinct row of several lookups' `gradients`, in static shapes."""
+        return join_row_gradients(parts)
+
+    def gradient_keys(self, idx: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys, gradients) of the rows the lookups read (the fill and row 0 left out: a host
+        sync, which the hooks' host-side consumers pay anyway)."""
+        keep = torch.nonzero(idx).squeeze(1)
+        return self.index.slot_keys[idx[keep] - 1], grads[keep]
 
     def record_access(self, idx, occurrences, step: int) -> None:
         self.index.record_access(idx - 1, occurrences, min(int(step), 2**32 - 1))

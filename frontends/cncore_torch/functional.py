@@ -62,7 +62,7 @@ def embedding_bag_lookup(anchor: torch.Tensor, handle: int, placement: str, dim:
         if offsets is not None:
             raise ValueError("offsets must be None when input is 2-D (each row is a bag)")
         n_bags, length = input.shape
-        offsets = torch.arange(n_bags + 1, dtype=torch.int64) * length
+        offsets = torch.arange(n_bags + 1, dtype=torch.int64, device=input.device) * length  # (valid: not checked)
         keys = input.reshape(-1)
         weights = None if per_sample_weights is None else per_sample_weights.reshape(-1)
     elif input.dim() == 1:
@@ -84,7 +84,7 @@ def embedding_bag_lookup(anchor: torch.Tensor, handle: int, placement: str, dim:
         weights = weights.to(torch.float32).contiguous()
     if placement == "meta":  # shape inference: no values to read
         return _lookup(anchor, handle, placement, dim, keys, offsets, weights, MODES[mode], training)
-    if placement == "device" or padding_idx is not None:
+    if input.dim() == 1 and (placement == "device" or padding_idx is not None):
         _check_offsets(offsets, keys.numel())  # the core checks its own input; PyTorch ops do not
     if padding_idx is not None:
         keys, offsets, weights = _drop_padding(keys, offsets, weights, padding_idx)
@@ -93,7 +93,8 @@ def embedding_bag_lookup(anchor: torch.Tensor, handle: int, placement: str, dim:
 
 def _check_offsets(offsets: torch.Tensor, n_keys: int) -> None:
     """B+1 offsets: from 0, never decreasing, to the number of IDs."""
-    if int(offsets[0]) != 0 or int(offsets[-1]) != n_keys or bool((offsets[1:] < offsets[:-1]).any()):
+    bad = (offsets[0] != 0) | (offsets[-1] != n_keys) | (offsets[1:] < offsets[:-1]).any()
+    if bool(bad):  # one read of the device
         raise ValueError(f"offsets must start at 0, never decrease and stay within the {n_keys} IDs of input "
                          f"(with include_last_offset=True, end at {n_keys}); got {offsets.tolist()[:10]}")
 
@@ -151,9 +152,9 @@ def _drop_padding(keys, offsets, weights, padding_idx):
     if bool(keep.all()):
         return keys, offsets, weights
     lengths = offsets[1:] - offsets[:-1]
-    bag = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    bag = torch.repeat_interleave(torch.arange(len(lengths), device=offsets.device), lengths, output_size=len(keys))
     kept = torch.bincount(bag[keep], minlength=len(lengths))
-    new_offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(kept, 0)])
+    new_offsets = torch.cat([torch.zeros(1, dtype=torch.int64, device=offsets.device), torch.cumsum(kept, 0)])
     return keys[keep], new_offsets, None if weights is None else weights[keep]
 
 
