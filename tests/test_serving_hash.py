@@ -1,95 +1,149 @@
-"""The frozen collections' static cuckoo hash (cncore_torch.serving.hashmap) against a dict."""
+"""The frozen collections' ID remap (cncore_torch.serving.hashmap: FBGEMM's pruned-index hash
+table, one region per feature) against a dict per table, FBGEMM's empty key -1 included."""
 import numpy as np
-import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 
-from cncore_torch.serving.hashmap import StaticHash, lookup, place, places
+from cncore_torch.serving import FrozenEmbeddingBagCollection, TableDelta, apply_delta, freeze
+from cncore_torch.serving.collection import IdRemap
+from cncore_torch.serving.export import export_program
+from cncore_torch.serving.hashmap import PrunedHash, key_mask, lookup
+from cncore_torch.serving.table import TableSlots
 
-M1, M2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9
-EDGES = [0, 1, -1, 2**63 - 1, -2**63, 2**32, -2**32, 2**62]
-
-
-def reference(tables, table_of_id, ids):
-    """The slot of each (ID, table) from the tables' dicts; 0 where the table lacks it."""
-    maps = [dict(zip(k.tolist(), s.tolist())) for k, s in tables]
-    return [maps[t].get(i, 0) if t < len(maps) else 0 for i, t in zip(ids, table_of_id)]
+EDGES = [0, 1, -1, -2, -3, 2, 2**63 - 1, -2**63, 2**32, -2**32, 2**62]
 
 
-def hashed(tables, table_of_id, ids):
-    h = StaticHash(tables)
-    params = h.params[:, torch.tensor(table_of_id, dtype=torch.int64)]
-    return lookup(h.entries, params, torch.tensor(ids, dtype=torch.int64)).tolist()
+def reference(regions, bags):
+    """The row of each ID of each (region, IDs) bag from the regions' dicts; 0 where absent."""
+    maps = [dict(zip(k.tolist(), s.tolist())) for k, s in regions]
+    return [maps[r].get(i, 0) for r, ids in bags for i in ids]
 
 
-def test_places_are_the_top_bits_of_the_wrapping_products():
-    # reference: Python's unbounded ints, the product taken mod 2**64 and read unsigned
-    x = [int(i) for i in EDGES] + [int(i) for i in np.random.default_rng(0).integers(-2**63, 2**63 - 1, 1000)]
-    for bits in (1, 5, 20, 40):
-        half = 1 << bits
-        params = torch.tensor([[100], [100 + half], [64 - bits], [half - 1]]).expand(4, len(x))
-        first, second = places(torch.tensor(x), params)
-        assert first.tolist() == [100 + ((i * M1) % 2**64 >> (64 - bits)) for i in x]
-        assert second.tolist() == [100 + half + ((i * M2) % 2**64 >> (64 - bits)) for i in x]
+def hashed(regions, bags):
+    """One lookup over bags given region by region (B bags per region, as a KJT's offsets)."""
+    h = PrunedHash(regions)
+    ids = torch.tensor([i for _, b in bags for i in b], dtype=torch.int64)
+    offsets = torch.tensor(np.concatenate([[0], np.cumsum([len(b) for _, b in bags])]), dtype=torch.int64)
+    return lookup(h.table, h.offsets, h.mask, ids, offsets).tolist()
 
 
-@pytest.mark.parametrize("n", [0, 1, 2, 3, 100, 20_000])
-def test_every_id_finds_its_slot_and_others_read_zero(n):
-    rng = np.random.default_rng(n)
-    ids = np.unique(np.concatenate([np.array(EDGES, np.int64)[:min(n, len(EDGES))],
-                                    rng.integers(-2**63, 2**63 - 1, n, dtype=np.int64)]))[:n]
-    slots = rng.permutation(len(ids)).astype(np.int64) + 1
-    unseen = np.setdiff1d(rng.integers(-2**63, 2**63 - 1, 500, dtype=np.int64), ids)
-    query = np.concatenate([ids, unseen]).tolist()
-    assert hashed([(ids, slots)], [0] * len(query), query) == reference([(ids, slots)], [0] * len(query), query)
+def test_every_id_finds_its_row_and_others_read_zero():
+    rng = np.random.default_rng(0)
+    for n in (0, 1, 3, 100, 20_000):
+        ids = np.unique(np.concatenate([np.array(EDGES[:n], np.int64),
+                                        rng.integers(-2**63, 2**63 - 1, n, dtype=np.int64)]))[:n]
+        rows = rng.permutation(len(ids)).astype(np.int64) + 1
+        unseen = np.setdiff1d(np.concatenate([EDGES, rng.integers(-2**63, 2**63 - 1, 500, dtype=np.int64)]), ids)
+        bags = [(0, np.concatenate([ids, unseen]).tolist())]
+        assert hashed([(ids, rows)], bags) == reference([(ids, rows)], bags)
 
 
-def test_ids_sharing_their_low_or_high_bits_are_placed():
-    # multiples of 2**32 (low bits equal) and 0..n (high bits equal): a hash of the low or
-    # high half alone would send them all to one place
+def test_ids_sharing_their_low_or_high_bits_are_found():
+    # multiples of 2**32 (low bits equal) and 0..n (high bits equal): a hash of one half alone
+    # would send them all to one place
     ids = np.unique(np.concatenate([np.arange(-500, 500, dtype=np.int64) << 32, np.arange(1000, dtype=np.int64)]))
-    slots = np.arange(len(ids), dtype=np.int64) + 1
-    keys, placed, half = place(ids, slots)
-    assert half == 4096 and sorted(placed[placed > 0].tolist()) == slots.tolist()
-    assert sorted(keys[placed > 0].tolist()) == ids.tolist()
-    assert hashed([(ids, slots)], [0] * len(ids), ids.tolist()) == slots.tolist()
+    rows = np.arange(len(ids), dtype=np.int64) + 1
+    bags = [(0, ids.tolist() + [3 << 32 | 1, 2**31, 1 << 33 | 1000])]
+    assert hashed([(ids, rows)], bags) == rows.tolist() + [0, 0, 0]
 
 
-def test_an_id_of_one_table_is_unseen_in_another_and_a_feature_of_no_table_reads_zero():
-    t0 = (np.array([5, 0, -7]), np.array([1, 2, 3]))
-    t1 = (np.array([-7, 8]), np.array([1, 2]))
-    ids = [5, 0, -7, 8, -7, 8, 5, 0, 5, -7]
-    table_of_id = [0, 0, 0, 0, 1, 1, 1, 1, 2, 2]   # table 2: no table (the empty last region)
-    assert hashed([t0, t1], table_of_id, ids) == [1, 2, 3, 0, 1, 2, 0, 0, 0, 0]
+def test_fbgemms_empty_key_is_a_valid_id():
+    # -1 is FBGEMM's empty key: a table holding it stores its keys XOR the mask, and the one ID
+    # the mask turns into -1 is an ID no table holds, so it reads the zero row as it should
+    assert key_mask([np.array([5, 7])]) == 0
+    assert key_mask([np.array([-1, 7])]) == 1
+    assert key_mask([np.array([-1]), np.array([-2, -4])]) == 2
+    regions = [(np.array([-1, 0, 1, -2]), np.array([1, 2, 3, 4])), (np.array([-3, 2**63 - 1]), np.array([1, 2]))]
+    h = PrunedHash(regions)
+    assert h.mask == 3 and ~h.mask == -4                 # -1, -2 and -3 are held
+    bags = [(0, [-1, 0, 1, -2, -3, -4, 2, -2**63]), (1, [-3, -1, 2**63 - 1, 2, -2, -4])]
+    assert hashed(regions, bags) == reference(regions, bags) == [1, 2, 3, 4, 0, 0, 0, 0, 1, 0, 2, 0, 0, 0]
 
 
-def test_id_zero_read_at_either_place_beside_empty_entries():
-    # empty entries hold key 0 too: ID 0 must read its own slot whichever place it took
-    seen = set()
-    for seed in range(200):
-        ids = np.unique(np.concatenate([[0], np.random.default_rng(seed).integers(-2**63, 2**63 - 1, 5)]))
-        slots = np.arange(len(ids), dtype=np.int64) + 1
-        keys, placed, half = place(ids, slots)
-        at = int(np.flatnonzero((keys == 0) & (placed > 0))[0])
-        seen.add("first" if at < half else "second")
-        assert (placed == 0).sum() > 0 and hashed([(ids, slots)], [0], [0]) == [int(slots[ids == 0][0])]
-    assert seen == {"first", "second"}
-
-
-def test_repeated_ids_are_refused_in_one_line():
-    with pytest.raises(ValueError, match=r"^ids: 3 IDs found no cuckoo placement in 8 doublings; they must be "
-                                         r"distinct \(a table holds each ID once\)$"):
-        place(np.array([5, 5, 5]), np.array([1, 2, 3]))
+def test_a_region_reads_only_its_own_ids_and_empty_regions_read_zero():
+    regions = [(np.array([5, 0, -7]), np.array([1, 2, 3])), (np.array([], np.int64), np.array([], np.int64)),
+               (np.array([-7, 8]), np.array([1, 2]))]
+    bags = [(0, [5, 8]), (0, []), (1, [5, -7]), (1, [0]), (2, [5, 0, -7]), (2, [8])]
+    assert hashed(regions, bags) == reference(regions, bags) == [1, 0, 0, 0, 0, 0, 0, 1, 2]
 
 
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.sets(st.integers(-2**63, 2**63 - 1) | st.sampled_from(EDGES), max_size=40), min_size=1,
                 max_size=4),
-       st.lists(st.tuples(st.integers(-2**63, 2**63 - 1) | st.sampled_from(EDGES), st.integers(0, 4)), max_size=60))
-def test_hash_equals_a_dict_per_table(id_sets, queries):
-    tables = [(np.array(sorted(s), dtype=np.int64), np.arange(1, len(s) + 1, dtype=np.int64)) for s in id_sets]
-    held = [(i, t) for t, (ids, _) in enumerate(tables) for i in ids.tolist()]
-    queries = queries + held
-    ids, table_of_id = [q[0] for q in queries], [min(q[1], len(tables)) for q in queries]
-    assert hashed(tables, table_of_id, ids) == reference(tables, table_of_id, ids)
+       st.lists(st.integers(-2**63, 2**63 - 1) | st.sampled_from(EDGES), max_size=30), st.integers(1, 3))
+def test_hash_equals_a_dict_per_region(id_sets, queries, n_bags):
+    regions = [(np.array(sorted(s), dtype=np.int64), np.arange(1, len(s) + 1, dtype=np.int64)) for s in id_sets]
+    # every region's bags hold the queries and its own IDs, split into n_bags bags
+    bags = []
+    for r, (ids, _) in enumerate(regions):
+        both = queries + ids.tolist()
+        bags += [(r, both[i::n_bags]) for i in range(n_bags)]
+    assert hashed(regions, bags) == reference(regions, bags)
+
+
+def remap_of():
+    return IdRemap({"t": TableSlots(np.array([30, 10, -1])), "u": TableSlots(np.array([10, -3]))},
+                   {"f": "t", "g": "u", "h": "t"})
+
+
+def test_keys_in_another_order_or_of_no_table_read_the_same_rows():
+    remap = remap_of()
+    rows = {"f": {30: 1, 10: 2, -1: 3}, "h": {30: 1, 10: 2, -1: 3}, "g": {10: 1, -3: 2}}
+    ids = [10, 30, -1, 99, -3, 10, -1, 30, 10, -3, 7, 10]
+    for keys in (["f", "g", "h"], ["h", "f", "g"], ["g", "x", "f", "h"]):
+        lengths = torch.tensor([1, 2] * len(keys))[:2 * len(keys)]
+        n = int(lengths.sum())
+        kjt = KeyedJaggedTensor.from_lengths_sync(keys, torch.tensor(ids[:n]), lengths)
+        per_key = [ids[:n][sum(kjt.length_per_key()[:i]):sum(kjt.length_per_key()[:i + 1])] for i in range(len(keys))]
+        expected = [rows.get(k, {}).get(i, 0) for k, part in zip(keys, per_key) for i in part]
+        assert remap(kjt).values().tolist() == expected, keys
+
+
+def test_an_empty_batch_reads_no_rows():
+    kjt = KeyedJaggedTensor.from_lengths_sync(["f", "g", "h"], torch.zeros(0, dtype=torch.int64),
+                                              torch.zeros(0, dtype=torch.int64))
+    out = remap_of()(kjt)
+    assert out.values().tolist() == [] and out.stride() == 0
+
+
+def frozen_collection():
+    configs = [EmbeddingBagConfig(name="t", embedding_dim=2, num_embeddings=10, feature_names=["f"]),
+               EmbeddingBagConfig(name="u", embedding_dim=2, num_embeddings=10, feature_names=["g"])]
+    keys = {"t": np.array([4, -2, 9]), "u": np.array([-1, 4])}
+    rows = {"t": np.array([[1, 1], [2, 2], [3, 3]], np.float32), "u": np.array([[5, 5], [6, 6]], np.float32)}
+    return freeze(FrozenEmbeddingBagCollection(configs, False, keys, rows))
+
+
+def request():
+    return KeyedJaggedTensor.from_lengths_sync(["f", "g"], torch.tensor([4, -1, -2, 0, -1, 4, -2, 9]),
+                                               torch.tensor([2, 1, 3, 2]))
+
+
+def test_the_exported_remap_is_one_fbgemm_call_and_reads_id_minus_one():
+    frozen = frozen_collection()
+    assert frozen.remap.key_mask == 2                    # u holds -1, t holds -2
+    with torch.no_grad():
+        expected = frozen(request()).values()
+    np.testing.assert_array_equal(expected.numpy(), [[1, 1, 11, 11], [2, 2, 0, 0]])
+    program = export_program(frozen, (request(),))
+    calls = [n for n in program.graph.nodes if n.target is torch.ops.fbgemm.pruned_hashmap_lookup.default]
+    assert len(calls) == 1
+    assert torch.equal(program.module()(request()).values(), expected)
+
+
+def test_a_delta_that_adds_or_evicts_id_minus_one_moves_the_mask():
+    frozen = frozen_collection()
+    assert frozen.remap.key_mask == 2                    # u holds -1, t holds -2
+    apply_delta(frozen, {"t": TableDelta(np.array([-1]), np.array([[7, 7]], np.float32), np.array([-2])),
+                         "u": TableDelta(np.array([], np.int64), np.zeros((0, 2), np.float32), np.array([-1]))})
+    assert frozen.remap.key_mask == 1                    # now t holds -1, and no table -2
+    with torch.no_grad():
+        got = frozen(request()).values()
+    # f: [4, -1] -> 1 + 7, [-2] -> 0; g: [0, -1, 4] -> 0 + 0 + 6, [-2, 9] -> 0
+    np.testing.assert_array_equal(got.numpy(), [[8, 8, 6, 6], [0, 0, 0, 0]])
+    apply_delta(frozen, {"t": TableDelta(np.array([], np.int64), np.zeros((0, 2), np.float32), np.array([-1]))})
+    assert frozen.remap.key_mask == 0
+    with torch.no_grad():
+        np.testing.assert_array_equal(frozen(request()).values().numpy(), [[1, 1, 6, 6], [0, 0, 0, 0]])

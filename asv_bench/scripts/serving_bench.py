@@ -16,10 +16,10 @@ a synthetic Criteo batch of B samples (B = 1, 32, 512), one thread, no gradients
 The variants take turns request by request (each request's batch is timed on every variant in
 a rotating order), so a busy neighbour slows all of them alike. p50 / p99 over `--requests`.
 
-Remap alone (`--remaps`): the frozen collection's ID remap of each request, the static cuckoo
-hash it uses against the two layouts measured before it, on the same values: one `searchsorted`
-over all tables' merged sorted IDs plus a table compare, and one `searchsorted` per feature over
-its table's sorted IDs. All three give the same rows (checked on every request).
+Remap alone (`--remaps`): the frozen collection's ID remap of each request (FBGEMM's pruned-index
+hash, one operator call) against two layouts of plain tensor operations, on the same values: one
+`searchsorted` over all tables' merged sorted IDs plus a table compare, and one `searchsorted` per
+feature over its table's sorted IDs. All three give the same rows (checked on every request).
 
 Delta: a frozen table of `--delta-rows` x `--delta-dim` float32 rows (the issue's 5 GiB table,
 scaled to what a shared machine holds quickly), one delta of 1% of its rows: (a) changed rows
@@ -94,25 +94,23 @@ def _merged_searchsorted(remap):
     ids, which = torch.from_numpy(ids[order]), torch.from_numpy(which[order])
     slots = torch.from_numpy(np.concatenate([t.slots.numpy() for t in tables])[order])
     assert bool((ids[1:] != ids[:-1]).all()), "an ID in two tables needs more than one probe"
+    names = list(remap.tables)
+    feature_tables = torch.tensor([names.index(remap.table_of_feature[f]) for f in remap.feature_order])
 
     def run(kjt):
         values = kjt.values()
         per_key = kjt.lengths().view(len(kjt.keys()), -1).sum(dim=1)
-        table = torch.repeat_interleave(remap.feature_tables, per_key, output_size=values.numel())
+        table = torch.repeat_interleave(feature_tables, per_key, output_size=values.numel())
         at = torch.searchsorted(ids, values).clamp(max=ids.numel() - 1)
         hit = (torch.take(ids, at) == values) & (torch.take(which, at) == table)
         return torch.where(hit, torch.take(slots, at), 0)
     return run
 
 
-def _static_hash(remap):
+def _pruned_hash(remap):
     """The remap's own lookup (IdRemap.forward less the KJT around it, as the others)."""
     def run(kjt):
-        values = kjt.values()
-        per_key = kjt.lengths().view(len(kjt.keys()), -1).sum(dim=1)
-        params = torch.repeat_interleave(remap.hash_params.index_select(1, remap.feature_tables), per_key, dim=1,
-                                         output_size=values.numel())
-        return lookup(remap.hash_entries, params, values)
+        return lookup(remap.hash_table, remap.hash_offsets, remap.key_mask, kjt.values(), kjt.offsets())
     return run
 
 
@@ -132,7 +130,7 @@ def _per_table_searchsorted(remap):
 
 def remaps(args) -> list[str]:
     gen, _, _, remap = models(args)
-    ways = {"static hash (freeze's)": _static_hash(remap),
+    ways = {"FBGEMM pruned hash (freeze's)": _pruned_hash(remap),
             "merged searchsorted": _merged_searchsorted(remap),
             "per-table searchsorted": _per_table_searchsorted(remap)}
     lines = ["| batch | IDs / request | remap | p50 ms | p99 ms | p50 / hash |", "|---|---|---|---|---|---|"]

@@ -5,7 +5,7 @@
 frozen rows (row 0 zeros, for unseen IDs). TorchRec's tools therefore see their own module:
 `torchrec.inference.modules.quantize_embeddings` / `quantize_inference_model` swap it for a
 `QuantEmbeddingBagCollection` (int8, int4, fp16 rows), `torch.export` records TorchRec's
-lookup, and the remap is a few tensor operations before it. `FrozenEmbeddingCollection` is the
+lookup, and the remap is one FBGEMM operator before it (`hashmap`). `FrozenEmbeddingCollection` is the
 same over TorchRec's `EmbeddingCollection`.
 
 Mean pooling runs as a sum in TorchRec's module, then times 1/length here, in float32: the
@@ -25,7 +25,7 @@ from torchrec import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, EmbeddingConfig, PoolingType
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
-from cncore_torch.serving.hashmap import StaticHash, lookup
+from cncore_torch.serving.hashmap import PrunedHash, lookup
 from cncore_torch.serving.table import TableSlots, dense_rows
 
 __all__ = ["FrozenEmbeddingBagCollection", "FrozenEmbeddingCollection", "IdRemap"]
@@ -34,12 +34,11 @@ __all__ = ["FrozenEmbeddingBagCollection", "FrozenEmbeddingCollection", "IdRemap
 class IdRemap(nn.Module):
     """Raw IDs -> weight rows, per table (`tables[name]`), applied to a KJT's features.
 
-    Each table's ID map (a `TableSlots`: sorted IDs, kept for deltas) is also held as one
-    static cuckoo hash over every table (`hashmap.StaticHash`: buffers `hash_entries`,
-    `hash_params`), which a request reads: every value of every feature at once, two gathers
-    of a (key, slot) pair per ID, so neither the number of operations nor the
-    work per ID grows with the number of features or of IDs held (a `searchsorted` over all
-    tables' sorted IDs took 2.2x as long at 13,000 IDs a request).
+    Each table's ID map (a `TableSlots`: sorted IDs, kept for deltas) is also held as FBGEMM's
+    pruned-index hash table with one region per feature (`hashmap.PrunedHash`: buffers
+    `hash_table`, `hash_offsets`, attribute `key_mask`), which a request reads with one
+    operator call over every value of every feature. A KJT whose keys come in another order
+    than the configs' features (or name a feature of no table) is read key by key.
 
     >>> import numpy as np
     >>> remap = IdRemap({"t": TableSlots(np.array([30, 10])), "u": TableSlots(np.array([10]))}, {"f": "t", "g": "u"})
@@ -49,32 +48,32 @@ class IdRemap(nn.Module):
     [2, 1, 0, 1, 0]
     """
 
-    hash_entries: torch.Tensor
-    hash_params: torch.Tensor
-    feature_tables: torch.Tensor
+    hash_table: torch.Tensor
+    hash_offsets: torch.Tensor
 
     def __init__(self, tables: dict[str, TableSlots], table_of_feature: dict[str, str]) -> None:
         super().__init__()
         self.tables = nn.ModuleDict(tables)
         self.table_of_feature = dict(table_of_feature)
-        self.table_index = {name: i for i, name in enumerate(tables)}
-        # a feature of no table reads the hash's last region, which is empty
-        self.no_table = len(tables)
-        # the usual key order (the configs'), whose table indices are kept ready as a buffer
+        # the usual key order (the configs'): feature f reads region f
         self.feature_order = list(table_of_feature)
-        self.register_buffer("feature_tables", torch.tensor(
-            [self.table_index.get(t, self.no_table) for t in table_of_feature.values()], dtype=torch.int64),
-            persistent=False)
-        for name, t in zip(("hash_entries", "hash_params"), self.merged({})):
-            self.register_buffer(name, t)
+        self.region_of_feature = {f: i for i, f in enumerate(self.feature_order)}
+        self.key_mask = 0
+        self.register_buffer("hash_table", torch.zeros((0, 2), dtype=torch.int64))
+        self.register_buffer("hash_offsets", torch.zeros(1, dtype=torch.int64))
+        self.swap(self.rebuilt({}))
 
-    def merged(self, replaced: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> tuple:
-        """(entries, params) of the hash over every table, each table's (ids, slots) taken
-        from `replaced` where given (a delta prepares them before swapping them in)."""
+    def rebuilt(self, replaced: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> PrunedHash:
+        """The hash over every feature's table, each table's (ids, slots) taken from
+        `replaced` where given (a delta builds it aside, then `swap`s it in under the lock)."""
         held = {name: cast(TableSlots, t) for name, t in self.tables.items()}
-        parts = [replaced.get(name, (t.ids, t.slots)) for name, t in held.items()]
-        built = StaticHash([(ids.numpy(), slots.numpy()) for ids, slots in parts])
-        return built.entries, built.params
+        parts = {name: replaced.get(name, (t.ids, t.slots)) for name, t in held.items()}
+        return PrunedHash([(parts[self.table_of_feature[f]][0].numpy(), parts[self.table_of_feature[f]][1].numpy())
+                           for f in self.feature_order])
+
+    def swap(self, built: PrunedHash) -> None:
+        """Read `built` from the next request on."""
+        self.hash_table, self.hash_offsets, self.key_mask = built.table, built.offsets, built.mask
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
         if features.variable_stride_per_key():
@@ -82,22 +81,28 @@ class IdRemap(nn.Module):
                              "frozen collection, which takes one batch size for all features; expand it first "
                              "(one bag per sample and feature, empty bags allowed)")
         values = features.values().to(torch.int64)
+        offsets = features.offsets()
         keys = features.keys()
-        n_keys = len(keys)
         if keys == self.feature_order:
-            table_of_key = self.feature_tables
+            slots = lookup(self.hash_table, self.hash_offsets, self.key_mask, values, offsets.to(torch.int64))
         else:
-            table_of_key = torch.tensor([self.table_index.get(self.table_of_feature.get(k, ""), self.no_table)
-                                         for k in keys], dtype=torch.int64)
-        per_key = features.lengths().view(n_keys, -1).sum(dim=1) if n_keys else table_of_key
-        params = torch.repeat_interleave(self.hash_params.index_select(1, table_of_key), per_key, dim=1,
-                                         output_size=values.numel())
-        slots = lookup(self.hash_entries, params, values)
+            slots = self._by_key(keys, values, features.length_per_key())
         return KeyedJaggedTensor(keys=keys, values=slots, lengths=features.lengths(),
-                                 weights=features.weights_or_none(), stride=features.stride(),
-                                 offsets=features.offsets_or_none(),
+                                 weights=features.weights_or_none(), stride=features.stride(), offsets=offsets,
                                  length_per_key=features.length_per_key_or_none(),
                                  offset_per_key=features.offset_per_key_or_none())
+
+    def _by_key(self, keys: list[str], values: torch.Tensor, per_key: list[int]) -> torch.Tensor:
+        """Each key's values as one bag in its feature's region; zeros for a key of no table."""
+        out = []
+        for key, part in zip(keys, torch.split(values, per_key)):
+            region = self.region_of_feature.get(key)
+            if region is None:
+                out.append(torch.zeros_like(part))
+            else:
+                bag = torch.tensor([0, part.numel()], dtype=torch.int64)
+                out.append(lookup(self.hash_table, self.hash_offsets[region:region + 2], self.key_mask, part, bag))
+        return torch.cat(out) if out else values.clone()
 
 
 def _remap_of(configs, keys: dict[str, np.ndarray]) -> IdRemap:

@@ -287,14 +287,14 @@ def apply_delta(model: nn.Module, deltas: Mapping[str, TableDelta]) -> DeltaRepo
     report = DeltaReport()
     with lock.applying():
         prepared = [_prepare(table, name, delta) for name, (table, delta) in chosen.items()]
-        # the collections' hashes over all their tables, rebuilt aside from the prepared tables
+        # the collections' hashes over all their features, rebuilt aside from the prepared tables
         remaps: dict[int, tuple[Any, dict]] = {}
         for p in prepared:
             remap = getattr(p.table.module, "remap", None)
             if remap is not None:
                 name = next(n for n, t in remap.tables.items() if t is p.table.slots)
                 remaps.setdefault(id(remap), (remap, {}))[1][name] = (p.ids, p.slots)
-        merged = [(remap, remap.merged(replaced)) for remap, replaced in remaps.values()]
+        rebuilt = [(remap, remap.rebuilt(replaced)) for remap, replaced in remaps.values()]
         start = time.perf_counter()
         with lock.writing():
             for p in prepared:
@@ -303,8 +303,8 @@ def apply_delta(model: nn.Module, deltas: Mapping[str, TableDelta]) -> DeltaRepo
                 else:
                     p.table.set_weight(p.weight)
                 p.table.slots.ids, p.table.slots.slots, p.table.slots.free = p.ids, p.slots, p.free
-            for remap, (entries, params) in merged:
-                remap.hash_entries, remap.hash_params = entries, params
+            for remap, built in rebuilt:
+                remap.swap(built)
         report.locked_seconds = time.perf_counter() - start
     for p in prepared:
         report.rows_written += len(p.write_at)

@@ -1,152 +1,145 @@
-"""A static cuckoo hash from raw int64 IDs to weight rows, per table, looked up in-graph.
+"""Every table's ID-to-row map as FBGEMM's pruned-index hash table, read in-graph by one op.
 
-Layout (`StaticHash`)
-    `entries`  int64 (E, 2): (key, slot) pairs, so that one place is one read of 16 contiguous
-               bytes. Every table has its own region, one after another: two halves of `half`
-               entries (a power of two, 2**bits), and an ID sits at one of its two places
-               (`places`): `base + fib(id, M1)` or `base + half + fib(id, M2)`, where
-               `fib(id, M) = (id * M) >> (64 - bits)`, the top bits of a wrapping product
-               (Fibonacci hashing: they depend on every bit of the ID). An empty entry holds key
-               0 and slot `UNSEEN` (0).
-    `params`   int64 (4, tables + 1): (base, base + half, 64 - bits, half - 1) of each region,
-               one column each (a request's per-ID copies are then four contiguous rows); the
-               last is a region of two empty entries, for features of no table.
+Table Layout (`PrunedHash`)
+    `table`    int64 (C, 2): (key, row) pairs in the layout of FBGEMM's `pruned_hashmap_insert` /
+               `pruned_hashmap_lookup`, the operators TorchRec's inference TBE uses to remap the
+               indices of pruned tables. Open addressing with linear probing from a 64-bit
+               MurmurHash3 finalizer of the key; an empty entry is (-1, -1).
+    `offsets`  int64 (F + 1,): feature f's region is `table[offsets[f]:offsets[f + 1]]`, one
+               region per feature in the collection's feature order (FBGEMM reads region f for
+               the f-th feature of a request), of capacity 2 N rounded up to a multiple of 32
+               (at least 32): a load under 0.5, so an empty entry always ends a probe. Features
+               sharing a table hold one copy of its region each.
+    `mask`     int: the keys are stored XOR `mask` (below).
 
-Lookup (`lookup`): two places per ID, each one row gather (key and slot) and one compare, the
-two hits' slots summed; no data-dependent control flow, so `torch.export` records it. Since
-each table has its own region, an ID never meets another table's entry, and an empty entry's
-key 0 adds slot 0 (`UNSEEN`) to the sum: every int64 stays a valid ID. A half of
-`half >= 1.25 N` entries keeps the load under 0.4, where the two-choice placement (built here by
-rounds of parallel claims and evictions) succeeds almost always; when it does not, the region
-doubles.
+Lookup (`lookup`)
+    One call of `torch.ops.fbgemm.pruned_hashmap_lookup` over a request's values and offsets,
+    every feature at once, in C++: -1 where the region lacks the ID, clamped to row 0
+    (`UNSEEN`, the zero row). `torch.export` records it as one node (a Meta kernel is
+    registered here for the tracing; FBGEMM ships none), and a fresh process runs the program
+    with torch and torchrec imported (torchrec loads FBGEMM's operators).
 
-Against one `searchsorted` over every table's sorted IDs it reads 2 entries per ID instead of
-log2(N), at about 2.4x the sorted arrays' memory; a delta rebuilds the regions aside.
+Every int64 is a valid ID
+    FBGEMM's empty key -1 would make ID -1 unreachable. So a table stores `id ^ mask`, with
+    `mask` the smallest s >= 0 whose complement ~s (the one ID that becomes -1) no table holds:
+    0, no XOR at all, unless a table holds -1. The ID ~s then probes for key -1, meets an empty
+    entry and reads row 0, its right answer since no table holds it.
+
+Alternatives measured (docs/serving.md, the lookup): a static cuckoo hash of tensor operations
+(two gathers per ID, about twenty operations a request, each a fixed cost) and `searchsorted`
+over sorted IDs (log2(N) reads per ID) both cost more per request than this one call, whose
+rebuild after a delta is also one call.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import fbgemm_gpu  # noqa: F401 (registers torch.ops.fbgemm)
 import numpy as np
 import torch
 
-__all__ = ["StaticHash", "places", "place", "lookup"]
+from cncore_torch.serving.table import UNSEEN
 
-_M1 = -7046029254386353131   # 0x9E3779B97F4A7C15 (Fibonacci hashing's 2**64 / golden ratio) as int64
-_M2 = -4658895280553007687   # 0xBF58476D1CE4E5B9 (splitmix64's second multiplier) as int64
-_ROUNDS = 500                # claim rounds before a region doubles instead
-_MAX_GROWTH = 8              # doublings before placement gives up (the IDs must repeat)
+__all__ = ["PrunedHash", "lookup", "region_capacity", "key_mask"]
+
+EMPTY = -1          # FBGEMM's empty key (and the row a miss reads before the clamp)
+_LOAD = 0.5         # TorchRec's default pruning_hash_load_factor
+_ALIGN = 32         # FBGEMM rounds each region up to a multiple of 32 entries
 
 
-def places(ids: torch.Tensor, params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The two places of each ID: int64 products wrap around, and the arithmetic shift's
-    sign-filled bits are masked off.
+def _lookup_meta(indices: torch.Tensor, offsets: torch.Tensor, hash_table: torch.Tensor,
+                 hash_table_offsets: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(indices)
+
+
+_FBGEMM_IMPL = torch.library.Library("fbgemm", "IMPL")
+if not torch._C._dispatch_has_kernel_for_dispatch_key("fbgemm::pruned_hashmap_lookup", "Meta"):
+    _FBGEMM_IMPL.impl("pruned_hashmap_lookup", _lookup_meta, "Meta")
+
+
+def region_capacity(n: int) -> int:
+    """The entries of a region holding `n` IDs: 2 n rounded up to a multiple of 32, >= 32.
 
     Args:
-        ids: int64 (n,).
-        params: int64 (4, n), (base, base + half, 64 - bits, half - 1) of each ID's region.
+        n (int): IDs in the region.
 
     Returns:
-        tuple: (first, second), int64 (n,) each.
+        int: its capacity.
 
-    >>> places(torch.tensor([1, -5]), torch.tensor([[0, 0], [4, 4], [62, 62], [3, 3]]))
-    (tensor([2, 3]), tensor([6, 5]))
+    >>> region_capacity(0), region_capacity(16), region_capacity(17)
+    (32, 32, 64)
     """
-    first = (((ids * _M1) >> params[2]) & params[3]) + params[0]
-    second = (((ids * _M2) >> params[2]) & params[3]) + params[1]
-    return first, second
+    return max(_ALIGN, -(-int(np.ceil(n / _LOAD)) // _ALIGN) * _ALIGN)
 
 
-def place(ids: np.ndarray, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
-    """One table's region: (keys, slots, half) with every `ids[i]` at one of its two places.
+def key_mask(id_sets: Sequence[np.ndarray]) -> int:
+    """The smallest s >= 0 such that no array in `id_sets` holds ~s (the ID that `^ s` turns
+    into FBGEMM's empty key -1).
 
     Args:
-        ids: distinct int64 IDs.
-        slots: int64, the weight row of each.
+        id_sets: int64 arrays of IDs.
 
     Returns:
-        tuple: (keys (2 * half,), slots (2 * half,), half).
+        int: the mask (0 unless -1 is held).
 
-    >>> keys, slots, half = place(np.array([10, 20, 30]), np.array([1, 2, 3]))
-    >>> half, sorted(slots[keys == 20].tolist())
-    (4, [2])
+    >>> key_mask([np.array([3, 5])]), key_mask([np.array([-1, 7]), np.array([-2])])
+    (0, 2)
     """
-    ids = np.asarray(ids, dtype=np.int64)
-    slots = np.asarray(slots, dtype=np.int64)
-    n = len(ids)
-    half = 1 << max(int(np.ceil(np.log2(max(1.25 * n, 1.0)))), 1)
-    for _ in range(_MAX_GROWTH):
-        # `places` with the region's parameters as scalars (the same operations, faster)
-        shift, t = 64 - half.bit_length() + 1, torch.from_numpy(ids)
-        homes = np.stack([(((t * _M1) >> shift) & (half - 1)).numpy(),
-                          (((t * _M2) >> shift) & (half - 1)).numpy() + half])
-        owner = np.full(2 * half, -1, np.int64)
-        claim = np.empty(2 * half, np.int64)
-        choice = np.zeros(n, np.int64)
-        pending = np.arange(n)
-        for _ in range(_ROUNDS):
-            if len(pending) == 0:
-                break
-            # every pending ID claims its current place; one claimant of each place wins and
-            # evicts the place's owner, which (like the losers) tries its other place next
-            pos = homes[choice[pending], pending]
-            claim[pos] = pending
-            won = claim[pos] == pending
-            evicted = owner[pos[won]]
-            evicted = evicted[evicted >= 0]
-            owner[pos[won]] = pending[won]
-            lost = pending[~won]
-            choice[lost] ^= 1
-            choice[evicted] ^= 1
-            pending = np.concatenate([lost, evicted])
-        if len(pending) == 0:
-            keys = np.zeros(2 * half, np.int64)
-            out = np.zeros(2 * half, np.int64)
-            used = owner >= 0
-            keys[used], out[used] = ids[owner[used]], slots[owner[used]]
-            return keys, out, half
-        half *= 2
-    raise ValueError(f"ids: {n} IDs found no cuckoo placement in {_MAX_GROWTH} doublings; "
-                     "they must be distinct (a table holds each ID once)")
+    held = set()
+    for ids in id_sets:
+        near = ids[ids < 0]            # ~s < 0 for every s >= 0
+        held.update((~near[near >= -(len(near) + 2)]).tolist())
+    s = 0
+    while s in held:
+        s += 1
+    return s
 
 
-class StaticHash:
-    """Every table's region (see the module docstring), built from each table's (ids, slots).
+class PrunedHash:
+    """The regions of every feature (see the module docstring), built from each feature's
+    table as (ids, rows).
 
     Args:
-        tables: list of (int64 ids, int64 slots) pairs, one per table index.
+        regions: one (int64 ids, int64 rows) pair per feature, in feature order; the ids of
+            one pair distinct.
 
-    >>> h = StaticHash([(np.array([7, 9]), np.array([1, 2])), (np.array([9]), np.array([1]))])
-    >>> lookup(h.entries, h.params[:, [0, 0, 1, 1, 2]], torch.tensor([9, 5, 9, 7, 9])).tolist()
-    [2, 0, 1, 0, 0]
+    >>> h = PrunedHash([(np.array([7, -1]), np.array([1, 2])), (np.array([7]), np.array([1]))])
+    >>> h.mask, h.offsets.tolist()
+    (1, [0, 32, 64])
+    >>> lookup(h.table, h.offsets, h.mask, torch.tensor([7, -1, 5, 7, -1]), torch.tensor([0, 2, 3, 4, 5])).tolist()
+    [1, 2, 0, 1, 0]
     """
 
-    def __init__(self, tables: list[tuple[np.ndarray, np.ndarray]]) -> None:
-        keys, slots, params, base = [], [], [], 0
-        for ids, table_slots in tables:
-            k, s, half = place(ids, table_slots)
-            keys.append(k)
-            slots.append(s)
-            params.append((base, base + half, 64 - half.bit_length() + 1, half - 1))
-            base += len(k)
-        keys.append(np.zeros(2, np.int64))
-        slots.append(np.zeros(2, np.int64))
-        params.append((base, base + 1, 63, 0))
-        self.entries = torch.from_numpy(np.stack([np.concatenate(keys), np.concatenate(slots)], axis=1))
-        self.params = torch.tensor(params, dtype=torch.int64).t().contiguous()
+    def __init__(self, regions: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
+        ids = [np.asarray(i, dtype=np.int64) for i, _ in regions]
+        rows = [np.asarray(r, dtype=np.int64) for _, r in regions]
+        self.mask = key_mask(ids)
+        capacities = [region_capacity(len(i)) for i in ids]
+        self.offsets = torch.tensor(np.concatenate([[0], np.cumsum(capacities)]), dtype=torch.int64)
+        self.table = torch.full((int(self.offsets[-1]), 2), EMPTY, dtype=torch.int64)
+        if regions:
+            keys = torch.from_numpy(np.concatenate(ids) ^ self.mask)
+            counts = torch.tensor(np.concatenate([[0], np.cumsum([len(i) for i in ids])]), dtype=torch.int64)
+            torch.ops.fbgemm.pruned_hashmap_insert(keys, torch.from_numpy(np.concatenate(rows)), counts,
+                                                  self.table, self.offsets)
 
 
-def lookup(entries: torch.Tensor, params: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """The slot of each ID in its table's region, 0 where the region does not hold it.
+def lookup(table: torch.Tensor, regions: torch.Tensor, mask: int, ids: torch.Tensor,
+           offsets: torch.Tensor) -> torch.Tensor:
+    """The row of every ID, each bag read in its feature's region; `UNSEEN` where it lacks it.
 
     Args:
-        entries: a `StaticHash`'s.
-        params: int64 (4, n), the region of each ID's table (`StaticHash.params`' columns).
-        ids: int64 (n,).
+        table: a `PrunedHash`'s `table`.
+        regions: int64 (F + 1,), the region offsets of the request's F features in order.
+        mask: the `PrunedHash`'s `mask`.
+        ids: int64 (n,), the request's values, feature by feature.
+        offsets: int64 (F * B + 1,), the request's bag offsets (a KJT's `offsets()`).
 
     Returns:
-        torch.Tensor: int64 (n,).
+        torch.Tensor: int64 (n,) rows.
     """
-    first, second = places(ids, params)
-    # a sum, not a choice: an empty entry (key 0) may sit at one place while ID 0 sits at the
-    # other, and it adds slot 0
-    a, b = entries.index_select(0, first), entries.index_select(0, second)
-    return torch.where(a[:, 0] == ids, a[:, 1], 0) + torch.where(b[:, 0] == ids, b[:, 1], 0)
+    if mask:
+        ids = ids ^ mask
+    if offsets.numel() <= 1:        # no bag: FBGEMM refuses a batch of 0
+        return torch.zeros_like(ids)
+    return torch.ops.fbgemm.pruned_hashmap_lookup(ids, offsets, table, regions).clamp_(min=UNSEEN)

@@ -12,8 +12,8 @@ Lookup
     Plain tensor operations, so `torch.export` records them and the rows travel with the
     program. Every int64 is a valid ID (no value is reserved as empty), as in the live tables.
     The modules (one table, one feature) read this sorted array: a delta merges its new IDs in
-    O(N). The collections read a static hash built from every table's arrays
-    (`hashmap.StaticHash`: two reads per ID instead of log2(N), for all features at once).
+    O(N). The collections read FBGEMM's pruned-index hash table built from every table's
+    arrays (`hashmap.PrunedHash`: one operator call for all features at once).
 
 Why unseen IDs read zeros: it is what the live tables answer in eval mode (they never insert
 there), what `to_fixed`'s extra zero row gave, and it is the identity of every pooling (sum
