@@ -1,5 +1,6 @@
-"""The sharded collections at TorchRec's seams over 2 gloo processes, in one spawned run:
-KJTs with a batch size per key (VBE) in the sharded unpooled collection.
+"""The sharded collections at TorchRec's seams over 2 gloo processes, in one spawned run: KJTs
+with a batch size per key (VBE) in the sharded unpooled collection; per-sample weights' gradient
+and VBE KJTs under TrainPipelineSparseDist and with the dense part compiled.
 
 Unpooled VBE: each rank feeds its own KJT (batch sizes per key differ between ranks and keys,
 keys in another order than the tables', IDs owned by both ranks) to DMP with our sharder, and
@@ -11,12 +12,21 @@ unsharded EC's rows moved by the gradient of both ranks' samples (TorchRec's sha
 reference for the rows on CPU: its VBE reindex, fbgemm's permute_1D_sparse_data, has no CPU
 autograd kernel, so no gradient reaches its rows). Without inverse_indices each feature keeps its
 own bags, as the unsharded collections return them.
+
+Pipeline and compile: a TorchRec-style model (a PositionWeightedModule over a weighted collection,
+a collection reading a VBE KJT, a dense layer, (loss, prediction) out) under DMP with our sharder
+is trained for 3 batches (a different batch size per rank) through TrainPipelineSparseDist (which
+runs the VBE collection's input dist a batch ahead) and, separately, with its dense layer under
+torch.compile; both give the predictions, the learnt position weights and dense parameters and
+the rows of a plain eager run of the same model (whose weights' gradient and VBE rows equal
+TorchRec's EBC's: tests/test_sharded_seams.py). TorchRec's own sharded modules are no reference
+here on CPU: their VBE backward gets no gradient (see above).
 """
 import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("torchrec")
+Pipelineable = pytest.importorskip("torchrec.streamable").Pipelineable
 
 TIMEOUT = 240.0
 ROWS = 40
@@ -140,14 +150,138 @@ def _unpooled_variable_batch(rank, world_size):
         torch.testing.assert_close(out[f].values(), plain[f].values(), rtol=1e-6, atol=1e-7)
 
 
+def _ebc_configs():
+    from torchrec import EmbeddingBagConfig
+    return [EmbeddingBagConfig(name="t_pos", embedding_dim=4, num_embeddings=ROWS, feature_names=["f1", "f2"]),
+            EmbeddingBagConfig(name="t_vbe", embedding_dim=3, num_embeddings=ROWS, feature_names=KEYS)]
+
+
+class Batch(Pipelineable):
+    """What the data loader gives TrainPipelineSparseDist (a Pipelineable): an ordinary KJT for
+    the position-weighted collection, a VBE KJT for the other, labels."""
+
+    def __init__(self, sparse, vbe, labels):
+        self.sparse, self.vbe, self.labels = sparse, vbe, labels
+
+    def to(self, device, non_blocking=False):
+        return Batch(self.sparse.to(device), self.vbe.to(device), self.labels.to(device))
+
+    def record_stream(self, stream):
+        pass
+
+
+class Model(torch.nn.Module):
+    """A TorchRec-style model: FeatureProcessedEmbeddingBagCollection (PositionWeightedModule over a
+    weighted collection) on `batch.sparse`, a collection on the VBE KJT `batch.vbe`, a dense layer;
+    returns (loss, prediction) as TrainPipelineSparseDist expects."""
+
+    def __init__(self, weighted, vbe):
+        from torchrec.modules.feature_processor_ import PositionWeightedModule
+        from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
+        super().__init__()
+        self.weighted = FeatureProcessedEmbeddingBagCollection(
+            weighted, {f: PositionWeightedModule(4) for f in ("f1", "f2")})
+        self.vbe = vbe
+        self.dense = torch.nn.Linear(8 + 3 * len(KEYS), 1)
+        with torch.no_grad():
+            for i, p in enumerate(self.parameters()):
+                p.copy_(torch.linspace(-0.5, 1.5, p.numel()).view(p.shape) + 0.1 * i)
+
+    def forward(self, batch):
+        pooled = torch.cat([self.weighted(batch.sparse).values(), self.vbe(batch.vbe).values()], dim=1)
+        prediction = self.dense(pooled).squeeze(1)
+        return ((prediction - batch.labels) ** 2).sum(), prediction.detach()
+
+
+def _batches(rank, count):
+    from torchrec import KeyedJaggedTensor
+    out = []
+    for step in range(count):
+        rng = np.random.default_rng(100 + 10 * step + rank)
+        lengths = torch.from_numpy(rng.integers(0, 4, 2 * SAMPLES[rank]))
+        sparse = KeyedJaggedTensor.from_lengths_sync(["f2", "f1"], torch.from_numpy(
+            rng.integers(0, ROWS, int(lengths.sum()))), lengths)
+        out.append(Batch(sparse, _vbe_kjt(rank, 200 + step),
+                         torch.from_numpy(rng.standard_normal(SAMPLES[rank]).astype(np.float32))))
+    return out
+
+
+def _trained(mode, batches):
+    """Our model under DMP, trained on `batches` (SGD lr 0.05 on the dense part, fused SGD on the
+    tables) plainly in eager mode, through TrainPipelineSparseDist, or with the dense part
+    compiled: (predictions, dense parameters, each table's rows by key, the dense parameters
+    before training)."""
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    import cncore
+    from cncore_torch import CNEmbeddingBagCollection
+    from cncore_torch.distributed import CNEmbeddingBagCollectionSharder
+
+    configs = _ebc_configs()
+    model = Model(CNEmbeddingBagCollection(configs[:1], is_weighted=True, device="meta", seed=5,
+                                           optimizer=cncore.SGD(lr=0.05)),
+                  CNEmbeddingBagCollection(configs[1:], device="meta", seed=6, optimizer=cncore.SGD(lr=0.05)))
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"), sharders=[CNEmbeddingBagCollectionSharder()])
+    dense = [p for _, p in in_backward_optimizer_filter(dmp.named_parameters())]
+    initial = {n: p.detach().clone() for n, p in dmp.named_parameters() if p.numel()}
+    optimizer = torch.optim.SGD(dense, lr=0.05)
+    predictions = []
+    if mode == "pipeline":
+        pipeline = TrainPipelineSparseDist(dmp, optimizer, torch.device("cpu"))
+        loader = iter(batches)
+        for _ in batches:
+            predictions.append(pipeline.progress(loader))
+        # the VBE collection reads the batch directly: its input dist runs a batch ahead
+        assert [type(m).__name__ for m in pipeline._pipelined_modules] == ["ShardedCNEmbeddingBagCollection"]
+    else:
+        if mode == "compiled":
+            dmp.module.dense = torch.compile(dmp.module.dense)
+        for batch in batches:
+            optimizer.zero_grad()
+            loss, prediction = dmp(batch)
+            loss.backward()
+            optimizer.step()
+            predictions.append(prediction)
+    rows = {}
+    for module in dmp.modules():
+        for name, store in getattr(module, "stores", {}).items():
+            batch = store.export()
+            order = np.argsort(batch.keys)
+            rows[name] = (batch.keys[order], batch.rows[order])
+    dense = {n.replace("._orig_mod", ""): p.detach().clone() for n, p in dmp.named_parameters() if p.numel()}
+    return predictions, dense, rows, initial
+
+
+def _pipeline_and_compile(rank, world_size):
+    batches = _batches(rank, 3)
+    plain = _trained("plain", batches)
+    for mode in ("pipeline", "compiled"):
+        predictions, dense, rows, _ = _trained(mode, batches)
+        assert len(predictions) == len(plain[0]) == 3, mode
+        for got, expected in zip(predictions, plain[0]):
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+        assert sorted(dense) == sorted(plain[1]) and any("position_weight" in n for n in dense), (mode, dense)
+        assert all(not torch.equal(dense[n], plain[3][n]) for n in dense), mode  # every one learnt
+        for name, p in dense.items():
+            torch.testing.assert_close(p, plain[1][name], rtol=1e-5, atol=1e-6)
+        assert sorted(rows) == ["t_pos", "t_vbe"] and all(len(rows[t][0]) for t in rows)
+        for name, (keys, values) in rows.items():
+            np.testing.assert_array_equal(keys, plain[2][name][0])
+            np.testing.assert_allclose(values, plain[2][name][1], rtol=1e-5, atol=1e-6)
+
+
 def _seams(rank, world_size):
     _unpooled_variable_batch(rank, world_size)
+    _pipeline_and_compile(rank, world_size)
 
 
 @pytest.mark.slow
 def test_two_ranks_sharded_seams():
     """One spawned 2-rank run: the sharded unpooled collection on VBE KJTs equals TorchRec's own
-    sharded EC (outputs, and rows after an SGD step) and its unsharded EC expanded by
-    inverse_indices."""
+    sharded EC (outputs) and its unsharded EC expanded by inverse_indices (outputs, rows after SGD
+    steps); a model with position weights and a VBE collection trains through
+    TrainPipelineSparseDist and with a compiled dense part exactly as in plain eager mode."""
     from cncore_torch.distributed.launch import spawn
     spawn(_seams, 2, timeout=TIMEOUT)
