@@ -37,6 +37,18 @@ class FallbackModel(BoundedModel):
             return self.fb_rows[self.fallback_of(key)].copy()
         return super().initial(key)
 
+    def overflow(self, keys):
+        """With fallback rows, a training lookup that must evict takes one round of eviction, as
+        a batch past the budget does, whatever the number of its new keys."""
+        new = list(dict.fromkeys(k for k in keys if k not in self.rows))
+        if len(self.rows) + len(new) <= self.max_rows:
+            return keys
+        used = {k for k in keys if k in self.rows}
+        n = max(len(self.rows) - self.low_water, len(self.rows) + 1 - self.max_rows)
+        self.evict_lowest(max(0, min(n, len(self.rows) - len(used))), exclude=used)
+        over = set(new[self.max_rows - len(self.rows):])
+        return [k for k in keys if k not in over]
+
     def read(self, keys):
         return np.array([self.rows[k] if k in self.rows else self.fb_rows[self.fallback_of(k)] for k in keys],
                         dtype=np.float32).reshape(len(keys), DIM)
@@ -203,3 +215,62 @@ def test_bad_fallback_options_are_refused_by_name():
     s = sgd_store(fallback_rows=2)
     with pytest.raises(ValueError, match=r"rows: expected shape \(2, 2\)"):
         s.load_fallback(np.zeros((3, 2), np.float32))
+
+
+def trained_store(**kw):
+    s = cncore.EmbeddingStore(dim=3, max_rows=2, fallback_rows=4, optimizer=cncore.Adagrad(lr=0.1), **kw)
+    _, ctx = s.pooled_lookup(np.array([1, 2, 3, 4, 5]), lengths=np.array([5]))
+    s.apply_gradients(ctx, np.ones((1, 3), np.float32))
+    return s
+
+
+def assert_same_fallback(a, b):
+    for x, y in zip(a.export_fallback(), b.export_fallback()):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_a_table_file_full_delta_and_compacted_carries_the_fallback_rows(tmp_path):
+    from cncore.tablefile import compact_table, load_store, save_table
+    s = trained_store()
+    path = str(tmp_path / "t.cnt")
+    base = save_table(s, path)
+    assert_same_fallback(load_store(path), s)
+    _, ctx = s.pooled_lookup(np.array([6, 7, 8]), lengths=np.array([3]))  # trains keyed and fallback rows
+    s.apply_gradients(ctx, np.ones((1, 3), np.float32))
+    assert save_table(s, path, since=base).delta
+    back = load_store(path)
+    assert_same_fallback(back, s)
+    assert back.config == s.config and sorted(back.export().keys.tolist()) == sorted(s.export().keys.tolist())
+    compact_table(path)
+    assert_same_fallback(load_store(path), s)
+
+
+def test_a_table_file_without_its_fallback_rows_is_refused_by_name(tmp_path):
+    import json
+    import os
+
+    from cncore.fileio import TableFormatError
+    from cncore.tablefile import TableWriter, load_store, save_table
+    s = trained_store()
+    with pytest.raises(ValueError, match=r"fallback_rows=4: the table's fallback rows were not written"):
+        with TableWriter(str(tmp_path / "w.cnt"), s.config, 0) as _:
+            pass
+    assert not os.path.exists(tmp_path / "w.cnt")
+    path = str(tmp_path / "t.cnt")
+    save_table(s, path)
+    version = open(os.path.join(path, "CURRENT")).read().strip()
+    manifest = os.path.join(path, version, "manifest.json")
+    m = json.load(open(manifest))
+    del m["fallback"]
+    with open(manifest, "w") as fh:
+        json.dump(m, fh)
+    os.remove(os.path.join(path, version, "manifest.sha256"))
+    with pytest.raises(TableFormatError, match=r"fallback: missing \(config.fallback_rows=4\)"):
+        load_store(path)
+
+
+def test_a_table_file_of_a_table_without_fallback_rows_holds_no_fallback_fields():
+    from cncore.fileio import config_to_dict
+    d = config_to_dict(cncore.StoreConfig(dim=2))
+    assert "fallback_rows" not in d and "fallback_copy" not in d
+    assert config_to_dict(cncore.StoreConfig(dim=2, fallback_rows=3))["fallback_rows"] == 3

@@ -169,7 +169,11 @@ static inline int64_t cn_table_mark_overflow(const int64_t *keys, int64_t *slots
  * one row (fewer when the call's own rows leave too few candidates), the new keys take the free rows in order of
  * first occurrence and the rest get no row (cn_table_mark_overflow), so training never stops
  * on the budget; without it (an explicit insert, whose rows the caller means to keep),
- * CN_EFULL. CN_EFULL and CN_ENOMEM leave the table unchanged. */
+ * CN_EFULL. A table with fallback rows (cn_table_core.h) takes that one round whenever a
+ * training lookup must evict, however few its new keys: the keys left without a row still
+ * learn, in their fallback rows, so one round a call bounds the churn (rows inserted to be
+ * evicted a call later, their training lost) where evicting room for every new key let a
+ * batch's tail flush the table each call. CN_EFULL and CN_ENOMEM leave the table unchanged. */
 static inline int cn_table_make_room(cn_table *t, const int64_t *keys, int64_t n, int64_t *slots,
                                      int want_rows, cn_evicted *ev, int overflow) {
     memset(ev, 0, sizeof(*ev));
@@ -183,7 +187,7 @@ static inline int cn_table_make_room(cn_table *t, const int64_t *keys, int64_t n
         if (slots[i] >= 0) pinned += cn_arena_set_live(&t->arena, slots[i], 0);
     int rc = CN_EFULL;
     int64_t k = -1;
-    if (overflow && pinned + n_new > t->bound.max_rows) {
+    if (overflow && (pinned + n_new > t->bound.max_rows || t->bound.fallback_rows > 0)) {
         /* One round of eviction, down to the low-water mark and at least one row (never the
          * call's own rows), as a call within the budget makes it: a batch too big for the table
          * does not flush the rows the policy ranks above its new keys (LFU's popular rows), and
