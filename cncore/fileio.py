@@ -40,6 +40,9 @@ _ADMISSIONS = {"MinCount": MinCount, "Probability": Probability}
 # Policy fields a file holds only when set (added later): a file of a policy without them reads
 # and writes as before, also by older versions of this package, which refuse unknown fields.
 _POLICY_OPTIONAL_FIELDS = {"LFU": ("halve_every",)}
+# Config fields a file holds only when the table has fallback rows, with the values a file
+# without them reads as.
+_FALLBACK_FIELDS = {"fallback_rows": 0, "fallback_copy": True}
 
 
 class TableFormatError(ValueError):
@@ -85,6 +88,9 @@ def config_to_dict(config: StoreConfig) -> dict:
         if d[name] is None:
             del d[name]
     del d["storage"]  # where a store keeps its rows is not part of the table
+    if not config.fallback_rows:
+        for name in _FALLBACK_FIELDS:
+            del d[name]
     return d
 
 
@@ -149,7 +155,7 @@ def config_from_dict(d: Any, where: str = "") -> StoreConfig:
     if isinstance(d, dict):
         if "storage" in d:  # never written: a table file holds rows, not where a store keeps them
             raise _error(where, "config has an unknown field 'storage'")
-        d = {**dict.fromkeys(_OPTIONAL_FIELDS), **d, "storage": None}
+        d = {**_FALLBACK_FIELDS, **dict.fromkeys(_OPTIONAL_FIELDS), **d, "storage": None}
     _fields_exactly(d, tuple(f.name for f in dataclasses.fields(StoreConfig)), where, "config")
     d = dict(d)
     if d["eviction"] is not None:

@@ -179,7 +179,8 @@ def _check_manifest(m, where: str) -> tuple[int, int, cncore.StoreConfig, int]:
         raise _error(where, f"format version {m['version']} is newer than this reader ({FORMAT_VERSION})")
     v3 = isinstance(m, dict) and _is_int(m.get("version"), 3, 2**63)
     _fields_exactly(m, (_MANIFEST_KEYS_V3 if v3 else _MANIFEST_KEYS)
-                    + tuple(k for k in ("delta", "shard") if isinstance(m, dict) and k in m), where, "the manifest")
+                    + tuple(k for k in ("delta", "shard", "fallback") if isinstance(m, dict) and k in m), where,
+                    "the manifest")
     if "shard" in m:
         _check_shard_record(m["shard"], "shard", where)
     if "delta" in m:
@@ -226,7 +227,31 @@ def _check_manifest(m, where: str) -> tuple[int, int, cncore.StoreConfig, int]:
             raise _error(where, f"{at}.bytes must be an int >= 0, got {_show(entry['bytes'])}")
         if not (isinstance(entry["sha256"], str) and re.fullmatch(r"[0-9a-f]{64}", entry["sha256"])):
             raise _error(where, f"{at}.sha256 must be 64 hex digits, got {_show(entry['sha256'])}")
+    _check_fallback_entries(m, config, where)
     return n, m["step"], config, m.get("evicted", 0)
+
+
+def _check_fallback_entries(m: dict, config: cncore.StoreConfig, where: str) -> None:
+    """A table with fallback rows holds both arrays, float32, of their shapes; others none."""
+    if not config.fallback_rows:
+        if "fallback" in m:
+            raise _error(where, "fallback: the config has no fallback rows (fallback_rows=0), the manifest lists "
+                                "them")
+        return
+    if "fallback" not in m:
+        raise _error(where, f"fallback: missing (config.fallback_rows={config.fallback_rows})")
+    _fields_exactly(m["fallback"], ("rows", "optimizer_state"), where, "fallback")
+    n = config.fallback_rows
+    for name, width in (("rows", config.dim), ("optimizer_state", config.state_floats)):
+        entry, at = m["fallback"][name], f"fallback.{name}"
+        _fields_exactly(entry, _ENTRY_KEYS, where, at)
+        expected = {"file": f"fallback_{name}.npy", "dtype": np.dtype(np.float32).str, "shape": [n, width]}
+        for key, want in expected.items():
+            if entry[key] != want or (key == "shape" and any(type(v) is not int for v in entry[key])):
+                raise _error(where, f"{at}.{key} must be {want!r}, got {_show(entry[key])}")
+        if not _is_int(entry["bytes"]) or not (isinstance(entry["sha256"], str)
+                                               and re.fullmatch(r"[0-9a-f]{64}", entry["sha256"])):
+            raise _error(where, f"{at} must give bytes (an int) and sha256 (64 hex digits), got {_show(entry)}")
 
 
 def _check_shard_record(d, what: str, where: str = "") -> None:

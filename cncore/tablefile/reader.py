@@ -72,6 +72,8 @@ def load_store(path: str, verify: bool = True, batch_rows: int = 1 << 18, kind: 
             store.load(b["keys"], b["rows"], b["optimizer_state"] if sf else None, b["counts"], b["last_steps"])
     store.step = head.step
     store.evicted_count = head.evicted_count
+    if head.fallback is not None:
+        store.load_fallback(*head.fallback)
     return store
 
 
@@ -166,6 +168,8 @@ class TableFile:
     manifest_sha256: str = field(default="", repr=False, compare=False)  # of its manifest.json as read
     # a shard table's {"rank", "world_size", "save"} as saved; None for other tables and older files
     shard: dict | None = field(default=None, repr=False, compare=False)
+    # the fallback rows and their optimizer state (StoreConfig.fallback_rows), in memory; None without them
+    fallback: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         weakref.finalize(self, _close_all, self._files)
@@ -385,9 +389,18 @@ def _open_version(path: str, version: str, verify: bool) -> TableFile:
                                                          f"{path}: {version}/removed_keys.npy", verify)
             delta = {"parent": manifest["delta"]["parent"], "removed": removed,
                      "name": manifest["delta"].get("name"), "parent_sha256": manifest["delta"].get("parent_sha256")}
+        fallback = None
+        if "fallback" in manifest:
+            parts = []
+            for part in ("rows", "optimizer_state"):
+                fh, arr = _open_array(os.path.join(directory, f"fallback_{part}.npy"), manifest["fallback"][part],
+                                      f"{path}: {version}/fallback_{part}.npy", verify)
+                with fh:
+                    parts.append(np.array(arr))
+            fallback = (parts[0], parts[1])
         table = TableFile(path, config, step, **arrays, _files=files, version=version, delta=delta,
                           evicted_count=evicted, manifest_sha256=hashlib.sha256(text).hexdigest(),
-                          shard=manifest.get("shard"))
+                          shard=manifest.get("shard"), fallback=fallback)
     except BaseException:
         _close_all(files)
         raise

@@ -119,6 +119,41 @@ class TableWriter:
             self.abort()
             raise
         self.rows_written = 0
+        self.fallback: tuple[np.ndarray, np.ndarray] | None = None
+
+    def write_fallback(self, rows: ArrayLike, optimizer_state: ArrayLike) -> None:
+        """The table's fallback rows and their optimizer state (``StoreConfig.fallback_rows``):
+        required before `commit` when the config has them.
+
+        Args:
+            rows (ArrayLike): (fallback_rows, dim) float32.
+            optimizer_state (ArrayLike): (fallback_rows, state_floats) float32.
+        """
+        n = self.config.fallback_rows
+        if not n:
+            raise ValueError("write_fallback: this table's config has no fallback rows (fallback_rows=0)")
+        arrays = []
+        for name, value, width in (("rows", rows, self.config.dim),
+                                   ("optimizer_state", optimizer_state, self.config.state_floats)):
+            arr = np.ascontiguousarray(value)
+            if arr.dtype != np.float32 or arr.shape != (n, width):
+                raise ValueError(f"fallback {name} must be float32 of shape {(n, width)}, got {arr.dtype} {arr.shape}")
+            arrays.append(arr)
+        self.fallback = (arrays[0], arrays[1])
+
+    def _write_fallback_files(self) -> dict:
+        """The fallback arrays' files in the new version, and their manifest entries."""
+        assert self.fallback is not None
+        entries = {}
+        for name, arr in zip(("rows", "optimizer_state"), self.fallback):
+            data = npy_header(np.float32, arr.shape) + arr.tobytes()
+            with open(os.path.join(self._tmp, f"fallback_{name}.npy"), "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            entries[name] = {"file": f"fallback_{name}.npy", "dtype": np.dtype(np.float32).str,
+                             "shape": list(arr.shape), "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        return entries
 
     def _append(self, name: str, data) -> None:
         self._files[name].write(data)
@@ -171,6 +206,12 @@ class TableWriter:
                     "evicted": self.evicted_count, "config": config_to_dict(self.config), "arrays": {}}
         if self.shard is not None:
             manifest["shard"] = self.shard
+        if self.config.fallback_rows:
+            if self.fallback is None:
+                self.abort()
+                raise ValueError(f"fallback_rows={self.config.fallback_rows}: the table's fallback rows were not "
+                                 "written (TableWriter.write_fallback); nothing was committed")
+            manifest["fallback"] = self._write_fallback_files()
         if self.parent is not None:
             removed = np.ascontiguousarray(self.removed_keys)
             data = npy_header(np.int64, removed.shape) + removed.tobytes()
@@ -320,6 +361,8 @@ def save_table(store: cncore.EmbeddingStore | TieredStore, path: str, batch_rows
         return _save_delta(store, path, batch_rows, since, tuple(keep), shard)
     with TableWriter(path, store.config, len(store), store.step, evicted_count=store.evicted_count,
                      keep=tuple(keep), shard=shard) as writer:
+        if isinstance(store, cncore.EmbeddingStore) and store.fallback_rows:
+            writer.write_fallback(*store.export_fallback())
         for batch in store.iter_export(batch_rows):
             if writer.rows_written + len(batch.keys) > writer.n_rows:
                 raise RuntimeError("the store changed during the save")
@@ -357,6 +400,9 @@ def _save_delta(store, path: str, batch_rows: int, since: Checkpoint, keep: tupl
     with TableWriter(path, store.config, len(changed), store.step, parent=since.version, removed_keys=removed,
                      keep=versions + tuple(keep), evicted_count=store.evicted_count,
                      parent_sha256=chain[-1].manifest_sha256, shard=shard) as writer:
+        # every version holds the fallback rows whole (N rows, not a delta of them)
+        if isinstance(store, cncore.EmbeddingStore) and store.fallback_rows:
+            writer.write_fallback(*store.export_fallback())
         for start in range(0, len(changed), batch_rows):
             b = store.read(changed[start:start + batch_rows])
             if not b.found.all():

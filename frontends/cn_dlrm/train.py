@@ -221,11 +221,13 @@ def dynamic_run(args, data: Data) -> Run:
 def used_bytes(store: cncore.EmbeddingStore) -> int:
     """Bytes a store of this job uses: its index buckets (16 B: key, slot) and its rows (4 B a
     float, 2 B with 16-bit rows) with their metadata (16 B with row-wise Adagrad: count, last
-    step, the state; a table with an eviction policy also keeps each row's key, 8 B); capacity
-    allocated ahead of need is not counted (that is `store.nbytes - used_bytes(store)`)."""
+    step, the state; a table with an eviction policy also keeps each row's key, 8 B) and its
+    fallback rows (values and metadata, no key or bucket); capacity allocated ahead of need is
+    not counted (that is `store.nbytes - used_bytes(store)`)."""
     value_bytes = 4 if store.config.dtype == "float32" else 2
     meta_bytes = 16 + (8 if store.config.eviction is not None else 0)
-    return 16 * store._table.n_buckets + len(store) * (store.dim * value_bytes + meta_bytes)
+    return (16 * store._table.n_buckets + len(store) * (store.dim * value_bytes + meta_bytes)
+            + store.config.fallback_rows * (store.dim * value_bytes + 16))
 
 
 # --- training ------------------------------------------------------------------------------------

@@ -297,6 +297,10 @@ class CNEmbeddingBagCollection(_DynamicTables, EmbeddingBagCollection):
         row_dtype (str | dict[str, str] | None): "float32", "float16" or "bfloat16".
         storage (Tiered | dict[str, Tiered | None] | None): `cncore.Tiered(path, cache_bytes)`:
             rows on disk under a bounded cache.
+        fallback_rows (int | dict[str, int | None] | None): shared rows that IDs without a row of
+            their own read and train (``StoreConfig.fallback_rows``; docs/bounded-tables.md).
+        fallback_copy (bool | dict[str, bool | None] | None): a new row starts as a copy of its
+            fallback row (None: True) or from the initializer.
         per_rank_tables (bool): each rank keeps its own tables unsharded in a process group.
 
     Each of max_rows, eviction, admission, headroom, row_dtype and storage is one value for
@@ -344,14 +348,17 @@ class CNEmbeddingBagCollection(_DynamicTables, EmbeddingBagCollection):
                  eviction: Eviction | dict[str, Eviction | None] | None = None,
                  admission: Admission | dict[str, Admission | None] | None = None,
                  headroom: int | dict[str, int | None] | None = None, row_dtype: str | dict[str, str] | None = None,
-                 storage: Tiered | dict[str, Tiered | None] | None = None, per_rank_tables: bool = False) -> None:
+                 storage: Tiered | dict[str, Tiered | None] | None = None, per_rank_tables: bool = False,
+                 fallback_rows: int | dict[str, int | None] | None = None,
+                 fallback_copy: bool | dict[str, bool | None] | None = None) -> None:
         super().__init__()
         check_flag("per_rank_tables", per_rank_tables)
         self._per_rank_tables = per_rank_tables
         self._init_tables(tables, EmbeddingBagConfig, optimizer, initializers, capacities, seed, device,
                           "CNEmbeddingBagCollection", "embedding_bags.fused",
                           {"max_rows": max_rows, "eviction": eviction, "admission": admission, "headroom": headroom,
-                           "row_dtype": row_dtype, "storage": storage})
+                           "row_dtype": row_dtype, "storage": storage, "fallback_rows": fallback_rows,
+                           "fallback_copy": fallback_copy})
         check_flag("is_weighted", is_weighted)
         self._is_weighted = is_weighted
         self._embedding_bag_configs = tables
@@ -464,8 +471,8 @@ class CNEmbeddingCollection(_DynamicTables, EmbeddingCollection):
         initializers (dict[str, Initializer] | None): {table name: cncore initializer}.
         capacities (dict[str, int] | None): {table name: rows to allocate up front}.
         seed (int): each table's rows are drawn from (seed, table name, ID).
-        max_rows, eviction, admission, headroom, row_dtype, storage: one value for every table
-            or {table name: value}, as `CNEmbeddingBagCollection`'s.
+        max_rows, eviction, admission, headroom, row_dtype, storage, fallback_rows, fallback_copy: one value
+            for every table or {table name: value}, as `CNEmbeddingBagCollection`'s.
         per_rank_tables (bool): each rank keeps its own tables unsharded in a process group.
 
     >>> import torch, cncore
@@ -485,7 +492,9 @@ class CNEmbeddingCollection(_DynamicTables, EmbeddingCollection):
                  eviction: Eviction | dict[str, Eviction | None] | None = None,
                  admission: Admission | dict[str, Admission | None] | None = None,
                  headroom: int | dict[str, int | None] | None = None, row_dtype: str | dict[str, str] | None = None,
-                 storage: Tiered | dict[str, Tiered | None] | None = None, per_rank_tables: bool = False) -> None:
+                 storage: Tiered | dict[str, Tiered | None] | None = None, per_rank_tables: bool = False,
+                 fallback_rows: int | dict[str, int | None] | None = None,
+                 fallback_copy: bool | dict[str, bool | None] | None = None) -> None:
         super().__init__()
         check_flag("need_indices", need_indices)
         check_flag("per_rank_tables", per_rank_tables)
@@ -493,7 +502,8 @@ class CNEmbeddingCollection(_DynamicTables, EmbeddingCollection):
         self._init_tables(tables, EmbeddingConfig, optimizer, initializers, capacities, seed, device,
                           "CNEmbeddingCollection", "embeddings.fused",
                           {"max_rows": max_rows, "eviction": eviction, "admission": admission, "headroom": headroom,
-                           "row_dtype": row_dtype, "storage": storage})
+                           "row_dtype": row_dtype, "storage": storage, "fallback_rows": fallback_rows,
+                           "fallback_copy": fallback_copy})
         dims = {c.embedding_dim for c in tables}
         if len(dims) > 1:
             raise ValueError(f"tables: an EmbeddingCollection needs one embedding_dim for all tables, got "

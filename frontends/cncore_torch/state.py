@@ -71,13 +71,29 @@ def save_store(store: cncore.EmbeddingStore, destination: dict, prefix: str,
         per_rank["shard"] = torch.tensor(list(shard), dtype=torch.int64)
     for name, value in per_rank.items():  # one value a rank: stacked by DCP when sharded
         destination[prefix + name] = value if shard is None else TableEntry(value, layout, per_rank=True)
+    save_fallback(store, destination, prefix, shard is not None)
+
+
+def save_fallback(store, destination: dict, prefix: str, sharded: bool = False) -> None:
+    """A table's fallback rows (``StoreConfig.fallback_rows``) and their optimizer state, as the
+    entries fallback_rows and fallback_optimizer_state (nothing without them)."""
+    n = getattr(store, "fallback_rows", 0)
+    if not n:
+        return
+    if sharded:
+        raise ValueError(f"fallback_rows={n}: a sharded table's state_dict does not carry fallback rows; build the "
+                         "sharded module's tables without fallback_rows (or save the unsharded module)")
+    rows, state = store.export_fallback()
+    destination[prefix + "fallback_rows"] = torch.from_numpy(rows)
+    destination[prefix + "fallback_optimizer_state"] = torch.from_numpy(state)
 
 
 # evicted_count: written for tables that evicted rows or have an eviction policy. shard: written
 # by sharded modules, (rank, world size, run id) of the shard the entries hold: rank R of W holds
 # only the keys R owns, and the run id (agreed by the ranks when the module is built) tells the
 # ranks of one run from another's; with the step, it identifies a save. Both read when present.
-OPTIONAL_ENTRIES = ("evicted_count", "shard")
+# fallback_rows, fallback_optimizer_state: written for tables with fallback rows, required by them.
+OPTIONAL_ENTRIES = ("evicted_count", "shard", "fallback_rows", "fallback_optimizer_state")
 
 
 def save_evicted_count(store: cncore.EmbeddingStore, destination: dict, prefix: str) -> None:
@@ -100,6 +116,7 @@ class TableState:
     step: int
     evicted_count: int | None = None     # a bounded table's count of evicted rows, when saved
     shard: tuple[int, int, int] | None = None  # (rank, world size, run id) of a shard, when saved
+    fallback: tuple[np.ndarray, np.ndarray] | None = None  # fallback rows and their state, when the table has them
 
     @classmethod
     def from_export(cls, tensors: dict, step: int) -> TableState:
@@ -117,6 +134,8 @@ class TableState:
         target.step = self.step
         if self.evicted_count is not None and hasattr(target, "evicted_count"):
             target.evicted_count = self.evicted_count
+        if self.fallback is not None:
+            target.load_fallback(*self.fallback)
 
 
 def _optimizers_writing(width: int, dim: int) -> str:
@@ -128,11 +147,13 @@ def _optimizers_writing(width: int, dim: int) -> str:
 
 
 def read_table(state_dict, prefix: str, dim: int, state_floats: int, missing_keys: list[str],
-               error_msgs: list[str]) -> TableState | None:
+               error_msgs: list[str], fallback_rows: int = 0) -> TableState | None:
     """The checked entries of the table under `prefix`, or None with the reasons appended to
     `missing_keys` / `error_msgs`. Checks everything the store's `load` would, and more
     (unique keys, the optimizer), so that loading a TableState cannot fail half way."""
-    missing = [prefix + name for name in ENTRIES if prefix + name not in state_dict]
+    fallback_entries = ("fallback_rows", "fallback_optimizer_state")
+    missing = [prefix + name for name in ENTRIES + (fallback_entries if fallback_rows else ())
+               if prefix + name not in state_dict]
     if missing:
         missing_keys.extend(missing)
         return None
@@ -196,12 +217,22 @@ def read_table(state_dict, prefix: str, dim: int, state_floats: int, missing_key
                 errors.append(f"{prefix}shard: (rank, world size, run id) must have 0 <= rank < world size, got "
                               f"{[rank, world_size, run]}")
             shard = (rank, world_size, run)
+    fallback = None
+    if fallback_rows:
+        fb_rows = tensor("fallback_rows", (torch.float32,), (fallback_rows, dim))
+        fb_state = tensor("fallback_optimizer_state", (torch.float32,), (fallback_rows, state_floats))
+        if fb_rows is not None and fb_state is not None:
+            fallback = (fb_rows.numpy(), fb_state.numpy())
+    elif prefix + "fallback_rows" in state_dict:
+        errors.append(f"{prefix}fallback_rows: the checkpoint holds fallback rows and this table has none; build it "
+                      f"with fallback_rows={len(state_dict[prefix + 'fallback_rows'])} to load them")
     if (errors or keys is None or rows is None or state is None or counts is None or last_steps is None
-            or step is None):  # (a tensor that is None has left its error)
+            or step is None or (fallback_rows and fallback is None)):  # (a tensor that is None has left its error)
         error_msgs.extend(errors)
         return None
     return TableState(keys.numpy(), rows.numpy(), state.numpy(),
-                      counts.to(torch.int64).numpy(), last_steps.to(torch.int64).numpy(), int(step), evicted, shard)
+                      counts.to(torch.int64).numpy(), last_steps.to(torch.int64).numpy(), int(step), evicted, shard,
+                      fallback)
 
 
 def _shape(shape) -> str:
@@ -233,7 +264,8 @@ def load_tables(tables: dict[str, TableSpec], load_rest: Callable, state_dict, m
             errors.extend(problems)
             refused.add(prefix)
     states = {prefix: None if prefix in refused else
-              read_table(state_dict, prefix, config.dim, config.state_floats, missing_keys, errors)
+              read_table(state_dict, prefix, config.dim, config.state_floats, missing_keys, errors,
+                         config.fallback_rows)
               for prefix, (config, _) in tables.items()}
     for prefix, (config, write) in tables.items():
         state = states[prefix]

@@ -1,6 +1,7 @@
 """The per-table options of the torch front end that go straight into a table's
 `cncore.StoreConfig`: the row budget and its policies (`max_rows`, `eviction`, `admission`,
-`headroom`; README "Bounded tables"), the row dtype, and the storage (`cncore.Tiered`: the
+`headroom`; README "Bounded tables"), the shared rows for keys without a row of their own
+(`fallback_rows`, `fallback_copy`; docs/bounded-tables.md), the row dtype, and the storage (`cncore.Tiered`: the
 SSD tier, README "Tables larger than memory").
 
 A module takes each option as one value; a collection takes each either as one value for every
@@ -26,7 +27,8 @@ import torch
 __all__ = ["OPTION_NAMES", "row_dtype_name", "module_options", "per_table_options"]
 
 # StoreConfig's field for each option (the row dtype is StoreConfig.dtype).
-OPTION_NAMES = ("max_rows", "eviction", "admission", "headroom", "row_dtype", "storage")
+OPTION_NAMES = ("max_rows", "eviction", "admission", "headroom", "row_dtype", "storage", "fallback_rows",
+                "fallback_copy")
 _TORCH_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
@@ -42,10 +44,11 @@ def row_dtype_name(value, context: str = "") -> str:
 
 
 def module_options(max_rows=None, eviction=None, admission=None, headroom=None, row_dtype="float32",
-                   storage=None) -> dict:
+                   storage=None, fallback_rows=None) -> dict:
     """StoreConfig fields of one table."""
     return {"max_rows": max_rows, "eviction": eviction, "admission": admission, "headroom": headroom,
-            "dtype": row_dtype_name(row_dtype if row_dtype is not None else "float32"), "storage": storage}
+            "dtype": row_dtype_name(row_dtype if row_dtype is not None else "float32"), "storage": storage,
+            "fallback_rows": 0 if fallback_rows is None else fallback_rows}
 
 
 def per_table_options(tables, **options) -> dict[str, dict]:
@@ -105,4 +108,8 @@ def _fields(table: str, options: dict) -> dict:
     fields = dict(options)
     dtype: object | None = fields.pop("row_dtype")
     fields["dtype"] = row_dtype_name(dtype if dtype is not None else "float32", f"table {table!r}: ")
+    if fields.get("fallback_rows") is None:
+        fields["fallback_rows"] = 0
+    if fields.get("fallback_copy") is None:
+        fields["fallback_copy"] = True
     return fields

@@ -114,6 +114,10 @@ class DeviceKeyIndex:
     def __init__(self, config: cncore.StoreConfig, device: torch.device | str = "cpu"):
         if not isinstance(config, cncore.StoreConfig):
             raise TypeError(f"config must be a cncore.StoreConfig, got {type(config).__name__}")
+        if config.fallback_rows:
+            raise ValueError(f"fallback_rows={config.fallback_rows}: the device index keeps no fallback rows; a table "
+                             "with them needs the host index (cncore.EmbeddingStore, the default CPU placement), or "
+                             "set fallback_rows=0")
         self.config = config
         self.device = torch.device(device)
         self.max_rows = config.max_rows or 0

@@ -1,0 +1,68 @@
+"""Fallback rows through the torch front end: the collections' fallback_rows= / fallback_copy=
+options (one value or per table), the state_dict entries that carry the fallback rows (saved,
+loaded exactly, required, refused where the table has none), and the device index's refusal."""
+import numpy as np
+import pytest
+import torch
+from torchrec import EmbeddingBagConfig
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+import cncore
+from cncore_torch.collection import CNEmbeddingBagCollection
+
+TABLES = [EmbeddingBagConfig(name="t_a", embedding_dim=4, num_embeddings=10, feature_names=["a"]),
+          EmbeddingBagConfig(name="t_b", embedding_dim=4, num_embeddings=10, feature_names=["b"])]
+KJT = KeyedJaggedTensor(keys=["a", "b"], values=torch.tensor([1, 2, 3, 4, 5, 6, 7]),
+                        lengths=torch.tensor([2, 3, 1, 1]))
+
+
+def collection(fallback_rows=None, **kw):
+    return CNEmbeddingBagCollection(tables=TABLES, optimizer=cncore.Adagrad(lr=0.1), max_rows=2,
+                                    fallback_rows=fallback_rows, **kw)
+
+
+def trained(fallback_rows=None, **kw):
+    ebc = collection(fallback_rows, **kw)
+    ebc(KJT).values().sum().backward()
+    return ebc
+
+
+def test_the_options_reach_each_tables_config_once_or_per_table():
+    ebc = collection({"t_a": 3}, fallback_copy={"t_b": False})
+    assert ebc.stores["t_a"].config.fallback_rows == 3 and ebc.stores["t_b"].config.fallback_rows == 0
+    assert ebc.stores["t_a"].config.fallback_copy and not ebc.stores["t_b"].config.fallback_copy
+    assert all(s.fallback_rows == 5 for s in collection(5).stores.values())
+
+
+def test_a_collection_trains_its_fallback_rows_and_its_state_dict_carries_them_exactly():
+    ebc = trained(3)
+    fb_rows, fb_state = ebc.stores["t_a"].export_fallback()
+    assert (fb_state != 0).any()  # keys past max_rows trained the fallback rows' Adagrad sums
+    sd = ebc.state_dict()
+    torch.testing.assert_close(sd["tables.t_a.fallback_rows"], torch.from_numpy(fb_rows), rtol=0, atol=0)
+    torch.testing.assert_close(sd["tables.t_a.fallback_optimizer_state"], torch.from_numpy(fb_state), rtol=0, atol=0)
+    other = collection(3)
+    assert not other.load_state_dict(sd).missing_keys
+    for name in ("t_a", "t_b"):
+        for x, y in zip(other.stores[name].export_fallback(), ebc.stores[name].export_fallback()):
+            np.testing.assert_array_equal(x, y)
+    torch.testing.assert_close(other(KJT).values(), ebc(KJT).values(), rtol=0, atol=0)
+
+
+def test_a_state_dict_without_fallback_rows_or_with_them_for_a_table_without_them_is_refused():
+    sd = trained(3).state_dict()
+    with pytest.raises(RuntimeError, match=r"tables.t_a.fallback_rows: the checkpoint holds fallback rows and this "
+                                           r"table has none; build it with fallback_rows=3"):
+        collection().load_state_dict(sd)
+    target = collection(3)
+    before = target.stores["t_a"].export_fallback()[0]
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "tables.t_a.fallback_rows"'):
+        target.load_state_dict({k: v for k, v in sd.items() if "fallback" not in k})
+    np.testing.assert_array_equal(target.stores["t_a"].export_fallback()[0], before)
+
+
+def test_the_device_index_refuses_fallback_rows_naming_the_host_index():
+    from cncore_torch.device_index import DeviceKeyIndex
+    with pytest.raises(ValueError, match=r"fallback_rows=4: the device index keeps no fallback rows; a table with "
+                                         r"them needs the host index"):
+        DeviceKeyIndex(cncore.StoreConfig(dim=2, fallback_rows=4))
