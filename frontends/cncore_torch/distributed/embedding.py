@@ -41,7 +41,13 @@ from cncore_torch.distributed.embedding_sharding import (
     shard_store_configs,
     sharded_optimizer,
 )
-from cncore_torch.distributed.planner import KERNEL, ROW_WISE, check_plan, register_planner_estimates
+from cncore_torch.distributed.planner import (
+    KERNEL,
+    ROW_WISE,
+    check_plan,
+    planner_parameters,
+    register_planner_estimates,
+)
 from cncore_torch.distributed.routing import owner_of
 from cncore_torch.distributed.rw_sharding import SplitAllToAll
 from cncore_torch.distributed.vbe import expand_variable_batch
@@ -269,7 +275,7 @@ class CNEmbeddingCollectionSharder(EmbeddingCollectionSharder):
                                             qcomm_codecs_registry=self.qcomm_codecs_registry, module_fqn=module_fqn)
 
     def shardable_parameters(self, module: CNEmbeddingCollection) -> dict[str, nn.Parameter]:
-        """One (num_embeddings, dim) meta parameter per table: what TorchRec's planner sizes.
+        """One (num_embeddings, dim) meta parameter per table, in its row dtype: what TorchRec's planner sizes.
 
         Args:
             module (CNEmbeddingCollection): the collection to shard.
@@ -277,9 +283,7 @@ class CNEmbeddingCollectionSharder(EmbeddingCollectionSharder):
         Returns:
             dict[str, nn.Parameter]: a meta parameter per table name.
         """
-        return {c.name: nn.Parameter(torch.empty(c.num_embeddings, c.embedding_dim, device="meta"),
-                                     requires_grad=False)
-                for c in module.embedding_configs()}
+        return planner_parameters(module, module.embedding_configs())
 
     def sharding_types(self, compute_device_type: str) -> list[str]:
         """The shardings on offer: row-wise only.

@@ -46,7 +46,13 @@ from cncore_torch.distributed.embedding_sharding import (
     shard_store_configs,
     sharded_optimizer,
 )
-from cncore_torch.distributed.planner import KERNEL, ROW_WISE, check_plan, register_planner_estimates
+from cncore_torch.distributed.planner import (
+    KERNEL,
+    ROW_WISE,
+    check_plan,
+    planner_parameters,
+    register_planner_estimates,
+)
 from cncore_torch.distributed.rw_sharding import CNRwPooledEmbeddingSharding, route_kjt_and_order
 from cncore_torch.distributed.vbe import expand_variable_batch
 from cncore_torch.distributed.weights_dist import (
@@ -367,7 +373,7 @@ class CNEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
                                                pack_pools=self._pack_pools)
 
     def shardable_parameters(self, module: CNEmbeddingBagCollection) -> dict[str, nn.Parameter]:
-        """One (num_embeddings, dim) meta parameter per table: what TorchRec's planner sizes
+        """One (num_embeddings, dim) meta parameter per table, in its row dtype: what TorchRec's planner sizes
         (num_embeddings is a capacity hint; nothing is allocated).
 
         Args:
@@ -376,9 +382,7 @@ class CNEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         Returns:
             dict[str, nn.Parameter]: a meta parameter per table name.
         """
-        return {c.name: nn.Parameter(torch.empty(c.num_embeddings, c.embedding_dim, device="meta"),
-                                     requires_grad=False)
-                for c in module.embedding_bag_configs()}
+        return planner_parameters(module, module.embedding_bag_configs())
 
     def sharding_types(self, compute_device_type: str) -> list[str]:
         """The shardings on offer: row-wise only (by key hash over every rank).

@@ -4,20 +4,23 @@ Every table shards row-wise (`ROW_WISE`: by key hash, see `routing.owner_of`) wi
 (`KERNEL`, TorchRec's `EmbeddingComputeKernel.CUSTOMIZED_KERNEL`), on cpu. `check_plan` refuses
 any other plan when a sharded module is built; `register_planner_estimates` gives TorchRec's
 planner the bandwidth of our kernel, so that it can plan them by itself (each sharder calls it
-when it is built). `sharding_plan.plan_for` builds such a plan without the planner.
+when it is built), and `planner_parameters` what it sizes each table by (its row dtype
+included). `sharding_plan.plan_for` builds such a plan without the planner.
 """
 from __future__ import annotations
 
 import torch
+from torch import nn
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.types import ShardingType
 
 from cncore_torch.distributed.embedding_sharding import sharded_optimizer
 
-__all__ = ["KERNEL", "ROW_WISE", "check_plan", "register_planner_estimates"]
+__all__ = ["KERNEL", "ROW_WISE", "check_plan", "register_planner_estimates", "planner_parameters"]
 
 KERNEL = EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
 ROW_WISE = ShardingType.ROW_WISE.value
+_ROW_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def check_plan(module, configs, table_name_to_parameter_sharding, device, fused_params=None) -> None:
@@ -49,3 +52,35 @@ def register_planner_estimates() -> None:
     from torchrec.distributed.planner.estimator.types import HardwarePerfConfig
 
     HardwarePerfConfig.kernel_device_bandwidths.setdefault(("cpu", KERNEL), DDR_MEM_BW)
+
+
+def planner_parameters(module, configs) -> dict[str, nn.Parameter]:
+    """What a sharder's `shardable_parameters` gives TorchRec's planner: one (num_embeddings, dim)
+    meta parameter per table, in the table's row dtype. The planner sizes a table (its storage and
+    its output all-to-all) from its parameter's shape and element size, as it sizes TorchRec's own
+    tables, whose parameters have the config's data_type; num_embeddings is a capacity hint and
+    nothing is allocated.
+
+    Args:
+        module (CNEmbeddingBagCollection | CNEmbeddingCollection): the unsharded collection (its
+            store configs hold each table's row dtype).
+        configs (list[EmbeddingBagConfig] | list[EmbeddingConfig]): its TorchRec table configs.
+
+    Returns:
+        dict[str, nn.Parameter]: a meta parameter per table name.
+
+    >>> import cncore
+    >>> from torchrec import EmbeddingBagConfig
+    >>> from torchrec.types import DataType
+    >>> from cncore_torch import CNEmbeddingBagCollection
+    >>> ebc = CNEmbeddingBagCollection([EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=100,
+    ...                                                    feature_names=["f"], data_type=DataType.FP16)],
+    ...                                device="meta", optimizer=cncore.SGD(lr=0.1))
+    >>> p = planner_parameters(ebc, ebc.embedding_bag_configs())["t"]
+    >>> tuple(p.shape), p.dtype, p.is_meta
+    ((100, 4), torch.float16, True)
+    """
+    return {c.name: nn.Parameter(torch.empty(c.num_embeddings, c.embedding_dim, device="meta",
+                                             dtype=_ROW_DTYPES[module._store_configs[c.name].dtype]),
+                                 requires_grad=False)
+            for c in configs}
