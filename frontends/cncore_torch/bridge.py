@@ -25,10 +25,11 @@ the backward, where the rows are updated in place.
 Two ways in, one implementation (`forward_impl`, `weights_grad_impl`, `backward_impl`):
 `Lookup`, an `autograd.Function` for eager mode, and the `cncore::` operators for
 `torch.compile` (`cncore_torch.ops`), where what the backward needs waits under a token (an
-int64 tensor autograd hands back; the entry leaves when the token dies). Accelerator rows run eagerly
-in both (PyTorch ops on device rows need no operator; the modules put a graph break around
-them). The modules' common call (one table in the core, no per-sample weights: a (B, L)
-batch, 1-D IDs with offsets, CNEmbedding's IDs of any shape) has a third, leaner way in,
+int64 tensor autograd hands back; the entry leaves when the token dies). Accelerator rows go the
+same two ways (their operators' outputs on the rows' device, the token on the host); inside an
+operator their PyTorch ops run eagerly, as the index's sizes depend on the keys. The modules'
+common call (one table in the core, no per-sample weights: a (B, L) batch, 1-D IDs with
+offsets, CNEmbedding's IDs of any shape) has a third, leaner way in,
 `lookup_table` / `TableLookup`: the same core calls, with one `forward_one` record kept by the
 autograd node instead of a `Pending` of LookupContexts, and Function.apply without its Python
 wrapper. torch.jit.trace is refused (`_refuse_jit_trace`).

@@ -247,6 +247,11 @@ def pooled_collection_lookup(anchor: torch.Tensor, handle: int, features: KeyedJ
                        values=values)
 
 
+def _on_rows_device(collection, t: torch.Tensor) -> torch.Tensor:
+    """A KJT tensor where a compiled lookup's operator puts its rows (accelerator rows: their device)."""
+    return t.to(collection._anchor.device) if collection._placement.kind == "device" else t
+
+
 def _eager_lookup(anchor, collection, keys, offsets, weights, training: bool, split: bool = False):
     """The bridge's eager lookup (cncore_torch.bridge); on accelerator rows a graph break for
     torch.compile, as the modules' device path."""
@@ -396,7 +401,7 @@ class CNEmbeddingBagCollection(_DynamicTables, EmbeddingBagCollection):
             KeyedTensor: (B, sum of dims) float32, one key per embedding name, in the tables'
             order.
         """
-        if torch.compiler.is_compiling() and self._placement.kind == "core":
+        if torch.compiler.is_compiling() and self._placement.kind != "meta":
             return self._compiled_lookup(features)
         return pooled_collection_lookup(self._anchor, self._handle, features, self.training)
 
@@ -409,7 +414,8 @@ class CNEmbeddingBagCollection(_DynamicTables, EmbeddingBagCollection):
         inverse = None if strides is None else inverse_rows(
             features, [n for names in self._feature_names for n in names], self._owner)
         values, _ = torch.ops.cncore.collection_pooled_lookup(
-            self._anchor, self._handle, features.values(), features.lengths(), weights, len(features.keys()),
+            self._anchor, self._handle, _on_rows_device(self, features.values()), features.lengths(),
+            None if weights is None else _on_rows_device(self, weights), len(features.keys()),
             positions, strides, inverse, bridge.lookup_training(self._anchor, self.training))
         return KeyedTensor(keys=self._embedding_names, length_per_key=self._lengths_per_embedding, values=values)
 
@@ -544,7 +550,7 @@ class CNEmbeddingCollection(_DynamicTables, EmbeddingCollection):
             dict[str, JaggedTensor]: {embedding name: (N_f, dim) rows with the feature's
             lengths (and its IDs as weights with `need_indices`)}.
         """
-        if torch.compiler.is_compiling() and self._placement.kind == "core":
+        if torch.compiler.is_compiling() and self._placement.kind != "meta":
             return self._compiled_lookup(features)
         return unpooled_collection_lookup(self._anchor, self._handle, features, self.training)
 
@@ -574,7 +580,8 @@ class CNEmbeddingCollection(_DynamicTables, EmbeddingCollection):
         n_keys, n = len(features.keys()), len(positions)
         strides = strides_of(features)
         outs = torch.ops.cncore.collection_unpooled_lookup(
-            self._anchor, self._handle, features.values(), features.lengths(), n_keys, positions, strides,
+            self._anchor, self._handle, _on_rows_device(self, features.values()), features.lengths(), n_keys,
+            positions, strides,
             bridge.lookup_training(self._anchor, self.training), self._need_indices)
         lengths = (features.lengths().view(n_keys, -1) if strides is None
                    else torch.split(features.lengths(), strides))

@@ -197,7 +197,7 @@ class DeviceRows:
     def _insert(self, host: np.ndarray, lookup: bool):
         """(slots, found) of keys, inserting the absent ones the policy admits (training
         lookups: admission counts them; explicit writes insert every key)."""
-        if not (lookup and self.config.admission is not None):
+        if not (lookup and (self.config.admission is not None or self.config.max_rows is not None)):
             return self.index.find_or_insert(host)
         present = self.index.contains(host)
         # The core's own training lookup counts sightings, admits, evicts and inserts; its

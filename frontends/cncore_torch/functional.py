@@ -132,16 +132,18 @@ def _check_device(placement: str, **tensors) -> None:
 
 def _lookup(anchor, handle, placement, dim, keys, offsets, weights, mode, training):
     training = bridge.lookup_training(anchor, training)
+    if placement != "meta" and torch.compiler.is_compiling():  # one opaque operator in the graph
+        if placement == "device":  # the operator's outputs are where the rows are (the anchor's device)
+            keys, offsets = keys.to(anchor.device), offsets.to(anchor.device)
+            weights = None if weights is None else weights.to(anchor.device)
+        return torch.ops.cncore.lookup(anchor, handle, [keys], [offsets], [weights], [mode], training)[0]
     if placement == "core":
-        if torch.compiler.is_compiling():  # one opaque operator in the graph
-            return torch.ops.cncore.lookup(anchor, handle, [keys], [offsets], [weights], [mode], training)[0]
         return bridge.lookup(anchor, bridge.table_of(handle), [keys], [offsets], [weights], [mode], training)
     if placement == "meta":  # shape inference only
         return torch.empty((offsets.shape[0] - 1, dim), device="meta")
     return _device_lookup(anchor, handle, keys, offsets, weights, mode, training)
 
 
-@torch.compiler.disable  # the accelerator path: a clean graph break around PyTorch ops on device rows
 def _device_lookup(anchor, handle, keys, offsets, weights, mode, training):
     return bridge.lookup(anchor, bridge.table_of(handle), [keys], [offsets], [weights], [mode], training)
 

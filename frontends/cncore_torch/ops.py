@@ -62,6 +62,11 @@ def token_for(pending: Pending) -> torch.Tensor:
     return token
 
 
+def _token_fake() -> torch.Tensor:
+    """The token as the fakes give it: on the host, as `token_for` makes it, wherever the rows are."""
+    return torch.empty((1,), dtype=torch.int64)
+
+
 def pending_of(token: torch.Tensor) -> Pending:
     pending = _PENDING.get(int(token[0]))
     if pending is None:
@@ -83,7 +88,7 @@ def lookup_op(anchor: torch.Tensor, handle: int, keys: list[torch.Tensor], offse
 def _lookup_fake(anchor, handle, keys, offsets, weights, modes, training):
     dims = sum(t.dim for t in table_of(handle)._lookup_tables())
     return (keys[0].new_empty((offsets[0].shape[0] - 1, dims), dtype=torch.float32),
-            keys[0].new_empty((1,), dtype=torch.int64))
+            _token_fake())
 
 
 def weights_grad_op(grad: torch.Tensor, token: torch.Tensor, keys: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -147,7 +152,7 @@ def collection_pooled_lookup(anchor: torch.Tensor, handle: int, values: torch.Te
 def _pooled_lookup_fake(anchor, handle, values, lengths, weights, n_keys, positions, strides, inverse, training):
     dims = sum(table_of(handle)._lengths_per_embedding)
     bags = inverse.shape[1] if inverse is not None else lengths.shape[0] // n_keys
-    return values.new_empty((bags, dims), dtype=torch.float32), values.new_empty((1,), dtype=torch.int64)
+    return values.new_empty((bags, dims), dtype=torch.float32), _token_fake()
 
 
 def _pooled_lookup_setup_context(ctx, inputs, output):
@@ -175,9 +180,9 @@ def collection_pooled_backward(anchor: torch.Tensor, grad: torch.Tensor, token: 
     pending = pending_of(token)
     grads = grad if pending.expanded is None else gather_gradients(  # (each feature's bags: their samples' sum)
         grad, pending.expanded, [len(c.offsets) - 1 for c in pending.ctxs], [t.dim for t in pending.tables])
-    grad_weights = torch.empty(0)
+    grad_weights = torch.empty(0, device=grad.device)
     if n_weights >= 0:
-        grad_weights = torch.zeros(n_weights)
+        grad_weights = torch.zeros(n_weights, device=grad.device)
         by_feature = weights_grad_impl(pending, grads, list(range(len(pending.tables))))
         assert pending.spans is not None  # a lookup with weights records their spans
         for (start, stop), g in zip(pending.spans, by_feature):
@@ -207,7 +212,7 @@ def _unpooled_rows_fake(anchor, handle, values, lengths, n_keys, positions, stri
     counts = [ctx.new_dynamic_size() for _ in positions]
     rows = [values.new_empty((n, dim), dtype=torch.float32) for n in counts]
     indices = [values.new_empty((n,)) for n in counts] if need_indices else []
-    return rows + indices + [values.new_empty((1,), dtype=torch.int64)]
+    return rows + indices + [_token_fake()]
 
 
 def _unpooled_rows_setup_context(ctx, inputs, output):
@@ -230,13 +235,14 @@ def collection_unpooled_apply_gradients(anchor: torch.Tensor, grads: list[torch.
     where such a table's outputs are unused). Then the bridge's backward."""
     pending = pending_of(token)
     dim = pending.tables[0].dim
+    device = next((g.device for g in grads if g is not None), torch.device("cpu"))  # (the rows' device)
     by_table, at = [], 0
     assert pending.sizes is not None  # an unpooled collection's lookup records its features' sizes
     for sizes in pending.sizes:
         parts = grads[at:at + len(sizes)]
         at += len(sizes)
-        by_table.append(torch.empty((0, dim)) if all(g is None for g in parts) else torch.cat(
-            [torch.zeros((k, dim)) if g is None else g.contiguous() for g, k in zip(parts, sizes)]))
+        by_table.append(torch.empty((0, dim), device=device) if all(g is None for g in parts) else torch.cat(
+            [torch.zeros((k, dim), device=device) if g is None else g.contiguous() for g, k in zip(parts, sizes)]))
     return torch.ops.cncore.apply_gradients(anchor, by_table, token, [])
 
 
@@ -274,7 +280,9 @@ def register_operators() -> None:
             return
         defined = []
         for name, impl, fake, autograd in _OPERATORS:
-            op = torch.library.custom_op(name, impl, mutates_args=())
+            # (cudagraph_unsafe: a lookup reads the host and mutates hidden tables; a CUDA graph
+            # replaying its kernels would skip both, so Inductor leaves it out of the graphs it captures)
+            op = torch.library.custom_op(name, impl, mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
             op.register_fake(fake)
             if autograd is not None:
                 op.register_autograd(autograd[0], setup_context=autograd[1])

@@ -10,7 +10,8 @@ with a host sync; here the distinct rows sit in a buffer of N entries instead:
   distinct rows hold row 0 with no occurrence (the fill);
 - `pooled_row_gradients`: sum and mean pooling's gradient of an ID is its bag's output
   gradient times its weight (or 1 / its bag's length), added into its entry (`index_add_`);
-  max pooling's goes through autograd of `embedding_bag` over the N entries. The zero row's
+  max pooling's goes to the entry `embedding_bag`'s max picked in each bag and column (no
+  autograd: the backward runs inside an operator when compiled, where autograd is off). The zero row's
   entry, and the fill, get a zero gradient and no occurrence, so an update of the N entries
   changes only the rows the lookup read (row 0 stays zero: a zero gradient moves no row under
   SGD, Adagrad, row-wise Adagrad or Adam).
@@ -21,11 +22,8 @@ reads its segment count on the host.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 __all__ = ["distinct_rows", "pooled_row_gradients", "join_row_gradients"]
-
-_MODES = ("sum", "mean", "max")
 
 
 def distinct_rows(rows_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -85,11 +83,12 @@ def pooled_row_gradients(table_rows: torch.Tensor, rows_idx: torch.Tensor, offse
     n = rows_idx.shape[0]
     rows, position, occurrences = distinct_rows(rows_idx)
     grad_weights = None
-    if mode == 2:
-        sub = table_rows[rows].detach().requires_grad_()
-        with torch.enable_grad():
-            out = F.embedding_bag(position, sub, offsets, mode="max", include_last_offset=True)
-            (grads,) = torch.autograd.grad(out, [sub], grad_out)
+    if mode == 2:  # each bag's column goes to the entry embedding_bag's max picked (none for an empty bag)
+        _, _, bag_size, picked = torch.ops.aten._embedding_bag(table_rows.index_select(0, rows).detach(), position,
+                                                              offsets, False, 2, False, None, True)
+        spare = torch.zeros((n + 1, grad_out.shape[1]), dtype=grad_out.dtype, device=grad_out.device)
+        picked = torch.where((bag_size > 0)[:, None], picked, n)  # an empty bag's: the spare row, dropped
+        grads = spare.scatter_add_(0, picked, grad_out)[:n]
     else:
         bag = _bag_of_ids(offsets, n)
         per_id = grad_out.index_select(0, bag)
