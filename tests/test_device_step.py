@@ -96,9 +96,41 @@ def test_a_collection_step_joins_a_shared_tables_features_with_no_sync(device_in
     with HostSyncs() as backward:
         out.sum().backward()
     # the KJT's split per feature reads each feature's length (as TorchRec's KJT does), then one
-    # find_or_insert per feature; the backward joins both features' rows with none
-    assert forward.records == ["_local_scalar_dense in features_by_key"] * 2 + _ONE_READ * 2
+    # find_or_insert for both features of the table; the backward joins their rows with none
+    assert forward.records == ["_local_scalar_dense in features_by_key"] * 2 + _ONE_READ
     assert backward.records == []
+
+
+@pytest.mark.parametrize("key_index", ["device", "host"])
+def test_a_bounded_table_under_two_features_evicts_and_trains_as_the_cores(cncard, monkeypatch, key_index):
+    """Both features' keys are resolved in one call, in feature order, as the core's grouped
+    lookup does: a feature's new keys never evict a row the other feature of the step read."""
+    from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
+
+    from cncore_torch import CNEmbeddingBagCollection
+    monkeypatch.setenv("CNCORE_DEVICE_INDEX", key_index)
+    configs = [EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=50, feature_names=["a", "b"])]
+    kw = {"optimizer": cncore.Adagrad(lr=0.1), "max_rows": 9, "eviction": cncore.LRU(), "headroom": 1, "seed": 2}
+    core, card = CNEmbeddingBagCollection(configs, **kw), CNEmbeddingBagCollection(configs, device="cncard", **kw)
+    evicted: dict[str, list] = {"core": [], "card": []}
+    core.stores["t"].on_evict(lambda b: evicted["core"].extend(b.keys.tolist()))
+    card.stores["t"].on_evict(lambda b: evicted["card"].extend(b.keys.tolist()))
+    rng = np.random.default_rng(5)
+    for _ in range(8):
+        lengths = torch.from_numpy(rng.integers(0, 3, 6))
+        kjt = KeyedJaggedTensor.from_lengths_sync(["a", "b"], torch.from_numpy(
+            rng.integers(-12, 12, int(lengths.sum()))), lengths)
+        a, b = core(kjt).values(), card(kjt).values()
+        torch.testing.assert_close(b.cpu(), a)
+        a.pow(2).sum().backward()
+        b.pow(2).sum().backward()
+    assert evicted["card"] == evicted["core"] and len(evicted["core"]) > 0
+    ea, eb = core.stores["t"].export(), card.stores["t"].export()
+    oa, ob = np.argsort(ea.keys), np.argsort(eb.keys)
+    assert eb.keys[ob].tolist() == ea.keys[oa].tolist()
+    np.testing.assert_array_equal(eb.counts[ob], ea.counts[oa])
+    np.testing.assert_array_equal(eb.last_steps[ob], ea.last_steps[oa])
+    np.testing.assert_allclose(eb.rows[ob], ea.rows[oa], rtol=1e-5, atol=1e-6)
 
 
 # --- the static-shape gradients against nn.EmbeddingBag ----------------------------------------------

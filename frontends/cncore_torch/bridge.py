@@ -52,7 +52,7 @@ from cncore import _core
 from cncore.config import Optimizer
 from cncore.grouped import MODES, apply_blocks, apply_one, backward_one, context_of, forward_one, lookup_arrays
 from cncore.grouped import _optim_tuple as optimizer_arguments
-from cncore_torch.device_rows import DeviceLookup, DeviceRows
+from cncore_torch.device_rows import DeviceLookup, DeviceRows, lookup_features
 
 _TABLES: weakref.WeakValueDictionary[int, object] = weakref.WeakValueDictionary()
 _next_handle = [0]
@@ -110,11 +110,7 @@ def forward_impl(owner, tables, keys, offsets, weights, modes, training: bool, s
         return torch.from_numpy(out), Pending(owner, tables, ctxs, False, False)
     modes = [MODES[m] if isinstance(m, str) else m for m in modes]
     if tables and isinstance(tables[0], DeviceRows):
-        outs, ctxs = [], []
-        for table, k, o, w, m in zip(tables, keys, offsets, weights, modes):
-            out, ctx = table.lookup(k, o, w, m, training)
-            outs.append(out)
-            ctxs.append(ctx)
+        outs, ctxs = lookup_features(tables, keys, offsets, weights, modes, training)
         return (outs if split else torch.cat(outs, dim=1)), Pending(owner, tables, ctxs, True, split)
     dims = [t.dim for t in tables]
     if split:

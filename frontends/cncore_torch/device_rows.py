@@ -85,6 +85,31 @@ def key_index_choice(key_index: str | None) -> str:
     return key_index
 
 
+def lookup_features(tables: list, keys: list, offsets: list, weights: list, modes: list[int], training: bool
+                    ) -> tuple[list[torch.Tensor], list[DeviceLookup]]:
+    """Every feature's lookup on device rows: (pooled rows, context) per feature. A table that
+    several features read resolves their keys in one call, in feature order (as the core's
+    grouped lookup does), so an eviction that one feature's new keys cause never removes a row
+    another feature of the same call read."""
+    rows_of_feature: dict[int, torch.Tensor] = {}
+    by_table: dict[int, list[int]] = {}
+    for f, table in enumerate(tables):
+        by_table.setdefault(id(table), []).append(f)
+    for features in by_table.values():
+        if len(features) > 1:
+            table = tables[features[0]]
+            joined = torch.cat([torch.as_tensor(keys[f]).to(table.device, torch.int64) for f in features])
+            rows_idx = table.resolve(joined, training)
+            sizes = [len(keys[f]) for f in features]
+            rows_of_feature.update(zip(features, torch.split(rows_idx, sizes)))
+    outs, ctxs = [], []
+    for f, (table, k, o, w, m) in enumerate(zip(tables, keys, offsets, weights, modes)):
+        out, ctx = table.lookup(k, o, w, m, training, rows_of_feature.get(f))
+        outs.append(out)
+        ctxs.append(ctx)
+    return outs, ctxs
+
+
 class DeviceRows:
     """Rows on an accelerator with the key index in the core on the host (`key_index="host"`),
     or, built with `key_index="device"`, a `DeviceIndexedRows` (the index on the device too)."""
@@ -293,9 +318,12 @@ class DeviceRows:
 
     # --- the lookup and its backward (called by the bridge, cncore_torch/bridge.py) ----------------
 
-    def lookup(self, keys: torch.Tensor, offsets: torch.Tensor, weights, mode: int, training: bool):
-        """(pooled rows (B, dim) on the device, the context its backward needs)."""
-        rows_idx = self.resolve(keys, training)
+    def lookup(self, keys: torch.Tensor, offsets: torch.Tensor, weights, mode: int, training: bool,
+               rows_idx: torch.Tensor | None = None):
+        """(pooled rows (B, dim) on the device, the context its backward needs); `rows_idx`:
+        the keys' rows when `lookup_features` resolved them already."""
+        if rows_idx is None:
+            rows_idx = self.resolve(keys, training)
         offsets = offsets.to(self.device)
         weights = None if weights is None else weights.to(self.device)
         with torch.no_grad():
