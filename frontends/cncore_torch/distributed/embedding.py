@@ -33,6 +33,7 @@ import cncore
 from cncore_torch.collection import CNEmbeddingCollection
 from cncore_torch.distributed.checkpoint import agree_run_id
 from cncore_torch.distributed.embedding_sharding import (
+    ShardStore,
     anchor_as_here,
     check_features,
     fused_anchor,
@@ -107,14 +108,17 @@ class ShardedCNEmbeddingCollection(ShardedEmbeddingCollection):
         self._table_stores = [self._stores[c.name] for c in self._configs]  # what the lookup reads
         self._optim = keyed_fused_optimizer(self._anchor, optimizer, list(self._stores.values()),
                                                       "embeddings.fused")
-        self._input_dists, self._lookups, self._output_dists = [], [], []
+        # TorchRec's sharded EC keeps its dists and lookups here; ours are the methods below
+        self._input_dists: list[nn.Module] = []
+        self._lookups: list[nn.Module] = []
+        self._output_dists: list[nn.Module] = []
 
     @property
     def fused_optimizer(self) -> KeyedOptimizer:
         return self._optim
 
     @property
-    def stores(self) -> dict[str, cncore.EmbeddingStore]:
+    def stores(self) -> dict[str, ShardStore]:
         """{table name: this rank's store} (the keys this rank owns)."""
         return self._stores
 

@@ -17,8 +17,8 @@ from torchrec.distributed.embedding_kernel import BaseEmbedding
 from torchrec.distributed.embedding_types import GroupedEmbeddingConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-import cncore
 from cncore_torch import bridge
+from cncore_torch.distributed.embedding_sharding import ShardStore
 
 __all__ = ["CNEmbeddingBagKernel"]
 
@@ -34,7 +34,7 @@ class CNEmbeddingBagKernel(BaseEmbedding):
     forward(KJT with the features in order, stride Bt) -> (Bt, sum of dims) partial pools.
     """
 
-    def __init__(self, stores: dict[str, cncore.EmbeddingStore], feature_tables: list[str], is_weighted: bool,
+    def __init__(self, stores: dict[str, ShardStore], feature_tables: list[str], is_weighted: bool,
                  anchor: nn.Parameter, config: GroupedEmbeddingConfig | None = None):
         super().__init__()
         self._stores = stores
@@ -63,8 +63,9 @@ class CNEmbeddingBagKernel(BaseEmbedding):
         offsets = torch.zeros((n_features, stride + 1), dtype=torch.int64)
         torch.cumsum(lengths, dim=1, out=offsets[:, 1:])
         keys = [k.contiguous() for k in keys]
-        weight_list = [w.contiguous() for w in weight_list] if weight_list is not None else [None] * n_features
-        return bridge.lookup(self._anchor_ref[0], self, keys, list(offsets), weight_list, [0] * n_features,
+        weights_in: list[torch.Tensor | None] = ([w.contiguous() for w in weight_list] if weight_list is not None
+                                                 else [None] * n_features)
+        return bridge.lookup(self._anchor_ref[0], self, keys, list(offsets), weights_in, [0] * n_features,
                            self.training)
 
     def _lookup_tables(self) -> list:

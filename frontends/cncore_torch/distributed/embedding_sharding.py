@@ -6,7 +6,8 @@
 - `shard_store_configs`: each rank's store configuration (its share of the row budget, its own
   directory for a tiered table);
 - `owned_writer`, `keep_owned_rows`: what loads a table's rows into a rank's store, keeping the
-  keys that rank owns.
+  keys that rank owns;
+- `ShardStore`: the store a rank holds for a table (in memory, or on the SSD tier).
 """
 from __future__ import annotations
 
@@ -21,12 +22,15 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import cncore
 from cncore.routing import shard_name
+from cncore.tier import TieredStore
 from cncore_torch.distributed.routing import owner_of
 from cncore_torch.optim import no_optimizer_error, resolve_optimizer
 from cncore_torch.state import TableState, export_tensors
 
 __all__ = ["check_features", "sharded_optimizer", "fused_anchor", "shard_store_configs", "owned_writer",
-           "keep_owned_rows", "anchor_as_here"]
+           "keep_owned_rows", "anchor_as_here", "ShardStore", "OwnedWriter"]
+
+ShardStore = cncore.EmbeddingStore | TieredStore
 
 
 def check_features(features, needed: list[str], is_weighted: bool, variable_batch: bool = False) -> None:
@@ -86,7 +90,7 @@ def fused_anchor() -> nn.Parameter:
     in_backward_optimizer_filter(model.named_parameters())` leaves it out of the dense optimizer."""
     from torchrec.optim.fused import EmptyFusedOptimizer
     anchor = nn.Parameter(torch.empty(0))
-    anchor._in_backward_optimizers = [EmptyFusedOptimizer()]
+    anchor._in_backward_optimizers = [EmptyFusedOptimizer()]  # type: ignore[attr-defined]  # TorchRec's mark
     return anchor
 
 
@@ -115,22 +119,35 @@ def shard_store_configs(configs: dict[str, cncore.StoreConfig], world_size: int,
     return out
 
 
-def owned_writer(store: cncore.EmbeddingStore, world_size: int, rank: int):
+class OwnedWriter:
     """What loads a checked TableState into `store`: the rows this rank owns (replacing all).
     The evicted count comes back from this rank's own shard entries (its ``shard`` entry names
     this rank and world size); from other entries it starts at 0 (merge_shards sums the ranks'
-    counts, which no single rank's count can be restored from)."""
-    def owned(keys: np.ndarray) -> np.ndarray:
-        return (owner_of(torch.from_numpy(keys), world_size) == rank).numpy()
+    counts, which no single rank's count can be restored from). `rows_kept(keys)` counts the keys
+    it would keep; `place` (rank, world size) says whose shard entries are this table whole
+    (cncore_torch.state reads both)."""
 
-    def write(state: TableState) -> None:
-        mine = owned(state.keys)
-        own_shard = state.shard is not None and state.shard[:2] == (rank, world_size)
+    def __init__(self, store: ShardStore, world_size: int, rank: int) -> None:
+        self._store, self._world_size, self._rank = store, world_size, rank
+        self.place = (rank, world_size)
+
+    def _owned(self, keys: np.ndarray) -> np.ndarray:
+        return (owner_of(torch.from_numpy(keys), self._world_size) == self._rank).numpy()
+
+    def rows_kept(self, keys: np.ndarray) -> int:
+        return int(self._owned(keys).sum())
+
+    def __call__(self, state: TableState) -> None:
+        mine = self._owned(state.keys)
+        own_shard = state.shard is not None and state.shard[:2] == self.place
         TableState(state.keys[mine], state.rows[mine], state.optimizer_state[mine], state.counts[mine],
-                   state.last_steps[mine], state.step, state.evicted_count if own_shard else None).load_into(store)
-    write.rows_kept = lambda keys: int(owned(keys).sum())
-    write.place = (rank, world_size)  # whose shard entries are this table whole (cncore_torch.state)
-    return write
+                   state.last_steps[mine], state.step,
+                   state.evicted_count if own_shard else None).load_into(self._store)
+
+
+def owned_writer(store: ShardStore, world_size: int, rank: int) -> OwnedWriter:
+    """The `OwnedWriter` of `store` on `rank` of `world_size`."""
+    return OwnedWriter(store, world_size, rank)
 
 
 def anchor_as_here(state_dict, prefix: str, anchor: nn.Parameter):

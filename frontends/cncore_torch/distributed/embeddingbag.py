@@ -13,7 +13,7 @@ collection's `stores` does.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -38,6 +38,7 @@ import cncore
 from cncore_torch.collection import CNEmbeddingBagCollection
 from cncore_torch.distributed.checkpoint import agree_run_id
 from cncore_torch.distributed.embedding_sharding import (
+    ShardStore,
     anchor_as_here,
     check_features,
     fused_anchor,
@@ -53,7 +54,11 @@ from cncore_torch.distributed.planner import (
     planner_parameters,
     register_planner_estimates,
 )
-from cncore_torch.distributed.rw_sharding import CNRwPooledEmbeddingSharding, route_kjt_and_order
+from cncore_torch.distributed.rw_sharding import (
+    CNRwPooledEmbeddingSharding,
+    CNRwSparseFeaturesDist,
+    route_kjt_and_order,
+)
 from cncore_torch.distributed.vbe import expand_variable_batch
 from cncore_torch.distributed.weights_dist import (
     attach_weights,
@@ -150,16 +155,17 @@ class ShardedCNEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                                                anchor=self._anchor)
         self._embedding_shardings = [sharding]
         self._sharding_types = [ROW_WISE]
+        lookup = sharding.create_lookup()
+        lookup.kernel.fused_optimizer = self._optim
         self._input_dists = nn.ModuleList([sharding.create_input_dist()])
-        self._lookups = nn.ModuleList([sharding.create_lookup()])
+        self._lookups = nn.ModuleList([lookup])
         self._output_dists = nn.ModuleList([sharding.create_output_dist()])
-        self._lookups[0].kernel.fused_optimizer = self._optim
         self._has_uninitialized_input_dist = False
 
     # --- what the collection offers -------------------------------------------------------------
 
     @property
-    def stores(self) -> dict[str, cncore.EmbeddingStore]:
+    def stores(self) -> dict[str, ShardStore]:
         """{table name: this rank's store} (the keys this rank owns)."""
         return self._stores
 
@@ -217,6 +223,7 @@ class ShardedCNEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         with torch.no_grad():
             keys = features.keys()
             order = [keys.index(f) for f in self._features]
+            positions: torch.Tensor | None
             if features.variable_stride_per_key():  # each sample's bag, as one batch (see vbe.py)
                 features, positions = expand_variable_batch(features, self._features, type(self).__name__)
             else:
@@ -237,12 +244,14 @@ class ShardedCNEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             sharding_ctx = EmbeddingShardingContext(batch_size_per_rank=[stride] * self._world_size)
             routed, route_order = route_kjt_and_order(kjt, self._world_size)
             if attach:  # where each weight went, for its gradient's way home
+                assert weights is not None and positions is not None  # attach: weights that require grad
                 sharding_ctx.cn_weights = weights_route(weights, positions, route_order, routed.lengths(),
                                                         self._world_size)
             if self._pack_pools:
                 sharding_ctx.cn_routed = routed.lengths()  # which ranks hold keys of which of my bags
             ctx.sharding_contexts.append(sharding_ctx)
-            return KJTListSplitsAwaitable([self._input_dists[0].send(routed)], ctx, self._module_fqn,
+            input_dist = cast(CNRwSparseFeaturesDist, self._input_dists[0])
+            return KJTListSplitsAwaitable([input_dist.send(routed)], ctx, self._module_fqn,
                                           self._sharding_types)
 
     def compute(self, ctx: EmbeddingBagCollectionContext, dist_input: KJTList) -> list[torch.Tensor]:

@@ -51,9 +51,9 @@ from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingSharding
 from torchrec.distributed.types import Awaitable, NoWait, ShardingEnv
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-import cncore
 from cncore_torch.distributed.embedding_kernel import CNEmbeddingBagKernel
 from cncore_torch.distributed.embedding_lookup import CNGroupedPooledEmbeddingsLookup
+from cncore_torch.distributed.embedding_sharding import ShardStore
 from cncore_torch.distributed.routing import owner_of
 
 __all__ = ["CNRwSparseFeaturesDist", "CNRwPooledEmbeddingDist", "CNRwPooledEmbeddingSharding", "SplitAllToAll",
@@ -207,7 +207,7 @@ class CNRwPooledEmbeddingSharding(RwPooledEmbeddingSharding):
     rank): rows go where the hash sends their keys."""
 
     def __init__(self, sharding_infos: list[EmbeddingShardingInfo], env: ShardingEnv,
-                 device: torch.device | None, *, stores: dict[str, cncore.EmbeddingStore],
+                 device: torch.device | None, *, stores: dict[str, ShardStore],
                  feature_tables: list[str], is_weighted: bool, anchor: nn.Parameter):
         super().__init__(sharding_infos, env, device)
         self._cn_stores, self._cn_feature_tables = stores, feature_tables

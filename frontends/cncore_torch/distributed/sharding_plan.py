@@ -9,6 +9,7 @@ from __future__ import annotations
 from torch import nn
 from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
 from torchrec.distributed.types import ShardingPlan
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
 
 from cncore_torch.collection import CNEmbeddingBagCollection, CNEmbeddingCollection
 from cncore_torch.distributed.embedding import CNEmbeddingCollectionSharder
@@ -40,9 +41,12 @@ def plan_for(model: nn.Module, world_size: int, *, local_size: int | None = None
     plan = {}
     for path, module in model.named_modules():
         if isinstance(module, (CNEmbeddingBagCollection, CNEmbeddingCollection)):
-            pooled = isinstance(module, CNEmbeddingBagCollection)
-            configs = module.embedding_bag_configs() if pooled else module.embedding_configs()
-            sharder = CNEmbeddingBagCollectionSharder() if pooled else CNEmbeddingCollectionSharder()
+            sharder: CNEmbeddingBagCollectionSharder | CNEmbeddingCollectionSharder
+            configs: list[EmbeddingBagConfig] | list[EmbeddingConfig]
+            if isinstance(module, CNEmbeddingBagCollection):
+                configs, sharder = module.embedding_bag_configs(), CNEmbeddingBagCollectionSharder()
+            else:
+                configs, sharder = module.embedding_configs(), CNEmbeddingCollectionSharder()
             plan[path] = construct_module_sharding_plan(
                 module, {c.name: row_wise(compute_kernel=KERNEL) for c in configs},
                 sharder=sharder, local_size=local_size or world_size, world_size=world_size, device_type=device_type)
