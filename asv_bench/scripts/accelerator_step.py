@@ -1,6 +1,7 @@
 """The accelerator placement against `nn.EmbeddingBag` on the same accelerator, per training step.
 
     python asv_bench/scripts/accelerator_step.py [--rows 1000000] [--dim 64] [--batch 4096] [--pooling 20]
+        [--compile]
 
 Needs an accelerator (CUDA, or MLU through torch_mlu): `device="cncard"`. Three ways to hold
 the same table of `--rows` rows, trained with plain SGD (sum pooling) on the same batches:
@@ -12,6 +13,10 @@ the same table of `--rows` rows, trained with plain SGD (sum pooling) on the sam
 - `CNEmbeddingBag(device="cncard")` with the key index on the accelerator too
   (`CNCORE_DEVICE_INDEX=device`: `cncore_torch.device_index`), the initialiser Uniform (drawn
   on the device; the normal laws are drawn by the core on the host);
+- the same, with `--compile`: under `torch.compile(fullgraph=True)` (the lookup one `cncore::`
+  operator each way; Inductor compiles the rest of the step);
+- FBGEMM's training TBE (`SplitTableBatchedEmbeddingBagsCodegen`, EXACT_SGD, rows on the
+  device) with the same IDs, when `fbgemm_gpu` is installed (its CPU build on the CPU device);
 - `CNEmbeddingBag()` in the core (host memory), for reference on the same machine.
 
 Then the device index alone (`DeviceKeyIndex`): keys per second of `find`, of `find_or_insert`
@@ -69,6 +74,28 @@ def timed(step, inputs, warmup: int, sync) -> float:
     return statistics.median(times) * 1e3
 
 
+def tbe(rows: int, dim: int, device: torch.device, lr: float):
+    """FBGEMM's training TBE with the table on `device` (CUDA, or its CPU build on the CPU), plain
+    SGD, sum pooling; None when fbgemm_gpu is missing or has no kernels for the device."""
+    try:
+        from fbgemm_gpu.split_embedding_configs import EmbOptimType
+        from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+            ComputeDevice,
+            SplitTableBatchedEmbeddingBagsCodegen,
+        )
+    except ImportError:
+        return None
+    where = ((EmbeddingLocation.DEVICE, ComputeDevice.CUDA) if device.type == "cuda"
+             else (EmbeddingLocation.HOST, ComputeDevice.CPU))
+    try:
+        return SplitTableBatchedEmbeddingBagsCodegen([(rows, dim, *where)], optimizer=EmbOptimType.EXACT_SGD,
+                                                     learning_rate=lr, pooling_mode=PoolingMode.SUM)
+    except (RuntimeError, AssertionError) as error:  # (a build without this device's kernels)
+        print(f"FBGEMM's TBE is not timed: {error}")
+        return None
+
+
 def index_rates(device, sync, n_keys: int, batch: int, repeats: int) -> list[tuple[str, float, float]]:
     """(operation, device index M keys/s, core index M keys/s): the best of `repeats` passes."""
     rng = np.random.default_rng(3)
@@ -122,6 +149,8 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--index-keys", type=int, default=2**22, help="keys of the index rate runs")
     ap.add_argument("--index-batch", type=int, default=2**16, help="keys a call in the index rate runs")
+    ap.add_argument("--compile", action="store_true",
+                    help="also time the device-index table under torch.compile(fullgraph=True)")
     ap.add_argument("--torch-threads", type=int, default=None,
                     help="torch's intra-op threads (default: torch's own); the CPU device's kernels use them")
     args = ap.parse_args(argv)
@@ -163,15 +192,27 @@ def main(argv=None) -> int:
         card(ids).backward(grads["dev"])
 
     def indexed_step(ids):
-        indexed(ids).backward(grads["dev"])
+        indexed(ids.to(device, non_blocking=True)).backward(grads["dev"])
+
+    compiled = torch.compile(indexed, fullgraph=True) if args.compile else None
+
+    def compiled_step(ids):
+        compiled(ids.to(device, non_blocking=True)).backward(grads["dev"])
+
+    fbgemm = tbe(args.rows, args.dim, device, 0.01)
+
+    def tbe_step(ids):
+        ids = ids.to(device, non_blocking=True)
+        offsets = torch.arange(0, ids.numel() + 1, ids.shape[1], device=device)
+        fbgemm(ids.reshape(-1), offsets).backward(grads["dev"])
 
     def core_step(ids):
         core(ids).backward(grads["cpu"])
 
     print("| IDs | pooling | nn.EmbeddingBag on the device, ms | CNEmbeddingBag on the device (host index), ms | "
-          "/ EmbeddingBag | CNEmbeddingBag, index on the device, ms | / EmbeddingBag | "
-          "CNEmbeddingBag in host memory, ms |")
-    print("|---|---|---|---|---|---|---|---|")
+          "/ EmbeddingBag | CNEmbeddingBag, index on the device, ms | / EmbeddingBag | compiled, ms | / EmbeddingBag | "
+          "FBGEMM TBE, ms | index on the device / TBE | CNEmbeddingBag in host memory, ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for dist in args.dists:
         for pooling in args.pooling:
             inputs = batches(dist, args.rows, args.batch, pooling, args.warmup + args.steps)
@@ -179,8 +220,16 @@ def main(argv=None) -> int:
             t_card = timed(card_step, inputs, args.warmup, sync)
             t_indexed = timed(indexed_step, inputs, args.warmup, sync)
             t_core = timed(core_step, inputs, args.warmup, sync)
+            compiled_cells = "n/a | n/a"
+            if compiled is not None:
+                t_compiled = timed(compiled_step, inputs, args.warmup, sync)
+                compiled_cells = f"{t_compiled:.2f} | {t_compiled / t_fixed:.2f}x"
+            tbe_cells = "n/a | n/a"
+            if fbgemm is not None:
+                t_tbe = timed(tbe_step, inputs, args.warmup, sync)
+                tbe_cells = f"{t_tbe:.2f} | {t_indexed / t_tbe:.2f}x"
             print(f"| {dist} | {pooling} | {t_fixed:.2f} | {t_card:.2f} | {t_card / t_fixed:.2f}x | {t_indexed:.2f} | "
-                  f"{t_indexed / t_fixed:.2f}x | {t_core:.2f} |")
+                  f"{t_indexed / t_fixed:.2f}x | {compiled_cells} | {tbe_cells} | {t_core:.2f} |")
     print(f"\nThe key index alone: {args.index_keys:,} random int64 keys, {args.index_batch:,} a call, best of 3")
     print(f"| operation | DeviceKeyIndex on {device}, M keys/s | core index (host), M keys/s | device / core |")
     print("|---|---|---|---|")

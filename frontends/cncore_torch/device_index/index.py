@@ -24,10 +24,11 @@ Duplicates in a batch are resolved with a stable sort: each occurrence points at
 occurrence of its key, which is the one that inserts. The new keys of a bucket take its free
 ways in batch order (a stable sort by bucket gives each its rank; a cumulative sum of the
 bucket's free ways turns the rank into a way). Host syncs in a find-or-insert: one when every
-key is present (the count of absent keys: zero, done); with absent keys, also the number of new
-keys, which decides eviction, the slot arrays' growth, and whether every new key found a free
-way (a bucket that would overflow doubles the buckets, a batched rehash, and the placement runs
-again); an eviction round reads the victims' count. `find` has no host sync.
+key is present (the count of absent keys: zero, done); with absent keys, also one read of the
+number of new keys, which decides eviction and the slot arrays' growth, together with whether
+every new key found a free way (a bucket that would overflow doubles the buckets, a batched
+rehash, and the placement runs again, reading its flag); an eviction round reads the victims'
+count. `find` has no host sync.
 
 Eviction
 --------
@@ -241,6 +242,20 @@ class DeviceKeyIndex:
     def _place(self, keys: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor) -> bool:
         """Write keys[mask] with their slots into free ways of their buckets, in batch order;
         False (nothing written) when a bucket lacks the ways."""
+        at, overflow = self._placement(keys, mask)
+        if bool(overflow):
+            return False
+        self._write_entries(at, keys, slots)
+        return True
+
+    def _write_entries(self, at: torch.Tensor, keys: torch.Tensor, slots: torch.Tensor) -> None:
+        self.bucket_keys[at] = keys
+        self.bucket_slots[at] = slots
+
+    def _placement(self, keys: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(entry of each key of keys[mask] in a free way of its bucket, in batch order (the
+        spare entry for the others); a 0-d bool tensor: whether a bucket lacks the ways). No
+        host sync: the caller reads the flag with whatever else it reads."""
         n, nb = len(keys), self.n_buckets
         b = torch.where(mask, self._buckets_of(keys), nb)
         order = torch.sort(b, stable=True).indices
@@ -255,12 +270,7 @@ class DeviceKeyIndex:
         entries = bc[:, None] * WAYS + torch.arange(WAYS, device=self.device)[None, :]
         free_ways = torch.cumsum((self.bucket_slots[entries] < 0).to(torch.int64), 1)
         way = torch.searchsorted(free_ways, (rank + 1)[:, None]).squeeze(1)
-        if bool((mask & (way >= WAYS)).any()):
-            return False
-        at = torch.where(mask, bc * WAYS + way.clamp(max=WAYS - 1), nb * WAYS)
-        self.bucket_keys[at] = keys
-        self.bucket_slots[at] = slots
-        return True
+        return torch.where(mask, bc * WAYS + way.clamp(max=WAYS - 1), nb * WAYS), (mask & (way >= WAYS)).any()
 
     def _rehash(self, n_buckets: int) -> None:
         """Move every entry into n_buckets buckets (doubling again while a bucket overflows)."""
@@ -344,7 +354,10 @@ class DeviceKeyIndex:
             return InsertResult(slots, found, empty, empty)
         rep = _first_occurrence(keys)
         is_new = want & (rep == torch.arange(n, device=self.device))
-        n_new = int(is_new.sum())  # eviction, growth and placement depend on it
+        # The new keys' entries are chosen before eviction and growth: eviction only frees
+        # entries, so a free way stays free; growth moves every entry and places them again.
+        at, overflow = self._placement(keys, is_new)
+        n_new, placed = torch.stack([is_new.sum(), (~overflow).to(torch.int64)]).tolist()  # one read
         rank = torch.cumsum(is_new, 0) - 1
         if self.max_rows:
             room = self._make_room(slots, found, n_new, overflow=admit)  # refuses only without admit
@@ -365,8 +378,12 @@ class DeviceKeyIndex:
         self._ensure_slots(high)
         if self._size + n_new > MAX_LOAD * self.capacity:
             self._rehash(1 << math.ceil(math.log2((self._size + n_new) / (WAYS * MAX_LOAD))))
-        while not self._place(keys, is_new, slot_new):
-            self._rehash(2 * self.n_buckets)
+            placed = False
+        if placed:  # (the overflow rule may have dropped new keys: their entries go to the spare)
+            self._write_entries(torch.where(is_new, at, self.n_buckets * WAYS), keys, slot_new)
+        else:
+            while not self._place(keys, is_new, slot_new):
+                self._rehash(2 * self.n_buckets)
         at = torch.where(is_new, slot_new, self.slot_capacity)
         self.slot_keys[at] = keys
         self.live[at] = True
