@@ -67,7 +67,9 @@ from bounded_movielens import DEFAULT_CACHE, KEYS, MovieLens, find_wheel
 METHODS = ["ours-lru", "ours-lfu", "ours-lru+mincount2", "hashed", "hashed-same-memory",
            "mch-lru", "mch-lfu", "mch-distance-lfu", "mch-lru-reset"]
 OPTIONS = ["ours-unbounded", "ours-lfu+mincount2", "ours-lfu-aging", "ours-lru+hashed", "ours-lfu+hashed",
-           "ours-lfu+mincount2+hashed", "ours-lfu+zero", "ours-lru+zero"]
+           "ours-lfu+mincount2+hashed", "ours-lfu+zero", "ours-lru+zero",
+           "ours-lfu+fb20", "ours-lfu+fb50", "ours-lfu+fb80", "ours-lfu+fb50+fbinit", "ours-lru+fb50",
+           "ours-lfu+mincount2+fb50"]
 LABELS = {"ours-unbounded": "ours, no budget",
           "ours-lru": "ours LRU", "ours-lfu": "ours LFU", "ours-lru+mincount2": "ours LRU + MinCount(2)",
           "hashed": "TorchRec EBC, IDs modulo rows", "hashed-same-memory": "TorchRec EBC, modulo, ours' MiB",
@@ -161,14 +163,24 @@ class MovieLensTask:
                    fixed_rows=list(rows), dim=args.embedding_dim)
 
 
-def ours(args, budgets: list[int], eviction, admission=None, initializer=None) -> Run:
+def fallback_split(budgets: list[int], share: float) -> tuple[list[int], list[int]]:
+    """Each table's rows split into keyed rows (max_rows) and `share` of them fallback rows."""
+    fallback = [min(n - 1, max(1, round(n * share))) if n > 1 else 0 for n in budgets]
+    return [n - f for n, f in zip(budgets, fallback)], fallback
+
+
+def ours(args, budgets: list[int], eviction, admission=None, initializer=None, fallback_share=0.0,
+         fallback_copy=True) -> Run:
     torch.manual_seed(args.seed)  # the dense network starts where every other run's does
-    configs = args.task.configs(args.embedding_dim, budgets)
+    keyed, fallback = fallback_split(budgets, fallback_share) if fallback_share else (budgets, None)
+    configs = args.task.configs(args.embedding_dim, keyed)
+    names = [c.name for c in configs]
     ebc = CNEmbeddingBagCollection(tables=configs, optimizer=args.task.sparse_optimizer(args.sparse_lr),
-                                   initializers=None if initializer is None else dict.fromkeys(
-                                       [c.name for c in configs], initializer),
+                                   initializers=None if initializer is None else dict.fromkeys(names, initializer),
                                    seed=args.seed, eviction=eviction, admission=admission, row_dtype=args.row_dtype,
-                                   max_rows=None if eviction is None else {c.name: n for c, n in zip(configs, budgets)})
+                                   max_rows=None if eviction is None else dict(zip(names, keyed)),
+                                   fallback_rows=None if fallback is None else dict(zip(names, fallback)),
+                                   fallback_copy=fallback_copy)
     model = args.task.dlrm(ebc, args.embedding_dim)
     dense = [p for n, p in model.named_parameters() if "_anchor" not in n]
     return Run("ours", model, [torch.optim.Adagrad(dense, lr=args.dense_lr), ebc.fused_optimizer], tables=ebc)
@@ -323,12 +335,14 @@ POLICIES = {"lru": cncore.LRU, "lfu": cncore.LFU, "lfu-aging": lambda: cncore.LF
 
 def build(method: str, args, budgets: list[int]) -> Run:
     """`budgets`: rows per table (hashed-same-memory: the rows of ours' memory per table)."""
-    if method.startswith("ours-") and method != "ours-unbounded":  # ours-POLICY[+mincount2][+hashed]
+    if method.startswith("ours-") and method != "ours-unbounded":  # ours-POLICY[+mincount2][+hashed][+fbPCT]
         policy, *extras = method[len("ours-"):].split("+")
         admission = cncore.MinCount(2) if "mincount2" in extras else None
         if "hashed" in extras:
             return ours_and_hashed(args, budgets, POLICIES[policy](), admission)
-        return ours(args, budgets, POLICIES[policy](), admission, cncore.Constant(0.0) if "zero" in extras else None)
+        share = next((int(e[2:]) / 100 for e in extras if e.startswith("fb") and e[2:].isdigit()), 0.0)
+        return ours(args, budgets, POLICIES[policy](), admission, cncore.Constant(0.0) if "zero" in extras else None,
+                    share, "fbinit" not in extras)
     if method == "ours-unbounded":  # its configs' rows (which scale the initial rows) are the distinct IDs
         return ours(args, args.distinct, None)
     if method in ("hashed", "hashed-same-memory"):
@@ -383,7 +397,9 @@ def main(argv=None) -> int:
                     help="row budgets, percent of each table's distinct training IDs")
     ap.add_argument("--methods", nargs="+", choices=METHODS + OPTIONS, default=METHODS,
                     help="also: " + ", ".join(OPTIONS) + " (ours+hashed: --exact-share of the rows ours, the "
-                         "rest a hashed TorchRec table, summed)")
+                         "rest a hashed TorchRec table, summed; +fbPCT: PCT%% of each table's rows are its "
+                         "fallback rows (fallback_rows=), the rest keyed rows (max_rows=); +fbinit: a new "
+                         "row starts from the initializer, not its fallback row)")
     ap.add_argument("--exact-share", type=float, default=0.5,
                     help="ours+hashed methods: the share of each table's rows that ours holds (the rest hashed)")
     ap.add_argument("--mch-interval", type=int, default=1, help="MCH's eviction_interval (steps)")
