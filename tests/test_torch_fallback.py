@@ -1,6 +1,7 @@
 """Fallback rows through the torch front end: the collections' fallback_rows= / fallback_copy=
 options (one value or per table), the state_dict entries that carry the fallback rows (saved,
-loaded exactly, required, refused where the table has none), and the device index's refusal."""
+loaded exactly, required, refused where the table has none), and the refusals of the device
+index and of rows on an accelerator."""
 import numpy as np
 import pytest
 import torch
@@ -66,3 +67,10 @@ def test_the_device_index_refuses_fallback_rows_naming_the_host_index():
     with pytest.raises(ValueError, match=r"fallback_rows=4: the device index keeps no fallback rows; a table with "
                                          r"them needs the host index"):
         DeviceKeyIndex(cncore.StoreConfig(dim=2, fallback_rows=4))
+
+
+def test_rows_on_an_accelerator_refuse_fallback_rows_naming_the_core():
+    from cncore_torch.device_rows import DeviceRows
+    with pytest.raises(ValueError, match=r"fallback_rows=2: rows on an accelerator keep no fallback rows; keep this "
+                                         r"table on device='cpu' \(the core\)"):
+        DeviceRows(cncore.StoreConfig(dim=2, fallback_rows=2), torch.device("cpu"))

@@ -123,6 +123,9 @@ class DeviceRows:
         return super().__new__(cls)
 
     def __init__(self, config: cncore.StoreConfig, device: torch.device, key_index: str | None = None):
+        if config.fallback_rows:
+            raise ValueError(f"fallback_rows={config.fallback_rows}: rows on an accelerator keep no fallback rows; "
+                             "keep this table on device='cpu' (the core), or set fallback_rows=0")
         self.config = config
         self.device = device
         admission = config.admission
