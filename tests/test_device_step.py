@@ -45,7 +45,7 @@ def test_the_counter_records_python_reads_data_dependent_sizes_and_device_copies
     assert syncs.records[:3] == ["nonzero in export_slots", "cpu in export", "numpy in export"]
     assert set(syncs.records) == {"nonzero in export_slots", "cpu in export", "numpy in export"}
     with HostSyncs() as syncs:
-        rows.gradient_keys(torch.tensor([0, 2, 0]), torch.zeros(3, 2))
+        rows.gradient_keys(torch.tensor([0, 2, 0], device=rows.device), torch.zeros(3, 2, device=rows.device))
     assert syncs.records == ["nonzero in gradient_keys"]
     with HostSyncs() as syncs:
         rows._weighted_mean_as_sum(torch.tensor([0, 2]), torch.ones(2), 1)  # repeat_interleave with its size
@@ -67,8 +67,9 @@ def test_a_training_step_syncs_once_on_known_keys_twice_on_new_ones_and_never_in
     from cncore_torch import CNEmbeddingBag
     bag = CNEmbeddingBag(100, 8, mode=mode, optimizer=cncore.Adam(lr=0.01), device="cncard",
                          initializer=cncore.Uniform())
-    ids = torch.tensor([[1, 2, 3], [3, 4, -(2**63)]])
-    w = torch.rand(2, 3, requires_grad=True) if weighted else None
+    device = bag.device_rows.device  # (the IDs where the rows are: a copy there is a sync of its own)
+    ids = torch.tensor([[1, 2, 3], [3, 4, -(2**63)]], device=device)
+    w = torch.rand(2, 3, device=device, requires_grad=True) if weighted else None
     bag(ids, per_sample_weights=w).sum().backward()
     for step_ids, forward_reads in ((ids, _ONE_READ), (ids + 10, _NEW_KEYS)):
         with HostSyncs() as forward:
@@ -78,7 +79,7 @@ def test_a_training_step_syncs_once_on_known_keys_twice_on_new_ones_and_never_in
         assert forward.records == forward_reads
         assert backward.records == []
     with HostSyncs() as syncs:  # 1-D IDs with the caller's offsets: one more read, their check
-        bag(ids.reshape(-1), torch.tensor([0, 2, 6])).sum().backward()
+        bag(ids.reshape(-1), torch.tensor([0, 2, 6], device=device)).sum().backward()
     assert syncs.records == ["_local_scalar_dense in _check_offsets"] + _ONE_READ
 
 
@@ -88,7 +89,9 @@ def test_a_collection_step_joins_a_shared_tables_features_with_no_sync(device_in
     from cncore_torch import CNEmbeddingBagCollection
     configs = [EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=50, feature_names=["a", "b"])]
     ebc = CNEmbeddingBagCollection(configs, optimizer=cncore.SGD(lr=0.1), device="cncard")
-    kjt = KeyedJaggedTensor.from_lengths_sync(["a", "b"], torch.tensor([1, 2, 2, 5, 1]), torch.tensor([2, 1, 1, 1]))
+    device = ebc.stores["t"].device
+    kjt = KeyedJaggedTensor.from_lengths_sync(["a", "b"], torch.tensor([1, 2, 2, 5, 1], device=device),
+                                              torch.tensor([2, 1, 1, 1], device=device))
     ebc(kjt).values().sum().backward()
     with HostSyncs() as forward:
         out = ebc(kjt).values()
