@@ -85,6 +85,7 @@ def _async_ranks(rank, world_size, directory):
         "process": lambda: dcp.async_save({"model": dmp.state_dict()}, checkpoint_id=path("process"),
                                           async_checkpointer_type=AsyncCheckpointerType.PROCESS).result(),
     }
+    fresh = build()
     for kind, save in saves.items():
         save()
         dist.barrier()
@@ -93,17 +94,26 @@ def _async_ranks(rank, world_size, directory):
             for field in FIELDS:
                 md = metadata[f"model.tables.{name}.{field}"]
                 assert sorted(c.sizes[0] for c in md.chunks) == sorted(c[name] for c in counts), (kind, field)
-        fresh = build()
+        for store in fresh.module.stores.values():
+            store.clear()  # each load starts from empty tables
         state = {"model": fresh.state_dict()}
         dcp.load(state, checkpoint_id=path(kind), planner=CNLoadPlanner())
         fresh.load_state_dict(state["model"])
         for name, e in saved.items():
             _assert_same(fresh.module.stores[name], e, step)
     stager.close()
+    # without CNLoadPlanner: every rank refuses while DCP plans, and the tables keep their rows
+    with pytest.raises(CheckpointException, match=r"model.tables.o_[ab].\w+: a dynamic table's entries load with "
+                                                  r"torch.distributed.checkpoint.load\(..., planner="
+                                                  r"cncore_torch.dcp.CNLoadPlanner\(\)\)"):
+        dcp.load({"model": fresh.state_dict()}, checkpoint_id=path("default"))
+    for name, e in saved.items():
+        _assert_same(fresh.module.stores[name], e, step)
 
 
 @pytest.mark.slow
 def test_async_save_keeps_every_ranks_rows_with_torchs_own_stagers(tmp_path):
+    """(and a load without CNLoadPlanner is refused on both ranks, the tables unchanged)"""
     from cncore_torch.distributed.launch import spawn
     spawn(_async_ranks, 2, str(tmp_path), timeout=TIMEOUT)
 
