@@ -1,7 +1,8 @@
 """Serving latency of the cn-dlrm DLRM, frozen vs live vs TorchRec's QuantEBC, and the cost of a delta.
 
     python asv_bench/scripts/serving_bench.py [--scale 0.01] [--dim 16] [--requests 200]
-                                              [--delta-rows 2000000] [--delta-dim 64] [--remaps]
+                                              [--delta-rows 2000000] [--delta-dim 64]
+                                              [--remaps [--cuckoo-from COMMIT]]
 
 Latency: the job's DLRM (cn_dlrm.train.build_dlrm over the 26 Criteo tables at `--scale` of
 their cardinalities, every row the first batches reach inserted), one request = one forward of
@@ -11,15 +12,21 @@ a synthetic Criteo batch of B samples (B = 1, 32, 512), one thread, no gradients
 - frozen: `cncore_torch.serving.freeze(model)` (the in-graph remap + TorchRec's EBC, float32);
 - frozen int8: the frozen model after TorchRec's `quantize_embeddings(dtype=torch.qint8)`;
 - QuantEBC: TorchRec's QuantEmbeddingBagCollection (int8) in the DLRM on IDs remapped to rows
-  before the clock starts (what a TorchRec deployment with an external remap pays).
+  before the clock starts (what a TorchRec deployment with an external remap pays);
+- QuantEBC + remap outside (floor): the same QuantEBC model, the frozen collection's remap
+  called on the raw IDs before it, both timed: the least a request with raw IDs can cost with
+  this remap, whatever wraps it.
 
-The variants take turns request by request (each request's batch is timed on every variant in
-a rotating order), so a busy neighbour slows all of them alike. p50 / p99 over `--requests`.
+The variants take turns request by request in a rotating order, so a busy neighbour slows all
+of them alike; each gets requests of its own from the same generator (a request just run on one
+variant would find its rows in the cache on the next). p50 / p99 over `--requests`.
 
 Remap alone (`--remaps`): the frozen collection's ID remap of each request (FBGEMM's pruned-index
 hash, one operator call) against two layouts of plain tensor operations, on the same values: one
 `searchsorted` over all tables' merged sorted IDs plus a table compare, and one `searchsorted` per
-feature over its table's sorted IDs. All three give the same rows (checked on every request).
+feature over its table's sorted IDs; with `--cuckoo-from 7040fbb`, also the static cuckoo hash of
+tensor operations the collections read at that commit, eager and compiled by `torch.compile`
+(inductor). All give the same rows (checked on every request).
 
 Delta: a frozen table of `--delta-rows` x `--delta-dim` float32 rows (the issue's 5 GiB table,
 scaled to what a shared machine holds quickly), one delta of 1% of its rows: (a) changed rows
@@ -30,7 +37,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
+import sys
 import time
+import types
 
 import numpy as np
 import torch
@@ -58,23 +68,39 @@ def models(args):
     return gen, rows, variants, remap
 
 
+FLOOR = "QuantEBC + remap outside (floor)"
+
+
 def latency(args) -> list[str]:
     gen, rows, variants, remap = models(args)
-    lines = [f"DLRM: 26 tables, {rows:,} rows, dim {args.dim}; torch threads 1",
+    start = time.perf_counter()
+    remap.rebuilt({})
+    rebuild = time.perf_counter() - start
+    lines = [f"DLRM: 26 tables, {rows:,} rows, dim {args.dim}; torch threads 1; the remap's hash rebuilt "
+             f"(as a delta does, aside) in {rebuild:.3f} s",
              "| batch | variant | p50 ms | p99 ms | p50 / QuantEBC | p99 / QuantEBC |", "|---|---|---|---|---|---|"]
     for batch_size in (1, 32, 512):
         gen.batch_size = batch_size
-        times: dict[str, list[float]] = {name: [] for name in variants}
-        names = list(variants)
+        names = [*variants, FLOOR]
+        times: dict[str, list[float]] = {name: [] for name in names}
+        quant = variants["QuantEBC (pre-remapped)"]
         with torch.no_grad():
             for i in range(args.requests + 5):
-                batch = gen.batch(1000 + i)
-                remapped = remap(batch.sparse)
+                # each variant its own request: one that just ran on another variant would find its
+                # IDs' rows (QuantEBC and the floor share their weights) in the cache
+                batches = {name: gen.batch(1000 + i * len(names) + k) for k, name in enumerate(names)}
+                reference = batches["QuantEBC (pre-remapped)"]
+                remapped = remap(reference.sparse)
                 order = names[i % len(names):] + names[:i % len(names)]
                 for name in order:
-                    sparse = remapped if name.startswith("QuantEBC") else batch.sparse
+                    batch = batches[name]
                     start = time.perf_counter()
-                    variants[name](batch.dense, sparse)
+                    if name == FLOOR:
+                        quant(batch.dense, remap(batch.sparse))
+                    elif batch is reference:
+                        quant(batch.dense, remapped)
+                    else:
+                        variants[name](batch.dense, batch.sparse)
                     if i >= 5:
                         times[name].append(time.perf_counter() - start)
         p50q, p99q = (np.percentile(times["QuantEBC (pre-remapped)"], q) for q in (50, 99))
@@ -128,18 +154,54 @@ def _per_table_searchsorted(remap):
     return run
 
 
+def _cuckoo_from(commit: str, remap, compiled: bool):
+    """The static cuckoo hash of tensor operations the collections read at `commit` (its
+    `serving/hashmap.py`, read with `git show`), built over the same tables; `compiled`: its
+    lookup through `torch.compile` (inductor, dynamic shapes)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    source = subprocess.run(["git", "show", f"{commit}:frontends/cncore_torch/serving/hashmap.py"], cwd=root,
+                            capture_output=True, text=True, check=True).stdout
+    old = sys.modules.setdefault("cuckoo_hashmap", types.ModuleType("cuckoo_hashmap"))  # dynamo imports it by name
+    exec(compile(source, f"{commit}:hashmap.py", "exec"), old.__dict__)
+    names = list(remap.tables)
+    built = old.StaticHash([(remap.tables[n].ids.numpy(), remap.tables[n].slots.numpy()) for n in names])
+    feature_tables = torch.tensor([names.index(remap.table_of_feature[f]) for f in remap.feature_order])
+
+    def core(values, per_key, entries, params):
+        params = torch.repeat_interleave(params.index_select(1, feature_tables), per_key, dim=1,
+                                         output_size=values.numel())
+        return old.lookup(entries, params, values)
+    core = torch.compile(core, dynamic=True) if compiled else core
+
+    def run(kjt):
+        per_key = kjt.lengths().view(len(kjt.keys()), -1).sum(dim=1)
+        return core(kjt.values(), per_key, built.entries, built.params)
+    return run
+
+
 def remaps(args) -> list[str]:
     gen, _, _, remap = models(args)
     ways = {"FBGEMM pruned hash (freeze's)": _pruned_hash(remap),
             "merged searchsorted": _merged_searchsorted(remap),
             "per-table searchsorted": _per_table_searchsorted(remap)}
-    lines = ["| batch | IDs / request | remap | p50 ms | p99 ms | p50 / hash |", "|---|---|---|---|---|---|"]
+    if args.cuckoo_from:
+        ways[f"static cuckoo hash ({args.cuckoo_from})"] = _cuckoo_from(args.cuckoo_from, remap, False)
+        ways[f"static cuckoo hash ({args.cuckoo_from}), torch.compile"] = compiled = \
+            _cuckoo_from(args.cuckoo_from, remap, True)
+        start = time.perf_counter()
+        for batch_size in (1, 32, 512):    # compiled before the clock: one graph for every size
+            gen.batch_size = batch_size
+            compiled(gen.batch(batch_size).sparse)
+        print(f"torch.compile of the cuckoo lookup: {time.perf_counter() - start:.1f} s")
+    lines = ["| batch | IDs / request | remap | p50 ms | p99 ms | p50 / hash | p99 / hash |",
+             "|---|---|---|---|---|---|---|"]
     for batch_size in (1, 32, 512):
         gen.batch_size = batch_size
         times: dict[str, list[float]] = {name: [] for name in ways}
         names = list(ways)
         for i in range(args.requests + 5):
             kjt = gen.batch(1000 + i).sparse
+            kjt.offsets()   # ready for every layout, as the TBE after the remap reads them anyway
             order = names[i % len(names):] + names[:i % len(names)]
             got = {}
             for name in order:
@@ -148,11 +210,11 @@ def remaps(args) -> list[str]:
                 if i >= 5:
                     times[name].append(time.perf_counter() - start)
             assert all(torch.equal(got[names[0]], g) for g in got.values())
-        p50h = np.percentile(times[names[0]], 50)
+        p50h, p99h = (np.percentile(times[names[0]], q) for q in (50, 99))
         for name in names:
             p50, p99 = np.percentile(times[name], 50), np.percentile(times[name], 99)
             lines.append(f"| {batch_size} | {kjt.values().numel():,} | {name} | {p50 * 1e3:.3f} | {p99 * 1e3:.3f} "
-                         f"| {p50 / p50h:.2f} |")
+                         f"| {p50 / p50h:.2f} | {p99 / p99h:.2f} |")
     return lines
 
 
@@ -188,6 +250,9 @@ def main(argv=None) -> int:
     ap.add_argument("--delta-rows", type=int, default=2_000_000)
     ap.add_argument("--delta-dim", type=int, default=64)
     ap.add_argument("--remaps", action="store_true", help="time the remap layouts alone instead")
+    ap.add_argument("--cuckoo-from", metavar="COMMIT", default=None,
+                    help="with --remaps: also the static cuckoo hash the collections read at COMMIT (7040fbb), "
+                         "eager and through torch.compile")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     print(f"load average at start: {os.getloadavg()}")
