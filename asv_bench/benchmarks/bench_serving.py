@@ -65,6 +65,26 @@ class FrozenRequest:
                 self.model(request.dense, sparse)
 
 
+class Remap:
+    """The frozen collection's ID remap alone (FBGEMM's pruned-index hash over the DLRM's 26
+    features), on `batch` samples' raw IDs: what "frozen_int8" pays beyond "quant_ebc"."""
+    params = [[1, 32, 512]]
+    param_names = ["batch"]
+
+    def setup(self, batch):
+        gen, _, self.remap = _models()
+        gen.batch_size = batch
+        self.sparse = [gen.batch(2000 + i).sparse for i in range(8)]
+        for kjt in self.sparse:
+            kjt.offsets()      # the TBE after the remap reads them anyway
+        torch.set_num_threads(1)
+
+    def time_remap(self, batch):
+        with torch.no_grad():
+            for kjt in self.sparse:
+                self.remap(kjt)
+
+
 class DeltaApply:
     """`apply_delta` on a frozen `DELTA_ROWS` x 64 float32 table: 1% of its rows changed
     ("changed"), or 1% split into half changed, a quarter new IDs, a quarter evicted ("mixed":
