@@ -181,8 +181,11 @@ def test_unsharded_modules_round_trip_through_async_save_with_the_default_stager
 
 
 def _entry(rows=3, rank=1, world_size=2):
+    """Rank 1's entry of a table of 5 + 3 rows (the counts gathered already, as a stager does)."""
     from cncore_torch.dcp import ShardLayout, TableEntry
-    return TableEntry(torch.arange(rows * 2, dtype=torch.float32).reshape(rows, 2), ShardLayout(rows, rank, world_size))
+    layout = ShardLayout(rows, rank, world_size)
+    layout._counts = [5, rows]
+    return TableEntry(torch.arange(rows * 2, dtype=torch.float32).reshape(rows, 2), layout)
 
 
 def test_stager_copies_of_an_entry_are_entries_in_the_same_place():
@@ -223,7 +226,8 @@ def test_a_table_sharded_over_a_group_of_its_own_refuses_the_checkpoint_process(
     back = pickle.loads(ForkingPickler.dumps(entry))
     assert type(back) is TableEntry and torch.equal(back.as_subclass(torch.Tensor), entry.as_subclass(torch.Tensor))
     assert (back.cn_layout.rows, back.cn_layout.rank, back.cn_layout.world_size) == (3, 1, 2)
-    own = TableEntry(torch.zeros(3, 2), ShardLayout(3, 1, 2, group=object()))
+    assert back.cn_layout.row_counts() == [5, 3]  # the counts the stager gathered travel along
+    own = TableEntry(torch.zeros(3, 2), ShardLayout(3, 1, 2, group=object()))  # counts not gathered
     with pytest.raises(ValueError, match=r"a table sharded over a process group of its own \(2 ranks, not the "
                                          r"default group\) cannot be saved from async_save's checkpoint process"):
         ForkingPickler.dumps(own)

@@ -16,7 +16,9 @@ DTensor implements too):
   tensor of one row per rank.
 
 The row counts come from one all-gather per table while DCP plans the save (`dcp.save` is a
-collective; `state_dict()` itself stays local). DCP's own checks then see the shards cover
+collective; `state_dict()` itself stays local), or, under `dcp.async_save`, while its stager
+copies the state_dict (on the thread that stages, so the thread that writes sends nothing of
+ours beside the training's collectives). DCP's own checks then see the shards cover
 each global tensor, and its metadata records every rank's chunk. `dcp.async_save` copies the
 state_dict first (its stager); the copies are entries in the same place (`TableEntry`), with the
 default stager, a `DefaultStager` of any options, a `FileSystemWriter` staging itself, and in
@@ -128,12 +130,16 @@ class ShardLayout:
         return self._counts
 
     def __deepcopy__(self, memo) -> ShardLayout:
+        # Only a stager copies a layout (an entry's copy shares it): the counts are gathered now,
+        # on the thread that stages, not later on the thread that writes beside the training's.
+        self.row_counts()
         return self  # holds a process group, which is not copied; the counts are the same
 
     def __reduce__(self):
-        # Pickled for the process `async_save(async_checkpointer_type=PROCESS)` saves from: it
-        # has one process group, the default one over the same ranks, and gathers the counts there.
-        if self.world_size > 1 and self.group is not None and self.group is not dist.group.WORLD:
+        # Pickled for the process `async_save(async_checkpointer_type=PROCESS)` saves from, with
+        # the counts the stager gathered; without them it gathers over its only group, the default one.
+        if self._counts is None and self.world_size > 1 and self.group is not None \
+                and self.group is not dist.group.WORLD:
             raise ValueError(f"a table sharded over a process group of its own ({self.world_size} ranks, not the "
                              f"default group) cannot be saved from async_save's checkpoint process, which only has "
                              f"the default group; use async_save(..., async_checkpointer_type="
@@ -256,6 +262,7 @@ def _copy_into(dest: torch.Tensor, entry: TableEntry, kwargs: dict) -> TableEntr
                          f"{tuple(dest.shape)}: the table's row count is not the buffer's (a stager that caches its "
                          f"buffers, e.g. BlockingAsyncStager(cache_staged_state_dict=True), holds an earlier save's "
                          f"row count); stage without a cache, e.g. with async_save's default stager")
+    entry.cn_layout.row_counts()  # gathered while staging (see ShardLayout.__deepcopy__)
     with torch._C.DisableTorchFunctionSubclass():
         dest.copy_(entry, **kwargs)
     dest.__class__ = TableEntry
