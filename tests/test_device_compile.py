@@ -79,7 +79,9 @@ def test_a_fullgraph_compiled_training_step_equals_the_eager_one(device_index, m
     assert compiled.bag.device_rows.evicted_count == eager.bag.device_rows.evicted_count > 0
 
 
-def test_the_device_lookup_is_one_operator_each_way_with_no_graph_break(device_index):
+@pytest.mark.parametrize("key_index", ["device", "host"])
+def test_the_device_lookup_is_one_operator_each_way_with_no_graph_break(device_index, monkeypatch, key_index):
+    monkeypatch.setenv("CNCORE_DEVICE_INDEX", key_index)
     model = _Model("mean")
     ids = torch.tensor([[1, 2, 3], [3, 4, -(2**63)]])
     explained = torch._dynamo.explain(model)(ids)

@@ -83,6 +83,23 @@ def test_a_training_step_syncs_once_on_known_keys_twice_on_new_ones_and_never_in
     assert syncs.records == ["_local_scalar_dense in _check_offsets"] + _ONE_READ
 
 
+def test_an_evicting_step_reads_the_device_twice_more_and_its_backward_never(device_index):
+    """A step whose new keys pass max_rows: the two reads of new keys, then the count of rows
+    the call pins (`_make_room`) and of the eviction candidates (`eviction_order`)."""
+    from cncore_torch import CNEmbeddingBag
+    bag = CNEmbeddingBag(100, 4, mode="sum", optimizer=cncore.SGD(lr=0.1), device="cncard",
+                         initializer=cncore.Uniform(), max_rows=8, eviction=cncore.LRU(), headroom=2)
+    device = bag.device_rows.device
+    bag(torch.arange(8, device=device).reshape(2, 4)).sum().backward()
+    with HostSyncs() as forward:
+        out = bag(torch.tensor([[1, 2, 20, 21]], device=device))
+    with HostSyncs() as backward:
+        out.sum().backward()
+    assert forward.records == _NEW_KEYS + ["_local_scalar_dense in _make_room", "_local_scalar_dense in eviction_order"]
+    assert backward.records == []
+    assert bag.device_rows.evicted_count == 4 and len(bag.device_rows) == 6  # down to max_rows - headroom
+
+
 def test_a_collection_step_joins_a_shared_tables_features_with_no_sync(device_index):
     from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 

@@ -287,21 +287,14 @@ class DeviceRows:
                                include_last_offset=True)
 
     def gradients(self, rows_idx, offsets, weights, mode: int, grad_out):
-        """(unique device rows, their gradient, occurrences, d/d weights): autograd through the
-        pooling over just the rows this batch used (a (U, dim) copy), the zero row left out."""
-        mode, weights, inv_len = self._weighted_mean_as_sum(offsets, weights, mode)
-        unique, position, occurrences = torch.unique(rows_idx, return_inverse=True, return_counts=True)
-        sub = self.rows[unique].detach().requires_grad_()
-        pw = None if weights is None else weights.detach().requires_grad_()
-        with torch.enable_grad():
-            out = F.embedding_bag(position, sub, offsets, mode=_MODES[mode], per_sample_weights=pw,
-                                  include_last_offset=True)
-            grads = torch.autograd.grad(out, [sub] if pw is None else [sub, pw], grad_out)
-        grad_weights = None
-        if pw is not None:
-            grad_weights = grads[1] if inv_len is None else grads[1] * inv_len
-        keep = unique != 0
-        return unique[keep], grads[0][keep], occurrences[keep], grad_weights
+        """(distinct device rows, their gradient, occurrences, d/d weights), the zero row left
+        out: `device_index.segments`'s static-shape gradients (no autograd, so they run inside a
+        compiled graph's operator too), compacted to the rows read, as the host index records
+        each row's access once (a host read, which this path makes anyway)."""
+        rows, grads, occurrences, grad_weights = pooled_row_gradients(self.rows, rows_idx, offsets, weights, mode,
+                                                                      grad_out)
+        keep = occurrences > 0
+        return rows[keep], grads[keep], occurrences[keep], grad_weights
 
     def join_gradients(self, parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
