@@ -27,7 +27,7 @@ class _Model(torch.nn.Module):
                                   max_rows=12, eviction=cncore.LRU(), headroom=2, initializer=cncore.Uniform(),
                                   seed=5)
         torch.manual_seed(0)
-        self.dense = torch.nn.Linear(4, 1)
+        self.dense = torch.nn.Linear(4, 1, device=self.bag.device_rows.device)
 
     def forward(self, ids, weights=None):
         return self.dense(torch.relu(self.bag(ids, per_sample_weights=weights))).sum()

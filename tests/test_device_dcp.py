@@ -21,6 +21,7 @@ def make(cncard, monkeypatch):
     from torchrec import EmbeddingBagConfig, EmbeddingConfig
 
     from cncore_torch import CNEmbedding, CNEmbeddingBag, CNEmbeddingBagCollection, CNEmbeddingCollection
+    from cncore_torch.devices import resolve_device
 
     def build(home: str) -> torch.nn.ModuleDict:
         device, index = HOMES[home]
@@ -38,7 +39,7 @@ def make(cncard, monkeypatch):
             "ec": CNEmbeddingCollection(
                 [EmbeddingConfig(name="u", embedding_dim=2, num_embeddings=50, feature_names=["a"])],
                 optimizer=cncore.SGD(lr=0.1), seed=5, device=device),
-            "dense": torch.nn.Linear(4, 1)})
+            "dense": torch.nn.Linear(4, 1, device=resolve_device(device).device)})
     return build
 
 

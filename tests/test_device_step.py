@@ -212,6 +212,6 @@ def test_the_hooks_of_a_device_indexed_bag_get_each_read_key_once(device_index):
     from cncore_torch import CNEmbeddingBag
     bag = CNEmbeddingBag(10, 2, mode="sum", device="cncard", initializer=cncore.Constant(1.0))
     bag.train()
-    bag(torch.tensor([[5, -3, 5]])).backward(torch.ones(1, 2))
+    bag(torch.tensor([[5, -3, 5]])).backward(torch.ones(1, 2, device=bag.device_rows.device))
     keys, grads = bag.last_gradients
     assert keys.tolist() == [5, -3] and grads.tolist() == [[2.0, 2.0], [1.0, 1.0]]
