@@ -11,8 +11,8 @@ with a host sync; here the distinct rows sit in a buffer of N entries instead:
 - `pooled_row_gradients`: sum and mean pooling's gradient of an ID is its bag's output
   gradient times its weight (or 1 / its bag's length), added into its entry (`index_add_`);
   max pooling's goes to the entry `embedding_bag`'s max picked in each bag and column (no
-  autograd: the backward runs inside an operator when compiled, where autograd is off). The zero row's
-  entry, and the fill, get a zero gradient and no occurrence, so an update of the N entries
+  autograd: the backward runs inside an operator when compiled, where autograd is off). The
+  zero row's entry, and the fill, get a zero gradient and no occurrence, so an update of the N entries
   changes only the rows the lookup read (row 0 stays zero: a zero gradient moves no row under
   SGD, Adagrad, row-wise Adagrad or Adam).
 
@@ -105,8 +105,8 @@ def pooled_row_gradients(table_rows: torch.Tensor, rows_idx: torch.Tensor, offse
             per_id = per_id * inv_len[:, None]
         grads = torch.zeros((n, grad_out.shape[1]), dtype=grad_out.dtype, device=grad_out.device)
         grads.index_add_(0, position, per_id)
-    real = rows != 0
-    return rows, grads * real[:, None], occurrences * real, grad_weights
+    real = rows != 0  # (where, not a product: a non-finite gradient of row 0 must not reach it as NaN)
+    return rows, torch.where(real[:, None], grads, 0.0), torch.where(real, occurrences, 0), grad_weights
 
 
 def join_row_gradients(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -133,4 +133,4 @@ def join_row_gradients(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tenso
     grads = torch.zeros_like(grads).index_add_(0, position, grads)
     occurrences = torch.zeros_like(rows).index_add_(0, position, torch.cat([p[2] for p in parts]))
     real = rows != 0
-    return rows, grads * real[:, None], occurrences * real
+    return rows, torch.where(real[:, None], grads, 0.0), torch.where(real, occurrences, 0)
