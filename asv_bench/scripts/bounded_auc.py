@@ -14,7 +14,8 @@ every table):
   `admission=MinCount(2)` (an ID gets a row at its second sighting);
 - TorchRec hashed: its `EmbeddingBagCollection` with IDs taken modulo the budget, and modulo
   as many rows as fit in the memory the first of ours' methods in --methods used at that
-  budget (index, rows, metadata, keys: about twice a fixed row's bytes at dim 16);
+  budget (index, rows, metadata, keys, fallback rows; a fixed row's bytes as the table MiB
+  column below counts them);
 - TorchRec MCH: `ManagedCollisionEmbeddingBagCollection` over its `EmbeddingBagCollection`,
   a `MCHManagedCollisionModule` per table (zch_size = the budget; its last slot takes the IDs
   it has no slot for) with `LRU_EvictionPolicy`, `LFU_EvictionPolicy` or
@@ -29,7 +30,8 @@ follow the training range (drifted, unseen IDs included). Printed: budget, metho
 loss (with --seeds K: means over K model seeds, AUC +- its standard deviation), rows used (ours:
 rows held; hashed: rows any training ID reached; MCH: slots holding an ID), evictions (ours:
 `evicted_count`; MCH: IDs that lost their slot), both of the first seed, table MiB (ours: index,
-rows, metadata, keys; fixed tables: rows x (dim + 1 Adagrad float) x 4 B) and training samples/s
+rows, metadata, keys; fixed tables: rows x their row's bytes, dim + 1 floats with row-wise Adagrad
+(synthetic), 2 x dim with torch.optim.Adagrad's sum (movielens)) and training samples/s
 (the step alone, data excluded).
 
     python asv_bench/scripts/bounded_auc.py                        # 200 steps: about 6 minutes on 2 cores
@@ -56,7 +58,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import cncore
 from cn_dlrm import bounded
-from cn_dlrm.compare import equal_memory_rows, hashed_run
+from cn_dlrm.compare import hashed_run
 from cn_dlrm.data import SPARSE_KEYS, SyntheticCriteo
 from cn_dlrm.train import Run, _mute_is_fx_tracing_notice, build_dlrm, table_configs, train, used_bytes
 from cncore_torch.collection import CNEmbeddingBagCollection
@@ -98,6 +100,11 @@ class SyntheticTask:
     keys = SPARSE_KEYS
 
     @staticmethod
+    def fixed_row_bytes(dim: int) -> int:
+        """A fixed table's bytes a row: its values and TorchRec's row-wise Adagrad float."""
+        return (dim + 1) * 4
+
+    @staticmethod
     def configs(dim: int, rows: list[int]):
         return table_configs(dim, rows)
 
@@ -123,6 +130,11 @@ class MovieLensTask:
     """MovieLens-100K (`bounded_movielens.py`): nine tables, one constant dense input, Adagrad
     (ours `cncore.Adagrad`, TorchRec's tables `torch.optim.Adagrad`: the same update)."""
     keys = KEYS
+
+    @staticmethod
+    def fixed_row_bytes(dim: int) -> int:
+        """A fixed table's bytes a row: its values and torch.optim.Adagrad's sum, as wide."""
+        return 2 * dim * 4
 
     @staticmethod
     def configs(dim: int, rows: list[int]):
@@ -359,10 +371,11 @@ def measure(method: str, args, data: CachedData, budgets: list[int]) -> dict:
         used = sum(len(s) for s in stores)
         evicted = sum(int(s.evicted_count) for s in stores)
         mib = sum(used_bytes(s) for s in stores) / 2**20
-        mib += sum(getattr(run, "fixed_extra", [])) * (args.embedding_dim + 1) * 4 / 2**20
-        same_memory = equal_memory_rows(run.tables, args.embedding_dim)
+        row_bytes = args.task.fixed_row_bytes(args.embedding_dim)
+        mib += sum(getattr(run, "fixed_extra", [])) * row_bytes / 2**20
+        same_memory = [max(1, used_bytes(s) // row_bytes) for s in stores]
     else:
-        mib = sum(budgets) * (args.embedding_dim + 1) * 4 / 2**20
+        mib = sum(budgets) * args.task.fixed_row_bytes(args.embedding_dim) / 2**20
         if hasattr(run, "mch_modules"):
             used = sum(m.used() for m in run.mch_modules.values())
             evicted = sum(m.evicted_ids for m in run.mch_modules.values())
