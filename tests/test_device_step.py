@@ -215,3 +215,13 @@ def test_the_hooks_of_a_device_indexed_bag_get_each_read_key_once(device_index):
     bag(torch.tensor([[5, -3, 5]])).backward(torch.ones(1, 2, device=bag.device_rows.device))
     keys, grads = bag.last_gradients
     assert keys.tolist() == [5, -3] and grads.tolist() == [[2.0, 2.0], [1.0, 1.0]]
+
+
+def test_a_non_finite_gradient_of_an_id_without_a_row_leaves_every_entry_but_its_rows_finite():
+    table = torch.ones(4, 2)
+    grad_out = torch.tensor([[float("inf"), 1.0], [2.0, 3.0]])
+    for mode in (0, 1, 2):
+        rows, grads, occurrences, _ = pooled_row_gradients(table, torch.tensor([0, 0, 2]), torch.tensor([0, 2, 3]),
+                                                           None, mode, grad_out)
+        assert rows.tolist() == [0, 2, 0] and occurrences.tolist() == [0, 1, 0]
+        assert grads.tolist() == [[0.0, 0.0], [2.0, 3.0], [0.0, 0.0]]
