@@ -109,11 +109,41 @@ def _async_ranks(rank, world_size, directory):
         dcp.load({"model": fresh.state_dict()}, checkpoint_id=path("default"))
     for name, e in saved.items():
         _assert_same(fresh.module.stores[name], e, step)
+    _per_rank_tables(rank, path)
+
+
+def _per_rank_tables(rank, path):
+    """Each rank's own unsharded tables (per_rank_tables=True) in one checkpoint of both ranks:
+    refused while DCP plans (it would keep one rank's rows), nothing written; saved by each rank
+    to a checkpoint of its own (no_dist), each loads its own rows back."""
+    import torch.distributed.checkpoint as dcp
+
+    import cncore
+    from cncore_torch import CNEmbeddingBagCollection
+    from cncore_torch.dcp import CNLoadPlanner
+
+    def make():
+        return CNEmbeddingBagCollection(_configs("r"), optimizer=cncore.SGD(lr=0.1), per_rank_tables=True)
+    own = make()
+    keys = np.arange(3 + rank) * 10 + rank
+    own.stores["r_a"].find_or_insert(keys)
+    with pytest.raises(CheckpointException, match=r"model.tables.r_[ab].\w+: an unsharded table saved by 2 ranks "
+                                                  r"into one checkpoint, where DCP would keep one rank's rows"):
+        dcp.save({"model": own.state_dict()}, checkpoint_id=path("per_rank"))
+    assert not os.path.exists(os.path.join(path("per_rank"), ".metadata"))
+    dcp.save({"model": own.state_dict()}, checkpoint_id=path(f"rank{rank}"), no_dist=True)
+    back = make()
+    state = {"model": back.state_dict()}
+    dcp.load(state, checkpoint_id=path(f"rank{rank}"), planner=CNLoadPlanner(), no_dist=True)
+    back.load_state_dict(state["model"])
+    _assert_same(back.stores["r_a"], own.stores["r_a"].export(), own.stores["r_a"].step)
+    assert sorted(back.stores["r_a"].export().keys.tolist()) == keys.tolist()
 
 
 @pytest.mark.slow
 def test_async_save_keeps_every_ranks_rows_with_torchs_own_stagers(tmp_path):
-    """(and a load without CNLoadPlanner is refused on both ranks, the tables unchanged)"""
+    """(and a load without CNLoadPlanner is refused on both ranks, the tables unchanged; each
+    rank's own unsharded tables are refused in one checkpoint of both ranks)"""
     from cncore_torch.distributed.launch import spawn
     spawn(_async_ranks, 2, str(tmp_path), timeout=TIMEOUT)
 

@@ -64,7 +64,7 @@ import copy
 import sys
 import warnings
 from multiprocessing.reduction import ForkingPickler
-from types import FrameType
+from types import CodeType, FrameType
 from typing import Any
 
 import torch
@@ -81,6 +81,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import _get_model_state_dict
+from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
 
 __all__ = ["CNLoadPlanner", "CNStager", "TableEntry", "ShardLayout", "ungather"]
 
@@ -221,6 +222,8 @@ class TableEntry(torch.Tensor):
         return torch.Size([total, *local.shape[1:]]), torch.Size([offset] + [0] * (local.dim() - 1)), local
 
     def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
+        if self.cn_layout.world_size == 1:
+            _refuse_unsharded_in_ranks(fqn)
         place = self._place()
         if place is None:
             return []
@@ -245,6 +248,8 @@ _SIZE = torch.Tensor.size
 _GET_MODEL_STATE_DICT = getattr(_get_model_state_dict, "__wrapped__", _get_model_state_dict).__code__  # (no_grad)
 _COPY = torch.Tensor.copy_
 _DEFAULT_LOAD_PLAN = create_default_local_load_plan.__code__
+_SAVE_LOCAL_STEP = next((c for c in _save_state_dict.__code__.co_consts
+                         if isinstance(c, CodeType) and c.co_name == "local_step"), None)
 # The operations a stager copies an entry with: their result is the entry's copy, in the same place.
 _COPIES = frozenset({torch.Tensor.new_empty, torch.empty_like, torch.zeros_like, torch.Tensor.clone, torch.clone,
                      torch.Tensor.detach, torch.detach, torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.contiguous,
@@ -281,6 +286,24 @@ def _reduce_for_process(entry: TableEntry):
 # Sent to async_save's checkpoint process (AsyncCheckpointerType.PROCESS) as an entry, where
 # torch.save and pickle write a plain tensor.
 ForkingPickler.register(TableEntry, _reduce_for_process)
+
+
+def _refuse_unsharded_in_ranks(fqn: str) -> None:
+    """An unsharded table (each rank's its own, `per_rank_tables=True`) in a DCP save of several
+    ranks: DCP takes the ranks' entries for replicas and keeps one rank's rows, so it is refused
+    while DCP plans the save (its `local_step` holds the save's `_DistWrapper`)."""
+    frame: FrameType | None = sys._getframe(2)
+    while frame is not None and frame.f_code is not _SAVE_LOCAL_STEP:
+        frame = frame.f_back
+    wrapper = frame.f_locals.get("distW") if frame is not None else None
+    if wrapper is None or not wrapper.use_dist:
+        return
+    ranks = dist.get_world_size(wrapper.group)
+    if ranks > 1:
+        raise ValueError(f"{fqn}: an unsharded table saved by {ranks} ranks into one checkpoint, where DCP would keep "
+                         f"one rank's rows: shard it (CNEmbeddingBagCollectionSharder / "
+                         f"CNEmbeddingCollectionSharder), or save each rank's tables to a checkpoint of its own with "
+                         f"dcp.save(..., checkpoint_id=<one per rank>, no_dist=True); nothing was written")
 
 
 def check_chunks(fqn: str, md: TensorStorageMetadata) -> None:
