@@ -18,12 +18,12 @@ DTensor implements too):
 The row counts come from one all-gather per table while DCP plans the save (`dcp.save` is a
 collective; `state_dict()` itself stays local), or, under `dcp.async_save`, while its stager
 copies the state_dict (on the thread that stages, so the thread that writes sends nothing of
-ours beside the training's collectives). DCP's own checks then see the shards cover
-each global tensor, and its metadata records every rank's chunk. `dcp.async_save` copies the
-state_dict first (its stager); the copies are entries in the same place (`TableEntry`), with the
-default stager, a `DefaultStager` of any options, a `FileSystemWriter` staging itself, and in
-the checkpoint process (`AsyncCheckpointerType.PROCESS`, which gathers the counts over its own
-default group).
+ours beside the training's collectives). DCP's own checks then see the shards cover each
+global tensor, and its metadata records every rank's chunk. An unsharded table (world size 1)
+in a save of several ranks is refused: DCP would keep one rank's rows. `dcp.async_save` copies
+the state_dict first (its stager); the copies are entries in the same place (`TableEntry`),
+with the default stager, a `DefaultStager` of any options, a `FileSystemWriter` staging itself,
+and in the checkpoint process (`AsyncCheckpointerType.PROCESS`, which gets the counts pickled).
 
 Loading
 -------
