@@ -70,7 +70,7 @@ METHODS = ["ours-lru", "ours-lfu", "ours-lru+mincount2", "hashed", "hashed-same-
            "mch-lru", "mch-lfu", "mch-distance-lfu", "mch-lru-reset"]
 OPTIONS = ["ours-unbounded", "ours-lfu+mincount2", "ours-lfu-aging", "ours-lru+hashed", "ours-lfu+hashed",
            "ours-lfu+mincount2+hashed", "ours-lfu+zero", "ours-lru+zero",
-           "ours-lfu+fb20", "ours-lfu+fb50", "ours-lfu+fb80", "ours-lfu+fb90", "ours-lfu+fb50+fbinit",
+           "ours-lfu+fb20", "ours-lfu+fb50", "ours-lfu+fb80", "ours-lfu+fb90", "ours-lfu+fb95", "ours-lfu+fb50+fbinit",
            "ours-lru+fb50", "ours-lru+fb80", "ours-lfu+mincount2+fb50", "ours-lfu+mincount2+fb80"]
 LABELS = {"ours-unbounded": "ours, no budget",
           "ours-lru": "ours LRU", "ours-lfu": "ours LFU", "ours-lru+mincount2": "ours LRU + MinCount(2)",
