@@ -74,3 +74,16 @@ def test_rows_on_an_accelerator_refuse_fallback_rows_naming_the_core():
     with pytest.raises(ValueError, match=r"fallback_rows=2: rows on an accelerator keep no fallback rows; keep this "
                                          r"table on device='cpu' \(the core\)"):
         DeviceRows(cncore.StoreConfig(dim=2, fallback_rows=2), torch.device("cpu"))
+
+
+def test_a_module_takes_fallback_rows_and_its_state_dict_carries_them():
+    from cncore_torch import CNEmbeddingBag
+    bag = CNEmbeddingBag(10, 4, optimizer=cncore.SGD(lr=0.5), max_rows=1, headroom=0, fallback_rows=2)
+    bag(torch.tensor([[1, 2, 3]])).sum().backward()
+    other = CNEmbeddingBag(10, 4, optimizer=cncore.SGD(lr=0.5), max_rows=1, headroom=0, fallback_rows=2,
+                           fallback_copy=False)
+    assert other.load_state_dict(bag.state_dict()).missing_keys == []
+    np.testing.assert_array_equal(other.store.export_fallback()[0], bag.store.export_fallback()[0])
+    other.eval(), bag.eval()  # 1 reads its row, 2 and 3 their fallback rows
+    torch.testing.assert_close(other(torch.tensor([[1, 2, 3]])), bag(torch.tensor([[1, 2, 3]])), rtol=0, atol=0)
+    assert not other.store.config.fallback_copy and len(other.store) == 1

@@ -332,6 +332,10 @@ class CNEmbeddingBag(_DynamicTable):
         row_dtype (str): the rows' storage dtype: "float32", "float16" or "bfloat16".
         storage (Tiered | None): `cncore.Tiered(path, cache_bytes)`: rows on disk under a
             bounded cache.
+        fallback_rows (int): shared rows that IDs without a row of their own read and train
+            (``StoreConfig.fallback_rows``; docs/bounded-tables.md).
+        fallback_copy (bool): a new row starts as a copy of its fallback row, or from the
+            initializer.
 
     Example::
 
@@ -351,14 +355,16 @@ class CNEmbeddingBag(_DynamicTable):
                  dtype: torch.dtype | None = None, *, optimizer: Optimizer | None = None,
                  initializer: Initializer | None = None, seed: int = 0, max_load_factor: float = 0.7,
                  max_rows: int | None = None, eviction: Eviction | None = None, admission: Admission | None = None,
-                 headroom: int | None = None, row_dtype: str = "float32", storage: Tiered | None = None) -> None:
+                 headroom: int | None = None, row_dtype: str = "float32", storage: Tiered | None = None,
+                 fallback_rows: int = 0, fallback_copy: bool = True) -> None:
         _check_unsupported(max_norm, scale_grad_by_freq, sparse, device, dtype)
         if mode not in MODES:
             raise ValueError(f"mode must be 'sum', 'mean' or 'max', got {mode!r}")
         check_flag("include_last_offset", include_last_offset)
         _check_padding_idx(padding_idx)
         super().__init__(num_embeddings, embedding_dim, optimizer, initializer, seed, max_load_factor, device,
-                         module_options(max_rows, eviction, admission, headroom, row_dtype, storage))
+                         module_options(max_rows, eviction, admission, headroom, row_dtype, storage, fallback_rows,
+                                        fallback_copy))
         self.mode = mode
         self.include_last_offset = include_last_offset
         self.padding_idx = padding_idx
@@ -469,6 +475,10 @@ class CNEmbedding(_DynamicTable):
         row_dtype (str): the rows' storage dtype: "float32", "float16" or "bfloat16".
         storage (Tiered | None): `cncore.Tiered(path, cache_bytes)`: rows on disk under a
             bounded cache.
+        fallback_rows (int): shared rows that IDs without a row of their own read and train
+            (``StoreConfig.fallback_rows``; docs/bounded-tables.md).
+        fallback_copy (bool): a new row starts as a copy of its fallback row, or from the
+            initializer.
 
     Example::
 
@@ -485,11 +495,13 @@ class CNEmbedding(_DynamicTable):
                  dtype: torch.dtype | None = None, *, optimizer: Optimizer | None = None,
                  initializer: Initializer | None = None, seed: int = 0, max_load_factor: float = 0.7,
                  max_rows: int | None = None, eviction: Eviction | None = None, admission: Admission | None = None,
-                 headroom: int | None = None, row_dtype: str = "float32", storage: Tiered | None = None) -> None:
+                 headroom: int | None = None, row_dtype: str = "float32", storage: Tiered | None = None,
+                 fallback_rows: int = 0, fallback_copy: bool = True) -> None:
         _check_unsupported(max_norm, scale_grad_by_freq, sparse, device, dtype)
         _check_padding_idx(padding_idx)
         super().__init__(num_embeddings, embedding_dim, optimizer, initializer, seed, max_load_factor, device,
-                         module_options(max_rows, eviction, admission, headroom, row_dtype, storage))
+                         module_options(max_rows, eviction, admission, headroom, row_dtype, storage, fallback_rows,
+                                        fallback_copy))
         self.padding_idx = padding_idx
         if _weight is not None:
             _load_dense(self, _weight)

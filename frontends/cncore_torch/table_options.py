@@ -44,11 +44,11 @@ def row_dtype_name(value, context: str = "") -> str:
 
 
 def module_options(max_rows=None, eviction=None, admission=None, headroom=None, row_dtype="float32",
-                   storage=None, fallback_rows=None) -> dict:
+                   storage=None, fallback_rows=0, fallback_copy=True) -> dict:
     """StoreConfig fields of one table."""
     return {"max_rows": max_rows, "eviction": eviction, "admission": admission, "headroom": headroom,
             "dtype": row_dtype_name(row_dtype if row_dtype is not None else "float32"), "storage": storage,
-            "fallback_rows": 0 if fallback_rows is None else fallback_rows}
+            "fallback_rows": fallback_rows, "fallback_copy": fallback_copy}
 
 
 def per_table_options(tables, **options) -> dict[str, dict]:
