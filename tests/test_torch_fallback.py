@@ -87,3 +87,11 @@ def test_a_module_takes_fallback_rows_and_its_state_dict_carries_them():
     other.eval(), bag.eval()  # 1 reads its row, 2 and 3 their fallback rows
     torch.testing.assert_close(other(torch.tensor([[1, 2, 3]])), bag(torch.tensor([[1, 2, 3]])), rtol=0, atol=0)
     assert not other.store.config.fallback_copy and len(other.store) == 1
+
+
+def test_a_sharded_tables_state_dict_refuses_fallback_rows_by_name():
+    from cncore_torch.state import save_store
+    destination = {}
+    with pytest.raises(ValueError, match=r"fallback_rows=2: a sharded table's state_dict does not carry fallback "
+                                         r"rows; build the sharded module's tables without fallback_rows"):
+        save_store(cncore.EmbeddingStore(dim=2, fallback_rows=2), destination, "t.", shard=(0, 2, 7))
