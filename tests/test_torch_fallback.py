@@ -95,3 +95,4 @@ def test_a_sharded_tables_state_dict_refuses_fallback_rows_by_name():
     with pytest.raises(ValueError, match=r"fallback_rows=2: a sharded table's state_dict does not carry fallback "
                                          r"rows; build the sharded module's tables without fallback_rows"):
         save_store(cncore.EmbeddingStore(dim=2, fallback_rows=2), destination, "t.", shard=(0, 2, 7))
+    assert destination == {}

@@ -60,6 +60,10 @@ def save_store(store: cncore.EmbeddingStore, destination: dict, prefix: str,
     sharded table's shard, written as the entry `shard` (see `read_table`), among the ranks of
     process group `group`. The entries are `cncore_torch.dcp.TableEntry` tensors, which DCP
     writes as this rank's part of each table rather than as replicas."""
+    n_fallback = getattr(store, "fallback_rows", 0)
+    if shard is not None and n_fallback:  # refused before any entry is written
+        raise ValueError(f"fallback_rows={n_fallback}: a sharded table's state_dict does not carry fallback rows; "
+                         "build the sharded module's tables without fallback_rows (or save the unsharded module)")
     tensors = export_tensors(store)
     rank, world_size = (shard[0], shard[1]) if shard is not None else (0, 1)
     layout = ShardLayout(len(tensors["keys"]), rank, world_size, group)
@@ -71,18 +75,14 @@ def save_store(store: cncore.EmbeddingStore, destination: dict, prefix: str,
         per_rank["shard"] = torch.tensor(list(shard), dtype=torch.int64)
     for name, value in per_rank.items():  # one value a rank: stacked by DCP when sharded
         destination[prefix + name] = value if shard is None else TableEntry(value, layout, per_rank=True)
-    save_fallback(store, destination, prefix, shard is not None)
+    save_fallback(store, destination, prefix)
 
 
-def save_fallback(store, destination: dict, prefix: str, sharded: bool = False) -> None:
+def save_fallback(store, destination: dict, prefix: str) -> None:
     """A table's fallback rows (``StoreConfig.fallback_rows``) and their optimizer state, as the
     entries fallback_rows and fallback_optimizer_state (nothing without them)."""
-    n = getattr(store, "fallback_rows", 0)
-    if not n:
+    if not getattr(store, "fallback_rows", 0):
         return
-    if sharded:
-        raise ValueError(f"fallback_rows={n}: a sharded table's state_dict does not carry fallback rows; build the "
-                         "sharded module's tables without fallback_rows (or save the unsharded module)")
     rows, state = store.export_fallback()
     destination[prefix + "fallback_rows"] = torch.from_numpy(rows)
     destination[prefix + "fallback_optimizer_state"] = torch.from_numpy(state)
