@@ -1,6 +1,6 @@
 """The sharded collections at TorchRec's seams over 2 gloo processes, in one spawned run: KJTs
 with a batch size per key (VBE) in the sharded unpooled collection; per-sample weights' gradient
-and VBE KJTs under TrainPipelineSparseDist and with the dense part compiled.
+and VBE KJTs under TrainPipelineSparseDist and with the whole model compiled.
 
 Unpooled VBE: each rank feeds its own KJT (batch sizes per key differ between ranks and keys,
 keys in another order than the tables', IDs owned by both ranks) to DMP with our sharder, and
@@ -16,11 +16,12 @@ own bags, as the unsharded collections return them.
 Pipeline and compile: a TorchRec-style model (a PositionWeightedModule over a weighted collection,
 a collection reading a VBE KJT, a dense layer, (loss, prediction) out) under DMP with our sharder
 is trained for 3 batches (a different batch size per rank) through TrainPipelineSparseDist (which
-runs the VBE collection's input dist a batch ahead) and, separately, with its dense layer under
-torch.compile; both give the predictions, the learnt position weights and dense parameters and
-the rows of a plain eager run of the same model (whose weights' gradient and VBE rows equal
-TorchRec's EBC's: tests/test_sharded_seams.py). TorchRec's own sharded modules are no reference
-here on CPU: their VBE backward gets no gradient (see above).
+runs the VBE collection's input dist a batch ahead) and, separately, compiled whole
+(torch.compile of the DMP model: the sharded collections run outside the graph); both give the
+predictions, the learnt position weights and dense parameters and the rows of a plain eager run
+of the same model (whose weights' gradient and VBE rows equal TorchRec's EBC's:
+tests/test_sharded_seams.py). TorchRec's own sharded modules are no reference here on CPU: their
+VBE backward gets no gradient (see above).
 """
 import numpy as np
 import pytest
@@ -208,8 +209,8 @@ def _batches(rank, count):
 
 def _trained(mode, batches):
     """Our model under DMP, trained on `batches` (SGD lr 0.05 on the dense part, fused SGD on the
-    tables) plainly in eager mode, through TrainPipelineSparseDist, or with the dense part
-    compiled: (predictions, dense parameters, each table's rows by key, the dense parameters
+    tables) plainly in eager mode, through TrainPipelineSparseDist, or compiled whole
+    (torch.compile of the DMP model): (predictions, dense parameters, each table's rows by key, the dense parameters
     before training)."""
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
@@ -236,11 +237,10 @@ def _trained(mode, batches):
         # the VBE collection reads the batch directly: its input dist runs a batch ahead
         assert [type(m).__name__ for m in pipeline._pipelined_modules] == ["ShardedCNEmbeddingBagCollection"]
     else:
-        if mode == "compiled":
-            dmp.module.dense = torch.compile(dmp.module.dense)
+        model = torch.compile(dmp) if mode == "compiled" else dmp  # the sharded modules run outside the graph
         for batch in batches:
             optimizer.zero_grad()
-            loss, prediction = dmp(batch)
+            loss, prediction = model(batch)
             loss.backward()
             optimizer.step()
             predictions.append(prediction)
@@ -250,7 +250,7 @@ def _trained(mode, batches):
             batch = store.export()
             order = np.argsort(batch.keys)
             rows[name] = (batch.keys[order], batch.rows[order])
-    dense = {n.replace("._orig_mod", ""): p.detach().clone() for n, p in dmp.named_parameters() if p.numel()}
+    dense = {n: p.detach().clone() for n, p in dmp.named_parameters() if p.numel()}
     return predictions, dense, rows, initial
 
 
@@ -282,6 +282,6 @@ def test_two_ranks_sharded_seams():
     """One spawned 2-rank run: the sharded unpooled collection on VBE KJTs equals TorchRec's own
     sharded EC (outputs) and its unsharded EC expanded by inverse_indices (outputs, rows after SGD
     steps); a model with position weights and a VBE collection trains through
-    TrainPipelineSparseDist and with a compiled dense part exactly as in plain eager mode."""
+    TrainPipelineSparseDist and compiled whole exactly as in plain eager mode."""
     from cncore_torch.distributed.launch import spawn
     spawn(_seams, 2, timeout=TIMEOUT)

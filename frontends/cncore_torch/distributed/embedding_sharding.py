@@ -7,7 +7,8 @@
   directory for a tiered table);
 - `owned_writer`, `keep_owned_rows`: what loads a table's rows into a rank's store, keeping the
   keys that rank owns;
-- `ShardStore`: the store a rank holds for a table (in memory, or on the SSD tier).
+- `ShardStore`: the store a rank holds for a table (in memory, or on the SSD tier);
+- `forward_outside_graph`: a sharded module's forward under `torch.compile` of the whole model.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from cncore_torch.optim import no_optimizer_error, resolve_optimizer
 from cncore_torch.state import TableState, export_tensors
 
 __all__ = ["check_features", "sharded_optimizer", "fused_anchor", "shard_store_configs", "owned_writer",
-           "keep_owned_rows", "anchor_as_here", "ShardStore", "OwnedWriter"]
+           "keep_owned_rows", "anchor_as_here", "ShardStore", "OwnedWriter", "forward_outside_graph"]
 
 ShardStore = cncore.EmbeddingStore | TieredStore
 
@@ -165,3 +166,15 @@ def keep_owned_rows(stores, source_stores, world_size: int, rank: int) -> None:
     for name, store in source_stores.items():
         if len(store):
             owned_writer(stores[name], world_size, rank)(TableState.from_export(export_tensors(store), store.step))
+
+
+@torch.compiler.disable
+def forward_outside_graph(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """TorchRec's sharded forward (input dist, lookup, output dist) of `module`, run eagerly with
+    its result waited for: what a sharded collection's forward does under `torch.compile` of a
+    model that holds it. The routing and the collectives are host-side work on varying sizes
+    that dynamo cannot trace, so a graph break surrounds them; the model's other modules
+    compile, and autograd runs through both."""
+    from torchrec.distributed.types import LazyAwaitable, ShardedModule
+    out = ShardedModule.forward(module, *args, **kwargs)
+    return out.wait() if isinstance(out, LazyAwaitable) else out
