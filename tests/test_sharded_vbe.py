@@ -11,7 +11,7 @@ indexed by inverse_indices. After each SGD step (lr 1) the rows each rank owns e
 unsharded EC's rows moved by the gradient of both ranks' samples (TorchRec's sharded EC is no
 reference for the rows on CPU: its VBE reindex, fbgemm's permute_1D_sparse_data, has no CPU
 autograd kernel, so no gradient reaches its rows). Without inverse_indices each feature keeps its
-own bags, as the unsharded collections return them.
+own bags, as the unsharded collections return them. Compiled whole, it gives the eager output.
 
 Pipeline and compile: a TorchRec-style model (a PositionWeightedModule over a weighted collection,
 a collection reading a VBE KJT, a dense layer, (loss, prediction) out) under DMP with our sharder
@@ -32,6 +32,7 @@ Pipelineable = pytest.importorskip("torchrec.streamable").Pipelineable
 TIMEOUT = 240.0
 ROWS = 40
 KEYS = ["f3", "f1", "f2"]                 # not the tables' order
+KEYS_SORTED = sorted(KEYS)
 STRIDES = [[2, 3, 1], [1, 2, 2]]          # each rank's batch size per key (KEYS)
 SAMPLES = [4, 3]                          # each rank's inverse_indices width
 
@@ -149,6 +150,15 @@ def _unpooled_variable_batch(rank, world_size):
     for f, stride in zip(KEYS, STRIDES[rank]):
         assert out[f].lengths().tolist() == plain[f].lengths().tolist() and len(plain[f].lengths()) == stride
         torch.testing.assert_close(out[f].values(), plain[f].values(), rtol=1e-6, atol=1e-7)
+    # compiled whole, the sharded EC runs outside the graph and gives the eager output
+    kjt = _vbe_kjt(rank, 30)
+    with torch.no_grad():
+        eager, compiled = _wait(ours(kjt)), torch.compile(ours)(kjt)
+    assert sorted(compiled) == KEYS_SORTED
+    for f in KEYS:
+        assert compiled[f].lengths().tolist() == eager[f].lengths().tolist()
+        assert compiled[f].lengths().numel() == SAMPLES[rank]
+        torch.testing.assert_close(compiled[f].values(), eager[f].values(), rtol=0, atol=0)
 
 
 def _ebc_configs():
