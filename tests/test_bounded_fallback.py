@@ -274,3 +274,20 @@ def test_a_table_file_of_a_table_without_fallback_rows_holds_no_fallback_fields(
     d = config_to_dict(cncore.StoreConfig(dim=2))
     assert "fallback_rows" not in d and "fallback_copy" not in d
     assert config_to_dict(cncore.StoreConfig(dim=2, fallback_rows=3))["fallback_rows"] == 3
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_sixteen_bit_fallback_rows_start_round_and_are_copied_bit_for_bit(dtype):
+    s = cncore.EmbeddingStore(dim=3, dtype=dtype, fallback_rows=2, admission=cncore.MinCount(2),
+                              optimizer=cncore.SGD(lr=0.3))
+    values = s.export_fallback()[0]
+    keyed = cncore.EmbeddingStore(dim=3, dtype=dtype, optimizer=cncore.SGD(lr=0.3))  # keys 0, 1 stored as rows
+    keyed.find_or_insert(np.arange(2))
+    np.testing.assert_array_equal(values, keyed.lookup(np.arange(2)))
+    assert not np.array_equal(values, cncore.initial_rows(s.config, np.arange(2)))  # the float32 draw, rounded
+    _, ctx = s.pooled_lookup(np.array([11]), lengths=np.array([1]))
+    s.apply_gradients(ctx, np.ones((1, 3), np.float32))
+    s.pooled_lookup(np.array([11]), lengths=np.array([1]))  # admitted: a copy of its fallback row
+    np.testing.assert_array_equal(s.lookup(np.array([11]))[0], s.export_fallback()[0][fallback_of(11, 2)])
+    back = copy.deepcopy(s)
+    assert_same_fallback(back, s)
