@@ -1,6 +1,7 @@
 """The frozen collections' ID remap (cncore_torch.serving.hashmap: FBGEMM's pruned-index hash
 table, one region per feature) against a dict per table, FBGEMM's empty key -1 included."""
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -147,3 +148,19 @@ def test_a_delta_that_adds_or_evicts_id_minus_one_moves_the_mask():
     assert frozen.remap.key_mask == 0
     with torch.no_grad():
         np.testing.assert_array_equal(frozen(request()).values().numpy(), [[1, 1, 6, 6], [0, 0, 0, 0]])
+
+
+def test_a_serving_file_with_an_earlier_remap_is_refused_when_it_loads(tmp_path):
+    """A pickled remap whose buffers are not FBGEMM's hash (an earlier cncore_torch wrote it) is
+    refused at torch.load, naming freeze, instead of failing inside the first request; a current
+    one loads and reads the same rows."""
+    remap = IdRemap({"t": TableSlots(np.array([30, 10]))}, {"f": "t"})
+    kjt = KeyedJaggedTensor.from_lengths_sync(["f"], torch.tensor([10, 30, 99]), torch.tensor([2, 1]))
+    torch.save(remap, tmp_path / "now.pt")
+    assert torch.load(tmp_path / "now.pt", weights_only=False)(kjt).values().tolist() == [2, 1, 0]
+    old = IdRemap({"t": TableSlots(np.array([30, 10]))}, {"f": "t"})
+    del old._buffers["hash_table"], old._buffers["hash_offsets"]
+    old.register_buffer("hash_entries", torch.zeros(4, dtype=torch.int64))
+    torch.save(old, tmp_path / "old.pt")
+    with pytest.raises(ValueError, match=r"earlier cncore_torch \(buffers \['hash_entries'\].*serving.freeze"):
+        torch.load(tmp_path / "old.pt", weights_only=False)

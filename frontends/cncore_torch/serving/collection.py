@@ -71,6 +71,15 @@ class IdRemap(nn.Module):
         return PrunedHash([(parts[self.table_of_feature[f]][0].numpy(), parts[self.table_of_feature[f]][1].numpy())
                            for f in self.feature_order])
 
+    def __setstate__(self, state: dict) -> None:
+        # A serving file pickled before the remap was FBGEMM's hash holds other buffers: refuse it
+        # when it loads, rather than fail inside the first request.
+        if "hash_table" not in state.get("_buffers", {}):
+            raise ValueError("this serving file's ID remap was written by an earlier cncore_torch (buffers "
+                             f"{sorted(state.get('_buffers', {}))}, not hash_table/hash_offsets): freeze the model "
+                             "again from its checkpoint with cncore_torch.serving.freeze (or `cn-serve freeze`)")
+        super().__setstate__(state)
+
     def swap(self, built: PrunedHash) -> None:
         """Read `built` from the next request on."""
         self.hash_table, self.hash_offsets, self.key_mask = built.table, built.offsets, built.mask
