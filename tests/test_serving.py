@@ -199,6 +199,15 @@ def test_freeze_refuses_what_it_cannot_read():
                                                         feature_names=["f"])], device="meta")
     with pytest.raises(ValueError, match="model: 0 is on the meta device and holds no rows"):
         freeze(torch.nn.Sequential(meta))
+    # fallback rows answer the live table's unseen IDs; a frozen table would read zeros instead
+    with_fallback = CNEmbeddingBagCollection([EmbeddingBagConfig(name="t", embedding_dim=2, num_embeddings=4,
+                                                                 feature_names=["f"])], fallback_rows=2)
+    with pytest.raises(ValueError, match=r"model: 0, table 't', has fallback_rows=2: its unseen IDs read "
+                                         r"shared rows, .*freeze tables built with fallback_rows=0"):
+        freeze(torch.nn.Sequential(with_fallback))
+    bag = CNEmbeddingBag(4, 2, mode="sum", fallback_rows=3)
+    with pytest.raises(ValueError, match=r"model: 1 has fallback_rows=3: its unseen"):
+        freeze(torch.nn.Sequential(torch.nn.Linear(2, 2), bag))
 
 
 CHILD = """

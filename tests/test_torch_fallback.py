@@ -96,3 +96,28 @@ def test_a_sharded_tables_state_dict_refuses_fallback_rows_by_name():
                                          r"rows; build the sharded module's tables without fallback_rows"):
         save_store(cncore.EmbeddingStore(dim=2, fallback_rows=2), destination, "t.", shard=(0, 2, 7))
     assert destination == {}
+
+
+@pytest.mark.parametrize("unpooled", [False, True])
+def test_sharding_a_collection_with_fallback_rows_is_refused_before_anything_trains(unpooled):
+    """The sharded collections' checkpoints hold no fallback rows: sharding a table that has them
+    is refused at construction (as DMP's sharder builds it), naming the table and what works,
+    not at the first save after training (one rank, no process group needed)."""
+    from torchrec import EmbeddingConfig
+    from torchrec.distributed.types import ShardingEnv
+
+    from cncore_torch.collection import CNEmbeddingCollection
+    from cncore_torch.distributed import ShardedCNEmbeddingBagCollection, ShardedCNEmbeddingCollection, plan_for
+    if unpooled:
+        model = CNEmbeddingCollection(tables=[EmbeddingConfig(name="t_a", embedding_dim=4, num_embeddings=10,
+                                                              feature_names=["a"])],
+                                      optimizer=cncore.Adagrad(lr=0.1), fallback_rows=3, device="meta")
+        sharded = ShardedCNEmbeddingCollection
+    else:
+        model = CNEmbeddingBagCollection(tables=TABLES, optimizer=cncore.Adagrad(lr=0.1),
+                                         fallback_rows={"t_b": 3}, device="meta")
+        sharded = ShardedCNEmbeddingBagCollection
+    with pytest.raises(ValueError, match=rf"table '{'t_a' if unpooled else 't_b'}': fallback_rows=3: the sharded "
+                                         r"collections keep no fallback rows .*build the tables to shard with "
+                                         r"fallback_rows=0, or train this table in an unsharded collection"):
+        sharded(model, plan_for(model, 1).plan[""], ShardingEnv(world_size=1, rank=0, pg=None), None)

@@ -106,6 +106,11 @@ def shard_store_configs(configs: dict[str, cncore.StoreConfig], world_size: int,
     process holds its own cache)."""
     out = {}
     for name, config in configs.items():
+        if config.fallback_rows:  # refused when sharding, before a step trains what a checkpoint would lose
+            raise ValueError(f"table {name!r}: fallback_rows={config.fallback_rows}: the sharded collections keep no "
+                             f"fallback rows (their checkpoints would not hold them); build the tables to shard "
+                             f"with fallback_rows=0, or train this table in an unsharded collection")
+    for name, config in configs.items():
         if config.storage is not None and world_size > 1:
             os.makedirs(config.storage.path, exist_ok=True)
             config = dataclasses.replace(config, storage=dataclasses.replace(

@@ -26,7 +26,11 @@ __all__ = ["freeze", "FROZEN_TYPES", "serving_lock"]
 FROZEN_TYPES = (FrozenEmbeddingBagCollection, FrozenEmbeddingCollection, FrozenEmbeddingBag, FrozenEmbedding)
 
 
-def _rows_of(store) -> tuple[np.ndarray, np.ndarray]:
+def _rows_of(store, where: str) -> tuple[np.ndarray, np.ndarray]:
+    if getattr(store, "fallback_rows", 0):  # the live table answers unseen IDs from them; the frozen one reads zeros
+        raise ValueError(f"model: {where} has fallback_rows={store.fallback_rows}: its unseen IDs read shared "
+                         f"rows, which a frozen table does not hold (it reads zeros); freeze tables "
+                         f"built with fallback_rows=0, or serve the live module in eval mode")
     batch = store.export()
     return np.asarray(batch.keys, dtype=np.int64), np.asarray(batch.rows, dtype=np.float32)
 
@@ -42,14 +46,14 @@ def _frozen(module: TableModule, where: str) -> nn.Module:
                              f"tables were trained or loaded (to_empty(device='cpu') then load_state_dict)")
         keys, rows = {}, {}
         for name, store in module.stores.items():
-            keys[name], rows[name] = _rows_of(store)
+            keys[name], rows[name] = _rows_of(store, f"{where}, table {name!r},")
         if isinstance(module, CNEmbeddingBagCollection):
             return FrozenEmbeddingBagCollection(module.embedding_bag_configs(), module.is_weighted(), keys, rows)
         return FrozenEmbeddingCollection(module.embedding_configs(), module.need_indices(), keys, rows)
     if isinstance(module, (CNEmbeddingBag, CNEmbedding)):
         if module.store is None:
             raise ValueError(f"model: {where} is on the meta device and holds no rows; freeze a trained model")
-        ids, weight = _rows_of(module.store)
+        ids, weight = _rows_of(module.store, where)
         if isinstance(module, CNEmbeddingBag):
             return FrozenEmbeddingBag(ids, weight, module.mode, module.include_last_offset, module.padding_idx)
         return FrozenEmbedding(ids, weight, module.padding_idx)
