@@ -199,14 +199,13 @@ def test_freeze_refuses_what_it_cannot_read():
                                                         feature_names=["f"])], device="meta")
     with pytest.raises(ValueError, match="model: 0 is on the meta device and holds no rows"):
         freeze(torch.nn.Sequential(meta))
-    # fallback rows answer the live table's unseen IDs; a frozen table would read zeros instead
-    with_fallback = CNEmbeddingBagCollection([EmbeddingBagConfig(name="t", embedding_dim=2, num_embeddings=4,
-                                                                 feature_names=["f"])], fallback_rows=2)
-    with pytest.raises(ValueError, match=r"model: 0, table 't', has fallback_rows=2: its unseen IDs read "
-                                         r"shared rows, .*freeze tables built with fallback_rows=0"):
-        freeze(torch.nn.Sequential(with_fallback))
+    # fallback rows freeze (tests/test_serving_fallback.py); residual ones (every key reads its
+    # own row plus its fallback row) do not yet
     bag = CNEmbeddingBag(4, 2, mode="sum", fallback_rows=3)
-    with pytest.raises(ValueError, match=r"model: 1 has fallback_rows=3: its unseen"):
+    bag.storage = cncore.make_store(cncore.StoreConfig(dim=2, fallback_rows=3, fallback_mode="residual"))
+    with pytest.raises(ValueError, match=r"model: 1 has fallback_mode='residual': every key reads its own row plus "
+                                         r"its fallback row, which freeze does not build; freeze tables with "
+                                         r"fallback_mode='miss' \(or fallback_rows=0\), or serve the live module"):
         freeze(torch.nn.Sequential(torch.nn.Linear(2, 2), bag))
 
 
@@ -216,10 +215,10 @@ sys.modules["cncore"] = None          # any import of cncore (or of our front en
 sys.modules["cncore_torch"] = None
 import torch, torchrec
 out = {}
-for name in ("pooled", "unpooled", "bag"):
+for name in ("pooled", "unpooled", "bag", "fallback", "fallback_bag"):
     inputs, expected = torch.load(f"{DIR}/{name}.io", weights_only=False)
     got = torch.export.load(f"{DIR}/{name}.pt2").module()(*inputs)
-    if name == "pooled":
+    if name in ("pooled", "fallback"):
         got, expected = got.values(), expected.values()
     elif name == "unpooled":
         got = torch.cat([got[k].values() for k in sorted(got)])
@@ -232,25 +231,40 @@ print(json.dumps(out))
 
 @pytest.mark.slow
 def test_exported_files_run_without_cncore_in_a_fresh_process(tmp_path):
-    """One .pt2 per kind (pooled weighted mean on 16-bit rows, unpooled, a module), exported with
-    one batch and run on another, of other sizes, in a process where importing cncore fails."""
+    """One .pt2 per kind (pooled weighted mean on 16-bit rows, unpooled, a module, and both with
+    fallback rows: unseen IDs read them through the mixer in-graph), exported with one batch and
+    run on another, of other sizes, in a process where importing cncore fails."""
     ebc = trained_ebc(PoolingType.MEAN, weighted=True, row_dtype="float16")
     ec = CNEmbeddingCollection([EmbeddingConfig(name="a", embedding_dim=4, num_embeddings=10,
                                                 feature_names=FEATURES)], optimizer=cncore.SGD(lr=0.1))
     ec(batch(np.random.default_rng(5), 20, False))["f"].values().sum().backward()
     bag = CNEmbeddingBag(10, 3, mode="sum", optimizer=cncore.SGD(lr=0.1))
     bag(torch.tensor([[1, 2], [3, 4]])).sum().backward()
+    shared = CNEmbeddingBagCollection(  # a 6-row budget: most IDs read fallback rows (5 and 3 of them)
+        [EmbeddingBagConfig(name="a", embedding_dim=4, num_embeddings=10, feature_names=["f", "g"],
+                            pooling=PoolingType.MEAN),
+         EmbeddingBagConfig(name="b", embedding_dim=3, num_embeddings=10, feature_names=["h"],
+                            pooling=PoolingType.MEAN)],
+        is_weighted=True, optimizer=cncore.SGD(lr=0.1), row_dtype="float16", max_rows=6, fallback_rows={"a": 5, "b": 3})
+    shared_bag = CNEmbeddingBag(10, 3, mode="max", optimizer=cncore.SGD(lr=0.1), max_rows=3, fallback_rows=7)
     rng = np.random.default_rng(6)
+    for _ in range(2):
+        shared(batch(rng, 40, True)).values().sum().backward()
+        shared_bag(torch.from_numpy(rng.integers(-9, 9, (4, 3)))).sum().backward()
     kjt = lambda w, n: batch(rng, 40, w, n)  # noqa: E731
+    edge = torch.tensor([[0, -1, 2**62], [-2**63, 2**63 - 1, 5], [7, 1, -2**62]])
     cases = {"pooled": (ebc.eval(), kjt(True, 3), (kjt(True, 7),)),
              "unpooled": (ec.eval(), kjt(False, 3), (kjt(False, 5),)),
-             "bag": (bag.eval(), torch.tensor([[1, 9], [3, 4]]), (torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9]]),))}
+             "bag": (bag.eval(), torch.tensor([[1, 9], [3, 4]]), (torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9]]),)),
+             "fallback": (shared.eval(), kjt(True, 3), (kjt(True, 7),)),
+             "fallback_bag": (shared_bag.eval(), torch.tensor([[1, 9], [3, 4]]), (edge,))}
     for name, (live, example, inputs) in cases.items():
         export_program(freeze(live), (example,), tmp_path / f"{name}.pt2")
         with torch.no_grad():
             torch.save((inputs, live(*inputs)), tmp_path / f"{name}.io")
     got = run_isolated(CHILD.replace("{DIR}", str(tmp_path)), timeout=120)
-    assert got == {"pooled": True, "unpooled": True, "bag": True, "cncore_loaded": False}
+    assert got == {"pooled": True, "unpooled": True, "bag": True, "fallback": True, "fallback_bag": True,
+                   "cncore_loaded": False}
 
 
 def test_the_cn_dlrm_model_freezes_to_its_exact_outputs():

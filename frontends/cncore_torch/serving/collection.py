@@ -2,7 +2,8 @@
 
 `FrozenEmbeddingBagCollection` holds `remap` (a `TableSlots` per table) and
 `embedding_bag_collection`, a plain TorchRec `EmbeddingBagCollection` whose tables hold the
-frozen rows (row 0 zeros, for unseen IDs). TorchRec's tools therefore see their own module:
+frozen rows (row 0 zeros, for unseen IDs; then the table's fallback rows, if it has any,
+which unseen IDs read instead: `fallback`). TorchRec's tools therefore see their own module:
 `torchrec.inference.modules.quantize_embeddings` / `quantize_inference_model` swap it for a
 `QuantEmbeddingBagCollection` (int8, int4, fp16 rows), `torch.export` records TorchRec's
 lookup, and the remap is one FBGEMM operator before it (`hashmap`). `FrozenEmbeddingCollection` is the
@@ -25,8 +26,9 @@ from torchrec import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, EmbeddingConfig, PoolingType
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
+from cncore_torch.serving.fallback import fallback_slot, wrap_of
 from cncore_torch.serving.hashmap import PrunedHash, lookup
-from cncore_torch.serving.table import TableSlots, dense_rows
+from cncore_torch.serving.table import UNSEEN, TableSlots, dense_rows
 
 __all__ = ["FrozenEmbeddingBagCollection", "FrozenEmbeddingCollection", "IdRemap"]
 
@@ -38,7 +40,9 @@ class IdRemap(nn.Module):
     pruned-index hash table with one region per feature (`hashmap.PrunedHash`: buffers
     `hash_table`, `hash_offsets`, attribute `key_mask`), which a request reads with one
     operator call over every value of every feature. A KJT whose keys come in another order
-    than the configs' features (or name a feature of no table) is read key by key.
+    than the configs' features (or name a feature of no table) is read key by key. An ID a
+    table with fallback rows lacks reads its fallback row (`fallback.fallback_slot`, rows
+    1 .. N of the weight); without fallback rows the graph holds no operation for them.
 
     >>> import numpy as np
     >>> remap = IdRemap({"t": TableSlots(np.array([30, 10])), "u": TableSlots(np.array([10]))}, {"f": "t", "g": "u"})
@@ -50,6 +54,10 @@ class IdRemap(nn.Module):
 
     hash_table: torch.Tensor
     hash_offsets: torch.Tensor
+    fallback_n: torch.Tensor
+    fallback_wrap: torch.Tensor
+    fallback_uniform = 0     # N > 0 when every feature's table has N fallback rows
+    fallback_mixed = False   # features whose tables differ in N (buffers fallback_n, fallback_wrap)
 
     def __init__(self, tables: dict[str, TableSlots], table_of_feature: dict[str, str]) -> None:
         super().__init__()
@@ -62,6 +70,14 @@ class IdRemap(nn.Module):
         self.register_buffer("hash_table", torch.zeros((0, 2), dtype=torch.int64))
         self.register_buffer("hash_offsets", torch.zeros(1, dtype=torch.int64))
         self.swap(self.rebuilt({}))
+        counts = [cast(TableSlots, self.tables[table_of_feature[f]]).fallback_rows for f in self.feature_order]
+        if counts and all(n == counts[0] for n in counts):
+            self.fallback_uniform = counts[0]
+        elif any(counts):
+            self.fallback_mixed = True
+            self.register_buffer("fallback_n", torch.tensor(counts, dtype=torch.int64))
+            self.register_buffer("fallback_wrap", torch.tensor([wrap_of(n) if n else 0 for n in counts],
+                                                               dtype=torch.int64))
 
     def rebuilt(self, replaced: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> PrunedHash:
         """The hash over every feature's table, each table's (ids, slots) taken from
@@ -94,12 +110,25 @@ class IdRemap(nn.Module):
         keys = features.keys()
         if keys == self.feature_order:
             slots = lookup(self.hash_table, self.hash_offsets, self.key_mask, values, offsets.to(torch.int64))
+            if self.fallback_uniform:
+                slots = torch.where(slots == UNSEEN, 1 + fallback_slot(values, self.fallback_uniform), slots)
+            elif self.fallback_mixed:
+                slots = self._fallback_mixed(values, slots, features.lengths(), len(keys), features.stride())
         else:
             slots = self._by_key(keys, values, features.length_per_key())
         return KeyedJaggedTensor(keys=keys, values=slots, lengths=features.lengths(),
                                  weights=features.weights_or_none(), stride=features.stride(), offsets=offsets,
                                  length_per_key=features.length_per_key_or_none(),
                                  offset_per_key=features.offset_per_key_or_none())
+
+    def _fallback_mixed(self, values: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor, n_features: int,
+                        stride: int) -> torch.Tensor:
+        """Misses of the features whose tables have fallback rows, to them (N per feature)."""
+        per_feature = lengths.to(torch.int64).view(n_features, stride).sum(1)
+        n = torch.repeat_interleave(self.fallback_n, per_feature, output_size=values.numel())
+        wrap = torch.repeat_interleave(self.fallback_wrap, per_feature, output_size=values.numel())
+        fallback = 1 + fallback_slot(values, n.clamp(min=1), wrap)
+        return torch.where((slots == UNSEEN) & (n > 0), fallback, slots)
 
     def _by_key(self, keys: list[str], values: torch.Tensor, per_key: list[int]) -> torch.Tensor:
         """Each key's values as one bag in its feature's region; zeros for a key of no table."""
@@ -110,28 +139,43 @@ class IdRemap(nn.Module):
                 out.append(torch.zeros_like(part))
             else:
                 bag = torch.tensor([0, part.numel()], dtype=torch.int64)
-                out.append(lookup(self.hash_table, self.hash_offsets[region:region + 2], self.key_mask, part, bag))
+                got = lookup(self.hash_table, self.hash_offsets[region:region + 2], self.key_mask, part, bag)
+                n = cast(TableSlots, self.tables[self.table_of_feature[key]]).fallback_rows
+                if n:
+                    got = torch.where(got == UNSEEN, 1 + fallback_slot(part, n), got)
+                out.append(got)
         return torch.cat(out) if out else values.clone()
 
 
-def _remap_of(configs, keys: dict[str, np.ndarray]) -> IdRemap:
-    return IdRemap({c.name: TableSlots(keys[c.name]) for c in configs},
-                   {f: c.name for c in configs for f in c.feature_names})
+Fallback = dict[str, np.ndarray | None]   # {table name: its fallback rows, None without them}
 
 
-def _load_weights(module: nn.Module, rows: dict[str, np.ndarray]) -> None:
+def _fallback_count(fallback: Fallback | None, name: str) -> int:
+    shared = None if fallback is None else fallback.get(name)
+    return 0 if shared is None else len(shared)
+
+
+def _remap_of(configs, keys: dict[str, np.ndarray], fallback: Fallback | None) -> IdRemap:
+    counts = {c.name: _fallback_count(fallback, c.name) for c in configs}
+    return IdRemap({c.name: TableSlots(keys[c.name], first_slot=1 + counts[c.name], fallback_rows=counts[c.name])
+                    for c in configs}, {f: c.name for c in configs for f in c.feature_names})
+
+
+def _load_weights(module: nn.Module, rows: dict[str, np.ndarray], fallback: Fallback | None) -> None:
     """Each TorchRec table's weight (allocated on meta, so no initializer runs over it) as
-    the zero row followed by `rows[name]`."""
+    the zero row, then the table's fallback rows (if any), then `rows[name]`."""
     module.to_empty(device="cpu")
     tables = module.embedding_bags if isinstance(module, EmbeddingBagCollection) else module.embeddings
     assert isinstance(tables, nn.ModuleDict)
     for name, table in tables.items():
-        table.weight = nn.Parameter(dense_rows(rows[name], first_slot=1), requires_grad=False)
+        shared = None if fallback is None else fallback.get(name)
+        table.weight = nn.Parameter(dense_rows(rows[name], first_slot=1, fallback=shared), requires_grad=False)
 
 
 class FrozenEmbeddingBagCollection(nn.Module):
     """A trained `CNEmbeddingBagCollection` as plain torch (see the module docstring): same
-    forward (KJT of raw IDs -> KeyedTensor), same keys and shapes; unseen IDs read zeros.
+    forward (KJT of raw IDs -> KeyedTensor), same keys and shapes; unseen IDs read zeros
+    (or their fallback rows).
     Built by `cncore_torch.serving.freeze`.
 
     Args:
@@ -139,19 +183,21 @@ class FrozenEmbeddingBagCollection(nn.Module):
         is_weighted: whether the KJT's weights scale the rows.
         keys: {table name: int64 (N,) IDs}.
         rows: {table name: float32 (N, dim) rows, row i of ID keys[i]}.
+        fallback: {table name: float32 (M, dim) fallback rows} of the tables that have them
+            (`store.export_fallback()[0]`): the IDs such a table lacks read them; None: none.
     """
 
     def __init__(self, tables: list[EmbeddingBagConfig], is_weighted: bool, keys: dict[str, np.ndarray],
-                 rows: dict[str, np.ndarray]) -> None:
+                 rows: dict[str, np.ndarray], fallback: dict[str, np.ndarray | None] | None = None) -> None:
         super().__init__()
         self._configs = list(tables)
         self._is_weighted = is_weighted
-        inner = [dataclasses.replace(c, num_embeddings=len(keys[c.name]) + 1, data_type=DataType.FP32,
-                                     pooling=PoolingType.SUM,
+        inner = [dataclasses.replace(c, num_embeddings=len(keys[c.name]) + 1 + _fallback_count(fallback, c.name),
+                                     data_type=DataType.FP32, pooling=PoolingType.SUM,
                                      feature_names=list(c.feature_names)) for c in tables]
-        self.remap = _remap_of(tables, keys)
+        self.remap = _remap_of(tables, keys, fallback)
         self.embedding_bag_collection = EmbeddingBagCollection(tables=inner, is_weighted=is_weighted, device="meta")
-        _load_weights(self.embedding_bag_collection, rows)
+        _load_weights(self.embedding_bag_collection, rows, fallback)
         self.requires_grad_(False)
         # (feature, first column, last column) of each mean feature, scaled by 1/length
         self._means: list[tuple[str, int, int]] = []
@@ -201,24 +247,24 @@ class FrozenEmbeddingBagCollection(nn.Module):
 class FrozenEmbeddingCollection(nn.Module):
     """A trained `CNEmbeddingCollection` as plain torch: KJT of raw IDs -> {feature:
     JaggedTensor of (N, dim) rows}, as the live one (with `need_indices`, the raw IDs as the
-    JaggedTensors' weights); unseen IDs read zeros. Built by `cncore_torch.serving.freeze`.
+    JaggedTensors' weights); unseen IDs read zeros (or their fallback rows). Built by `cncore_torch.serving.freeze`.
 
     Args:
         tables: the collection's `EmbeddingConfig`s.
         need_indices: as the live collection's.
-        keys, rows: as `FrozenEmbeddingBagCollection`'s.
+        keys, rows, fallback: as `FrozenEmbeddingBagCollection`'s.
     """
 
     def __init__(self, tables: list[EmbeddingConfig], need_indices: bool, keys: dict[str, np.ndarray],
-                 rows: dict[str, np.ndarray]) -> None:
+                 rows: dict[str, np.ndarray], fallback: dict[str, np.ndarray | None] | None = None) -> None:
         super().__init__()
         self._configs = list(tables)
         self._need_indices = need_indices
-        inner = [dataclasses.replace(c, num_embeddings=len(keys[c.name]) + 1, data_type=DataType.FP32,
-                                     feature_names=list(c.feature_names)) for c in tables]
-        self.remap = _remap_of(tables, keys)
+        inner = [dataclasses.replace(c, num_embeddings=len(keys[c.name]) + 1 + _fallback_count(fallback, c.name),
+                                     data_type=DataType.FP32, feature_names=list(c.feature_names)) for c in tables]
+        self.remap = _remap_of(tables, keys, fallback)
         self.embedding_collection = EmbeddingCollection(tables=inner, device="meta")
-        _load_weights(self.embedding_collection, rows)
+        _load_weights(self.embedding_collection, rows, fallback)
         self.requires_grad_(False)
 
     def embedding_configs(self) -> list[EmbeddingConfig]:

@@ -1,10 +1,11 @@
 """Fresh serving: training's incremental saves applied to a frozen model while it serves.
 
-A `TableDelta` is what changed in one table: rows to write (changed IDs and new ones) and IDs
-to drop (evicted or erased). `TableDelta.from_chain` reads it from a table file chain (the
-deltas `save_table(since=...)` and cn-dlrm's `--incremental-checkpoint-every` write), netting
-every version after the one the frozen model holds. `apply_delta` lands deltas of any number of
-tables as one version:
+A `TableDelta` is what changed in one table: rows to write (changed IDs and new ones), IDs
+to drop (evicted or erased), and the table's fallback rows where it has them (every version
+of a table file holds them all, so a delta carries them whole). `TableDelta.from_chain` reads
+it from a table file chain (the deltas `save_table(since=...)` and cn-dlrm's
+`--incremental-checkpoint-every` write), netting every version after the one the frozen model
+holds. `apply_delta` lands deltas of any number of tables as one version:
 
 1. Prepared aside, while requests run: the new sorted ID array and slots (an O(N) merge), the
    weight rows the new IDs take (an evicted ID's row first, then new rows at the end; growth
@@ -45,10 +46,12 @@ class TableDelta:
         keys: int64 (M,) IDs whose rows are written (changed or new), each once.
         rows: float32 (M, dim), row i for keys[i].
         removed: int64 IDs dropped from the table (IDs it does not hold are ignored).
+        fallback: float32 (N, dim), the table's fallback rows, all of them (None: unchanged).
     """
     keys: np.ndarray
     rows: np.ndarray
     removed: np.ndarray
+    fallback: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         keys, rows = np.asarray(self.keys), np.asarray(self.rows)
@@ -61,16 +64,23 @@ class TableDelta:
         object.__setattr__(self, "keys", keys.astype(np.int64))
         object.__setattr__(self, "rows", rows.astype(np.float32, copy=False))
         object.__setattr__(self, "removed", np.unique(np.asarray(self.removed, dtype=np.int64)))
+        if self.fallback is not None:
+            shared = np.asarray(self.fallback, dtype=np.float32)
+            if shared.ndim != 2 or shared.shape[1] != rows.shape[1]:
+                raise ValueError(f"fallback: expected (N, {rows.shape[1]}) rows, got shape {shared.shape}")
+            object.__setattr__(self, "fallback", shared)
 
     @property
     def nbytes(self) -> int:
-        return self.keys.nbytes + self.rows.nbytes + self.removed.nbytes
+        return (self.keys.nbytes + self.rows.nbytes + self.removed.nbytes
+                + (0 if self.fallback is None else self.fallback.nbytes))
 
     @classmethod
     def from_chain(cls, path: str | os.PathLike, since: str | None, until: str | None = None) -> TableDelta:
         """The net change of the table file chain at `path` from version `since` (the state the
         frozen model holds; None: from nothing, so every row of `until`) to `until` (default:
-        the live version): later versions win, an ID removed and then written again is written.
+        the live version): later versions win, an ID removed and then written again is written;
+        the fallback rows (of a table that has them) are `until`'s.
 
         Args:
             path: the table directory (`save_table`'s path).
@@ -111,7 +121,8 @@ class TableDelta:
             keep = ~np.isin(keys, new_keys)
             keys, rows = np.concatenate([keys[keep], new_keys]), np.concatenate([rows[keep], new_rows])
             removed = np.setdiff1d(removed, new_keys)
-        return cls(keys, rows, removed)
+        shared = links[-1].fallback
+        return cls(keys, rows, removed, None if shared is None else np.asarray(shared[0], dtype=np.float32))
 
 
 @dataclass
@@ -243,6 +254,14 @@ def _prepare(table: _Table, name: str, delta: TableDelta) -> _Prepared:
     at = np.searchsorted(ids, new_keys[order])
     ids, slots = np.insert(ids, at, new_keys[order]), np.insert(slots, at, fresh[order])
     rows = torch.from_numpy(delta.rows)
+    if delta.fallback is not None:
+        held = table.slots.fallback_rows
+        if len(delta.fallback) != held:
+            raise ValueError(f"deltas[{name!r}]: {len(delta.fallback)} fallback rows, but the frozen table holds "
+                             f"{held}; freeze the model again from the table's checkpoint")
+        write_at = np.concatenate([write_at, np.arange(table.slots.first_fallback,
+                                                       table.slots.first_fallback + held, dtype=np.int64)])
+        rows = torch.cat([rows, torch.from_numpy(delta.fallback)])
     grown = None
     if extra:
         grown = torch.zeros((max(capacity + extra, capacity * 5 // 4), weight.shape[1]), dtype=weight.dtype)

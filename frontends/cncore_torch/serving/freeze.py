@@ -26,13 +26,18 @@ __all__ = ["freeze", "FROZEN_TYPES", "serving_lock"]
 FROZEN_TYPES = (FrozenEmbeddingBagCollection, FrozenEmbeddingCollection, FrozenEmbeddingBag, FrozenEmbedding)
 
 
-def _rows_of(store, where: str) -> tuple[np.ndarray, np.ndarray]:
-    if getattr(store, "fallback_rows", 0):  # the live table answers unseen IDs from them; the frozen one reads zeros
-        raise ValueError(f"model: {where} has fallback_rows={store.fallback_rows}: its unseen IDs read shared "
-                         f"rows, which a frozen table does not hold (it reads zeros); freeze tables "
-                         f"built with fallback_rows=0, or serve the live module in eval mode")
+def _rows_of(store, where: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """A store's keys, rows and fallback rows (None without them)."""
+    mode = getattr(getattr(store, "config", None), "fallback_mode", "miss")
+    if getattr(store, "fallback_rows", 0) and mode != "miss":
+        raise ValueError(f"model: {where} has fallback_mode={mode!r}: every key reads its own row plus its fallback "
+                         f"row, which freeze does not build; freeze tables with fallback_mode='miss' (or "
+                         f"fallback_rows=0), or serve the live module in eval mode")
     batch = store.export()
-    return np.asarray(batch.keys, dtype=np.int64), np.asarray(batch.rows, dtype=np.float32)
+    fallback = None
+    if getattr(store, "fallback_rows", 0):
+        fallback = np.asarray(store.export_fallback()[0], dtype=np.float32)
+    return np.asarray(batch.keys, dtype=np.int64), np.asarray(batch.rows, dtype=np.float32), fallback
 
 
 def _frozen(module: TableModule, where: str) -> nn.Module:
@@ -44,19 +49,20 @@ def _frozen(module: TableModule, where: str) -> nn.Module:
         if module.is_meta:
             raise ValueError(f"model: {where} is on the meta device and holds no rows; freeze a model whose "
                              f"tables were trained or loaded (to_empty(device='cpu') then load_state_dict)")
-        keys, rows = {}, {}
+        keys, rows, fallback = {}, {}, {}
         for name, store in module.stores.items():
-            keys[name], rows[name] = _rows_of(store, f"{where}, table {name!r},")
+            keys[name], rows[name], fallback[name] = _rows_of(store, f"{where}, table {name!r},")
         if isinstance(module, CNEmbeddingBagCollection):
-            return FrozenEmbeddingBagCollection(module.embedding_bag_configs(), module.is_weighted(), keys, rows)
-        return FrozenEmbeddingCollection(module.embedding_configs(), module.need_indices(), keys, rows)
+            return FrozenEmbeddingBagCollection(module.embedding_bag_configs(), module.is_weighted(), keys, rows,
+                                                fallback)
+        return FrozenEmbeddingCollection(module.embedding_configs(), module.need_indices(), keys, rows, fallback)
     if isinstance(module, (CNEmbeddingBag, CNEmbedding)):
         if module.store is None:
             raise ValueError(f"model: {where} is on the meta device and holds no rows; freeze a trained model")
-        ids, weight = _rows_of(module.store, where)
+        ids, weight, shared = _rows_of(module.store, where)
         if isinstance(module, CNEmbeddingBag):
-            return FrozenEmbeddingBag(ids, weight, module.mode, module.include_last_offset, module.padding_idx)
-        return FrozenEmbedding(ids, weight, module.padding_idx)
+            return FrozenEmbeddingBag(ids, weight, module.mode, module.include_last_offset, module.padding_idx, shared)
+        return FrozenEmbedding(ids, weight, module.padding_idx, shared)
     raise TypeError(f"model: {where} is a {type(module).__name__}, which freeze cannot read; it freezes "
                     f"CNEmbeddingBagCollection, CNEmbeddingCollection, CNEmbeddingBag and CNEmbedding")
 
@@ -67,7 +73,8 @@ def freeze(model: nn.Module) -> nn.Module:
     holding the rows as tensors behind an in-graph ID lookup (`cncore_torch.serving.table`),
     the rest deep-copied (a snapshot: training the original changes nothing here), in eval
     mode with no gradients. Outputs equal the live model's in eval mode, bit for bit; IDs the
-    tables never saw read the zero row, as they do there. `torch.export.export` (see
+    tables never saw read the zero row, as they do there, or, in a table with fallback rows
+    (`fallback_rows=N`), their fallback row `cn_hash_key(id) % N`, computed in-graph. `torch.export.export` (see
     `cncore_torch.serving.export_program`) packages it, rows included, into one file that
     runs without cncore; TorchRec's `quantize_embeddings` / `quantize_inference_model`
     quantize its collections; `cncore_torch.serving.apply_delta` updates it in place while it

@@ -1,6 +1,7 @@
 """The frozen `CNEmbeddingBag` / `CNEmbedding`: `nn.EmbeddingBag` / `nn.Embedding` calls over
 a frozen table (`TableSlots` + a weight buffer), the same answers as the live module in eval
-mode: unseen IDs read the zero row 0 (and count in a mean's length, as there), `padding_idx`
+mode: unseen IDs read the zero row 0 (and count in a mean's length, as there), or their
+fallback row (rows 2 .. N + 1, `fallback`) where the table has N fallback rows, `padding_idx`
 IDs read the zero row 1 and are left out of a mean's length (as `nn.EmbeddingBag`'s)."""
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cncore_torch.serving.table import TableSlots, dense_rows
+from cncore_torch.serving.fallback import fallback_slot
+from cncore_torch.serving.table import UNSEEN, TableSlots, dense_rows
 
 __all__ = ["FrozenEmbeddingBag", "FrozenEmbedding"]
 
@@ -19,15 +21,20 @@ PADDING = 1  # the weight row padding_idx IDs read: zeros, left out of a mean's 
 class _FrozenTable(nn.Module):
     weight: torch.Tensor
     table: TableSlots
-    def __init__(self, keys: np.ndarray, rows: np.ndarray, padding_idx: int | None = None) -> None:
+    def __init__(self, keys: np.ndarray, rows: np.ndarray, padding_idx: int | None = None,
+                 fallback: np.ndarray | None = None) -> None:
         super().__init__()
         self.embedding_dim = int(np.asarray(rows).shape[1])
         self.padding_idx = padding_idx
-        self.table = TableSlots(keys, first_slot=2)
-        self.register_buffer("weight", dense_rows(rows, first_slot=2))
+        n = 0 if fallback is None else len(fallback)
+        self.table = TableSlots(keys, first_slot=2 + n, fallback_rows=n)
+        self.register_buffer("weight", dense_rows(rows, first_slot=2, fallback=fallback))
 
     def _slots(self, ids: torch.Tensor) -> torch.Tensor:
         slots = self.table(ids)
+        n = self.table.fallback_rows
+        if n:
+            slots = torch.where(slots == UNSEEN, self.table.first_fallback + fallback_slot(ids, n), slots)
         if self.padding_idx is not None:
             slots = torch.where(ids == self.padding_idx, PADDING, slots)
         return slots
@@ -39,7 +46,8 @@ class FrozenEmbeddingBag(_FrozenTable):
 
     Args:
         keys: int64 (N,) IDs; rows: float32 (N, dim), row i of keys[i]; mode: "sum", "mean"
-            or "max"; include_last_offset, padding_idx: as the live module's.
+            or "max"; include_last_offset, padding_idx: as the live module's; fallback:
+            float32 (M, dim) fallback rows the IDs not in keys read (None: zero rows).
 
     >>> import numpy as np
     >>> bag = FrozenEmbeddingBag(np.array([5, 9]), np.array([[1.0, 2.0], [3.0, 4.0]]), mode="mean")
@@ -48,8 +56,8 @@ class FrozenEmbeddingBag(_FrozenTable):
     """
 
     def __init__(self, keys: np.ndarray, rows: np.ndarray, mode: str = "mean", include_last_offset: bool = False,
-                 padding_idx: int | None = None) -> None:
-        super().__init__(keys, rows, padding_idx)
+                 padding_idx: int | None = None, fallback: np.ndarray | None = None) -> None:
+        super().__init__(keys, rows, padding_idx, fallback)
         self.mode = mode
         self.include_last_offset = include_last_offset
 
@@ -95,7 +103,7 @@ class FrozenEmbedding(_FrozenTable):
 
     Args:
         keys: int64 (N,) IDs; rows: float32 (N, dim), row i of keys[i]; padding_idx: as the
-            live module's (positions holding it read zeros).
+            live module's (positions holding it read zeros); fallback: as `FrozenEmbeddingBag`'s.
 
     >>> import numpy as np
     >>> emb = FrozenEmbedding(np.array([5]), np.array([[1.0, 2.0]]))

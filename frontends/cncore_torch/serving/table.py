@@ -5,7 +5,9 @@ Table Layout
     `slots`  int64 (N,): the weight row of `ids[i]`;
     `free`   int64: weight rows no ID uses (an evicted ID's row, kept for the next new ID);
     weight   (capacity, dim): row 0 is zeros, where IDs the table never saw go (`UNSEEN`);
-             the module may reserve more zero rows below `first_slot` (a padding row).
+             the module may reserve more zero rows (a padding row); then the table's
+             `fallback_rows` N shared rows (none for most tables), rows
+             `first_slot - N .. first_slot - 1`; the keyed rows from `first_slot` on.
 
 Lookup
     `torch.searchsorted(ids, x)` then one compare: a hit reads `slots[pos]`, a miss row 0.
@@ -16,7 +18,8 @@ Lookup
     arrays (`hashmap.PrunedHash`: one operator call for all features at once).
 
 Why unseen IDs read zeros: it is what the live tables answer in eval mode (they never insert
-there), what `to_fixed`'s extra zero row gave, and it is the identity of every pooling (sum
+there, unless it has fallback rows: then an unseen ID reads its fallback row, in-graph,
+`serving.fallback`), what `to_fixed`'s extra zero row gave, and it is the identity of every pooling (sum
 and mean count it as one zero row, as the live tables do). The initializer's row could be
 computed in-graph, but a serving model would then answer differently for an ID it never
 trained than the model that was evaluated.
@@ -60,12 +63,14 @@ class TableSlots(nn.Module):
     ids: torch.Tensor
     slots: torch.Tensor
     free: torch.Tensor
+    fallback_rows = 0   # (serving files written before fallback rows froze hold none)
 
-    def __init__(self, keys: np.ndarray, first_slot: int = 1) -> None:
+    def __init__(self, keys: np.ndarray, first_slot: int = 1, fallback_rows: int = 0) -> None:
         super().__init__()
         keys = np.asarray(keys, dtype=np.int64)
         order = np.argsort(keys, kind="stable")
         self.first_slot = first_slot
+        self.fallback_rows = fallback_rows   # rows first_slot - fallback_rows .. first_slot - 1
         self.register_buffer("ids", torch.from_numpy(np.ascontiguousarray(keys[order])))
         self.register_buffer("slots", torch.from_numpy(order.astype(np.int64) + first_slot))
         self.register_buffer("free", torch.zeros(0, dtype=torch.int64))
@@ -73,13 +78,22 @@ class TableSlots(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return slots_of(ids, self.ids, self.slots)
 
+    @property
+    def first_fallback(self) -> int:
+        """The weight row of fallback row 0."""
+        return self.first_slot - self.fallback_rows
+
     def extra_repr(self) -> str:
-        return f"ids={self.ids.numel()}, free={self.free.numel()}"
+        return f"ids={self.ids.numel()}, free={self.free.numel()}, fallback_rows={self.fallback_rows}"
 
 
-def dense_rows(rows: np.ndarray, first_slot: int, capacity: int | None = None) -> torch.Tensor:
-    """A float32 (capacity, dim) weight: zeros, then `rows` from row `first_slot` on."""
+def dense_rows(rows: np.ndarray, first_slot: int, capacity: int | None = None,
+               fallback: np.ndarray | None = None) -> torch.Tensor:
+    """A float32 (capacity, dim) weight: zeros, then `fallback` rows (if any) from row
+    `first_slot` on, then `rows`."""
     rows = np.asarray(rows, dtype=np.float32)
+    if fallback is not None and len(fallback):
+        rows = np.concatenate([np.asarray(fallback, dtype=np.float32).reshape(-1, rows.shape[1]), rows])
     n, dim = rows.shape
     weight = torch.zeros((capacity or first_slot + n, dim), dtype=torch.float32)
     weight[first_slot:first_slot + n] = torch.from_numpy(rows)
