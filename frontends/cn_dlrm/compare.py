@@ -17,7 +17,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from cn_dlrm.data import SPARSE_KEYS
 from cn_dlrm.options import InputError
-from cn_dlrm.train import Data, Run, build_dlrm, table_configs, used_bytes
+from cn_dlrm.train import Data, Run, build_dlrm, core_stores, table_configs, used_bytes
 from cncore_torch.collection import CNEmbeddingBagCollection
 
 __all__ = ["equal_memory_rows", "fixed_run", "hashed_run", "collision_free_remap", "collision_free_run", "dmp_run"]
@@ -26,7 +26,7 @@ __all__ = ["equal_memory_rows", "fixed_run", "hashed_run", "collision_free_remap
 def equal_memory_rows(tables: CNEmbeddingBagCollection, dim: int) -> list[int]:
     """Rows of a fixed table (dim floats + one row-wise Adagrad float) in the memory each
     dynamic table uses (`used_bytes`: a fixed table would not need spare capacity either)."""
-    return [max(1, used_bytes(store) // ((dim + 1) * 4)) for store in tables.stores.values()]
+    return [max(1, used_bytes(store) // ((dim + 1) * 4)) for store in core_stores(tables).values()]
 
 
 def fixed_run(args, name: str, rows: list[int], remap) -> Run:

@@ -17,7 +17,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from itertools import islice
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -34,6 +34,7 @@ from cn_dlrm.data import N_DENSE, SPARSE_KEYS, Batch, SyntheticCriteo, read_crit
 from cn_dlrm.options import InputError
 from cncore.routing import owner_of
 from cncore_torch.collection import CNEmbeddingBagCollection
+from cncore_torch.device_rows import DeviceRows
 
 # A Criteo file's vocabulary is unknown up front: its tables start this small (64 KiB pages)
 # and grow. Synthetic tables start at what the run can reach, at most MAX_INITIAL_ROWS.
@@ -95,6 +96,23 @@ class Data:
                 for key, n in zip(SPARSE_KEYS, reach)}
 
 
+def core_stores(tables: CNEmbeddingBagCollection) -> dict[str, cncore.EmbeddingStore]:
+    """The job's tables by name, as the core stores they are: this job builds its collections on
+    the CPU (rows in the core, or on its SSD tier, whose `TieredStore` answers the same calls).
+
+    >>> ebc = CNEmbeddingBagCollection(tables=table_configs(4, [10]))
+    >>> list(core_stores(ebc))
+    ['t_cat_0']
+    """
+    out = {}
+    for name, store in tables.stores.items():
+        if isinstance(store, DeviceRows):
+            raise ValueError(f"table {name!r}: cn-dlrm keeps its tables in the core (device='cpu'), not on an "
+                             f"accelerator")
+        out[name] = cast(cncore.EmbeddingStore, store)
+    return out
+
+
 def prefill_tables(tables: CNEmbeddingBagCollection, synthetic: SyntheticCriteo, n_batches: int,
                    chunk: int = 1 << 20) -> int:
     """--prefill: a row in each table for every item the first `n_batches` batches can reach
@@ -109,7 +127,7 @@ def prefill_tables(tables: CNEmbeddingBagCollection, synthetic: SyntheticCriteo,
     """
     total = 0
     for feature, (key, n_items) in enumerate(zip(SPARSE_KEYS, synthetic.items_by_batch(n_batches))):
-        store = tables.stores[f"t_{key}"]
+        store = core_stores(tables)[f"t_{key}"]
         step = min(chunk, max(1, getattr(store, "cache_rows", chunk) // 2))  # a tier's call must fit its cache
         for start in range(0, n_items, step):
             store.find_or_insert(synthetic.raw_ids(feature, min(n_items, start + step), start=start))
@@ -186,7 +204,7 @@ class Run:
         """Rows, MiB in use, and MiB allocated (ours: spare capacity and partly filled pages too);
         bounded tables: also rows, budget and evictions per table."""
         if self.tables is not None:
-            used = sum(used_bytes(store) for store in self.tables.stores.values())
+            used = sum(used_bytes(store) for store in core_stores(self.tables).values())
             summary = {"rows": float(sum(self.tables.table_rows().values())), "table_mib": used / 2**20,
                        "table_mib_allocated": self.tables.nbytes() / 2**20}
             if any(s.config.eviction is not None or s.config.admission is not None
@@ -315,7 +333,7 @@ def train(run: TrainingRun, data: Data, args, start: int = 0) -> dict[str, Any]:
     history: list[dict[str, Any]] = []
     progress = Progress(run.name, args.steps, start, enabled=not args.no_progress)
     every: int = getattr(args, "incremental_checkpoint_every", None) or 0
-    stores = run.tables.stores if run.tables is not None else {}
+    stores = core_stores(run.tables) if run.tables is not None else {}
     ours = run.tables is not None and not hasattr(run, "checkpoint_state")  # a single-process run of ours
     chains = TableChains(args.checkpoint, every) if every and ours else None
     ttl = ours and any(isinstance(s.config.eviction, cncore.TTL) for s in stores.values())
