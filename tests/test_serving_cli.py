@@ -32,10 +32,11 @@ def train(ebc, ids):
 
 
 @pytest.fixture
-def trained(tmp_path):
+def trained(tmp_path, request):
     """A model file, its tables' chains (a base then one delta), the live collection, and the
-    base versions."""
-    ebc = CNEmbeddingBagCollection(CONFIGS, optimizer=cncore.SGD(lr=0.1))
+    base versions; t_user with `request.param` fallback rows (default 0)."""
+    ebc = CNEmbeddingBagCollection(CONFIGS, optimizer=cncore.SGD(lr=0.1),
+                                   fallback_rows={"t_user": getattr(request, "param", 0)})
     train(ebc, range(20))
     model = torch.nn.Sequential(ebc)
     torch.save(model, tmp_path / "model.pt")
@@ -43,7 +44,9 @@ def trained(tmp_path):
     return model, saves
 
 
+@pytest.mark.parametrize("trained", [0, 3], indirect=True, ids=["plain", "fallback"])
 def test_freeze_then_apply_follows_the_chains(tmp_path, trained, capsys):
+    """With fallback rows, the probe's unseen and erased IDs read them in both models."""
     model, saves = trained
     ebc = model[0]
     chains = [f"--chain={n}={tmp_path / n}" for n in saves]
@@ -70,8 +73,9 @@ def test_freeze_then_apply_follows_the_chains(tmp_path, trained, capsys):
     assert main(["inspect", str(tmp_path / "serving.pt")]) == 0
     lines = capsys.readouterr().out.splitlines()
     weight = frozen[0].embedding_bag_collection.embedding_bags["t_user"].weight
-    n = len(ebc.stores["t_user"])
-    assert lines[1] == (f"  0.t_user: {n} IDs, dim 4, {weight.shape[0]} rows allocated (0 free), "
+    n, shared = len(ebc.stores["t_user"]), ebc.stores["t_user"].fallback_rows
+    note = f", {shared} fallback" if shared else ""
+    assert lines[1] == (f"  0.t_user: {n} IDs, dim 4, {weight.shape[0]} rows allocated (0 free{note}), "
                         f"{weight.nbytes + 16 * n} bytes, chain version {saves['t_user'].version}")
 
 @pytest.mark.slow

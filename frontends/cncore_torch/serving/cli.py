@@ -98,6 +98,10 @@ def _follow(model, chains: dict[str, str], fresh: bool) -> str:
             f"{report.bytes_written} bytes, swapped in {report.locked_seconds * 1e3:.1f} ms")
 
 
+def _fallback_note(n: int) -> str:
+    return f", {n} fallback" if n else ""
+
+
 def _inspect(path: str) -> list[str]:
     if path.endswith(".pt2"):
         if not os.path.isfile(path):
@@ -112,8 +116,9 @@ def _inspect(path: str) -> list[str]:
     lines = [f"{path}: {type(model).__name__}, serving version {serving_lock(model).version}"]
     for name, table in frozen_tables(model).items():
         w, version = table.weight, versions.get(name, versions.get(name.rsplit(".", 1)[-1]))
+        note = _fallback_note(table.slots.fallback_rows)
         lines.append(f"  {name}: {table.slots.ids.numel()} IDs, dim {w.shape[1]}, {w.shape[0]} rows allocated "
-                     f"({table.slots.free.numel()} free), {w.nbytes + table.slots.ids.nbytes * 2} bytes"
+                     f"({table.slots.free.numel()} free{note}), {w.nbytes + table.slots.ids.nbytes * 2} bytes"
                      + (f", chain version {version}" if version else ""))
     return lines
 
