@@ -332,6 +332,8 @@ _STATE_FLOATS = {None: lambda d: 0, SGD: lambda d: 0, Adagrad: lambda d: d, RowW
 
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
 PLANNED_DTYPES = ()
+# What a key reads from its fallback row (StoreConfig.fallback_mode, docs/bounded-tables.md).
+FALLBACK_MODES = ("miss", "residual")
 # The core's code of each row dtype (cn_dtype.h).
 ROW_DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2}
 
@@ -425,7 +427,10 @@ class StoreConfig:
     row ``mix64(key) % N``, and in training updates it with its optimizer state, as a table
     hashed into N rows would; a key that gets a row starts from its fallback row's values
     (``fallback_copy=True``) or from the initializer. Fallback row j starts as key j's initial
-    row. ``len``, find, read and export see keyed rows only; ``nbytes`` includes them.
+    row. ``len``, find, read and export see keyed rows only; ``nbytes`` includes them. With
+    ``fallback_mode="residual"`` every key of a pooled lookup reads its own row (zeros while
+    it has none) plus its fallback row, and the backward trains both (an exact head over a
+    shared hashed part, as hybrid/compositional hashing does).
 
     Args:
         dim (int): row width, in [1, 65536].
@@ -452,7 +457,11 @@ class StoreConfig:
         fallback_rows (int): shared rows for keys without a row of their own (0: none, they
             read as zeros as before); in [0, 2**56]. Not with ``storage=``.
         fallback_copy (bool): a key's new row starts as a copy of its fallback row (True) or
-            from the initializer (False); only with fallback_rows.
+            from the initializer (False); only with fallback_rows. Not read in residual mode.
+        fallback_mode (str): "miss" (a key reads its fallback row only while it has no row of
+            its own) or "residual" (every key of a pooled lookup reads its own row, zeros if
+            none, plus its fallback row, and both train, each with its optimizer state; a new
+            row starts at zero; "sum" and "mean" pooling, "max" refused). Needs fallback_rows.
 
     Example::
 
@@ -475,6 +484,7 @@ class StoreConfig:
     storage: Tiered | None = None
     fallback_rows: int = 0
     fallback_copy: bool = True
+    fallback_mode: str = "miss"
 
     def __post_init__(self):
         if not isinstance(self.dim, int) or isinstance(self.dim, bool) or not 1 <= self.dim <= 65536:
@@ -531,6 +541,15 @@ class StoreConfig:
         object.__setattr__(self, "fallback_rows", int(self.fallback_rows))
         if not isinstance(self.fallback_copy, bool):
             raise TypeError(f"fallback_copy must be a bool, got {self.fallback_copy!r}")
+        if self.fallback_mode not in FALLBACK_MODES:
+            raise ValueError(f"fallback_mode must be one of {FALLBACK_MODES}, got {self.fallback_mode!r}")
+        if self.fallback_mode == "residual" and not self.fallback_rows:
+            raise ValueError("fallback_mode='residual' adds a shared fallback row to every key's row: set "
+                             "fallback_rows > 0 too, or leave fallback_mode='miss'")
+        if self.fallback_mode == "residual" and not self.fallback_copy:
+            raise ValueError("fallback_copy=False with fallback_mode='residual': a residual table's new row always "
+                             "starts at zero (the key keeps reading its fallback row plus its own), never from the "
+                             "initializer; leave fallback_copy at its default (True, not read in this mode)")
         if not self.fallback_rows:
             return
         if self.storage is not None:

@@ -42,7 +42,7 @@ _ADMISSIONS = {"MinCount": MinCount, "Probability": Probability}
 _POLICY_OPTIONAL_FIELDS = {"LFU": ("halve_every",)}
 # Config fields a file holds only when the table has fallback rows, with the values a file
 # without them reads as.
-_FALLBACK_FIELDS = {"fallback_rows": 0, "fallback_copy": True}
+_FALLBACK_FIELDS = {"fallback_rows": 0, "fallback_copy": True, "fallback_mode": "miss"}
 
 
 class TableFormatError(ValueError):

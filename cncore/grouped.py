@@ -249,6 +249,10 @@ def unique_gradients_one(store, ctx, grad_output):
     grad = as_float_rows(grad_output, "grad_output", (ctx.n_bags, store.dim))
     if not isinstance(ctx.keys, np.ndarray) or ctx.keys.shape != getattr(ctx.slots, "shape", None):
         raise ValueError("ctx: its keys and slots differ in shape (a forged context)")
+    if store._table.fallback_residual:
+        raise ValueError("accumulate_gradients: a table with fallback_mode='residual' trains two rows a key (its own "
+                         "and its shared fallback row), which per-key gradients cannot name; use apply_gradients (the "
+                         "fused update) or fallback_mode='miss'")
     positions, grads = _core.unique_gradients(store._table, ctx.slots, ctx.offsets, ctx.weights, ctx.mode,
                                               ctx.argmax, grad, ctx.training, ctx.step, ctx.erase_epoch)
     return ctx.keys[positions], grads
@@ -324,9 +328,20 @@ def lookup_checked(stores, keys, offsets, weights, modes, outs, insert_missing: 
         return None
     columns = ([slice(starts[f], starts[f + 1]) for f in range(len(stores))] if starts is not None
                else [slice(0, s.dim) for s in stores])
-    return [_sealed(stores[f], keys[f], results[f][0], offsets[f], weights[f], modes[f], results[f][1], results[f][3],
-                    columns[f], results[f][2], insert_missing, stores[f].step)
-            for f in range(len(stores))]
+    ctxs = []
+    for f in range(len(stores)):
+        k, slots, o, w = _as_read(keys[f], offsets[f], weights[f], results[f])
+        ctxs.append(_sealed(stores[f], k, slots, o, w, modes[f], results[f][1], results[f][3], columns[f],
+                            results[f][2], insert_missing, stores[f].step))
+    return ctxs
+
+
+def _as_read(keys, offsets, weights, result) -> tuple:
+    """(keys, slots, offsets, weights) of one feature as its backward reads them: a table with
+    residual fallback rows (cn_table_core.h) hands back each key as two occurrences."""
+    if len(result) > 4 and result[4] is not None:
+        keys, offsets, weights = result[4]
+    return keys, result[0], offsets, weights
 
 
 def lookup_one(store, keys, offsets, weights, mode: int, out, insert_missing: bool, columns: slice | None = None,
@@ -358,9 +373,12 @@ def forward_one(store, keys, offsets, weights, mode: int, out, insert_missing: b
     # (A tiered store holds the keys in memory around the call, and hands over the slots its
     # fault-in found, so that the lookup does not find them again; see TieredStore._fault_in.)
     with store.faulted_in(keys, insert_missing) if hasattr(store, "faulted_in") else _NOTHING_HELD as found:
-        slots, argmax, n_new, epoch = _core.grouped_forward([store._table], [keys], [offsets], [weights], [mode],
-                                                            [out], insert_missing,
-                                                            None if found is None else [found])[0]
+        result = _core.grouped_forward([store._table], [keys], [offsets], [weights], [mode], [out], insert_missing,
+                                       None if found is None else [found])[0]
+    slots, argmax, n_new, epoch = result[:4]
+    if len(result) > 4 and result[4] is not None:
+        # Residual fallback rows: the backward reads each key as its two rows' occurrences.
+        keys, offsets, weights = result[4]
     return keys, offsets, weights, mode, slots, argmax, n_new, epoch, insert_missing, store.step
 
 

@@ -134,7 +134,8 @@ class EmbeddingStore(EvictionVerbs, FallbackVerbs):
                                                                                             MinCount)
               else (0, 0, 0, adm is not None and adm.unadmitted == "initial")), ROW_DTYPES[config.dtype],
             adm.threshold if isinstance(adm, Probability) else 0, config.seed,
-            ev.halve_shift if isinstance(ev, LFU) else -1, config.fallback_rows, config.fallback_copy)
+            ev.halve_shift if isinstance(ev, LFU) else -1, config.fallback_rows, config.fallback_copy,
+            config.fallback_mode == "residual")
         self._evict_callbacks: list[Callable] = []
         # For incremental saves (cncore.tablefile): which store a checkpoint is of, and how many
         # calls wrote rows without recording a step (a delta cannot see those rows).

@@ -3,7 +3,10 @@ sequences of inserts, training steps, erases, evictions, clears and evaluation l
 the literal model of test_bounded_eviction.py extended to them: a key without a row of its own
 reads and trains the shared row mix64(key) % N with its optimizer state; a key that gets a row
 starts from its fallback row's values (fallback_copy) or its initial row; fallback row j starts
-as key j's initial row; len, read and export see keyed rows only; clear resets the fallback rows."""
+as key j's initial row; len, read and export see keyed rows only; clear resets the fallback rows.
+In residual mode (fallback_mode="residual") every key of a pooled lookup reads its own row (zeros
+if none) plus its fallback row, both train with their own optimizer state, and a new row starts
+at zero."""
 import copy
 
 import numpy as np
@@ -20,9 +23,10 @@ import cncore
 class FallbackModel(BoundedModel):
     """BoundedModel plus N fallback rows (values and row-wise Adagrad state) as the docs state them."""
 
-    def __init__(self, policy, max_rows, headroom, ttl, min_count, halve_every, n_fallback, copy_rows):
+    def __init__(self, policy, max_rows, headroom, ttl, min_count, halve_every, n_fallback, copy_rows,
+                 residual=False):
         super().__init__(policy, max_rows, headroom, ttl, min_count, 16, 2, False, halve_every)
-        self.n_fallback, self.copy_rows = n_fallback, copy_rows
+        self.n_fallback, self.copy_rows, self.residual = n_fallback, copy_rows, residual
         self.reset_fallback()
 
     def reset_fallback(self):
@@ -33,6 +37,8 @@ class FallbackModel(BoundedModel):
         return _mix64(k % 2**64) % self.n_fallback
 
     def initial(self, key):  # a new keyed row's start (DictStore.find_or_insert draws it here)
+        if self.residual:
+            return np.zeros(DIM, np.float32)
         if self.copy_rows:
             return self.fb_rows[self.fallback_of(key)].copy()
         return super().initial(key)
@@ -50,8 +56,16 @@ class FallbackModel(BoundedModel):
         return [k for k in keys if k not in over]
 
     def read(self, keys):
+        if self.residual:
+            return np.array([self.rows.get(k, np.zeros(DIM, np.float32)) + self.fb_rows[self.fallback_of(k)]
+                             for k in keys], dtype=np.float32).reshape(len(keys), DIM)
         return np.array([self.rows[k] if k in self.rows else self.fb_rows[self.fallback_of(k)] for k in keys],
                         dtype=np.float32).reshape(len(keys), DIM)
+
+    def fallback_grads(self, grads):
+        """The keys whose gradient reaches their fallback row: all of them in residual mode, else
+        those without a row of their own."""
+        return grads if self.residual else {k: g for k, g in grads.items() if k not in self.rows}
 
     def train_fallback(self, grads):
         """Row-wise Adagrad on each fallback row, with the gradient summed over the keys it serves."""
@@ -68,16 +82,19 @@ class FallbackMachine(BoundedMachine):
     @initialize(policy=st.sampled_from(["lru", "lfu", "ttl"]), max_rows=st.integers(3, 10),
                 headroom=st.integers(0, 2), ttl=st.integers(0, 3), min_count=st.sampled_from([0, 2]),
                 initial=st.just(False), halve_every=st.sampled_from([None, 2]), n_fallback=st.integers(1, 4),
-                copy_rows=st.booleans())
-    def setup(self, policy, max_rows, headroom, ttl, min_count, initial, halve_every, n_fallback, copy_rows):
+                copy_rows=st.booleans(), mode=st.sampled_from(["miss", "residual"]))
+    def setup(self, policy, max_rows, headroom, ttl, min_count, initial, halve_every, n_fallback, copy_rows, mode):
+        copy_rows = copy_rows or mode == "residual"  # (residual mode refuses fallback_copy=False)
         eviction = {"lru": cncore.LRU(), "lfu": cncore.LFU(halve_every), "ttl": cncore.TTL(ttl)}[policy]
         opt = cncore.RowWiseAdagrad(lr=LR, eps=EPS, initial_accumulator_value=0.25)
         admission = cncore.MinCount(min_count, width=16, depth=2) if min_count else None
         headroom = min(headroom, max_rows - 1)
         self.store = cncore.EmbeddingStore(dim=DIM, seed=SEED, initializer=cncore.Uniform(LOW, HIGH), optimizer=opt,
                                            max_rows=max_rows, eviction=eviction, headroom=headroom,
-                                           admission=admission, fallback_rows=n_fallback, fallback_copy=copy_rows)
-        self.ref = FallbackModel(policy, max_rows, headroom, ttl, min_count, halve_every, n_fallback, copy_rows)
+                                           admission=admission, fallback_rows=n_fallback, fallback_copy=copy_rows,
+                                           fallback_mode=mode)
+        self.ref = FallbackModel(policy, max_rows, headroom, ttl, min_count, halve_every, n_fallback, copy_rows,
+                                 mode == "residual")
         self.sink = []
         self.store.on_evict(self.sink.append)
         self.unordered = set()
@@ -96,7 +113,7 @@ class FallbackMachine(BoundedMachine):
         grad = rng.standard_normal(out.shape).astype(np.float32)
         grads, occurrences = self.ref.backward(keys, offsets, grad, weights)
         self.store.apply_gradients(ctx, grad)
-        self.ref.train_fallback({k: g for k, g in grads.items() if k not in self.ref.rows})
+        self.ref.train_fallback(self.ref.fallback_grads(grads))
         self.ref.rowwise_adagrad({k: g for k, g in grads.items() if k in self.ref.rows}, LR, EPS)
         self.ref.record_access({k: n for k, n in occurrences.items() if k in self.ref.rows}, lookup_step)
 

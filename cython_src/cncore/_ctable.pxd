@@ -92,6 +92,7 @@ cdef extern from "cn_table.h" nogil:
         uint64_t admit_seed
         int64_t fallback_rows
         int fallback_copy
+        int fallback_residual
     ctypedef struct cn_evicted:
         int64_t n
         key_t *keys
@@ -136,6 +137,7 @@ cdef extern from "cn_table.h" nogil:
                        const weight_t *weights, int mode, weight_t *out, int64_t ld_out, int64_t *argmax,
                        const slot_t *slots)
     void cn_table_use_fallback(const cn_table *t, const key_t *keys, int64_t n, slot_t *slots)
+    void cn_table_residual_slots(const cn_table *t, const key_t *keys, const slot_t *own, int64_t n, slot_t *out)
     void cn_table_decay_admission(cn_table *t)
     int cn_table_evict(cn_table *t, int64_t k, int want_rows, cn_evicted *ev)
     int cn_table_evict_expired(cn_table *t, int want_rows, cn_evicted *ev)

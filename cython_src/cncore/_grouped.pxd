@@ -17,6 +17,7 @@ cdef struct LookupFeature:
     int64_t ld_out
     int64_t *argmax           # (n_bags, dim) for mode 2, else NULL
     int64_t table             # its entry in the call's LookupTable list
+    const slot_t *own         # residual fallback rows: its keys' own slots (n_keys / 2), else NULL
 
 cdef struct LookupTable:
     # one distinct table of grouped_forward, with the keys of all its features

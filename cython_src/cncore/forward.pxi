@@ -112,7 +112,11 @@ def grouped_forward(list tables, list keys, list offsets, list weights, list mod
                 if modes[f] == 2:
                     argmax = np.empty((ft.n_bags, tab.t.dim), dtype=np.int64)
                 ft.argmax = <int64_t*> _ptr(argmax)
-                results[f] = [slots, argmax, 0, 0, unit_keys]  # unit_keys: alive until the call returns
+                ft.own = NULL
+                residual = None
+                if tab.t.bound.fallback_residual:
+                    slots, residual = _residual_feature(ft, f, keys[f], offsets[f], weights[f], modes[f])
+                results[f] = [slots, argmax, 0, 0, unit_keys, residual]  # unit_keys: alive until the call returns
         with nogil:
             for f in range(F):
                 bad_pos = cn_check_offsets(feats[f].offsets, feats[f].n_bags, feats[f].n_keys)
@@ -138,6 +142,9 @@ def grouped_forward(list tables, list keys, list offsets, list weights, list mod
                         for f in range(F):
                             ft = &feats[f]
                             if ft.table == u:
+                                if ft.own != NULL:
+                                    cn_table_residual_slots(ut.t, ut.keys + (ft.own - ut.slots), ft.own,
+                                                            ft.n_keys // 2, ft.slots)
                                 cn_table_pool(ut.t, ft.keys, ft.offsets, ft.n_bags, ft.weights, ft.mode, ft.out,
                                               ft.ld_out, ft.argmax, ft.slots)
                     ut.epoch = ut.t.erase_epoch
@@ -159,7 +166,8 @@ def grouped_forward(list tables, list keys, list offsets, list weights, list mod
             if bad_feature >= 0:
                 raise ValueError(
                     f"offsets[{bad_feature}]: must start at 0, never decrease and end at the number of "
-                    f"keys ({feats[bad_feature].n_keys}); position {bad_pos} breaks this")
+                    f"keys ({feats[bad_feature].n_keys // (2 if feats[bad_feature].own != NULL else 1)}); "
+                    f"position {bad_pos} breaks this")
             if failed >= 0:
                 f = members[failed][0]
                 done = " (the tables of features before it were looked up)" if failed else ""
@@ -186,3 +194,34 @@ def grouped_forward(list tables, list keys, list offsets, list weights, list mod
                 cn_evicted_free(&units[u].ev)
         free(feats)
         free(units)
+
+
+cdef tuple _residual_feature(LookupFeature* ft, int64_t f, object k, object o, object w, int mode):
+    """A feature on a table with residual fallback rows (cn_table_core.h) as the pool and the
+    backward read it: each key two occurrences of its bag, its own slot then its fallback slot
+    (filled under the lock by cn_table_residual_slots), so each row gets its share of the
+    bag's gradient and its own optimizer update. Offsets double; weights repeat; mean pooling
+    gets weights 2 (2w), so a bag's mean over its 2L occurrences is the mean over its L keys of
+    own + fallback, exactly (scaling by 2 rounds nothing). Points ft at the new arrays and
+    returns (slots, (keys, offsets, weights)), what the backward reads in their place."""
+    if mode == 2:
+        raise ValueError(f"modes[{f}]: 'max' pooling of a table with fallback_mode='residual' is not supported (a "
+                         "key's value is the sum of two rows, which a per-row max cannot pool exactly); use 'sum' or "
+                         "'mean', or fallback_mode='miss'")
+    cdef int64_t n = ft.n_keys
+    ft.own = ft.slots
+    rkeys = np.repeat(k, 2)
+    rslots = np.empty(2 * n, dtype=np.int64)
+    # Out-of-range offsets clipped first, so doubling cannot wrap; clipping keeps a bad offsets
+    # array bad at the same position (the core checks the doubled one).
+    roffsets = np.clip(o, -1, n + 1) * 2
+    if mode == 1:
+        rweights = np.repeat(w if w is not None else np.ones(n, dtype=np.float32), 2) * np.float32(2)
+    else:
+        rweights = None if w is None else np.repeat(w, 2)
+    ft.keys = <const key_t*> _ptr(rkeys)
+    ft.slots = <slot_t*> _ptr(rslots)
+    ft.n_keys = 2 * n
+    ft.offsets = <const offset_t*> _ptr(roffsets)
+    ft.weights = <const weight_t*> _ptr(rweights)
+    return rslots, (rkeys, roffsets, rweights)

@@ -75,7 +75,7 @@ cdef class Table:
                   int policy=0, int64_t max_rows=0, int64_t low_water=0, int64_t ttl=0, uint32_t min_count=0,
                   int64_t sketch_width=0, int64_t sketch_depth=0, bint absent_initial=False, int row_dtype=0,
                   uint64_t admit_threshold=0, uint64_t admit_seed=0, int lfu_halve_shift=-1,
-                  int64_t fallback_rows=0, bint fallback_copy=True):
+                  int64_t fallback_rows=0, bint fallback_copy=True, bint fallback_residual=False):
         cdef cn_init init = _make_init(init_kind, seed, p0, p1, p2, p3)
         cdef cn_bound bound
         cdef int rc
@@ -93,6 +93,7 @@ cdef class Table:
         bound.admit_seed = admit_seed
         bound.fallback_rows = fallback_rows
         bound.fallback_copy = fallback_copy
+        bound.fallback_residual = fallback_residual
         self.alive = False
         self.evict_sink = None
         with nogil:
@@ -116,6 +117,10 @@ cdef class Table:
     @property
     def fallback_rows(self):
         return self.t.bound.fallback_rows
+
+    @property
+    def fallback_residual(self):
+        return bool(self.t.bound.fallback_residual)
 
     def read_fallback(self, weight_t[:, ::1] rows, weight_t[:, ::1] state):
         """Copy the fallback rows (slots [0, N), cn_table_core.h) and their optimizer state into

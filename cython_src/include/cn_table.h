@@ -98,9 +98,19 @@ static inline int cn_table_resolve(cn_table *t, const int64_t *keys, int64_t n, 
 /* A pooled lookup's keys without a row of their own (slots < 0 after cn_table_resolve) take
  * their fallback rows (cn_table_core.h, Fallback Rows); nothing changes without them. */
 static inline void cn_table_use_fallback(const cn_table *t, const int64_t *keys, int64_t n, int64_t *slots) {
-    if (t->bound.fallback_rows <= 0) return;
+    if (t->bound.fallback_rows <= 0 || t->bound.fallback_residual) return;
     for (int64_t i = 0; i < n; i++)
         if (slots[i] < 0) slots[i] = cn_table_fallback_slot(t, keys[i]);
+}
+
+/* Residual fallback rows (cn_table_core.h): a key's two occurrences, its own slot (< 0: none,
+ * read as zeros) at 2i and its fallback slot at 2i + 1, from the n slots cn_table_resolve gave. */
+static inline void cn_table_residual_slots(const cn_table *t, const int64_t *keys, const int64_t *own, int64_t n,
+                                           int64_t *out) {
+    for (int64_t i = 0; i < n; i++) {
+        out[2 * i] = own[i];
+        out[2 * i + 1] = cn_table_fallback_slot(t, keys[i]);
+    }
 }
 
 /* Pool one feature's bags over slots resolved by cn_table_resolve; slots < 0 read as zero

@@ -52,6 +52,7 @@ typedef struct {
     uint64_t admit_seed;
     int64_t fallback_rows;
     int fallback_copy;
+    int fallback_residual; /* every key reads its own row (if any) plus its fallback row */
 } cn_bound;
 
 /* Rows a call evicted, copied out before their slots were reused (malloc'd; the caller frees
@@ -230,7 +231,11 @@ static inline void cn_table_fresh_meta(const cn_table *t, int64_t slot) {
  * optimizer state, as a table hashed into N rows does. Fallback row j starts as the initial
  * row of key j. With fallback_copy, a key's new row starts with its fallback row's values
  * (what the key has been reading) and fresh optimizer state; without it, from the initialiser.
- * The explicit verbs (find, read, assign, export) see keyed rows only. */
+ * The explicit verbs (find, read, assign, export) see keyed rows only.
+ * With fallback_residual, every key of a pooled lookup reads two rows: its own (zeros if it
+ * has none) and its fallback row, as two occurrences of one bag (cn_table_residual_slots), so
+ * the backward and the fused optimizer update each with its own state; a new row starts at
+ * zero (the key's value does not change when it gets one). */
 static inline int64_t cn_table_fallback_slot(const cn_table *t, int64_t key) {
     return (int64_t)(cn_hash_key(key) % (uint64_t)t->bound.fallback_rows);
 }
@@ -248,7 +253,11 @@ static inline void cn_table_reset_fallback(cn_table *t) {
 }
 
 static inline void cn_table_init_row(const cn_table *t, int64_t slot, int64_t key) {
-    if (t->bound.fallback_rows > 0 && t->bound.fallback_copy)
+    if (t->bound.fallback_rows > 0 && t->bound.fallback_residual)
+        /* Residual: the key keeps reading its fallback row plus its own, so its own starts at
+         * zero and the key's value is unchanged by its admission. */
+        memset(cn_arena_row(&t->arena, slot), 0, (size_t)t->emb_floats * sizeof(float));
+    else if (t->bound.fallback_rows > 0 && t->bound.fallback_copy)
         memcpy(cn_arena_row(&t->arena, slot), cn_arena_row(&t->arena, cn_table_fallback_slot(t, key)),
                (size_t)t->emb_floats * sizeof(float));
     else

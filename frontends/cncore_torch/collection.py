@@ -128,6 +128,9 @@ class CNEmbeddingBagCollection(DynamicTables, EmbeddingBagCollection):
             their own read and train (``StoreConfig.fallback_rows``; docs/bounded-tables.md).
         fallback_copy (bool | dict[str, bool | None] | None): a new row starts as a copy of its
             fallback row (None: True) or from the initializer.
+        fallback_mode (str | dict[str, str | None] | None): "miss" (None: the default) or
+            "residual": every ID reads its own row plus its fallback row
+            (``StoreConfig.fallback_mode``).
         per_rank_tables (bool): each rank keeps its own tables unsharded in a process group.
 
     Each of max_rows, eviction, admission, headroom, row_dtype and storage is one value for
@@ -177,7 +180,8 @@ class CNEmbeddingBagCollection(DynamicTables, EmbeddingBagCollection):
                  headroom: int | dict[str, int | None] | None = None, row_dtype: str | dict[str, str] | None = None,
                  storage: Tiered | dict[str, Tiered | None] | None = None, per_rank_tables: bool = False,
                  fallback_rows: int | dict[str, int | None] | None = None,
-                 fallback_copy: bool | dict[str, bool | None] | None = None) -> None:
+                 fallback_copy: bool | dict[str, bool | None] | None = None,
+                 fallback_mode: str | dict[str, str | None] | None = None) -> None:
         super().__init__()
         check_flag("per_rank_tables", per_rank_tables)
         self._per_rank_tables = per_rank_tables
@@ -185,7 +189,7 @@ class CNEmbeddingBagCollection(DynamicTables, EmbeddingBagCollection):
                           "CNEmbeddingBagCollection", "embedding_bags.fused",
                           {"max_rows": max_rows, "eviction": eviction, "admission": admission, "headroom": headroom,
                            "row_dtype": row_dtype, "storage": storage, "fallback_rows": fallback_rows,
-                           "fallback_copy": fallback_copy})
+                           "fallback_copy": fallback_copy, "fallback_mode": fallback_mode})
         check_flag("is_weighted", is_weighted)
         self._is_weighted = is_weighted
         self._embedding_bag_configs = tables
@@ -299,8 +303,9 @@ class CNEmbeddingCollection(DynamicTables, EmbeddingCollection):
         initializers (dict[str, Initializer] | None): {table name: cncore initializer}.
         capacities (dict[str, int] | None): {table name: rows to allocate up front}.
         seed (int): each table's rows are drawn from (seed, table name, ID).
-        max_rows, eviction, admission, headroom, row_dtype, storage, fallback_rows, fallback_copy: one value
-            for every table or {table name: value}, as `CNEmbeddingBagCollection`'s.
+        max_rows, eviction, admission, headroom, row_dtype, storage, fallback_rows, fallback_copy,
+            fallback_mode: one value for every table or {table name: value}, as
+            `CNEmbeddingBagCollection`'s.
         per_rank_tables (bool): each rank keeps its own tables unsharded in a process group.
 
     >>> import torch, cncore
@@ -322,7 +327,8 @@ class CNEmbeddingCollection(DynamicTables, EmbeddingCollection):
                  headroom: int | dict[str, int | None] | None = None, row_dtype: str | dict[str, str] | None = None,
                  storage: Tiered | dict[str, Tiered | None] | None = None, per_rank_tables: bool = False,
                  fallback_rows: int | dict[str, int | None] | None = None,
-                 fallback_copy: bool | dict[str, bool | None] | None = None) -> None:
+                 fallback_copy: bool | dict[str, bool | None] | None = None,
+                 fallback_mode: str | dict[str, str | None] | None = None) -> None:
         super().__init__()
         check_flag("need_indices", need_indices)
         check_flag("per_rank_tables", per_rank_tables)
@@ -331,7 +337,7 @@ class CNEmbeddingCollection(DynamicTables, EmbeddingCollection):
                           "CNEmbeddingCollection", "embeddings.fused",
                           {"max_rows": max_rows, "eviction": eviction, "admission": admission, "headroom": headroom,
                            "row_dtype": row_dtype, "storage": storage, "fallback_rows": fallback_rows,
-                           "fallback_copy": fallback_copy})
+                           "fallback_copy": fallback_copy, "fallback_mode": fallback_mode})
         dims = {c.embedding_dim for c in tables}
         if len(dims) > 1:
             raise ValueError(f"tables: an EmbeddingCollection needs one embedding_dim for all tables, got "

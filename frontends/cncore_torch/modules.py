@@ -336,6 +336,8 @@ class CNEmbeddingBag(_DynamicTable):
             (``StoreConfig.fallback_rows``; docs/bounded-tables.md).
         fallback_copy (bool): a new row starts as a copy of its fallback row, or from the
             initializer.
+        fallback_mode (str): "miss" (the default) or "residual": every ID reads its own row
+            plus its fallback row (``StoreConfig.fallback_mode``).
 
     Example::
 
@@ -356,7 +358,7 @@ class CNEmbeddingBag(_DynamicTable):
                  initializer: Initializer | None = None, seed: int = 0, max_load_factor: float = 0.7,
                  max_rows: int | None = None, eviction: Eviction | None = None, admission: Admission | None = None,
                  headroom: int | None = None, row_dtype: str = "float32", storage: Tiered | None = None,
-                 fallback_rows: int = 0, fallback_copy: bool = True) -> None:
+                 fallback_rows: int = 0, fallback_copy: bool = True, fallback_mode: str = "miss") -> None:
         _check_unsupported(max_norm, scale_grad_by_freq, sparse, device, dtype)
         if mode not in MODES:
             raise ValueError(f"mode must be 'sum', 'mean' or 'max', got {mode!r}")
@@ -364,7 +366,7 @@ class CNEmbeddingBag(_DynamicTable):
         _check_padding_idx(padding_idx)
         super().__init__(num_embeddings, embedding_dim, optimizer, initializer, seed, max_load_factor, device,
                          module_options(max_rows, eviction, admission, headroom, row_dtype, storage, fallback_rows,
-                                        fallback_copy))
+                                        fallback_copy, fallback_mode))
         self.mode = mode
         self.include_last_offset = include_last_offset
         self.padding_idx = padding_idx
@@ -479,6 +481,8 @@ class CNEmbedding(_DynamicTable):
             (``StoreConfig.fallback_rows``; docs/bounded-tables.md).
         fallback_copy (bool): a new row starts as a copy of its fallback row, or from the
             initializer.
+        fallback_mode (str): "miss" (the default) or "residual": every ID reads its own row
+            plus its fallback row (``StoreConfig.fallback_mode``).
 
     Example::
 
@@ -496,12 +500,12 @@ class CNEmbedding(_DynamicTable):
                  initializer: Initializer | None = None, seed: int = 0, max_load_factor: float = 0.7,
                  max_rows: int | None = None, eviction: Eviction | None = None, admission: Admission | None = None,
                  headroom: int | None = None, row_dtype: str = "float32", storage: Tiered | None = None,
-                 fallback_rows: int = 0, fallback_copy: bool = True) -> None:
+                 fallback_rows: int = 0, fallback_copy: bool = True, fallback_mode: str = "miss") -> None:
         _check_unsupported(max_norm, scale_grad_by_freq, sparse, device, dtype)
         _check_padding_idx(padding_idx)
         super().__init__(num_embeddings, embedding_dim, optimizer, initializer, seed, max_load_factor, device,
                          module_options(max_rows, eviction, admission, headroom, row_dtype, storage, fallback_rows,
-                                        fallback_copy))
+                                        fallback_copy, fallback_mode))
         self.padding_idx = padding_idx
         if _weight is not None:
             _load_dense(self, _weight)

@@ -1,8 +1,8 @@
 """The per-table options of the torch front end that go straight into a table's
 `cncore.StoreConfig`: the row budget and its policies (`max_rows`, `eviction`, `admission`,
 `headroom`; README "Bounded tables"), the shared rows for keys without a row of their own
-(`fallback_rows`, `fallback_copy`; docs/bounded-tables.md), the row dtype, and the storage (`cncore.Tiered`: the
-SSD tier, README "Tables larger than memory").
+(`fallback_rows`, `fallback_copy`, `fallback_mode`; docs/bounded-tables.md), the row dtype, and
+the storage (`cncore.Tiered`: the SSD tier, README "Tables larger than memory").
 
 A module takes each option as one value; a collection takes each either as one value for every
 table or as {table name: value}, and `max_rows="num_embeddings"` gives every table the budget its
@@ -28,7 +28,7 @@ __all__ = ["OPTION_NAMES", "row_dtype_name", "module_options", "per_table_option
 
 # StoreConfig's field for each option (the row dtype is StoreConfig.dtype).
 OPTION_NAMES = ("max_rows", "eviction", "admission", "headroom", "row_dtype", "storage", "fallback_rows",
-                "fallback_copy")
+                "fallback_copy", "fallback_mode")
 _TORCH_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
@@ -44,11 +44,11 @@ def row_dtype_name(value, context: str = "") -> str:
 
 
 def module_options(max_rows=None, eviction=None, admission=None, headroom=None, row_dtype="float32",
-                   storage=None, fallback_rows=0, fallback_copy=True) -> dict:
+                   storage=None, fallback_rows=0, fallback_copy=True, fallback_mode="miss") -> dict:
     """StoreConfig fields of one table."""
     return {"max_rows": max_rows, "eviction": eviction, "admission": admission, "headroom": headroom,
             "dtype": row_dtype_name(row_dtype if row_dtype is not None else "float32"), "storage": storage,
-            "fallback_rows": fallback_rows, "fallback_copy": fallback_copy}
+            "fallback_rows": fallback_rows, "fallback_copy": fallback_copy, "fallback_mode": fallback_mode}
 
 
 def per_table_options(tables, **options) -> dict[str, dict]:
@@ -112,4 +112,6 @@ def _fields(table: str, options: dict) -> dict:
         fields["fallback_rows"] = 0
     if fields.get("fallback_copy") is None:
         fields["fallback_copy"] = True
+    if fields.get("fallback_mode") is None:
+        fields["fallback_mode"] = "miss"
     return fields
