@@ -54,10 +54,9 @@ class IdRemap(nn.Module):
 
     hash_table: torch.Tensor
     hash_offsets: torch.Tensor
-    fallback_n: torch.Tensor
-    fallback_wrap: torch.Tensor
+    fallback_per_feature: torch.Tensor
     fallback_uniform = 0     # N > 0 when every feature's table has N fallback rows
-    fallback_mixed = False   # features whose tables differ in N (buffers fallback_n, fallback_wrap)
+    fallback_mixed = False   # features whose tables differ in N (buffer fallback_per_feature)
 
     def __init__(self, tables: dict[str, TableSlots], table_of_feature: dict[str, str]) -> None:
         super().__init__()
@@ -74,10 +73,11 @@ class IdRemap(nn.Module):
         if counts and all(n == counts[0] for n in counts):
             self.fallback_uniform = counts[0]
         elif any(counts):
+            # per feature (N, 2^64 mod N, first fallback row), and (1, 0, 0) without fallback rows:
+            # a miss there reads 0 + anything mod 1, the zero row, with no mask
             self.fallback_mixed = True
-            self.register_buffer("fallback_n", torch.tensor(counts, dtype=torch.int64))
-            self.register_buffer("fallback_wrap", torch.tensor([wrap_of(n) if n else 0 for n in counts],
-                                                               dtype=torch.int64))
+            self.register_buffer("fallback_per_feature", torch.tensor(
+                [(n, wrap_of(n), 1) if n else (1, 0, 0) for n in counts], dtype=torch.int64))
 
     def rebuilt(self, replaced: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> PrunedHash:
         """The hash over every feature's table, each table's (ids, slots) taken from
@@ -125,10 +125,9 @@ class IdRemap(nn.Module):
                         stride: int) -> torch.Tensor:
         """Misses of the features whose tables have fallback rows, to them (N per feature)."""
         per_feature = lengths.to(torch.int64).view(n_features, stride).sum(1)
-        n = torch.repeat_interleave(self.fallback_n, per_feature, output_size=values.numel())
-        wrap = torch.repeat_interleave(self.fallback_wrap, per_feature, output_size=values.numel())
-        fallback = 1 + fallback_slot(values, n.clamp(min=1), wrap)
-        return torch.where((slots == UNSEEN) & (n > 0), fallback, slots)
+        n, wrap, first = torch.repeat_interleave(self.fallback_per_feature, per_feature, dim=0,
+                                                 output_size=values.numel()).unbind(1)
+        return torch.where(slots == UNSEEN, first + fallback_slot(values, n, wrap), slots)
 
     def _by_key(self, keys: list[str], values: torch.Tensor, per_key: list[int]) -> torch.Tensor:
         """Each key's values as one bag in its feature's region; zeros for a key of no table."""
