@@ -207,6 +207,11 @@ def test_freeze_refuses_what_it_cannot_read():
                                          r"its fallback row, which freeze does not build; freeze tables with "
                                          r"fallback_mode='miss' \(or fallback_rows=0\), or serve the live module"):
         freeze(torch.nn.Sequential(torch.nn.Linear(2, 2), bag))
+    residual = CNEmbeddingBagCollection([EmbeddingBagConfig(name="t", embedding_dim=2, num_embeddings=4,
+                                                            feature_names=["f"])], fallback_rows=2,
+                                        fallback_mode="residual")
+    with pytest.raises(ValueError, match=r"model: 0, table 't', has fallback_mode='residual': every key reads"):
+        freeze(torch.nn.Sequential(residual))
 
 
 CHILD = """
