@@ -249,10 +249,6 @@ def unique_gradients_one(store, ctx, grad_output):
     grad = as_float_rows(grad_output, "grad_output", (ctx.n_bags, store.dim))
     if not isinstance(ctx.keys, np.ndarray) or ctx.keys.shape != getattr(ctx.slots, "shape", None):
         raise ValueError("ctx: its keys and slots differ in shape (a forged context)")
-    if store._table.fallback_residual:
-        raise ValueError("accumulate_gradients: a table with fallback_mode='residual' trains two rows a key (its own "
-                         "and its shared fallback row), which per-key gradients cannot name; use apply_gradients (the "
-                         "fused update) or fallback_mode='miss'")
     positions, grads = _core.unique_gradients(store._table, ctx.slots, ctx.offsets, ctx.weights, ctx.mode,
                                               ctx.argmax, grad, ctx.training, ctx.step, ctx.erase_epoch)
     return ctx.keys[positions], grads

@@ -94,6 +94,23 @@ def test_features_sharing_a_residual_table_get_one_update_a_row():
     np.testing.assert_allclose(batch.rows, ref.own.detach().numpy()[batch.keys], rtol=1e-5, atol=1e-6)
 
 
+def test_a_residual_table_beside_other_tables_in_one_grouped_lookup_pools_as_alone():
+    """A residual table first, then a plain one and a miss-mode one, in one grouped lookup with
+    bags enough for the pool's threads: each feature's block equals that table's lookup alone."""
+    def tables():
+        return [residual_store(), cncore.EmbeddingStore(dim=DIM, seed=1),
+                cncore.EmbeddingStore(dim=DIM, seed=2, fallback_rows=N, max_rows=5)]
+    rng = np.random.default_rng(3)
+    lens = [rng.integers(0, 4, 512) for _ in range(3)]
+    keys = [rng.integers(0, 900, ln.sum()).astype(np.int64) for ln in lens]
+    grouped, alone = tables(), tables()
+    for _ in range(3):
+        out, _ = cncore.grouped_pooled_lookup(grouped, keys, lengths=lens)
+        for f, s in enumerate(alone):
+            want, _ = s.pooled_lookup(keys[f], lengths=lens[f])
+            np.testing.assert_array_equal(out[:, f * DIM:(f + 1) * DIM], want)
+
+
 def test_a_new_row_starts_at_zero_so_admission_leaves_the_keys_value_unchanged():
     s = residual_store(optimizer=cncore.SGD(lr=1.0), admission=cncore.MinCount(2))
     _, ctx = s.pooled_lookup(np.array([11]), lengths=np.array([1]))

@@ -152,6 +152,10 @@ def unique_gradients(Table table, slots, offsets, weights, int mode, argmax, gra
     gradient rows (U, dim)), unique rows in first-occurrence order. The lookup is checked
     against the table under its lock (as in grouped_backward); with record_access, the rows'
     access metadata is updated (the write lock is taken)."""
+    if table.t.bound.fallback_residual:
+        raise ValueError("accumulate_gradients: a table with fallback_mode='residual' trains two rows a key (its own "
+                         "and its shared fallback row), which per-key gradients cannot name; use the fused update "
+                         "(apply_gradients, or a fused optimizer in torch) or fallback_mode='miss'")
     _check_backward_inputs(table, slots, offsets, weights, mode, argmax, grad, 0)
     cdef cn_groups groups
     cdef int rc = 0, stale_rc = 0

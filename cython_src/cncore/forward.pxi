@@ -116,7 +116,9 @@ def grouped_forward(list tables, list keys, list offsets, list weights, list mod
                 residual = None
                 if tab.t.bound.fallback_residual:
                     slots, residual = _residual_feature(ft, f, keys[f], offsets[f], weights[f], modes[f])
-                results[f] = [slots, argmax, 0, 0, unit_keys, residual]  # unit_keys: alive until the call returns
+                # unit_keys and unit_slots (the table's resolved slots, which a residual feature
+                # does not return): alive until the call returns.
+                results[f] = [slots, argmax, 0, 0, (unit_keys, unit_slots), residual]
         with nogil:
             for f in range(F):
                 bad_pos = cn_check_offsets(feats[f].offsets, feats[f].n_bags, feats[f].n_keys)
