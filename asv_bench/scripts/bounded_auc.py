@@ -71,7 +71,8 @@ METHODS = ["ours-lru", "ours-lfu", "ours-lru+mincount2", "hashed", "hashed-same-
 OPTIONS = ["ours-unbounded", "ours-lfu+mincount2", "ours-lfu-aging", "ours-lru+hashed", "ours-lfu+hashed",
            "ours-lfu+mincount2+hashed", "ours-lfu+zero", "ours-lru+zero",
            "ours-lfu+fb20", "ours-lfu+fb50", "ours-lfu+fb80", "ours-lfu+fb90", "ours-lfu+fb95", "ours-lfu+fb50+fbinit",
-           "ours-lru+fb50", "ours-lru+fb80", "ours-lfu+mincount2+fb50", "ours-lfu+mincount2+fb80"]
+           "ours-lru+fb50", "ours-lru+fb80", "ours-lfu+mincount2+fb50", "ours-lfu+mincount2+fb80",
+           "ours-lfu+rfb50", "ours-lfu+rfb80", "ours-lfu+rfb90"]
 LABELS = {"ours-unbounded": "ours, no budget",
           "ours-lru": "ours LRU", "ours-lfu": "ours LFU", "ours-lru+mincount2": "ours LRU + MinCount(2)",
           "hashed": "TorchRec EBC, IDs modulo rows", "hashed-same-memory": "TorchRec EBC, modulo, ours' MiB",
@@ -182,7 +183,7 @@ def fallback_split(budgets: list[int], share: float) -> tuple[list[int], list[in
 
 
 def ours(args, budgets: list[int], eviction, admission=None, initializer=None, fallback_share=0.0,
-         fallback_copy=True) -> Run:
+         fallback_copy=True, fallback_mode="miss") -> Run:
     torch.manual_seed(args.seed)  # the dense network starts where every other run's does
     keyed, fallback = fallback_split(budgets, fallback_share) if fallback_share else (budgets, None)
     configs = args.task.configs(args.embedding_dim, keyed)
@@ -192,7 +193,9 @@ def ours(args, budgets: list[int], eviction, admission=None, initializer=None, f
                                    seed=args.seed, eviction=eviction, admission=admission, row_dtype=args.row_dtype,
                                    max_rows=None if eviction is None else dict(zip(names, keyed)),
                                    fallback_rows=None if fallback is None else dict(zip(names, fallback)),
-                                   fallback_copy=fallback_copy)
+                                   fallback_copy=fallback_copy,
+                                   fallback_mode=None if fallback is None else  # (tables too small for any: none)
+                                   {n: fallback_mode if f else None for n, f in zip(names, fallback)})
     model = args.task.dlrm(ebc, args.embedding_dim)
     dense = [p for n, p in model.named_parameters() if "_anchor" not in n]
     return Run("ours", model, [torch.optim.Adagrad(dense, lr=args.dense_lr), ebc.fused_optimizer], tables=ebc)
@@ -352,9 +355,12 @@ def build(method: str, args, budgets: list[int]) -> Run:
         admission = cncore.MinCount(2) if "mincount2" in extras else None
         if "hashed" in extras:
             return ours_and_hashed(args, budgets, POLICIES[policy](), admission)
-        share = next((int(e[2:]) / 100 for e in extras if e.startswith("fb") and e[2:].isdigit()), 0.0)
+        # +fbPCT: PCT% of the rows are fallback rows (miss mode); +rfbPCT: the same, residual mode.
+        share = next((int(e.lstrip("r")[2:]) / 100 for e in extras
+                      if e.lstrip("r").startswith("fb") and e.lstrip("r")[2:].isdigit()), 0.0)
+        residual = any(e.startswith("rfb") for e in extras)
         return ours(args, budgets, POLICIES[policy](), admission, cncore.Constant(0.0) if "zero" in extras else None,
-                    share, "fbinit" not in extras)
+                    share, "fbinit" not in extras, "residual" if residual else "miss")
     if method == "ours-unbounded":  # its configs' rows (which scale the initial rows) are the distinct IDs
         return ours(args, args.distinct, None)
     if method in ("hashed", "hashed-same-memory"):
@@ -412,7 +418,8 @@ def main(argv=None) -> int:
                     help="also: " + ", ".join(OPTIONS) + " (ours+hashed: --exact-share of the rows ours, the "
                          "rest a hashed TorchRec table, summed; +fbPCT: PCT%% of each table's rows are its "
                          "fallback rows (fallback_rows=), the rest keyed rows (max_rows=); +fbinit: a new "
-                         "row starts from the initializer, not its fallback row)")
+                         "row starts from the initializer, not its fallback row; +rfbPCT: as +fbPCT with "
+                         "fallback_mode='residual', every ID reading its own row plus its fallback row)")
     ap.add_argument("--exact-share", type=float, default=0.5,
                     help="ours+hashed methods: the share of each table's rows that ours holds (the rest hashed)")
     ap.add_argument("--mch-interval", type=int, default=1, help="MCH's eviction_interval (steps)")
