@@ -192,6 +192,9 @@ def test_torch_modules_and_collections_take_fallback_mode_and_state_dicts_carry_
     fb = bag.store.export_fallback()[0]
     want = np.mean([[own.get(k, np.zeros(DIM)) + fb[fallback_of(k)] for k in row] for row in ids.tolist()], 1)
     np.testing.assert_allclose(bag(ids).detach().numpy(), want, rtol=1e-5, atol=1e-6)
+    hooked = CNEmbeddingBag(100, DIM, mode="sum", fallback_rows=N, fallback_mode="residual")  # no fused optimizer
+    with pytest.raises(ValueError, match=r"fallback_mode='residual' trains two rows a key .* fused optimizer in torch"):
+        hooked(ids).sum().backward()
     tables = [EmbeddingBagConfig(name=n, embedding_dim=DIM, num_embeddings=10, feature_names=[n]) for n in "ab"]
     ebc = CNEmbeddingBagCollection(tables=tables, optimizer=cncore.SGD(lr=0.1), fallback_rows=N,
                                    fallback_mode={"a": "residual"})
