@@ -53,6 +53,7 @@ class TierFile:
     """
 
     delta = None  # never a chain
+    fallback = None  # a tiered table keeps no fallback rows (StoreConfig refuses fallback_rows with storage=)
 
     def __init__(self, path: str, verify: bool = True):
         self.path, error = path, None
