@@ -43,8 +43,9 @@ lint: setup
 	$(PY) .ci/check_imports.py
 	$(PY) .ci/check_api.py
 
+# --durations=30: CI's log names the slowest tests (the suite's budget is 15 minutes on 2 cores).
 test: setup
-	$(PY) -m pytest -n 2 -p no:cacheprovider --doctest-modules tests examples --pyargs $(PACKAGES)
+	$(PY) -m pytest -n 2 -p no:cacheprovider --durations=30 --doctest-modules tests examples --pyargs $(PACKAGES)
 
 # The suite without the tests marked slow (each over ~5 s: DLRM trainings, multi-process runs). CI runs them all.
 test-fast: setup
