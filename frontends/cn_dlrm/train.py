@@ -125,9 +125,9 @@ def prefill_tables(tables: CNEmbeddingBagCollection, synthetic: SyntheticCriteo,
     >>> prefill_tables(ebc, gen, 3) == sum(gen.items_by_batch(3)) == sum(len(s) for s in ebc.stores.values())
     True
     """
-    total = 0
+    total, stores = 0, core_stores(tables)
     for feature, (key, n_items) in enumerate(zip(SPARSE_KEYS, synthetic.items_by_batch(n_batches))):
-        store = core_stores(tables)[f"t_{key}"]
+        store = stores[f"t_{key}"]
         step = min(chunk, max(1, getattr(store, "cache_rows", chunk) // 2))  # a tier's call must fit its cache
         for start in range(0, n_items, step):
             store.find_or_insert(synthetic.raw_ids(feature, min(n_items, start + step), start=start))
