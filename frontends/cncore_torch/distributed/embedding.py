@@ -33,10 +33,10 @@ import cncore
 from cncore_torch.collection import CNEmbeddingCollection
 from cncore_torch.distributed.checkpoint import agree_run_id
 from cncore_torch.distributed.embedding_sharding import (
+    OutsideGraphUnderCompile,
     ShardStore,
     anchor_as_here,
     check_features,
-    forward_outside_graph,
     fused_anchor,
     keep_owned_rows,
     owned_writer,
@@ -69,7 +69,7 @@ class _Rows(LazyAwaitable[dict[str, JaggedTensor]]):
         return self._fn()
 
 
-class ShardedCNEmbeddingCollection(ShardedEmbeddingCollection):
+class ShardedCNEmbeddingCollection(OutsideGraphUnderCompile, ShardedEmbeddingCollection):
     """`CNEmbeddingCollection` with every table sharded row-wise by key hash over the process group.
     Built by `CNEmbeddingCollectionSharder.shard`, which DMP calls.
 
@@ -133,21 +133,6 @@ class ShardedCNEmbeddingCollection(ShardedEmbeddingCollection):
 
     def reset_parameters(self) -> None:
         """Nothing to reset: rows are drawn from (seed, table, key) as keys arrive."""
-
-    def forward(self, *input: Any, **kwargs: Any) -> Any:
-        """TorchRec's sharded forward; under `torch.compile` of a model holding it, run outside the
-        graph (see `embedding_sharding.forward_outside_graph`), its result waited for.
-
-        Args:
-            *input (Any): the KJT.
-            **kwargs (Any): passed on.
-
-        Returns:
-            Any: the output (an awaitable of it in eager mode, as TorchRec's).
-        """
-        if torch.compiler.is_compiling():
-            return forward_outside_graph(self, *input, **kwargs)
-        return super().forward(*input, **kwargs)
 
     def create_context(self) -> EmbeddingCollectionContext:
         """A fresh context for one forward.

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -29,7 +29,8 @@ from cncore_torch.optim import no_optimizer_error, resolve_optimizer
 from cncore_torch.state import TableState, export_tensors
 
 __all__ = ["check_features", "sharded_optimizer", "fused_anchor", "shard_store_configs", "owned_writer",
-           "keep_owned_rows", "anchor_as_here", "ShardStore", "OwnedWriter", "forward_outside_graph"]
+           "keep_owned_rows", "anchor_as_here", "ShardStore", "OwnedWriter", "forward_outside_graph",
+           "OutsideGraphUnderCompile"]
 
 ShardStore = cncore.EmbeddingStore | TieredStore
 
@@ -183,3 +184,24 @@ def forward_outside_graph(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     from torchrec.distributed.types import LazyAwaitable, ShardedModule
     out = ShardedModule.forward(module, *args, **kwargs)
     return out.wait() if isinstance(out, LazyAwaitable) else out
+
+
+class OutsideGraphUnderCompile:
+    """What both sharded collections put before TorchRec's sharded module in their bases: its
+    forward is TorchRec's, and under `torch.compile` of a model holding it runs outside the graph
+    (`forward_outside_graph`)."""
+
+    def forward(self, *input: Any, **kwargs: Any) -> Any:
+        """TorchRec's sharded forward; under `torch.compile` of a model holding it, run outside the
+        graph (see `forward_outside_graph`), its result waited for.
+
+        Args:
+            *input (Any): the KJT.
+            **kwargs (Any): passed on.
+
+        Returns:
+            Any: the output (an awaitable of it in eager mode, as TorchRec's).
+        """
+        if torch.compiler.is_compiling():
+            return forward_outside_graph(cast(nn.Module, self), *input, **kwargs)
+        return super().forward(*input, **kwargs)  # type: ignore[misc]

@@ -38,10 +38,10 @@ import cncore
 from cncore_torch.collection import CNEmbeddingBagCollection
 from cncore_torch.distributed.checkpoint import agree_run_id
 from cncore_torch.distributed.embedding_sharding import (
+    OutsideGraphUnderCompile,
     ShardStore,
     anchor_as_here,
     check_features,
-    forward_outside_graph,
     fused_anchor,
     keep_owned_rows,
     owned_writer,
@@ -89,7 +89,7 @@ class _KeyedTensorAwaitable(LazyAwaitable[KeyedTensor]):
         return KeyedTensor(keys=self._names, length_per_key=self._dims, values=values)
 
 
-class ShardedCNEmbeddingBagCollection(ShardedEmbeddingBagCollection):
+class ShardedCNEmbeddingBagCollection(OutsideGraphUnderCompile, ShardedEmbeddingBagCollection):
     """`CNEmbeddingBagCollection` sharded row-wise by key hash over every rank of the process group.
 
     TorchRec's `ShardedEmbeddingBagCollection` is built around dense weight tensors (it reads the
@@ -198,21 +198,6 @@ class ShardedCNEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         """Nothing to reset: rows are drawn from (seed, table, key) as keys arrive."""
 
     # --- the three stages --------------------------------------------------------------------------
-
-    def forward(self, *input: Any, **kwargs: Any) -> Any:
-        """TorchRec's sharded forward; under `torch.compile` of a model holding it, run outside the
-        graph (see `embedding_sharding.forward_outside_graph`), its result waited for.
-
-        Args:
-            *input (Any): the KJT.
-            **kwargs (Any): passed on.
-
-        Returns:
-            Any: the output (an awaitable of it in eager mode, as TorchRec's).
-        """
-        if torch.compiler.is_compiling():
-            return forward_outside_graph(self, *input, **kwargs)
-        return super().forward(*input, **kwargs)
 
     def create_context(self) -> EmbeddingBagCollectionContext:
         """A fresh context for one forward (TorchRec's pipeline keeps it between the stages).
