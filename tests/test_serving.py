@@ -220,7 +220,7 @@ sys.modules["cncore"] = None          # any import of cncore (or of our front en
 sys.modules["cncore_torch"] = None
 import torch, torchrec
 out = {}
-for name in ("pooled", "unpooled", "bag", "fallback", "fallback_bag"):
+for name in ("pooled", "unpooled", "bag", "fallback", "fallback_bag", "embedding", "weighted_bag"):
     inputs, expected = torch.load(f"{DIR}/{name}.io", weights_only=False)
     got = torch.export.load(f"{DIR}/{name}.pt2").module()(*inputs)
     if name in ("pooled", "fallback"):
@@ -237,7 +237,8 @@ print(json.dumps(out))
 @pytest.mark.slow
 def test_exported_files_run_without_cncore_in_a_fresh_process(tmp_path):
     """One .pt2 per kind (pooled weighted mean on 16-bit rows, unpooled, a module, and both with
-    fallback rows: unseen IDs read them through the mixer in-graph), exported with one batch and
+    fallback rows: unseen IDs read them through the mixer in-graph; the unpooled module on
+    16-bit rows with a padding ID, a weighted mean module with offsets), exported with one batch and
     run on another, of other sizes, in a process where importing cncore fails."""
     ebc = trained_ebc(PoolingType.MEAN, weighted=True, row_dtype="float16")
     ec = CNEmbeddingCollection([EmbeddingConfig(name="a", embedding_dim=4, num_embeddings=10,
@@ -245,6 +246,10 @@ def test_exported_files_run_without_cncore_in_a_fresh_process(tmp_path):
     ec(batch(np.random.default_rng(5), 20, False))["f"].values().sum().backward()
     bag = CNEmbeddingBag(10, 3, mode="sum", optimizer=cncore.SGD(lr=0.1))
     bag(torch.tensor([[1, 2], [3, 4]])).sum().backward()
+    emb = CNEmbedding(10, 3, optimizer=cncore.SGD(lr=0.1), padding_idx=0, row_dtype="bfloat16")
+    emb(torch.tensor([[1, 2], [-1, 0]])).sum().backward()
+    mean = CNEmbeddingBag(10, 3, mode="mean", optimizer=cncore.SGD(lr=0.1), row_dtype="float16")
+    mean(torch.tensor([1, 2, 3, -1]), torch.tensor([0, 1]), per_sample_weights=torch.rand(4)).sum().backward()
     shared = CNEmbeddingBagCollection(  # a 6-row budget: most IDs read fallback rows (5 and 3 of them)
         [EmbeddingBagConfig(name="a", embedding_dim=4, num_embeddings=10, feature_names=["f", "g"],
                             pooling=PoolingType.MEAN),
@@ -262,14 +267,18 @@ def test_exported_files_run_without_cncore_in_a_fresh_process(tmp_path):
              "unpooled": (ec.eval(), kjt(False, 3), (kjt(False, 5),)),
              "bag": (bag.eval(), torch.tensor([[1, 9], [3, 4]]), (torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9]]),)),
              "fallback": (shared.eval(), kjt(True, 3), (kjt(True, 7),)),
-             "fallback_bag": (shared_bag.eval(), torch.tensor([[1, 9], [3, 4]]), (edge,))}
+             "fallback_bag": (shared_bag.eval(), torch.tensor([[1, 9], [3, 4]]), (edge,)),
+             "embedding": (emb.eval(), torch.tensor([[1, 9], [3, 0]]),
+                           (torch.tensor([[2, 0, -1, 5], [1, 1, 0, 2**62]]),)),
+             "weighted_bag": (mean.eval(), (torch.tensor([1, 2, 9]), torch.tensor([0, 1]), torch.rand(3)),
+                              (torch.tensor([3, -1, 2, 8, 1]), torch.tensor([0, 2, 2]), torch.rand(5)))}
     for name, (live, example, inputs) in cases.items():
-        export_program(freeze(live), (example,), tmp_path / f"{name}.pt2")
+        export_program(freeze(live), example if isinstance(example, tuple) else (example,), tmp_path / f"{name}.pt2")
         with torch.no_grad():
             torch.save((inputs, live(*inputs)), tmp_path / f"{name}.io")
     got = run_isolated(CHILD.replace("{DIR}", str(tmp_path)), timeout=120)
     assert got == {"pooled": True, "unpooled": True, "bag": True, "fallback": True, "fallback_bag": True,
-                   "cncore_loaded": False}
+                   "embedding": True, "weighted_bag": True, "cncore_loaded": False}
 
 
 def test_the_cn_dlrm_model_freezes_to_its_exact_outputs():

@@ -164,3 +164,62 @@ def test_a_serving_file_with_an_earlier_remap_is_refused_when_it_loads(tmp_path)
     torch.save(old, tmp_path / "old.pt")
     with pytest.raises(ValueError, match=r"earlier cncore_torch \(buffers \['hash_entries'\].*serving.freeze"):
         torch.load(tmp_path / "old.pt", weights_only=False)
+
+
+def test_the_modules_read_the_same_hash_edge_ids_and_fallback_rows_included(tmp_path):
+    """A frozen module's remap is the collections' IdRemap (one region, one bag over the whole
+    input): every key, FBGEMM's empty key -1 and the int64 extremes among them, finds its row;
+    an unseen ID reads the zero row, or its fallback row cn_hash_key(id) % N (rows 2 .. N + 1)."""
+    from cncore_torch.serving import FrozenEmbedding, FrozenEmbeddingBag
+    from cncore_torch.serving.fallback import fallback_slot
+
+    keys = np.array([-1, 2**63 - 1, -2**63, 0, 2**40 + 1], np.int64)
+    rows = np.arange(1, 16, dtype=np.float32).reshape(5, 3)
+    shared = -np.arange(1, 13, dtype=np.float32).reshape(4, 3)
+    queries = torch.tensor([[-1, 2**63 - 1, -2**63], [0, 2**40 + 1, -2], [7, 1, -2**62], [2**63 - 2, -1, 0]])
+    for fallback in (None, shared):
+        emb = FrozenEmbedding(keys, rows, fallback=fallback)
+        unseen = fallback_slot(queries, 4)
+        expected = torch.stack([torch.from_numpy(rows[list(keys).index(int(i))]) if int(i) in keys
+                                else torch.zeros(3) if fallback is None else torch.from_numpy(shared[int(s)])
+                                for i, s in zip(queries.reshape(-1), unseen.reshape(-1))]).view(4, 3, 3)
+        assert emb.remap.key_mask == 1                                   # -1 is held
+        assert torch.equal(emb(queries), expected)
+        assert torch.equal(emb(torch.tensor([0, 7], dtype=torch.int32)), emb(torch.tensor([0, 7])))
+        bag = FrozenEmbeddingBag(keys, rows, mode="sum", fallback=fallback)
+        assert torch.equal(bag(queries), expected.sum(1))
+        program = export_program(bag, (queries,))
+        calls = [n.target for n in program.graph.nodes if n.op == "call_function"]
+        assert calls.count(torch.ops.fbgemm.pruned_hashmap_lookup.default) == 1
+        assert torch.ops.aten.searchsorted.Tensor not in calls
+        assert torch.equal(program.module()(queries[1:]), expected[1:].sum(1))
+    # a table with no rows (its ID arrays empty), frozen so or emptied by a delta, exports and saves too
+    empty = freeze(FrozenEmbedding(np.array([7]), np.ones((1, 3), np.float32)))
+    apply_delta(empty, {"weight": TableDelta(np.zeros(0, np.int64), np.zeros((0, 3), np.float32), np.array([7]))})
+    for model in (empty, freeze(FrozenEmbedding(np.zeros(0, np.int64), np.zeros((0, 3), np.float32)))):
+        export_program(model, (queries,), tmp_path / "empty.pt2")
+        assert torch.equal(torch.export.load(tmp_path / "empty.pt2").module()(queries), torch.zeros(4, 3, 3))
+
+
+def test_a_module_serving_file_from_the_searchsorted_remap_loads_and_answers_as_before(tmp_path):
+    """A frozen module pickled while the modules remapped with searchsorted (its TableSlots as
+    `table`, no hash) loads with the hash built from those sorted IDs: same rows, and deltas
+    still land in it."""
+    from cncore_torch.serving import FrozenEmbeddingBag
+    from cncore_torch.serving.fallback import fallback_slot
+
+    bag = FrozenEmbeddingBag(np.array([4, -1, 9]), np.array([[1, 1], [2, 2], [3, 3]], np.float32), mode="sum",
+                             padding_idx=9, fallback=np.array([[5, 5], [6, 6]], np.float32))
+    ids = torch.tensor([[4, -1, 9], [7, 4, -2]])
+    expected = bag(ids)
+    table = bag.table
+    del bag._modules["remap"]
+    bag._modules["table"] = table          # the module as the searchsorted code pickled it
+    torch.save(bag, tmp_path / "old.pt")
+    loaded = torch.load(tmp_path / "old.pt", weights_only=False)
+    assert "table" not in loaded._modules and loaded.table.ids.tolist() == [-1, 4, 9]
+    assert torch.equal(loaded(ids), expected)
+    frozen = freeze(torch.nn.Sequential(loaded))
+    apply_delta(frozen, {"0": TableDelta(np.array([7]), np.array([[10, 10]], np.float32), np.array([4]))})
+    shared = {int(i): torch.tensor([5.0, 6.0])[fallback_slot(torch.tensor(i), 2)].expand(2) for i in (4, -2)}
+    np.testing.assert_array_equal(frozen(ids).numpy(), torch.stack([shared[4] + 2, 10 + shared[4] + shared[-2]]))

@@ -56,6 +56,7 @@ class IdRemap(nn.Module):
     hash_offsets: torch.Tensor
     fallback_per_feature: torch.Tensor
     fallback_uniform = 0     # N > 0 when every feature's table has N fallback rows
+    fallback_first = 1       # ... at weight rows fallback_first .. fallback_first + N - 1
     fallback_mixed = False   # features whose tables differ in N (buffer fallback_per_feature)
 
     def __init__(self, tables: dict[str, TableSlots], table_of_feature: dict[str, str]) -> None:
@@ -69,15 +70,16 @@ class IdRemap(nn.Module):
         self.register_buffer("hash_table", torch.zeros((0, 2), dtype=torch.int64))
         self.register_buffer("hash_offsets", torch.zeros(1, dtype=torch.int64))
         self.swap(self.rebuilt({}))
-        counts = [cast(TableSlots, self.tables[table_of_feature[f]]).fallback_rows for f in self.feature_order]
-        if counts and all(n == counts[0] for n in counts):
-            self.fallback_uniform = counts[0]
+        held = [cast(TableSlots, self.tables[table_of_feature[f]]) for f in self.feature_order]
+        counts, firsts = [t.fallback_rows for t in held], [t.first_fallback for t in held]
+        if counts and all(n == counts[0] for n in counts) and all(f == firsts[0] for f in firsts):
+            self.fallback_uniform, self.fallback_first = counts[0], firsts[0]
         elif any(counts):
             # per feature (N, 2^64 mod N, first fallback row), and (1, 0, 0) without fallback rows:
             # a miss there reads 0 + anything mod 1, the zero row, with no mask
             self.fallback_mixed = True
             self.register_buffer("fallback_per_feature", torch.tensor(
-                [(n, wrap_of(n), 1) if n else (1, 0, 0) for n in counts], dtype=torch.int64))
+                [(n, wrap_of(n), f) if n else (1, 0, 0) for n, f in zip(counts, firsts)], dtype=torch.int64))
 
     def rebuilt(self, replaced: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> PrunedHash:
         """The hash over every feature's table, each table's (ids, slots) taken from
@@ -109,10 +111,8 @@ class IdRemap(nn.Module):
         offsets = features.offsets()
         keys = features.keys()
         if keys == self.feature_order:
-            slots = lookup(self.hash_table, self.hash_offsets, self.key_mask, values, offsets.to(torch.int64))
-            if self.fallback_uniform:
-                slots = torch.where(slots == UNSEEN, 1 + fallback_slot(values, self.fallback_uniform), slots)
-            elif self.fallback_mixed:
+            slots = self.rows(values, offsets.to(torch.int64))
+            if self.fallback_mixed:
                 slots = self._fallback_mixed(values, slots, features.lengths(), len(keys), features.stride())
         else:
             slots = self._by_key(keys, values, features.length_per_key())
@@ -120,6 +120,25 @@ class IdRemap(nn.Module):
                                  weights=features.weights_or_none(), stride=features.stride(), offsets=offsets,
                                  length_per_key=features.length_per_key_or_none(),
                                  offset_per_key=features.offset_per_key_or_none())
+
+    def rows(self, values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """The weight row of each ID: one FBGEMM call over every feature's bags, then the
+        fallback rows of the misses where every feature's table has the same (a collection with
+        tables that differ in them finishes in `forward`). The frozen modules call it too, as
+        one feature whose one bag holds the whole input.
+
+        Args:
+            values (Tensor): int64 (n,) raw IDs, the features in `feature_order`.
+            offsets (Tensor): int64 (F * B + 1,) bag offsets over `values`.
+
+        Returns:
+            Tensor: int64 (n,) weight rows.
+        """
+        slots = lookup(self.hash_table, self.hash_offsets, self.key_mask, values, offsets)
+        if self.fallback_uniform:
+            slots = torch.where(slots == UNSEEN, self.fallback_first + fallback_slot(values, self.fallback_uniform),
+                                slots)
+        return slots
 
     def _fallback_mixed(self, values: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor, n_features: int,
                         stride: int) -> torch.Tensor:
@@ -139,9 +158,10 @@ class IdRemap(nn.Module):
             else:
                 bag = torch.tensor([0, part.numel()], dtype=torch.int64)
                 got = lookup(self.hash_table, self.hash_offsets[region:region + 2], self.key_mask, part, bag)
-                n = cast(TableSlots, self.tables[self.table_of_feature[key]]).fallback_rows
-                if n:
-                    got = torch.where(got == UNSEEN, 1 + fallback_slot(part, n), got)
+                table = cast(TableSlots, self.tables[self.table_of_feature[key]])
+                if table.fallback_rows:
+                    got = torch.where(got == UNSEEN, table.first_fallback + fallback_slot(part, table.fallback_rows),
+                                      got)
                 out.append(got)
         return torch.cat(out) if out else values.clone()
 

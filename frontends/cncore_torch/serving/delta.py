@@ -33,7 +33,7 @@ from torchrec import EmbeddingBagCollection, EmbeddingCollection
 from cncore_torch.serving.collection import FrozenEmbeddingBagCollection, FrozenEmbeddingCollection
 from cncore_torch.serving.freeze import serving_lock
 from cncore_torch.serving.modules import FrozenEmbedding, FrozenEmbeddingBag
-from cncore_torch.serving.table import TableSlots
+from cncore_torch.serving.table import TableSlots, id_tensor
 
 __all__ = ["TableDelta", "DeltaReport", "apply_delta", "frozen_tables"]
 
@@ -267,7 +267,7 @@ def _prepare(table: _Table, name: str, delta: TableDelta) -> _Prepared:
         grown = torch.zeros((max(capacity + extra, capacity * 5 // 4), weight.shape[1]), dtype=weight.dtype)
         grown[:capacity] = weight
         grown[torch.from_numpy(write_at)] = rows.to(weight.dtype)
-    return _Prepared(table, torch.from_numpy(ids), torch.from_numpy(slots), torch.from_numpy(pool[n_new:].copy()),
+    return _Prepared(table, id_tensor(ids), id_tensor(slots), id_tensor(pool[n_new:].copy()),
                      torch.from_numpy(write_at), rows, grown, n_new, len(gone))
 
 

@@ -1,40 +1,66 @@
 """The frozen `CNEmbeddingBag` / `CNEmbedding`: `nn.EmbeddingBag` / `nn.Embedding` calls over
-a frozen table (`TableSlots` + a weight buffer), the same answers as the live module in eval
-mode: unseen IDs read the zero row 0 (and count in a mean's length, as there), or their
-fallback row (rows 2 .. N + 1, `fallback`) where the table has N fallback rows, `padding_idx`
-IDs read the zero row 1 and are left out of a mean's length (as `nn.EmbeddingBag`'s)."""
+a frozen table (an `IdRemap` of one table + a weight buffer), the same answers as the live
+module in eval mode: unseen IDs read the zero row 0 (and count in a mean's length, as there),
+or their fallback row (rows 2 .. N + 1, `fallback`) where the table has N fallback rows,
+`padding_idx` IDs read the zero row 1 and are left out of a mean's length (as
+`nn.EmbeddingBag`'s).
+
+The ID remap is the collections' (`collection.IdRemap`: FBGEMM's pruned-index hash, one
+operator call), with one feature whose one bag is the whole input: a module's table is one
+region, so the request's own bags (or shape) do not matter to the remap, and offsets a caller
+passes never reach FBGEMM's loop over bags (`nn.EmbeddingBag` checks them after). A delta
+rebuilds the hash aside and swaps it in (`delta.apply_delta`), as for the collections.
+"""
 from __future__ import annotations
+
+from typing import cast
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cncore_torch.serving.fallback import fallback_slot
-from cncore_torch.serving.table import UNSEEN, TableSlots, dense_rows
+from cncore_torch.serving.collection import IdRemap
+from cncore_torch.serving.table import TableSlots, dense_rows
 
 __all__ = ["FrozenEmbeddingBag", "FrozenEmbedding"]
 
 PADDING = 1  # the weight row padding_idx IDs read: zeros, left out of a mean's length
+TABLE, FEATURE = "table", "ids"   # the one table and feature of a module's IdRemap
 
 
 class _FrozenTable(nn.Module):
     weight: torch.Tensor
-    table: TableSlots
+    remap: IdRemap
+
     def __init__(self, keys: np.ndarray, rows: np.ndarray, padding_idx: int | None = None,
                  fallback: np.ndarray | None = None) -> None:
         super().__init__()
         self.embedding_dim = int(np.asarray(rows).shape[1])
         self.padding_idx = padding_idx
         n = 0 if fallback is None else len(fallback)
-        self.table = TableSlots(keys, first_slot=2 + n, fallback_rows=n)
+        self.remap = IdRemap({TABLE: TableSlots(keys, first_slot=2 + n, fallback_rows=n)}, {FEATURE: TABLE})
         self.register_buffer("weight", dense_rows(rows, first_slot=2, fallback=fallback))
 
+    @property
+    def table(self) -> TableSlots:
+        """The table's ID map (sorted IDs and their rows, what a delta merges into)."""
+        return cast(TableSlots, self.remap.tables[TABLE])
+
+    def __setstate__(self, state: dict) -> None:
+        # A serving file written while the modules remapped with searchsorted holds the table's
+        # TableSlots as `table` (the same layout: zero row, padding row, fallback rows, keyed rows):
+        # its sorted IDs become the hash here, so the file loads and answers as it did.
+        modules = state.get("_modules", {})
+        old = modules.pop("table", None) if "remap" not in modules else None
+        super().__setstate__(state)
+        if old is not None:
+            self.remap = IdRemap({TABLE: old}, {FEATURE: TABLE})
+
     def _slots(self, ids: torch.Tensor) -> torch.Tensor:
-        slots = self.table(ids)
-        n = self.table.fallback_rows
-        if n:
-            slots = torch.where(slots == UNSEEN, self.table.first_fallback + fallback_slot(ids, n), slots)
+        flat = ids.reshape(-1).to(torch.int64)
+        one_bag = torch.arange(2, dtype=torch.int64) * flat.numel()   # [0, n]
+        slots = self.remap.rows(flat, one_bag).view(ids.shape)
         if self.padding_idx is not None:
             slots = torch.where(ids == self.padding_idx, PADDING, slots)
         return slots

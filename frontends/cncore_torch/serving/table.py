@@ -1,4 +1,4 @@
-"""One frozen table: its rows as a tensor and an in-graph map from raw int64 IDs to row slots.
+"""One frozen table: its rows as a tensor and the ID-to-row map a delta merges into.
 
 Table Layout
     `ids`    int64 (N,), sorted: every ID the table held when frozen (or after the last delta);
@@ -10,12 +10,11 @@ Table Layout
              `first_slot - N .. first_slot - 1`; the keyed rows from `first_slot` on.
 
 Lookup
-    `torch.searchsorted(ids, x)` then one compare: a hit reads `slots[pos]`, a miss row 0.
-    Plain tensor operations, so `torch.export` records them and the rows travel with the
-    program. Every int64 is a valid ID (no value is reserved as empty), as in the live tables.
-    The modules (one table, one feature) read this sorted array: a delta merges its new IDs in
-    O(N). The collections read FBGEMM's pruned-index hash table built from every table's
-    arrays (`hashmap.PrunedHash`: one operator call for all features at once).
+    Requests do not read these arrays: the collections and the modules alike read FBGEMM's
+    pruned-index hash table built from them (`collection.IdRemap` over `hashmap.PrunedHash`:
+    one operator call for every feature of a request). The sorted arrays are what a delta
+    merges its new and evicted IDs into (O(N)), before the hash is rebuilt from them aside.
+    Every int64 is a valid ID (no value is reserved as empty), as in the live tables.
 
 Why unseen IDs read zeros: it is what the live tables answer in eval mode (they never insert
 there, unless it has fallback rows: then an unseen ID reads its fallback row, in-graph,
@@ -30,34 +29,33 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["UNSEEN", "TableSlots", "slots_of", "dense_rows"]
+__all__ = ["UNSEEN", "TableSlots", "dense_rows", "id_tensor"]
 
 UNSEEN = 0  # the weight row of IDs the table does not hold: zeros
 
 
-def slots_of(ids: torch.Tensor, keys: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """The weight row of each ID in `ids` (any shape): `slots[i]` where `keys[i]` is the ID,
-    `UNSEEN` where no key is.
+def id_tensor(a: np.ndarray) -> torch.Tensor:
+    """`torch.from_numpy(a)` of a 1-D int64 array, but a fresh tensor when `a` is empty.
 
-    >>> slots_of(torch.tensor([[7, 3], [5, -1]]), torch.tensor([3, 7]), torch.tensor([4, 9])).tolist()
-    [[9, 4], [0, 0]]
+    NumPy's empty arrays come back from `from_numpy` with stride (0,), which `torch.export.save`
+    cannot write (a table with no rows made its `.pt2` fail with "numel: integer multiplication
+    overflow").
+
+    >>> id_tensor(np.zeros(0, np.int64)).stride(), id_tensor(np.arange(3)).tolist()
+    ((1,), [0, 1, 2])
     """
-    ids = ids.to(torch.int64)
-    if keys.numel() == 0:
-        return torch.zeros_like(ids)
-    pos = torch.searchsorted(keys, ids).clamp(max=keys.numel() - 1)
-    return torch.where(keys[pos] == ids, slots[pos], UNSEEN)
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    return t if t.numel() else torch.zeros(0, dtype=t.dtype)
 
 
 class TableSlots(nn.Module):
     """The ID -> slot map of one table (buffers `ids`, `slots`, `free`; see the module
-    docstring), and the bookkeeping a delta needs.
+    docstring), and the bookkeeping a delta needs. Not called: `collection.IdRemap` reads
+    these arrays through the hash it builds from them.
 
     >>> t = TableSlots(np.array([40, 10]), first_slot=1)
     >>> t.ids.tolist(), t.slots.tolist()
     ([10, 40], [2, 1])
-    >>> t(torch.tensor([10, 11, 40])).tolist()
-    [2, 0, 1]
     """
 
     ids: torch.Tensor
@@ -71,12 +69,9 @@ class TableSlots(nn.Module):
         order = np.argsort(keys, kind="stable")
         self.first_slot = first_slot
         self.fallback_rows = fallback_rows   # rows first_slot - fallback_rows .. first_slot - 1
-        self.register_buffer("ids", torch.from_numpy(np.ascontiguousarray(keys[order])))
-        self.register_buffer("slots", torch.from_numpy(order.astype(np.int64) + first_slot))
+        self.register_buffer("ids", id_tensor(keys[order]))
+        self.register_buffer("slots", id_tensor(order.astype(np.int64) + first_slot))
         self.register_buffer("free", torch.zeros(0, dtype=torch.int64))
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return slots_of(ids, self.ids, self.slots)
 
     @property
     def first_fallback(self) -> int:
