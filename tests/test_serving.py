@@ -220,10 +220,10 @@ sys.modules["cncore"] = None          # any import of cncore (or of our front en
 sys.modules["cncore_torch"] = None
 import torch, torchrec
 out = {}
-for name in ("pooled", "unpooled", "bag", "fallback", "fallback_bag", "embedding", "weighted_bag"):
+for name in ("pooled", "unpooled", "bag", "fallback", "fallback_bag", "embedding", "weighted_bag", "tbe"):
     inputs, expected = torch.load(f"{DIR}/{name}.io", weights_only=False)
     got = torch.export.load(f"{DIR}/{name}.pt2").module()(*inputs)
-    if name in ("pooled", "fallback"):
+    if name in ("pooled", "fallback", "tbe"):
         got, expected = got.values(), expected.values()
     elif name == "unpooled":
         got = torch.cat([got[k].values() for k in sorted(got)])
@@ -238,7 +238,8 @@ print(json.dumps(out))
 def test_exported_files_run_without_cncore_in_a_fresh_process(tmp_path):
     """One .pt2 per kind (pooled weighted mean on 16-bit rows, unpooled, a module, and both with
     fallback rows: unseen IDs read them through the mixer in-graph; the unpooled module on
-    16-bit rows with a padding ID, a weighted mean module with offsets), exported with one batch and
+    16-bit rows with a padding ID, a weighted mean module with offsets; the pooled one with its
+    float32 rows in FBGEMM's inference TBE, quantize_embeddings(dtype=torch.float32)), exported with one batch and
     run on another, of other sizes, in a process where importing cncore fails."""
     ebc = trained_ebc(PoolingType.MEAN, weighted=True, row_dtype="float16")
     ec = CNEmbeddingCollection([EmbeddingConfig(name="a", embedding_dim=4, num_embeddings=10,
@@ -272,13 +273,18 @@ def test_exported_files_run_without_cncore_in_a_fresh_process(tmp_path):
                            (torch.tensor([[2, 0, -1, 5], [1, 1, 0, 2**62]]),)),
              "weighted_bag": (mean.eval(), (torch.tensor([1, 2, 9]), torch.tensor([0, 1]), torch.rand(3)),
                               (torch.tensor([3, -1, 2, 8, 1]), torch.tensor([0, 2, 2]), torch.rand(5)))}
+    from torchrec.inference.modules import quantize_embeddings
+    cases["tbe"] = (ebc, kjt(True, 3), (kjt(True, 6),))   # float32 rows in FBGEMM's inference TBE: the same outputs
     for name, (live, example, inputs) in cases.items():
-        export_program(freeze(live), example if isinstance(example, tuple) else (example,), tmp_path / f"{name}.pt2")
+        frozen = freeze(live)
+        if name == "tbe":
+            frozen = quantize_embeddings(frozen, dtype=torch.float32, inplace=False)
+        export_program(frozen, example if isinstance(example, tuple) else (example,), tmp_path / f"{name}.pt2")
         with torch.no_grad():
             torch.save((inputs, live(*inputs)), tmp_path / f"{name}.io")
     got = run_isolated(CHILD.replace("{DIR}", str(tmp_path)), timeout=120)
     assert got == {"pooled": True, "unpooled": True, "bag": True, "fallback": True, "fallback_bag": True,
-                   "embedding": True, "weighted_bag": True, "cncore_loaded": False}
+                   "embedding": True, "weighted_bag": True, "tbe": True, "cncore_loaded": False}
 
 
 def test_the_cn_dlrm_model_freezes_to_its_exact_outputs():

@@ -120,3 +120,27 @@ def test_other_torch_ao_quantization_still_passes_a_live_model():
                                                    inplace=True)
     assert model[0] is bag and type(model[1]).__module__.startswith("torch.ao.nn.quantized")
     assert model(torch.tensor([[1, 2]])).shape == (1, 2)
+
+
+@pytest.mark.parametrize("row_dtype", ["float32", "float16"])
+@pytest.mark.parametrize(("pooling", "weighted"), [(PoolingType.SUM, False), (PoolingType.SUM, True),
+                                                   (PoolingType.MEAN, True)])
+def test_float32_rows_in_fbgemms_inference_tbe_give_the_frozen_outputs_bit_for_bit(pooling, weighted, row_dtype):
+    """`quantize_embeddings(frozen, dtype=torch.float32)`: the frozen float32 rows in QuantEBC's
+    kernel (FBGEMM's IntNBitTableBatchedEmbeddingBagsCodegen, SparseType.FP32), the outputs of
+    TorchRec's float32 EBC exactly (docs/serving.md: float32 rows in the inference TBE)."""
+    ebc = CNEmbeddingBagCollection(
+        [EmbeddingBagConfig(name="a", embedding_dim=8, num_embeddings=10, feature_names=["f"], pooling=pooling),
+         EmbeddingBagConfig(name="b", embedding_dim=4, num_embeddings=10, feature_names=["g"], pooling=pooling)],
+        is_weighted=weighted, optimizer=cncore.SGD(lr=0.5), row_dtype=row_dtype)
+    for step in range(3):
+        ebc(kjt(np.random.default_rng(step), 30, weighted)).values().sum().backward()
+    frozen = freeze(torch.nn.Sequential(ebc.eval()))
+    tbe = quantize_embeddings(frozen, dtype=torch.float32, inplace=False)
+    assert isinstance(tbe[0].embedding_bag_collection, QuantEmbeddingBagCollection)
+    for seed in (11, 12):
+        features = kjt(np.random.default_rng(seed), 45, weighted)   # IDs 30..44 unseen
+        with torch.no_grad():
+            assert torch.equal(tbe(features).values(), frozen(features).values())
+            assert torch.equal(frozen(features).values(), ebc(features).values())
+

@@ -2,7 +2,8 @@
 
     python asv_bench/scripts/serving_bench.py [--scale 0.01] [--dim 16] [--requests 200]
                                               [--delta-rows 2000000] [--delta-dim 64]
-                                              [--remaps [--cuckoo-from COMMIT]]
+                                              [--remaps [--cuckoo-from COMMIT]] [--no-delta]
+                                              [--modules [--modules-from COMMIT] [--module-rows N]]
 
 Latency: the job's DLRM (cn_dlrm.train.build_dlrm over the 26 Criteo tables at `--scale` of
 their cardinalities, every row the first batches reach inserted), one request = one forward of
@@ -10,6 +11,9 @@ a synthetic Criteo batch of B samples (B = 1, 32, 512), one thread, no gradients
 
 - live: the trained model in eval mode (CNEmbeddingBagCollection, the core's lookup);
 - frozen: `cncore_torch.serving.freeze(model)` (the in-graph remap + TorchRec's EBC, float32);
+- frozen fp32 TBE: the frozen model after TorchRec's `quantize_embeddings(dtype=torch.float32)`:
+  the same float32 rows in FBGEMM's inference TBE (`IntNBitTableBatchedEmbeddingBagsCodegen`,
+  QuantEBC's kernel), outputs bit-equal to frozen's;
 - frozen int8: the frozen model after TorchRec's `quantize_embeddings(dtype=torch.qint8)`;
 - QuantEBC: TorchRec's QuantEmbeddingBagCollection (int8) in the DLRM on IDs remapped to rows
   before the clock starts (what a TorchRec deployment with an external remap pays);
@@ -27,6 +31,12 @@ hash, one operator call) against two layouts of plain tensor operations, on the 
 feature over its table's sorted IDs; with `--cuckoo-from 7040fbb`, also the static cuckoo hash of
 tensor operations the collections read at that commit, eager and compiled by `torch.compile`
 (inductor). All give the same rows (checked on every request).
+
+Modules (`--modules [--modules-from COMMIT]`): one frozen `CNEmbeddingBag` (sum) of
+`--module-rows` x `--dim` rows, a request a (B, 8) batch of IDs (B = 1, 32, 512; one in ten
+unseen), its forward as `freeze` builds it now (the collections' FBGEMM hash remap) against the
+same module at COMMIT (default 79836ae: `torch.searchsorted` over its sorted IDs, read with
+`git show`), and each one's remap alone. Same rows, same outputs (checked on every request).
 
 Delta: a frozen table of `--delta-rows` x `--delta-dim` float32 rows (the issue's 5 GiB table,
 scaled to what a shared machine holds quickly), one delta of 1% of its rows: (a) changed rows
@@ -60,11 +70,14 @@ def models(args):
     frozen = freeze(live)
     from torchrec.inference.modules import quantize_embeddings
     frozen_int8 = quantize_embeddings(freeze(live), dtype=torch.qint8, inplace=False)
+    # float32 rows in FBGEMM's inference TBE (QuantEBC's kernel) instead of one nn.EmbeddingBag per table
+    frozen_tbe = quantize_embeddings(freeze(live), dtype=torch.float32, inplace=False)
     # TorchRec's own deployment: QuantEBC in the DLRM, IDs remapped before the request
     quant = quantize_embeddings(freeze(live), dtype=torch.qint8, inplace=False)
     remap = quant.sparse_arch.embedding_bag_collection.remap
     quant.sparse_arch.embedding_bag_collection = quant.sparse_arch.embedding_bag_collection.embedding_bag_collection
-    variants = {"live": live, "frozen": frozen, "frozen int8": frozen_int8, "QuantEBC (pre-remapped)": quant}
+    variants = {"live": live, "frozen": frozen, "frozen fp32 TBE": frozen_tbe, "frozen int8": frozen_int8,
+                "QuantEBC (pre-remapped)": quant}
     return gen, rows, variants, remap
 
 
@@ -225,6 +238,68 @@ def remaps(args) -> list[str]:
     return lines
 
 
+def _module_from(commit: str):
+    """`FrozenEmbeddingBag` as `serving/modules.py` and `serving/table.py` were at `commit`."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+    def source(name):
+        return subprocess.run(["git", "show", f"{commit}:frontends/cncore_torch/serving/{name}"], cwd=root,
+                              capture_output=True, text=True, check=True).stdout
+    table = sys.modules.setdefault("serving_table_before", types.ModuleType("serving_table_before"))
+    exec(compile(source("table.py"), f"{commit}:table.py", "exec"), table.__dict__)
+    modules = types.ModuleType("serving_modules_before")
+    text = source("modules.py").replace("from cncore_torch.serving.table import", "from serving_table_before import")
+    exec(compile(text, f"{commit}:modules.py", "exec"), modules.__dict__)
+    return modules.FrozenEmbeddingBag
+
+
+def modules(args) -> list[str]:
+    rng = np.random.default_rng(0)
+    n, dim, length = args.module_rows, args.dim, 8
+    keys = rng.choice(2**62, size=n, replace=False).astype(np.int64)
+    rows = rng.standard_normal((n, dim), np.float32)
+    # each variant its own copy of the rows, so neither warms the other's cache
+    before = _module_from(args.modules_from)(keys, rows, mode="sum").eval()
+    after = FrozenEmbeddingBag(keys, rows, mode="sum").eval()
+    remap_before = before.table
+    remap_after = after.remap
+    ways = {f"module at {args.modules_from} (searchsorted)": before, "module now (FBGEMM hash)": after,
+            f"remap alone at {args.modules_from} (searchsorted)": lambda x: remap_before(x.reshape(-1)),
+            "remap alone now (FBGEMM hash)":
+                lambda x: remap_after.rows(x.reshape(-1), torch.tensor([0, x.numel()], dtype=torch.int64))}
+    names = list(ways)
+    lines = [f"one table: {n:,} rows x {dim} float32, mode sum, requests (B, {length}) IDs, 10% unseen; "
+             f"torch threads 1", "| batch | variant | p50 ms | p99 ms | p50 / now | p99 / now |",
+             "|---|---|---|---|---|---|"]
+    for batch_size in (1, 32, 512):
+        times: dict[str, list[float]] = {name: [] for name in names}
+        with torch.no_grad():
+            for i in range(args.requests + 5):
+                # each variant its own request (one just run on another would find its IDs in the cache)
+                requests = {}
+                for name in names:
+                    ids = rng.choice(keys, (batch_size, length))
+                    unseen = rng.random((batch_size, length)) < 0.1
+                    ids[unseen] = rng.integers(2**62, 2**63 - 1, int(unseen.sum()), dtype=np.int64)
+                    requests[name] = torch.from_numpy(ids)
+                got = {}
+                for name in names[i % len(names):] + names[:i % len(names)]:
+                    start = time.perf_counter()
+                    got[name] = ways[name](requests[name])
+                    if i >= 5:
+                        times[name].append(time.perf_counter() - start)
+                if i < 5:       # every variant on one request: the same rows and outputs
+                    same = requests[names[0]]
+                    assert torch.equal(before(same), after(same))
+                    assert torch.equal(remap_before(same.reshape(-1)), ways[names[3]](same))
+        ref = {q: np.percentile(times["module now (FBGEMM hash)"], q) for q in (50, 99)}
+        for name in names:
+            p50, p99 = np.percentile(times[name], 50), np.percentile(times[name], 99)
+            lines.append(f"| {batch_size} | {name} | {p50 * 1e3:.3f} | {p99 * 1e3:.3f} | {p50 / ref[50]:.2f} "
+                         f"| {p99 / ref[99]:.2f} |")
+    return lines
+
+
 def delta_cost(args) -> list[str]:
     rng = np.random.default_rng(0)
     n, dim = args.delta_rows, args.delta_dim
@@ -260,14 +335,22 @@ def main(argv=None) -> int:
     ap.add_argument("--cuckoo-from", metavar="COMMIT", default=None,
                     help="with --remaps: also the static cuckoo hash the collections read at COMMIT (7040fbb), "
                          "eager and through torch.compile")
+    ap.add_argument("--modules", action="store_true", help="time one frozen module now and at --modules-from")
+    ap.add_argument("--modules-from", metavar="COMMIT", default="79836ae",
+                    help="with --modules: the commit whose frozen module is the baseline (searchsorted remap)")
+    ap.add_argument("--module-rows", type=int, default=1_000_000)
+    ap.add_argument("--no-delta", action="store_true", help="the latency table only")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     print(f"load average at start: {os.getloadavg()}")
     if args.remaps:
         print("\n".join(remaps(args)))
+    elif args.modules:
+        print("\n".join(modules(args)))
     else:
         print("\n".join(latency(args)))
-        print("\n".join(delta_cost(args)))
+        if not args.no_delta:
+            print("\n".join(delta_cost(args)))
     print(f"load average at end: {os.getloadavg()}")
     return 0
 
