@@ -122,3 +122,25 @@ def test_instacart_refuses_a_file_without_its_columns_and_finds_the_wheel(tmp_pa
         zf.writestr(ic.MEMBER, ",order_id,user_id\n0,1,1\n")
     with pytest.raises(ValueError, match="lacks the columns"):
         ic.Instacart(str(bad))
+
+
+def test_step_time_times_every_method_on_the_same_batches(tmp_path):
+    """bounded_auc.py --step-time (synthetic stream, a smoke test): every method's steady-state
+    step times and its paired ratios, the first method's ratio to itself 1 on every step."""
+    import importlib.util
+    import json
+    spec = importlib.util.spec_from_file_location(
+        "bounded_auc", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "asv_bench", "scripts",
+                                    "bounded_auc.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "steps.json"
+    methods = ["ours-lfu", "ours-lfu+fb90", "ours-unbounded"]
+    assert script.main(["--step-time", "--steps", "4", "--batch-size", "64", "--budgets", "50", "--step-rounds", "2",
+                        "--methods", *methods, "--json", str(out)]) == 0
+    timed = json.loads(out.read_text())["step_times"]
+    assert [t["method"] for t in timed] == methods
+    for t in timed:
+        assert len(t["step_ms"]) == 2 and all(x > 0 for x in t["step_ms"])
+        assert [len(s) for s in t["steady_step_ms"]] == [2, 2]  # the last half of 4 steps, per round
+    assert timed[0]["ratio_to_first"] == [1.0, 1.0] and timed[2]["ratio_to_unbounded"] == [1.0, 1.0]
