@@ -76,6 +76,50 @@ def test_same_rows_after_fused_steps(optimizer):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_the_plain_kjt_path_trains_exactly_as_the_general_one(monkeypatch):
+    """int64 KJTs take `plain_arrays` (offsets from the lengths, no JaggedTensor per key), int32
+    ones the general path (features_by_key): the same outputs and rows, bit for bit, with empty
+    bags, a table under two features, mean pooling, keys in another order and a key not read."""
+    from cncore_torch import collection as coll
+    taken = []
+    plain = coll.plain_arrays
+    monkeypatch.setattr(coll, "plain_arrays", lambda c, f: taken.append(plain(c, f) is not None) or plain(c, f))
+    a = CNEmbeddingBagCollection(tables=configs(), optimizer=cncore.RowWiseAdagrad(lr=0.1), seed=3)
+    b = CNEmbeddingBagCollection(tables=configs(), optimizer=cncore.RowWiseAdagrad(lr=0.1), seed=3)
+    rng = np.random.default_rng(6)
+    for _ in range(4):
+        kjt = random_kjt(rng, keys=("f3", "x", "f1", "f2"))
+        narrow = KeyedJaggedTensor.from_lengths_sync(keys=kjt.keys(), values=kjt.values().to(torch.int32),
+                                                     lengths=kjt.lengths())
+        g = torch.randn(5, 16)
+        out_a, out_b = a(kjt).values(), b(narrow).values()
+        assert torch.equal(out_a, out_b)
+        out_a.backward(g)
+        out_b.backward(g)
+    assert taken == [True, False] * 4
+    for name in a.stores:
+        rows_a, rows_b = a.stores[name].export(), b.stores[name].export()
+        order_a, order_b = np.argsort(rows_a.keys), np.argsort(rows_b.keys)
+        assert np.array_equal(rows_a.keys[order_a], rows_b.keys[order_b])
+        for field in ("rows", "optimizer_state", "counts", "last_steps"):
+            assert np.array_equal(getattr(rows_a, field)[order_a], getattr(rows_b, field)[order_b]), field
+
+
+def test_ids_changed_in_place_before_the_backward_are_refused():
+    """The plain path hands the core views of the KJT's values: changed in place between the
+    passes, the backward refuses (as autograd does for a saved tensor), every row unchanged."""
+    ours, _ = twins(False, cncore.SGD(lr=0.1))
+    kjt = KeyedJaggedTensor.from_lengths_sync(keys=["f1", "f2", "f3"], values=torch.tensor([1, 2, 3, 4]),
+                                              lengths=torch.tensor([1, 1, 1, 1, 0, 0]))
+    out = ours(kjt).values()
+    before = {name: s.lookup(np.arange(ROWS)) for name, s in ours.stores.items()}
+    kjt.values()[0] = 7
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+    for name, s in ours.stores.items():
+        assert np.array_equal(s.lookup(np.arange(ROWS)), before[name])
+
+
 def test_raw_ids_beyond_num_embeddings_grow_the_tables():
     ours, _ = twins(False, cncore.SGD(lr=0.1))
     kjt = KeyedJaggedTensor.from_lengths_sync(keys=["f1", "f2", "f3"], values=torch.tensor([2**62, -5, 10**15]),

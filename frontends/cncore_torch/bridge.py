@@ -220,6 +220,14 @@ def backward_impl(pending: Pending, grad) -> None:
         _moved()
     if not pending.split:
         grad = grad.contiguous()
+    if deliver is None and not pending.split and not pending.on_device:
+        # The fused update of one grouped output: each feature's columns sliced in NumPy (26
+        # features: 13 us a step, against 140 us for torch slices turned into arrays).
+        if grad.numel():
+            rows = _grad_rows(grad, grad.shape[-1])
+            apply_blocks(pending.ctxs, [rows[:, ctx.columns] for ctx in pending.ctxs],
+                         _store_arguments(pending.ctxs, optimizer.lr))
+        return
     blocks = _grad_blocks(pending, grad)
     if pending.on_device:
         _device_backward(pending, blocks, optimizer, deliver)
@@ -237,15 +245,19 @@ def backward_impl(pending: Pending, grad) -> None:
         if g is not None and len(g):  # (a split lookup's table without a gradient: no update)
             ctxs.append(ctx)
             arrays.append(g.detach().numpy().astype(np.float32, copy=False))
-    lr = optimizer.lr
+    if ctxs:
+        apply_blocks(ctxs, arrays, _store_arguments(ctxs, optimizer.lr))
+
+
+def _store_arguments(ctxs, lr: float) -> list[tuple]:
+    """Each context's optimizer arguments, checked once per store."""
     optims, by_store = [], {}
-    for ctx in ctxs:  # each store's optimizer and learning rate, checked once
+    for ctx in ctxs:
         key = id(ctx.store)
         if key not in by_store:
             by_store[key] = _optimizer_arguments(ctx.store, lr)
         optims.append(by_store[key])
-    if ctxs:
-        apply_blocks(ctxs, arrays, optims)
+    return optims
 
 
 def _device_backward(pending: Pending, blocks, optimizer, deliver) -> None:
@@ -273,15 +285,15 @@ def _device_backward(pending: Pending, blocks, optimizer, deliver) -> None:
 
 class Lookup(torch.autograd.Function):
     """The eager way in: forward_impl, then (weights_grad_impl and) backward_impl.
-    apply(anchor, (owner, modes, training, split, keys, offsets), *weights): autograd sees the
+    apply(anchor, (owner, modes, training, split, keys, offsets, inputs), *weights): autograd sees the
     anchor and the weights (the only inputs with a gradient) and one tuple it does not look
     into. It walks every argument of apply in both passes: the 8 arguments of one feature, with
     keys and offsets as tensors, cost a step ~2 us warm more than 3 (and 6+2F for F features)."""
 
     @staticmethod
     def forward(ctx, anchor, call, *weights):
-        owner, modes, training, split, keys, offsets = call
-        ctx.versions = input_versions(*keys, *offsets, *weights)
+        owner, modes, training, split, keys, offsets, inputs = call
+        ctx.versions = input_versions(*keys, *offsets, *weights, *inputs)
         out, ctx.pending = forward_impl(owner, owner._lookup_tables(), keys, offsets, weights, modes, training,
                                         split)
         if split:  # an output nobody used gets None, and its table no update (as the operators do)
@@ -408,11 +420,13 @@ def lookup_table(owner, keys, offsets, mode: int, training: bool, shape=None, in
     return _apply_table(anchor, (owner, keys, offsets, mode, training, shape, inputs))
 
 
-def lookup(anchor, owner, keys, offsets, weights, modes, training: bool, split: bool = False):
+def lookup(anchor, owner, keys, offsets, weights, modes, training: bool, split: bool = False, inputs: tuple = ()):
     """The eager lookup of `owner`'s tables (see the module docstring); weights: a list with
     None for unweighted features. Under torch.no_grad() no backward can follow: the lookup
     runs without autograd and keeps no contexts (the evaluation path: ~30 us less a call).
-    It inserts only where a backward can train the rows (`lookup_training`)."""
+    It inserts only where a backward can train the rows (`lookup_training`). `inputs`: the
+    tensors that keys, offsets or weights given as NumPy arrays are views of, which the
+    backward checks were not changed in place since (`check_versions`)."""
     if torch.jit.is_tracing():
         _refuse_jit_trace(owner)
     training = lookup_training(anchor, training)
@@ -420,7 +434,7 @@ def lookup(anchor, owner, keys, offsets, weights, modes, training: bool, split: 
         out, _ = forward_impl(owner, owner._lookup_tables(), keys, offsets, weights, modes, training, split,
                               backward=False)
         return tuple(out) if split else out
-    return Lookup.apply(anchor, (owner, modes, training, split, keys, offsets), *weights)
+    return Lookup.apply(anchor, (owner, modes, training, split, keys, offsets, inputs), *weights)
 
 
 def _refuse_jit_trace(owner):

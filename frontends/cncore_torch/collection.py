@@ -38,7 +38,13 @@ from cncore_torch.embedding_configs import (
     initializer_from_config,
 )
 from cncore_torch.functional import unpooled_lookup
-from cncore_torch.kjt_features import feature_positions, features_by_key, grouped_arrays, kjt_of_parts
+from cncore_torch.kjt_features import (
+    feature_positions,
+    features_by_key,
+    grouped_arrays,
+    kjt_of_parts,
+    plain_arrays,
+)
 from cncore_torch.table_views import table_views
 from cncore_torch.variable_batch import expand, inverse_rows, strides_of, weight_spans
 
@@ -51,6 +57,14 @@ def pooled_collection_lookup(anchor: torch.Tensor, handle: int, features: KeyedJ
     """CNEmbeddingBagCollection's forward: one node under torch.fx (the tables are state the
     tracer cannot see; `training` is read when traced, as TorchRec's own traced modules do)."""
     collection = bridge.table_of(handle)
+    arrays = plain_arrays(collection, features) if collection._placement.kind == "core" else None
+    if arrays is not None and not collection.is_meta:  # the common KJT, on tables in the core
+        collection._adopt_tagged_optimizer()
+        ids, bags = arrays
+        values = bridge.lookup(anchor, collection, ids, bags, [None] * len(ids), collection._modes, training,
+                               inputs=(features.values(),))
+        return KeyedTensor(keys=collection._embedding_names, length_per_key=collection._lengths_per_embedding,
+                           values=values)
     by_key = features_by_key(features, collection._feature_names, collection._rows_device)
     inverse = None if strides_of(features) is None else inverse_rows(
         features, [n for names in collection._feature_names for n in names], collection._owner)

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import numpy as np
 import torch
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
-__all__ = ["FeatureReader", "feature_positions", "features_by_key", "grouped_arrays", "kjt_of_parts"]
+__all__ = ["FeatureReader", "feature_positions", "features_by_key", "grouped_arrays", "kjt_of_parts", "plain_arrays"]
 
 
 class FeatureReader(Protocol):
@@ -104,6 +105,75 @@ def grouped_arrays(collection: FeatureReader, by_key: dict[str, JaggedTensor]
                 raise ValueError(f"features: is_weighted=True but key {name!r} has no weights")
             weights.append(None if w is None else w.to(torch.float32).contiguous())
     return keys, offsets, weights
+
+
+def plain_arrays(collection: FeatureReader, features: object) -> tuple[list[np.ndarray], list[np.ndarray]] | None:
+    """(keys, offsets) of the common KJT as NumPy arrays, one per feature of `collection` in
+    its order, straight from the KJT's values and lengths: an unweighted collection, a KJT
+    without weights or a batch size per key, int64 values and lengths of the CPU, every key
+    the collection reads present and the lengths valid. Keys are views of the KJT's values
+    (the caller checks they are not changed in place before the backward: `bridge.lookup`'s
+    `inputs`); offsets are new, (B + 1,) each. None for anything else (`features_by_key` and
+    `grouped_arrays` then take the KJT, and raise where it is bad).
+
+    Why: `features_by_key` splits the KJT into a JaggedTensor per key (TorchRec's `to_dict`:
+    26 JaggedTensors, a cumsum and a cat of lengths) and checks it with torch reductions, each
+    a parallel region of torch's OpenMP pool; here one cumsum over the (keys, B) lengths
+    gives every feature's offsets. `cn-dlrm`'s forward (26 features, B = 2048, one thread):
+    0.83 ms of CPU time for features_by_key + grouped_arrays, XXX ms for this.
+
+    Args:
+        collection (FeatureReader): the collection (its features and whether it is weighted).
+        features (object): the forward's input.
+
+    Returns:
+        tuple[list[np.ndarray], list[np.ndarray]] | None: int64 keys and offsets per feature,
+        or None.
+
+    >>> import torch
+    >>> from torchrec import KeyedJaggedTensor
+    >>> class Reader:
+    ...     _feature_names, _is_weighted = [["item"], ["user"]], False
+    >>> kjt = KeyedJaggedTensor.from_lengths_sync(keys=["user", "item"], values=torch.tensor([3, 5, 6]),
+    ...                                          lengths=torch.tensor([1, 0, 2, 0]))
+    >>> keys, offsets = plain_arrays(Reader(), kjt)
+    >>> [k.tolist() for k in keys], [o.tolist() for o in offsets]
+    ([[5, 6], [3]], [[0, 2, 2], [0, 1, 1]])
+    """
+    if not isinstance(features, KeyedJaggedTensor) or collection._is_weighted:
+        return None
+    values, lengths = features.values(), features.lengths()
+    if (features.weights_or_none() is not None or features.variable_stride_per_key()
+            or values.dtype != torch.int64 or lengths.dtype != torch.int64
+            or values.device.type != "cpu" or lengths.device.type != "cpu"
+            or values.dim() != 1 or lengths.dim() != 1 or not values.is_contiguous() or not lengths.is_contiguous()):
+        return None
+    names = features.keys()
+    n_keys, batch = len(names), features.stride()
+    if batch == 0 or lengths.numel() != n_keys * batch:
+        return None
+    # Every key's offsets, (keys, B + 1), in one call: FBGEMM's complete cumsum (TorchRec's own
+    # for KJT offsets; loaded with TorchRec) took 25 us for 26 x 2048 lengths, torch.cumsum into
+    # a table's columns 30-250 us, NumPy's cumsum 110 us; NumPy's min 17 us, torch's 23.
+    offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths.view(n_keys, batch)).numpy()
+    per_key = offsets[:, -1]
+    # (negative lengths can still add up right: the minimum is checked too)
+    if int(per_key.sum()) != values.numel() or int(lengths.numpy().min()) < 0:
+        return None
+    starts = [0]
+    for n in per_key.tolist():
+        starts.append(starts[-1] + n)
+    at = {name: i for i, name in enumerate(names)}
+    ids = values.numpy()
+    keys, feature_offsets = [], []
+    for group in collection._feature_names:
+        for name in group:
+            i = at.get(name)
+            if i is None:
+                return None
+            keys.append(ids[starts[i]:starts[i + 1]])
+            feature_offsets.append(offsets[i])
+    return keys, feature_offsets
 
 
 # --- the KJT in parts: how the collections' operators take it (cncore_torch.ops) -----------------
