@@ -134,20 +134,31 @@ def test_the_exported_remap_is_one_fbgemm_call_and_reads_id_minus_one():
     assert torch.equal(program.module()(request()).values(), expected)
 
 
-def test_a_delta_that_adds_or_evicts_id_minus_one_moves_the_mask():
+@pytest.mark.parametrize("rebuild", [False, True])
+def test_a_delta_that_adds_or_evicts_id_minus_one_keeps_a_valid_mask(rebuild):
+    """In place, the mask stays while ~mask stays unheld (an added ~mask would rebuild); a
+    rebuild moves it to the smallest valid one. The answers are the same either way."""
     frozen = frozen_collection()
     assert frozen.remap.key_mask == 2                    # u holds -1, t holds -2
     apply_delta(frozen, {"t": TableDelta(np.array([-1]), np.array([[7, 7]], np.float32), np.array([-2])),
-                         "u": TableDelta(np.array([], np.int64), np.zeros((0, 2), np.float32), np.array([-1]))})
-    assert frozen.remap.key_mask == 1                    # now t holds -1, and no table -2
+                         "u": TableDelta(np.array([], np.int64), np.zeros((0, 2), np.float32), np.array([-1]))},
+                rebuild=rebuild)
+    assert frozen.remap.key_mask == (1 if rebuild else 2)   # now t holds -1, and no table -2
     with torch.no_grad():
         got = frozen(request()).values()
     # f: [4, -1] -> 1 + 7, [-2] -> 0; g: [0, -1, 4] -> 0 + 0 + 6, [-2, 9] -> 0
     np.testing.assert_array_equal(got.numpy(), [[8, 8, 6, 6], [0, 0, 0, 0]])
-    apply_delta(frozen, {"t": TableDelta(np.array([], np.int64), np.zeros((0, 2), np.float32), np.array([-1]))})
-    assert frozen.remap.key_mask == 0
+    apply_delta(frozen, {"t": TableDelta(np.array([], np.int64), np.zeros((0, 2), np.float32), np.array([-1]))},
+                rebuild=rebuild)
+    assert frozen.remap.key_mask == (0 if rebuild else 2)
     with torch.no_grad():
         np.testing.assert_array_equal(frozen(request()).values().numpy(), [[1, 1, 6, 6], [0, 0, 0, 0]])
+    # ~2 = -3 added in place would be the empty key: that delta rebuilds (mask 3 or more)
+    apply_delta(frozen, {"t": TableDelta(np.array([-3]), np.array([[5, 5]], np.float32), np.array([], np.int64))})
+    assert frozen.remap.key_mask != 2
+    table = frozen.remap.tables["t"]
+    expected = table.slots[table.ids == -3].tolist() + table.slots[table.ids == 4].tolist()
+    assert frozen.remap.rows(torch.tensor([-3, 4]), torch.tensor([0, 2, 2])).tolist() == expected
 
 
 def test_a_serving_file_with_an_earlier_remap_is_refused_when_it_loads(tmp_path):

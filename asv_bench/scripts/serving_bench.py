@@ -1,7 +1,8 @@
 """Serving latency of the cn-dlrm DLRM, frozen vs live vs TorchRec's QuantEBC, and the cost of a delta.
 
     python asv_bench/scripts/serving_bench.py [--scale 0.01] [--dim 16] [--requests 200]
-                                              [--delta-rows 2000000] [--delta-dim 64]
+                                              [--delta-rows 2000000 | --delta-gib 5] [--delta-dim 64]
+                                              [--delta-repeats 3]
                                               [--remaps [--cuckoo-from COMMIT]] [--no-delta]
                                               [--modules [--modules-from COMMIT] [--module-rows N]]
 
@@ -38,10 +39,16 @@ unseen), its forward as `freeze` builds it now (the collections' FBGEMM hash rem
 same module at COMMIT (default 79836ae: `torch.searchsorted` over its sorted IDs, read with
 `git show`), and each one's remap alone. Same rows, same outputs (checked on every request).
 
-Delta: a frozen table of `--delta-rows` x `--delta-dim` float32 rows (the issue's 5 GiB table,
-scaled to what a shared machine holds quickly), one delta of 1% of its rows: (a) changed rows
-only, (b) half changed, a quarter new IDs, a quarter evicted. Time of `apply_delta` (prepared
-aside + swapped under the lock), the part under the lock, and the bytes written.
+Delta: a frozen table of `--delta-rows` x `--delta-dim` float32 rows, or `--delta-gib` GiB of
+them (the issue's 5 GiB table: the delta part alone, no latency table; the frozen module is built
+directly from the IDs with its rows drawn in place, so the process holds the table once), and
+deltas of 1% of its rows: (a) changed rows only, (b) half changed, a quarter new IDs, a quarter
+evicted. Each case `--delta-repeats` times with each way of landing it, in alternating order on the
+same model, every delta drawn from the table's IDs at that moment: `apply_delta` now (new and
+evicted IDs inserted into the live FBGEMM hash under the lock) and `apply_delta(rebuild=True)`
+(the hash rebuilt whole aside, then swapped: what every delta did before). Time of the call
+(prepared aside + under the lock), the part under the lock, and the bytes written into the model
+(rows, the sorted ID arrays where IDs changed, hash entries or the whole rebuilt hash); medians.
 """
 from __future__ import annotations
 
@@ -300,27 +307,67 @@ def modules(args) -> list[str]:
     return lines
 
 
+def _big_frozen(keys: np.ndarray, dim: int, seed: int) -> torch.nn.Module:
+    """A frozen module over `keys` with standard normal rows, drawn into its weight in chunks,
+    with the table in memory once: the rows go in as one broadcast zero row (`dense_rows`
+    copies them into the weight), and `freeze` (a deep copy) sees a stand-in weight."""
+    zero = np.broadcast_to(np.zeros((1, dim), np.float32), (len(keys), dim))
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)   # from_numpy of the read-only broadcast view
+        bag = FrozenEmbeddingBag(keys, zero, mode="sum")
+    weight, bag.weight = bag.weight, torch.zeros((0, dim))
+    model = freeze(torch.nn.Sequential(bag))
+    del bag
+    model[0].weight = weight
+    gen = torch.Generator().manual_seed(seed)
+    for at in range(2, weight.shape[0], 1 << 20):
+        weight[at:min(at + (1 << 20), weight.shape[0])].normal_(generator=gen)
+    return model
+
+
 def delta_cost(args) -> list[str]:
     rng = np.random.default_rng(0)
-    n, dim = args.delta_rows, args.delta_dim
+    dim = args.delta_dim
+    n = int(args.delta_gib * 2**30) // (dim * 4) if args.delta_gib else args.delta_rows
     keys = rng.choice(2**62, size=n, replace=False).astype(np.int64)
-    model = freeze(torch.nn.Sequential(FrozenEmbeddingBag(keys, rng.standard_normal((n, dim), np.float32),
-                                                          mode="sum")))
+    start = time.perf_counter()
+    model = _big_frozen(keys, dim, 0)
+    del keys
+    built = time.perf_counter() - start
+    table = model[0].table
     m = n // 100
-    lines = [f"table: {n:,} rows x {dim} float32 = {n * dim * 4 / 2**30:.2f} GiB; delta: {m:,} rows (1%)",
-             "| delta | apply s | under the lock ms | bytes written |", "|---|---|---|---|"]
-    cases = {"1% changed rows": (rng.choice(keys, m, replace=False), np.empty(0, np.int64))}
-    live = np.setdiff1d(keys, cases["1% changed rows"][0])
-    changed = rng.choice(live, m // 2, replace=False)
-    evicted = rng.choice(np.setdiff1d(live, changed), m // 4, replace=False)
-    new = rng.integers(2**62, 2**63 - 1, m // 4, dtype=np.int64)
-    cases["1%: 1/2 changed, 1/4 new, 1/4 evicted"] = (np.concatenate([changed, new]), evicted)
-    for name, (write, removed) in cases.items():
-        delta = TableDelta(write, rng.standard_normal((len(write), dim), np.float32), removed)
-        start = time.perf_counter()
-        report = apply_delta(model, {"0": delta})
-        took = time.perf_counter() - start
-        lines.append(f"| {name} | {took:.3f} | {report.locked_seconds * 1e3:.2f} | {report.bytes_written:,} |")
+    lines = [f"table: {n:,} rows x {dim} float32 = {n * dim * 4 / 2**30:.2f} GiB (built in {built:.1f} s); "
+             f"delta: {m:,} rows (1%); torch threads {torch.get_num_threads()}; medians of {args.delta_repeats}",
+             "| delta | hash | apply s | under the lock ms | bytes written | hash rebuilt |",
+             "|---|---|---|---|---|---|"]
+
+    def draw(case: str) -> TableDelta:
+        held = table.ids.numpy()
+        if case == "changed":
+            write, removed = rng.choice(held, m, replace=False), np.empty(0, np.int64)
+        else:
+            picked = rng.choice(held, m // 2 + m // 4, replace=False)
+            new = rng.integers(2**62, 2**63 - 1, m // 4, dtype=np.int64)
+            write, removed = np.concatenate([picked[:m // 2], new]), picked[m // 2:]
+        return TableDelta(write, rng.standard_normal((len(write), dim), np.float32), removed)
+
+    ways = {"in place (now)": False, "rebuilt whole (before)": True}
+    names = {"changed": "1% changed rows", "mixed": "1%: 1/2 changed, 1/4 new, 1/4 evicted"}
+    for case in names:
+        got: dict[str, list] = {w: [] for w in ways}
+        for i in range(args.delta_repeats):
+            order = list(ways) if i % 2 == 0 else list(ways)[::-1]
+            for way in order:
+                delta = draw(case)
+                start = time.perf_counter()
+                report = apply_delta(model, {"0": delta}, rebuild=ways[way])
+                got[way].append((time.perf_counter() - start, report.locked_seconds, report.bytes_written,
+                                 report.hashes_rebuilt))
+        for way, runs in got.items():
+            took, locked, written, rebuilt = (np.median([r[k] for r in runs]) for k in range(4))
+            lines.append(f"| {names[case]} | {way} | {took:.3f} | {locked * 1e3:.2f} | {int(written):,} "
+                         f"| {int(rebuilt)} of 1 |")
     return lines
 
 
@@ -331,6 +378,9 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--delta-rows", type=int, default=2_000_000)
     ap.add_argument("--delta-dim", type=int, default=64)
+    ap.add_argument("--delta-gib", type=float, default=None,
+                    help="the delta table at this size in GiB instead of --delta-rows; the delta part only")
+    ap.add_argument("--delta-repeats", type=int, default=3)
     ap.add_argument("--remaps", action="store_true", help="time the remap layouts alone instead")
     ap.add_argument("--cuckoo-from", metavar="COMMIT", default=None,
                     help="with --remaps: also the static cuckoo hash the collections read at COMMIT (7040fbb), "
@@ -347,6 +397,8 @@ def main(argv=None) -> int:
         print("\n".join(remaps(args)))
     elif args.modules:
         print("\n".join(modules(args)))
+    elif args.delta_gib:
+        print("\n".join(delta_cost(args)))
     else:
         print("\n".join(latency(args)))
         if not args.no_delta:

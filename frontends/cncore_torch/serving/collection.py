@@ -17,6 +17,7 @@ which `nn.EmbeddingBag` refuses).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import cast
 
 import numpy as np
@@ -27,7 +28,7 @@ from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, Emb
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
 from cncore_torch.serving.fallback import fallback_slot, wrap_of
-from cncore_torch.serving.hashmap import PrunedHash, lookup
+from cncore_torch.serving.hashmap import EMPTY, TOMBSTONE, PrunedHash, insert, lookup, region_room
 from cncore_torch.serving.table import UNSEEN, TableSlots, dense_rows
 
 __all__ = ["FrozenEmbeddingBagCollection", "FrozenEmbeddingCollection", "IdRemap"]
@@ -58,6 +59,7 @@ class IdRemap(nn.Module):
     fallback_uniform = 0     # N > 0 when every feature's table has N fallback rows
     fallback_first = 1       # ... at weight rows fallback_first .. fallback_first + N - 1
     fallback_mixed = False   # features whose tables differ in N (buffer fallback_per_feature)
+    hash_used: list[int] | None = None   # entries in use per region (None: count them when needed)
 
     def __init__(self, tables: dict[str, TableSlots], table_of_feature: dict[str, str]) -> None:
         super().__init__()
@@ -101,6 +103,56 @@ class IdRemap(nn.Module):
     def swap(self, built: PrunedHash) -> None:
         """Read `built` from the next request on."""
         self.hash_table, self.hash_offsets, self.key_mask = built.table, built.offsets, built.mask
+        self.hash_used = list(built.used)
+
+    def planned(self, changes: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]
+                ) -> list[tuple[np.ndarray, np.ndarray]] | None:
+        """The in-place update of the hash for `changes` ({table name: (added IDs, their rows,
+        removed IDs)}, IDs the table did not hold and IDs it held): per region, the IDs and rows
+        to `insert` (removed IDs as `TOMBSTONE`s first, so an ID in both ends added), or None
+        where the hash must be rebuilt whole instead: a region would pass `hashmap._FULL`, or an
+        added ID is the one the key mask turns into FBGEMM's empty key. Reads only.
+
+        Args:
+            changes: per changed table, int64 (added, rows of added, removed).
+
+        Returns:
+            list | None: one (ids, rows) pair per region, in feature order.
+        """
+        if self.hash_used is None:    # a file pickled before the count was kept: count once
+            ends = self.hash_offsets.tolist()
+            empty = self.hash_table[:, 0] == EMPTY
+            self.hash_used = [int((~empty[a:b]).sum()) for a, b in itertools.pairwise(ends)]
+        room = region_room(self.hash_offsets, self.hash_used)
+        plan = []
+        for f, feature in enumerate(self.feature_order):
+            change = changes.get(self.table_of_feature[feature])
+            if change is None:
+                plan.append((np.empty(0, np.int64), np.empty(0, np.int64)))
+                continue
+            added, rows, removed = change
+            if len(added) > room[f] or bool((added == ~self.key_mask).any()):
+                return None
+            removed = removed[~np.isin(removed, added)]
+            plan.append((np.concatenate([removed, added]),
+                         np.concatenate([np.full(len(removed), TOMBSTONE, np.int64), rows])))
+        return plan
+
+    def insert(self, plan: list[tuple[np.ndarray, np.ndarray]], added: dict[str, int]) -> int:
+        """Write `planned`'s update into the live hash (under the serving lock).
+
+        Args:
+            plan: `planned`'s answer.
+            added: {table name: IDs it added} (the regions' entries in use grow by them).
+
+        Returns:
+            int: hash entries written.
+        """
+        written = insert(self.hash_table, self.hash_offsets, self.key_mask, [i for i, _ in plan], [r for _, r in plan])
+        assert self.hash_used is not None
+        for f, feature in enumerate(self.feature_order):
+            self.hash_used[f] += added.get(self.table_of_feature[feature], 0)
+        return written
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
         if features.variable_stride_per_key():

@@ -7,12 +7,22 @@ it from a table file chain (the deltas `save_table(since=...)` and cn-dlrm's
 `--incremental-checkpoint-every` write), netting every version after the one the frozen model
 holds. `apply_delta` lands deltas of any number of tables as one version:
 
-1. Prepared aside, while requests run: the new sorted ID array and slots (an O(N) merge), the
-   weight rows the new IDs take (an evicted ID's row first, then new rows at the end; growth
-   copies the table into a larger tensor, 1.25x or what the delta needs).
+1. Prepared aside, while requests run: the new sorted ID array and slots (an O(N) merge in
+   NumPy), the weight rows the new IDs take (an evicted ID's row first, then new rows at the
+   end; growth copies the table into a larger tensor, 1.25x or what the delta needs), and the
+   hash entries the delta's new and evicted IDs write (`IdRemap.planned`).
 2. Swapped under the model's `ServingLock` (no request is reading): the delta's rows are
-   written in place (or were, into the grown copy), the ID arrays swapped. Only the delta's
-   rows and the ID arrays move, so the time under the lock does not grow with the table.
+   written in place (or were, into the grown copy), the ID arrays swapped, and the new and
+   evicted IDs inserted into the live FBGEMM hash in place (`hashmap.insert`: one call over
+   the delta's IDs; a delta of changed rows only writes no entry). Nothing under the lock
+   grows with the table.
+
+The hash is rebuilt whole (aside, then swapped in under the lock) only when a region's
+entries in use (IDs and the tombstones of evicted ones) would pass `hashmap._FULL`, when an
+added ID needs another key mask, or when asked (`rebuild=True`: also drops the tombstones).
+Measured at 5 GiB (docs/serving.md, "Delta"): the in-place insert keeps the hash's part of a
+delta proportional to the delta; the sorted-array merge of step 1 is the part left that
+grows with the table.
 
 Nothing is recompiled and no request waits for more than the swap. An exported `.pt2` is a
 snapshot: its shapes and rows are fixed in the file; export a new one from the updated model.
@@ -136,6 +146,7 @@ class DeltaReport:
         bytes_written: bytes written into the model (rows, and the ID arrays where IDs changed).
         tables_grown: tables whose weight moved to a larger tensor.
         locked_seconds: how long the swap kept requests out.
+        hashes_rebuilt: ID hashes rebuilt whole (the others were updated in place).
     """
     rows_written: int = 0
     ids_added: int = 0
@@ -143,6 +154,7 @@ class DeltaReport:
     bytes_written: int = 0
     tables_grown: int = 0
     locked_seconds: float = 0.0
+    hashes_rebuilt: int = 0
 
 
 @dataclass
@@ -227,6 +239,9 @@ class _Prepared:
     weight: torch.Tensor | None  # a grown copy holding the rows already (None: write in place)
     added: int
     removed: int
+    added_ids: np.ndarray    # IDs new to the table, and their weight rows
+    added_slots: np.ndarray
+    removed_ids: np.ndarray  # IDs the table held and drops
 
 
 def _prepare(table: _Table, name: str, delta: TableDelta) -> _Prepared:
@@ -237,10 +252,12 @@ def _prepare(table: _Table, name: str, delta: TableDelta) -> _Prepared:
     ids, slots = table.slots.ids.numpy(), table.slots.slots.numpy()
     pos = np.searchsorted(ids, delta.removed).clip(max=max(len(ids) - 1, 0))
     gone = pos[ids[pos] == delta.removed] if len(ids) else pos[:0]
-    keep = np.ones(len(ids), bool)
-    keep[gone] = False
-    ids, pool = ids[keep], np.concatenate([table.slots.free.numpy(), slots[gone]])
-    slots = slots[keep]
+    removed_ids = ids[gone]
+    pool = np.concatenate([table.slots.free.numpy(), slots[gone]])
+    if len(gone):   # (the merges copy the whole arrays: skipped when no ID goes or comes)
+        keep = np.ones(len(ids), bool)
+        keep[gone] = False
+        ids, slots = ids[keep], slots[keep]
     pos = np.searchsorted(ids, delta.keys).clip(max=max(len(ids) - 1, 0))
     found = ids[pos] == delta.keys if len(ids) else np.zeros(len(delta.keys), bool)
     write_at = np.empty(len(delta.keys), np.int64)
@@ -251,8 +268,9 @@ def _prepare(table: _Table, name: str, delta: TableDelta) -> _Prepared:
     fresh = np.concatenate([pool[:n_new], np.arange(capacity, capacity + extra, dtype=np.int64)])
     write_at[~found] = fresh
     new_keys, order = delta.keys[~found], np.argsort(delta.keys[~found], kind="stable")
-    at = np.searchsorted(ids, new_keys[order])
-    ids, slots = np.insert(ids, at, new_keys[order]), np.insert(slots, at, fresh[order])
+    if n_new:
+        at = np.searchsorted(ids, new_keys[order])
+        ids, slots = np.insert(ids, at, new_keys[order]), np.insert(slots, at, fresh[order])
     rows = torch.from_numpy(delta.rows)
     if delta.fallback is not None:
         held = table.slots.fallback_rows
@@ -268,10 +286,11 @@ def _prepare(table: _Table, name: str, delta: TableDelta) -> _Prepared:
         grown[:capacity] = weight
         grown[torch.from_numpy(write_at)] = rows.to(weight.dtype)
     return _Prepared(table, id_tensor(ids), id_tensor(slots), id_tensor(pool[n_new:].copy()),
-                     torch.from_numpy(write_at), rows, grown, n_new, len(gone))
+                     torch.from_numpy(write_at), rows, grown, n_new, len(gone), new_keys, fresh,
+                     removed_ids)
 
 
-def apply_delta(model: nn.Module, deltas: Mapping[str, TableDelta]) -> DeltaReport:
+def apply_delta(model: nn.Module, deltas: Mapping[str, TableDelta], rebuild: bool = False) -> DeltaReport:
     """Apply `deltas` ({table name: TableDelta}) to the frozen `model` in place, as one
     version: a request running on another thread sees all of them or none (see the module
     docstring). Table names as `frozen_tables` gives them, or a collection's table name
@@ -280,6 +299,9 @@ def apply_delta(model: nn.Module, deltas: Mapping[str, TableDelta]) -> DeltaRepo
     Args:
         model (nn.Module): the model `cncore_torch.serving.freeze` returned.
         deltas (Mapping[str, TableDelta]): what changed, per table.
+        rebuild (bool): rebuild the ID hashes of the changed tables whole (aside) instead of
+            inserting into them in place; drops the evicted IDs' tombstones. A delta does it by
+            itself when a hash fills up.
 
     Returns:
         DeltaReport: rows written, IDs added and removed, bytes, tables grown, time locked.
@@ -306,15 +328,25 @@ def apply_delta(model: nn.Module, deltas: Mapping[str, TableDelta]) -> DeltaRepo
     report = DeltaReport()
     with lock.applying():
         prepared = [_prepare(table, name, delta) for name, (table, delta) in chosen.items()]
-        # the collections' hashes over all their features, rebuilt aside from the prepared tables
-        remaps: dict[int, tuple[Any, dict]] = {}
+        # each changed remap: its hash updated in place under the lock (planned here), or rebuilt
+        # aside whole where it fills up (or `rebuild`)
+        remaps: dict[int, tuple[Any, list[_Prepared]]] = {}
         for p in prepared:
             remap = getattr(p.table.module, "remap", None)
             if remap is not None:
-                name = next(n for n, t in remap.tables.items() if t is p.table.slots)
-                remaps.setdefault(id(remap), (remap, {}))[1][name] = (p.ids, p.slots)
-        rebuilt = [(remap, remap.rebuilt(replaced)) for remap, replaced in remaps.values()]
+                remaps.setdefault(id(remap), (remap, []))[1].append(p)
+        updates, rebuilt = [], []
+        for remap, parts in remaps.values():
+            names = {id(t): n for n, t in remap.tables.items()}
+            named = [(names[id(p.table.slots)], p) for p in parts]
+            plan = None if rebuild else remap.planned(
+                {n: (p.added_ids, p.added_slots, p.removed_ids) for n, p in named})
+            if plan is None:
+                rebuilt.append((remap, remap.rebuilt({n: (p.ids, p.slots) for n, p in named})))
+            else:
+                updates.append((remap, plan, {n: p.added for n, p in named}))
         start = time.perf_counter()
+        entries = 0
         with lock.writing():
             for p in prepared:
                 if p.weight is None:
@@ -322,6 +354,8 @@ def apply_delta(model: nn.Module, deltas: Mapping[str, TableDelta]) -> DeltaRepo
                 else:
                     p.table.set_weight(p.weight)
                 p.table.slots.ids, p.table.slots.slots, p.table.slots.free = p.ids, p.slots, p.free
+            for remap, plan, added in updates:
+                entries += remap.insert(plan, added)
             for remap, built in rebuilt:
                 remap.swap(built)
         report.locked_seconds = time.perf_counter() - start
@@ -331,4 +365,7 @@ def apply_delta(model: nn.Module, deltas: Mapping[str, TableDelta]) -> DeltaRepo
         report.ids_removed += p.removed
         report.bytes_written += p.rows.nbytes + (p.ids.nbytes + p.slots.nbytes if p.added or p.removed else 0)
         report.tables_grown += p.weight is not None
+    # the hash: the entries written in place (key and row, 16 bytes each), or every rebuilt one
+    report.bytes_written += entries * 16 + sum(built.table.nbytes + built.offsets.nbytes for _, built in rebuilt)
+    report.hashes_rebuilt = len(rebuilt)
     return report

@@ -19,6 +19,16 @@ Lookup (`lookup`)
     registered here for the tracing; FBGEMM ships none), and a fresh process runs the program
     with torch and torchrec imported (torchrec loads FBGEMM's operators).
 
+Updated in place (`insert`, what a delta does)
+    A delta's new IDs are inserted into the live regions and its removed IDs keep their entry
+    with row `TOMBSTONE` (-2): the lookup finds the key and reads -2, clamped to row 0 like a
+    miss, while the probes of other keys go on past it (an emptied entry would cut their probe
+    chains; FBGEMM's insert also skips row -1, so -1 cannot mark it). An ID removed then added
+    again finds its own entry and takes its new row. Tombstones and new IDs fill a region up:
+    past `_FULL` of its entries in use, the delta rebuilds the hash whole instead (aside, as
+    before), which drops the tombstones. Cost: one FBGEMM insert call over the delta's new and
+    removed IDs, under the lock; nothing proportional to the table.
+
 Every int64 is a valid ID
     FBGEMM's empty key -1 would make ID -1 unreachable. So a table stores `id ^ mask`, with
     `mask` the smallest s >= 0 whose complement ~s (the one ID that becomes -1) no table holds:
@@ -40,11 +50,17 @@ import torch
 
 from cncore_torch.serving.table import UNSEEN
 
-__all__ = ["PrunedHash", "lookup", "region_capacity", "key_mask"]
+__all__ = ["PrunedHash", "lookup", "insert", "region_capacity", "key_mask", "TOMBSTONE"]
 
 EMPTY = -1          # FBGEMM's empty key (and the row a miss reads before the clamp)
 _LOAD = 0.5         # TorchRec's default pruning_hash_load_factor
 _ALIGN = 32         # FBGEMM rounds each region up to a multiple of 32 entries
+TOMBSTONE = -2      # the row of a removed ID's entry (read as a miss; FBGEMM's insert skips row -1)
+# In-place inserts stop at this share of a region in use (live IDs and tombstones): linear probing's
+# expected probes for a miss, (1 + 1 / (1 - a)^2) / 2, are 2.5 at the build's 0.5 and 3.6 at 0.6 (8.5
+# at 0.75). Between the two a region takes 0.2 N inserts (N: its IDs at the last rebuild) before a
+# delta rebuilds it whole.
+_FULL = 0.6
 
 
 def _lookup_meta(indices: torch.Tensor, offsets: torch.Tensor, hash_table: torch.Tensor,
@@ -114,6 +130,7 @@ class PrunedHash:
         ids = [np.asarray(i, dtype=np.int64) for i, _ in regions]
         rows = [np.asarray(r, dtype=np.int64) for _, r in regions]
         self.mask = key_mask(ids)
+        self.used = [len(i) for i in ids]     # entries in use per region (tombstones count)
         capacities = [region_capacity(len(i)) for i in ids]
         self.offsets = torch.tensor(np.concatenate([[0], np.cumsum(capacities)]), dtype=torch.int64)
         self.table = torch.full((int(self.offsets[-1]), 2), EMPTY, dtype=torch.int64)
@@ -122,6 +139,61 @@ class PrunedHash:
             counts = torch.tensor(np.concatenate([[0], np.cumsum([len(i) for i in ids])]), dtype=torch.int64)
             torch.ops.fbgemm.pruned_hashmap_insert(keys, torch.from_numpy(np.concatenate(rows)), counts,
                                                   self.table, self.offsets)
+
+
+def region_room(offsets: torch.Tensor, used: Sequence[int]) -> list[int]:
+    """How many more entries each region takes in place before it is rebuilt (`_FULL`).
+
+    Args:
+        offsets: int64 (F + 1,) region offsets.
+        used: entries in use per region.
+
+    Returns:
+        list[int]: per region, `_FULL` of its capacity less `used` (may be negative).
+
+    >>> region_room(torch.tensor([0, 32, 96]), [10, 38])
+    [9, 0]
+    """
+    capacities = (offsets[1:] - offsets[:-1]).tolist()
+    return [int(c * _FULL) - u for c, u in zip(capacities, used)]
+
+
+def insert(table: torch.Tensor, offsets: torch.Tensor, mask: int, ids: Sequence[np.ndarray],
+           rows: Sequence[np.ndarray]) -> int:
+    """Write `ids[f] -> rows[f]` into region f of `table` in place (an ID it holds takes its new
+    row, `TOMBSTONE` marks a removed one); one FBGEMM call. The caller keeps readers out and
+    the regions under `_FULL` (`region_room`), and no ID equal to `~mask`.
+
+    Args:
+        table: a `PrunedHash`'s `table`, written in place.
+        offsets: its region offsets (F + 1,).
+        mask: its key mask.
+        ids: F int64 arrays, the IDs of each region (empty where none), each distinct.
+        rows: F int64 arrays, their rows.
+
+    Returns:
+        int: entries written.
+
+    >>> h = PrunedHash([(np.array([7, 8]), np.array([1, 2]))])
+    >>> insert(h.table, h.offsets, h.mask, [np.array([8, 9])], [np.array([TOMBSTONE, 3])])
+    2
+    >>> lookup(h.table, h.offsets, h.mask, torch.tensor([7, 8, 9]), torch.tensor([0, 3])).tolist()
+    [1, 0, 3]
+    """
+    counts = [len(i) for i in ids]
+    if len(counts) != len(offsets) - 1 or len(rows) != len(ids):
+        raise ValueError(f"ids, rows: expected one array per region ({len(offsets) - 1}), got {len(ids)} and "
+                         f"{len(rows)}")
+    if not sum(counts):
+        return 0
+    keys = np.concatenate([np.asarray(i, dtype=np.int64) for i in ids])
+    if bool((keys == ~mask).any()):
+        raise ValueError(f"ids: {~mask} would be stored as FBGEMM's empty key under mask {mask}; rebuild the hash")
+    bags = torch.tensor(np.concatenate([[0], np.cumsum(counts)]), dtype=torch.int64)
+    torch.ops.fbgemm.pruned_hashmap_insert(torch.from_numpy(keys ^ mask),
+                                          torch.from_numpy(np.concatenate(rows).astype(np.int64)), bags,
+                                          table, offsets)
+    return int(keys.size)
 
 
 def lookup(table: torch.Tensor, regions: torch.Tensor, mask: int, ids: torch.Tensor,
