@@ -12,6 +12,7 @@ from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 
 from cncore_torch.serving import FrozenEmbeddingBag, FrozenEmbeddingBagCollection, TableDelta, apply_delta, freeze
 from cncore_torch.serving.hashmap import TOMBSTONE, region_capacity
+from cncore_torch.serving.table import TableSlots
 
 LO, HI = np.iinfo(np.int64).min, np.iinfo(np.int64).max
 EDGES = np.array([-1, LO, HI, 0, -2, LO + 1, HI - 1], np.int64)
@@ -104,7 +105,7 @@ def test_a_delta_past_the_fill_limit_rebuilds_the_hash_and_drops_the_tombstones(
     small = apply_delta(model, {"0": TableDelta(np.arange(100, 130), np.full((30, DIM), 2, np.float32),
                                                 np.arange(0, 30))})
     assert small.hashes_rebuilt == 0 and remap.hash_used == [130]
-    assert small.bytes_written == 30 * DIM * 4 + 2 * 100 * 8 + 60 * 16   # rows, ID arrays, 60 hash entries
+    assert small.bytes_written == 30 * DIM * 4 + 60 * 16   # rows, 60 hash entries (the ID arrays wait)
     big = apply_delta(model, {"0": TableDelta(np.arange(130, 140), np.full((10, DIM), 3, np.float32),
                                               np.arange(30, 40))})
     assert big.hashes_rebuilt == 1 and remap.hash_used == [100]
@@ -114,6 +115,32 @@ def test_a_delta_past_the_fill_limit_rebuilds_the_hash_and_drops_the_tombstones(
                         np.where(((probe >= 100) & (probe < 130))[:, None], 2.0,
                                  np.where(((probe >= 130) & (probe < 140))[:, None], 3.0, 0.0)))
     np.testing.assert_array_equal(single_row_outputs(model, probe), np.broadcast_to(expected, (len(probe), DIM)))
+
+
+def test_pending_ids_merge_when_read_saved_or_copied(tmp_path):
+    keys = np.arange(10, dtype=np.int64)
+    model = freeze(torch.nn.Sequential(FrozenEmbeddingBag(keys, np.ones((10, DIM), np.float32), mode="sum")))
+    table = model[0].table
+    apply_delta(model, {"0": TableDelta(np.array([LO, 20]), np.full((2, DIM), 2, np.float32), np.array([3, 4, 99]))})
+    apply_delta(model, {"0": TableDelta(np.array([3]), np.full((1, DIM), 3, np.float32), np.array([20, 5]))})
+    expected = [LO, 0, 1, 2, 3, 6, 7, 8, 9]
+    assert table.__dict__["_pending"] is not None               # noted, not merged
+    state = model.state_dict()                                   # a state_dict merges
+    assert state["0.remap.tables.table.ids"].tolist() == expected and table.__dict__["_pending"] is None
+    apply_delta(model, {"0": TableDelta(np.array([4]), np.full((1, DIM), 4, np.float32), np.array([LO]))})
+    torch.save(model, tmp_path / "m.pt")                         # so does a pickle
+    loaded = torch.load(tmp_path / "m.pt", weights_only=False)
+    assert loaded[0].table.ids.tolist() == [0, 1, 2, 3, 4, 6, 7, 8, 9]
+    probe = np.array([LO, 3, 4, 5, 20, 9])
+    np.testing.assert_array_equal(single_row_outputs(loaded, probe), single_row_outputs(model, probe))
+    np.testing.assert_array_equal(single_row_outputs(model, probe)[:, 0], [0, 3, 4, 0, 0, 1])
+    apply_delta(model, {"0": TableDelta(np.array([LO]), np.full((1, DIM), 5, np.float32), np.array([], np.int64))})
+    from cncore_torch.serving.export import export_program
+    program = export_program(model, (torch.tensor([[1, 2], [3, 4]]),))     # so does an export
+    assert table.__dict__["_pending"] is None
+    assert program.state_dict["0.remap.tables.table.ids"].tolist()[0] == LO
+    # the slots read back through the arrays are the hash's
+    assert table.slots.tolist() == model[0].remap.rows(table.ids, torch.tensor([0, table.ids.numel()])).tolist()
 
 
 def test_changed_rows_alone_write_no_hash_entry_and_leave_the_id_arrays():
@@ -126,3 +153,30 @@ def test_changed_rows_alone_write_no_hash_entry_and_leave_the_id_arrays():
     assert torch.equal(model[0].remap.hash_table, before) and table.ids.data_ptr() == ids.data_ptr()
     np.testing.assert_array_equal(single_row_outputs(model, np.array([5, 6, 9])),
                                   [[1] * DIM, [4] * DIM, [0] * DIM])
+
+
+def test_pending_ids_follow_a_dict_and_merge_past_a_quarter_of_the_table():
+    """TableSlots.record against a dict over deltas that evict, add, and add back the same IDs;
+    reading the arrays merges; 4096 + N / 4 IDs pending merge by themselves."""
+    rng = np.random.default_rng(3)
+    table = TableSlots(np.arange(50, dtype=np.int64) * 3, first_slot=5)
+    ref = {int(k): int(s) for k, s in zip(table.ids.tolist(), table.slots.tolist())}
+    for step in range(40):
+        held = np.array(sorted(ref), np.int64)
+        removed = rng.choice(held, min(4, len(held)), replace=False)
+        pool = np.setdiff1d(np.arange(-20, 200, dtype=np.int64), np.setdiff1d(held, removed))
+        added = rng.choice(pool, 5, replace=False)
+        slots = rng.integers(0, 10**6, 5)
+        table.record(removed, added, slots)
+        for k in removed.tolist():
+            del ref[k]
+        ref.update(zip(added.tolist(), slots.tolist()))
+        if step % 7 == 0:
+            assert table.ids.tolist() == sorted(ref) and table.slots.tolist() == [ref[k] for k in sorted(ref)]
+            assert table.__dict__["_pending"] is None
+    assert table.__dict__["_pending"] is not None
+    assert [a.tolist() for a in table.merged(np.empty(0, np.int64), np.empty(0, np.int64),
+                                             np.empty(0, np.int64))] == [sorted(ref), [ref[k] for k in sorted(ref)]]
+    big = TableSlots(np.arange(10), first_slot=1)
+    big.record(np.arange(5), np.arange(100, 4200), np.arange(4100))
+    assert big.__dict__["_pending"] is None and big._buffers["ids"].numel() == 4105

@@ -48,7 +48,8 @@ same model, every delta drawn from the table's IDs at that moment: `apply_delta`
 evicted IDs inserted into the live FBGEMM hash under the lock) and `apply_delta(rebuild=True)`
 (the hash rebuilt whole aside, then swapped: what every delta did before). Time of the call
 (prepared aside + under the lock), the part under the lock, and the bytes written into the model
-(rows, the sorted ID arrays where IDs changed, hash entries or the whole rebuilt hash); medians.
+(rows, hash entries; or the whole rebuilt hash and the sorted ID arrays); medians. Then the time
+of merging the IDs one more in-place delta left pending into the sorted ID arrays (`TableSlots.merge`).
 """
 from __future__ import annotations
 
@@ -368,6 +369,12 @@ def delta_cost(args) -> list[str]:
             took, locked, written, rebuilt = (np.median([r[k] for r in runs]) for k in range(4))
             lines.append(f"| {names[case]} | {way} | {took:.3f} | {locked * 1e3:.2f} | {int(written):,} "
                          f"| {int(rebuilt)} of 1 |")
+    apply_delta(model, {"0": draw("mixed")})     # leaves its IDs pending
+    pending = sum(len(r) + len(a) for r, a, _ in table.__dict__.get("_pending") or [])
+    start = time.perf_counter()
+    table.merge()
+    lines.append(f"the sorted ID arrays' merge of {pending:,} pending IDs (a delta pays it once per N / 4 IDs its "
+                 f"deltas name, or a read of the arrays): {time.perf_counter() - start:.3f} s")
     return lines
 
 

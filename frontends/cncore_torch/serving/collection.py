@@ -105,6 +105,29 @@ class IdRemap(nn.Module):
         self.hash_table, self.hash_offsets, self.key_mask = built.table, built.offsets, built.mask
         self.hash_used = list(built.used)
 
+    def held_rows(self, table: str, ids: np.ndarray) -> np.ndarray | None:
+        """The weight row of each of `ids` in `table`, -1 where it does not hold it, read from
+        the hash (O(len(ids))); None where no feature reads the table (it has no region).
+
+        Args:
+            table: a table name.
+            ids: int64 IDs.
+
+        Returns:
+            np.ndarray | None: int64 rows.
+        """
+        features = [f for f in self.feature_order if self.table_of_feature[f] == table]
+        if not features:
+            return None
+        ids = np.asarray(ids, dtype=np.int64)
+        if not len(ids):
+            return np.empty(0, np.int64)
+        region = self.region_of_feature[features[0]]
+        got = torch.ops.fbgemm.pruned_hashmap_lookup(torch.from_numpy(ids ^ self.key_mask),
+                                                     torch.tensor([0, len(ids)], dtype=torch.int64),
+                                                     self.hash_table, self.hash_offsets[region:region + 2])
+        return got.numpy().clip(min=-1)    # (a tombstone's -2 too)
+
     def planned(self, changes: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]
                 ) -> list[tuple[np.ndarray, np.ndarray]] | None:
         """The in-place update of the hash for `changes` ({table name: (added IDs, their rows,

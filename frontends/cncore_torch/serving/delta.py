@@ -7,22 +7,24 @@ it from a table file chain (the deltas `save_table(since=...)` and cn-dlrm's
 `--incremental-checkpoint-every` write), netting every version after the one the frozen model
 holds. `apply_delta` lands deltas of any number of tables as one version:
 
-1. Prepared aside, while requests run: the new sorted ID array and slots (an O(N) merge in
-   NumPy), the weight rows the new IDs take (an evicted ID's row first, then new rows at the
-   end; growth copies the table into a larger tensor, 1.25x or what the delta needs), and the
-   hash entries the delta's new and evicted IDs write (`IdRemap.planned`).
+1. Prepared aside, while requests run: the delta's IDs looked up in the live hash (which of
+   its evicted IDs the table holds, which written IDs are new), the weight rows the new IDs
+   take (an evicted ID's row first, then new rows at the end; growth copies the table into a
+   larger tensor, 1.25x or what the delta needs), and the hash entries the new and evicted
+   IDs write (`IdRemap.planned`).
 2. Swapped under the model's `ServingLock` (no request is reading): the delta's rows are
-   written in place (or were, into the grown copy), the ID arrays swapped, and the new and
-   evicted IDs inserted into the live FBGEMM hash in place (`hashmap.insert`: one call over
-   the delta's IDs; a delta of changed rows only writes no entry). Nothing under the lock
-   grows with the table.
+   written in place (or were, into the grown copy) and the new and evicted IDs inserted into
+   the live FBGEMM hash in place (`hashmap.insert`: one call over the delta's IDs; a delta of
+   changed rows only writes no entry).
+3. After the lock: the table's sorted ID arrays (which requests do not read) note the new and
+   evicted IDs as pending, merged when read or once they pass a quarter of the table
+   (`table.TableSlots.record`).
 
-The hash is rebuilt whole (aside, then swapped in under the lock) only when a region's
-entries in use (IDs and the tombstones of evicted ones) would pass `hashmap._FULL`, when an
-added ID needs another key mask, or when asked (`rebuild=True`: also drops the tombstones).
-Measured at 5 GiB (docs/serving.md, "Delta"): the in-place insert keeps the hash's part of a
-delta proportional to the delta; the sorted-array merge of step 1 is the part left that
-grows with the table.
+So a delta's work is proportional to the delta, not the table, but for the amortized merge
+and the hash rebuilt whole (aside, then swapped in under the lock) when a region's entries in
+use (IDs and the tombstones of evicted ones) would pass `hashmap._FULL`, when an added ID needs
+another key mask, or when asked (`rebuild=True`, which also drops the tombstones). Measured at
+5 GiB in docs/serving.md ("Delta").
 
 Nothing is recompiled and no request waits for more than the swap. An exported `.pt2` is a
 snapshot: its shapes and rows are fixed in the file; export a new one from the updated model.
@@ -143,7 +145,8 @@ class DeltaReport:
         rows_written: rows of the deltas written into the tables.
         ids_added: IDs the tables did not hold before.
         ids_removed: IDs dropped.
-        bytes_written: bytes written into the model (rows, and the ID arrays where IDs changed).
+        bytes_written: bytes written into the model (rows, hash entries; a rebuilt hash and its
+            tables' ID arrays whole).
         tables_grown: tables whose weight moved to a larger tensor.
         locked_seconds: how long the swap kept requests out.
         hashes_rebuilt: ID hashes rebuilt whole (the others were updated in place).
@@ -164,6 +167,7 @@ class _Table:
     slots: TableSlots
     owner: Any         # the module holding `weight` (an nn.EmbeddingBag / nn.Embedding, or the frozen module)
     config_index: int | None = None  # its config in TorchRec's collection (num_embeddings follows growth)
+    remap_name: str = "table"        # its name in module.remap (a frozen module's one table: "table")
 
     @property
     def weight(self) -> torch.Tensor:
@@ -210,7 +214,7 @@ def frozen_tables(model: nn.Module) -> dict[str, _Table]:
             names = [c.name for c in configs]
             for i, name in enumerate(names):
                 slots = cast(TableSlots, module.remap.tables[name])
-                out[f"{path}.{name}" if path else name] = _Table(module, slots, tables[name], i)
+                out[f"{path}.{name}" if path else name] = _Table(module, slots, tables[name], i, name)
         elif isinstance(module, (FrozenEmbeddingBag, FrozenEmbedding)):
             out[path or "weight"] = _Table(module, module.table, module)
     return out
@@ -231,8 +235,6 @@ def _resolve(tables: dict[str, _Table], name: str) -> _Table:
 class _Prepared:
     """One table's delta, ready to swap in (see the module docstring)."""
     table: _Table
-    ids: torch.Tensor
-    slots: torch.Tensor
     free: torch.Tensor
     write_at: torch.Tensor   # weight rows the delta's rows go to
     rows: torch.Tensor
@@ -244,33 +246,38 @@ class _Prepared:
     removed_ids: np.ndarray  # IDs the table held and drops
 
 
+def _held_rows(table: _Table, ids: np.ndarray) -> np.ndarray:
+    """The weight row of each of `ids` (-1: not held): from the hash, O(len(ids)), or from the
+    sorted arrays (merged first) for a table no feature reads."""
+    got = table.module.remap.held_rows(table.remap_name, ids)
+    if got is not None:
+        return cast(np.ndarray, got)
+    held, slots = table.slots.ids.numpy(), table.slots.slots.numpy()
+    if not len(held):
+        return np.full(len(ids), -1, np.int64)
+    pos = np.searchsorted(held, ids).clip(max=len(held) - 1)
+    return np.where(held[pos] == ids, slots[pos], -1)
+
+
 def _prepare(table: _Table, name: str, delta: TableDelta) -> _Prepared:
     weight = table.weight
     if delta.rows.shape[1] != weight.shape[1]:
         raise ValueError(f"deltas[{name!r}]: rows of dim {delta.rows.shape[1]}, but the table's dim is "
                          f"{weight.shape[1]}")
-    ids, slots = table.slots.ids.numpy(), table.slots.slots.numpy()
-    pos = np.searchsorted(ids, delta.removed).clip(max=max(len(ids) - 1, 0))
-    gone = pos[ids[pos] == delta.removed] if len(ids) else pos[:0]
-    removed_ids = ids[gone]
-    pool = np.concatenate([table.slots.free.numpy(), slots[gone]])
-    if len(gone):   # (the merges copy the whole arrays: skipped when no ID goes or comes)
-        keep = np.ones(len(ids), bool)
-        keep[gone] = False
-        ids, slots = ids[keep], slots[keep]
-    pos = np.searchsorted(ids, delta.keys).clip(max=max(len(ids) - 1, 0))
-    found = ids[pos] == delta.keys if len(ids) else np.zeros(len(delta.keys), bool)
+    # the delta's IDs looked up in the hash (not the O(N) sorted arrays): what goes, what stays
+    was = _held_rows(table, delta.removed)
+    removed_ids = delta.removed[was >= 0]
+    pool = np.concatenate([table.slots.free.numpy(), was[was >= 0]])
+    now = _held_rows(table, delta.keys)
+    found = (now >= 0) & ~np.isin(delta.keys, removed_ids)   # (evicted and written again: a new ID)
     write_at = np.empty(len(delta.keys), np.int64)
-    write_at[found] = slots[pos[found]]
+    write_at[found] = now[found]
     n_new = int((~found).sum())
     capacity = weight.shape[0]
     extra = max(n_new - len(pool), 0)
     fresh = np.concatenate([pool[:n_new], np.arange(capacity, capacity + extra, dtype=np.int64)])
     write_at[~found] = fresh
-    new_keys, order = delta.keys[~found], np.argsort(delta.keys[~found], kind="stable")
-    if n_new:
-        at = np.searchsorted(ids, new_keys[order])
-        ids, slots = np.insert(ids, at, new_keys[order]), np.insert(slots, at, fresh[order])
+    new_keys = delta.keys[~found]
     rows = torch.from_numpy(delta.rows)
     if delta.fallback is not None:
         held = table.slots.fallback_rows
@@ -285,9 +292,8 @@ def _prepare(table: _Table, name: str, delta: TableDelta) -> _Prepared:
         grown = torch.zeros((max(capacity + extra, capacity * 5 // 4), weight.shape[1]), dtype=weight.dtype)
         grown[:capacity] = weight
         grown[torch.from_numpy(write_at)] = rows.to(weight.dtype)
-    return _Prepared(table, id_tensor(ids), id_tensor(slots), id_tensor(pool[n_new:].copy()),
-                     torch.from_numpy(write_at), rows, grown, n_new, len(gone), new_keys, fresh,
-                     removed_ids)
+    return _Prepared(table, id_tensor(pool[n_new:].copy()), torch.from_numpy(write_at), rows, grown, n_new,
+                     len(removed_ids), new_keys, fresh, removed_ids)
 
 
 def apply_delta(model: nn.Module, deltas: Mapping[str, TableDelta], rebuild: bool = False) -> DeltaReport:
@@ -342,7 +348,9 @@ def apply_delta(model: nn.Module, deltas: Mapping[str, TableDelta], rebuild: boo
             plan = None if rebuild else remap.planned(
                 {n: (p.added_ids, p.added_slots, p.removed_ids) for n, p in named})
             if plan is None:
-                rebuilt.append((remap, remap.rebuilt({n: (p.ids, p.slots) for n, p in named})))
+                merged = {n: tuple(map(id_tensor, p.table.slots.merged(p.removed_ids, p.added_ids, p.added_slots)))
+                          for n, p in named}
+                rebuilt.append((remap, remap.rebuilt(merged), merged, named))
             else:
                 updates.append((remap, plan, {n: p.added for n, p in named}))
         start = time.perf_counter()
@@ -353,19 +361,32 @@ def apply_delta(model: nn.Module, deltas: Mapping[str, TableDelta], rebuild: boo
                     p.table.weight.index_put_((p.write_at,), p.rows.to(p.table.weight.dtype))
                 else:
                     p.table.set_weight(p.weight)
-                p.table.slots.ids, p.table.slots.slots, p.table.slots.free = p.ids, p.slots, p.free
+                p.table.slots.free = p.free
             for remap, plan, added in updates:
                 entries += remap.insert(plan, added)
-            for remap, built in rebuilt:
+            for remap, built, _, _ in rebuilt:
                 remap.swap(built)
         report.locked_seconds = time.perf_counter() - start
+        # the sorted ID arrays (requests do not read them): merged for a rebuilt hash, else the
+        # delta's IDs noted as pending (table.py)
+        swapped = set()
+        for _, _, merged, named in rebuilt:
+            for n, p in named:
+                p.table.slots.set_arrays(merged[n][0].numpy(), merged[n][1].numpy())
+                swapped.add(id(p))
+        for p in prepared:
+            if id(p) not in swapped:
+                p.table.slots.record(p.removed_ids, p.added_ids, p.added_slots)
     for p in prepared:
         report.rows_written += len(p.write_at)
         report.ids_added += p.added
         report.ids_removed += p.removed
-        report.bytes_written += p.rows.nbytes + (p.ids.nbytes + p.slots.nbytes if p.added or p.removed else 0)
+        report.bytes_written += p.rows.nbytes
         report.tables_grown += p.weight is not None
     # the hash: the entries written in place (key and row, 16 bytes each), or every rebuilt one
-    report.bytes_written += entries * 16 + sum(built.table.nbytes + built.offsets.nbytes for _, built in rebuilt)
+    # with its tables' ID arrays
+    report.bytes_written += entries * 16 + sum(
+        built.table.nbytes + built.offsets.nbytes + sum(i.nbytes + s.nbytes for i, s in merged.values())
+        for _, built, merged, _ in rebuilt)
     report.hashes_rebuilt = len(rebuilt)
     return report

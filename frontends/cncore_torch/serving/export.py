@@ -56,6 +56,10 @@ def export_program(model: nn.Module, args: tuple, path: str | os.PathLike | None
     """
     if not isinstance(args, tuple):
         raise TypeError(f"args must be a tuple of the model's positional inputs, got {type(args).__name__}")
+    from cncore_torch.serving.table import TableSlots
+    for module in model.modules():   # the ID arrays a delta left pending go into the program merged
+        if isinstance(module, TableSlots):
+            module.merge()
     program = torch.export.export(model, args, dynamic_shapes=dynamic_shapes_of(args), strict=False)
     if path is not None:
         # The example inputs (KJTs among them) would make torch.export.load fall back to an

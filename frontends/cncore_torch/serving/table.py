@@ -16,6 +16,13 @@ Lookup
     merges its new and evicted IDs into (O(N)), before the hash is rebuilt from them aside.
     Every int64 is a valid ID (no value is reserved as empty), as in the live tables.
 
+Pending changes
+    A delta finds its IDs' rows through the hash (O(delta)), not these arrays, and only notes
+    its new and evicted IDs here (`record`); the arrays take them (`merge`, O(N)) when read
+    (`ids`, `slots`, a state_dict, a pickle, a copy, an export), when a delta rebuilds the hash
+    whole, or once the pending IDs pass a quarter of the table (amortized: a merge per N / 4
+    IDs changed), so a delta's own cost does not grow with the table.
+
 Why unseen IDs read zeros: it is what the live tables answer in eval mode (they never insert
 there, unless it has fallback rows: then an unseen ID reads its fallback row, in-graph,
 `serving.fallback`), what `to_fixed`'s extra zero row gave, and it is the identity of every pooling (sum
@@ -24,6 +31,8 @@ computed in-graph, but a serving model would then answer differently for an ID i
 trained than the model that was evaluated.
 """
 from __future__ import annotations
+
+from typing import cast
 
 import numpy as np
 import torch
@@ -62,6 +71,9 @@ class TableSlots(nn.Module):
     slots: torch.Tensor
     free: torch.Tensor
     fallback_rows = 0   # (serving files written before fallback rows froze hold none)
+    # the deltas' (evicted IDs, new IDs, their slots) not merged into ids / slots yet, in order
+    # (module docstring); None: none
+    _pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None
 
     def __init__(self, keys: np.ndarray, first_slot: int = 1, fallback_rows: int = 0) -> None:
         super().__init__()
@@ -72,6 +84,101 @@ class TableSlots(nn.Module):
         self.register_buffer("ids", id_tensor(keys[order]))
         self.register_buffer("slots", id_tensor(order.astype(np.int64) + first_slot))
         self.register_buffer("free", torch.zeros(0, dtype=torch.int64))
+
+    def __getattr__(self, name: str):
+        if name in ("ids", "slots") and self.__dict__.get("_pending") is not None:
+            self.merge()
+        return super().__getattr__(name)
+
+    def __getstate__(self) -> dict:
+        self.merge()
+        return super().__getstate__()
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        self.merge()
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+
+    def _apply(self, fn, recurse=True):
+        self.merge()
+        return super()._apply(fn, recurse)
+
+    def merged(self, removed: np.ndarray, added: np.ndarray, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The (ids, slots) arrays with the pending changes and then these: `removed` IDs
+        dropped, `added` IDs (none held) with their `slots` inserted. O(N); reads only.
+
+        Args:
+            removed: int64 IDs to drop (ones not held are ignored).
+            added: int64 IDs to add, none of them held after `removed` is dropped.
+            slots: int64, their weight rows.
+
+        Returns:
+            tuple: int64 (ids sorted, slots).
+
+        >>> t = TableSlots(np.array([40, 10]), first_slot=1)
+        >>> [a.tolist() for a in t.merged(np.array([10]), np.array([20]), np.array([7]))]
+        [[20, 40], [7, 1]]
+        """
+        events = [*(self.__dict__.get("_pending") or []), (removed, added, slots)]
+        # every ID a pending delta names leaves the old arrays; the ones whose last event is an
+        # addition come back with that slot (an added ID was not held just before)
+        keys = np.concatenate([k for r, a, _ in events for k in (r, a)]).astype(np.int64)
+        is_add = np.concatenate([np.full(len(k), j, bool) for r, a, _ in events for j, k in ((False, r), (True, a))])
+        at = np.concatenate([x for r, _, sl in events for x in (np.zeros(len(r), np.int64), sl)]).astype(np.int64)
+        last = len(keys) - 1 - np.unique(keys[::-1], return_index=True)[1]   # each ID's last event
+        gone = keys[last]                                                   # sorted
+        new, at = gone[is_add[last]], at[last][is_add[last]]
+        ids, held = self._array("ids").numpy(), self._array("slots").numpy()
+        if len(gone) and len(ids):
+            pos = np.searchsorted(ids, gone).clip(max=len(ids) - 1)
+            drop = pos[ids[pos] == gone]
+            if len(drop):
+                keep = np.ones(len(ids), bool)
+                keep[drop] = False
+                ids, held = ids[keep], held[keep]
+        if len(new):
+            order = np.argsort(new, kind="stable")
+            where = np.searchsorted(ids, new[order])
+            ids, held = np.insert(ids, where, new[order]), np.insert(held, where, at[order])
+        return ids, held
+
+    def _array(self, name: str) -> torch.Tensor:
+        """A buffer as it is, pending changes or not (`ids` / `slots` would merge them)."""
+        return cast(torch.Tensor, self._buffers[name])
+
+    def merge(self) -> None:
+        """Write the pending changes into `ids` / `slots` (O(N); nothing when none)."""
+        if self.__dict__.get("_pending") is None:
+            return
+        ids, slots = self.merged(*(np.empty(0, np.int64),) * 3)
+        self.__dict__["_pending"] = None
+        self.set_arrays(ids, slots)
+
+    def set_arrays(self, ids: np.ndarray, slots: np.ndarray) -> None:
+        """Replace the arrays (sorted ids and their slots), dropping the pending changes."""
+        self.__dict__["_pending"] = None
+        self._buffers["ids"], self._buffers["slots"] = id_tensor(ids), id_tensor(slots)
+
+    def record(self, removed: np.ndarray, added: np.ndarray, slots: np.ndarray) -> None:
+        """Note a delta's evicted IDs (held ones) and new IDs (with their slots) as pending;
+        merged once they pass a quarter of the table (see the module docstring).
+
+        Args:
+            removed: int64 IDs the table held and drops.
+            added: int64 IDs it did not hold (after `removed`), with `slots` their weight rows.
+            slots: int64.
+
+        >>> t = TableSlots(np.array([40, 10]), first_slot=1)
+        >>> t.record(np.array([40]), np.array([5]), np.array([1]))
+        >>> t.ids.tolist(), t.slots.tolist()
+        ([5, 10], [1, 2])
+        """
+        if not len(removed) and not len(added):
+            return
+        pending = [*(self.__dict__.get("_pending") or []), (removed, added, slots)]
+        self.__dict__["_pending"] = pending
+        # amortized: a merge (O(N)) per quarter of the table named by deltas; noting one is O(1)
+        if sum(len(r) + len(a) for r, a, _ in pending) > self._array("ids").numel() // 4 + 4096:
+            self.merge()
 
     @property
     def first_fallback(self) -> int:
