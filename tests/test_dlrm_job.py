@@ -435,3 +435,22 @@ def test_data_scale_and_prefill_refuse_a_criteo_file(capsys, tmp_path, monkeypat
         capsys, "--criteo-tsv", "day.tsv", "--prefill")
     assert "--zipf-alpha shapes the synthetic stream, not --criteo-tsv day.tsv" in exit_line(
         capsys, "--criteo-tsv", "day.tsv", "--zipf-alpha", "1.1")
+
+
+def test_the_command_loads_cncore_torch_before_torch_loads_its_openmp(monkeypatch):
+    """cncore_torch bounds the spin of torch's idle OpenMP threads only if it is imported before
+    torch loads libgomp (cncore_torch._openmp_env); job.py imports torch first, so the command
+    imports cncore_torch before it imports the job."""
+    import builtins
+
+    from cn_dlrm import job
+    monkeypatch.setattr(job, "run", lambda args: 0)
+    order, real_import = [], builtins.__import__
+
+    def recording(name, globals=None, locals=None, fromlist=(), level=0):
+        order.append(name + "." + ".".join(fromlist or ()))
+        return real_import(name, globals, locals, fromlist, level)
+
+    monkeypatch.setattr(builtins, "__import__", recording)
+    assert main(["--steps", "1"]) == 0
+    assert order.index("cncore_torch.") < order.index("cn_dlrm.job")
