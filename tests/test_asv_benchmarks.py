@@ -137,13 +137,16 @@ def test_forward_large_quick_prints_every_cell(tmp_path):
 
 @pytest.mark.slow
 def test_step_large_quick_prints_every_cell_with_and_without_huge_pages(tmp_path):
-    """asv_bench/scripts/step_large.py --quick: one table with torch's weights on huge pages and
-    one without (each run in its own child, as torch reads the setting once), each naming the
-    CPU, its caches and the load, every speed and ratio a positive number (the script first
-    checks that every forward reads the same rows as EmbeddingBag)."""
+    """asv_bench/scripts/step_large.py --quick with each fused optimizer TBE has on CPU (SGD,
+    Adagrad, row-wise Adagrad): one table with torch's weights on huge pages and one without
+    (each run in its own child, as torch reads the setting once), each naming the CPU, its
+    caches and the load, one row per optimizer, every speed and ratio a positive number (the
+    script first checks that every forward reads the same rows as EmbeddingBag, and ours the
+    same as TBE's after their steps)."""
     script = BENCH_DIR / "scripts" / "step_large.py"
-    res = subprocess.run([sys.executable, str(script), "--quick"], capture_output=True, text=True, timeout=300,
-                         cwd=tmp_path)
+    optimizers = ["sgd", "adagrad", "rowwise-adagrad"]
+    res = subprocess.run([sys.executable, str(script), "--quick", "--optimizer", *optimizers], capture_output=True,
+                         text=True, timeout=300, cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-2000:]
     out = res.stdout
     assert "torch weights on huge pages: yes (THP_MEM_ALLOC_ENABLE=1)" in out
@@ -156,10 +159,12 @@ def test_step_large_quick_prints_every_cell_with_and_without_huge_pages(tmp_path
     assert len(heads) == 2
     for head in heads:
         cols = [c.strip() for c in lines[head].strip("|").split("|")]
-        assert cols[4:10] == ["EB fwd", "TBE fwd", "ours fwd", "gather", "TBE step", "ours step"]
-        cells = [c.strip().strip("*").rstrip("x") for c in lines[head + 2].strip("|").split("|")]
-        assert all(float(c) > 0 for c in cells[4:-1]), lines[head + 2]
-        assert re.fullmatch(r"[\d.]+/[\d.]+/[\d.]+", cells[-1]), cells[-1]  # the load average
+        assert cols[4:11] == ["optimizer", "EB fwd", "TBE fwd", "ours fwd", "gather", "TBE step", "ours step"]
+        for k, optimizer in enumerate(optimizers):  # one row each, the same table and IDs as TBE's
+            cells = [c.strip().strip("*").rstrip("x") for c in lines[head + 2 + k].strip("|").split("|")]
+            assert cells[4] == optimizer, cells
+            assert all(float(c) > 0 for c in cells[5:-1]), lines[head + 2 + k]
+            assert re.fullmatch(r"[\d.]+/[\d.]+/[\d.]+", cells[-1]), cells[-1]  # the load average
 
 
 @pytest.mark.slow
@@ -189,7 +194,7 @@ def test_module_overhead_prints_both_ratios(tmp_path):
                          text=True, timeout=300, cwd=tmp_path, env=env)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "load average" in res.stdout
-    rows = [ln for ln in res.stdout.splitlines() if ln.startswith("| forward") or ln.startswith("| training")]
+    rows = [ln for ln in res.stdout.splitlines() if ln.startswith(("| forward", "| training"))]
     assert len(rows) == 3 and "empty autograd.Function" in rows[2], res.stdout
     assert re.search(r"autograd's own cost, .*: \d+\.\d\dx the core's step;", res.stdout), res.stdout
     for row in rows:

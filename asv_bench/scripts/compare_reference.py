@@ -82,14 +82,17 @@ def make_ids(dist, n, n_rows, rng):
 
 def tbe(n_rows, dim, optim, lr, weights=None, precision="fp32"):
     """FBGEMM's training TBE on CPU, one table, sum pooling, float32 output; weights (float32,
-    n_rows x dim) copied in when given; precision "fp32" or "fp16" (the weights' storage)."""
+    n_rows x dim) copied in when given; optim "sgd", "adagrad" or "rowwise" (EXACT_SGD,
+    EXACT_ADAGRAD, EXACT_ROWWISE_ADAGRAD, the ones TBE runs on CPU); precision "fp32" or "fp16"
+    (the weights' storage)."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
         ComputeDevice,
         SplitTableBatchedEmbeddingBagsCodegen,
     )
-    kind = {"sgd": EmbOptimType.EXACT_SGD, "rowwise": EmbOptimType.EXACT_ROWWISE_ADAGRAD}[optim]
+    kind = {"sgd": EmbOptimType.EXACT_SGD, "adagrad": EmbOptimType.EXACT_ADAGRAD,
+            "rowwise": EmbOptimType.EXACT_ROWWISE_ADAGRAD}[optim]
     m = SplitTableBatchedEmbeddingBagsCodegen([(n_rows, dim, EmbeddingLocation.HOST, ComputeDevice.CPU)],
                                               optimizer=kind, learning_rate=lr, eps=1e-8,
                                               pooling_mode=PoolingMode.SUM,

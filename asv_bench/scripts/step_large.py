@@ -1,8 +1,11 @@
-"""The training step on tables far larger than the last-level cache: our fused row-wise Adagrad
-against FBGEMM's TBE (SplitTableBatchedEmbeddingBagsCodegen on CPU, EXACT_ROWWISE_ADAGRAD, float32
-rows), the forward against both TBE and torch.nn.EmbeddingBag, and every forward against the
-machine's ceiling: a plain C random-row gather (sum pooling over a flat float32 array, the rows
-prefetched 32 IDs ahead, as many threads as the core uses) over EmbeddingBag's own weight.
+"""The training step on tables far larger than the last-level cache: our fused optimizers against
+FBGEMM's TBE (SplitTableBatchedEmbeddingBagsCodegen on CPU, float32 rows) with the same optimizer and
+hyperparameters (`--optimizer`: row-wise Adagrad by default; SGD and Adagrad too, the fused optimizers
+TBE has on CPU: fbgemm_gpu 1.8 refuses ADAM, LAMB, LARS_SGD and PARTIAL_ROWWISE_ADAM in CPU mode and
+calls SGD and ROWWISE_ADAGRAD deprecated there, so there is no Adam row), the forward against both
+TBE and torch.nn.EmbeddingBag, and every forward against the machine's ceiling: a plain C random-row
+gather (sum pooling over a flat float32 array, the rows prefetched 32 IDs ahead, as many threads as
+the core uses) over EmbeddingBag's own weight.
 
 All contenders hold the same rows and get the same fresh IDs every round, in a rotating order,
 with a buffer twice the last-level cache read and written before every timed call; they run
@@ -17,6 +20,7 @@ forward's, timed inside the same step. Ratios: ours over the reference, same row
 
     python asv_bench/scripts/step_large.py                 # the issue's shapes, torch with and without huge pages
     python asv_bench/scripts/step_large.py --thp on --shapes 8e6:64:20:zipf1.05
+    python asv_bench/scripts/step_large.py --thp on --optimizer sgd adagrad rowwise-adagrad
     python asv_bench/scripts/step_large.py --quick         # small shapes, a smoke run
 """
 from __future__ import annotations
@@ -43,8 +47,20 @@ from benchmarks.common import positions  # noqa: E402
 warnings.filterwarnings("ignore")
 
 SHAPES = ["8e6:64:20:zipf1.05", "8e6:64:20:uniform", "8e6:64:1:zipf1.05", "1e6:64:20:zipf1.05",
-          "8e6:16:20:zipf1.05", "8e6:16:20:uniform"]
+          "8e6:16:20:zipf1.05", "8e6:16:20:uniform", "4e6:128:20:zipf1.05"]
 LR = 0.01
+EPS = 1e-8
+# Our optimizer and TBE's (compare_reference.tbe's name) for each --optimizer, same lr and eps.
+# Element-wise Adagrad doubles the bytes per row (a state float per value) on both sides.
+OPTIMIZERS = {"sgd": ("SGD", "sgd"), "adagrad": ("Adagrad", "adagrad"),
+              "rowwise-adagrad": ("RowWiseAdagrad", "rowwise")}
+
+
+def our_optimizer(name: str):
+    """cncore's optimizer for --optimizer `name`, with TBE's hyperparameters."""
+    import cncore
+    cls = getattr(cncore, OPTIMIZERS[name][0])
+    return cls(lr=LR) if name == "sgd" else cls(lr=LR, eps=EPS)
 
 # The ceiling: what a forward over a flat array, addressed by row position, reads at best. Sum
 # pooling, bags split between threads in two halves, each row prefetched 32 IDs ahead.
@@ -121,10 +137,11 @@ def table_keys(rows: int) -> np.ndarray:
 
 
 class Contenders:
-    """The same rows (uniform in +-0.05) in EmbeddingBag, TBE (row-wise Adagrad) and our store
-    (row-wise Adagrad): ours under table_keys(rows), the references at positions 0..rows-1."""
+    """The same rows (uniform in +-0.05) in EmbeddingBag, TBE and our store (both with the
+    optimizer `optimizer`, an OPTIMIZERS key): ours under table_keys(rows), the references at
+    positions 0..rows-1."""
 
-    def __init__(self, rows: int, dim: int, seed: int = 0):
+    def __init__(self, rows: int, dim: int, optimizer: str = "rowwise-adagrad", seed: int = 0):
         import torch
 
         import cncore
@@ -132,9 +149,9 @@ class Contenders:
 
         self.rows, self.dim = rows, dim
         self.keys = table_keys(rows)
-        self.store = cncore.EmbeddingStore(dim=dim, capacity=rows, optimizer=cncore.RowWiseAdagrad(lr=LR, eps=1e-8))
+        self.store = cncore.EmbeddingStore(dim=dim, capacity=rows, optimizer=our_optimizer(optimizer))
         self.eb = torch.nn.EmbeddingBag(rows, dim, mode="sum", include_last_offset=True)
-        self.tbe = tbe(rows, dim, "rowwise", LR)
+        self.tbe = tbe(rows, dim, OPTIMIZERS[optimizer][1], LR)
         gen = np.random.default_rng(seed)
         chunk = 1 << 20
         with torch.no_grad():
@@ -198,8 +215,9 @@ class Contenders:
 
 def check_same_rows(fns: dict, pooling: int, trained: bool) -> None:
     """The forwards agree (a benchmark reading the wrong rows would go unnoticed): the gather with
-    EmbeddingBag (neither trains), ours with TBE (both take the same row-wise Adagrad steps on the
-    same rows, so they differ by rounding only), and before any step TBE with EmbeddingBag."""
+    EmbeddingBag (neither trains), ours with TBE (both take the same optimizer's steps on the
+    same rows, so they differ by rounding only: within 1e-5 per pooled row, against rows of
+    +-0.05 that each step moves by up to lr = 0.01), and before any step TBE with EmbeddingBag."""
     outs = {name: np.asarray(fns[name]()).copy() for name in ("EB fwd", "TBE fwd", "ours fwd", "gather")}
     pairs = [("gather", "EB fwd", 1e-6), ("ours fwd", "TBE fwd", 1e-5 if trained else 1e-6)]
     if not trained:
@@ -240,14 +258,14 @@ COLS = ["EB fwd", "TBE fwd", "ours fwd", "gather", "TBE step", "ours step", "TBE
 
 
 def header() -> str:
-    cols = ["rows", "dim", "pooling", "IDs", *COLS, "fwd ours/EB", "fwd ours/TBE", "fwd ours/gather",
+    cols = ["rows", "dim", "pooling", "IDs", "optimizer", *COLS, "fwd ours/EB", "fwd ours/TBE", "fwd ours/gather",
             "EB/gather", "step ours/TBE", "load"]
     return "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols)
 
 
-def row(rows, dim, pooling, dist, t, n_ids) -> str:
+def row(rows, dim, pooling, dist, optimizer, t, n_ids) -> str:
     rate = {k: n_ids / v / 1e6 for k, v in t.items()}
-    cells = [f"{rows / 1e6:g}M", str(dim), str(pooling), dist] + [f"{rate[k]:.3g}" for k in COLS]
+    cells = [f"{rows / 1e6:g}M", str(dim), str(pooling), dist, optimizer] + [f"{rate[k]:.3g}" for k in COLS]
     cells += [f"**{rate['ours fwd'] / rate['EB fwd']:.2f}x**", f"**{rate['ours fwd'] / rate['TBE fwd']:.2f}x**",
               f"{rate['ours fwd'] / rate['gather']:.2f}", f"{rate['EB fwd'] / rate['gather']:.2f}",
               f"**{rate['ours step'] / rate['TBE step']:.2f}x**", machine.load_average()]
@@ -272,7 +290,8 @@ def run(args) -> int:
     print(f"# Training step and forward, tables beyond the cache: {machine.describe()}")
     print(f"# torch weights on huge pages: {'yes (THP_MEM_ALLOC_ENABLE=1)' if thp else 'no (4 KiB pages)'}; "
           f"threads: torch {torch.get_num_threads()}, cncore {cncore.get_num_threads()}, gather {threads}; "
-          f"batch {args.batch}; {args.rounds} rounds; flush {flush.buf.nbytes >> 20} MiB before every call; "
+          f"batch {args.batch}; {args.rounds} rounds; optimizers {', '.join(args.optimizer)} (lr {LR}, eps {EPS}); "
+          f"flush {flush.buf.nbytes >> 20} MiB before every call; "
           f"all contenders interleaved in this one process", flush=True)
     lines = []
     by_table: dict[tuple[int, int], list[tuple[int, str]]] = {}
@@ -280,16 +299,17 @@ def run(args) -> int:
         rows, dim, pooling, dist = spec.split(":")
         by_table.setdefault((int(float(rows)), int(dim)), []).append((int(pooling), dist))
     for (rows, dim), runs in by_table.items():
-        c = Contenders(rows, dim)
-        print(f"# {rows:,} rows x dim {dim}: float32 table {rows * dim * 4 / 2**30:.2f} GiB = "
-              f"{rows * dim * 4 / machine.llc_bytes():.1f}x the LLC; process on huge pages {huge_page_mib()} MiB",
-              flush=True)
-        for pooling, dist in runs:
-            t = measure(c, dist, pooling, args.batch, args.rounds, flush, gen, gather, threads)
-            lines.append(row(rows, dim, pooling, dist, t, args.batch * pooling))
-            print(lines[-1], flush=True)
-        del c
-        gc.collect()
+        for optimizer in args.optimizer:
+            c = Contenders(rows, dim, optimizer)
+            print(f"# {rows:,} rows x dim {dim}, {optimizer}: float32 table {rows * dim * 4 / 2**30:.2f} GiB = "
+                  f"{rows * dim * 4 / machine.llc_bytes():.1f}x the LLC; process on huge pages "
+                  f"{huge_page_mib()} MiB", flush=True)
+            for pooling, dist in runs:
+                t = measure(c, dist, pooling, args.batch, args.rounds, flush, gen, gather, threads)
+                lines.append(row(rows, dim, pooling, dist, optimizer, t, args.batch * pooling))
+                print(lines[-1], flush=True)
+            del c
+            gc.collect()
     print()
     print(header())
     print("\n".join(lines))
@@ -303,6 +323,8 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", nargs="+", default=SHAPES, help="rows:dim:pooling:ids, ids uniform or zipf<a>")
     p.add_argument("--batch", type=int, default=4096)
     p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--optimizer", nargs="+", default=["rowwise-adagrad"], choices=list(OPTIMIZERS),
+                   help="the fused optimizers to compare, each on tables of its own (TBE has no Adam on CPU)")
     p.add_argument("--threads", type=int, default=None, help="threads for torch and the core (default: theirs)")
     p.add_argument("--thp", choices=["on", "off", "both"], default="both",
                    help="torch's weights on 2 MiB pages (THP_MEM_ALLOC_ENABLE=1); both: one child run each")
