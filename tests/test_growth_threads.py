@@ -3,6 +3,7 @@ readers see consistent data; reported memory is what was allocated."""
 import gc
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -74,6 +75,39 @@ def test_training_identical_for_one_and_two_threads(mode, optimizer, restore_thr
     for a, b in zip(outs1, outs2):
         np.testing.assert_array_equal(a, b)
     assert_same_table(exp1, exp2)
+
+
+def _train_small_batches(threads, wake):
+    """Steps of 4096 IDs (pooling 1 and 2), under the 16384 keys from which a lookup or a
+    backward wakes sleeping workers (cn_table.h, cn_grad_threads). wake: a 40,000-key find just
+    before each backward, so the workers are awake and the backward takes them; otherwise a 2 ms
+    pause first (past the workers' 200 us spin), so it runs on the calling thread."""
+    cncore.set_num_threads(threads)
+    store = cncore.EmbeddingStore(dim=16, seed=3, optimizer=cncore.RowWiseAdagrad(lr=0.1))
+    rng = np.random.default_rng(11)
+    awake_keys = np.arange(40_000, dtype=np.int64)
+    outs = []
+    for step in range(6):
+        keys = (rng.zipf(1.2, 4096) % 3000).astype(np.int64)
+        out, ctx = store.pooled_lookup(keys, lengths=np.full(4096 // (1 + step % 2), 1 + step % 2))
+        if wake:
+            store.find(awake_keys)
+        else:
+            time.sleep(0.002)
+        store.apply_gradients(ctx, rng.standard_normal(out.shape).astype(np.float32))
+        outs.append(out.copy())
+    return outs, store.export()
+
+
+def test_small_backward_identical_with_workers_asleep_or_awake(restore_threads):
+    """A backward of fewer than 16384 keys runs on the calling thread while the workers sleep
+    and on all threads while they are awake: both give the one-thread rows bit for bit."""
+    outs1, exp1 = _train_small_batches(1, wake=False)
+    for wake in (False, True):
+        outs2, exp2 = _train_small_batches(2, wake=wake)
+        for a, b in zip(outs1, outs2):
+            np.testing.assert_array_equal(a, b)
+        assert_same_table(exp1, exp2)
 
 
 def test_concurrent_readers_agree_with_a_serial_read():

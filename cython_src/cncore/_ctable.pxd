@@ -78,6 +78,7 @@ cdef extern from "cn_table.h" nogil:
         CN_ESTALE
         CN_EBADSLOT
         CN_EFULL
+    int cn_grad_threads(int64_t n_keys)
     ctypedef struct cn_bound:
         int policy
         int64_t max_rows

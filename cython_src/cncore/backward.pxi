@@ -120,7 +120,7 @@ def grouped_backward(list tables, list slots, list offsets, list weights, list m
                         cn_optim_set_step(&ft.opt, ft.t.step)
                         rc = cn_grad_apply(&ft.t.arena, ft.t.dim, ft.t.row_dtype, ft.slots, ft.offsets, ft.n_bags,
                                            ft.weights, ft.mode, ft.argmax, ft.grad, ft.ld_grad, &ft.opt, ft.touch,
-                                           ft.step, cn_threads_for(ft.n_keys * 4))
+                                           ft.step, cn_grad_threads(ft.n_keys))
                         if rc != 0:
                             ft.t.step -= 1
                             oom_feature = f
