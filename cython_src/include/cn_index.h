@@ -255,7 +255,29 @@ static inline void cn_index_put_at(cn_index *ix, int64_t pos, int64_t key, int64
  *  - What does move it is the load: the same driver at max_load 0.5 took 7.1-7.7 at 10,000 keys,
  *    15-20 / 8.5-13.6 at 1M, 18-35 / 11-23 at 8M; at 0.4, 6.0-7.3, 13-16 / 7-10, 14.5-18 / 8.5-16
  *    (probes are shorter: 1.5 buckets on average for a key present at 0.5, 2.17 at 0.7). That is
- *    the table's max_load_factor, the user's choice between speed and 16 / load bytes a key. */
+ *    the table's max_load_factor, the user's choice between speed and 16 / load bytes a key.
+ * Measured again on an Intel Xeon guest (2 cores, L2 2 MiB a core, L3 reported 480 MiB; other
+ * jobs kept the load at 4.0-4.7; issue 34), where the forward trails nn.EmbeddingBag most at
+ * dim 16 with Zipf IDs:
+ *  - Where that forward goes (asv_bench/scripts/step_large.py's rows, 8M x 16, 4096 bags of 20,
+ *    one thread, torch on huge pages, a 960 MiB flush before each call, 15 rounds interleaved,
+ *    medians): Zipf 1.05, this find pass 2272 us (1311 when run again with its lines cached:
+ *    16 ns a key that is not spent waiting on memory), the whole forward 4958, so the pool pass
+ *    and the call about 2690, against the flat-array gather 2248 and EmbeddingBag 2375; uniform
+ *    (minima, the medians too noisy) find 2587, forward 5831, gather 2528, EmbeddingBag 2717.
+ *    The find is half of the forward; the pool pass is 1.2x the gather.
+ *  - Deduplicating the batch before the find, so that each distinct key is probed once (81,920
+ *    Zipf 1.05 IDs of 8M keys are 37.8 % distinct), rejected. A C driver over this header, one
+ *    thread, a 960 MiB flush before each call, the loops alternated over the same 20 batches,
+ *    slots checked equal, two runs, medians (p25-p75): this loop 2102-2160 us (2024-2218); an
+ *    exact dedup first (a batch-sized open-addressing map of int32 positions under the same
+ *    hash, kept between calls; the distinct keys then probed in this loop's pipeline, each
+ *    repeat copying its first occurrence's slot) 2612-2615 (2495-2778); a lossy one inside this
+ *    loop's own pass (a 4096-entry direct-mapped table of the call's key positions at the
+ *    prefetch stage: a key found there copies the earlier one's slot instead of probing)
+ *    2857-2888 (2789-2971). Uniform IDs (1 % repeats): 7047, 7659, 7399 median. A repeated key's
+ *    bucket is already in L1 when it is probed, so its probe costs what the dedup's own lookup
+ *    costs, and the dedup adds an unpredictable branch for every key. */
 #if CN_FIND_L1_DISTANCE >= CN_FIND_PREFETCH_DISTANCE
 #error "CN_FIND_L1_DISTANCE must be under CN_FIND_PREFETCH_DISTANCE (it reads the positions parked that far ahead)"
 #endif
