@@ -132,8 +132,11 @@ static inline void cn_table_pool(const cn_table *t, const int64_t *keys, const i
  * worker for the backward's four passes. Measured (Intel Xeon guest, 2 cores, other jobs at
  * load 4.7-5.4; backward alone, 4096 Zipf 1.05 IDs, row-wise Adagrad, runs alternated in one
  * process, medians of 25 / 190): 8M x 64 after a flushed forward, 1420 us on one thread against
- * 6861 on two; a 1,000-row store (rows cached) 182 against 628 (p10 163 against 206). The
- * result is the same on any thread count (cn_grad.h). */
+ * 6861 on two; a 1,000-row store (rows cached) 182 against 628 (p10 163 against 206). With the
+ * workers already awake (a 40,000-key find just before), two threads took what one does: 8M x 64
+ * row-wise Adagrad 1221 against 1207 us, Adagrad 1289 against 1266 (load 4.4-4.8, medians of 21):
+ * at 4096 keys the split saves nothing the wake-up does not cost. The result is the same on any
+ * thread count (cn_grad.h). */
 static inline int cn_grad_threads(int64_t n_keys) {
     const int n = cn_threads_for(n_keys * 4);
     return n > 1 && n_keys < CN_LOOKUP_MIN_TO_WAKE && cn_workers_asleep() ? 1 : n;
