@@ -145,8 +145,8 @@ class DeltaReport:
         rows_written: rows of the deltas written into the tables.
         ids_added: IDs the tables did not hold before.
         ids_removed: IDs dropped.
-        bytes_written: bytes written into the model (rows, hash entries; a rebuilt hash and its
-            tables' ID arrays whole).
+        bytes_written: bytes written into the model (rows, hash entries; a rebuilt hash whole, and
+            the ID arrays of its tables whose IDs changed).
         tables_grown: tables whose weight moved to a larger tensor.
         locked_seconds: how long the swap kept requests out.
         hashes_rebuilt: ID hashes rebuilt whole (the others were updated in place).
@@ -386,7 +386,8 @@ def apply_delta(model: nn.Module, deltas: Mapping[str, TableDelta], rebuild: boo
     # the hash: the entries written in place (key and row, 16 bytes each), or every rebuilt one
     # with its tables' ID arrays
     report.bytes_written += entries * 16 + sum(
-        built.table.nbytes + built.offsets.nbytes + sum(i.nbytes + s.nbytes for i, s in merged.values())
-        for _, built, merged, _ in rebuilt)
+        built.table.nbytes + built.offsets.nbytes
+        + sum(merged[n][0].nbytes + merged[n][1].nbytes for n, p in named if p.added or p.removed)
+        for _, built, merged, named in rebuilt)
     report.hashes_rebuilt = len(rebuilt)
     return report
