@@ -9,7 +9,7 @@ The ID remap is the collections' (`collection.IdRemap`: FBGEMM's pruned-index ha
 operator call), with one feature whose one bag is the whole input: a module's table is one
 region, so the request's own bags (or shape) do not matter to the remap, and offsets a caller
 passes never reach FBGEMM's loop over bags (`nn.EmbeddingBag` checks them after). A delta
-rebuilds the hash aside and swaps it in (`delta.apply_delta`), as for the collections.
+writes its IDs into the hash in place (`delta.apply_delta`), as for the collections.
 """
 from __future__ import annotations
 

@@ -12,8 +12,8 @@ Table Layout
 Lookup
     Requests do not read these arrays: the collections and the modules alike read FBGEMM's
     pruned-index hash table built from them (`collection.IdRemap` over `hashmap.PrunedHash`:
-    one operator call for every feature of a request). The sorted arrays are what a delta
-    merges its new and evicted IDs into (O(N)), before the hash is rebuilt from them aside.
+    one operator call for every feature of a request). The sorted arrays are what the hash is
+    built from (at freeze, and when a delta rebuilds it whole) and what a serving file keeps.
     Every int64 is a valid ID (no value is reserved as empty), as in the live tables.
 
 Pending changes
