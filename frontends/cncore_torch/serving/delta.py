@@ -237,7 +237,7 @@ class _Prepared:
     table: _Table
     free: torch.Tensor
     write_at: torch.Tensor   # weight rows the delta's rows go to
-    rows: torch.Tensor
+    rows: torch.Tensor       # in the weight's dtype, in write_at's (ascending) order
     weight: torch.Tensor | None  # a grown copy holding the rows already (None: write in place)
     added: int
     removed: int
@@ -287,11 +287,16 @@ def _prepare(table: _Table, name: str, delta: TableDelta) -> _Prepared:
         write_at = np.concatenate([write_at, np.arange(table.slots.first_fallback,
                                                        table.slots.first_fallback + held, dtype=np.int64)])
         rows = torch.cat([rows, torch.from_numpy(delta.fallback)])
+    # in the weight's dtype and in row order, aside: the write under the lock then runs through the
+    # weight forward (1% of a 5 GiB table, 210k rows at random: 104-144 ms unsorted, 59-84 ms sorted
+    # on the shared 2-core machine)
+    order = np.argsort(write_at, kind="stable")
+    write_at, rows = write_at[order], rows[torch.from_numpy(order)].to(weight.dtype)
     grown = None
     if extra:
         grown = torch.zeros((max(capacity + extra, capacity * 5 // 4), weight.shape[1]), dtype=weight.dtype)
         grown[:capacity] = weight
-        grown[torch.from_numpy(write_at)] = rows.to(weight.dtype)
+        grown[torch.from_numpy(write_at)] = rows
     return _Prepared(table, id_tensor(pool[n_new:].copy()), torch.from_numpy(write_at), rows, grown, n_new,
                      len(removed_ids), new_keys, fresh, removed_ids)
 
@@ -358,7 +363,7 @@ def apply_delta(model: nn.Module, deltas: Mapping[str, TableDelta], rebuild: boo
         with lock.writing():
             for p in prepared:
                 if p.weight is None:
-                    p.table.weight.index_put_((p.write_at,), p.rows.to(p.table.weight.dtype))
+                    p.table.weight.index_put_((p.write_at,), p.rows)
                 else:
                     p.table.set_weight(p.weight)
                 p.table.slots.free = p.free
