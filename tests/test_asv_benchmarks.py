@@ -200,3 +200,27 @@ def test_module_overhead_prints_both_ratios(tmp_path):
     for row in rows:
         m = re.fullmatch(r"\| [^|]+ \| (\d+) \| (\d+) \| \*\*(\d+\.\d\d)x\*\* \|", row)
         assert m and int(m[1]) > 0 and int(m[2]) > 0 and float(m[3]) > 0, row
+
+
+@pytest.mark.slow
+def test_dlrm_step_parts_prints_every_part_for_both_runs(tmp_path):
+    """asv_bench/scripts/dlrm_step_parts.py on a few steps: a row per part with two non-negative
+    times (ours, DMP), ours with no remap and DMP's positive, the parts adding up to the step
+    (within rounding), and the ratio line."""
+    script = BENCH_DIR / "scripts" / "dlrm_step_parts.py"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "frontends"),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    res = subprocess.run([sys.executable, str(script), "--steps", "6", "--warm", "2", "--block", "2"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    cells = {}
+    for line in res.stdout.splitlines():
+        m = re.fullmatch(r"\| ([^|]+) \| (-?\d+\.\d\d) \| (-?\d+\.\d\d) \|", line)
+        if m:
+            cells[m[1]] = (float(m[2]), float(m[3]))
+    assert len(cells) == 10, res.stdout
+    assert cells["remap"][0] == 0.0 and cells["remap"][1] > 0, res.stdout
+    for run in (0, 1):
+        parts = sum(v[run] for k, v in cells.items() if k != "step")
+        assert cells["step"][run] > 0 and abs(parts - cells["step"][run]) < 0.1, res.stdout
+    assert re.search(r"^ours / DMP: \d+\.\d\dx$", res.stdout, re.M), res.stdout
