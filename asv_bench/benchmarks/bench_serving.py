@@ -9,7 +9,7 @@ import functools
 import numpy as np
 import torch
 
-from .common import SMOKE, rng
+from .common import SMOKE, delta_ids, rng
 
 SCALE = 0.0005 if SMOKE else 0.01      # of the Criteo cardinalities: 370,717 rows at 0.01
 PREFILL = 2 if SMOKE else 50           # batches of 512 whose IDs the tables hold
@@ -102,12 +102,7 @@ class DeltaApply:
         rows = g.standard_normal((DELTA_ROWS, 64), dtype=np.float32)
         self.model = freeze(torch.nn.Sequential(FrozenEmbeddingBag(keys, rows, mode="sum")))
         m = DELTA_ROWS // 100
-        if delta == "changed":
-            write, removed = g.choice(keys, m, replace=False), np.empty(0, np.int64)
-        else:
-            picked = g.choice(keys, m // 2 + m // 4, replace=False)
-            new = g.integers(2**62, 2**63 - 1, m // 4, dtype=np.int64)
-            write, removed = np.concatenate([picked[:m // 2], new]), picked[m // 2:]
+        write, removed = delta_ids(g, keys, m, delta)
         self.delta = {"0": TableDelta(write, g.standard_normal((len(write), 64), dtype=np.float32), removed)}
 
     def time_apply(self, delta):

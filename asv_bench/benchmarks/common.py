@@ -30,6 +30,17 @@ def rng(seed=0):
     return np.random.default_rng(seed)
 
 
+def delta_ids(gen, held, m, case):
+    """The IDs of a serving delta of m rows over a table holding `held`, drawn by `gen`:
+    "changed" (m held IDs rewritten, none removed), else half rewritten, a quarter new (above
+    2**62, so never held) and a quarter removed. Returns (written IDs, removed IDs)."""
+    if case == "changed":
+        return gen.choice(held, m, replace=False), np.empty(0, np.int64)
+    picked = gen.choice(held, m // 2 + m // 4, replace=False)
+    new = gen.integers(2**62, 2**63 - 1, m // 4, dtype=np.int64)
+    return np.concatenate([picked[:m // 2], new]), picked[m // 2:]
+
+
 def raw_keys(n, seed=0):
     """n distinct arbitrary int64 IDs."""
     return rng(seed).choice(2**62, n, replace=False).astype(np.int64) * 2 - 2**62

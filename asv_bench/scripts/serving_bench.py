@@ -69,6 +69,9 @@ from cncore_torch import CNEmbeddingBagCollection
 from cncore_torch.serving import FrozenEmbeddingBag, TableDelta, apply_delta, freeze
 from cncore_torch.serving.hashmap import lookup
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # asv_bench, for its benchmarks package
+from benchmarks.common import delta_ids
+
 
 def models(args):
     gen = SyntheticCriteo(seed=0, batch_size=512, scale=args.scale)
@@ -308,7 +311,7 @@ def modules(args) -> list[str]:
     return lines
 
 
-def _big_frozen(keys: np.ndarray, dim: int, seed: int) -> torch.nn.Module:
+def _big_frozen(keys: np.ndarray, dim: int, seed: int) -> torch.nn.Sequential:
     """A frozen module over `keys` with standard normal rows, drawn into its weight in chunks,
     with the table in memory once: the rows go in as one broadcast zero row (`dense_rows`
     copies them into the weight), and `freeze` (a deep copy) sees a stand-in weight."""
@@ -319,6 +322,7 @@ def _big_frozen(keys: np.ndarray, dim: int, seed: int) -> torch.nn.Module:
         bag = FrozenEmbeddingBag(keys, zero, mode="sum")
     weight, bag.weight = bag.weight, torch.zeros((0, dim))
     model = freeze(torch.nn.Sequential(bag))
+    assert isinstance(model, torch.nn.Sequential)  # (freeze keeps the container's class)
     del bag
     model[0].weight = weight
     gen = torch.Generator().manual_seed(seed)
@@ -336,7 +340,9 @@ def delta_cost(args) -> list[str]:
     model = _big_frozen(keys, dim, 0)
     del keys
     built = time.perf_counter() - start
-    table = model[0].table
+    frozen_bag = model[0]
+    assert isinstance(frozen_bag, FrozenEmbeddingBag)
+    table = frozen_bag.table
     m = n // 100
     lines = [f"table: {n:,} rows x {dim} float32 = {n * dim * 4 / 2**30:.2f} GiB (built in {built:.1f} s); "
              f"delta: {m:,} rows (1%); torch threads {torch.get_num_threads()}; medians of {args.delta_repeats}",
@@ -344,13 +350,7 @@ def delta_cost(args) -> list[str]:
              "|---|---|---|---|---|---|"]
 
     def draw(case: str) -> TableDelta:
-        held = table.ids.numpy()
-        if case == "changed":
-            write, removed = rng.choice(held, m, replace=False), np.empty(0, np.int64)
-        else:
-            picked = rng.choice(held, m // 2 + m // 4, replace=False)
-            new = rng.integers(2**62, 2**63 - 1, m // 4, dtype=np.int64)
-            write, removed = np.concatenate([picked[:m // 2], new]), picked[m // 2:]
+        write, removed = delta_ids(rng, table.ids.numpy(), m, case)
         return TableDelta(write, rng.standard_normal((len(write), dim), np.float32), removed)
 
     ways = {"in place (now)": False, "rebuilt whole (before)": True}
