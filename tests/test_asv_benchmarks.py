@@ -205,7 +205,7 @@ def test_module_overhead_prints_both_ratios(tmp_path):
 @pytest.mark.slow
 def test_dlrm_step_parts_prints_every_part_for_both_runs(tmp_path):
     """asv_bench/scripts/dlrm_step_parts.py on a few steps: a row per part with two non-negative
-    times (ours, DMP), ours with no remap and DMP's positive, the parts adding up to the step
+    times (ours, DMP), ours' remap (none: a mode check) below DMP's, the parts adding up to the step
     (within rounding), and the ratio line."""
     script = BENCH_DIR / "scripts" / "dlrm_step_parts.py"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "frontends"),
@@ -219,7 +219,7 @@ def test_dlrm_step_parts_prints_every_part_for_both_runs(tmp_path):
         if m:
             cells[m[1]] = (float(m[2]), float(m[3]))
     assert len(cells) == 10, res.stdout
-    assert cells["remap"][0] == 0.0 and cells["remap"][1] > 0, res.stdout
+    assert 0 <= cells["remap"][0] < cells["remap"][1], res.stdout  # ours has no remap (train()'s check only)
     for run in (0, 1):
         parts = sum(v[run] for k, v in cells.items() if k != "step")
         assert cells["step"][run] > 0 and abs(parts - cells["step"][run]) < 0.1, res.stdout
