@@ -1,8 +1,19 @@
 # The records the grouped calls (forward.pxi, backward.pxi) fill with the GIL and read in their
-# nogil section: one a feature, one a distinct table. Declarations only.
+# nogil section: one a feature, one a distinct table, one the whole call (what the parallel loop
+# over distinct tables hands its body). Declarations only.
 from libc.stdint cimport int64_t, uint32_t, uint64_t
 from cncore._typedefs cimport key_t, slot_t, offset_t, weight_t
 from cncore._ctable cimport cn_table, cn_evicted, cn_optim
+
+cdef extern from "cn_parallel.h" nogil:
+    ctypedef void (*cn_range_fn)(void *ctx, int64_t begin, int64_t end) noexcept nogil
+    void cn_parallel_for(cn_range_fn fn, void *ctx, int64_t n, int nthreads)
+    int cn_threads_unless_asleep(int64_t work, int64_t min_to_wake)
+    void cn_team_wake(int nthreads)
+
+cdef extern from "cn_table_core.h" nogil:
+    enum:
+        CN_LOOKUP_MIN_TO_WAKE
 
 cdef struct LookupFeature:
     # one feature of grouped_forward: its bags and where its pooled rows go
@@ -32,6 +43,13 @@ cdef struct LookupTable:
     uint64_t epoch            # its erase epoch, read under its lock with the lookup
     cn_evicted ev             # the rows its lookup evicted, for its sink
 
+cdef struct LookupCall:
+    # one grouped_forward: what each task of its loop over distinct tables reads
+    LookupTable *units
+    LookupFeature *feats
+    int64_t n_feats
+    int insert_missing
+
 cdef struct UpdateFeature:
     # one lookup of grouped_backward: its gradient and the optimizer step applied to its rows
     cn_table *t
@@ -48,3 +66,9 @@ cdef struct UpdateFeature:
     uint32_t step             # the lookup's step, as the rows' metadata keeps it
     uint64_t epoch            # the erase epoch grouped_forward returned
     cn_optim opt
+    int rc                    # 0, or -1: out of memory (its table unchanged)
+
+cdef struct UpdateCall:
+    # one grouped_backward: what each task of its loop over tables reads
+    UpdateFeature *feats
+    int inner_threads         # threads of each lookup's own update; 0: its own rule (cn_grad_threads)

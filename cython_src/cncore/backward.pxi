@@ -46,6 +46,12 @@ def grouped_backward(list tables, list slots, list offsets, list weights, list m
     (epoch, offsets, slots), and only then is any row updated: a stale lookup raises
     RuntimeError with every table unchanged. Each table's step advances by one before its
     update. A table may appear once (the caller merges features sharing a table).
+
+    The tables' updates are independent tasks of one parallel loop (_update_units), on the
+    threads one lookup of the call's total keys would take (_unit_threads, forward.pxi); each
+    is done exactly as alone (a row's keys in key order, cn_grad.h), so the result does not
+    depend on the thread count. A table that runs out of memory is unchanged (its step too);
+    the others are updated all the same, and the MemoryError names the first such feature.
     """
     cdef int64_t F = len(tables), f, i
     cdef Table tab
@@ -59,8 +65,9 @@ def grouped_backward(list tables, list slots, list offsets, list weights, list m
     cdef UpdateFeature* ft
     cdef cn_table** locked = NULL
     cdef int64_t oom_feature = -1, bad_feature = -1, bad_pos = -1, stale_feature = -1, nonfinite_feature = -1
-    cdef int64_t step_feature = -1
-    cdef int rc = 0, stale_rc = 0
+    cdef int64_t step_feature = -1, total, largest
+    cdef int stale_rc = 0, threads
+    cdef UpdateCall call
     try:
         feats = <UpdateFeature*> _scratch(F, sizeof(UpdateFeature))
         locked = <cn_table**> _scratch(F, sizeof(cn_table*))
@@ -87,6 +94,7 @@ def grouped_backward(list tables, list slots, list offsets, list weights, list m
             ft.opt.eps = eps
             ft.opt.beta1 = beta1
             ft.opt.beta2 = beta2
+        _wake_for(F, [feats[f].n_keys for f in range(F)])  # (forward.pxi) up by the checks' end
         # Lock order: by address, so concurrent grouped backwards never wait on each other in a cycle.
         order = sorted((<size_t> feats[f].t, f) for f in range(F))
         for i in range(F):
@@ -114,15 +122,16 @@ def grouped_backward(list tables, list slots, list offsets, list weights, list m
                         step_feature = f
                         break
                 if stale_feature < 0 and step_feature < 0:
+                    total = largest = 0
                     for f in range(F):
-                        ft = &feats[f]
-                        ft.t.step += 1
-                        cn_optim_set_step(&ft.opt, ft.t.step)
-                        rc = cn_grad_apply(&ft.t.arena, ft.t.dim, ft.t.row_dtype, ft.slots, ft.offsets, ft.n_bags,
-                                           ft.weights, ft.mode, ft.argmax, ft.grad, ft.ld_grad, &ft.opt, ft.touch,
-                                           ft.step, cn_grad_threads(ft.n_keys))
-                        if rc != 0:
-                            ft.t.step -= 1
+                        total += feats[f].n_keys
+                        largest = max(largest, feats[f].n_keys)
+                    threads = _unit_threads(F, total, largest)
+                    call.feats = feats
+                    call.inner_threads = 1 if threads > 1 else 0
+                    cn_parallel_for(_update_units, &call, F, threads)
+                    for f in range(F):
+                        if feats[f].rc != 0:
                             oom_feature = f
                             break
                 for i in range(F - 1, -1, -1):
@@ -139,11 +148,30 @@ def grouped_backward(list tables, list slots, list offsets, list weights, list m
                              "row's 32-bit last_step records, and this update would pass it; nothing was updated. "
                              + STEP_REMEDY)
         if oom_feature >= 0:
-            raise MemoryError(f"out of memory in the backward of feature {oom_feature}; "
-                              f"its table is unchanged, earlier features were updated")
+            raise MemoryError(f"out of memory in the backward of feature {oom_feature}; its table is unchanged"
+                              + ("; the other features' tables were updated (any that failed as well are unchanged)"
+                                 if F > 1 else ""))
     finally:
         free(feats)
         free(locked)
+
+
+cdef void _update_units(void *ctx, int64_t begin, int64_t end) noexcept nogil:
+    """Lookups [begin, end) of a grouped_backward (a cn_range_fn; their tables distinct and
+    write-locked by the caller): each table's step advances and its rows are updated. One that
+    runs out of memory (ft.rc = -1) is unchanged, its step restored; the others go on."""
+    cdef UpdateCall *c = <UpdateCall*> ctx
+    cdef UpdateFeature *ft
+    cdef int64_t f
+    for f in range(begin, end):
+        ft = &c.feats[f]
+        ft.t.step += 1
+        cn_optim_set_step(&ft.opt, ft.t.step)
+        ft.rc = cn_grad_apply(&ft.t.arena, ft.t.dim, ft.t.row_dtype, ft.slots, ft.offsets, ft.n_bags, ft.weights,
+                              ft.mode, ft.argmax, ft.grad, ft.ld_grad, &ft.opt, ft.touch, ft.step,
+                              c.inner_threads if c.inner_threads > 0 else cn_grad_threads(ft.n_keys))
+        if ft.rc != 0:
+            ft.t.step -= 1
 
 
 def unique_gradients(Table table, slots, offsets, weights, int mode, argmax, grad,

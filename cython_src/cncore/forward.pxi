@@ -1,4 +1,7 @@
-# The grouped pooled lookup: every feature's (table, keys, offsets) in one nogil section.
+# The grouped pooled lookup: every feature's (table, keys, offsets) in one nogil section, its
+# distinct tables as parallel tasks (_lookup_units; grouped_backward's tables too).
+from cncore._grouped cimport (LookupCall, UpdateCall, cn_parallel_for, cn_team_wake, cn_threads_unless_asleep,
+                              CN_LOOKUP_MIN_TO_WAKE)
 
 
 def grouped_forward(list tables, list keys, list offsets, list weights, list modes, list outs,
@@ -17,6 +20,13 @@ def grouped_forward(list tables, list keys, list offsets, list weights, list mod
     feature's eviction free rows the first had just resolved. n_new is the table's count,
     reported on its first feature (0 on the others). Rows a table evicted go to its
     `evict_sink` after every lock is released.
+
+    The distinct tables are independent tasks of one parallel loop (_lookup_units), on the
+    threads one lookup of the call's total keys would take (_unit_threads); each is done
+    exactly as alone, so the result does not depend on the thread count. Every table is
+    looked up whether or not another fails: a table that fails (budget overflow, out of
+    memory, a bad found slot) is unchanged, the error names the first such feature, and the
+    rows every other table evicted still reach its sink.
 
     found_slots (a tier's fault-in, cncore/tier/): per feature None, or the slot of every
     one of its keys, found by the caller under a lock it still holds: the lookup pools those
@@ -48,8 +58,8 @@ def grouped_forward(list tables, list keys, list offsets, list weights, list mod
     cdef LookupFeature* ft
     cdef LookupTable* ut
     results = [None] * F
-    cdef int64_t bad_feature = -1, bad_pos = -1, failed = -1, start
-    cdef int rc
+    cdef int64_t bad_feature = -1, bad_pos = -1, failed = -1, start, total, largest
+    cdef LookupCall call
     try:
         feats = <LookupFeature*> _scratch(F, sizeof(LookupFeature))
         units = <LookupTable*> _scratch(U, sizeof(LookupTable))
@@ -76,6 +86,9 @@ def grouped_forward(list tables, list keys, list offsets, list weights, list mod
             ft.out = <weight_t*> _ptr(out)
             ft.ld_out = cnp.PyArray_STRIDE(<cnp.ndarray> out, 0) // 4 if ft.n_bags > 1 else tab.t.dim
             ft.table = unit_of[id(tables[f])]
+        # The workers the loop over tables will take, woken now: they are up by the time this
+        # preparation ends (_wake_for).
+        _wake_for(U, [sum([feats[f].n_keys for f in fs]) for fs in members])
         for u in range(U):
             fs = members[u]
             tab = <Table> tables[fs[0]]
@@ -126,33 +139,17 @@ def grouped_forward(list tables, list keys, list offsets, list weights, list mod
                     bad_feature = f
                     break
             if bad_feature < 0:
+                call.units = units
+                call.feats = feats
+                call.n_feats = F
+                call.insert_missing = insert_missing
+                total = largest = 0
                 for u in range(U):
-                    ut = &units[u]
-                    if insert_missing:
-                        pthread_rwlock_wrlock(&ut.t.lock)
-                    else:
-                        pthread_rwlock_rdlock(&ut.t.lock)
-                    if ut.found != NULL:
-                        ut.n_new = 0
-                        rc = cn_table_take_found(ut.t, ut.keys, ut.found, ut.n, ut.slots)
-                    else:
-                        rc = cn_table_resolve(ut.t, ut.keys, ut.n, ut.slots, NULL, insert_missing, insert_missing,
-                                              ut.want, &ut.ev, &ut.n_new)
-                        if rc == CN_OK:
-                            cn_table_use_fallback(ut.t, ut.keys, ut.n, ut.slots)
-                    if rc == CN_OK:
-                        for f in range(F):
-                            ft = &feats[f]
-                            if ft.table == u:
-                                if ft.own != NULL:
-                                    cn_table_residual_slots(ut.t, ut.keys + (ft.own - ut.slots), ft.own,
-                                                            ft.n_keys // 2, ft.slots)
-                                cn_table_pool(ut.t, ft.keys, ft.offsets, ft.n_bags, ft.weights, ft.mode, ft.out,
-                                              ft.ld_out, ft.argmax, ft.slots)
-                    ut.epoch = ut.t.erase_epoch
-                    pthread_rwlock_unlock(&ut.t.lock)
-                    if rc != CN_OK:
-                        ut.rc = rc
+                    total += units[u].n
+                    largest = max(largest, units[u].n)
+                cn_parallel_for(_lookup_units, &call, U, _unit_threads(U, total, largest))
+                for u in range(U):
+                    if units[u].rc != CN_OK:
                         failed = u
                         break
         # Evicted rows first: they left their tables whatever happens next. Every table's rows
@@ -172,7 +169,8 @@ def grouped_forward(list tables, list keys, list offsets, list weights, list mod
                     f"position {bad_pos} breaks this")
             if failed >= 0:
                 f = members[failed][0]
-                done = " (the tables of features before it were looked up)" if failed else ""
+                done = ("; the other features' tables were looked up (any that failed as well are unchanged)"
+                        if U > 1 else "")
                 if units[failed].rc == CN_EBADSLOT:
                     raise ValueError(f"found_slots[{f}]: a slot that holds no row of its table; the table is "
                                      "unchanged" + done)
@@ -196,6 +194,79 @@ def grouped_forward(list tables, list keys, list offsets, list weights, list mod
                 cn_evicted_free(&units[u].ev)
         free(feats)
         free(units)
+
+
+# Distinct tables of a grouped call run as tasks of one parallel loop (cn_parallel_for): inside
+# a task the pool is busy, so each table's own loops (find, pool, update) run on the task's
+# thread. _set_serial_units(True) runs them one after another instead, each table's loops on
+# its own threads as before the change (for tests and benchmarks: the results are the same).
+cdef int _serial_units = 0
+
+
+def _set_serial_units(bint on):
+    """Run the distinct tables of grouped_forward / grouped_backward one after another (True)
+    or as parallel tasks (False, the default); returns the previous setting."""
+    global _serial_units
+    cdef bint before = _serial_units
+    _serial_units = on
+    return before
+
+
+cdef int _unit_threads(int64_t n_units, int64_t total, int64_t largest) noexcept nogil:
+    """Threads for the loop over a grouped call's distinct tables: the rule of one lookup
+    (cn_threads_unless_asleep) on the call's total keys. One table, or one that would wake the
+    workers on its own (CN_LOOKUP_MIN_TO_WAKE keys), keeps the serial loop, where each table's
+    loops use the threads themselves: a parallel task runs them on one thread."""
+    if _serial_units or n_units < 2 or largest >= CN_LOOKUP_MIN_TO_WAKE:
+        return 1
+    return cn_threads_unless_asleep(total, CN_LOOKUP_MIN_TO_WAKE)
+
+
+cdef void _wake_for(int64_t n_units, list sizes):
+    """cn_team_wake for the threads _unit_threads will give a call of n_units tables of these
+    key counts."""
+    cdef int64_t total = 0, largest = 0, n
+    for n in sizes:
+        total += n
+        largest = max(largest, n)
+    cn_team_wake(_unit_threads(n_units, total, largest))
+
+
+cdef void _lookup_units(void *ctx, int64_t begin, int64_t end) noexcept nogil:
+    """Tables [begin, end) of a grouped_forward (a cn_range_fn): each under one hold of its
+    lock, its keys resolved (or its found slots taken), then its features pooled. A table that
+    fails (ut.rc) is unchanged; the others go on."""
+    cdef LookupCall *c = <LookupCall*> ctx
+    cdef LookupTable *ut
+    cdef LookupFeature *ft
+    cdef int64_t u, f
+    cdef int rc
+    for u in range(begin, end):
+        ut = &c.units[u]
+        if c.insert_missing:
+            pthread_rwlock_wrlock(&ut.t.lock)
+        else:
+            pthread_rwlock_rdlock(&ut.t.lock)
+        if ut.found != NULL:
+            ut.n_new = 0
+            rc = cn_table_take_found(ut.t, ut.keys, ut.found, ut.n, ut.slots)
+        else:
+            rc = cn_table_resolve(ut.t, ut.keys, ut.n, ut.slots, NULL, c.insert_missing, c.insert_missing,
+                                  ut.want, &ut.ev, &ut.n_new)
+            if rc == CN_OK:
+                cn_table_use_fallback(ut.t, ut.keys, ut.n, ut.slots)
+        if rc == CN_OK:
+            for f in range(c.n_feats):
+                ft = &c.feats[f]
+                if ft.table == u:
+                    if ft.own != NULL:
+                        cn_table_residual_slots(ut.t, ut.keys + (ft.own - ut.slots), ft.own,
+                                                ft.n_keys // 2, ft.slots)
+                    cn_table_pool(ut.t, ft.keys, ft.offsets, ft.n_bags, ft.weights, ft.mode, ft.out,
+                                  ft.ld_out, ft.argmax, ft.slots)
+        ut.epoch = ut.t.erase_epoch
+        pthread_rwlock_unlock(&ut.t.lock)
+        ut.rc = rc
 
 
 cdef tuple _residual_feature(LookupFeature* ft, int64_t f, object k, object o, object w, int mode):
