@@ -33,11 +33,13 @@ build: setup
 
 PACKAGES := cncore cncore_torch cncore_numpy cn_dlrm cncore_jax
 LINT_PATHS := cncore frontends asv_bench .ci
+RUFF_PATHS := $(LINT_PATHS) tests examples
 
-# Lint (ruff), types (mypy), import layers (import-linter's contracts, then no import circle), and the
-# public API's annotations and Args/Returns docstrings (.ci/check_api.py against .ci/api_gaps.txt).
+# Lint (ruff, over the tests and examples too), types (mypy), import layers (import-linter's contracts,
+# then no import circle), and the public API's annotations and Args/Returns docstrings
+# (.ci/check_api.py against .ci/api_gaps.txt).
 lint: setup
-	$(VENV)/bin/ruff check $(LINT_PATHS)
+	$(VENV)/bin/ruff check $(RUFF_PATHS)
 	$(PY) -m mypy $(LINT_PATHS)
 	$(VENV)/bin/lint-imports --no-cache
 	$(PY) .ci/check_imports.py

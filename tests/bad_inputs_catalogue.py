@@ -24,15 +24,28 @@ import json
 import os
 import sys
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
 import cncore
-from cncore import (SGD, Adagrad, Adam, Constant, EmbeddingStore, Normal, RowWiseAdagrad, StoreConfig,
-                    TruncatedNormal, Uniform, grouped_apply_gradients, grouped_pooled_lookup, initial_rows,
-                    set_num_threads)
+from cncore import (
+    SGD,
+    Adagrad,
+    Adam,
+    Constant,
+    EmbeddingStore,
+    Normal,
+    RowWiseAdagrad,
+    StoreConfig,
+    TruncatedNormal,
+    Uniform,
+    grouped_apply_gradients,
+    grouped_pooled_lookup,
+    initial_rows,
+    set_num_threads,
+)
 
 DIM = 4
 F32 = np.float32
@@ -124,11 +137,11 @@ class Case:
     id: str
     call: Callable[[World], object]
     kind: str = "refuse"                 # refuse | accept | either
-    types: Tuple[str, ...] = TVB
+    types: tuple[str, ...] = TVB
     match: str = ""
 
 
-CASES: Dict[str, Case] = {}
+CASES: dict[str, Case] = {}
 
 
 def _add(case: Case) -> None:
@@ -665,7 +678,9 @@ def _build_backward_cases():
 
     for name, (base, changes) in forged.items():
         match = forged_match.get(name, ctx_part)
-        forge = lambda w, c, changes=changes: _forge(c, **changes(w, c))
+        def forge(w, c, changes=changes):
+            return _forge(c, **changes(w, c))
+
         either(f"apply_gradients/ctx={name}", same_as_genuine(ap_ctx, base, forge), match, STALE)
         if not name.startswith("columns"):  # accumulate_gradients has no output columns
             either(f"accumulate_gradients/ctx={name}", same_as_genuine(acc_ctx, base, forge), match, STALE)
@@ -1137,7 +1152,7 @@ def _build_selftest_cases():
            r"\bkeys\b")
 
 
-def build() -> Dict[str, Case]:
+def build() -> dict[str, Case]:
     if not CASES and os.environ.get("CN_BAD_INPUTS_SELFTEST"):
         _build_selftest_cases()
         return CASES
@@ -1194,7 +1209,7 @@ def run_case(case: Case) -> dict:
     return rec
 
 
-def main(ids: List[str]) -> None:
+def main(ids: list[str]) -> None:
     import resource
     faulthandler.enable()
     # absurd sizes must fail fast with MemoryError, not swap the machine

@@ -140,7 +140,8 @@ def run_isolated(code: str, timeout: float = 60.0) -> dict:
     a hang fails the calling test with what the process said."""
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
                           timeout=timeout)
-    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-2000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, (f"exit {proc.returncode}\nstdout:\n{proc.stdout[-2000:]}\n"
+                                  f"stderr:\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 

@@ -18,10 +18,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from reference import EDGE_KEYS, _mix64
 
 import cncore
 from cncore.tablefile import load_store, save_table
-from reference import EDGE_KEYS, _mix64
 
 M64 = (1 << 64) - 1
 

@@ -4,7 +4,6 @@ import numpy as np
 import pytest
 
 import cncore
-from reference import assert_unchanged, snapshot
 
 
 def store(count, unadmitted="zeros", **kw):

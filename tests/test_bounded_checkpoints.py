@@ -12,11 +12,18 @@ import time
 
 import numpy as np
 import pytest
+from reference import assert_unchanged, snapshot
 
 import cncore
-from cncore.tablefile import (MAX_CHAIN, TableFormatError, compact_table, load_store, open_table, open_table_rows,
-                              save_table)
-from reference import assert_unchanged, snapshot
+from cncore.tablefile import (
+    MAX_CHAIN,
+    TableFormatError,
+    compact_table,
+    load_store,
+    open_table,
+    open_table_rows,
+    save_table,
+)
 
 
 def bounded(max_rows=300):
@@ -190,7 +197,8 @@ def test_the_eviction_counter_is_saved_with_the_table(tmp_path):
         train(s, np.arange(start, start + 40))
     assert s.evicted_count == 400 - len(s) > 300  # every row admitted and not kept was evicted
     save_table(s, str(tmp_path / "t"))
-    assert open_table(str(tmp_path / "t")).evicted_count == s.evicted_count == load_store(str(tmp_path / "t")).evicted_count
+    on_disk = str(tmp_path / "t")
+    assert open_table(on_disk).evicted_count == s.evicted_count == load_store(on_disk).evicted_count
     entries = tables_to_checkpoint(str(tmp_path))
     assert int(entries["t.evicted_count"]) == s.evicted_count
     checkpoint_to_tables(entries, str(tmp_path / "again"), configs={"t.": s.config})

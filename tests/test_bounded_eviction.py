@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from reference import DictStore, _mix64, assert_unchanged, pooled_reference, snapshot
 
 import cncore
-from reference import DictStore, _mix64, assert_unchanged, pooled_reference, snapshot
 
 DIM = 3
 SEED = 5
@@ -356,7 +356,7 @@ def test_a_training_batch_whose_own_rows_fill_the_budget_gives_every_new_key_no_
 
 def test_a_table_under_two_features_never_evicts_rows_the_other_feature_uses():
     s = lru_store(4)
-    for step, key in enumerate([1, 2, 3, 4]):  # last steps 0..3: 1 and 2 are the oldest
+    for _step, key in enumerate([1, 2, 3, 4]):  # last steps 0..3: 1 and 2 are the oldest
         _, ctx = s.pooled_lookup(np.array([key]), lengths=np.array([1]))
         s.apply_gradients(ctx, np.zeros((1, 2), np.float32))
     before = s.lookup(np.array([1, 2]))

@@ -13,15 +13,15 @@ import pickle
 
 import numpy as np
 import pytest
+import test_bounded_eviction as tbe
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from reference import assert_unchanged, snapshot, tree
 
 import cncore
-import test_bounded_eviction as tbe
 from cncore import grouped_apply_gradients, grouped_pooled_lookup
 from cncore.tablefile import TableWriter, load_store, save_table
-from reference import assert_unchanged, snapshot, tree
 
 STEP_MAX = 2**32 - 1
 STEP_LIMIT = r"4294967295 \(2\*\*32 - 1\)"
@@ -104,6 +104,7 @@ def test_the_torch_collection_hands_every_tables_evicted_rows_to_its_sink_when_a
     torch = pytest.importorskip("torch")
     pytest.importorskip("torchrec")
     from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
+
     from cncore_torch import CNEmbeddingBagCollection
 
     tables = [EmbeddingBagConfig(name="a", embedding_dim=2, num_embeddings=50, feature_names=["fa"]),
@@ -121,7 +122,8 @@ def test_the_torch_collection_hands_every_tables_evicted_rows_to_its_sink_when_a
     raised = 0
     for r in range(4):  # two new IDs a table a round: from the second round on, every table evicts
         ids = {name: np.array([10 * r + t, 10 * r + 5]) for t, name in enumerate(ebc.stores)}
-        kjt = KeyedJaggedTensor.from_lengths_sync(["fa", "fb", "fc"], torch.from_numpy(np.concatenate(list(ids.values()))),
+        kjt = KeyedJaggedTensor.from_lengths_sync(["fa", "fb", "fc"],
+                                                  torch.from_numpy(np.concatenate(list(ids.values()))),
                                                   torch.tensor([1, 1] * 3))
         try:
             ebc(kjt)
@@ -163,8 +165,8 @@ def test_training_lookups_and_backwards_that_would_pass_the_limit_are_refused_ch
         s.find_or_insert(np.array([1, 2]))
     b.step = STEP_MAX
     snaps = snapshot(a), snapshot(b)
-    with pytest.raises(ValueError, match=rf"^feature 1: its table's step is 4294967295, the last step a row's 32-bit "
-                                         rf"last_step records \(4294967295, 2\*\*32 - 1\), and the backward of a "
+    with pytest.raises(ValueError, match=r"^feature 1: its table's step is 4294967295, the last step a row's 32-bit "
+                                         r"last_step records \(4294967295, 2\*\*32 - 1\), and the backward of a "
                                          r"training lookup would pass it; every table is unchanged\. To train further"):
         grouped_pooled_lookup([a, b], [np.array([3]), np.array([3])], lengths=[np.array([1])] * 2)
     assert_unchanged(a, snaps[0])
@@ -330,9 +332,9 @@ def test_the_eviction_count_saturates_at_2_63_minus_1_rather_than_wrap():
 
 
 def test_a_numpy_table_given_tiered_storage_keeps_its_rows_on_disk(tmp_path):
+    from cncore.tier import TieredStore
     from cncore_numpy import Table
     from cncore_numpy.table import TieredTable
-    from cncore.tier import TieredStore
 
     path = str(tmp_path / "rows")
     cfg = dict(dim=4, seed=3, initializer=cncore.Uniform(-1, 1))

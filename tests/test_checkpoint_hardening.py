@@ -19,11 +19,11 @@ import shutil
 
 import numpy as np
 import pytest
+from reference import snapshot, tree
 
 import cncore
 from cncore.routing import owner_of, shard_name
 from cncore.tablefile import TableFormatError, compact_table, load_store, save_table
-from reference import run_isolated, snapshot, tree
 
 FIELDS = ("keys", "rows", "optimizer_state", "counts", "last_steps")
 
@@ -582,7 +582,7 @@ def _load_cases(rank, world_size, folder, cases):
     from cncore_torch.distributed.checkpoint import load_shard_tables
 
     wants = {s: merge_shards(torch.load(os.path.join(folder, f"{s}_sd.pt"), weights_only=False)) for s in SOURCES}
-    own = {s: {k: v for k, v in torch.load(os.path.join(folder, f"{s}_sd.pt"), weights_only=False)[rank].items()}
+    own = {s: dict(torch.load(os.path.join(folder, f"{s}_sd.pt"), weights_only=False)[rank].items())
            for s in SOURCES}
     dmp = _dmp()
     _train_dmp(dmp, rank, range(2), 9000)  # rows of its own, to see that a refusal keeps them
@@ -609,7 +609,7 @@ def _load_cases(rank, world_size, folder, cases):
             if expect is not None:
                 out["silent"].append(f"{what}: refused, expected {expect}: {e}")
             continue
-        except Exception as e:  # noqa: BLE001 - anything else is a crash to report
+        except Exception as e:  # anything else is a crash to report
             out["crashes"].append(f"{what}: {type(e).__name__}: {e}")
             continue
         got = _store_table(store)
@@ -663,8 +663,8 @@ def test_every_mix_of_shard_files_loads_exactly_one_save_or_is_refused_on_every_
     rank's, none), with the files' records and without (files written before records), loaded
     on two real ranks; and every rank's state_dict on every rank. Every outcome is exactly the
     saved rows of one save, or a refusal that leaves the table and the files as they were."""
-    from cncore_torch.distributed.launch import spawn
     from cncore_numpy.cli import main as cn_table
+    from cncore_torch.distributed.launch import spawn
     cases = _case_folders(saved_runs, strip=False) + _case_folders(saved_runs, strip=True)
     assert cn_table(["reshard", *(os.path.join(saved_runs, "A3", "t_a", shard_name(r, 2)) for r in range(2)),
                      os.path.join(saved_runs, "one", "t_a"), "--world-size", "1", "--quiet"]) == 0
@@ -699,7 +699,8 @@ def test_every_mix_of_shard_files_loads_exactly_one_save_or_is_refused_on_every_
         assert re.fullmatch(rf"{re.escape(os.path.join(saved_runs, 'A3', 't_a'))}/shard-[01]-of-2: holds \d+ rows, "
                             r"more than table 't_a''s max_rows per rank \(10\) here; build the module with a larger "
                             r"max_rows; nothing was loaded", o["budget"]["A3"]), o["budget"]
-        assert re.fullmatch(rf"{re.escape(os.path.join(saved_runs, 'one', 't_a'))}: rank [01] of 2 would hold \d+ rows, "
+        t_a = re.escape(os.path.join(saved_runs, "one", "t_a"))
+        assert re.fullmatch(rf"{t_a}: rank [01] of 2 would hold \d+ rows, "
                             r"more than table 't_a''s max_rows per rank \(10\); build the module with a larger "
                             r"max_rows \(or reshard with cn-table reshard --max-rows\); nothing was loaded",
                             o["budget"]["one"]), o["budget"]
@@ -713,7 +714,8 @@ def test_every_mix_of_shard_files_loads_exactly_one_save_or_is_refused_on_every_
 # --- table names are directory names -----------------------------------------------------------------
 
 BAD_NAMES = ["../x", "ABSOLUTE", "a/b", "..", ".", "", "a\\b", "a\0b"]  # ABSOLUTE: a path under tmp_path
-MODULE_NAME_REFUSAL = (r"^table name {}: a collection holds a module per table under its name \(embedding_bags\[name\], "
+MODULE_NAME_REFUSAL = (r"^table name {}: a collection holds a module per table under its name "
+                       r"\(embedding_bags\[name\], "
                        r"as TorchRec's collections do\), so a table name is a non-empty string without '\.'; rename "
                        r"the table$")
 
@@ -903,7 +905,7 @@ def test_a_two_rank_save_with_one_rank_killed_resumes_from_the_previous_or_the_n
             outcomes[case] = "completed"
         except TimeoutError:
             outcomes[case] = "hang"
-        except Exception:  # noqa: BLE001 - the killed rank (and its peer's failed collective)
+        except Exception:  # the killed rank (and its peer's failed collective)
             outcomes[case] = "killed"
         cases.append(case)
     assert "hang" not in outcomes.values(), outcomes
@@ -915,7 +917,8 @@ def test_a_two_rank_save_with_one_rank_killed_resumes_from_the_previous_or_the_n
           f"{sum(v == 'completed' for v in outcomes.values())} completed; opened as "
           f"{ {k: list(opened.values()).count(k) for k in set(opened.values())} }")
     for case in cases:
-        assert opened[case] == ("new" if outcomes[case] == "completed" else "prev"), (case, outcomes[case], opened[case])
+        expected = "new" if outcomes[case] == "completed" else "prev"
+        assert opened[case] == expected, (case, outcomes[case], opened[case])
     killed = [c for c in cases if outcomes[c] == "killed"]
     assert len(killed) >= 5 and "completed" in outcomes.values(), outcomes
     assert {os.path.basename(c)[1] for c in killed} == {"0", "1"}, killed  # each rank died at least once
@@ -951,7 +954,8 @@ def test_cn_table_reshard_refuses_shards_of_two_saves_and_renamed_shards(saved_r
     assert cn_table(["merge-shards", *(str(swapped / shard_name(r, 2)) for r in range(2)), str(tmp_path / "out"),
                      "--quiet"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"cn-table merge-shards: error: {swapped / shard_name(0, 2)}: was saved as shard 1 of 2, not shard 0 "
+    assert err == [f"cn-table merge-shards: error: {swapped / shard_name(0, 2)}: was saved as shard 1 of 2, "
+                   f"not shard 0 "
                    f"of 2: shard folders were renamed or moved; put each back under its own name (shard-1-of-2); "
                    f"nothing was loaded or written"]
     assert (tree(saved_runs), tree(tmp_path)) == before

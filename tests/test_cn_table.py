@@ -6,14 +6,14 @@ import sys
 
 import numpy as np
 import pytest
+from reference import EDGE_KEYS, tree
 
 import cncore
+from cncore.tablefile import config_to_dict
 from cncore_numpy import TableWriter, load_table, open_table, save_table
 from cncore_numpy.cli import main
 from cncore_numpy.exchange import export_table, import_table
-from cncore.tablefile import config_to_dict
 from cncore_numpy.tools import diff, inspect, merge, prune_mask
-from reference import EDGE_KEYS, tree
 
 OPTIMIZERS = [None, cncore.SGD(lr=0.1), cncore.Adagrad(lr=0.1), cncore.RowWiseAdagrad(lr=0.1),
               cncore.Adam(lr=0.01, betas=(0.8, 0.9))]
@@ -103,8 +103,8 @@ def test_prune_keeps_exactly_what_numpy_says(table_path, tmp_path, criteria, cap
     keep, failing = prune_mask(t, **criteria)
     np.testing.assert_array_equal(keep, expected)
     out = str(tmp_path / "pruned")
-    args = ["prune", table_path, out, "--quiet"] + sum(([f"--{k.replace('_', '-')}", str(v)]
-                                                        for k, v in criteria.items()), [])
+    options = [arg for k, v in criteria.items() for arg in (f"--{k.replace('_', '-')}", str(v))]
+    args = ["prune", table_path, out, "--quiet", *options]
     assert main(args) == 0
     printed = capsys.readouterr().out
     assert f"removed {int((~expected).sum()):,} of {len(t):,} rows" in printed
@@ -347,7 +347,8 @@ def plain_npz(path, **arrays):
     (dict(keys=np.array([1, 2**63], np.uint64)), "keys: values must fit int64"),
     (dict(keys=np.array([True, False])), "keys: expected integers, got bool"),
     (dict(counts=np.array([-1, 3])), r"counts: values must be in \[0, 2\*\*32 - 1\], got -1"),
-    (dict(last_steps=np.array([2**40, 0])), r"last_steps: values must be in \[0, 2\*\*32 - 1\], got 0 \.\. 1099511627776"),
+    (dict(last_steps=np.array([2**40, 0])),
+     r"last_steps: values must be in \[0, 2\*\*32 - 1\], got 0 \.\. 1099511627776"),
     (dict(rows=np.array([1.0, 2.0])), r"rows has shape \(2,\); expected 2-D"),
     (dict(keys=np.array([[1, 2]])), r"keys has shape \(1, 2\); expected 1-D"),
     (dict(counts=np.array([1, 2, 3])), r"counts has shape \(3,\)"),
@@ -440,7 +441,8 @@ def test_no_output_replaces_or_empties_a_directory_holding_other_files(table_pat
     export_table(open_table(table_path), str(tmp_path / "t.npz"))
     out = str(project)
     argv = {"import": ["import", str(tmp_path / "t.npz"), out], "prune": ["prune", table_path, out, "--min-count", "2"],
-            "merge": ["merge", table_path, table_path, out, "--policy", "left"], "to-fixed": ["to-fixed", table_path, out],
+            "merge": ["merge", table_path, table_path, out, "--policy", "left"],
+            "to-fixed": ["to-fixed", table_path, out],
             "export": ["export", table_path, str(tmp_path / "dir.npz")],
             "diff": ["diff", table_path, table_path, "--out", out]}
     before = tree(tmp_path)

@@ -8,13 +8,13 @@ import re
 
 import numpy as np
 import pytest
+from reference import snapshot, tree
+from test_bounded_checkpoints import train  # the same training step
+from test_cn_table import refused  # the same one-line refusal check
 
 import cncore
 from cncore.tablefile import TableFormatError, config_to_dict, load_store, open_table, save_table
 from cncore_numpy.cli import main
-from reference import snapshot, tree
-from test_bounded_checkpoints import train  # noqa: E402  (the same training step)
-from test_cn_table import refused  # noqa: E402  (the same one-line refusal check)
 
 POLICIES = {
     "lru": dict(max_rows=300, eviction=cncore.LRU()),

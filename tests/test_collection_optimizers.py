@@ -29,14 +29,14 @@ import pytest
 import torch
 
 pytest.importorskip("torchrec")
-from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor  # noqa: E402
-from torchrec.optim import RowWiseAdagrad as TorchRecRowWiseAdagrad  # noqa: E402
-from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward  # noqa: E402
-from torchrec.optim.keyed import KeyedOptimizer  # noqa: E402
+from reference import assert_unchanged, snapshot
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor
+from torchrec.optim import RowWiseAdagrad as TorchRecRowWiseAdagrad
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+from torchrec.optim.keyed import KeyedOptimizer
 
-import cncore  # noqa: E402
-from cncore_torch import CNEmbeddingBagCollection, CNEmbeddingCollection, ops  # noqa: E402
-from reference import assert_unchanged, snapshot  # noqa: E402
+import cncore
+from cncore_torch import CNEmbeddingBagCollection, CNEmbeddingCollection, ops
 
 ROWS = 12
 pytestmark = pytest.mark.filterwarnings("ignore:This API is deprecated:DeprecationWarning")
@@ -168,7 +168,8 @@ def test_torch_save_of_a_whole_collection_trains_on_identically():
     train(ours, kjt, targets)
     train(back, kjt, targets)
     for name in ours.stores:
-        np.testing.assert_array_equal(ours.stores[name].lookup(np.arange(ROWS)), back.stores[name].lookup(np.arange(ROWS)))
+        np.testing.assert_array_equal(ours.stores[name].lookup(np.arange(ROWS)),
+                                      back.stores[name].lookup(np.arange(ROWS)))
     assert back.fused_optimizer.lr == 0.1 and back.fused_optimizer._stores[0] is back.stores["t_a"]
 
 
@@ -273,7 +274,7 @@ def test_a_second_apply_optimizer_in_backward_after_adoption_is_refused_tables_u
                                          r"Adagrad, SGD.*cannot change.*The tables are unchanged"):
         ours(batch(np.random.default_rng(1)))
     with pytest.raises(ValueError, match=r"already train with Adagrad"):
-        ours.fused_optimizer
+        _ = ours.fused_optimizer
     for name, store in ours.stores.items():
         assert_unchanged(store, before[name])
         assert store.config.optimizer == cncore.Adagrad(lr=0.1, eps=1e-10)
@@ -295,6 +296,7 @@ def test_two_apply_optimizer_in_backward_calls_before_training_are_refused():
 def test_torchrec_placeholder_optimizers_read_as_its_sharders_read_them():
     """torchrec.optim.Adam and friends carry FBGEMM's names and defaults (eps 1e-8, lr renamed)."""
     import torchrec.optim as trec_optim
+
     from cncore_torch.optim import optimizer_from_torch
     assert optimizer_from_torch(trec_optim.Adam, {"lr": 0.02, "beta2": 0.99}) == \
         cncore.Adam(lr=0.02, betas=(0.9, 0.99), eps=1e-8)

@@ -7,11 +7,9 @@ import math
 
 import numpy as np
 import pytest
+from reference import assert_unchanged, run_isolated, snapshot
 
 import cncore
-
-from reference import snapshot, assert_unchanged, run_isolated  # noqa: E402  (tests/ is on sys.path)
-
 
 # --- 1. an erase racing a training step --------------------------------------------------------
 

@@ -40,7 +40,8 @@ def _ranks(rank, world_size, out_path):
     rng = np.random.default_rng(rank)
     for _ in range(12):
         ids = rng.integers(0, 6 * BUDGET, 16)
-        kjt = KeyedJaggedTensor.from_lengths_sync(["fa", "fb"], torch.from_numpy(ids), torch.ones(16, dtype=torch.int64))
+        kjt = KeyedJaggedTensor.from_lengths_sync(["fa", "fb"], torch.from_numpy(ids),
+                                                  torch.ones(16, dtype=torch.int64))
         dmp(kjt).wait().values().sum().backward()
         for store in stores.values():
             assert len(store) <= BUDGET // 2

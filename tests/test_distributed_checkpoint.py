@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("torchrec")
 
-from test_distributed_sharding import _concat, _configs, _kjts  # noqa: E402
+from test_distributed_sharding import _concat, _configs, _kjts
 
 TIMEOUT = 80.0
 KIND = "mean"
@@ -59,7 +59,7 @@ def _ranks(rank, world_size, directory, phase):
     dmp = DistributedModelParallel(Net("meta"), device=torch.device("cpu"),
                                    sharders=[CNEmbeddingBagCollectionSharder()])
     sizes, start = SIZES[world_size], sum(SIZES[world_size][:rank])
-    steps = range(0, 2) if phase == "save" else range(2, 4)
+    steps = range(2) if phase == "save" else range(2, 4)
     if phase == "resume":
         merged = merge_shards([torch.load(f"{directory}/rank{r}.pt") for r in range(3)])
         dmp.load_state_dict(merged)

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 pytest.importorskip("torchrec")
-from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType  # noqa: E402
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
 
-import cncore  # noqa: E402
-from cncore_torch import CNEmbeddingBagCollection  # noqa: E402
-from cncore_torch.collection import CNEmbeddingCollection  # noqa: E402
+import cncore
+from cncore_torch import CNEmbeddingBagCollection
+from cncore_torch.collection import CNEmbeddingCollection
 
 
 def configs():

@@ -3,12 +3,12 @@ import pytest
 import torch
 
 pytest.importorskip("torchrec")
-from torchrec import EmbeddingBagConfig  # noqa: E402
+from torchrec import EmbeddingBagConfig
 
-import cncore  # noqa: E402
-from cncore_torch import CNEmbeddingBagCollection  # noqa: E402
-from cncore_torch.distributed import CNEmbeddingBagCollectionSharder, owner_of, plan_for  # noqa: E402
-from cncore_torch.distributed.routing import ROUTE_SALT, mix64  # noqa: E402
+import cncore
+from cncore_torch import CNEmbeddingBagCollection
+from cncore_torch.distributed import CNEmbeddingBagCollectionSharder, owner_of, plan_for
+from cncore_torch.distributed.routing import ROUTE_SALT, mix64
 
 M = (1 << 64) - 1
 

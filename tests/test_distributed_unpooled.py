@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("torchrec")
 
-from test_distributed_sharding import _concat, _kjts  # noqa: E402
+from test_distributed_sharding import _concat, _kjts
 
 TIMEOUT = 80.0
 

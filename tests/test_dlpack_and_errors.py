@@ -5,9 +5,9 @@ import sys
 import numpy as np
 import pytest
 import torch
+from reference import assert_unchanged, snapshot
 
 import cncore
-from reference import assert_unchanged, snapshot
 
 
 @pytest.fixture
@@ -84,7 +84,8 @@ BAD_CALLS = [
     ("offsets", ValueError, "must start at 0", lambda s: s.pooled_lookup(np.array([7]), np.array([1, 1]))),
     ("offsets", TypeError, "int64 or int32", lambda s: s.pooled_lookup(np.array([7]), np.array([0.0, 1.0]))),
     ("lengths", ValueError, "exactly one", lambda s: s.pooled_lookup(np.array([7]))),
-    ("lengths", ValueError, r"must be in \[0, len\(keys\[0\]\)\]", lambda s: s.pooled_lookup(np.array([7, 8]), lengths=np.array([3, -1]))),
+    ("lengths", ValueError, r"must be in \[0, len\(keys\[0\]\)\]",
+     lambda s: s.pooled_lookup(np.array([7, 8]), lengths=np.array([3, -1]))),
     ("per_sample_weights", ValueError, "shape",
      lambda s: s.pooled_lookup(np.array([7, 8]), lengths=np.array([2]), per_sample_weights=np.ones(3, np.float32))),
     ("per_sample_weights", ValueError, "not 'max'",
@@ -93,7 +94,8 @@ BAD_CALLS = [
     ("modes", ValueError, "'sum', 'mean' or 'max'", lambda s: s.pooled_lookup(np.array([7]), lengths=[1], mode="avg")),
     ("out", BufferError, "read-only",
      lambda s: s.pooled_lookup(np.array([7]), lengths=[1], out=_readonly((1, 4)))),
-    ("out", ValueError, "shape", lambda s: s.pooled_lookup(np.array([7]), lengths=[1], out=np.zeros((2, 4), np.float32))),
+    ("out", ValueError, "shape",
+     lambda s: s.pooled_lookup(np.array([7]), lengths=[1], out=np.zeros((2, 4), np.float32))),
     ("out", BufferError, "contiguous",
      lambda s: s.pooled_lookup(np.array([7]), lengths=[1, 0], out=np.zeros((4, 2), np.float32).T)),
     ("rows", TypeError, "float32", lambda s: s.load(np.array([9]), np.ones((1, 4), np.float16))),

@@ -11,14 +11,14 @@ import pytest
 import torch
 
 pytest.importorskip("torchrec")
-import cncore  # noqa: E402
-from cn_dlrm.cli import main  # noqa: E402
-from cn_dlrm.options import parse_args, row_budget  # noqa: E402
-from cncore.tablefile import chain_length, load_store  # noqa: E402
-from cn_dlrm import bounded  # noqa: E402
-from cn_dlrm import train as job  # noqa: E402
-from cn_dlrm.chains import open_checkpoint  # noqa: E402
-from cn_dlrm.data import SyntheticCriteo  # noqa: E402
+import cncore
+from cn_dlrm import bounded
+from cn_dlrm import train as job
+from cn_dlrm.chains import open_checkpoint
+from cn_dlrm.cli import main
+from cn_dlrm.data import SyntheticCriteo
+from cn_dlrm.options import parse_args, row_budget
+from cncore.tablefile import chain_length, load_store
 
 SMALL = ["--batch-size", "256", "--embedding-dim", "4", "--no-progress", "--threads", "1", "--eval-batches", "1"]
 
@@ -56,7 +56,8 @@ def distinct_ids(steps, batch_size=256):
     (["--max-rows", "a%"], "argument --max-rows: expected rows per table (N) or a percentage (P%), got 'a%'"),
     (["--admit-min-count", "0"], "argument --admit-min-count: must be at least 1, got 0"),
     (["--admit-probability", "0"], "argument --admit-probability: expected a number in (0, 1], got '0'"),
-    (["--admit-probability", "2", "--steps", "1"], "argument --admit-probability: expected a number in (0, 1], got '2'"),
+    (["--admit-probability", "2", "--steps", "1"],
+     "argument --admit-probability: expected a number in (0, 1], got '2'"),
     (["--admit-min-count", "2", "--admit-probability", "0.5"],
      "argument --admit-probability: not allowed with argument --admit-min-count"),
     (["--incremental-checkpoint-every", "5"], "--incremental-checkpoint-every needs --checkpoint DIR"),

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 pytest.importorskip("torchrec")
-from cn_dlrm.cli import main  # noqa: E402
-from cn_dlrm.options import parse_args  # noqa: E402
-from cncore.routing import shard_name  # noqa: E402
-from cncore.tablefile import chain_length, load_store  # noqa: E402
-from cn_dlrm import train as job  # noqa: E402
-from cn_dlrm.chains import open_checkpoint  # noqa: E402
-from cn_dlrm.data import read_criteo_tsv  # noqa: E402
+from cn_dlrm import train as job
+from cn_dlrm.chains import open_checkpoint
+from cn_dlrm.cli import main
+from cn_dlrm.data import read_criteo_tsv
+from cn_dlrm.options import parse_args
+from cncore.routing import shard_name
+from cncore.tablefile import chain_length, load_store
 
 SMALL = ["--batch-size", "256", "--embedding-dim", "4", "--no-progress", "--threads", "1", "--eval-batches", "1"]
 

@@ -14,13 +14,14 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 pytest.importorskip("torchrec")
-from cn_dlrm import distributed  # noqa: E402
-from cn_dlrm import train as job  # noqa: E402
-from cn_dlrm.cli import main  # noqa: E402
-from cn_dlrm.data import SPARSE_KEYS, read_criteo_tsv  # noqa: E402
-from cn_dlrm.options import InputError, parse_args  # noqa: E402
-from reference import tree  # noqa: E402
-from test_dlrm_job import exit_line  # noqa: E402  (cn-dlrm in this process: exit 2 and one line)
+from reference import tree
+from test_dlrm_job import exit_line  # cn-dlrm in this process: exit 2 and one line
+
+from cn_dlrm import distributed
+from cn_dlrm import train as job
+from cn_dlrm.cli import main
+from cn_dlrm.data import SPARSE_KEYS, read_criteo_tsv
+from cn_dlrm.options import InputError, parse_args
 
 SMALL = ["--batch-size", "32", "--embedding-dim", "4", "--no-progress", "--threads", "1", "--eval-batches", "1"]
 TABLES = [f"t_{key}" for key in SPARSE_KEYS]

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 pytest.importorskip("torchrec")
-from cn_dlrm.cli import main  # noqa: E402
-from cn_dlrm.data import SPARSE_KEYS, SyntheticCriteo, read_criteo_tsv  # noqa: E402
-from cn_dlrm.train import Progress  # noqa: E402
+from cn_dlrm.cli import main
+from cn_dlrm.data import SPARSE_KEYS, SyntheticCriteo, read_criteo_tsv
+from cn_dlrm.train import Progress
 
 SMALL = ["--batch-size", "256", "--embedding-dim", "8", "--no-progress", "--threads", "2"]
 

@@ -7,9 +7,9 @@ import time
 
 import numpy as np
 import pytest
+from reference import assert_same_table, run_isolated, uniform_row
 
 import cncore
-from reference import assert_same_table, run_isolated, uniform_row
 
 
 @pytest.fixture

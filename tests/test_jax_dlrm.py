@@ -20,9 +20,10 @@ pytest.importorskip("optax")
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "jax_dlrm.py"
 sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "asv_bench" / "scripts")]  # the example and the bench script
-import jax_boundary as bench  # noqa: E402
 import jax_dlrm as dlrm  # noqa: E402
 from jax_criteo import SyntheticCriteo  # noqa: E402
+
+import jax_boundary as bench  # noqa: E402
 
 
 def test_the_numpy_stream_is_cn_dlrms_stream():

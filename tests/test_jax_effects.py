@@ -9,13 +9,12 @@ import jax.numpy as jnp  # noqa: E402
 
 import cncore  # noqa: E402
 import cncore_jax as cj  # noqa: E402
-from cncore_jax import _ffi, _host  # noqa: E402
+from cncore_jax import _host  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 
 
 from jax_routes import no_context_left_waiting, route  # noqa: E402,F401  (the fixtures)
-
 
 
 @pytest.fixture
@@ -62,7 +61,7 @@ def test_once_per_step_in_program_order(route, events, donate):
     rng = np.random.default_rng(0)
     w = jnp.ones((3, 2))
     occurrences = {}
-    for k in range(6):
+    for _k in range(6):
         ids = rng.integers(0, 20, 8)
         for i in ids[:6]:
             occurrences[int(i)] = occurrences.get(int(i), 0) + 1

@@ -19,13 +19,12 @@ jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from jax_routes import no_context_left_waiting, route  # noqa: E402,F401  (the fixtures)
+from reference import run_isolated, snapshot  # noqa: E402
 
 import cncore  # noqa: E402
 import cncore_jax as cj  # noqa: E402
 from cncore_jax import _ffi  # noqa: E402
-
-from jax_routes import no_context_left_waiting, route  # noqa: E402,F401  (the fixtures)
-from reference import run_isolated, snapshot  # noqa: E402
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = Path(TESTS).parent
@@ -166,7 +165,7 @@ def race_harness(route_name: str, examples: int, folder: str) -> dict:
             counts["ops"] += 1
             try:
                 wrong = race.run(op)
-            except Exception as e:  # noqa: BLE001  (counted: any raise is a crash of the sequence)
+            except Exception as e:  # counted: any raise is a crash of the sequence
                 counts["crashes"] += 1
                 counts["examples"].append(f"{ops}: {type(e).__name__}: {e}"[:400])
                 state["race"] = Race(folder)

@@ -9,14 +9,11 @@ import jax.numpy as jnp  # noqa: E402
 
 import cncore  # noqa: E402
 import cncore_jax as cj  # noqa: E402
-from cncore_jax import _ffi  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 
 
 from jax_routes import no_context_left_waiting, route  # noqa: E402,F401  (the fixtures)
-
-
 
 DIM = 4
 VOCAB = np.array([-(2**63), -7, 0, 3, 11, 2**40, 2**63 - 1], dtype=np.int64)

@@ -12,11 +12,11 @@ import pytest
 jax = pytest.importorskip("jax")
 nnx = pytest.importorskip("flax.nnx")
 import jax.numpy as jnp  # noqa: E402
+from jax_routes import no_context_left_waiting  # noqa: E402,F401  (autouse: no context left waiting)
 
 import cncore  # noqa: E402
 import cncore_jax as cj  # noqa: E402
 from cncore_jax.modules import EmbeddingBag, EmbeddingBagCollection  # noqa: E402
-from jax_routes import no_context_left_waiting  # noqa: E402,F401  (autouse: no context left waiting)
 
 jax.config.update("jax_enable_x64", True)
 

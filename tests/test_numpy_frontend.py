@@ -4,12 +4,13 @@ import pickle
 
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
+from reference import EDGE_KEYS
 
 import cncore
-from cncore_numpy import Table, load_table, open_table, save_table
 from cncore.tablefile_lookup import pool
-from reference import EDGE_KEYS
+from cncore_numpy import Table, load_table, open_table, save_table
 
 
 def test_table_verbs_take_lists_and_match_a_dict():

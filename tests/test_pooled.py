@@ -4,9 +4,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from reference import EDGE_KEYS, pooled_reference
 
 import cncore
-from reference import EDGE_KEYS, pooled_reference
 
 
 def make_store(dim, keys, rng, **kw):
@@ -159,7 +159,7 @@ def test_a_record_carries_what_a_context_does_and_its_backward_applies_the_same_
     with the rows unchanged, as a context is."""
     from dataclasses import fields
 
-    from cncore.grouped import RECORD_FIELDS, LookupContext, backward_one, context_of, forward_one, _optim_tuple
+    from cncore.grouped import RECORD_FIELDS, LookupContext, _optim_tuple, backward_one, context_of, forward_one
     rng = np.random.default_rng(3)
     keys = rng.integers(0, 50, 40)
     offsets = np.array([0, 10, 10, 25, 40])

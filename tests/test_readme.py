@@ -2,6 +2,7 @@
 namespace (in a temporary folder, for the files it writes), and each command line of the ```bash
 blocks parses (cn-table, cn-dlrm) or names a target the Makefile has (make). Every relative link
 of these pages leads to a file of the repository, and to a heading of it where it names one."""
+import itertools
 import os
 import re
 import shlex
@@ -119,7 +120,7 @@ def test_command_line_parses(cmd, where, tmp_path, monkeypatch):
     elif tool.endswith("cn-dlrm"):
         from cn_dlrm.cli import build_parser
         monkeypatch.chdir(tmp_path)  # the files it reads exist (empty): parsing checks they do
-        for flag, value in zip(argv, argv[1:]):
+        for flag, value in itertools.pairwise(argv):
             if flag in ("--criteo-tsv", "--resume"):
                 Path(value).touch()
         _parses(build_parser(), argv[1:])

@@ -45,7 +45,7 @@ def test_training_equals_float32_rounded_once_per_write(dtype, optimizer, mode):
     ref = cncore.EmbeddingStore(cncore.StoreConfig(dim=12, optimizer=optimizer, seed=4,
                                                    initializer=cncore.Normal(0.0, 0.5)))
     rng = np.random.default_rng(7)
-    for step in range(6):
+    for _step in range(6):
         keys = rng.integers(0, 40, 60)
         lengths = rng.multinomial(60, np.ones(12) / 12)
         weights = rng.uniform(0.5, 2.0, 60).astype(np.float32) if mode != "max" else None

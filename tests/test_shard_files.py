@@ -229,6 +229,7 @@ def _dmp(budget=BUDGET):
     import torch
     import torch.distributed as dist
     from torchrec.distributed.model_parallel import DistributedModelParallel
+
     from cncore_torch.distributed import CNEmbeddingBagCollectionSharder, plan_for
     model = torch.nn.Sequential(_model("meta", budget))
     return DistributedModelParallel(model, device=torch.device("cpu"), sharders=[CNEmbeddingBagCollectionSharder()],
@@ -239,6 +240,7 @@ def _train_and_save(rank, world_size, folder):
     import torch
     import torch.distributed as dist
     from torchrec import KeyedJaggedTensor
+
     from cncore_torch.distributed.checkpoint import save_shard_tables
 
     dmp = _dmp()
@@ -251,13 +253,14 @@ def _train_and_save(rank, world_size, folder):
     written = save_shard_tables(dmp.module[0], os.path.join(folder, "files"))
     assert written == [os.path.join(folder, "files", n, shard_name(rank, world_size)) for n in ("t_a", "t_b")]
     everyone = [None] * world_size
-    dist.all_gather_object(everyone, {k: v for k, v in dmp.module[0].state_dict().items()})
+    dist.all_gather_object(everyone, dict(dmp.module[0].state_dict().items()))
     if rank == 0:
         torch.save(everyone, os.path.join(folder, "state_dicts.pt"))
 
 
 def _load_and_compare(rank, world_size, folder):
     import torch
+
     from cncore_torch.distributed.checkpoint import load_shard_tables, merge_shards
 
     want = merge_shards(torch.load(os.path.join(folder, "state_dicts.pt"), weights_only=False))
@@ -388,6 +391,7 @@ def test_an_unpooled_collection_on_one_process_round_trips_through_three_shards(
     torch = pytest.importorskip("torch")
     pytest.importorskip("torchrec")
     from torchrec import EmbeddingConfig, KeyedJaggedTensor
+
     from cncore_torch import CNEmbeddingCollection
     from cncore_torch.distributed.checkpoint import load_shard_tables, save_shard_tables
 

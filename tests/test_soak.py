@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 from hypothesis import settings
+from test_store_stateful import StoreMachine
 
 import cncore
-from test_store_stateful import StoreMachine
 
 pytestmark = pytest.mark.soak
 

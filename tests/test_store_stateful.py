@@ -2,9 +2,9 @@
 import numpy as np
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from reference import EDGE_KEYS, DictStore, pooled_reference
 
 import cncore
-from reference import EDGE_KEYS, DictStore, pooled_reference
 
 DIM = 5
 SEED = 11
@@ -139,7 +139,8 @@ class StoreMachine(RuleBasedStateMachine):
                                        rtol=1e-5, atol=1e-5)
             for k, g in zip(ukeys.tolist(), ugrads):  # the caller's own update: plain SGD
                 self.ref.rows[k] = (self.ref.rows[k] - np.float32(0.5) * g).astype(np.float32)
-            self.store.assign(ukeys, np.array([self.ref.rows[k] for k in ukeys.tolist()], dtype=np.float32).reshape(-1, DIM))
+            rows = np.array([self.ref.rows[k] for k in ukeys.tolist()], dtype=np.float32)
+            self.store.assign(ukeys, rows.reshape(-1, DIM))
         self.ref.record_access(occurrences, lookup_step)
         assert self.store.step == self.ref.step
 

@@ -22,16 +22,16 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import pytest
 
 import cncore
+from cncore.tablefile import ARRAYS, config_to_dict
 from cncore_numpy import TableFormatError, TableWriter, open_table
 from cncore_numpy.cli import main as cn_table
-from cncore.tablefile import ARRAYS, config_to_dict
 
 CONFIG = cncore.StoreConfig(dim=3, initializer=cncore.TruncatedNormal(0.0, 1.0, -1.0, 1.0), seed=11,
                             optimizer=cncore.Adam(lr=0.01, betas=(0.8, 0.9)))
@@ -50,7 +50,7 @@ def manifest(table: str) -> dict:
         return json.load(fh)
 
 
-def write_manifest(table: str, m, reseal: bool = True, text: bytes = None) -> None:
+def write_manifest(table: str, m, reseal: bool = True, text: bytes | None = None) -> None:
     """Write `m` (or raw `text`) as the manifest; with `reseal`, manifest.sha256 matches it."""
     text = json.dumps(m, indent=1).encode() if text is None else text
     with open(os.path.join(version_dir(table), "manifest.json"), "wb") as fh:
@@ -252,7 +252,8 @@ def manifest_cases() -> list:
                     else "rows.npy", f"./{name}.npy", f"{name}.npy/", f"{name}.npy\0", f"sub/{name}.npy"]:
             cases.append(Case(f"{at}.file={lie!r}", set_field(f"{at}.file", lie), rf"{re.escape(at)}\.file"))
         # sorted: pytest-xdist workers must collect the same cases in the same order
-        for lie in sorted({"<i8", "<f4", "<u4", "<f8", ">" + np.dtype(dtype).str[1:], "|u1", "<i4"} - {np.dtype(dtype).str}):
+        lies = {"<i8", "<f4", "<u4", "<f8", ">" + np.dtype(dtype).str[1:], "|u1", "<i4"} - {np.dtype(dtype).str}
+        for lie in sorted(lies):
             cases.append(Case(f"{at}.dtype={lie}", set_field(f"{at}.dtype", lie), rf"{re.escape(at)}\.dtype"))
         shape = template_manifest()["arrays"][name]["shape"]
         for lie in [[N + 1] + shape[1:], [N - 1] + shape[1:], shape + [1], shape[:1], [N, 0], [],

@@ -7,10 +7,10 @@ import time
 
 import numpy as np
 import pytest
+from reference import EDGE_KEYS, tree
 
 import cncore
 from cncore_numpy import FORMAT_VERSION, TableFormatError, TableWriter, load_table, open_table, save_table
-from reference import EDGE_KEYS, tree
 
 
 def trained_store(optimizer, initializer=cncore.Uniform(-0.1, 0.1), n=500, seed=0):
@@ -215,7 +215,7 @@ def test_table_writer_refuses_values_a_cast_would_change(tmp_path):
              (dict(last_steps=[2**40, 0]), r"last_steps: values must be in \[0, 2\*\*32 - 1\]"),
              (dict(rows=np.array([["a"], ["b"]])), "rows: expected real numbers")]
     for change, message in cases:
-        batch = dict(keys=[1, 2], rows=np.zeros((2, 1), np.float32), **{k: None for k in ("counts", "last_steps")})
+        batch = dict(keys=[1, 2], rows=np.zeros((2, 1), np.float32), **dict.fromkeys(("counts", "last_steps")))
         batch.update(change)
         with pytest.raises(ValueError, match=message):
             with TableWriter(str(tmp_path / "t"), config, n_rows=2) as w:

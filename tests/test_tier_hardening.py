@@ -19,18 +19,18 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, settings, strategies as st
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule, run_state_machine_as_test
+from reference import assert_unchanged, run_isolated, snapshot, tree
 
 import cncore
-from cncore.tier import records as tiered_module
 from cncore.tablefile import TableFormatError, load_store, open_table
-from reference import assert_unchanged, run_isolated, snapshot, tree
+from cncore.tier import records as tiered_module
 
 DIM = 4
 
@@ -182,9 +182,9 @@ def test_a_forked_child_is_refused_the_parents_store_and_cannot_release_its_lock
     """The child inherits the store and the directory's descriptor (the lock's). Its verbs refuse,
     naming the parent; a new store in the child is refused too; and the child's exit (its
     copies closed, never unlocked) leaves the parent holding the directory."""
-    out = run_isolated("""
+    out = run_isolated(f"""
         import os, sys, json, tempfile, numpy as np, cncore
-        sys.path.insert(0, %r)
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
         from test_tier_hardening import config_at, train, sorted_export, same
         path = os.path.join(tempfile.mkdtemp(), "t")
         store = cncore.make_store(config_at(path))
@@ -219,15 +219,15 @@ def test_a_forked_child_is_refused_the_parents_store_and_cannot_release_its_lock
             cncore.make_store(config_at(path))
             still_held = False
         except BlockingIOError as exc:
-            still_held = f"held by this process, {parent}" in str(exc)
+            still_held = f"held by this process, {{parent}}" in str(exc)
         ok = same(sorted_export(store), expected)
         train(store, np.arange(0, 20))
         store.flush()
         store.close()
         again = cncore.make_store(config_at(path))
-        print(json.dumps({"status": status, "said": said, "parent": parent, "child": pid, "path": path,
-                          "still_held": still_held, "unchanged": ok, "reopened": len(again)}))
-    """ % os.path.dirname(__file__), timeout=120)
+        print(json.dumps({{"status": status, "said": said, "parent": parent, "child": pid, "path": path,
+                          "still_held": still_held, "unchanged": ok, "reopened": len(again)}}))
+    """, timeout=120)
     assert out["status"] == 0 and out["still_held"] and out["unchanged"] and out["reopened"] == 200
     refusal = (f"this TieredStore of {out['path']} belongs to process {out['parent']}, which forked this process "
                f"({out['child']}); a tier directory has one writer: use the store in the parent only, or read its "
@@ -314,7 +314,8 @@ def test_a_flipped_byte_in_a_record_is_refused_by_the_store_and_the_readers(tmp_
         held = key ^ 0x10
         message = rf"{path}: rows.dat holds key {held} in slot {slot}, the index says {key}: "
     else:
-        message = rf"{path}: rows.dat: the record of key {key} in slot {slot} fails its checksum \(the file is damaged\)"
+        message = (rf"{path}: rows.dat: the record of key {key} in slot {slot} fails its checksum "
+                   r"\(the file is damaged\)")
     before = tree(path)
     store = cncore.make_store(config_at(path))
     with pytest.raises(TableFormatError, match=message + r".*the table is unchanged"):
@@ -350,7 +351,7 @@ def test_a_version_3_directory_reads_and_writes_as_before_without_checksums(tmp_
     expected = sorted_export(store)
     store.close()
     assert json.load(open(path / "meta.json"))["version"] == 3
-    assert same(sorted_export(load_store(str(path))), {k: v for k, v in expected.items()})
+    assert same(sorted_export(load_store(str(path))), dict(expected.items()))
     new = cncore.make_store(config_at(tmp_path / "new"))  # 36 bytes of fields: the checksum in the padding
     assert new.record_bytes == 40 and new._record.fields["check"][1] == 36
 
@@ -449,7 +450,8 @@ from test_tier_hardening import config_at, train, sorted_export
 path, side = {path!r}, {side!r}
 
 def commit():
-    return json.load(open(os.path.join(path, "meta.json")))["commit"] if os.path.exists(os.path.join(path, "meta.json")) else 0
+    meta = os.path.join(path, "meta.json")
+    return json.load(open(meta))["commit"] if os.path.exists(meta) else 0
 
 def flushed(verb):  # the table of each commit the verb made (a compaction makes two), named by its index
     first = commit() + 1
@@ -588,7 +590,7 @@ class TierHarness(RuleBasedStateMachine):
         try:
             self.store = cncore.make_store(config_at(self.path))
         except (TableFormatError, BlockingIOError) as exc:
-            raise AssertionError(f"an intact directory was refused: {exc}")
+            raise AssertionError(f"an intact directory was refused: {exc}") from exc
         got = sorted_export(self.store)
         self.expect_flushed(got)
         self.memory = cncore.make_store(dataclasses.replace(self.store.config, storage=None))

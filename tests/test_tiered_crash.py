@@ -4,10 +4,10 @@ A child process trains a tiered table (a cache of 48 rows over 600 keys, so rows
 back all the time), flushes once, trains on (rewriting every row several times, so that the
 second flush also compacts: the file passes twice the rows), then flushes again. Every file
 operation the tier makes (a batch of record reads or writes, a spill's write on the background
-thread, fsync, rename, remove, truncate) is an *event*; the child is told to SIGKILL itself at event N: a record write is cut in the middle
-(the first half of its records written, then the kill), as a crash mid-I/O leaves it. Events
-before the second flush are training (spills); those inside it are the flush, the index commit
-and the compaction.
+thread, fsync, rename, remove, truncate) is an *event*; the child is told to SIGKILL itself at
+event N: a record write is cut in the middle (the first half of its records written, then the
+kill), as a crash mid-I/O leaves it. Events before the second flush are training (spills); those
+inside it are the flush, the index commit and the compaction.
 
 For every N the directory must reopen as exactly the state at the last flush that completed:
 the first one for a kill during training or before the second flush's commit point (the rename
@@ -159,7 +159,7 @@ def test_a_kill_at_every_file_operation_leaves_the_last_completed_flush(tmp_path
     second_commit = min(r for r in renames if r > first_flush_end)
     # Every event of the second flush, and a sample of the training ones between the flushes.
     training = [i for i, (_, where) in enumerate(events, 1) if where == "train" and i > first_flush_end]
-    points = sorted(set(i for i in flush_events if i > first_flush_end) | set(training[::max(1, len(training) // 6)]))
+    points = sorted({i for i in flush_events if i > first_flush_end} | set(training[::max(1, len(training) // 6)]))
     assert len(points) >= 15, points
     for n in points:
         path = tmp_path / f"kill-{n}" / "t"

@@ -30,7 +30,8 @@ import time
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 import cncore
@@ -238,7 +239,7 @@ def test_flush_then_reopen_and_the_file_reuses_space(tmp_path):
                                                       compact_ratio=2))
     store = cncore.make_store(config)
     sizes = []
-    for round_ in range(12):
+    for _round in range(12):
         for start in range(0, 200, 10):
             _, ctx = store.pooled_lookup(np.arange(start, start + 10), lengths=np.array([10]))
             store.apply_gradients(ctx, np.ones((1, DIM), np.float32))
@@ -517,7 +518,7 @@ def test_the_disk_indexs_missing_split_is_a_dict_model_of_the_uncached_ids(on_di
     assert slots.tolist() == [model[k] for k in disk_keys.tolist()]
     assert absent.tolist() == sorted({k for k in uncached if k not in model})
     assert n_ids == sum(k in model for k in uncached)
-    with pytest.raises(ValueError, match=r"cached: expected %d flags, got %d" % (len(keys), len(keys) + 1)):
+    with pytest.raises(ValueError, match=rf"cached: expected {len(keys)} flags, got {len(keys) + 1}"):
         ix.missing(keys, np.zeros(len(keys) + 1, np.uint8))
 
 
@@ -854,6 +855,7 @@ def test_a_prefetch_never_brings_back_a_row_older_than_memory(tmp_path, held):
     (reread: 20 taken); otherwise the job ran first, and the records it staged for the 10 rows
     erased and made anew (new slots) are stale: reread, 20 taken."""
     import threading
+
     from cncore.tier import background as tiered
     config = cncore.StoreConfig(dim=DIM, optimizer=cncore.SGD(lr=0.5), storage=cncore.Tiered(
         str(tmp_path / "t"), cache_bytes=80 * (DIM * 4 + 47)))
@@ -926,7 +928,8 @@ def test_the_prefetch_job_stages_each_disk_key_once_in_key_order_with_its_record
         got_keys, got_slots = store._writer.stage(np.ascontiguousarray(ids), cap, buf, 1)
         np.testing.assert_array_equal(got_keys, want[:cap])
         np.testing.assert_array_equal(got_slots, store._disk.find(want[:cap]))
-        np.testing.assert_array_equal(buf[:len(got_keys)], store._read(got_slots).view(np.uint8).reshape(len(got_keys), -1))
+        np.testing.assert_array_equal(buf[:len(got_keys)],
+                                      store._read(got_slots).view(np.uint8).reshape(len(got_keys), -1))
     store.close()
 
 
@@ -1098,6 +1101,7 @@ def test_a_fault_in_makes_room_before_waiting_only_for_its_own_prefetch(tmp_path
     Lookups equal an in-memory store's."""
     import threading
     import time
+
     from cncore.tier import background as tiered
     store, memory = small_tier_and_memory(tmp_path)
     assert store.cached_rows + 12 > store.cache_rows  # 12 disk rows need an eviction
@@ -1244,6 +1248,7 @@ def test_a_loaded_rows_disk_entry_is_erased_behind_and_never_a_newer_one(tmp_pat
     (a plain erase would drop them: rows lost). Rows, len and a reopened flush equal an in-memory
     store's."""
     import threading
+
     from cncore.tier import background as tiered
     store, memory = small_tier_and_memory(tmp_path)
     store._erase_behind_at = 1

@@ -13,8 +13,6 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
-
 PRELUDE = r"""
 import os, sys, threading, time
 import numpy as np

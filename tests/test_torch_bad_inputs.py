@@ -33,19 +33,20 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
-import numpy as np
 import pytest
 import torch
 
 pytest.importorskip("torchrec")
-from torchrec import EmbeddingBagConfig, EmbeddingConfig, KeyedJaggedTensor, PoolingType  # noqa: E402
+import itertools
 
-import cncore  # noqa: E402
-from cncore_torch import CNEmbedding, CNEmbeddingBag  # noqa: E402
-from cncore_torch.collection import CNEmbeddingBagCollection, CNEmbeddingCollection  # noqa: E402
+from torchrec import EmbeddingBagConfig, EmbeddingConfig, KeyedJaggedTensor, PoolingType
+
+import cncore
+from cncore_torch import CNEmbedding, CNEmbeddingBag
+from cncore_torch.collection import CNEmbeddingBagCollection, CNEmbeddingCollection
 
 DIM = 4
 STATE_ERROR = r"Error\(s\) in loading state_dict for {}:\n\t"
@@ -53,9 +54,9 @@ STATE_ERROR = r"Error\(s\) in loading state_dict for {}:\n\t"
 
 @dataclass(frozen=True)
 class Case:
-    target: Optional[str]           # a name in TARGETS (None: a constructor call)
+    target: str | None           # a name in TARGETS (None: a constructor call)
     call: Callable                  # call(target object, other object of the same kind)
-    exc: Optional[type]             # None: must succeed (a strict=False load reporting missing keys)
+    exc: type | None             # None: must succeed (a strict=False load reporting missing keys)
     match: str                      # re.search on the message (exc None: on the returned value's repr)
 
 
@@ -522,7 +523,7 @@ def _hyp_offsets(obj, other):
         ids = torch.arange(n) * 7 + 3
         off = torch.tensor(offsets, dtype=torch.int64)
         full = offsets + ([] if last else [n])
-        valid = bool(full) and full[0] == 0 and full[-1] == n and all(a <= b for a, b in zip(full, full[1:]))
+        valid = bool(full) and full[0] == 0 and full[-1] == n and all(a <= b for a, b in itertools.pairwise(full))
         w = torch.rand(n) if weighted else None
         before = snapshot(bag)
         try:
@@ -537,7 +538,7 @@ def _hyp_offsets(obj, other):
         rows = table["rows"][[table["keys"].tolist().index(i) for i in ids.tolist()]]
         if w is not None:
             rows = rows * w[:, None]
-        want = torch.stack([rows[a:b].sum(0) for a, b in zip(full, full[1:])]) if len(full) > 1 else out
+        want = torch.stack([rows[a:b].sum(0) for a, b in itertools.pairwise(full)]) if len(full) > 1 else out
         torch.testing.assert_close(out, want.reshape(out.shape))
     check()
 

@@ -5,10 +5,10 @@ options (naming them) and checkpoints larger than their budget (changing nothing
 import numpy as np
 import pytest
 import torch
+from reference import assert_unchanged, snapshot
 
 import cncore
 from cncore_torch import CNEmbedding, CNEmbeddingBag
-from reference import assert_unchanged, snapshot
 
 torchrec = pytest.importorskip("torchrec")
 from torchrec import EmbeddingBagConfig, EmbeddingConfig, KeyedJaggedTensor  # noqa: E402
@@ -30,7 +30,8 @@ def _train_beside(bag, ref, exact: bool):
         out.backward(grad)
         ref_out, ctx = ref.pooled_lookup(ids.reshape(-1), lengths=np.full(len(ids), ids.shape[1]), mode="sum")
         ref.apply_gradients(ctx, grad.cpu().numpy())
-        np.testing.assert_allclose(out.detach().cpu().numpy(), ref_out, rtol=0 if exact else 1e-6, atol=0 if exact else 1e-7)
+        np.testing.assert_allclose(out.detach().cpu().numpy(), ref_out,
+                                   rtol=0 if exact else 1e-6, atol=0 if exact else 1e-7)
         yield
 
 

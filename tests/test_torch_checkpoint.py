@@ -1,17 +1,16 @@
 """Torch checkpoints and table files convert into each other without loss."""
-import os
 
 import numpy as np
 import pytest
 import torch
+from reference import EDGE_KEYS, tree
 
 import cncore
 import cncore_torch
 from cncore_numpy import load_table, open_table, save_table
 from cncore_numpy.cli import main as cn_table
-from cncore_torch.state import FIELDS
 from cncore_torch.checkpoint import checkpoint_to_tables, table_configs, table_prefixes, tables_to_checkpoint
-from reference import EDGE_KEYS, tree
+from cncore_torch.state import FIELDS
 
 
 def trained_model(seed=0):
@@ -89,6 +88,7 @@ def test_a_table_file_becomes_a_bare_modules_state(tmp_path):
 def test_collections_round_trip(tmp_path):
     pytest.importorskip("torchrec")
     from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
+
     from cncore_torch import CNEmbeddingBagCollection
     tables = [EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=50, feature_names=["f0"]),
               EmbeddingBagConfig(name="t1", embedding_dim=8, num_embeddings=50, feature_names=["f1"])]
@@ -142,7 +142,8 @@ def test_checkpoint_keys_cannot_name_a_path(tmp_path, capsys, prefix):
     before = tree(tmp_path)
     assert main(["to-tables", str(tmp_path / "ckpt.pt"), str(out)]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("python -m cncore_torch.checkpoint to-tables: error: state_dict prefix")
+    assert err.count("\n") == 1
+    assert err.startswith("python -m cncore_torch.checkpoint to-tables: error: state_dict prefix")
     assert tree(tmp_path) == before
 
 
@@ -158,6 +159,7 @@ def test_to_fixed_and_remap_of_empty_tables():
     """remap_to_fixed raised IndexError on a table with no rows; every ID goes to the zero row."""
     from torchrec import EmbeddingBagConfig
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
     from cncore_torch.collection import CNEmbeddingBagCollection
     from cncore_torch.convert import remap_to_fixed, to_fixed
     configs = [EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=10, feature_names=["f"])]

@@ -15,7 +15,7 @@ def test_meta_builds_without_storage_then_materialises():
     out = bag(torch.tensor([[1, 2], [3, 4]]))
     assert out.device.type == "meta" and out.shape == (2, DIM)
     with pytest.raises(RuntimeError, match="to_empty"):
-        bag.num_rows
+        _ = bag.num_rows
     bag.to_empty(device="cpu")
     assert bag.placement.kind == "core" and bag.num_rows == 0
     bag(torch.tensor([[1, 2]])).sum().backward()

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 pytest.importorskip("torchrec")
-from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType  # noqa: E402
-from torchrec.models.dlrm import DLRM  # noqa: E402
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
+from torchrec.models.dlrm import DLRM
 
-import cncore  # noqa: E402
-from cncore_torch import CNEmbeddingBagCollection  # noqa: E402
+import cncore
+from cncore_torch import CNEmbeddingBagCollection
 
 ROWS = 40
 
@@ -263,6 +263,7 @@ def test_convert_a_torchrec_model_to_dynamic_tables_and_back_for_serving():
 
 def test_embedding_collection_matches_torchrec_and_trains_the_same():
     from torchrec import EmbeddingCollection, EmbeddingConfig
+
     from cncore_torch import CNEmbeddingCollection
     from cncore_torch.convert import to_dynamic
 
@@ -272,7 +273,8 @@ def test_embedding_collection_matches_torchrec_and_trains_the_same():
 
     torch.manual_seed(11)
     ref = EmbeddingCollection(tables=ec_configs())
-    ours = to_dynamic(torch.nn.Sequential(EmbeddingCollection(tables=ec_configs())), optimizer=cncore.Adagrad(lr=0.1))[0]
+    ours = to_dynamic(torch.nn.Sequential(EmbeddingCollection(tables=ec_configs())),
+                      optimizer=cncore.Adagrad(lr=0.1))[0]
     assert isinstance(ours, CNEmbeddingCollection)
     for name, store in ours.stores.items():
         store.insert_or_assign(np.arange(ROWS), ref.embeddings[name].weight.detach().numpy())
@@ -291,8 +293,8 @@ def test_embedding_collection_matches_torchrec_and_trains_the_same():
         dense.step()
         sum((a[k].values() * g).sum() for k, g in grads.items()).backward()
     for name, store in ours.stores.items():
-        torch.testing.assert_close(torch.from_numpy(store.lookup(np.arange(ROWS))), ref.embeddings[name].weight.detach(),
-                                   rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(torch.from_numpy(store.lookup(np.arange(ROWS))),
+                                   ref.embeddings[name].weight.detach(), rtol=1e-5, atol=1e-6)
 
 
 def collection_state(ebc):

@@ -47,7 +47,7 @@ def test_fused_update_matches_torch_optim(mode, weighted, optimizer):
     rng = np.random.default_rng(7)
     store, param = make_pair(optimizer, rng)
     opt = torch_optimizer(optimizer, param)
-    for step in range(5):
+    for _step in range(5):
         # Adam on a dense copy moves every row each step; touch every row so lazy == dense.
         idx, offsets = random_batch(rng, 16, 6, every_key=isinstance(optimizer, cncore.Adam))
         w = rng.uniform(0.5, 2, len(idx)).astype(np.float32) if weighted else None
@@ -90,8 +90,10 @@ def test_rowwise_adagrad_matches_formula_and_fbgemm(mode):
     pytest.importorskip("fbgemm_gpu")  # installed with the test extras; CI has it
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
-    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (ComputeDevice,
-                                                                        SplitTableBatchedEmbeddingBagsCodegen)
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ComputeDevice,
+        SplitTableBatchedEmbeddingBagsCodegen,
+    )
     rng = np.random.default_rng(11)
     optimizer = cncore.RowWiseAdagrad(lr=0.05, eps=1e-8)
     store, param = make_pair(optimizer, rng)

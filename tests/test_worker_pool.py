@@ -8,9 +8,9 @@ import threading
 
 import numpy as np
 import pytest
+from reference import assert_same_table
 
 import cncore
-from reference import assert_same_table
 
 TIMEOUT = 120
 
