@@ -9,7 +9,6 @@ cdef extern from "cn_parallel.h" nogil:
     ctypedef void (*cn_range_fn)(void *ctx, int64_t begin, int64_t end) noexcept nogil
     void cn_parallel_for(cn_range_fn fn, void *ctx, int64_t n, int nthreads)
     int cn_threads_unless_asleep(int64_t work, int64_t min_to_wake)
-    void cn_team_wake(int nthreads)
 
 cdef extern from "cn_table_core.h" nogil:
     enum:

@@ -94,7 +94,6 @@ def grouped_backward(list tables, list slots, list offsets, list weights, list m
             ft.opt.eps = eps
             ft.opt.beta1 = beta1
             ft.opt.beta2 = beta2
-        _wake_for(F, [feats[f].n_keys for f in range(F)])  # (forward.pxi) up by the checks' end
         # Lock order: by address, so concurrent grouped backwards never wait on each other in a cycle.
         order = sorted((<size_t> feats[f].t, f) for f in range(F))
         for i in range(F):

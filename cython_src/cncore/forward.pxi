@@ -1,7 +1,6 @@
 # The grouped pooled lookup: every feature's (table, keys, offsets) in one nogil section, its
 # distinct tables as parallel tasks (_lookup_units; grouped_backward's tables too).
-from cncore._grouped cimport (LookupCall, UpdateCall, cn_parallel_for, cn_team_wake, cn_threads_unless_asleep,
-                              CN_LOOKUP_MIN_TO_WAKE)
+from cncore._grouped cimport LookupCall, UpdateCall, cn_parallel_for, cn_threads_unless_asleep, CN_LOOKUP_MIN_TO_WAKE
 
 
 def grouped_forward(list tables, list keys, list offsets, list weights, list modes, list outs,
@@ -86,9 +85,6 @@ def grouped_forward(list tables, list keys, list offsets, list weights, list mod
             ft.out = <weight_t*> _ptr(out)
             ft.ld_out = cnp.PyArray_STRIDE(<cnp.ndarray> out, 0) // 4 if ft.n_bags > 1 else tab.t.dim
             ft.table = unit_of[id(tables[f])]
-        # The workers the loop over tables will take, woken now: they are up by the time this
-        # preparation ends (_wake_for).
-        _wake_for(U, [sum([feats[f].n_keys for f in fs]) for fs in members])
         for u in range(U):
             fs = members[u]
             tab = <Table> tables[fs[0]]
@@ -220,16 +216,6 @@ cdef int _unit_threads(int64_t n_units, int64_t total, int64_t largest) noexcept
     if _serial_units or n_units < 2 or largest >= CN_LOOKUP_MIN_TO_WAKE:
         return 1
     return cn_threads_unless_asleep(total, CN_LOOKUP_MIN_TO_WAKE)
-
-
-cdef void _wake_for(int64_t n_units, list sizes):
-    """cn_team_wake for the threads _unit_threads will give a call of n_units tables of these
-    key counts."""
-    cdef int64_t total = 0, largest = 0, n
-    for n in sizes:
-        total += n
-        largest = max(largest, n)
-    cn_team_wake(_unit_threads(n_units, total, largest))
 
 
 cdef void _lookup_units(void *ctx, int64_t begin, int64_t end) noexcept nogil:

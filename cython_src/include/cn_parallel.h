@@ -284,21 +284,6 @@ static inline int cn_workers_asleep(void) {
     return cn_team.n_workers > 0 && atomic_load(&cn_team.sleepers) >= cn_team.n_workers;
 }
 
-/* Wake sleeping workers ahead of a loop that the caller will start after some preparation of
- * its own (nthreads: the threads that loop will take): from their wake-up they spin for
- * cn_spin_ns, so the loop finds them awake instead of paying the futex wake-up (100-250 us on
- * the 2-core VMs) at its start. No loop runs: a woken worker finds `active` 0 and goes back to
- * spinning. Nothing to do when fewer than 2 threads, the workers are awake or the pool busy. */
-static inline void cn_team_wake(int nthreads) {
-    cn_team_t *t = &cn_team;
-    if (nthreads <= 1 || !cn_workers_asleep()) return;
-    int expected = 0;
-    if (!atomic_compare_exchange_strong(&t->busy, &expected, 1)) return;
-    atomic_fetch_add(&t->gen, 1);
-    syscall(SYS_futex, (uint32_t *)&t->gen, FUTEX_WAKE_PRIVATE, nthreads - 1, NULL, NULL, 0);
-    atomic_store(&t->busy, 0);
-}
-
 static inline int cn_has_threads(void) { return 1; }
 
 #ifndef CN_PREFETCH_DISTANCE
