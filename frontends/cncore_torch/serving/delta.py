@@ -44,7 +44,7 @@ from torchrec import EmbeddingBagCollection, EmbeddingCollection
 
 from cncore_torch.serving.collection import FrozenEmbeddingBagCollection, FrozenEmbeddingCollection
 from cncore_torch.serving.freeze import serving_lock
-from cncore_torch.serving.modules import FrozenEmbedding, FrozenEmbeddingBag
+from cncore_torch.serving.modules import TABLE, FrozenEmbedding, FrozenEmbeddingBag
 from cncore_torch.serving.table import TableSlots, id_tensor
 
 __all__ = ["TableDelta", "DeltaReport", "apply_delta", "frozen_tables"]
@@ -167,7 +167,7 @@ class _Table:
     slots: TableSlots
     owner: Any         # the module holding `weight` (an nn.EmbeddingBag / nn.Embedding, or the frozen module)
     config_index: int | None = None  # its config in TorchRec's collection (num_embeddings follows growth)
-    remap_name: str = "table"        # its name in module.remap (a frozen module's one table: "table")
+    remap_name: str = TABLE          # its name in module.remap (a frozen module's one table: TABLE)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -348,8 +348,7 @@ def apply_delta(model: nn.Module, deltas: Mapping[str, TableDelta], rebuild: boo
                 remaps.setdefault(id(remap), (remap, []))[1].append(p)
         updates, rebuilt = [], []
         for remap, parts in remaps.values():
-            names = {id(t): n for n, t in remap.tables.items()}
-            named = [(names[id(p.table.slots)], p) for p in parts]
+            named = [(p.table.remap_name, p) for p in parts]
             plan = None if rebuild else remap.planned(
                 {n: (p.added_ids, p.added_slots, p.removed_ids) for n, p in named})
             if plan is None:

@@ -29,14 +29,13 @@ FROZEN_TYPES = (FrozenEmbeddingBagCollection, FrozenEmbeddingCollection, FrozenE
 def _rows_of(store, where: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """A store's keys, rows and fallback rows (None without them)."""
     mode = getattr(getattr(store, "config", None), "fallback_mode", "miss")
-    if getattr(store, "fallback_rows", 0) and mode != "miss":
+    shared = getattr(store, "fallback_rows", 0)
+    if shared and mode != "miss":
         raise ValueError(f"model: {where} has fallback_mode={mode!r}: every key reads its own row plus its fallback "
                          f"row, which freeze does not build; freeze tables with fallback_mode='miss' (or "
                          f"fallback_rows=0), or serve the live module in eval mode")
     batch = store.export()
-    fallback = None
-    if getattr(store, "fallback_rows", 0):
-        fallback = np.asarray(store.export_fallback()[0], dtype=np.float32)
+    fallback = np.asarray(store.export_fallback()[0], dtype=np.float32) if shared else None
     return np.asarray(batch.keys, dtype=np.int64), np.asarray(batch.rows, dtype=np.float32), fallback
 
 

@@ -149,9 +149,7 @@ class TableSlots(nn.Module):
         """Write the pending changes into `ids` / `slots` (O(N); nothing when none)."""
         if self.__dict__.get("_pending") is None:
             return
-        ids, slots = self.merged(*(np.empty(0, np.int64),) * 3)
-        self.__dict__["_pending"] = None
-        self.set_arrays(ids, slots)
+        self.set_arrays(*self.merged(*(np.empty(0, np.int64),) * 3))
 
     def set_arrays(self, ids: np.ndarray, slots: np.ndarray) -> None:
         """Replace the arrays (sorted ids and their slots), dropping the pending changes."""
