@@ -27,9 +27,9 @@ from torchrec import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, EmbeddingConfig, PoolingType
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
-from cncore_torch.serving.fallback import fallback_slot, wrap_of
+from cncore_torch.serving.fallback import misses_to_fallback, wrap_of
 from cncore_torch.serving.hashmap import EMPTY, TOMBSTONE, PrunedHash, insert, lookup, region_room
-from cncore_torch.serving.table import UNSEEN, TableSlots, dense_rows
+from cncore_torch.serving.table import TableSlots, dense_rows
 
 __all__ = ["FrozenEmbeddingBagCollection", "FrozenEmbeddingCollection", "IdRemap"]
 
@@ -211,8 +211,7 @@ class IdRemap(nn.Module):
         """
         slots = lookup(self.hash_table, self.hash_offsets, self.key_mask, values, offsets)
         if self.fallback_uniform:
-            slots = torch.where(slots == UNSEEN, self.fallback_first + fallback_slot(values, self.fallback_uniform),
-                                slots)
+            slots = misses_to_fallback(slots, values, self.fallback_first, self.fallback_uniform)
         return slots
 
     def _fallback_mixed(self, values: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor, n_features: int,
@@ -221,7 +220,7 @@ class IdRemap(nn.Module):
         per_feature = lengths.to(torch.int64).view(n_features, stride).sum(1)
         n, wrap, first = torch.repeat_interleave(self.fallback_per_feature, per_feature, dim=0,
                                                  output_size=values.numel()).unbind(1)
-        return torch.where(slots == UNSEEN, first + fallback_slot(values, n, wrap), slots)
+        return misses_to_fallback(slots, values, first, n, wrap)
 
     def _by_key(self, keys: list[str], values: torch.Tensor, per_key: list[int]) -> torch.Tensor:
         """Each key's values as one bag in its feature's region; zeros for a key of no table."""
@@ -235,8 +234,7 @@ class IdRemap(nn.Module):
                 got = lookup(self.hash_table, self.hash_offsets[region:region + 2], self.key_mask, part, bag)
                 table = cast(TableSlots, self.tables[self.table_of_feature[key]])
                 if table.fallback_rows:
-                    got = torch.where(got == UNSEEN, table.first_fallback + fallback_slot(part, table.fallback_rows),
-                                      got)
+                    got = misses_to_fallback(got, part, table.first_fallback, table.fallback_rows)
                 out.append(got)
         return torch.cat(out) if out else values.clone()
 

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["mix64", "fallback_slot", "wrap_of"]
+from cncore_torch.serving.table import UNSEEN
+
+__all__ = ["mix64", "fallback_slot", "wrap_of", "misses_to_fallback"]
 
 _C1 = 0xBF58476D1CE4E5B9 - 2**64   # the finalizer's constants, as the int64 of their bits
 _C2 = 0x94D049BB133111EB - 2**64
@@ -83,3 +85,24 @@ def fallback_slot(ids: torch.Tensor, n: int | torch.Tensor, wrap: int | torch.Te
         wrap = wrap_of(n)
     assert wrap is not None, "wrap: give wrap_of(n) per ID with a tensor n"
     return (h + ((h >> 63) & wrap)).remainder(n)
+
+
+def misses_to_fallback(slots: torch.Tensor, ids: torch.Tensor, first: int | torch.Tensor, n: int | torch.Tensor,
+                       wrap: int | torch.Tensor | None = None) -> torch.Tensor:
+    """`slots` with every miss (`UNSEEN`) replaced by its ID's fallback row, weight row
+    `first + fallback_slot(id, n)`: what a live table with fallback rows answers there.
+
+    Args:
+        slots (Tensor): int64 weight rows, `UNSEEN` where the table lacks the ID.
+        ids (Tensor): the int64 IDs, same shape.
+        first: the weight row of fallback row 0 (an int, or a tensor like `n`).
+        n: the number of fallback rows (> 0), as `fallback_slot` takes it.
+        wrap: as `fallback_slot` takes it.
+
+    Returns:
+        Tensor: int64, same shape.
+
+    >>> misses_to_fallback(torch.tensor([UNSEEN, 9]), torch.tensor([1, 2]), 3, 5).tolist()
+    [7, 9]
+    """
+    return torch.where(slots == UNSEEN, first + fallback_slot(ids, n, wrap), slots)
