@@ -57,30 +57,30 @@ def pooled_collection_lookup(anchor: torch.Tensor, handle: int, features: KeyedJ
     """CNEmbeddingBagCollection's forward: one node under torch.fx (the tables are state the
     tracer cannot see; `training` is read when traced, as TorchRec's own traced modules do)."""
     collection = bridge.table_of(handle)
+    return KeyedTensor(keys=collection._embedding_names, length_per_key=collection._lengths_per_embedding,
+                       values=_pooled_values(anchor, collection, features, training))
+
+
+def _pooled_values(anchor: torch.Tensor, collection, features: KeyedJaggedTensor, training: bool) -> torch.Tensor:
+    """The (B, sum of dims) pooled output of `pooled_collection_lookup`."""
     arrays = plain_arrays(collection, features) if collection._placement.kind == "core" else None
     if arrays is not None and not collection.is_meta:  # the common KJT, on tables in the core
         collection._adopt_tagged_optimizer()
         ids, bags = arrays
-        values = bridge.lookup(anchor, collection, ids, bags, [None] * len(ids), collection._modes, training,
-                               inputs=(features.values(),))
-        return KeyedTensor(keys=collection._embedding_names, length_per_key=collection._lengths_per_embedding,
-                           values=values)
+        return bridge.lookup(anchor, collection, ids, bags, [None] * len(ids), collection._modes, training,
+                             inputs=(features.values(),))
     by_key = features_by_key(features, collection._feature_names, collection._rows_device)
     inverse = None if strides_of(features) is None else inverse_rows(
         features, [n for names in collection._feature_names for n in names], collection._owner)
     if collection.is_meta:  # shape inference only
-        values = torch.empty((features.stride(), sum(collection._lengths_per_embedding)), device="meta")
-        return KeyedTensor(keys=collection._embedding_names, length_per_key=collection._lengths_per_embedding,
-                           values=values)
+        return torch.empty((features.stride(), sum(collection._lengths_per_embedding)), device="meta")
     collection._adopt_tagged_optimizer()
     keys, offsets, weights = grouped_arrays(collection, by_key)
     if inverse is None:
-        values = _eager_lookup(anchor, collection, keys, offsets, weights, training)
-    else:  # a batch size per feature: each feature's bags, then every sample's (autograd sums them back)
-        values = expand(_eager_lookup(anchor, collection, keys, offsets, weights, training, split=True), inverse,
-                        collection._embedding_names)
-    return KeyedTensor(keys=collection._embedding_names, length_per_key=collection._lengths_per_embedding,
-                       values=values)
+        return _eager_lookup(anchor, collection, keys, offsets, weights, training)
+    # a batch size per feature: each feature's bags, then every sample's (autograd sums them back)
+    return expand(_eager_lookup(anchor, collection, keys, offsets, weights, training, split=True), inverse,
+                  collection._embedding_names)
 
 
 def _on_rows_device(collection, t: torch.Tensor) -> torch.Tensor:
