@@ -50,19 +50,25 @@ def rows_by_id(store) -> dict[int, np.ndarray]:
     return {int(k): r for k, r in zip(e.keys, e.rows)}
 
 
-def reference_pooled(ebc, kjt) -> np.ndarray:
-    """The pooled rows from a dict of each table's NumPy rows: unseen IDs are zero rows, mean is
-    the (weighted) sum times 1/length."""
-    tables = {f: (rows_by_id(ebc.stores[c.name]), c) for c in ebc.embedding_bag_configs() for f in c.feature_names}
+def zero_reader(store):
+    """id -> its exported row, zeros for an ID the table lacks (what eval mode answers)."""
+    rows, zero = rows_by_id(store), np.zeros(store.dim, np.float32)
+    return lambda i: rows.get(i, zero)
+
+
+def reference_pooled(ebc, kjt, reader=zero_reader) -> np.ndarray:
+    """The pooled rows from each table's NumPy rows (`reader(store)`: id -> row; unseen IDs
+    zero rows by default), mean the (weighted) sum times 1/length."""
+    tables = {f: (reader(ebc.stores[c.name]), c) for c in ebc.embedding_bag_configs() for f in c.feature_names}
     out = []
     for f, jt in kjt.to_dict().items():
-        rows, config = tables[f]
-        ids, offsets = jt.values().numpy(), jt.offsets().numpy()
+        read, config = tables[f]
+        ids, offsets = jt.values().tolist(), jt.offsets().tolist()
         w = jt.weights().numpy() if ebc.is_weighted() else np.ones(len(ids), np.float32)
         pooled = np.zeros((len(offsets) - 1, config.embedding_dim), np.float32)
         for b in range(len(offsets) - 1):
             for i in range(offsets[b], offsets[b + 1]):
-                pooled[b] += np.float32(w[i]) * rows.get(int(ids[i]), np.zeros(config.embedding_dim, np.float32))
+                pooled[b] += np.float32(w[i]) * read(ids[i])
             if config.pooling == PoolingType.MEAN and offsets[b + 1] > offsets[b]:
                 pooled[b] *= np.float32(1.0) / np.float32(offsets[b + 1] - offsets[b])
         out.append(pooled)

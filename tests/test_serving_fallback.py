@@ -10,6 +10,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from reference import _mix64
+from test_serving import reference_pooled as serving_reference_pooled
 from torchrec import EmbeddingBagConfig, EmbeddingConfig, KeyedJaggedTensor, PoolingType
 from torchrec.inference.modules import quantize_embeddings
 
@@ -28,10 +30,7 @@ _M = 2**64 - 1
 
 def mix_reference(key: int) -> int:
     """The core's cn_mix64 of the ID as uint64, in Python integers (cython_src/include/cn_mix.h)."""
-    z = key & _M
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M
-    return z ^ (z >> 31)
+    return _mix64(key & _M)
 
 
 def trained_ebc(fallback_rows, pooling=PoolingType.SUM, weighted=False, row_dtype="float32", dim_b=3):
@@ -65,20 +64,8 @@ def row_reader(store):
 
 
 def reference_pooled(ebc, kjt) -> np.ndarray:
-    readers = {f: (row_reader(ebc.stores[c.name]), c) for c in ebc.embedding_bag_configs() for f in c.feature_names}
-    out = []
-    for f, jt in kjt.to_dict().items():
-        read, config = readers[f]
-        ids, offsets = jt.values().tolist(), jt.offsets().tolist()
-        w = jt.weights().numpy() if ebc.is_weighted() else np.ones(len(ids), np.float32)
-        pooled = np.zeros((len(offsets) - 1, config.embedding_dim), np.float32)
-        for b in range(len(offsets) - 1):
-            for i in range(offsets[b], offsets[b + 1]):
-                pooled[b] += np.float32(w[i]) * read(ids[i])
-            if config.pooling == PoolingType.MEAN and offsets[b + 1] > offsets[b]:
-                pooled[b] *= np.float32(1.0) / np.float32(offsets[b + 1] - offsets[b])
-        out.append(pooled)
-    return np.concatenate(out, axis=1)
+    """test_serving's pooled reference, with each table's rows read as the live table answers."""
+    return serving_reference_pooled(ebc, kjt, row_reader)
 
 
 def test_torch_mixer_equals_the_python_integer_mixer_on_edge_ids():
