@@ -138,8 +138,7 @@ static inline void cn_table_pool(const cn_table *t, const int64_t *keys, const i
  * at 4096 keys the split saves nothing the wake-up does not cost. The result is the same on any
  * thread count (cn_grad.h). */
 static inline int cn_grad_threads(int64_t n_keys) {
-    const int n = cn_threads_for(n_keys * 4);
-    return n > 1 && n_keys < CN_LOOKUP_MIN_TO_WAKE && cn_workers_asleep() ? 1 : n;
+    return cn_threads_unless_asleep(n_keys * 4, (int64_t)CN_LOOKUP_MIN_TO_WAKE * 4);
 }
 
 /* Remove keys; erased[i] (may be NULL) = 1 where keys[i] was removed by this call, *count the
