@@ -160,6 +160,11 @@ def test_apply_delta_refusals():
         apply_delta(frozen, {"b": delta})
     with pytest.raises(TypeError, match="that freeze did not make"):
         apply_delta(torch.nn.Linear(2, 2), {"a": delta})
+    before = {k: v.clone() for k, v in frozen.state_dict().items()}
+    with pytest.raises(TypeError, match="rebuild must be a bool, got 'yes'"):
+        apply_delta(frozen, {"a": delta}, rebuild="yes")
+    after = frozen.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     with pytest.raises(ValueError, match="an ID appears twice"):
         TableDelta(np.array([1, 1]), np.ones((2, 4)), np.array([]))
     from torchrec.inference.modules import quantize_embeddings

@@ -10,7 +10,7 @@ from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 from cncore_torch.serving import FrozenEmbeddingBagCollection, TableDelta, apply_delta, freeze
 from cncore_torch.serving.collection import IdRemap
 from cncore_torch.serving.export import export_program
-from cncore_torch.serving.hashmap import PrunedHash, key_mask, lookup
+from cncore_torch.serving.hashmap import PrunedHash, insert, key_mask, lookup
 from cncore_torch.serving.table import TableSlots
 
 EDGES = [0, 1, -1, -2, -3, 2, 2**63 - 1, -2**63, 2**32, -2**32, 2**62]
@@ -234,3 +234,20 @@ def test_a_module_serving_file_from_the_searchsorted_remap_loads_and_answers_as_
     apply_delta(frozen, {"0": TableDelta(np.array([7]), np.array([[10, 10]], np.float32), np.array([4]))})
     shared = {int(i): torch.tensor([5.0, 6.0])[fallback_slot(torch.tensor(i), 2)].expand(2) for i in (4, -2)}
     np.testing.assert_array_equal(frozen(ids).numpy(), torch.stack([shared[4] + 2, 10 + shared[4] + shared[-2]]))
+
+
+def test_insert_refuses_bad_input_and_leaves_the_hash_as_it_was():
+    """hashmap.insert: one array per region for ids and rows, and no ID the key mask turns into
+    FBGEMM's empty key; refused by argument name before anything is written."""
+    h = PrunedHash([(np.array([7, 8]), np.array([1, 2])), (np.array([9]), np.array([3]))])
+    before = h.table.clone()
+    with pytest.raises(ValueError, match=r"ids, rows: expected one array per region \(2\), got 1 and 1"):
+        insert(h.table, h.offsets, h.mask, [np.array([5])], [np.array([4])])
+    with pytest.raises(ValueError, match=r"ids, rows: expected one array per region \(2\), got 2 and 1"):
+        insert(h.table, h.offsets, h.mask, [np.array([5]), np.array([], np.int64)], [np.array([4])])
+    with pytest.raises(ValueError, match=rf"ids: {~h.mask} would be stored as FBGEMM's empty key"):
+        insert(h.table, h.offsets, h.mask, [np.array([5, ~h.mask]), np.array([], np.int64)],
+               [np.array([4, 5]), np.array([], np.int64)])
+    assert torch.equal(h.table, before)
+    assert lookup(h.table, h.offsets, h.mask, torch.tensor([7, 8, 9, 5]), torch.tensor([0, 2, 4])).tolist() == \
+        [1, 2, 3, 0]

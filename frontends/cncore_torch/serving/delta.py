@@ -328,6 +328,8 @@ def apply_delta(model: nn.Module, deltas: Mapping[str, TableDelta], rebuild: boo
     import time
 
     lock = serving_lock(model)
+    if not isinstance(rebuild, bool):
+        raise TypeError(f"rebuild must be a bool, got {rebuild!r}")
     if not isinstance(deltas, Mapping):
         raise TypeError(f"deltas must be a mapping {{table name: TableDelta}}, got {type(deltas).__name__}")
     tables = frozen_tables(model)
