@@ -251,3 +251,20 @@ def test_insert_refuses_bad_input_and_leaves_the_hash_as_it_was():
     assert torch.equal(h.table, before)
     assert lookup(h.table, h.offsets, h.mask, torch.tensor([7, 8, 9, 5]), torch.tensor([0, 2, 4])).tolist() == \
         [1, 2, 3, 0]
+
+
+@pytest.mark.parametrize("offsets, ids, message", [
+    ([0, 2, 3, 4], [5, 6, 7, 5], "a multiple of 2 bags\\), got 3"),   # FBGEMM would leave the third bag unread
+    ([0, 2], [5, 6], "a multiple of 2 bags\\), got 1"),
+    ([0, 2, 9], [5, 6, 7], "len\\(ids\\) = 3, got 9"),            # FBGEMM would read past the IDs
+    ([0, 1, 2], [5, 6, 7], "len\\(ids\\) = 3, got 2"),
+])
+def test_lookup_refuses_offsets_that_do_not_fit_its_regions(offsets, ids, message):
+    h = PrunedHash([(np.array([5, 6]), np.array([1, 2])), (np.array([7]), np.array([3]))])
+    table = h.table.clone()
+    with pytest.raises(ValueError, match="offsets: .*" + message):
+        lookup(h.table, h.offsets, h.mask, torch.tensor(ids), torch.tensor(offsets))
+    assert torch.equal(h.table, table)
+    # B bags a feature, the last offset len(ids): read region by region
+    assert lookup(h.table, h.offsets, h.mask, torch.tensor([5, 7, 7, 6]), torch.tensor([0, 1, 2, 3, 4])).tolist() \
+        == [1, 0, 3, 0]

@@ -209,9 +209,30 @@ def lookup(table: torch.Tensor, regions: torch.Tensor, mask: int, ids: torch.Ten
 
     Returns:
         torch.Tensor: int64 (n,) rows.
+
+    Raises:
+        ValueError: eagerly, when `offsets` does not hold B bags for each of the F features, or
+            its last offset is not `len(ids)` (FBGEMM checks neither: it leaves the bags past
+            F * (n_bags // F) unread and reads `ids` up to the last offset). In a traced or
+            exported graph the checks are left out; the collections build consistent offsets.
     """
+    if not torch.compiler.is_compiling():
+        _check_bags(regions, ids, offsets)
     if mask:
         ids = ids ^ mask
     if offsets.numel() <= 1:        # no bag: FBGEMM refuses a batch of 0
         return torch.zeros_like(ids)
     return torch.ops.fbgemm.pruned_hashmap_lookup(ids, offsets, table, regions).clamp_(min=UNSEEN)
+
+
+def _check_bags(regions: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor) -> None:
+    """`lookup`'s argument checks (shapes, and the last offset: one read)."""
+    n_features, n_bags = regions.numel() - 1, offsets.numel() - 1
+    if n_features < 1:
+        raise ValueError(f"regions: expected F + 1 >= 2 region offsets, got {regions.numel()}")
+    if n_bags > 0 and n_bags % n_features:
+        raise ValueError(f"offsets: expected B bags for each of the {n_features} features (a multiple of "
+                         f"{n_features} bags), got {n_bags}")
+    last = int(offsets[-1]) if n_bags > 0 else 0
+    if last != ids.numel():
+        raise ValueError(f"offsets: the last offset must be len(ids) = {ids.numel()}, got {last}")
