@@ -288,7 +288,7 @@ class CNEmbeddingCollectionSharder(EmbeddingCollectionSharder):
         Returns:
             dict[str, nn.Parameter]: a meta parameter per table name.
         """
-        return planner_parameters(module, module.embedding_configs())
+        return planner_parameters(module, module.embedding_configs(), self.fused_params)
 
     def sharding_types(self, compute_device_type: str) -> list[str]:
         """The shardings on offer: row-wise only.

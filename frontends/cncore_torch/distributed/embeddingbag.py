@@ -392,7 +392,7 @@ class CNEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         Returns:
             dict[str, nn.Parameter]: a meta parameter per table name.
         """
-        return planner_parameters(module, module.embedding_bag_configs())
+        return planner_parameters(module, module.embedding_bag_configs(), self.fused_params)
 
     def sharding_types(self, compute_device_type: str) -> list[str]:
         """The shardings on offer: row-wise only (by key hash over every rank).

@@ -14,7 +14,9 @@ from torch import nn
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.types import ShardingType
 
+import cncore
 from cncore_torch.distributed.embedding_sharding import sharded_optimizer
+from cncore_torch.optim import resolve_optimizer
 
 __all__ = ["KERNEL", "ROW_WISE", "check_plan", "register_planner_estimates", "planner_parameters"]
 
@@ -54,17 +56,22 @@ def register_planner_estimates() -> None:
     HardwarePerfConfig.kernel_device_bandwidths.setdefault(("cpu", KERNEL), DDR_MEM_BW)
 
 
-def planner_parameters(module, configs) -> dict[str, nn.Parameter]:
+def planner_parameters(module, configs, fused_params: dict | None = None) -> dict[str, nn.Parameter]:
     """What a sharder's `shardable_parameters` gives TorchRec's planner: one (num_embeddings, dim)
     meta parameter per table, in the table's row dtype. The planner sizes a table (its storage and
     its output all-to-all) from its parameter's shape and element size, as it sizes TorchRec's own
     tables, whose parameters have the config's data_type; num_embeddings is a capacity hint and
-    nothing is allocated.
+    nothing is allocated. Each parameter also carries the optimizer's class as
+    `apply_optimizer_in_backward` marks TorchRec's (`_optimizer_classes`), so the planner adds
+    the optimizer state as it does for TorchRec's fused tables (none for SGD, a row for Adagrad,
+    a float a row for row-wise Adagrad, two rows for Adam). Not counted, as TorchRec has no
+    place for it: a row's key-index bucket and its access metadata (docs/design/key-index.md).
 
     Args:
         module (CNEmbeddingBagCollection | CNEmbeddingCollection): the unsharded collection (its
             store configs hold each table's row dtype).
         configs (list[EmbeddingBagConfig] | list[EmbeddingConfig]): its TorchRec table configs.
+        fused_params (dict | None): the sharder's, where it sets the optimizer.
 
     Returns:
         dict[str, nn.Parameter]: a meta parameter per table name.
@@ -77,10 +84,26 @@ def planner_parameters(module, configs) -> dict[str, nn.Parameter]:
     ...                                                    feature_names=["f"], data_type=DataType.FP16)],
     ...                                device="meta", optimizer=cncore.SGD(lr=0.1))
     >>> p = planner_parameters(ebc, ebc.embedding_bag_configs())["t"]
-    >>> tuple(p.shape), p.dtype, p.is_meta
-    ((100, 4), torch.float16, True)
+    >>> tuple(p.shape), p.dtype, p.is_meta, p._optimizer_classes
+    ((100, 4), torch.float16, True, [<class 'torch.optim.sgd.SGD'>])
     """
-    return {c.name: nn.Parameter(torch.empty(c.num_embeddings, c.embedding_dim, device="meta",
-                                             dtype=_ROW_DTYPES[module._store_configs[c.name].dtype]),
-                                 requires_grad=False)
-            for c in configs}
+    optimizer = resolve_optimizer(module._optimizer, module._anchor, f"sharded {type(module).__name__}", fused_params,
+                                  sharded=True)
+    params = {}
+    for c in configs:
+        p = nn.Parameter(torch.empty(c.num_embeddings, c.embedding_dim, device="meta",
+                                     dtype=_ROW_DTYPES[module._store_configs[c.name].dtype]), requires_grad=False)
+        if optimizer is not None:  # none: sharding refuses the module by name (check_plan)
+            p._optimizer_classes = [_state_class(optimizer)]  # type: ignore[attr-defined]  # TorchRec's mark
+        params[c.name] = p
+    return params
+
+
+def _state_class(optimizer) -> type:
+    """The torch / TorchRec optimizer class whose state TorchRec's planner sizes as ours: its
+    multiplier of the table's bytes (`_get_optimizer_multipler`) is 0 for SGD, 1 for Adagrad (one
+    float per value), 1 / dim for TorchRec's RowWiseAdagrad (one float per row), 2 for Adam."""
+    import torchrec.optim as trec_optim
+    classes = {cncore.SGD: torch.optim.SGD, cncore.Adagrad: torch.optim.Adagrad,
+               cncore.RowWiseAdagrad: trec_optim.RowWiseAdagrad, cncore.Adam: torch.optim.Adam}
+    return classes[type(optimizer)]
