@@ -454,8 +454,11 @@ class StoreConfig:
         storage (Tiered | None): None (every row in memory) or `Tiered(path, cache_bytes)`: rows
             on disk under a bounded memory cache; `cncore.make_store(config)` then builds a
             `cncore.tier.TieredStore`.
-        fallback_rows (int): shared rows for keys without a row of their own (0: none, they
-            read as zeros as before); in [0, 2**56]. Not with ``storage=``.
+        fallback_rows (int | str): shared rows for keys without a row of their own (0: none, they
+            read as zeros as before); in [0, 2**56]. Not with ``storage=``. ``"auto"`` (with
+            max_rows): the table starts as max_rows keyed rows and, at the first training lookup
+            that finds it full, splits max_rows into keyed and fallback rows by the churn it
+            measured while filling (`cncore.store_split`); its config then holds the split.
         fallback_copy (bool): a key's new row starts as a copy of its fallback row (True) or
             from the initializer (False); only with fallback_rows. Not read in residual mode.
         fallback_mode (str): "miss" (a key reads its fallback row only while it has no row of
@@ -482,7 +485,7 @@ class StoreConfig:
     headroom: int | None = None
     admission: Admission | None = None
     storage: Tiered | None = None
-    fallback_rows: int = 0
+    fallback_rows: int | str = 0
     fallback_copy: bool = True
     fallback_mode: str = "miss"
 
@@ -535,6 +538,9 @@ class StoreConfig:
         self._check_fallback()
 
     def _check_fallback(self) -> None:
+        if isinstance(self.fallback_rows, str):
+            self._check_auto_split()
+            return
         if isinstance(self.fallback_rows, bool) or not isinstance(self.fallback_rows, numbers.Integral) \
                 or not 0 <= self.fallback_rows <= MAX_CAPACITY:
             raise ValueError(f"fallback_rows must be an int in [0, 2**56], got {self.fallback_rows!r}")
@@ -558,6 +564,32 @@ class StoreConfig:
         if self.admission is not None and self.admission.unadmitted != "zeros":
             raise ValueError(f"fallback_rows={self.fallback_rows} with admission={self.admission!r}: keys not "
                              "admitted read their fallback row; leave unadmitted='zeros' (the default)")
+
+    def _check_auto_split(self) -> None:
+        """``fallback_rows="auto"``: the split of max_rows chosen by the table (cncore/store_split.py)."""
+        if self.fallback_rows != "auto":
+            raise ValueError(f"fallback_rows must be an int in [0, 2**56] or 'auto', got {self.fallback_rows!r}")
+        if not isinstance(self.fallback_copy, bool):
+            raise TypeError(f"fallback_copy must be a bool, got {self.fallback_copy!r}")
+        refusal = None
+        if self.max_rows is None:
+            refusal = "it splits a row budget: set max_rows too"
+        elif self.storage is not None:
+            refusal = f"a tiered table (storage={self.storage!r}) has no fallback rows; keep its rows in memory"
+        elif self.fallback_mode != "miss":
+            refusal = (f"fallback_mode={self.fallback_mode!r} is not chosen by the split; use fallback_mode='miss' or "
+                       "a fixed fallback_rows=N")
+        elif self.admission is not None:
+            refusal = (f"admission={self.admission!r} refuses keys, which the churn the split is chosen from does "
+                       "not count; use admission=None or a fixed fallback_rows=N")
+        if refusal is not None:
+            raise ValueError(f"fallback_rows='auto': {refusal}")
+
+    @property
+    def fixed_fallback_rows(self) -> int:
+        """The fallback rows the table holds now: `fallback_rows`, or 0 for ``"auto"`` (a table that
+        has not chosen its split yet; once it has, its config holds the number)."""
+        return 0 if isinstance(self.fallback_rows, str) else self.fallback_rows
 
     @property
     def state_floats(self) -> int:

@@ -316,6 +316,8 @@ def lookup_checked(stores, keys, offsets, weights, modes, outs, insert_missing: 
         ctx = lookup_one(stores[0], keys[0], offsets[0], weights[0], modes[0], outs[0], insert_missing,
                          None if starts is None else slice(starts[0], starts[1]), context=contexts)
         return [ctx] if contexts else None
+    if insert_missing:
+        split_before_training(stores, keys)
     held, found = tiers_faulted_in(stores, keys, insert_missing)
     with held:
         results = _core.grouped_forward([s._table for s in stores], keys, offsets, weights, list(modes), outs,
@@ -330,6 +332,18 @@ def lookup_checked(stores, keys, offsets, weights, modes, outs, insert_missing: 
         ctxs.append(_sealed(stores[f], k, slots, o, w, modes[f], results[f][1], results[f][3], columns[f],
                             results[f][2], insert_missing, stores[f].step))
     return ctxs
+
+
+def split_before_training(stores, keys) -> None:
+    """Before a grouped training lookup: every undecided ``fallback_rows="auto"`` store chooses
+    its split if the call's keys do not fit it (cncore/store_split.py), with the keys of all of
+    its features. One attribute read a store when none is undecided."""
+    pending: dict[int, tuple] = {}
+    for s, k in zip(stores, keys):
+        if getattr(s, "_split_pending", False):
+            pending.setdefault(id(s), (s, []))[1].append(k)
+    for s, ks in pending.values():
+        s.split_before_training(ks[0] if len(ks) == 1 else np.concatenate(ks))
 
 
 def _as_read(keys, offsets, weights, result) -> tuple:
@@ -366,6 +380,8 @@ def forward_one(store, keys, offsets, weights, mode: int, out, insert_missing: b
     if weights is not None:
         weights = np.ascontiguousarray(weights, dtype=np.float32)
     insert_missing = bool(insert_missing)
+    if insert_missing and getattr(store, "_split_pending", False):  # fallback_rows="auto", undecided
+        store.split_before_training(keys)
     # (A tiered store holds the keys in memory around the call, and hands over the slots its
     # fault-in found, so that the lookup does not find them again; see TieredStore._fault_in.)
     with store.faulted_in(keys, insert_missing) if hasattr(store, "faulted_in") else _NOTHING_HELD as found:

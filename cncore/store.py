@@ -72,6 +72,7 @@ from cncore.grouped import LookupContext, as_flag, grouped_apply_gradients, pool
 from cncore.rows import TableBatch, initial_rows
 from cncore.store_eviction import EvictionVerbs
 from cncore.store_fallback import FallbackVerbs
+from cncore.store_split import AutoSplitVerbs
 
 __all__ = ["EmbeddingStore", "TableBatch", "initial_rows"]
 
@@ -92,7 +93,7 @@ def _restore(config, keys, rows, optimizer_state, counts, last_steps, step, kind
     return store
 
 
-class EmbeddingStore(EvictionVerbs, FallbackVerbs):
+class EmbeddingStore(EvictionVerbs, FallbackVerbs, AutoSplitVerbs):
     """A growable embedding table in memory. See the module docstring for the verbs.
 
     It keeps its rows in memory only: a config with ``storage=`` is refused (TypeError);
@@ -134,9 +135,10 @@ class EmbeddingStore(EvictionVerbs, FallbackVerbs):
                                                                                             MinCount)
               else (0, 0, 0, adm is not None and adm.unadmitted == "initial")), ROW_DTYPES[config.dtype],
             adm.threshold if isinstance(adm, Probability) else 0, config.seed,
-            ev.halve_shift if isinstance(ev, LFU) else -1, config.fallback_rows, config.fallback_copy,
+            ev.halve_shift if isinstance(ev, LFU) else -1, config.fixed_fallback_rows, config.fallback_copy,
             config.fallback_mode == "residual")
         self._evict_callbacks: list[Callable] = []
+        self._split_pending = config.fallback_rows == "auto"  # cncore.store_split
         # For incremental saves (cncore.tablefile): which store a checkpoint is of, and how many
         # calls wrote rows without recording a step (a delta cannot see those rows).
         self._uid, self._writes = next(_STORE_IDS), 0

@@ -65,6 +65,7 @@ from torch import nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import cncore
+from cncore import store_split
 from cn_dlrm import bounded
 from cn_dlrm.compare import hashed_run
 from cn_dlrm.data import SPARSE_KEYS, Batch, SyntheticCriteo
@@ -72,6 +73,7 @@ from cn_dlrm.train import Data, Run, _mute_is_fx_tracing_notice, build_dlrm, tab
 from cncore_torch.collection import CNEmbeddingBagCollection
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its sibling, however it is loaded
+import bounded_churn
 import bounded_instacart
 import bounded_movielens
 
@@ -81,7 +83,8 @@ OPTIONS = ["ours-unbounded", "ours-lfu+mincount2", "ours-lfu-aging", "ours-lru+h
            "ours-lfu+mincount2+hashed", "ours-lfu+zero", "ours-lru+zero",
            "ours-lfu+fb20", "ours-lfu+fb50", "ours-lfu+fb80", "ours-lfu+fb90", "ours-lfu+fb95", "ours-lfu+fb50+fbinit",
            "ours-lru+fb50", "ours-lru+fb80", "ours-lfu+mincount2+fb50", "ours-lfu+mincount2+fb80",
-           "ours-lfu+rfb50", "ours-lfu+rfb80", "ours-lfu+rfb90", "ours-lfu+rfb95"]
+           "ours-lfu+rfb50", "ours-lfu+rfb80", "ours-lfu+rfb90", "ours-lfu+rfb95", "ours-lfu+auto",
+           "ours-lfu+auto+autoinit"]
 LABELS = {"ours-unbounded": "ours, no budget",
           "ours-lru": "ours LRU", "ours-lfu": "ours LFU", "ours-lru+mincount2": "ours LRU + MinCount(2)",
           "hashed": "TorchRec EBC, IDs modulo rows", "hashed-same-memory": "TorchRec EBC, modulo, ours' MiB",
@@ -201,9 +204,11 @@ def fallback_split(budgets: list[int], share: float) -> tuple[list[int], list[in
 
 
 def ours(args, budgets: list[int], eviction, admission=None, initializer=None, fallback_share=0.0,
-         fallback_copy=True, fallback_mode="miss") -> Run:
+         fallback_copy=True, fallback_mode="miss", auto=False) -> Run:
     torch.manual_seed(args.seed)  # the dense network starts where every other run's does
     keyed, fallback = fallback_split(budgets, fallback_share) if fallback_share else (budgets, None)
+    if auto:  # fallback_rows="auto": each table chooses its split of its budget (cncore/store_split.py)
+        keyed, fallback = budgets, ["auto"] * len(budgets)
     configs = args.task.configs(args.embedding_dim, keyed)
     names = [c.name for c in configs]
     ebc = CNEmbeddingBagCollection(tables=configs, optimizer=args.task.sparse_optimizer(args.sparse_lr),
@@ -212,7 +217,7 @@ def ours(args, budgets: list[int], eviction, admission=None, initializer=None, f
                                    max_rows=None if eviction is None else dict(zip(names, keyed)),
                                    fallback_rows=None if fallback is None else dict(zip(names, fallback)),
                                    fallback_copy=fallback_copy,
-                                   fallback_mode=None if fallback is None else  # (tables too small for any: none)
+                                   fallback_mode=None if fallback is None or auto else  # (tables too small: none)
                                    {n: fallback_mode if f else None for n, f in zip(names, fallback)})
     model = args.task.dlrm(ebc, args.embedding_dim)
     dense = [p for n, p in model.named_parameters() if "_anchor" not in n]
@@ -391,8 +396,10 @@ def build(method: str, args, budgets: list[int]) -> Run:
         share = next((int(e.lstrip("r")[2:]) / 100 for e in extras
                       if e.lstrip("r").startswith("fb") and e.lstrip("r")[2:].isdigit()), 0.0)
         residual = any(e.startswith("rfb") for e in extras)
+        # +auto: fallback_rows="auto"; +autoinit: its conversion starts the fallback rows from the initializer
+        cncore.EmbeddingStore.fallback_start_from = "initializer" if "autoinit" in extras else "victims"
         return ours(args, budgets, POLICIES[policy](), admission, cncore.Constant(0.0) if "zero" in extras else None,
-                    share, "fbinit" not in extras, "residual" if residual else "miss")
+                    share, "fbinit" not in extras, "residual" if residual else "miss", auto="auto" in extras)
     if method == "ours-unbounded":  # its configs' rows (which scale the initial rows) are the distinct IDs
         return ours(args, args.distinct, None)
     if method in ("hashed", "hashed-same-memory"):
@@ -454,6 +461,41 @@ def step_times(args, job, data: CachedData, budgets: list[int]) -> list[dict]:
              "steady_step_ms": [x[m] for x in per_round]} for m in args.methods]
 
 
+def load_data(args, job) -> tuple[CachedData, bounded.StreamCounts]:
+    """The training and test batches of --data, and each table's distinct training IDs (and
+    peak batch); sets the job's task and steps, and prints what the data is."""
+    if args.data != "synthetic":
+        real: bounded_movielens.MovieLens | bounded_instacart.Instacart
+        if args.data == "movielens":
+            real = bounded_movielens.MovieLens(
+                bounded_movielens.find_wheel(args.cache or bounded_movielens.DEFAULT_CACHE), args.batch_size)
+            what = "MovieLens-100K (label: rating >= 4)"
+        else:
+            real = bounded_instacart.Instacart(
+                bounded_instacart.find_wheel(args.cache or bounded_instacart.DEFAULT_CACHE), args.batch_size)
+            what = "Instacart order lines (label: reordered)"
+        data = CachedData(job, real.batches, real.eval_set)
+        job.task, job.steps = TASKS[args.data], len(data.batches)
+        job.eval_every = job.steps
+        counts = bounded.StreamCounts(*real.counts())
+        print(f"# DLRM on {what}, {job.steps} steps x {args.batch_size} in stream "
+              f"order, tested on {sum(len(b.labels) for b in data.eval_set):,}; dim {args.embedding_dim}, "
+              f"Adagrad; distinct training IDs per table "
+              f"{dict(zip(real.keys, counts.distinct))}; {args.threads} thread(s); MCH eviction interval "
+              f"{args.mch_interval}; budget floor {args.budget_floor}", flush=True)
+    else:
+        job.task = SyntheticTask
+        gen = SyntheticCriteo(seed=job.seed, batch_size=job.batch_size)
+        data = CachedData(job, [gen.batch(i) for i in range(args.steps)],
+                          [gen.batch(args.steps + k) for k in range(args.eval_batches)], gen)
+        counts = bounded.stream_counts(gen, args.steps)
+        print(f"# DLRM, synthetic Criteo-like stream: {args.steps} steps x {args.batch_size} samples, dim "
+              f"{args.embedding_dim}, eval on the next {args.eval_batches} batches; {sum(counts.distinct):,} "
+              f"distinct training IDs over 26 tables; {args.threads} thread(s); MCH eviction interval "
+              f"{args.mch_interval}", flush=True)
+    return data, counts
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", choices=["synthetic", "movielens", "instacart"], default="synthetic",
@@ -499,7 +541,20 @@ def main(argv=None) -> int:
                     help="instead of AUC: time the training step of every --methods run at the first --budgets "
                          "budget, interleaved step by step in this process (see step_times); not under nice")
     ap.add_argument("--step-rounds", type=int, default=3, help="--step-time: rounds (fresh runs each)")
+    ap.add_argument("--auto-churn", type=float, default=None,
+                    help="+auto methods: the churn from which a table shares rows (default "
+                         f"cncore.store_split.AUTO_CHURN, {store_split.AUTO_CHURN})")
+    ap.add_argument("--auto-repeat", type=float, default=None,
+                    help="+auto methods: the repeat up to which a table shares rows (default "
+                         f"cncore.store_split.AUTO_REPEAT, {store_split.AUTO_REPEAT})")
+    ap.add_argument("--churn", action="store_true",
+                    help="instead of AUC: each table's churn in a run of the first --methods method (one of ours, "
+                         "bounded) at every --budgets budget, model seed 0 (bounded_churn.py)")
     args = ap.parse_args(argv)
+    if args.auto_churn is not None:
+        store_split.AUTO_CHURN = args.auto_churn
+    if args.auto_repeat is not None:
+        store_split.AUTO_REPEAT = args.auto_repeat
     # what the job's Run/train read
     if args.batch_size is None:
         args.batch_size = 2048 if args.data == "synthetic" else 256
@@ -512,35 +567,7 @@ def main(argv=None) -> int:
     cncore.set_num_threads(args.threads)
     _mute_is_fx_tracing_notice()
     t0 = time.perf_counter()
-    if args.data != "synthetic":
-        real: bounded_movielens.MovieLens | bounded_instacart.Instacart
-        if args.data == "movielens":
-            real = bounded_movielens.MovieLens(
-                bounded_movielens.find_wheel(args.cache or bounded_movielens.DEFAULT_CACHE), args.batch_size)
-            what = "MovieLens-100K (label: rating >= 4)"
-        else:
-            real = bounded_instacart.Instacart(
-                bounded_instacart.find_wheel(args.cache or bounded_instacart.DEFAULT_CACHE), args.batch_size)
-            what = "Instacart order lines (label: reordered)"
-        data = CachedData(job, real.batches, real.eval_set)
-        job.task, job.steps = TASKS[args.data], len(data.batches)
-        job.eval_every = job.steps
-        counts = bounded.StreamCounts(*real.counts())
-        print(f"# DLRM on {what}, {job.steps} steps x {args.batch_size} in stream "
-              f"order, tested on {sum(len(b.labels) for b in data.eval_set):,}; dim {args.embedding_dim}, "
-              f"Adagrad; distinct training IDs per table "
-              f"{dict(zip(real.keys, counts.distinct))}; {args.threads} thread(s); MCH eviction interval "
-              f"{args.mch_interval}; budget floor {args.budget_floor}", flush=True)
-    else:
-        job.task = SyntheticTask
-        gen = SyntheticCriteo(seed=job.seed, batch_size=job.batch_size)
-        data = CachedData(job, [gen.batch(i) for i in range(args.steps)],
-                          [gen.batch(args.steps + k) for k in range(args.eval_batches)], gen)
-        counts = bounded.stream_counts(gen, args.steps)
-        print(f"# DLRM, synthetic Criteo-like stream: {args.steps} steps x {args.batch_size} samples, dim "
-              f"{args.embedding_dim}, eval on the next {args.eval_batches} batches; {sum(counts.distinct):,} "
-              f"distinct training IDs over 26 tables; {args.threads} thread(s); MCH eviction interval "
-              f"{args.mch_interval}", flush=True)
+    data, counts = load_data(args, job)
     job.distinct = list(counts.distinct)
     if args.budget_floor == "none":
         counts = bounded.StreamCounts(counts.distinct, [1] * len(counts.distinct))
@@ -562,6 +589,14 @@ def main(argv=None) -> int:
         if args.json:
             with open(args.json, "w") as fh:
                 json.dump({"args": vars(args), "budgets": budgets, "step_times": timed}, fh, indent=2)
+        return 0
+    if args.churn:
+        print(bounded_churn.CHURN_HEADER)
+        for percent in args.budgets:
+            budgets = bounded.percent_budgets(counts, percent)
+            job.seed = 0
+            bounded_churn.print_churn(percent, bounded_churn.churn_of_run(build(args.methods[0], job, budgets),
+                                                                          data.batches))
         return 0
     rows = []
     print("| budget | budget rows (all tables) | method | AUC | log loss | rows used | evictions | table MiB | "

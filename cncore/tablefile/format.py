@@ -232,8 +232,9 @@ def _check_manifest(m, where: str) -> tuple[int, int, cncore.StoreConfig, int]:
 
 
 def _check_fallback_entries(m: dict, config: cncore.StoreConfig, where: str) -> None:
-    """A table with fallback rows holds both arrays, float32, of their shapes; others none."""
-    if not config.fallback_rows:
+    """A table with fallback rows holds both arrays, float32, of their shapes; others (a
+    ``fallback_rows="auto"`` table that has not chosen its split included) none."""
+    if not config.fixed_fallback_rows:
         if "fallback" in m:
             raise _error(where, "fallback: the config has no fallback rows (fallback_rows=0), the manifest lists "
                                 "them")

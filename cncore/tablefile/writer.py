@@ -129,9 +129,10 @@ class TableWriter:
             rows (ArrayLike): (fallback_rows, dim) float32.
             optimizer_state (ArrayLike): (fallback_rows, state_floats) float32.
         """
-        n = self.config.fallback_rows
+        n = self.config.fixed_fallback_rows
         if not n:
-            raise ValueError("write_fallback: this table's config has no fallback rows (fallback_rows=0)")
+            raise ValueError(f"write_fallback: this table's config has no fallback rows (fallback_rows="
+                             f"{self.config.fallback_rows!r})")
         arrays = []
         for name, value, width in (("rows", rows, self.config.dim),
                                    ("optimizer_state", optimizer_state, self.config.state_floats)):
@@ -206,7 +207,7 @@ class TableWriter:
                     "evicted": self.evicted_count, "config": config_to_dict(self.config), "arrays": {}}
         if self.shard is not None:
             manifest["shard"] = self.shard
-        if self.config.fallback_rows:
+        if self.config.fixed_fallback_rows:
             if self.fallback is None:
                 self.abort()
                 raise ValueError(f"fallback_rows={self.config.fallback_rows}: the table's fallback rows were not "

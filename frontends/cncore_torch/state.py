@@ -60,7 +60,7 @@ def save_store(store: cncore.EmbeddingStore, destination: dict, prefix: str,
     sharded table's shard, written as the entry `shard` (see `read_table`), among the ranks of
     process group `group`. The entries are `cncore_torch.dcp.TableEntry` tensors, which DCP
     writes as this rank's part of each table rather than as replicas."""
-    n_fallback = getattr(store, "fallback_rows", 0)
+    n_fallback = getattr(store, "fallback_rows", 0) or store.config.fallback_rows  # (an undecided "auto": 0 rows)
     if shard is not None and n_fallback:  # refused before any entry is written
         raise ValueError(f"fallback_rows={n_fallback}: a sharded table's state_dict does not carry fallback rows; "
                          "build the sharded module's tables without fallback_rows (or save the unsharded module)")
@@ -126,8 +126,11 @@ class TableState:
         return cls(keys, rows, optimizer_state, counts, last_steps, step=step)
 
     def load_into(self, target) -> None:
-        """Replace every row of `target` (an EmbeddingStore or DeviceRows) and its step."""
+        """Replace every row of `target` (an EmbeddingStore or DeviceRows) and its step; an
+        undecided ``fallback_rows="auto"`` table takes the split of a checkpoint with fallback rows."""
         target.clear()
+        if self.fallback is not None and getattr(target, "_split_pending", False):
+            target.choose_split(len(self.fallback[0]))
         target.reserve(len(self.keys))
         state = self.optimizer_state if self.optimizer_state.shape[1] else None
         target.load(self.keys, self.rows, state, self.counts, self.last_steps)
@@ -147,11 +150,14 @@ def _optimizers_writing(width: int, dim: int) -> str:
 
 
 def read_table(state_dict, prefix: str, dim: int, state_floats: int, missing_keys: list[str],
-               error_msgs: list[str], fallback_rows: int = 0) -> TableState | None:
+               error_msgs: list[str], fallback_rows: int | str = 0) -> TableState | None:
     """The checked entries of the table under `prefix`, or None with the reasons appended to
     `missing_keys` / `error_msgs`. Checks everything the store's `load` would, and more
     (unique keys, the optimizer), so that loading a TableState cannot fail half way."""
     fallback_entries = ("fallback_rows", "fallback_optimizer_state")
+    if fallback_rows == "auto":  # a table choosing its split: a checkpoint of one that chose fallback rows has them
+        held = state_dict.get(prefix + "fallback_rows")
+        fallback_rows = len(held) if isinstance(held, torch.Tensor) and held.dim() == 2 else 0
     missing = [prefix + name for name in ENTRIES + (fallback_entries if fallback_rows else ())
                if prefix + name not in state_dict]
     if missing:
@@ -282,9 +288,17 @@ def load_tables(tables: dict[str, TableSpec], load_rest: Callable, state_dict, m
             states[prefix] = state = None
         # A writer may keep only some of the rows (a shard keeps the keys its rank owns).
         kept = getattr(write, "rows_kept", len)(state.keys) if state is not None else 0
-        if config.max_rows is not None and kept > config.max_rows:
+        max_rows = config.max_rows
+        if config.fallback_rows == "auto" and state is not None and state.fallback is not None:
+            max_rows -= len(state.fallback[0])  # the split the checkpoint's table chose (load_into restores it)
+            if max_rows < 1:
+                errors.append(f"{prefix}fallback_rows: holds {len(state.fallback[0])} fallback rows, this table's "
+                              f"max_rows is {config.max_rows}: a split leaves at least one keyed row")
+                states[prefix] = None
+                continue
+        if max_rows is not None and kept > max_rows:
             errors.append(f"{prefix}keys: holds {kept} rows for this table, more than its max_rows "
-                          f"({config.max_rows}); loading them would evict some at once. Build the module with a "
+                          f"({max_rows}); loading them would evict some at once. Build the module with a "
                           "max_rows of at least that, or prune the checkpoint first")
             states[prefix] = None
     error_msgs.extend(errors)
