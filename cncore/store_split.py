@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
@@ -101,10 +101,15 @@ def split_repeat(held_counts: int, occurrences: int, held: int, new: int) -> flo
     return (held_counts + occurrences) / max(1, held + new)
 
 
+def budget_of(config: StoreConfig) -> int:
+    """The max_rows of an auto table (StoreConfig refuses ``fallback_rows="auto"`` without one)."""
+    return cast(int, config.max_rows)
+
+
 def split_config(config: StoreConfig, fallback_rows: int) -> StoreConfig:
     """The concrete config of an auto table that chose `fallback_rows` of its max_rows (0: its
     max_rows stay keyed rows; the headroom is the default of the keyed rows' budget)."""
-    keyed = config.max_rows - fallback_rows
+    keyed = budget_of(config) - fallback_rows
     return dataclasses.replace(config, max_rows=keyed, fallback_rows=fallback_rows,
                                headroom=min(max(1, keyed // 32), keyed - 1))
 
@@ -160,17 +165,18 @@ class AutoSplitVerbs:
         if not self._split_pending:
             return
         config = self._config
+        budget = budget_of(config)
         distinct = np.unique(keys)
         slots = np.empty(len(distinct), dtype=np.int64)
         self._table.find(distinct, slots)
         new = int((slots < 0).sum())
         held = self._table.size
-        if held + new <= config.max_rows:
+        if held + new <= budget:
             return
-        churn = split_churn(held, self._table.evicted_count, new, self._table.step, config.max_rows)
+        churn = split_churn(held, self._table.evicted_count, new, self._table.step, budget)
         counts = int(self.export(with_rows=False).counts.sum(dtype=np.int64)) if held else 0
         repeat = split_repeat(counts, len(keys), held, new)
-        fallback_rows = auto_fallback_rows(config.max_rows, churn, repeat)
+        fallback_rows = auto_fallback_rows(budget, churn, repeat)
         self.choose_split(fallback_rows)
         self.split_measures = SplitMeasures(churn, repeat, fallback_rows)
 
@@ -191,7 +197,7 @@ class AutoSplitVerbs:
         if not self._split_pending:
             raise ValueError(f"choose_split: this table's fallback_rows is {self._config.fallback_rows!r}, not an "
                              "undecided 'auto'; its split is fixed")
-        max_rows = self._config.max_rows
+        max_rows = budget_of(self._config)
         if isinstance(fallback_rows, bool) or not isinstance(fallback_rows, (int, np.integer)) \
                 or not 0 <= fallback_rows < max_rows:
             raise ValueError(f"fallback_rows must be an int in [0, {max_rows - 1}] (max_rows - 1), got "

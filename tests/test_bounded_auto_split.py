@@ -105,6 +105,12 @@ class AutoSplitMachine(FallbackMachine):
         assert self.store.fallback_rows == self.ref.n_fallback
         assert self.store.config.fallback_rows == ("auto" if self.ref.pending else self.ref.n_fallback)
 
+    @rule(bags=st.lists(st.lists(st.sampled_from([1, 2]), min_size=10, max_size=30), min_size=1, max_size=3),
+          seed=st.integers(0, 100))
+    def train_hot_keys(self, bags, seed):
+        """Keys looked up many times a call: their repeat keeps the table's keyed rows."""
+        self.train_step(bags, seed, False)
+
     @invariant()
     def fallback_rows_match(self):
         rows, state = self.store.export_fallback()
@@ -276,7 +282,8 @@ def test_a_collections_state_dict_carries_the_split_or_its_absence():
             optimizer=cncore.SGD(lr=0.5), max_rows=10, fallback_rows="auto")
 
     def step(ebc, ids):
-        kjt = KeyedJaggedTensor.from_lengths_sync(keys=["f"], values=torch.tensor(ids), lengths=torch.tensor([len(ids)]))
+        kjt = KeyedJaggedTensor.from_lengths_sync(keys=["f"], values=torch.tensor(ids),
+                                                  lengths=torch.tensor([len(ids)]))
         ebc(kjt).values().sum().backward()
 
     ebc = collection()

@@ -65,11 +65,11 @@ from torch import nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import cncore
-from cncore import store_split
 from cn_dlrm import bounded
 from cn_dlrm.compare import hashed_run
 from cn_dlrm.data import SPARSE_KEYS, Batch, SyntheticCriteo
 from cn_dlrm.train import Data, Run, _mute_is_fx_tracing_notice, build_dlrm, table_configs, train, used_bytes
+from cncore import store_split
 from cncore_torch.collection import CNEmbeddingBagCollection
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its sibling, however it is loaded
@@ -206,6 +206,7 @@ def fallback_split(budgets: list[int], share: float) -> tuple[list[int], list[in
 def ours(args, budgets: list[int], eviction, admission=None, initializer=None, fallback_share=0.0,
          fallback_copy=True, fallback_mode="miss", auto=False) -> Run:
     torch.manual_seed(args.seed)  # the dense network starts where every other run's does
+    fallback: list[int] | list[str] | None
     keyed, fallback = fallback_split(budgets, fallback_share) if fallback_share else (budgets, None)
     if auto:  # fallback_rows="auto": each table chooses its split of its budget (cncore/store_split.py)
         keyed, fallback = budgets, ["auto"] * len(budgets)

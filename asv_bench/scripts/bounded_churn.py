@@ -57,10 +57,10 @@ def churn_of_run(run, batches) -> list[dict]:
         if fill is None:
             row.update(fill_calls=None, fill_churn=None, fill_repeat=None, miss_after=None, new_after=None)
         else:
-            new_to_fill = sum(c[1] for c in per_call[:fill + 1])
-            after = per_call[fill + 1:]
+            filling, after = per_call[:fill + 1], per_call[fill + 1:]
+            new_to_fill = sum(c[1] for c in filling)
             row.update(fill_calls=fill + 1, fill_churn=new_to_fill / (fill + 1) / max_rows,
-                       fill_repeat=sum(c[4] for c in per_call[:fill + 1]) / max(1, sum(c[0] for c in per_call[:fill + 1])),
+                       fill_repeat=sum(c[4] for c in filling) / max(1, sum(c[0] for c in filling)),
                        miss_after=float(np.mean([c[1] / max(c[0], 1) for c in after])) if after else None,
                        new_after=float(np.mean([c[1] for c in after])) / max_rows if after else None)
         measures = getattr(store, "split_measures", None)
@@ -84,4 +84,5 @@ def print_churn(percent: float, rows: list[dict]) -> None:
 
 CHURN_HEADER = ("| budget | table | max_rows | distinct IDs a call | fill calls | fill churn (new a call / max_rows) | "
                 "fill repeat (occurrences / distinct, a call) | miss after (of a call's distinct) | "
-                "new after (a call / max_rows) | auto: churn / repeat / fallback rows |\n|---|---|---|---|---|---|---|---|---|---|")
+                "new after (a call / max_rows) | auto: churn / repeat / fallback rows |\n"
+                + "|---" * 10 + "|")

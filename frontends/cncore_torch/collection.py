@@ -138,8 +138,9 @@ class CNEmbeddingBagCollection(DynamicTables, EmbeddingBagCollection):
         row_dtype (str | dict[str, str] | None): "float32", "float16" or "bfloat16".
         storage (Tiered | dict[str, Tiered | None] | None): `cncore.Tiered(path, cache_bytes)`:
             rows on disk under a bounded cache.
-        fallback_rows (int | dict[str, int | None] | None): shared rows that IDs without a row of
-            their own read and train (``StoreConfig.fallback_rows``; docs/bounded-tables.md).
+        fallback_rows (int | str | dict[str, int | str | None] | None): shared rows that IDs without
+            a row of their own read and train (``StoreConfig.fallback_rows``; docs/bounded-tables.md),
+            or "auto": each such table chooses its split of max_rows when it fills.
         fallback_copy (bool | dict[str, bool | None] | None): a new row starts as a copy of its
             fallback row (None: True) or from the initializer.
         fallback_mode (str | dict[str, str | None] | None): "miss" (None: the default) or
@@ -193,7 +194,7 @@ class CNEmbeddingBagCollection(DynamicTables, EmbeddingBagCollection):
                  admission: Admission | dict[str, Admission | None] | None = None,
                  headroom: int | dict[str, int | None] | None = None, row_dtype: str | dict[str, str] | None = None,
                  storage: Tiered | dict[str, Tiered | None] | None = None, per_rank_tables: bool = False,
-                 fallback_rows: int | dict[str, int | None] | None = None,
+                 fallback_rows: int | str | dict[str, int | str | None] | None = None,
                  fallback_copy: bool | dict[str, bool | None] | None = None,
                  fallback_mode: str | dict[str, str | None] | None = None) -> None:
         super().__init__()
@@ -340,7 +341,7 @@ class CNEmbeddingCollection(DynamicTables, EmbeddingCollection):
                  admission: Admission | dict[str, Admission | None] | None = None,
                  headroom: int | dict[str, int | None] | None = None, row_dtype: str | dict[str, str] | None = None,
                  storage: Tiered | dict[str, Tiered | None] | None = None, per_rank_tables: bool = False,
-                 fallback_rows: int | dict[str, int | None] | None = None,
+                 fallback_rows: int | str | dict[str, int | str | None] | None = None,
                  fallback_copy: bool | dict[str, bool | None] | None = None,
                  fallback_mode: str | dict[str, str | None] | None = None) -> None:
         super().__init__()

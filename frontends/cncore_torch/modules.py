@@ -332,8 +332,9 @@ class CNEmbeddingBag(_DynamicTable):
         row_dtype (str): the rows' storage dtype: "float32", "float16" or "bfloat16".
         storage (Tiered | None): `cncore.Tiered(path, cache_bytes)`: rows on disk under a
             bounded cache.
-        fallback_rows (int): shared rows that IDs without a row of their own read and train
-            (``StoreConfig.fallback_rows``; docs/bounded-tables.md).
+        fallback_rows (int | str): shared rows that IDs without a row of their own read and train
+            (``StoreConfig.fallback_rows``; docs/bounded-tables.md), or "auto" (with max_rows: the
+            table chooses its split of max_rows when it fills).
         fallback_copy (bool): a new row starts as a copy of its fallback row, or from the
             initializer.
         fallback_mode (str): "miss" (the default) or "residual": every ID reads its own row
@@ -358,7 +359,7 @@ class CNEmbeddingBag(_DynamicTable):
                  initializer: Initializer | None = None, seed: int = 0, max_load_factor: float = 0.7,
                  max_rows: int | None = None, eviction: Eviction | None = None, admission: Admission | None = None,
                  headroom: int | None = None, row_dtype: str = "float32", storage: Tiered | None = None,
-                 fallback_rows: int = 0, fallback_copy: bool = True, fallback_mode: str = "miss") -> None:
+                 fallback_rows: int | str = 0, fallback_copy: bool = True, fallback_mode: str = "miss") -> None:
         _check_unsupported(max_norm, scale_grad_by_freq, sparse, device, dtype)
         if mode not in MODES:
             raise ValueError(f"mode must be 'sum', 'mean' or 'max', got {mode!r}")
@@ -477,8 +478,9 @@ class CNEmbedding(_DynamicTable):
         row_dtype (str): the rows' storage dtype: "float32", "float16" or "bfloat16".
         storage (Tiered | None): `cncore.Tiered(path, cache_bytes)`: rows on disk under a
             bounded cache.
-        fallback_rows (int): shared rows that IDs without a row of their own read and train
-            (``StoreConfig.fallback_rows``; docs/bounded-tables.md).
+        fallback_rows (int | str): shared rows that IDs without a row of their own read and train
+            (``StoreConfig.fallback_rows``; docs/bounded-tables.md), or "auto" (with max_rows: the
+            table chooses its split of max_rows when it fills).
         fallback_copy (bool): a new row starts as a copy of its fallback row, or from the
             initializer.
         fallback_mode (str): "miss" (the default) or "residual": every ID reads its own row
@@ -500,7 +502,7 @@ class CNEmbedding(_DynamicTable):
                  initializer: Initializer | None = None, seed: int = 0, max_load_factor: float = 0.7,
                  max_rows: int | None = None, eviction: Eviction | None = None, admission: Admission | None = None,
                  headroom: int | None = None, row_dtype: str = "float32", storage: Tiered | None = None,
-                 fallback_rows: int = 0, fallback_copy: bool = True, fallback_mode: str = "miss") -> None:
+                 fallback_rows: int | str = 0, fallback_copy: bool = True, fallback_mode: str = "miss") -> None:
         _check_unsupported(max_norm, scale_grad_by_freq, sparse, device, dtype)
         _check_padding_idx(padding_idx)
         super().__init__(num_embeddings, embedding_dim, optimizer, initializer, seed, max_load_factor, device,

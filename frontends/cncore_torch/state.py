@@ -290,7 +290,8 @@ def load_tables(tables: dict[str, TableSpec], load_rest: Callable, state_dict, m
         kept = getattr(write, "rows_kept", len)(state.keys) if state is not None else 0
         max_rows = config.max_rows
         if config.fallback_rows == "auto" and state is not None and state.fallback is not None:
-            max_rows -= len(state.fallback[0])  # the split the checkpoint's table chose (load_into restores it)
+            # the split the checkpoint's table chose (load_into restores it)
+            max_rows = (config.max_rows or 0) - len(state.fallback[0])
             if max_rows < 1:
                 errors.append(f"{prefix}fallback_rows: holds {len(state.fallback[0])} fallback rows, this table's "
                               f"max_rows is {config.max_rows}: a split leaves at least one keyed row")
