@@ -166,6 +166,8 @@ class AutoSplitVerbs:
             return
         config = self._config
         budget = budget_of(config)
+        if self._table.size + len(keys) <= budget:  # fits whatever its new keys: no unique, no find
+            return
         distinct = np.unique(keys)
         slots = np.empty(len(distinct), dtype=np.int64)
         self._table.find(distinct, slots)
