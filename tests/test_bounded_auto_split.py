@@ -302,6 +302,44 @@ def test_a_collections_state_dict_carries_the_split_or_its_absence():
     assert back.stores["t"].config.fallback_rows == "auto" and len(back.stores["t"]) == 8
 
 
+def test_a_delta_saved_across_the_split_loads_as_the_split_table(tmp_path):
+    store = sgd_auto(10)
+    train(store, list(range(8)))
+    path = str(tmp_path / "t.cnt")
+    base = save_table(store, path)
+    train(store, list(range(8, 16)))
+    save_table(store, path, since=base)
+    same_store(store, load_store(path))
+
+
+@pytest.mark.parametrize("decided", [False, True])
+def test_dcp_loads_the_split_or_its_absence_into_a_fresh_auto_collection(tmp_path, decided):
+    torch = pytest.importorskip("torch")
+    import torch.distributed.checkpoint as dcp
+    from torchrec import EmbeddingBagConfig
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from cncore_torch.collection import CNEmbeddingBagCollection
+    from cncore_torch.dcp import CNLoadPlanner
+
+    def collection():
+        return CNEmbeddingBagCollection(
+            tables=[EmbeddingBagConfig(name="t", embedding_dim=2, num_embeddings=10, feature_names=["f"])],
+            optimizer=cncore.SGD(lr=0.5), max_rows=10, fallback_rows="auto")
+
+    ebc = collection()
+    for ids in ([list(range(8)), list(range(8, 16))] if decided else [list(range(8))]):
+        kjt = KeyedJaggedTensor.from_lengths_sync(["f"], torch.tensor(ids), torch.tensor([len(ids)]))
+        ebc(kjt).values().sum().backward()
+    dcp.save({"model": ebc.state_dict()}, checkpoint_id=str(tmp_path), no_dist=True)
+    fresh = collection()
+    state = {"model": fresh.state_dict()}
+    dcp.load(state, checkpoint_id=str(tmp_path), planner=CNLoadPlanner(), no_dist=True)
+    fresh.load_state_dict(state["model"])
+    assert fresh.stores["t"].config.fallback_rows == (9 if decided else "auto")
+    same_store(fresh.stores["t"], ebc.stores["t"])
+
+
 def test_what_auto_cannot_do_is_refused_by_name(tmp_path):
     refusals = [
         (dict(), "set max_rows too"),

@@ -87,6 +87,7 @@ __all__ = ["CNLoadPlanner", "CNStager", "TableEntry", "ShardLayout", "ungather"]
 
 # The entries of a table that hold one value per rank (stacked in a DCP checkpoint).
 PER_RANK = ("step", "evicted_count", "shard")
+FALLBACK_ENTRIES = ("fallback_rows", "fallback_optimizer_state")
 
 
 def _refuse_model_state_dict_helper() -> None:
@@ -383,6 +384,12 @@ class CNLoadPlanner(DefaultLoadPlanner):
                 self._replace(fqn, torch.empty(md.size, dtype=md.properties.dtype), keys_path, name)
             elif fqn in self.state_dict:
                 self._drop(fqn)
+        # A table with fallback_rows="auto" that had not chosen its split when the model was
+        # built has no fallback entries; a checkpoint of one that had holds them: added.
+        for name in FALLBACK_ENTRIES:
+            fqn, md = prefix + name, metadata.state_dict_metadata.get(prefix + name)
+            if isinstance(md, TensorStorageMetadata) and fqn not in self.state_dict:
+                self._replace(fqn, torch.empty(md.size, dtype=md.properties.dtype), keys_path, name)
 
     def _drop(self, fqn: str) -> None:
         del self.state_dict[fqn]
