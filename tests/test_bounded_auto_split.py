@@ -120,7 +120,7 @@ class AutoSplitMachine(FallbackMachine):
 
 
 AutoSplitMachine.TestCase.settings = settings(max_examples=80, stateful_step_count=30, deadline=None)
-TestAutoSplitMachine = pytest.mark.slow(AutoSplitMachine.TestCase)
+TestAutoSplitMachine = AutoSplitMachine.TestCase  # (about 2 s)
 
 
 def sgd_auto(max_rows, **kw):
