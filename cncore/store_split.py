@@ -51,6 +51,7 @@ SplitMeasures(churn=0.8, repeat=1.0, fallback_rows=9)
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
@@ -142,6 +143,11 @@ class SplitMeasures:
     fallback_rows: int
 
 
+# Serializes the decisions (rare: once a table); a lookup another thread has in flight on the
+# table being replaced has its backward refused, as after an eviction.
+_DECIDING = threading.RLock()
+
+
 class AutoSplitVerbs:
     """`EmbeddingStore`'s side of ``fallback_rows="auto"``: the check before a training lookup
     and the conversion (the module docstring)."""
@@ -164,10 +170,15 @@ class AutoSplitVerbs:
         fit. A decided or fixed table returns at once."""
         if not self._split_pending:
             return
+        if self._table.size + len(keys) <= budget_of(self._config):  # fits whatever its new keys
+            return
+        with _DECIDING:  # one decision, whichever thread's lookup finds the table full first
+            if self._split_pending:
+                self._split_when_full(keys)
+
+    def _split_when_full(self, keys: np.ndarray) -> None:
         config = self._config
         budget = budget_of(config)
-        if self._table.size + len(keys) <= budget:  # fits whatever its new keys: no unique, no find
-            return
         distinct = np.unique(keys)
         slots = np.empty(len(distinct), dtype=np.int64)
         self._table.find(distinct, slots)
