@@ -222,6 +222,35 @@ def test_a_callback_that_raises_still_sees_the_split_finished():
     assert store.config.max_rows == 1 and store.fallback_rows == 9 and store.evicted_count == 7
 
 
+def test_threads_filling_one_auto_table_split_it_once():
+    import threading
+    store = sgd_auto(64)
+    sink, refused, errors = [], [], []
+    store.on_evict(sink.append)
+
+    def worker(offset):
+        try:
+            for i in range(20):
+                keys = np.arange(8) + offset + 1000 * i
+                out, ctx = store.pooled_lookup(keys, lengths=[8])
+                try:
+                    store.apply_gradients(ctx, np.ones(out.shape, np.float32))
+                except RuntimeError as e:  # a lookup in flight on the table the split replaced
+                    refused.append(e)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(100 * t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert all("erased" in str(e) for e in refused)
+    assert store.split_measures is not None and store.config.fallback_rows == store.split_measures.fallback_rows
+    assert store.evicted_count == sum(len(b.keys) for b in sink) and len(store) <= store.config.max_rows
+
+
 def run_twice():
     store = auto_store(6)
     rng = np.random.default_rng(0)
