@@ -563,8 +563,8 @@ class EmbeddingStore(EvictionVerbs, FallbackVerbs, AutoSplitVerbs):
 
     def set_optimizer(self, optimizer: Optimizer) -> None:
         """Give a store built without an optimizer its fused optimizer (a cncore optimizer
-        config). Rows, counts, last steps, the step, the eviction count, the admission
-        sketch's counters and the on_evict callbacks stay; each row starts from the optimizer's
+        config). Rows, fallback rows, counts, last steps, the step, the eviction count, the
+        admission sketch's counters and the on_evict callbacks stay; each row starts from the optimizer's
         initial state, as a row loaded without state does. For front ends that
         learn the optimizer after building the table (TorchRec's apply_optimizer_in_backward);
         call it between steps, never beside another call on the store.
@@ -583,6 +583,8 @@ class EmbeddingStore(EvictionVerbs, FallbackVerbs, AutoSplitVerbs):
         fresh = EmbeddingStore(config)
         fresh.reserve(len(rows.keys))
         fresh.load(rows.keys, rows.rows, None, rows.counts, rows.last_steps)
+        if self.fallback_rows:  # their values; their state starts as the optimizer's, as the rows' does
+            fresh.load_fallback(self.export_fallback()[0])
         fresh.step, fresh.evicted_count = self.step, self.evicted_count
         if self._table.admission_counters is not None:
             fresh._table.admission_counters = self._table.admission_counters

@@ -251,6 +251,16 @@ def test_threads_filling_one_auto_table_split_it_once():
     assert store.evicted_count == sum(len(b.keys) for b in sink) and len(store) <= store.config.max_rows
 
 
+def test_set_optimizer_keeps_the_fallback_rows_values():
+    store = cncore.EmbeddingStore(dim=1, max_rows=4, fallback_rows="auto")
+    store.choose_split(2)
+    store.load_fallback(np.array([[1.0], [2.0]], np.float32))
+    store.set_optimizer(cncore.Adagrad(lr=0.1, initial_accumulator_value=0.5))
+    rows, state = store.export_fallback()
+    assert rows.tolist() == [[1.0], [2.0]] and state.tolist() == [[0.5], [0.5]]
+    assert store.config.fallback_rows == 2 and store.config.optimizer is not None
+
+
 def run_twice():
     store = auto_store(6)
     rng = np.random.default_rng(0)
