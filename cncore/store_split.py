@@ -53,7 +53,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -242,10 +242,10 @@ class AutoSplitVerbs:
             raise errors[0]
 
     def _swap_table(self, config: StoreConfig, victims: list[tuple[np.ndarray, np.ndarray]]) -> None:
-        from cncore.store import EmbeddingStore  # the store builds its core table; no circle at import
         kept = self.export()
         old = self._table
-        fresh = EmbeddingStore(config)
+        # this mixin's one user, EmbeddingStore (not imported: it imports this module), builds the core table
+        fresh = cast("Callable[[StoreConfig], Any]", type(self))(config)
         fresh.reserve(len(kept.keys))
         fresh.load(kept.keys, kept.rows, kept.optimizer_state if config.state_floats else None, kept.counts,
                    kept.last_steps)
