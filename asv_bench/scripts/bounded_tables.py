@@ -108,7 +108,7 @@ def run_one(args, kind: str, policy: str) -> dict:
             store.evict_expired()
     peak = peak_rss_bytes()
     return {"rows": len(store), "evicted": store.evicted_count,
-            "store_bytes_per_row": store.nbytes / max(len(store) + store.config.fallback_rows, 1),
+            "store_bytes_per_row": store.nbytes / max(len(store) + store.fallback_rows, 1),
             "peak_rss_over_start_per_budget_row": (peak - rss0) / args.max_rows}
 
 
