@@ -125,6 +125,86 @@ static inline void cn_groups_build_in(const int64_t *restrict slots, const int64
     g->n_unique = n_unique;
 }
 
+/* Grouping by a stable LSD radix sort, for the fused backward, whose rows may be updated in
+ * any order. Each kept key becomes one uint64, (slot << pos_bits) | position, so sorting by the
+ * slot bits alone orders the keys by (slot, position): a row's keys stay in key order, and its
+ * summed gradient is the same bits as with the map above. The digits are at most
+ * CN_RADIX_BITS wide (their histograms, 4 bytes a bucket, stay in L1), all histograms are
+ * counted in one pass, and a digit that every key shares skips its pass. */
+#ifndef CN_RADIX_BITS
+#define CN_RADIX_BITS 12
+#endif
+#define CN_RADIX_MAX_PASSES ((64 + CN_RADIX_BITS - 1) / CN_RADIX_BITS)
+
+/* Bits needed to write x (0 for 0). */
+static inline int cn_bits_for(uint64_t x) { return x ? 64 - __builtin_clzll(x) : 0; }
+
+/* Bytes of scratch that cn_groups_sort_in uses for m positions: two key buffers, the kept
+ * arrays and the histograms (16-byte aligned throughout). */
+static inline size_t cn_groups_sort_scratch_bytes(int64_t m) {
+    const size_t mm = (size_t)(m ? m : 1);
+    return (5 * mm + 2) * sizeof(int64_t) + (size_t)CN_RADIX_MAX_PASSES * ((size_t)1 << CN_RADIX_BITS) * sizeof(uint32_t);
+}
+
+/* Group positions[0..m) (increasing, each < 2^pos_bits) by slot, the slots < 2^slot_bits,
+ * slot_bits + pos_bits <= 64 and m < 2^32, in `scratch` (cn_groups_sort_scratch_bytes(m)).
+ * Unique rows come in slot order; each row's positions in key order. Keys with slot < 0 take
+ * no gradient. */
+static inline void cn_groups_sort_in(const int64_t *restrict slots, const int64_t *restrict positions, int64_t m,
+                                     int slot_bits, int pos_bits, cn_groups *g, void *scratch) {
+    memset(g, 0, sizeof(*g));
+    const size_t mm = (size_t)(m ? m : 1);
+    uint64_t *keys = (uint64_t *)scratch, *other = keys + mm;
+    g->unique_pos = (int64_t *)(other + mm);
+    g->group_start = g->unique_pos + mm;
+    g->group_pos = g->group_start + mm + 2;
+    uint32_t *hist = (uint32_t *)(g->group_pos + mm);
+    const int passes = (slot_bits + CN_RADIX_BITS - 1) / CN_RADIX_BITS;
+    const int width = passes ? (slot_bits + passes - 1) / passes : 0;
+    const uint64_t radix = (uint64_t)1 << width, digit_mask = radix - 1;
+    memset(hist, 0, (size_t)passes * radix * sizeof(uint32_t));
+    int64_t k = 0;
+    for (int64_t j = 0; j < m; j++) {
+        const int64_t i = positions[j], s = slots[i];
+        if (s < 0) continue;
+        keys[k++] = ((uint64_t)s << pos_bits) | (uint64_t)i;
+        for (int p = 0; p < passes; p++) hist[(uint64_t)p * radix + (((uint64_t)s >> (p * width)) & digit_mask)]++;
+    }
+    for (int p = 0; p < passes && k > 0; p++) {
+        uint32_t *h = hist + (uint64_t)p * radix;
+        const int shift = pos_bits + p * width;
+        if (h[(keys[0] >> shift) & digit_mask] == (uint32_t)k) continue; /* one digit for all */
+        uint32_t sum = 0;
+        for (uint64_t d = 0; d < radix; d++) {
+            const uint32_t c = h[d];
+            h[d] = sum;
+            sum += c;
+        }
+        for (int64_t t = 0; t < k; t++) {
+            const uint64_t key = keys[t];
+            other[h[(key >> shift) & digit_mask]++] = key;
+        }
+        uint64_t *swap = keys;
+        keys = other;
+        other = swap;
+    }
+    const uint64_t pos_mask = ((uint64_t)1 << pos_bits) - 1; /* pos_bits < 64: positions fit int64 */
+    int64_t n_unique = 0;
+    uint64_t prev = 0;
+    for (int64_t t = 0; t < k; t++) {
+        const uint64_t slot = keys[t] >> pos_bits;
+        const int64_t i = (int64_t)(keys[t] & pos_mask);
+        if (t == 0 || slot != prev) {
+            g->unique_pos[n_unique] = i;
+            g->group_start[n_unique++] = t;
+            prev = slot;
+        }
+        g->group_pos[t] = i;
+    }
+    g->group_start[n_unique] = k;
+    g->n_unique = n_unique;
+}
+
 /* cn_groups_build_in in a block of its own (cn_groups_free frees it). Returns 0, or -1 when out
  * of memory (nothing allocated). */
 static inline int cn_groups_build(const int64_t *restrict slots, const int64_t *restrict positions, int64_t m,
@@ -294,8 +374,10 @@ typedef struct {
     cn_groups g;
     int64_t *mine;
     int64_t m;
+    int slot_bits;    /* bits of the share's largest slot */
+    int sorted;       /* grouped by cn_groups_sort_in (else by the map, cn_groups_build_in) */
     float *acc; /* the summed gradient of one row (not for direct SGD) */
-    void *scratch; /* its cn_groups_scratch_bytes(m), for the grouping */
+    void *scratch; /* the grouping's scratch */
 } cn_grad_share;
 
 typedef struct {
@@ -313,15 +395,22 @@ typedef struct {
 
 /* Whether key position i has a row, of share sh. */
 static inline int cn_grad_owns(const cn_grad_apply_job *j, int64_t i, int64_t sh) {
-    return j->slots[i] >= 0 && cn_row_owner(j->slots[i], j->n_shares) == sh;
+    const int64_t s = j->slots[i];
+    return (s >= 0) & (cn_row_owner(s, j->n_shares) == sh);
 }
 
 static void cn_grad_count_range(void *ctx, int64_t begin, int64_t end) {
     const cn_grad_apply_job *j = (const cn_grad_apply_job *)ctx;
     for (int64_t sh = begin; sh < end; sh++) {
         int64_t m = 0;
-        for (int64_t i = 0; i < j->n; i++) m += cn_grad_owns(j, i, sh);
+        uint64_t slot_bits = 0; /* the OR of the share's slots: as many bits as the largest */
+        for (int64_t i = 0; i < j->n; i++) {
+            const int owns = cn_grad_owns(j, i, sh);
+            m += owns;
+            slot_bits |= (uint64_t)j->slots[i] & (0 - (uint64_t)owns);
+        }
         j->shares[sh].m = m;
+        j->shares[sh].slot_bits = cn_bits_for(slot_bits);
     }
 }
 
@@ -330,9 +419,15 @@ static void cn_grad_build_range(void *ctx, int64_t begin, int64_t end) {
     for (int64_t sh = begin; sh < end; sh++) {
         cn_grad_share *share = &j->shares[sh];
         int64_t m = 0;
-        for (int64_t i = 0; i < j->n; i++)
-            if (cn_grad_owns(j, i, sh)) share->mine[m++] = i;
-        if (!j->direct) cn_groups_build_in(j->slots, share->mine, m, &share->g, share->scratch);
+        for (int64_t i = 0; i < j->n; i++) { /* branch-free: ownership is a coin toss per key */
+            share->mine[m] = i;
+            m += cn_grad_owns(j, i, sh);
+        }
+        if (j->direct) continue;
+        if (share->sorted)
+            cn_groups_sort_in(j->slots, share->mine, m, share->slot_bits, cn_bits_for((uint64_t)(j->n - 1)), &share->g, share->scratch);
+        else
+            cn_groups_build_in(j->slots, share->mine, m, &share->g, share->scratch);
     }
 }
 
@@ -342,15 +437,17 @@ static inline size_t cn_round16(size_t bytes) { return (bytes + 15) & ~(size_t)1
 /* The shares' arrays (their counts m set) laid out one after another from `block`, each 16-byte
  * aligned: the positions, and unless direct the grouping's scratch and the gradient with a
  * widened row. Returns the bytes they take; with block NULL it only counts them. */
-static inline size_t cn_grad_layout(cn_grad_share *shares, int n_shares, int64_t dim, int direct, char *block) {
+static inline size_t cn_grad_layout(cn_grad_share *shares, int n_shares, int64_t dim, int64_t n, int direct,
+                                    char *block) {
     size_t at = 0;
     for (int sh = 0; sh < n_shares; sh++) {
         cn_grad_share *share = &shares[sh];
         if (block) share->mine = (int64_t *)(block + at);
-        at += cn_round16((size_t)(share->m ? share->m : 1) * sizeof(int64_t));
+        at += cn_round16((size_t)(share->m + 1) * sizeof(int64_t)); /* + 1: filled branch-free */
         if (direct) continue;
+        share->sorted = share->slot_bits + cn_bits_for((uint64_t)(n - 1)) <= 64 && share->m < ((int64_t)1 << 32);
         if (block) share->scratch = block + at;
-        at += cn_round16(cn_groups_scratch_bytes(share->m));
+        at += cn_round16(share->sorted ? cn_groups_sort_scratch_bytes(share->m) : cn_groups_scratch_bytes(share->m));
         if (block) share->acc = (float *)(block + at);
         at += cn_round16((size_t)(2 * dim + 16) * sizeof(float));
     }
@@ -425,9 +522,9 @@ static inline int cn_grad_apply(const cn_arena *a, int64_t dim, int row_dtype, c
     cn_grad_apply_job job = {a, dim, n, row_dtype, slots, offsets, bag_of, argmax, weights, grad, mode, touch_meta,
                              direct, nthreads, ld_grad, opt, step, shares};
     cn_parallel_for(cn_grad_count_range, &job, nthreads, nthreads);
-    char *block = (char *)malloc(cn_grad_layout(shares, nthreads, dim, direct, NULL));
+    char *block = (char *)malloc(cn_grad_layout(shares, nthreads, dim, n, direct, NULL));
     if (block != NULL) {
-        cn_grad_layout(shares, nthreads, dim, direct, block);
+        cn_grad_layout(shares, nthreads, dim, n, direct, block);
         cn_parallel_for(cn_grad_build_range, &job, nthreads, nthreads);
         cn_parallel_for(cn_grad_update_range, &job, nthreads, nthreads);
     }
