@@ -2,17 +2,44 @@
  * fused optimizer update of that row in the same pass.
  *
  * Steps, all O(number of keys):
- *   1. dedup: a small open-addressing map slot -> unique id, sized to the batch so it stays in
- *      cache; unique ids follow first occurrence (deterministic).
- *   2. group: the key positions of each unique row, in key order (a counting sort).
- *   3. per unique row: sum its occurrences' gradient contributions (sum / mean / max /
+ *   1. group: the key positions of each unique row, in key order. The non-fused path
+ *      (cn_groups_build_in) dedups with a small open-addressing map slot -> unique id, so that
+ *      unique rows follow first occurrence (its output order is part of its contract), then
+ *      places the positions by a counting sort. The fused path (cn_groups_sort_in) sorts
+ *      (slot, position) pairs by slot with a stable LSD radix sort: unique rows come in slot
+ *      order, which no result depends on (every row is updated once, by its owner).
+ *   2. per unique row: sum its occurrences' gradient contributions (sum / mean / max /
  *      per-sample weights, exactly as nn.EmbeddingBag) in key order into a scratch row, then
  *      write it out or apply the optimizer to the row in place.
- * The fused path runs all three in parallel without a serial dedup: each thread owns the rows
+ * The fused path runs both in parallel without a serial dedup: each thread owns the rows
  * whose slot hashes to it, groups only the keys of its rows, and updates only those rows. A row
  * is summed in key order whoever owns it, so there are no atomics and the result does not
  * depend on the thread count. The non-fused path needs one global first-occurrence order, so
  * it dedups serially and accumulates in parallel.
+ *
+ * Why the fused path sorts (AMD EPYC guest, 2 cores, 1 MiB L2 per core, 32 MiB L3; 8M rows x
+ * dim 16, row-wise Adagrad, 81,920 Zipf 1.05 IDs, pooling 20; medians of alternated runs, the
+ * machine shared, results bit for bit the same): the map's 16-byte entries for 2m slots take
+ * 2 MiB a share at two threads (4 MiB at one), past the L2, and its probes, memset and
+ * counting-sort scatter (perf: ~50 %, ~11 % and ~16 % of the grouping) went to L3. Grouping took
+ * 16.9 ns an ID on one thread (CPU time) and 27.0 on two (wall) with the map, 9.7 and 12.9 with
+ * the sort; the update loop after it is the same speed in slot order as in first-occurrence
+ * order (38.1 against 38.3 ns an ID, one thread). Filling each share's positions without a
+ * branch (at two threads ownership is a coin toss per key) is part of the 27.0 -> 12.9: with
+ * the map it gives 18.9 on its own. Rejected, measured the same way:
+ *  - 11-bit digits (three passes over 23 slot bits) instead of 12 (two): 11.6 ns an ID on one
+ *    thread against 9.7, 14.3 against 12.9 on two.
+ *  - The map kept, filled branch-free: 16.3 ns an ID on one thread, 18.9 on two (above).
+ *  - The row's summed gradient kept in vector registers for dims that are a multiple of 16 (as
+ *    cn_pool_bag_fixed does): update loop on one thread 8M x 64 Zipf 59.2 -> 64.7 ns an ID,
+ *    8M x 16 uniform 73.0 -> 79.7, 8M x 16 Zipf 37.4 -> 31.7: no consistent gain. The loop
+ *    waits on memory (perf: ~40 % of its samples on its row and metadata prefetches), not on
+ *    the scratch row.
+ *  - The update loop's prefetch distance scaled to the row's lines plus its metadata line
+ *    (cn_prefetch_keys, 6 rows at dim 64) instead of 16 rows: 8M x 64 Zipf 55.2 -> 56.7 ns an
+ *    ID, uniform 100.7 -> 96.8: within the noise.
+ * Not tried: a map of 8-byte entries sized to the L2 (at two threads a share's 40,960 keys
+ * need 512 KiB at load 0.6, half the L2), which keeps the counting sort's random scatter.
  *
  * The access metadata of a training lookup is recorded here too: count += occurrences,
  * last_step = the step of the lookup. Done per distinct row by its owning thread, it is exact
@@ -143,7 +170,8 @@ static inline int cn_bits_for(uint64_t x) { return x ? 64 - __builtin_clzll(x) :
  * arrays and the histograms (16-byte aligned throughout). */
 static inline size_t cn_groups_sort_scratch_bytes(int64_t m) {
     const size_t mm = (size_t)(m ? m : 1);
-    return (5 * mm + 2) * sizeof(int64_t) + (size_t)CN_RADIX_MAX_PASSES * ((size_t)1 << CN_RADIX_BITS) * sizeof(uint32_t);
+    return (5 * mm + 2) * sizeof(int64_t) +
+           (size_t)CN_RADIX_MAX_PASSES * ((size_t)1 << CN_RADIX_BITS) * sizeof(uint32_t);
 }
 
 /* Group positions[0..m) (increasing, each < 2^pos_bits) by slot, the slots < 2^slot_bits,
@@ -362,14 +390,15 @@ static inline void cn_grad_apply_sgd_direct(const cn_arena *a, int64_t dim, cons
  * comes from that thread's own glibc arena, which keeps the freed bytes resident: glibc raises
  * its trim threshold with its mmap threshold (to twice a freed mapped block, up to 64 MiB; see
  * cn_alloc.h), so an arena is returned only by malloc_trim. Each worker's arena then held its
- * largest backward's scratch (n positions per share, whatever its count, and a map of 16 bytes
- * per 2m slots: ~1 MiB a share at 16k IDs) between trims, beside the caller's. The SSD tier's
- * 3x uniform benchmark step (32 MiB cache, the core on 2 threads) held 1.19-1.21x of cache +
- * disk index between steps; one arena for all threads (MALLOC_ARENA_MAX=1, which a library must
- * not set) gave 1.11. The count is one more pass over the slots per share (a multiply and a
- * shift a key); the backward of 16k IDs on a 2M-row table, one thread, took 2.94 ms before and
- * 2.90 after (medians of eight alternated runs, CPU time). Built for every share before any is applied, so that running out of memory
- * changes no row. */
+ * largest backward's scratch (n positions per share, whatever its count, and a grouping map
+ * of 16 bytes per 2m slots: ~1 MiB a share at 16k IDs) between trims, beside the caller's.
+ * The SSD tier's 3x uniform benchmark step (32 MiB cache, the core on 2 threads) held
+ * 1.19-1.21x of cache + disk index between steps; one arena for all threads
+ * (MALLOC_ARENA_MAX=1, which a library must not set) gave 1.11. The count is one more pass
+ * over the slots per share (a multiply and a shift a key, and an OR for the slots' bits); the
+ * backward of 16k IDs on a 2M-row table, one thread, took 2.94 ms before and 2.90 after
+ * (medians of eight alternated runs, CPU time). Built for every share before any is applied,
+ * so that running out of memory changes no row. */
 typedef struct {
     cn_groups g;
     int64_t *mine;
@@ -425,7 +454,8 @@ static void cn_grad_build_range(void *ctx, int64_t begin, int64_t end) {
         }
         if (j->direct) continue;
         if (share->sorted)
-            cn_groups_sort_in(j->slots, share->mine, m, share->slot_bits, cn_bits_for((uint64_t)(j->n - 1)), &share->g, share->scratch);
+            cn_groups_sort_in(j->slots, share->mine, m, share->slot_bits, cn_bits_for((uint64_t)(j->n - 1)),
+                              &share->g, share->scratch);
         else
             cn_groups_build_in(j->slots, share->mine, m, &share->g, share->scratch);
     }
