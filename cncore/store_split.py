@@ -218,6 +218,7 @@ class AutoSplitVerbs:
         config = split_config(self._config, int(fallback_rows))
         if not fallback_rows:
             self._config, self._split_pending = config, False
+            self._writes += 1  # the config changed: a delta from an earlier save would not match its base
             return
         victims: list[tuple[np.ndarray, np.ndarray]] = []
         errors: list[BaseException] = []

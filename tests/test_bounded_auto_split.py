@@ -351,6 +351,17 @@ def test_a_delta_saved_across_the_split_loads_as_the_split_table(tmp_path):
     same_store(store, load_store(path))
 
 
+def test_a_delta_saved_across_a_decision_to_keep_the_keyed_rows_is_a_full_save_and_loads(tmp_path):
+    store = sgd_auto(4)
+    train(store, [1, 1, 1, 1, 2, 2, 2, 2])
+    path = str(tmp_path / "t.cnt")
+    base = save_table(store, path)
+    train(store, [3, 3, 3, 4, 4, 5, 5, 5])  # repeat 3.2 > 3: keeps its keyed rows (fallback_rows 0)
+    assert store.config.fallback_rows == 0
+    assert not save_table(store, path, since=base).delta  # the config changed since base
+    same_store(store, load_store(path))
+
+
 @pytest.mark.parametrize("decided", [False, True])
 def test_dcp_loads_the_split_or_its_absence_into_a_fresh_auto_collection(tmp_path, decided):
     torch = pytest.importorskip("torch")
