@@ -454,11 +454,15 @@ class StoreConfig:
         storage (Tiered | None): None (every row in memory) or `Tiered(path, cache_bytes)`: rows
             on disk under a bounded memory cache; `cncore.make_store(config)` then builds a
             `cncore.tier.TieredStore`.
-        fallback_rows (int | str): shared rows for keys without a row of their own (0: none, they
-            read as zeros as before); in [0, 2**56]. Not with ``storage=``. ``"auto"`` (with
-            max_rows): the table starts as max_rows keyed rows and, at the first training lookup
-            that finds it full, splits max_rows into keyed and fallback rows by the churn it
-            measured while filling (`cncore.store_split`); its config then holds the split.
+        fallback_rows (int | str | None): shared rows for keys without a row of their own (0:
+            none, one row per key: they read as zeros); in [0, 2**56]. Not with ``storage=``.
+            ``"auto"`` (with max_rows): the table starts as max_rows keyed rows and, at the first
+            training lookup that finds it full, splits max_rows into keyed and fallback rows by
+            the churn it measured while filling (`cncore.store_split`); its config then holds
+            the split. None (the default): ``"auto"`` where it can run (max_rows, rows in memory,
+            fallback_mode="miss", no admission; a store in the core, unsharded), else 0. The
+            config keeps None only where the placement decides; ``store.config`` holds what was
+            resolved (`with_default_split`).
         fallback_copy (bool): a key's new row starts as a copy of its fallback row (True) or
             from the initializer (False); only with fallback_rows. Not read in residual mode.
         fallback_mode (str): "miss" (a key reads its fallback row only while it has no row of
@@ -472,6 +476,8 @@ class StoreConfig:
         >>> cfg = StoreConfig(dim=4, max_rows=100, eviction=LRU())
         >>> cfg.headroom, len(make_store(cfg))
         (3, 0)
+        >>> cfg.fallback_rows, make_store(cfg).config.fallback_rows, StoreConfig(dim=4).fallback_rows
+        (None, 'auto', 0)
     """
     dim: int
     dtype: str = "float32"
@@ -485,7 +491,7 @@ class StoreConfig:
     headroom: int | None = None
     admission: Admission | None = None
     storage: Tiered | None = None
-    fallback_rows: int | str = 0
+    fallback_rows: int | str | None = None
     fallback_copy: bool = True
     fallback_mode: str = "miss"
 
@@ -538,6 +544,12 @@ class StoreConfig:
         self._check_fallback()
 
     def _check_fallback(self) -> None:
+        if self.fallback_rows is None and not self._can_split():
+            object.__setattr__(self, "fallback_rows", 0)  # the default where "auto" cannot run: one row per key
+        if self.fallback_rows is None:
+            if not isinstance(self.fallback_copy, bool):
+                raise TypeError(f"fallback_copy must be a bool, got {self.fallback_copy!r}")
+            return
         if isinstance(self.fallback_rows, str):
             self._check_auto_split()
             return
@@ -565,6 +577,12 @@ class StoreConfig:
             raise ValueError(f"fallback_rows={self.fallback_rows} with admission={self.admission!r}: keys not "
                              "admitted read their fallback row; leave unadmitted='zeros' (the default)")
 
+    def _can_split(self) -> bool:
+        """Whether ``fallback_rows="auto"`` can run on this config (what the placement and the
+        sharding decide is left to them: `with_default_split`)."""
+        return (self.max_rows is not None and self.storage is None and self.fallback_mode == "miss"
+                and self.admission is None)
+
     def _check_auto_split(self) -> None:
         """``fallback_rows="auto"``: the split of max_rows chosen by the table (cncore/store_split.py)."""
         if self.fallback_rows != "auto":
@@ -589,7 +607,7 @@ class StoreConfig:
     def fixed_fallback_rows(self) -> int:
         """The fallback rows the table holds now: `fallback_rows`, or 0 for ``"auto"`` (a table that
         has not chosen its split yet; once it has, its config holds the number)."""
-        return 0 if isinstance(self.fallback_rows, str) else self.fallback_rows
+        return 0 if isinstance(self.fallback_rows, str) or self.fallback_rows is None else self.fallback_rows
 
     @property
     def state_floats(self) -> int:
@@ -611,6 +629,22 @@ def store_config_of(config: StoreConfig | None, config_fields: dict) -> StoreCon
     if not isinstance(config, StoreConfig):
         raise TypeError(f"config must be a cncore.StoreConfig, got {type(config).__name__}")
     return config
+
+
+def with_default_split(config: StoreConfig, can_split: bool = True) -> StoreConfig:
+    """`config` with its default ``fallback_rows=None`` resolved: ``"auto"`` where the table can
+    take it (`can_split`: its rows in the core's memory, unsharded) and 0 otherwise; a config
+    that names its fallback_rows is returned as it is.
+
+    >>> cfg = StoreConfig(dim=4, max_rows=100)
+    >>> cfg.fallback_rows, with_default_split(cfg).fallback_rows, with_default_split(cfg, False).fallback_rows
+    (None, 'auto', 0)
+    >>> StoreConfig(dim=4).fallback_rows  # no max_rows: nothing to split
+    0
+    """
+    if config.fallback_rows is not None:
+        return config
+    return replace(config, fallback_rows="auto" if can_split else 0)
 
 
 def config_with_optimizer(config: StoreConfig, optimizer) -> StoreConfig:

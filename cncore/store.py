@@ -67,6 +67,7 @@ from cncore.config import (
     StoreConfig,
     config_with_optimizer,
     store_config_of,
+    with_default_split,
 )
 from cncore.grouped import LookupContext, as_flag, grouped_apply_gradients, pooled_lookup_one, unique_gradients_one
 from cncore.rows import TableBatch, initial_rows
@@ -120,7 +121,7 @@ class EmbeddingStore(EvictionVerbs, FallbackVerbs, AutoSplitVerbs):
             raise TypeError(f"storage={config.storage!r}: {cls.__module__}.{cls.__qualname__} keeps its rows in memory "
                             "and has no tiered form; build cncore.make_store(config), which gives a "
                             "cncore.tier.TieredStore for storage=cncore.Tiered(...); nothing was created")
-        self._config = config
+        config = self._config = with_default_split(config)  # fallback_rows=None: "auto" where it can run
         opt = config.optimizer
         init = config.initializer
         ev = config.eviction

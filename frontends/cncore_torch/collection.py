@@ -140,7 +140,8 @@ class CNEmbeddingBagCollection(DynamicTables, EmbeddingBagCollection):
             rows on disk under a bounded cache.
         fallback_rows (int | str | dict[str, int | str | None] | None): shared rows that IDs without
             a row of their own read and train (``StoreConfig.fallback_rows``; docs/bounded-tables.md),
-            or "auto": each such table chooses its split of max_rows when it fills.
+            or "auto": each such table chooses its split of max_rows when it fills; None (the
+            default): "auto" for each table that can take it (rows in the core, unsharded), else 0.
         fallback_copy (bool | dict[str, bool | None] | None): a new row starts as a copy of its
             fallback row (None: True) or from the initializer.
         fallback_mode (str | dict[str, str | None] | None): "miss" (None: the default) or

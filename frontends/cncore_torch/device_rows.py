@@ -44,6 +44,7 @@ import torch.nn.functional as F
 import cncore
 from cncore import _core
 from cncore._interchange import as_keys
+from cncore.config import with_default_split
 from cncore.store import config_with_optimizer
 from cncore_torch.device_index import DeviceKeyIndex, EvictedSlots, initial_rows
 from cncore_torch.device_index.segments import join_row_gradients, pooled_row_gradients
@@ -123,6 +124,7 @@ class DeviceRows:
         return super().__new__(cls)
 
     def __init__(self, config: cncore.StoreConfig, device: torch.device, key_index: str | None = None):
+        config = with_default_split(config, can_split=False)  # the default on an accelerator: one row per key
         if config.fallback_rows:
             raise ValueError(f"fallback_rows={config.fallback_rows}: rows on an accelerator keep no fallback rows; "
                              "keep this table on device='cpu' (the core), or set fallback_rows=0")
@@ -138,7 +140,8 @@ class DeviceRows:
         self.index = cncore.EmbeddingStore(cncore.StoreConfig(
             dim=2 if self.bounded else 1, capacity=config.capacity, max_load_factor=config.max_load_factor,
             initializer=cncore.Constant(0.0), seed=config.seed, max_rows=config.max_rows,
-            eviction=config.eviction, admission=config.admission, headroom=config.headroom))
+            eviction=config.eviction, admission=config.admission, headroom=config.headroom,
+            fallback_rows=0))  # an index: a slot per key, never shared
         self._evict_callbacks: list[Callable] = []
         self.evictions = 0  # eviction events: a lookup context from before one is refused in backward
         if self.bounded:
@@ -455,6 +458,7 @@ class DeviceIndexedRows(DeviceRows):
     index: DeviceKeyIndex  # type: ignore[assignment]  # the base's methods use the same verbs of it
 
     def __init__(self, config: cncore.StoreConfig, device: torch.device, key_index: str | None = None):
+        config = with_default_split(config, can_split=False)  # (DeviceKeyIndex refuses fallback rows)
         self.config = config
         self.device = torch.device(device)
         admission = config.admission

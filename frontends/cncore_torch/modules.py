@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 import cncore
-from cncore.config import Admission, Eviction, Initializer, Optimizer, Tiered
+from cncore.config import Admission, Eviction, Initializer, Optimizer, Tiered, with_default_split
 from cncore.tier import TieredStore
 from cncore_torch import bridge, functional
 from cncore_torch.base import TableModule, check_flag, store_config
@@ -141,6 +141,10 @@ class _DynamicTable(TableModule):
         rows = None
         if self.placement.kind != "meta":
             storage = self._require_storage()
+            if target.kind == "device" and isinstance(storage, cncore.EmbeddingStore) and storage.fallback_rows:
+                raise ValueError(f"device={target.device}: this table holds {storage.fallback_rows} fallback rows "
+                                 f"(fallback_rows={storage.config.fallback_rows!r}), which rows on an accelerator "
+                                 "do not keep; keep it on device='cpu', or build it with fallback_rows=0")
             rows = dataclasses.replace(TableState.from_export(self.export(), storage.step),
                                        evicted_count=storage.evicted_count)  # moves with the rows
         self.placement = target
@@ -287,7 +291,7 @@ class _DynamicTable(TableModule):
 
     def _tables(self, prefix: str) -> dict:
         """This module's table in a state_dict (see cncore_torch.state.TableSpec)."""
-        return {prefix: (self.config, self._replace_rows)}
+        return {prefix: (with_default_split(self.config, self.placement.kind == "core"), self._replace_rows)}
 
     def extra_repr(self) -> str:
         mode = f", mode={self.mode!r}" if hasattr(self, "mode") else ""
@@ -332,9 +336,10 @@ class CNEmbeddingBag(_DynamicTable):
         row_dtype (str): the rows' storage dtype: "float32", "float16" or "bfloat16".
         storage (Tiered | None): `cncore.Tiered(path, cache_bytes)`: rows on disk under a
             bounded cache.
-        fallback_rows (int | str): shared rows that IDs without a row of their own read and train
-            (``StoreConfig.fallback_rows``; docs/bounded-tables.md), or "auto" (with max_rows: the
-            table chooses its split of max_rows when it fills).
+        fallback_rows (int | str | None): shared rows that IDs without a row of their own read and
+            train (``StoreConfig.fallback_rows``; docs/bounded-tables.md), or "auto" (with
+            max_rows: the table chooses its split of max_rows when it fills); None (the default):
+            "auto" where it can run (rows in the core), else 0 (one row per ID).
         fallback_copy (bool): a new row starts as a copy of its fallback row, or from the
             initializer.
         fallback_mode (str): "miss" (the default) or "residual": every ID reads its own row
@@ -359,7 +364,8 @@ class CNEmbeddingBag(_DynamicTable):
                  initializer: Initializer | None = None, seed: int = 0, max_load_factor: float = 0.7,
                  max_rows: int | None = None, eviction: Eviction | None = None, admission: Admission | None = None,
                  headroom: int | None = None, row_dtype: str = "float32", storage: Tiered | None = None,
-                 fallback_rows: int | str = 0, fallback_copy: bool = True, fallback_mode: str = "miss") -> None:
+                 fallback_rows: int | str | None = None, fallback_copy: bool = True,
+                 fallback_mode: str = "miss") -> None:
         _check_unsupported(max_norm, scale_grad_by_freq, sparse, device, dtype)
         if mode not in MODES:
             raise ValueError(f"mode must be 'sum', 'mean' or 'max', got {mode!r}")
@@ -478,9 +484,10 @@ class CNEmbedding(_DynamicTable):
         row_dtype (str): the rows' storage dtype: "float32", "float16" or "bfloat16".
         storage (Tiered | None): `cncore.Tiered(path, cache_bytes)`: rows on disk under a
             bounded cache.
-        fallback_rows (int | str): shared rows that IDs without a row of their own read and train
-            (``StoreConfig.fallback_rows``; docs/bounded-tables.md), or "auto" (with max_rows: the
-            table chooses its split of max_rows when it fills).
+        fallback_rows (int | str | None): shared rows that IDs without a row of their own read and
+            train (``StoreConfig.fallback_rows``; docs/bounded-tables.md), or "auto" (with
+            max_rows: the table chooses its split of max_rows when it fills); None (the default):
+            "auto" where it can run (rows in the core), else 0 (one row per ID).
         fallback_copy (bool): a new row starts as a copy of its fallback row, or from the
             initializer.
         fallback_mode (str): "miss" (the default) or "residual": every ID reads its own row
@@ -502,7 +509,8 @@ class CNEmbedding(_DynamicTable):
                  initializer: Initializer | None = None, seed: int = 0, max_load_factor: float = 0.7,
                  max_rows: int | None = None, eviction: Eviction | None = None, admission: Admission | None = None,
                  headroom: int | None = None, row_dtype: str = "float32", storage: Tiered | None = None,
-                 fallback_rows: int | str = 0, fallback_copy: bool = True, fallback_mode: str = "miss") -> None:
+                 fallback_rows: int | str | None = None, fallback_copy: bool = True,
+                 fallback_mode: str = "miss") -> None:
         _check_unsupported(max_norm, scale_grad_by_freq, sparse, device, dtype)
         _check_padding_idx(padding_idx)
         super().__init__(num_embeddings, embedding_dim, optimizer, initializer, seed, max_load_factor, device,

@@ -271,7 +271,7 @@ def load_tables(tables: dict[str, TableSpec], load_rest: Callable, state_dict, m
             refused.add(prefix)
     states = {prefix: None if prefix in refused else
               read_table(state_dict, prefix, config.dim, config.state_floats, missing_keys, errors,
-                         config.fallback_rows)
+                         config.fallback_rows or 0)  # (None, the default unresolved: no fallback rows)
               for prefix, (config, _) in tables.items()}
     for prefix, (config, write) in tables.items():
         state = states[prefix]

@@ -44,7 +44,7 @@ def row_dtype_name(value, context: str = "") -> str:
 
 
 def module_options(max_rows=None, eviction=None, admission=None, headroom=None, row_dtype="float32",
-                   storage=None, fallback_rows=0, fallback_copy=True, fallback_mode="miss") -> dict:
+                   storage=None, fallback_rows=None, fallback_copy=True, fallback_mode="miss") -> dict:
     """StoreConfig fields of one table."""
     return {"max_rows": max_rows, "eviction": eviction, "admission": admission, "headroom": headroom,
             "dtype": row_dtype_name(row_dtype if row_dtype is not None else "float32"), "storage": storage,
@@ -108,8 +108,6 @@ def _fields(table: str, options: dict) -> dict:
     fields = dict(options)
     dtype: object | None = fields.pop("row_dtype")
     fields["dtype"] = row_dtype_name(dtype if dtype is not None else "float32", f"table {table!r}: ")
-    if fields.get("fallback_rows") is None:
-        fields["fallback_rows"] = 0
     if fields.get("fallback_copy") is None:
         fields["fallback_copy"] = True
     if fields.get("fallback_mode") is None:

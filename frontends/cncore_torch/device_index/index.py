@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 import cncore
+from cncore.config import with_default_split
 from cncore_torch.device_index.hashing import admission_draw, mix64, sketch_columns
 
 __all__ = ["DeviceKeyIndex", "EvictedSlots", "InsertResult", "WAYS", "MAX_LOAD"]
@@ -115,6 +116,7 @@ class DeviceKeyIndex:
     def __init__(self, config: cncore.StoreConfig, device: torch.device | str = "cpu"):
         if not isinstance(config, cncore.StoreConfig):
             raise TypeError(f"config must be a cncore.StoreConfig, got {type(config).__name__}")
+        config = with_default_split(config, can_split=False)  # the default here: one row per key
         if config.fallback_rows:
             raise ValueError(f"fallback_rows={config.fallback_rows}: the device index keeps no fallback rows; a table "
                              "with them needs the host index (cncore.EmbeddingStore, the default CPU placement), or "

@@ -22,6 +22,7 @@ from torch import nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import cncore
+from cncore.config import with_default_split
 from cncore.routing import shard_name
 from cncore.tier import TieredStore
 from cncore_torch.distributed.routing import owner_of
@@ -106,6 +107,9 @@ def shard_store_configs(configs: dict[str, cncore.StoreConfig], world_size: int,
     in one directory would overwrite each other's records), with the same cache budget (each
     process holds its own cache)."""
     out = {}
+    # fallback_rows' default (None) is one row per key here: "auto" is not sharded (a sharded
+    # table's state_dict carries no fallback rows)
+    configs = {name: with_default_split(config, can_split=False) for name, config in configs.items()}
     for name, config in configs.items():
         if config.fallback_rows:  # refused when sharding, before a step trains what a checkpoint would lose
             raise ValueError(f"table {name!r}: fallback_rows={config.fallback_rows}: the sharded collections keep no "
