@@ -27,7 +27,7 @@ from cncore.tablefile import (
 
 
 def bounded(max_rows=300):
-    return cncore.EmbeddingStore(dim=3, seed=2, max_rows=max_rows, eviction=cncore.LRU(),
+    return cncore.EmbeddingStore(dim=3, seed=2, fallback_rows=0, max_rows=max_rows, eviction=cncore.LRU(),
                                  optimizer=cncore.RowWiseAdagrad(lr=0.1))
 
 

@@ -146,7 +146,7 @@ class BoundedMachine(RuleBasedStateMachine):
                      if min_count else None)
         self.store = cncore.EmbeddingStore(dim=DIM, seed=SEED, initializer=cncore.Uniform(LOW, HIGH), optimizer=opt,
                                            max_rows=max_rows, eviction=eviction, headroom=min(headroom, max_rows - 1),
-                                           admission=admission)
+                                           admission=admission, fallback_rows=0)  # the literal model: a row per key
         self.ref = BoundedModel(policy, max_rows, min(headroom, max_rows - 1), ttl, min_count, 16, 2,
                                 initial and bool(min_count), halve_every)
         self.sink = []
@@ -273,7 +273,7 @@ TestBoundedMachine = BoundedMachine.TestCase
 
 def lru_store(max_rows, headroom=0, **kw):
     return cncore.EmbeddingStore(dim=2, seed=3, max_rows=max_rows, eviction=cncore.LRU(), headroom=headroom,
-                                 optimizer=cncore.SGD(lr=1.0), **kw)
+                                 optimizer=cncore.SGD(lr=1.0), **kw, fallback_rows=0)
 
 
 def test_an_evicted_key_that_comes_back_gets_its_initial_row_not_its_old_one():
@@ -332,7 +332,7 @@ def test_a_training_batch_with_more_distinct_keys_than_the_budget_trains_and_its
 
 
 def test_a_batch_past_the_budget_keeps_the_rows_lfu_ranks_above_its_new_keys():
-    s = cncore.EmbeddingStore(dim=2, seed=3, max_rows=4, eviction=cncore.LFU(), headroom=1,
+    s = cncore.EmbeddingStore(dim=2, seed=3, fallback_rows=0, max_rows=4, eviction=cncore.LFU(), headroom=1,
                               optimizer=cncore.SGD(lr=1.0))
     for keys in ([1, 1, 1, 2, 2, 3, 4], [1, 2, 3]):  # counts: 1: 4, 2: 3, 3: 2, 4: 1
         out, ctx = s.pooled_lookup(np.array(keys), lengths=np.array([len(keys)]))
@@ -414,7 +414,7 @@ def test_lfu_with_aging_evicts_in_the_models_order_over_training_steps(batches, 
     rarely make the aged order differ from the plain one.)"""
     from collections import Counter
     store = cncore.EmbeddingStore(dim=1, max_rows=max_rows, headroom=headroom, optimizer=cncore.SGD(lr=0.1),
-                                  eviction=cncore.LFU(halve_every=halve_every))
+                                  eviction=cncore.LFU(halve_every=halve_every), fallback_rows=0)
     sink = []
     store.on_evict(lambda b: sink.extend(b.keys.tolist()))
     ref = BoundedModel("lfu", max_rows, headroom, halve_every=halve_every)

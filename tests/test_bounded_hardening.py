@@ -32,8 +32,8 @@ class SinkError(Exception):
 
 
 def bounded(max_rows=3, eviction=None, **kw):
-    return cncore.EmbeddingStore(dim=2, seed=3, max_rows=max_rows, eviction=eviction or cncore.LRU(), headroom=0,
-                                 optimizer=cncore.SGD(lr=0.5), **kw)
+    return cncore.EmbeddingStore(dim=2, seed=3, fallback_rows=0, max_rows=max_rows, eviction=eviction or cncore.LRU(),
+                                 headroom=0, optimizer=cncore.SGD(lr=0.5), **kw)
 
 
 def handed(sink):
@@ -111,7 +111,7 @@ def test_the_torch_collection_hands_every_tables_evicted_rows_to_its_sink_when_a
               EmbeddingBagConfig(name="b", embedding_dim=3, num_embeddings=50, feature_names=["fb"]),
               EmbeddingBagConfig(name="c", embedding_dim=2, num_embeddings=50, feature_names=["fc"])]
     ebc = CNEmbeddingBagCollection(tables, optimizer=cncore.SGD(lr=0.1), max_rows=3, eviction=cncore.LRU(),
-                                   headroom=0)
+                                   headroom=0, fallback_rows=0)
     alone = {name: cncore.EmbeddingStore(store.config) for name, store in ebc.stores.items()}
     sinks = {name: [] for name in ebc.stores}
     want = {name: [] for name in ebc.stores}
@@ -399,7 +399,7 @@ class GroupedBoundedMachine(RuleBasedStateMachine):
             admission = cncore.MinCount(min_count, width=16, depth=2) if min_count else None
             rows = max_rows + t
             store = cncore.EmbeddingStore(dim=tbe.DIM, seed=tbe.SEED, initializer=cncore.Uniform(tbe.LOW, tbe.HIGH),
-                                          optimizer=opt, max_rows=rows, eviction=eviction,
+                                          optimizer=opt, fallback_rows=0, max_rows=rows, eviction=eviction,
                                           headroom=min(headroom, rows - 1), admission=admission)
             self.stores.append(store)
             self.refs.append(tbe.BoundedModel(policy, rows, min(headroom, rows - 1), 2, min_count, 16, 2))

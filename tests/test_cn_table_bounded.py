@@ -27,7 +27,7 @@ POLICIES = {
 
 def bounded(**policy):
     return cncore.EmbeddingStore(dim=3, seed=2, optimizer=cncore.RowWiseAdagrad(lr=0.1),
-                                 **(policy or POLICIES["lru"]))
+                                 fallback_rows=0, **(policy or POLICIES["lru"]))
 
 
 @pytest.fixture

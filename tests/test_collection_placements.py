@@ -111,7 +111,8 @@ def test_unpooled_collection_on_cncard_trains_like_the_core(need_indices):
 
 def test_bounded_collection_on_cncard_evicts_the_same_keys_as_the_core():
     configs = [EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=8, feature_names=["f"])]
-    kw = dict(optimizer=cncore.RowWiseAdagrad(lr=0.1), max_rows="num_embeddings", eviction=cncore.LRU(), headroom=0)
+    kw = dict(optimizer=cncore.RowWiseAdagrad(lr=0.1), max_rows="num_embeddings", eviction=cncore.LRU(), headroom=0,
+              fallback_rows=0)  # a row per key on both (the core's default would split, the card's cannot)
     core = CNEmbeddingBagCollection(configs, **kw)
     card = CNEmbeddingBagCollection(configs, device="cncard", **kw)
     sinks = {"core": [], "card": []}

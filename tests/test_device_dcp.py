@@ -27,12 +27,12 @@ def make(cncard, monkeypatch):
         device, index = HOMES[home]
         monkeypatch.setenv("CNCORE_DEVICE_INDEX", index)
         torch.manual_seed(1)
-        bounded = {"max_rows": 14, "eviction": cncore.LFU(), "headroom": 2}
+        bounded = {"max_rows": 14, "eviction": cncore.LFU(), "headroom": 2, "fallback_rows": 0}  # as on the device
         return torch.nn.ModuleDict({
             "bag": CNEmbeddingBag(99, 4, mode="mean", optimizer=cncore.Adam(lr=0.01), seed=2, device=device,
                                   initializer=cncore.Uniform(), **bounded),
             "emb": CNEmbedding(99, 3, optimizer=cncore.RowWiseAdagrad(lr=0.1), max_rows=12, eviction=cncore.LRU(),
-                               seed=3, device=device),
+                               seed=3, device=device, fallback_rows=0),
             "ebc": CNEmbeddingBagCollection(
                 [EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=50, feature_names=["b"])],
                 optimizer=cncore.Adagrad(lr=0.1), seed=4, device=device, **bounded),

@@ -129,7 +129,8 @@ def test_a_bounded_table_under_two_features_evicts_and_trains_as_the_cores(cncar
     from cncore_torch import CNEmbeddingBagCollection
     monkeypatch.setenv("CNCORE_DEVICE_INDEX", key_index)
     configs = [EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=50, feature_names=["a", "b"])]
-    kw = {"optimizer": cncore.Adagrad(lr=0.1), "max_rows": 9, "eviction": cncore.LRU(), "headroom": 1, "seed": 2}
+    kw = {"optimizer": cncore.Adagrad(lr=0.1), "max_rows": 9, "eviction": cncore.LRU(), "headroom": 1, "seed": 2,
+          "fallback_rows": 0}  # a row per key in both homes (the core's default would split)
     core, card = CNEmbeddingBagCollection(configs, **kw), CNEmbeddingBagCollection(configs, device="cncard", **kw)
     evicted: dict[str, list] = {"core": [], "card": []}
     core.stores["t"].on_evict(lambda b: evicted["core"].extend(b.keys.tolist()))

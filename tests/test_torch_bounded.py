@@ -58,7 +58,8 @@ def test_module_trains_exactly_as_the_core_store_with_the_same_config(eviction, 
 
 
 def test_cnembedding_takes_the_options_and_trains_a_lookup_past_its_budget():
-    emb = CNEmbedding(10, 3, optimizer=cncore.SGD(lr=0.1), max_rows=4, eviction=cncore.LRU(), headroom=0)
+    emb = CNEmbedding(10, 3, optimizer=cncore.SGD(lr=0.1), max_rows=4, eviction=cncore.LRU(), headroom=0,
+                      fallback_rows=0)
     emb(torch.tensor([1, 2, 3, 4])).sum().backward()
     emb(torch.tensor([5])).sum().backward()
     assert sorted(emb.keys().tolist()) == [2, 3, 4, 5] and emb.store.evicted_count == 1
@@ -73,16 +74,18 @@ def test_cnembedding_takes_the_options_and_trains_a_lookup_past_its_budget():
 
 def test_state_dict_keeps_the_evicted_count_and_a_larger_checkpoint_is_refused():
     bag = CNEmbeddingBag(10, 2, mode="sum", optimizer=cncore.SGD(lr=0.1), max_rows=3, eviction=cncore.LFU(),
-                         headroom=0)
+                         headroom=0, fallback_rows=0)
     for ids in ([[1, 2, 3]], [[4, 5]], [[6]]):
         bag(torch.tensor(ids)).sum().backward()
     state = bag.state_dict()
     assert int(state["evicted_count"]) == bag.store.evicted_count == 3
-    again = CNEmbeddingBag(10, 2, mode="sum", optimizer=cncore.SGD(lr=0.1), max_rows=3, eviction=cncore.LFU())
+    again = CNEmbeddingBag(10, 2, mode="sum", optimizer=cncore.SGD(lr=0.1), max_rows=3, eviction=cncore.LFU(),
+                           fallback_rows=0)
     again.load_state_dict(state)
     assert again.store.evicted_count == 3
     np.testing.assert_array_equal(again.store.export().rows, bag.store.export().rows)
-    tight = CNEmbeddingBag(10, 2, mode="sum", optimizer=cncore.SGD(lr=0.1), max_rows=2, eviction=cncore.LFU())
+    tight = CNEmbeddingBag(10, 2, mode="sum", optimizer=cncore.SGD(lr=0.1), max_rows=2, eviction=cncore.LFU(),
+                           fallback_rows=0)
     tight(torch.tensor([[7]]))
     before = snapshot(tight.store)
     with pytest.raises(RuntimeError, match=r"holds 3 rows for this table, more than its max_rows \(2\)"):
@@ -116,7 +119,7 @@ def test_device_rows_train_as_the_core_store_with_the_same_policy(cncard, evicti
     path computes with PyTorch ops: rows within 1e-6 relative)."""
     opt = cncore.RowWiseAdagrad(lr=0.1)
     bag = CNEmbeddingBag(1000, 4, mode="sum", optimizer=opt, max_rows=40, eviction=eviction, admission=admission,
-                         headroom=2, device="cncard")
+                         headroom=2, device="cncard", fallback_rows=0)
     assert bag.store is None and bag.device_rows is not None
     ref = cncore.EmbeddingStore(bag.config)
     sink, ref_sink = [], []
@@ -144,7 +147,7 @@ def test_device_rows_train_as_the_core_store_with_the_same_policy(cncard, evicti
 
 def test_device_rows_refuse_a_backward_after_an_eviction_and_keep_the_budget_across_moves(cncard):
     bag = CNEmbeddingBag(10, 2, mode="sum", optimizer=cncore.SGD(lr=0.1), max_rows=3, eviction=cncore.LRU(),
-                         headroom=0, device="cncard")
+                         headroom=0, device="cncard", fallback_rows=0)
     bag(torch.tensor([[1, 2, 3]])).sum().backward()  # step 0
     bag(torch.tensor([[1]])).sum().backward()  # 1 is now the one used last (step 1)
     first = bag(torch.tensor([[2]]))  # a forward only: no access recorded
@@ -194,7 +197,7 @@ def test_collection_options_once_per_table_and_from_the_configs():
 
 def test_collection_training_stays_within_every_budget_and_hands_over_every_evicted_row():
     ebc = CNEmbeddingBagCollection(_tables(), optimizer=cncore.Adagrad(lr=0.1), max_rows={"t_user": 12, "t_item": 5},
-                                   eviction=cncore.LRU(), headroom=1)
+                                   eviction=cncore.LRU(), headroom=1, fallback_rows=0)
     sinks = {name: [] for name in ebc.stores}
     for name, store in ebc.stores.items():
         store.on_evict(sinks[name].append)

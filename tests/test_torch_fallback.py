@@ -17,12 +17,12 @@ KJT = KeyedJaggedTensor(keys=["a", "b"], values=torch.tensor([1, 2, 3, 4, 5, 6, 
                         lengths=torch.tensor([2, 3, 1, 1]))
 
 
-def collection(fallback_rows=None, **kw):
+def collection(fallback_rows=0, **kw):
     return CNEmbeddingBagCollection(tables=TABLES, optimizer=cncore.Adagrad(lr=0.1), max_rows=2,
                                     fallback_rows=fallback_rows, **kw)
 
 
-def trained(fallback_rows=None, **kw):
+def trained(fallback_rows=0, **kw):
     ebc = collection(fallback_rows, **kw)
     ebc(KJT).values().sum().backward()
     return ebc
@@ -30,7 +30,8 @@ def trained(fallback_rows=None, **kw):
 
 def test_the_options_reach_each_tables_config_once_or_per_table():
     ebc = collection({"t_a": 3}, fallback_copy={"t_b": False})
-    assert ebc.stores["t_a"].config.fallback_rows == 3 and ebc.stores["t_b"].config.fallback_rows == 0
+    # t_b takes the default: "auto" (a bounded table in the core)
+    assert ebc.stores["t_a"].config.fallback_rows == 3 and ebc.stores["t_b"].config.fallback_rows == "auto"
     assert ebc.stores["t_a"].config.fallback_copy and not ebc.stores["t_b"].config.fallback_copy
     assert all(s.fallback_rows == 5 for s in collection(5).stores.values())
 
