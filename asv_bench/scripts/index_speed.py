@@ -74,7 +74,7 @@ def shape(rows: int, dim: int, batch: int, rounds: int) -> dict:
 def bounded(budget: int, distinct: int, batch: int, dim: int) -> dict:
     rng = np.random.default_rng(2)
     store = cncore.EmbeddingStore(dim=dim, optimizer=cncore.RowWiseAdagrad(lr=0.01), max_rows=budget,
-                                  eviction=cncore.LRU())
+                                  eviction=cncore.LRU(), fallback_rows=0)  # one row per key: the index measured
     ids = rng.permutation(distinct).astype(np.int64)
     for start in range(0, distinct, batch):
         store.find_or_insert(ids[start:start + batch])
