@@ -62,6 +62,7 @@ def distinct_ids(steps, batch_size=256):
      "argument --admit-probability: not allowed with argument --admit-min-count"),
     (["--incremental-checkpoint-every", "5"], "--incremental-checkpoint-every needs --checkpoint DIR"),
     (["--row-dtype", "float64"], "argument --row-dtype: invalid choice: 'float64'"),
+    (["--one-row-per-id"], "--one-row-per-id applies to a row budget: set --max-rows too"),
     (["--nproc", "2", "--max-rows", "4096", "--batch-size", "4096"],
      "--max-rows 4096 is below 2 x --batch-size 8192: one batch can bring 4096 distinct IDs to each of the 2 "
      "shards of a table"),
@@ -122,7 +123,7 @@ def test_percent_budgets_count_the_training_stream():
 def test_tables_stay_within_the_budget_and_report_evictions():
     steps, budget = 10, 300
     ids, _ = distinct_ids(steps)
-    _, run, summary = trained("--steps", str(steps), "--max-rows", str(budget))
+    _, run, summary = trained("--steps", str(steps), "--max-rows", str(budget), "--one-row-per-id")
     stores = run.tables.stores
     for f, (name, store) in enumerate(stores.items()):
         assert store.config.max_rows == budget and store.config.eviction == cncore.LRU()
@@ -137,10 +138,23 @@ def test_tables_stay_within_the_budget_and_report_evictions():
     assert summary["rows"] == sum(len(s) for s in stores.values())
 
 
+def test_by_default_a_table_may_split_its_budget_and_the_report_counts_its_fallback_rows():
+    """Without --one-row-per-id the tables are fallback_rows="auto" (the collection's default):
+    at this small batch the large tables fill fast with IDs seen about once and split; each
+    reports keyed + fallback rows as its budget, and its keyed rows stay within its keyed share."""
+    _, run, summary = trained("--steps", "10", "--max-rows", "300")
+    stores = run.tables.stores
+    split = [name for name, s in stores.items() if s.fallback_rows]
+    assert split and all(stores[n].config.fallback_rows == 270 and stores[n].config.max_rows == 30 for n in split)
+    for name, store in stores.items():
+        assert store.config.fallback_rows in ("auto", 0, 270)
+        assert summary["max_rows_per_table"][name] == 300 and len(store) <= store.config.max_rows
+
+
 def test_percent_budget_and_lfu_reach_the_stores():
     steps = 8
     counts = bounded.stream_counts(SyntheticCriteo(seed=0, batch_size=256), steps)
-    _, run, summary = trained("--steps", str(steps), "--max-rows", "50%", "--evict", "lfu")
+    _, run, summary = trained("--steps", str(steps), "--max-rows", "50%", "--evict", "lfu", "--one-row-per-id")
     budgets = bounded.percent_budgets(counts, 50)
     assert [s.config.max_rows for s in run.tables.stores.values()] == budgets
     assert all(isinstance(s.config.eviction, cncore.LFU) for s in run.tables.stores.values())

@@ -116,6 +116,8 @@ def collection_options(args, names: list[str], synthetic: SyntheticCriteo | None
     budgets = table_budgets(args, names, synthetic, world_size)
     if budgets is not None:
         options["max_rows"] = budgets
+    if getattr(args, "one_row_per_id", False):
+        options["fallback_rows"] = 0
     if args.evict is not None:
         options["eviction"] = policy(args.evict, args.ttl_steps, getattr(args, "lfu_halve_every", None))
     if args.admit_min_count is not None:
@@ -166,7 +168,9 @@ def eviction_summary(stores: dict[str, cncore.EmbeddingStore]) -> dict:
     """Rows and evictions per table, and their totals (for the job's report)."""
     rows = {name: len(store) for name, store in stores.items()}
     evicted = {name: int(store.evicted_count) for name, store in stores.items()}
-    budgets = {name: store.config.max_rows for name, store in stores.items()}
+    # a table that split its budget (fallback_rows="auto") holds max_rows keyed + fallback rows
+    budgets = {name: None if store.config.max_rows is None else
+               store.config.max_rows + getattr(store, "fallback_rows", 0) for name, store in stores.items()}
     return {"rows_per_table": rows, "evicted_per_table": evicted, "max_rows_per_table": budgets,
             "evicted": float(sum(evicted.values()))}
 
