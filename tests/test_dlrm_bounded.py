@@ -62,7 +62,9 @@ def distinct_ids(steps, batch_size=256):
      "argument --admit-probability: not allowed with argument --admit-min-count"),
     (["--incremental-checkpoint-every", "5"], "--incremental-checkpoint-every needs --checkpoint DIR"),
     (["--row-dtype", "float64"], "argument --row-dtype: invalid choice: 'float64'"),
-    (["--one-row-per-id"], "--one-row-per-id applies to a row budget: set --max-rows too"),
+    (["--auto-split"], "--auto-split splits a row budget: set --max-rows too"),
+    (["--auto-split", "--max-rows", "4096", "--admit-min-count", "2"], "--auto-split chooses from every ID's arrival"),
+    (["--auto-split", "--max-rows", "8192", "--nproc", "2"], "--auto-split: a sharded table keeps no fallback rows"),
     (["--nproc", "2", "--max-rows", "4096", "--batch-size", "4096"],
      "--max-rows 4096 is below 2 x --batch-size 8192: one batch can bring 4096 distinct IDs to each of the 2 "
      "shards of a table"),
@@ -102,7 +104,8 @@ def test_good_bounded_options():
     assert (row_budget(args.max_rows), args.evict, args.ttl_steps, args.admit_min_count) == ((4096, None), "ttl", 0, 3)
     assert parse_args([]).row_dtype == "float32" and parse_args([]).evict is None
     options = bounded.collection_options(args, ["a", "b"], None)
-    assert options == {"max_rows": {"a": 4096, "b": 4096}, "eviction": cncore.TTL(0), "admission": cncore.MinCount(3)}
+    assert options == {"max_rows": {"a": 4096, "b": 4096}, "eviction": cncore.TTL(0), "admission": cncore.MinCount(3),
+                       "fallback_rows": 0}  # a row per ID unless --auto-split
     assert bounded.collection_options(parse_args(["--row-dtype", "bfloat16"]), ["a"], None) == {"row_dtype": "bfloat16"}
     aging = parse_args(["--max-rows", "4096", "--evict", "lfu", "--lfu-halve-every", "64"])
     assert bounded.collection_options(aging, ["a"], None)["eviction"] == cncore.LFU(halve_every=64)
@@ -123,7 +126,7 @@ def test_percent_budgets_count_the_training_stream():
 def test_tables_stay_within_the_budget_and_report_evictions():
     steps, budget = 10, 300
     ids, _ = distinct_ids(steps)
-    _, run, summary = trained("--steps", str(steps), "--max-rows", str(budget), "--one-row-per-id")
+    _, run, summary = trained("--steps", str(steps), "--max-rows", str(budget))
     stores = run.tables.stores
     for f, (name, store) in enumerate(stores.items()):
         assert store.config.max_rows == budget and store.config.eviction == cncore.LRU()
@@ -138,11 +141,13 @@ def test_tables_stay_within_the_budget_and_report_evictions():
     assert summary["rows"] == sum(len(s) for s in stores.values())
 
 
-def test_by_default_a_table_may_split_its_budget_and_the_report_counts_its_fallback_rows():
-    """Without --one-row-per-id the tables are fallback_rows="auto" (the collection's default):
-    at this small batch the large tables fill fast with IDs seen about once and split; each
-    reports keyed + fallback rows as its budget, and its keyed rows stay within its keyed share."""
-    _, run, summary = trained("--steps", "10", "--max-rows", "300")
+def test_auto_split_lets_a_table_split_its_budget_and_the_report_counts_its_fallback_rows():
+    """--auto-split: the tables are fallback_rows="auto"; at this small batch the large tables
+    fill fast with IDs seen about once and split; each reports keyed + fallback rows as its
+    budget, and its keyed rows stay within its keyed share. Without it, a row per ID."""
+    _, run, _ = trained("--steps", "10", "--max-rows", "300")
+    assert all(s.config.fallback_rows == 0 for s in run.tables.stores.values())
+    _, run, summary = trained("--steps", "10", "--max-rows", "300", "--auto-split")
     stores = run.tables.stores
     split = [name for name, s in stores.items() if s.fallback_rows]
     assert split and all(stores[n].config.fallback_rows == 270 and stores[n].config.max_rows == 30 for n in split)
@@ -154,7 +159,7 @@ def test_by_default_a_table_may_split_its_budget_and_the_report_counts_its_fallb
 def test_percent_budget_and_lfu_reach_the_stores():
     steps = 8
     counts = bounded.stream_counts(SyntheticCriteo(seed=0, batch_size=256), steps)
-    _, run, summary = trained("--steps", str(steps), "--max-rows", "50%", "--evict", "lfu", "--one-row-per-id")
+    _, run, summary = trained("--steps", str(steps), "--max-rows", "50%", "--evict", "lfu")
     budgets = bounded.percent_budgets(counts, 50)
     assert [s.config.max_rows for s in run.tables.stores.values()] == budgets
     assert all(isinstance(s.config.eviction, cncore.LFU) for s in run.tables.stores.values())

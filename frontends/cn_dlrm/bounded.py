@@ -116,8 +116,9 @@ def collection_options(args, names: list[str], synthetic: SyntheticCriteo | None
     budgets = table_budgets(args, names, synthetic, world_size)
     if budgets is not None:
         options["max_rows"] = budgets
-    if getattr(args, "one_row_per_id", False):
-        options["fallback_rows"] = 0
+        # A row per ID unless --auto-split: the job's runs on N processes (which cannot split), its
+        # resumes across process counts and options, and its published AUCs are of that table.
+        options["fallback_rows"] = "auto" if getattr(args, "auto_split", False) else 0
     if args.evict is not None:
         options["eviction"] = policy(args.evict, args.ttl_steps, getattr(args, "lfu_halve_every", None))
     if args.admit_min_count is not None:

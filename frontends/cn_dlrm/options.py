@@ -35,9 +35,9 @@ brings to it (a lookup never evicts its own rows). Past its budget a table evict
 steps, also swept every step without pressure). --admit-min-count C gives an ID a row only once
 it was seen C times (a count-min sketch; until then it reads as zeros and is not trained);
 --admit-probability P gives it a row with probability P, decided once per ID (refused IDs read as
-zeros and are never trained). Without admission, a table on one process chooses when it fills
-whether to split its budget into keyed and shared fallback rows (fallback_rows="auto");
---one-row-per-id keeps a row per ID.
+zeros and are never trained). Every table keeps a row per ID (fallback_rows=0); --auto-split
+lets each table choose when it fills whether to split its budget into keyed and shared
+fallback rows (fallback_rows="auto"; one process, no admission).
 
 Evaluation: on synthetic data, the --eval-batches batches that follow the training range (drift
 and unseen IDs included); on a Criteo file, its first --eval-batches x --batch-size lines, which
@@ -223,10 +223,10 @@ def build_parser() -> argparse.ArgumentParser:
     bounded.add_argument("--lfu-halve-every", metavar="S", type=_int_at_least(1), default=None,
                          help="with --evict lfu: a row's count counts half for every S steps it goes unused "
                               "(cncore.LFU(halve_every=S); a power of two), so rows popular once do not stay forever")
-    bounded.add_argument("--one-row-per-id", action="store_true",
-                         help="with --max-rows: every table keeps a row per ID (fallback_rows=0); by default a "
-                              "table on one process may split its budget into keyed and shared fallback rows when "
-                              "it fills (fallback_rows='auto', docs/bounded-tables.md; sharded tables never split)")
+    bounded.add_argument("--auto-split", action="store_true",
+                         help="with --max-rows, on one process, without admission: each table may split its budget "
+                              "into keyed and shared fallback rows when it fills (fallback_rows='auto', "
+                              "docs/bounded-tables.md); by default every table keeps a row per ID")
     admit = bounded.add_mutually_exclusive_group()
     admit.add_argument("--admit-min-count", metavar="C", type=_int_at_least(1), default=None,
                        help="an ID gets a row only once it was seen C times")
@@ -342,8 +342,13 @@ def _check_bounded(ap: argparse.ArgumentParser, args: argparse.Namespace, world:
         ap.error(f"--evict {args.evict} needs --max-rows (it chooses rows to evict past a budget)")
     if args.evict == "ttl" and args.ttl_steps is None:
         ap.error("--evict ttl needs --ttl-steps S (rows unused for more than S steps expire)")
-    if args.one_row_per_id and args.max_rows is None:
-        ap.error("--one-row-per-id applies to a row budget: set --max-rows too")
+    if args.auto_split and args.max_rows is None:
+        ap.error("--auto-split splits a row budget: set --max-rows too")
+    if args.auto_split and (args.admit_min_count is not None or args.admit_probability is not None):
+        ap.error("--auto-split chooses from every ID's arrival, which admission hides: leave out --admit-min-count / "
+                 "--admit-probability")
+    if args.auto_split and world > 1:
+        ap.error(f"--auto-split: a sharded table keeps no fallback rows; run on one process (this run has {world})")
     if args.ttl_steps is not None and args.evict != "ttl":
         ap.error(f"--ttl-steps applies to --evict ttl, not {'no --evict' if args.evict is None else args.evict}")
     if args.lfu_halve_every is not None:
