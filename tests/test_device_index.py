@@ -155,8 +155,9 @@ class IndexMachine(RuleBasedStateMachine):
 
     @initialize(name=st.sampled_from(sorted(CONFIGS)))
     def build(self, name):
-        self.cfg = cncore.StoreConfig(dim=3, capacity=16, seed=5, optimizer=cncore.SGD(lr=0.0),
-                                      initializer=cncore.Uniform(-1.0, 1.0), **CONFIGS[name])
+        self.cfg = cncore.StoreConfig(dim=3, capacity=16, seed=5, optimizer=cncore.SGD(lr=0.0),  # a row per key,
+                                      initializer=cncore.Uniform(-1.0, 1.0), fallback_rows=0,  # as the device index
+                                      **CONFIGS[name])
         self.core = cncore.EmbeddingStore(self.cfg)
         self.core_evicted: list[int] = []
         self.dev_evicted: list[int] = []
