@@ -450,3 +450,32 @@ def test_the_model_and_the_store_agree_on_a_decision_a_lookup_at_a_time():
                                rtol=1e-5, atol=1e-6)
     assert sorted(store.export().keys.tolist()) == sorted(ref.rows)
     assert DictStore.lookup(ref, list(ref.rows)).shape == (len(ref.rows), DIM)
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_a_training_lookup_the_core_refuses_splits_nothing(grouped):
+    # The split comes before the core's lookup; at the step limit the core refuses the call,
+    # and a refused call changes no table: the table that would have split stays undecided.
+    def make():
+        s = cncore.EmbeddingStore(dim=1, max_rows=10, fallback_rows="auto", optimizer=cncore.SGD(lr=1.0))
+        _, ctx = s.pooled_lookup(np.arange(8), lengths=[8])
+        s.apply_gradients(ctx, np.ones((1, 1), np.float32))
+        return s
+    auto, reference_store = make(), make()
+    at_limit = cncore.EmbeddingStore(dim=1, optimizer=cncore.SGD(lr=1.0))
+    at_limit.step = 2**32 - 1
+    if not grouped:
+        auto.step = 2**32 - 1
+    before = auto.export()
+    with pytest.raises(ValueError, match="2\\*\\*32 - 1"):
+        if grouped:
+            cncore.grouped_pooled_lookup([auto, at_limit], [np.arange(8, 16), np.array([1])], lengths=[[8], [1]])
+        else:
+            auto.pooled_lookup(np.arange(8, 16), lengths=[8])
+    after = auto.export()
+    assert auto.config.fallback_rows == "auto" and auto.fallback_rows == 0 and auto.split_measures is None
+    assert np.array_equal(before.keys, after.keys) and np.array_equal(before.rows, after.rows)
+    assert auto.evicted_count == 0
+    # the same call on a table that is not at the limit splits, as the module doc's example says
+    reference_store.pooled_lookup(np.arange(8, 16), lengths=[8])
+    assert reference_store.fallback_rows == 9
