@@ -246,7 +246,7 @@ def used_bytes(store: cncore.EmbeddingStore) -> int:
     value_bytes = 4 if store.config.dtype == "float32" else 2
     meta_bytes = 16 + (8 if store.config.eviction is not None else 0)
     return (16 * store._table.n_buckets + len(store) * (store.dim * value_bytes + meta_bytes)
-            + store.fallback_rows * (store.dim * value_bytes + 16))
+            + store.config.fixed_fallback_rows * (store.dim * value_bytes + 16))
 
 
 # --- training ------------------------------------------------------------------------------------

@@ -158,7 +158,8 @@ class CNEmbeddingBagCollection(DynamicTables, EmbeddingBagCollection):
     >>> from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
     >>> ebc = CNEmbeddingBagCollection(
     ...     [EmbeddingBagConfig(name="t", embedding_dim=2, num_embeddings=3, feature_names=["f"])],
-    ...     optimizer=cncore.SGD(lr=0.1), max_rows="num_embeddings", eviction=cncore.LRU(), headroom=0)
+    ...     optimizer=cncore.SGD(lr=0.1), max_rows="num_embeddings", eviction=cncore.LRU(), headroom=0,
+    ...     fallback_rows=0)  # a row per ID, evicted by LRU (the default may split a table that fills this fast)
     >>> for ids in ([1, 2, 3], [4]):
     ...     ebc(KeyedJaggedTensor.from_lengths_sync(["f"], torch.tensor(ids), torch.tensor([len(ids)]))
     ...         ).values().sum().backward()

@@ -349,7 +349,7 @@ class CNEmbeddingBag(_DynamicTable):
 
     >>> import torch, cncore
     >>> bag = CNEmbeddingBag(100, 4, mode="sum", optimizer=cncore.SGD(lr=0.1), max_rows=2, eviction=cncore.LRU(),
-    ...                      headroom=0)
+    ...                      headroom=0, fallback_rows=0)  # a row per ID (the default may split a table this small)
     >>> bag(torch.tensor([[5, 6]])).sum().backward()
     >>> bag(torch.tensor([[7]])).sum().backward()      # 5 and 6 were used alike: the smaller key goes
     >>> sorted(bag.keys().tolist()), bag.store.evicted_count
