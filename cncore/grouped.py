@@ -34,7 +34,6 @@ from cncore._interchange import as_float_rows, as_floats, as_keys, as_offsets, a
 __all__ = ["LookupContext", "grouped_pooled_lookup", "grouped_apply_gradients", "check_context", "as_flag"]
 
 MODES = {"sum": 0, "mean": 1, "max": 2}
-STEP_MAX = 2**32 - 1  # the last step a row's 32-bit last_step records: the core refuses a training lookup there
 
 # What only a lookup puts into a context (LookupContext._seal).
 _SEAL = object()
@@ -343,7 +342,7 @@ def split_before_training(stores, keys) -> None:
     for s, k in zip(stores, keys):
         if getattr(s, "_split_pending", False):
             pending.setdefault(id(s), (s, []))[1].append(k)
-    if pending and any(s.step >= STEP_MAX for s in stores):
+    if pending and any(s.step >= _core.STEP_MAX for s in stores):
         return  # the core refuses the call (a table at its last step), and a refused call changes no table
     for s, ks in pending.values():
         s.split_before_training(ks[0] if len(ks) == 1 else np.concatenate(ks))
@@ -383,8 +382,8 @@ def forward_one(store, keys, offsets, weights, mode: int, out, insert_missing: b
     if weights is not None:
         weights = np.ascontiguousarray(weights, dtype=np.float32)
     insert_missing = bool(insert_missing)
-    if insert_missing and getattr(store, "_split_pending", False) and store.step < STEP_MAX:
-        store.split_before_training(keys)  # fallback_rows="auto", undecided (at STEP_MAX the core refuses the call)
+    if insert_missing and getattr(store, "_split_pending", False) and store.step < _core.STEP_MAX:
+        store.split_before_training(keys)  # fallback_rows="auto", undecided (at STEP_MAX the core refuses)
     # (A tiered store holds the keys in memory around the call, and hands over the slots its
     # fault-in found, so that the lookup does not find them again; see TieredStore._fault_in.)
     with store.faulted_in(keys, insert_missing) if hasattr(store, "faulted_in") else _NOTHING_HELD as found:

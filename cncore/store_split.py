@@ -30,7 +30,7 @@ The conversion
   keys would have read), or as the initializer's row where no victim maps to it; its optimizer
   state starts as the optimizer's initial state.
 - A new core table with ``max_rows=R - N, fallback_rows=N`` takes the kept rows with their
-  optimizer state, counts and last steps, the step, the eviction count, the admission counters
+  optimizer state, counts and last steps, the step, the eviction count,
   and the on_evict callbacks, and replaces the old one; the store's config then holds the
   split. The new table's erase epoch is a fresh stamp, so the backward of a lookup made before
   the conversion is refused, as after any eviction.
@@ -111,8 +111,7 @@ def split_config(config: StoreConfig, fallback_rows: int) -> StoreConfig:
     """The concrete config of an auto table that chose `fallback_rows` of its max_rows (0: its
     max_rows stay keyed rows; the headroom is the default of the keyed rows' budget)."""
     keyed = budget_of(config) - fallback_rows
-    return dataclasses.replace(config, max_rows=keyed, fallback_rows=fallback_rows,
-                               headroom=min(max(1, keyed // 32), keyed - 1))
+    return dataclasses.replace(config, max_rows=keyed, fallback_rows=fallback_rows, headroom=None)  # its default
 
 
 def fallback_start(victim_keys: np.ndarray, victim_rows: np.ndarray, initial: np.ndarray) -> np.ndarray:
@@ -256,9 +255,7 @@ class AutoSplitVerbs:
                                   np.concatenate([r for _, r in victims]), initial)
             fresh.load_fallback(rows, state)
         fresh._table.step = old.step
-        fresh._table.evicted_count = old.evicted_count
-        if old.admission_counters is not None:
-            fresh._table.admission_counters = old.admission_counters
+        fresh._table.evicted_count = old.evicted_count  # (no admission counters: auto refuses admission)
         self._config, self._table, self._split_pending = config, fresh._table, False
         if self._evict_callbacks:
             self._table.evict_sink = self._deliver
