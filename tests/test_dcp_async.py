@@ -102,6 +102,7 @@ def _async_ranks(rank, world_size, directory):
         for name, e in saved.items():
             _assert_same(fresh.module.stores[name], e, step)
     stager.close()
+    _torchs_helpers_on_the_sharded_module(dmp, fresh, saved, step, path("helpers"))
     # without CNLoadPlanner: every rank refuses while DCP plans, and the tables keep their rows
     with pytest.raises(CheckpointException, match=r"model.tables.o_[ab].\w+: a dynamic table's entries load with "
                                                   r"torch.distributed.checkpoint.load\(..., planner="
@@ -110,6 +111,31 @@ def _async_ranks(rank, world_size, directory):
     for name, e in saved.items():
         _assert_same(fresh.module.stores[name], e, step)
     _per_rank_tables(rank, path)
+
+
+def _torchs_helpers_on_the_sharded_module(dmp, fresh, saved, step, path):
+    """torch's get_model_state_dict on the sharded module (TorchRec's DMP itself is not walkable
+    by it, for TorchRec's own collections too): this rank's shard, as its state_dict, which
+    DCP saves as every rank's rows; with full_state_dict=True (which would return a shard as
+    the whole table) it is refused by name, on every rank."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from cncore_torch.dcp import CNLoadPlanner, TableEntry
+    with pytest.raises(ValueError, match=r"full_state_dict=True\)\) on a dynamic table sharded over 2 ranks would "
+                                         r"return this rank's shard as the whole table"):
+        get_model_state_dict(dmp.module, options=StateDictOptions(full_state_dict=True))
+    model_sd = get_model_state_dict(dmp.module)
+    assert list(model_sd) == list(dmp.module.state_dict())
+    assert isinstance(model_sd["tables.o_a.keys"], TableEntry)
+    dcp.save({"model": model_sd}, checkpoint_id=path)
+    for store in fresh.module.stores.values():
+        store.clear()
+    state = {"model": get_model_state_dict(fresh.module)}
+    dcp.load(state, checkpoint_id=path, planner=CNLoadPlanner())
+    fresh.module.load_state_dict(state["model"])
+    for name, e in saved.items():
+        _assert_same(fresh.module.stores[name], e, step)
 
 
 def _per_rank_tables(rank, path):
@@ -305,18 +331,66 @@ def test_a_load_without_cn_load_planner_is_refused_naming_it_and_nothing_is_load
         torch.testing.assert_close(fresh["dense"].weight, dense, rtol=0, atol=0)
 
 
-def test_torchs_state_dict_helpers_set_state_dict_loads_and_get_state_dict_is_refused_by_name(tmp_path):
-    """A TorchRec user's flow with torch's model + optimizer helpers: get_state_dict /
-    get_model_state_dict refuse a model with dynamic tables, naming what works; with the model's
-    own state_dict and get_optimizer_state_dict saved by DCP, set_state_dict loads every row and
-    the dense optimizer's state (the reference: the saved model's stores and torch.optim's state)."""
+def test_torchs_state_dict_helpers_get_and_set_state_dict_round_trip_through_dcp(tmp_path):
+    """A user's flow with torch's model + optimizer helpers: get_state_dict hands back the model's
+    own state_dict (every table entry, for a collection and a single module; with cpu_offload
+    too) and the dense optimizer's; saved by DCP and loaded with CNLoadPlanner, set_state_dict
+    restores every row and the dense optimizer's state (the reference: the saved model's stores
+    and torch.optim's state)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
         get_model_state_dict,
-        get_optimizer_state_dict,
         get_state_dict,
         set_state_dict,
     )
+
+    import cncore
+    from cncore_torch import CNEmbeddingBag, CNEmbeddingBagCollection
+    from cncore_torch.dcp import CNLoadPlanner
+
+    def make(seed):
+        torch.manual_seed(seed)
+        model = torch.nn.ModuleDict({"ebc": CNEmbeddingBagCollection(_configs("o"), optimizer=cncore.Adam(lr=0.1),
+                                                                     seed=seed),
+                                     "bag": CNEmbeddingBag(100, 4, optimizer=cncore.SGD(lr=0.1), seed=seed),
+                                     "dense": torch.nn.Linear(4, 1)})
+        return model, torch.optim.Adam(model["dense"].parameters(), lr=0.01)
+    model, opt = make(0)
+    from torchrec import KeyedJaggedTensor
+    kjt = KeyedJaggedTensor.from_lengths_sync(["f1", "f2", "f3"], torch.arange(27) * 5, torch.tensor([3] * 9))
+    for _ in range(2):
+        pooled = model["ebc"](kjt).values()[:, :4] + model["bag"](torch.arange(9) * 7, torch.tensor([0, 3, 6]))
+        model["dense"](pooled).sum().backward()
+        opt.step()
+    model_sd, optim_sd = get_state_dict(model, opt)
+    own = model.state_dict()
+    assert list(model_sd) == list(own) and "ebc.tables.o_a.keys" in own and "bag.keys" in own
+    for key, value in own.items():
+        torch.testing.assert_close(model_sd[key], value, rtol=0, atol=0, msg=key)
+    offloaded = get_model_state_dict(model, options=StateDictOptions(cpu_offload=True))
+    for key, value in own.items():
+        torch.testing.assert_close(offloaded[key], value, rtol=0, atol=0, msg=key)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp_path), no_dist=True)
+    fresh, fresh_opt = make(1)
+    fresh_model_sd, fresh_optim_sd = get_state_dict(fresh, fresh_opt)
+    state = {"model": fresh_model_sd, "optim": fresh_optim_sd}
+    dcp.load(state, checkpoint_id=str(tmp_path), planner=CNLoadPlanner(), no_dist=True)
+    set_state_dict(fresh, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    for name, store in model["ebc"].stores.items():
+        _assert_same(fresh["ebc"].stores[name], store.export(), store.step)
+    _assert_same(fresh["bag"].storage, model["bag"].storage.export(), model["bag"].storage.step)
+    torch.testing.assert_close(fresh["dense"].weight, model["dense"].weight, rtol=0, atol=0)
+    for p, q in zip(model["dense"].parameters(), fresh["dense"].parameters()):
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            torch.testing.assert_close(fresh_opt.state[q][key], opt.state[p][key], rtol=0, atol=0)
+
+
+def test_the_model_state_dict_alone_with_get_optimizer_state_dict_loads_with_set_state_dict(tmp_path):
+    """(the flow before torch's get_state_dict took our modules: model.state_dict() and
+    get_optimizer_state_dict, saved by DCP, load with set_state_dict)"""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_state_dict
 
     import cncore
     from cncore_torch import CNEmbeddingBagCollection
@@ -334,13 +408,6 @@ def test_torchs_state_dict_helpers_set_state_dict_loads_and_get_state_dict_is_re
     for _ in range(2):
         model["dense"](model["ebc"](kjt).values()[:, :4]).sum().backward()
         opt.step()
-    refusal = (r"torch.distributed.checkpoint.state_dict.get_state_dict / get_model_state_dict cannot take a model "
-               r"holding dynamic tables .*: take the model's part with model.state_dict\(\) and the optimizers' with "
-               r"get_optimizer_state_dict\(model, optimizers\); set_state_dict loads both")
-    with pytest.raises(ValueError, match=refusal):
-        get_state_dict(model, opt)
-    with pytest.raises(ValueError, match=refusal):
-        get_model_state_dict(model)
     dcp.save({"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)},
              checkpoint_id=str(tmp_path), no_dist=True)
     fresh, fresh_opt = make(1)

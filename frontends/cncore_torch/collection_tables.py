@@ -15,6 +15,7 @@ import torch
 import cncore
 from cncore_torch.base import TableModule
 from cncore_torch.collection_shape import CollectionShape
+from cncore_torch.dcp import EntryPaths
 from cncore_torch.device_rows import DeviceRows
 from cncore_torch.embedding_configs import collection_placement, store_configs
 from cncore_torch.modules import TableStorage
@@ -38,7 +39,7 @@ def store_writer(store: TableStorage) -> Callable[[TableState], None]:
     return lambda state: state.load_into(store)
 
 
-class DynamicTables(CollectionShape, TableModule):
+class DynamicTables(EntryPaths, CollectionShape, TableModule):
     """What both collections share: a store per table (created by `_init_tables`), the fused
     optimizer over them, and every table's rows, optimizer state and metadata in the module's
     state_dict (the anchor and the handle: `TableModule`).

@@ -35,9 +35,13 @@ and the per-rank fields stacked). `load_state_dict` then keeps the rows each
 rank owns at its world size (`ungather`), as it does for `merge_shards`' whole tables, so a
 checkpoint written by N ranks loads into M.
 
-torch's `set_state_dict` loads such a state_dict with an optimizer's
-(`get_optimizer_state_dict`); `get_state_dict` / `get_model_state_dict` are refused by name
-(they look every key up as a module attribute): take the model's part with `state_dict()`.
+torch's state_dict helpers work as with any module: `get_state_dict` / `get_model_state_dict`
+return the model's state_dict (they walk every key as module attributes; a table's entries are
+not attributes, and `EntryPaths`, through torch's `_fqn_modifiers` hook, tells them where the
+entries sit), and `set_state_dict` loads it with an optimizer's. Their
+`StateDictOptions(full_state_dict=True)` gathers DTensors only: on a table sharded over several
+ranks it would return each rank's shard as if it were the whole table, so it is refused by name
+there (each rank's shard saves with DCP as above; `merge_shards` makes whole tables).
 
 >>> import tempfile, torch, cncore
 >>> import torch.distributed.checkpoint as dcp
@@ -83,25 +87,71 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import _get_model_state_dict
 from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
 
-__all__ = ["CNLoadPlanner", "CNStager", "TableEntry", "ShardLayout", "ungather"]
+__all__ = ["CNLoadPlanner", "CNStager", "EntryPaths", "TableEntry", "ShardLayout", "ungather"]
 
 # The entries of a table that hold one value per rank (stacked in a DCP checkpoint).
 PER_RANK = ("step", "evicted_count", "shard")
 FALLBACK_ENTRIES = ("fallback_rows", "fallback_optimizer_state")
 
 
-def _refuse_model_state_dict_helper() -> None:
-    """torch's `get_state_dict` / `get_model_state_dict` look every state_dict key up as a module
-    attribute path, and a table's entries are not attributes: refused by name, from the
-    `state_dict()` call they make (a layout is made once per table)."""
+def _refuse_full_state_dict_of_shards(world_size: int) -> None:
+    """torch's `get_state_dict` / `get_model_state_dict` with `full_state_dict=True` gather
+    DTensors and ShardedTensors; a sharded table's entries are this rank's rows in plain tensors,
+    which they would hand back as the whole table: refused by name from the `state_dict()` call
+    they make (a layout is made once per table), for a table over several ranks only."""
+    if world_size <= 1:
+        return
     frame: FrameType | None = sys._getframe(2)
     while frame is not None:
         if frame.f_code is _GET_MODEL_STATE_DICT:
-            raise ValueError("torch.distributed.checkpoint.state_dict.get_state_dict / get_model_state_dict cannot "
-                             "take a model holding dynamic tables (their entries, tables.<name>.keys ..., are not "
-                             "parameters or buffers): take the model's part with model.state_dict() and the "
-                             "optimizers' with get_optimizer_state_dict(model, optimizers); set_state_dict loads both")
+            if getattr(frame.f_locals.get("info"), "full_state_dict", False):
+                raise ValueError(
+                    f"get_state_dict / get_model_state_dict(options=StateDictOptions(full_state_dict=True)) on a "
+                    f"dynamic table sharded over {world_size} ranks would return this rank's shard as the whole "
+                    f"table: take the sharded state_dict (full_state_dict=False, the default) and save it with "
+                    f"torch.distributed.checkpoint.save, or make whole tables with cncore_torch.merge_shards")
+            return
         frame = frame.f_back
+
+
+class _EntryPath:
+    """What a table entry's key resolves to, past its module, when torch's state_dict helpers
+    walk the key as attributes (`EntryPaths`): itself, for any name."""
+
+    def __getattr__(self, name: str) -> _EntryPath:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return self
+
+    def _fqn_modifiers(self) -> dict[str, str]:
+        return {}
+
+
+class EntryPaths:
+    """A module whose state_dict holds table entries under the names `_entry_roots` (the key's
+    first part after the module's prefix: ``tables`` for ``tables.<name>.keys``).
+
+    torch's `get_state_dict` / `get_model_state_dict` map each state_dict key to its module
+    path by `getattr` on every part (`torch.distributed.checkpoint.state_dict._get_fqns`), and a
+    table's entries are not attributes. Their `_fqn_modifiers` hook lets a module redirect a
+    name to an attribute of its own; ours redirect the entry roots to an object that answers any
+    name, so the key maps to itself. The module's own attributes are untouched (no `keys`,
+    `rows` or `step` attribute appears on a module).
+
+    >>> import torch
+    >>> from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    >>> from cncore_torch import CNEmbeddingBag
+    >>> bag = CNEmbeddingBag(10, 4)
+    >>> _ = bag(torch.tensor([3, 7]), torch.tensor([0]))
+    >>> sorted(get_model_state_dict(torch.nn.Sequential(bag))["0.keys"].tolist())
+    [3, 7]
+    """
+
+    _entry_roots: tuple[str, ...] = ("tables",)
+    _dcp_entry_path = _EntryPath()
+
+    def _fqn_modifiers(self) -> dict[str, str]:
+        return dict.fromkeys(self._entry_roots, "_dcp_entry_path")
 
 
 class ShardLayout:
@@ -116,7 +166,7 @@ class ShardLayout:
     """
 
     def __init__(self, rows: int, rank: int = 0, world_size: int = 1, group: Any = None) -> None:
-        _refuse_model_state_dict_helper()
+        _refuse_full_state_dict_of_shards(world_size)
         self.rows, self.rank, self.world_size, self.group = rows, rank, world_size, group
         self._counts: list[int] | None = None
 

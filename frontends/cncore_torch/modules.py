@@ -29,11 +29,12 @@ from cncore.config import Admission, Eviction, Initializer, Optimizer, Tiered, w
 from cncore.tier import TieredStore
 from cncore_torch import bridge, functional
 from cncore_torch.base import TableModule, check_flag, store_config
+from cncore_torch.dcp import FALLBACK_ENTRIES, PER_RANK, EntryPaths
 from cncore_torch.device_rows import DeviceRows
 from cncore_torch.devices import resolve_device
 from cncore_torch.functional import MODES
 from cncore_torch.optim import FusedOptimizer
-from cncore_torch.state import TableState, export_tensors, is_store_entry, save_store
+from cncore_torch.state import FIELDS, TableState, export_tensors, is_store_entry, save_store
 from cncore_torch.table_options import module_options
 from cncore_torch.table_weight import TableWeight
 
@@ -66,9 +67,11 @@ def _check_unsupported(max_norm, scale_grad_by_freq, sparse, device, dtype):
 TableStorage = cncore.EmbeddingStore | TieredStore | DeviceRows
 
 
-class _DynamicTable(TableModule):
+class _DynamicTable(EntryPaths, TableModule):
     """What both modules share: the store, optimizer and table methods (the anchor and the
     handle: `TableModule`)."""
+
+    _entry_roots = (*FIELDS, *PER_RANK, *FALLBACK_ENTRIES)  # its entries sit at its own prefix
 
     def __init__(self, num_embeddings: int, embedding_dim: int, optimizer, initializer, seed: int,
                  max_load_factor: float, device=None, options: dict | None = None):

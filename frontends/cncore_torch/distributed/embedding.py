@@ -31,6 +31,7 @@ from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 import cncore
 from cncore_torch.collection import CNEmbeddingCollection
+from cncore_torch.dcp import EntryPaths
 from cncore_torch.distributed.checkpoint import agree_run_id
 from cncore_torch.distributed.embedding_sharding import (
     OutsideGraphUnderCompile,
@@ -69,7 +70,7 @@ class _Rows(LazyAwaitable[dict[str, JaggedTensor]]):
         return self._fn()
 
 
-class ShardedCNEmbeddingCollection(OutsideGraphUnderCompile, ShardedEmbeddingCollection):
+class ShardedCNEmbeddingCollection(EntryPaths, OutsideGraphUnderCompile, ShardedEmbeddingCollection):
     """`CNEmbeddingCollection` with every table sharded row-wise by key hash over the process group.
     Built by `CNEmbeddingCollectionSharder.shard`, which DMP calls.
 

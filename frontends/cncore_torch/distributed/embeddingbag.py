@@ -36,6 +36,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 import cncore
 from cncore_torch.collection import CNEmbeddingBagCollection
+from cncore_torch.dcp import EntryPaths
 from cncore_torch.distributed.checkpoint import agree_run_id
 from cncore_torch.distributed.embedding_sharding import (
     OutsideGraphUnderCompile,
@@ -89,7 +90,7 @@ class _KeyedTensorAwaitable(LazyAwaitable[KeyedTensor]):
         return KeyedTensor(keys=self._names, length_per_key=self._dims, values=values)
 
 
-class ShardedCNEmbeddingBagCollection(OutsideGraphUnderCompile, ShardedEmbeddingBagCollection):
+class ShardedCNEmbeddingBagCollection(EntryPaths, OutsideGraphUnderCompile, ShardedEmbeddingBagCollection):
     """`CNEmbeddingBagCollection` sharded row-wise by key hash over every rank of the process group.
 
     TorchRec's `ShardedEmbeddingBagCollection` is built around dense weight tensors (it reads the
