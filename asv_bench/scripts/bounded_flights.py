@@ -9,7 +9,7 @@ read straight from the archive: the sdist is found in --cache (or downloaded the
 The task: label = the departure was 15 minutes or more late (`dep_delay >= 15`: the DOT counts
 a flight on time when it is less than 15 minutes late); cancelled flights (no `dep_delay`, 8,255) are left out.
 The flights sorted by their scheduled departure, the first 80% train (a stream: Jan 1 to
-mid-October), the last 20% test. Nine sparse features with their raw IDs, one each: carrier,
+Oct 19), the last 20% test. Nine sparse features with their raw IDs, one each: carrier,
 flight (carrier and flight number: 5,713), plane (tail number: 4,037; none when unknown),
 origin, destination, the scheduled hour, day of week, day of month, and the plane on that
 flight (flight x tail number: 177,258, 110,586 of them seen once; the long-tail cross a CTR
