@@ -47,6 +47,8 @@ rows, metadata, keys; fixed tables: rows x their row's bytes, dim + 1 floats wit
         --methods ours-lfu hashed-same-memory hashed mch-lfu --seeds 5
     python asv_bench/scripts/bounded_auc.py --data instacart --budget-floor none --budgets 50 25 10 \
         --methods ours-lfu+fb90 hashed-same-memory hashed mch-lfu --seeds 5
+    python asv_bench/scripts/bounded_auc.py --data flights --budget-floor none --budgets 50 25 10 \
+        --methods ours-lfu+auto hashed-same-memory --seeds 5 --hash-spread 0.95 0.975 1 1.025 1.05
     python asv_bench/scripts/bounded_auc.py --step-time --steps 100 --budgets 25 \
         --methods ours-lfu ours-lfu+fb90 ours-lfu+rfb90 ours-unbounded     # not under nice
 """
