@@ -233,9 +233,31 @@ def ours(args, budgets: list[int], eviction, admission=None, initializer=None, f
                                    fallback_copy=fallback_copy,
                                    fallback_mode=None if fallback is None or auto else  # (tables too small: none)
                                    {n: fallback_mode if f else None for n, f in zip(names, fallback)})
+    if auto:
+        force_splits(ebc, getattr(args, "force_split", None) or {})
     model = args.task.dlrm(ebc, args.embedding_dim)
     dense = [p for n, p in model.named_parameters() if "_anchor" not in n]
     return Run("ours", model, [torch.optim.Adagrad(dense, lr=args.dense_lr), ebc.fused_optimizer], tables=ebc)
+
+
+def force_splits(ebc, decisions: dict[str, bool]) -> None:
+    """Benchmark-side (cncore unchanged): each auto table named in `decisions` takes that
+    decision when it fills, whatever its churn and repeat (True: `AUTO_SHARE` of its max_rows
+    become fallback rows, as auto's split; False: it keeps its keyed rows). The store's
+    `split_measures` still say what auto would have chosen; `store.forced_fallback_rows` what
+    it took."""
+    unknown = sorted(set(decisions) - set(ebc.stores))
+    if unknown:
+        raise ValueError(f"--split-tables / --keep-tables: no table {unknown}; the tables are {sorted(ebc.stores)}")
+    for name, split in decisions.items():
+        store = ebc.stores[name]
+        budget = store.config.max_rows
+        chosen = store.choose_split
+
+        def forced(fallback_rows, store=store, chosen=chosen, split=split, budget=budget):
+            store.forced_fallback_rows = store_split.auto_fallback_rows(budget, math.inf, 0.0) if split else 0
+            chosen(store.forced_fallback_rows)
+        store.choose_split = forced
 
 
 class CountingMCH:
@@ -444,7 +466,60 @@ def measure(method: str, args, data: CachedData, budgets: list[int]) -> dict:
               "evicted": evicted, "table_mib": mib, "samples_per_s": result["samples_per_s"]}
     if run.tables is not None:
         result["same_memory_rows"] = same_memory
+        result["splits"] = {name: split_taken(store) for name, store in run.tables.stores.items()}
     return result
+
+
+def split_taken(store) -> dict | None:
+    """What an auto table chose at its fill (None: never filled, or not auto): its measures,
+    and the fallback rows it took (a forced decision's, else auto's)."""
+    m = getattr(store, "split_measures", None)
+    if m is None:
+        return None
+    return {"churn": m.churn, "repeat": m.repeat,
+            "fallback_rows": getattr(store, "forced_fallback_rows", m.fallback_rows)}
+
+
+def flip_tables(args, data: CachedData, budgets: list[int], percent: float, method: str, seeds: int) -> list[dict]:
+    """`--flip-tables`: `method` (an auto one) at every seed, then, for each table that decided
+    and has 2 rows or more, the same seeds with that table's decision flipped (split <-> keep),
+    the others as auto chose. Each table's label is the paired gain of its split over keeping its
+    rows: mean over seeds of (AUC split - AUC keep), and its standard error."""
+    args.force_split = {}
+    base = []
+    for seed in range(seeds):
+        args.seed = seed
+        base.append(measure(method, args, data, budgets))
+    rows = []
+    for name, taken in base[0]["splits"].items():
+        if taken is None or budgets[list(base[0]["splits"]).index(name)] < 2:
+            continue
+        split = taken["fallback_rows"] > 0
+        args.force_split = {name: not split}
+        flipped = []
+        for seed in range(seeds):
+            args.seed = seed
+            flipped.append(measure(method, args, data, budgets)["auc"])
+        auto = [r["auc"] for r in base]
+        gain = [(a - f) if split else (f - a) for a, f in zip(auto, flipped)]
+        se = float(np.std(gain, ddof=1) / np.sqrt(len(gain))) if len(gain) > 1 else float("nan")
+        mean = float(np.mean(gain))
+        label = "split gains" if mean > 2 * se else "keep gains" if mean < -2 * se else "noise"
+        rows.append({"budget_percent": percent, "table": name, "max_rows": budgets[list(base[0]["splits"]).index(name)],
+                     "churn": taken["churn"], "repeat": taken["repeat"], "auto_split": split,
+                     "auc_auto": float(np.mean(auto)), "auc_flipped": float(np.mean(flipped)),
+                     "split_gain": mean, "split_gain_se": se, "label": label, "aucs_auto": auto,
+                     "aucs_flipped": flipped})
+        r = rows[-1]
+        print(f"| {percent:g}% | {name} | {r['max_rows']:,} | {r['churn']:.3f} | {r['repeat']:.2f} | "
+              f"{'split' if split else 'keep'} | {r['auc_auto']:.4f} | {r['auc_flipped']:.4f} | "
+              f"{mean:+.4f} +- {se:.4f} | {label} |", flush=True)
+    args.force_split = {}
+    return rows
+
+
+FLIP_HEADER = ("| budget | table | max_rows | churn | repeat | auto chose | AUC, auto | AUC, this table flipped | "
+               "split - keep (paired over seeds, +- s.e.) | label (2 s.e.) |\n" + "|---" * 10 + "|")
 
 
 def spread_rows(rows: list[int], factor: float) -> list[int]:
@@ -603,13 +678,38 @@ def main(argv=None) -> int:
                          "(e.g. 0.95 0.975 1 1.025 1.05), every seed at each; its AUC is the mean +- std over "
                          "(row counts x seeds), and a line gives each row count's mean and their range (which "
                          "raw IDs collide moves hashing's AUC)")
+    ap.add_argument("--split-tables", nargs="+", metavar="TABLE", default=None,
+                    help="+auto methods: these tables (e.g. t_carrier) split when they fill, whatever their churn "
+                         "and repeat (benchmark-side: each store's choose_split wrapped)")
+    ap.add_argument("--keep-tables", nargs="+", metavar="TABLE", default=None,
+                    help="+auto methods: these tables keep a row per ID when they fill")
+    ap.add_argument("--auto-share", type=float, default=None,
+                    help="+auto methods: the share of a splitting table's max_rows that become fallback rows "
+                         f"(default {store_split.AUTO_SHARE})")
+    ap.add_argument("--flip-tables", action="store_true",
+                    help="instead of the AUC table: the first --methods method (an auto one) at --seeds seeds, "
+                         "then each table's decision flipped alone; prints each table's paired gain of splitting")
+    ap.add_argument("--measures", action="store_true",
+                    help="instead of AUC: each table's candidate split measures at its fill (head coverage, "
+                         "victims' return; bounded_churn.measures_of_run) in an ours-lfu run, model seed 0")
+    ap.add_argument("--measures-after", type=int, default=8,
+                    help="--measures: the calls after the fill that victims' return counts")
     args = ap.parse_args(argv)
+    if args.auto_share is not None and not 0 < args.auto_share < 1:
+        ap.error(f"--auto-share must be in (0, 1), got {args.auto_share}")
+    if set(args.split_tables or []) & set(args.keep_tables or []):
+        ap.error(f"--split-tables and --keep-tables name the same table: "
+                 f"{sorted(set(args.split_tables) & set(args.keep_tables))}")
+    if args.flip_tables and "auto" not in args.methods[0].split("+"):
+        ap.error(f"--flip-tables needs an auto method first in --methods (e.g. ours-lfu+auto), got {args.methods[0]}")
     if args.hash_spread is not None and any(f <= 0 for f in args.hash_spread):
         ap.error(f"--hash-spread: factors must be > 0, got {args.hash_spread}")
     if args.auto_churn is not None:
         store_split.AUTO_CHURN = args.auto_churn
     if args.auto_repeat is not None:
         store_split.AUTO_REPEAT = args.auto_repeat
+    if args.auto_share is not None:
+        store_split.AUTO_SHARE = args.auto_share
     # what the job's Run/train read
     if args.batch_size is None:
         args.batch_size = 2048 if args.data == "synthetic" else 256
@@ -644,6 +744,25 @@ def main(argv=None) -> int:
         if args.json:
             with open(args.json, "w") as fh:
                 json.dump({"args": vars(args), "budgets": budgets, "step_times": timed}, fh, indent=2)
+        return 0
+    job.force_split = {**dict.fromkeys(args.split_tables or [], True), **dict.fromkeys(args.keep_tables or [], False)}
+    if args.flip_tables:
+        print(FLIP_HEADER + f"   ({args.methods[0]}, {args.seeds} model seeds)")
+        flips = []
+        for percent in args.budgets:
+            flips += flip_tables(job, data, bounded.percent_budgets(counts, percent), percent, args.methods[0],
+                                 args.seeds)
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump({"args": vars(args), "distinct": counts.distinct, "flips": flips}, fh, indent=2)
+        return 0
+    if args.measures:
+        print(bounded_churn.MEASURES_HEADER)
+        for percent in args.budgets:
+            job.seed = 0
+            bounded_churn.print_measures(percent, bounded_churn.measures_of_run(
+                build("ours-lfu", job, bounded.percent_budgets(counts, percent)), data.batches,
+                after=args.measures_after))
         return 0
     if args.churn:
         print(bounded_churn.CHURN_HEADER)

@@ -86,3 +86,98 @@ CHURN_HEADER = ("| budget | table | max_rows | distinct IDs a call | fill calls 
                 "fill repeat (occurrences / distinct, a call) | miss after (of a call's distinct) | "
                 "new after (a call / max_rows) | auto: churn / repeat / fallback rows |\n"
                 + "|---" * 10 + "|")
+
+
+def head_coverage(seen: np.ndarray, call: np.ndarray, max_rows: int) -> tuple[float, float]:
+    """The share of the lookups `seen` (every key looked up so far, repeats included) and of the
+    call's lookups `call` that the `max_rows` most-counted keys of `seen` cover (ties broken by
+    the smaller key).
+
+    >>> head_coverage(np.array([1, 1, 1, 2, 3, 3]), np.array([1, 2, 3]), 2)
+    (0.8333333333333334, 0.6666666666666666)
+    """
+    keys, counts = np.unique(seen, return_counts=True)
+    head = keys[np.lexsort((keys, -counts))[:max_rows]]
+    return (float(counts[np.isin(keys, head)].sum() / max(1, len(seen))),
+            float(np.isin(call, head).sum() / max(1, len(call))))
+
+
+def measures_of_run(run, batches, after: int = 8) -> list[dict]:
+    """Step `run` (ours, a row per ID: `ours-lfu`, which fills as an auto table does) through
+    `batches`, measuring for each table at its fill (the first call whose new IDs do not fit)
+    the split's candidate measures:
+
+    - ``head_all``, ``head_call``: `head_coverage` of every lookup up to and including the fill
+      call, and of the fill call's lookups, by the max_rows most-counted keys so far;
+    - ``victims_return``: over the `after` calls after the fill, the share of the missed keys
+      (distinct keys of a call without a row) that the table had evicted before that call (a
+      returning victim is where a shared trained row would beat a fresh one); None if none missed;
+    - ``head_after``: over those calls, the share of their lookups that the max_rows
+      most-counted keys before each call cover (what an oracle of counts could keep keyed);
+    - ``fill_calls``, ``churn``, ``repeat`` as `churn_of_run` (fill churn and repeat a call).
+    """
+    stores = run.tables.stores
+    features = table_features(run)
+    evicted: dict[str, list[np.ndarray]] = {name: [] for name in stores}
+    for name, store in stores.items():
+        store.on_evict(lambda batch, name=name: evicted[name].append(np.array(batch.keys)))
+    seen: dict[str, list[np.ndarray]] = {name: [] for name in stores}
+    state: dict[str, dict] = {name: {"calls": 0, "new": 0, "occurrences": 0, "distinct": 0, "fill": None,
+                                     "missed": 0, "returned": 0, "after": 0,
+                                     "head_covered": 0.0, "head_lookups": 0} for name in stores}
+    out: dict[str, dict] = {}
+    for batch in batches:
+        per_feature = batch.sparse.to_dict()
+        for name, store in stores.items():
+            s = state[name]
+            every = np.concatenate([per_feature[f].values().numpy() for f in features[name]])
+            keys = np.unique(every)
+            missing = keys[~store.contains(keys)]
+            max_rows = store.config.max_rows
+            if s["fill"] is None:
+                s["calls"] += 1
+                s["new"] += len(missing)
+                s["occurrences"] += len(every)
+                s["distinct"] += len(keys)
+                seen[name].append(every)
+                if len(store) + len(missing) > max_rows:
+                    s["fill"] = s["calls"]
+                    head_all, head_call = head_coverage(np.concatenate(seen[name]), every, max_rows)
+                    seen[name] = [np.concatenate(seen[name])]
+                    out[name] = {"table": name, "max_rows": max_rows, "fill_calls": s["calls"],
+                                 "churn": s["new"] / s["calls"] / max_rows,
+                                 "repeat": s["occurrences"] / max(1, s["distinct"]),
+                                 "head_all": head_all, "head_call": head_call}
+            elif s["after"] < after:
+                s["after"] += 1
+                gone = np.concatenate(evicted[name]) if evicted[name] else np.empty(0, np.int64)
+                s["missed"] += len(missing)
+                s["returned"] += int(np.isin(missing, gone).sum())
+                s["head_covered"] += head_coverage(np.concatenate(seen[name]), every, max_rows)[1] * len(every)
+                s["head_lookups"] += len(every)
+                seen[name].append(every)
+        run.step(batch)
+    rows = []
+    for name, store in stores.items():
+        s = state[name]
+        row = out.get(name, {"table": name, "max_rows": store.config.max_rows, "fill_calls": None, "churn": None,
+                             "repeat": None, "head_all": None, "head_call": None})
+        row["victims_return"] = s["returned"] / s["missed"] if s["missed"] else None
+        row["head_after"] = s["head_covered"] / s["head_lookups"] if s["head_lookups"] else None
+        rows.append(row)
+    return rows
+
+
+def print_measures(percent: float, rows: list[dict]) -> None:
+    def f(x, spec):
+        return "-" if x is None else format(x, spec)
+    for r in rows:
+        print(f"| {percent:g}% | {r['table']} | {r['max_rows']:,} | {f(r['fill_calls'], 'd')} | "
+              f"{f(r['churn'], '.3f')} | {f(r['repeat'], '.2f')} | {f(r['head_all'], '.3f')} | "
+              f"{f(r['head_call'], '.3f')} | {f(r['head_after'], '.3f')} | {f(r['victims_return'], '.3f')} |",
+              flush=True)
+
+
+MEASURES_HEADER = ("| budget | table | max_rows | fill calls | churn | repeat a call | head coverage, all lookups | "
+                   "head coverage, the fill call | head coverage, next calls | victims' return (next calls' misses "
+                   "evicted before) |\n" + "|---" * 10 + "|")
