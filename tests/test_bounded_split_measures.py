@@ -87,7 +87,7 @@ def test_measures_of_run_on_a_hand_worked_stream():
     a, b = bounded_churn.measures_of_run(run, batches, after=2)
     assert a == pytest.approx({"table": "a", "max_rows": 2, "fill_calls": 2, "churn": 0.75, "repeat": 4 / 3,
                                "head_all": 0.75, "head_call": 0.0, "victims_return": 0.5,
-                               "head_after": 0.6})
+                               "head_after": 0.6, "seen_return": 0.5})
     assert b["fill_calls"] is None and b["victims_return"] is None
 
 

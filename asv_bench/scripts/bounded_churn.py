@@ -112,6 +112,9 @@ def measures_of_run(run, batches, after: int = 8) -> list[dict]:
     - ``victims_return``: over the `after` calls after the fill, the share of the missed keys
       (distinct keys of a call without a row) that the table had evicted before that call (a
       returning victim is where a shared trained row would beat a fresh one); None if none missed;
+    - ``seen_return``: over those calls, the share of the missed keys that an earlier call had
+      looked up (evicted, or never given a row: a call whose distinct keys exceed max_rows
+      leaves the overflow without one, so they never reach the sink);
     - ``head_after``: over those calls, the share of their lookups that the max_rows
       most-counted keys before each call cover (what an oracle of counts could keep keyed);
     - ``fill_calls``, ``churn``, ``repeat`` as `churn_of_run` (fill churn and repeat a call).
@@ -124,7 +127,7 @@ def measures_of_run(run, batches, after: int = 8) -> list[dict]:
     seen: dict[str, list[np.ndarray]] = {name: [] for name in stores}
     state: dict[str, dict] = {name: {"calls": 0, "new": 0, "occurrences": 0, "distinct": 0, "fill": None,
                                      "missed": 0, "returned": 0, "after": 0,
-                                     "head_covered": 0.0, "head_lookups": 0} for name in stores}
+                                     "head_covered": 0.0, "head_lookups": 0, "seen_returned": 0} for name in stores}
     out: dict[str, dict] = {}
     for batch in batches:
         per_feature = batch.sparse.to_dict()
@@ -153,6 +156,7 @@ def measures_of_run(run, batches, after: int = 8) -> list[dict]:
                 gone = np.concatenate(evicted[name]) if evicted[name] else np.empty(0, np.int64)
                 s["missed"] += len(missing)
                 s["returned"] += int(np.isin(missing, gone).sum())
+                s["seen_returned"] += int(np.isin(missing, np.concatenate(seen[name])).sum())
                 s["head_covered"] += head_coverage(np.concatenate(seen[name]), every, max_rows)[1] * len(every)
                 s["head_lookups"] += len(every)
                 seen[name].append(every)
@@ -163,6 +167,7 @@ def measures_of_run(run, batches, after: int = 8) -> list[dict]:
         row = out.get(name, {"table": name, "max_rows": store.config.max_rows, "fill_calls": None, "churn": None,
                              "repeat": None, "head_all": None, "head_call": None})
         row["victims_return"] = s["returned"] / s["missed"] if s["missed"] else None
+        row["seen_return"] = s["seen_returned"] / s["missed"] if s["missed"] else None
         row["head_after"] = s["head_covered"] / s["head_lookups"] if s["head_lookups"] else None
         rows.append(row)
     return rows
@@ -174,10 +179,11 @@ def print_measures(percent: float, rows: list[dict]) -> None:
     for r in rows:
         print(f"| {percent:g}% | {r['table']} | {r['max_rows']:,} | {f(r['fill_calls'], 'd')} | "
               f"{f(r['churn'], '.3f')} | {f(r['repeat'], '.2f')} | {f(r['head_all'], '.3f')} | "
-              f"{f(r['head_call'], '.3f')} | {f(r['head_after'], '.3f')} | {f(r['victims_return'], '.3f')} |",
+              f"{f(r['head_call'], '.3f')} | {f(r['head_after'], '.3f')} | {f(r['victims_return'], '.3f')} | "
+              f"{f(r['seen_return'], '.3f')} |",
               flush=True)
 
 
 MEASURES_HEADER = ("| budget | table | max_rows | fill calls | churn | repeat a call | head coverage, all lookups | "
                    "head coverage, the fill call | head coverage, next calls | victims' return (next calls' misses "
-                   "evicted before) |\n" + "|---" * 10 + "|")
+                   "evicted before) | seen return (next calls' misses looked up before) |\n" + "|---" * 11 + "|")
