@@ -149,3 +149,16 @@ def test_flip_tables_reports_each_tables_paired_gain_of_splitting(tmp_path, caps
         assert f["split_gain"] == pytest.approx(gains.mean())
         assert f["split_gain_se"] == pytest.approx(gains.std(ddof=1) / np.sqrt(2))
     assert "| 5% | " in capsys.readouterr().out
+
+
+def test_overflow_rule_splits_what_auto_keeps_past_the_churn_and_main_puts_the_rule_back():
+    """--overflow-churn 1 --overflow-share 0.5: a 10-row table auto keeps (repeat 9) splits 5 at
+    churn 2, not at 0.5; auto's own split (9) stands; a 1-row table cannot split."""
+    from cncore import store_split
+    script = load_script()
+    rule = script.overflow_rule(store_split.auto_fallback_rows, 1.0, 0.5)
+    assert [rule(10, 2.0, 9.0), rule(10, 0.5, 9.0), rule(10, 0.5, 1.0), rule(1, 2.0, 9.0)] == [5, 0, 9, 0]
+    original = store_split.auto_fallback_rows
+    with pytest.raises(SystemExit):  # refused after the knobs are set: they are put back all the same
+        script.main(["--overflow-churn", "1", "--overflow-share", "1.5", "--auto-churn", "0.01"])
+    assert store_split.auto_fallback_rows is original and store_split.AUTO_CHURN == 0.25

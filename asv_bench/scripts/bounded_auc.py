@@ -240,6 +240,23 @@ def ours(args, budgets: list[int], eviction, admission=None, initializer=None, f
     return Run("ours", model, [torch.optim.Adagrad(dense, lr=args.dense_lr), ebc.fused_optimizer], tables=ebc)
 
 
+def overflow_rule(auto_rule, churn_from: float, share: float):
+    """`--overflow-churn` / `--overflow-share` (benchmark-side, a candidate for auto's rule): `auto_rule`
+    (``store_split.auto_fallback_rows``), and a table it keeps whose churn is >= `churn_from`
+    (1: its budget cannot hold one call's new keys) splits `share` of its max_rows, whatever its repeat.
+
+    >>> rule = overflow_rule(lambda r, c, p: 0 if p > 3 else 9, 1.0, 0.5)
+    >>> rule(10, 2.0, 9.0), rule(10, 0.5, 9.0), rule(10, 0.5, 1.0), rule(1, 2.0, 9.0)
+    (5, 0, 9, 0)
+    """
+    def rule(max_rows: int, churn: float, repeat: float) -> int:
+        n = auto_rule(max_rows, churn, repeat)
+        if n == 0 and churn >= churn_from and max_rows >= 2:
+            return min(max_rows - 1, max(1, round(max_rows * share)))
+        return n
+    return rule
+
+
 def force_splits(ebc, decisions: dict[str, bool]) -> None:
     """Benchmark-side (cncore unchanged): each auto table named in `decisions` takes that
     decision when it fills, whatever its churn and repeat (True: `AUTO_SHARE` of its max_rows
@@ -616,6 +633,16 @@ def load_data(args, job) -> tuple[CachedData, bounded.StreamCounts]:
 
 
 def main(argv=None) -> int:
+    """Run the script; the rule knobs (--auto-*, --overflow-*) it sets on cncore.store_split are put back after."""
+    saved = (store_split.AUTO_CHURN, store_split.AUTO_REPEAT, store_split.AUTO_SHARE, store_split.auto_fallback_rows)
+    try:
+        return run_script(argv)
+    finally:
+        (store_split.AUTO_CHURN, store_split.AUTO_REPEAT, store_split.AUTO_SHARE,
+         store_split.auto_fallback_rows) = saved
+
+
+def run_script(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", choices=["synthetic", "movielens", "instacart", "flights"], default="synthetic",
                     help="the job's synthetic stream, MovieLens-100K as a click-through task "
@@ -686,6 +713,11 @@ def main(argv=None) -> int:
     ap.add_argument("--auto-share", type=float, default=None,
                     help="+auto methods: the share of a splitting table's max_rows that become fallback rows "
                          f"(default {store_split.AUTO_SHARE})")
+    ap.add_argument("--overflow-churn", type=float, default=None,
+                    help="+auto methods (a candidate rule, benchmark-side): a table auto keeps whose churn is >= this "
+                         "splits --overflow-share of its rows whatever its repeat")
+    ap.add_argument("--overflow-share", type=float, default=0.5,
+                    help="--overflow-churn: the share of such a table's max_rows that become fallback rows")
     ap.add_argument("--flip-tables", action="store_true",
                     help="instead of the AUC table: the first --methods method (an auto one) at --seeds seeds, "
                          "then each table's decision flipped alone; prints each table's paired gain of splitting")
@@ -710,6 +742,11 @@ def main(argv=None) -> int:
         store_split.AUTO_REPEAT = args.auto_repeat
     if args.auto_share is not None:
         store_split.AUTO_SHARE = args.auto_share
+    if args.overflow_churn is not None:
+        if not 0 < args.overflow_share < 1:
+            ap.error(f"--overflow-share must be in (0, 1), got {args.overflow_share}")
+        store_split.auto_fallback_rows = overflow_rule(store_split.auto_fallback_rows, args.overflow_churn,
+                                                       args.overflow_share)
     # what the job's Run/train read
     if args.batch_size is None:
         args.batch_size = 2048 if args.data == "synthetic" else 256
