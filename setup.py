@@ -3,12 +3,22 @@
 Optimisation is on (-O3); the core's parallel loops run on its own pthread pool
 (cn_parallel.h), so no OpenMP runtime is needed. CNCORE_PORTABLE=1 drops -march=native (for wheels
 meant for other machines).
+
+The hot kernels (pooled forward, fused backward + optimizer, initialiser) are compiled in every
+build three more times, for the x86-64 levels base (SSE2), v3 (AVX2, FMA, F16C) and v4 (AVX-512),
+in cython_src/src/cn_isa_{base,v3,v4}.c; at import the core runs the best level the CPU has, or the
+one CNCORE_ISA names (cython_src/include/cn_isa.h). Each level's target pragma replaces the build's
+-march, so "base" is baseline x86-64 code in a native build too (CI's native build runs every
+level its CPU has), and v4 is the same code as a portable wheel runs on an AVX-512 CPU. The rest
+of the core (find, insert, eviction, the tier) is compiled once, with the build's flags.
+-march=native stays the default for source builds: its find and insert use the CPU's whole ISA
+(docs/benchmarks.md, "Instruction-set dispatch", compares native, portable and portable with
+dispatch).
 """
 import glob
 import os
 import shutil
 import subprocess
-import sys
 import sysconfig
 import tempfile
 
@@ -46,10 +56,13 @@ link_args.append("-pthread")
 extensions = [
     Extension(
         "cncore._core",
-        # cn_globals.c defines the C globals that the headers declare (one copy for the extension).
-        sources=["cython_src/cncore/_core.pyx", "cython_src/src/cn_globals.c"],
+        # cn_globals.c defines the C globals that the headers declare (one copy for the extension);
+        # cn_isa_*.c are the hot kernels once per instruction-set level (cn_isa.h).
+        sources=["cython_src/cncore/_core.pyx", "cython_src/src/cn_globals.c", "cython_src/src/cn_isa_base.c",
+                 "cython_src/src/cn_isa_v3.c", "cython_src/src/cn_isa_v4.c"],
         include_dirs=["cython_src/include", numpy.get_include()],
-        depends=sorted(glob.glob(os.path.join("cython_src", "include", "*.h"))),
+        depends=sorted(glob.glob(os.path.join("cython_src", "include", "*.h")) +
+                       glob.glob(os.path.join("cython_src", "src", "*.h"))),
         extra_compile_args=compile_args,
         extra_link_args=link_args,
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],

@@ -30,6 +30,7 @@ from cncore.config import (
 )
 from cncore.factory import make_store
 from cncore.grouped import LookupContext, grouped_apply_gradients, grouped_pooled_lookup
+from cncore.kernels import kernel_isa, runnable_isas
 from cncore.rows import TableBatch, initial_rows
 from cncore.store import EmbeddingStore
 from cncore.threads import get_num_threads, set_num_threads, traced_bytes
@@ -42,5 +43,5 @@ __all__ = [
     "SGD", "Adagrad", "RowWiseAdagrad", "Adam",
     "LRU", "LFU", "TTL", "MinCount", "Probability", "Tiered",
     "grouped_pooled_lookup", "grouped_apply_gradients",
-    "set_num_threads", "get_num_threads", "traced_bytes",
+    "set_num_threads", "get_num_threads", "traced_bytes", "kernel_isa", "runnable_isas",
 ]

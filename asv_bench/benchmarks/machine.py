@@ -3,7 +3,8 @@
 bandwidth, a one-line description to print with every table, and a background load.
 
 The asv suite (`common.py`) and the scripts (`asv_bench/scripts/`) both use these, so every
-number we publish was taken under the same rules. Imports no framework.
+number we publish was taken under the same rules. Imports no framework (cncore only, to say which
+of its kernels run).
 """
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+
+import cncore
+from cncore import _core
 
 _CACHE_DIR = "/sys/devices/system/cpu/cpu0/cache"
 
@@ -91,14 +95,24 @@ def load_average() -> str:
     return "/".join(f"{x:.2f}" for x in os.getloadavg())
 
 
+def kernels() -> str:
+    """Which code of cncore runs: "cncore kernels v4 (CPU runs base, v3, v4), rest built for v3"
+    (cncore.kernel_isa; the rest of the core runs the build's -march: v4 or v3 in a -march=native
+    build on such a CPU, base in a portable one)."""
+    if not hasattr(cncore, "kernel_isa"):  # a build from before the dispatch: one -march for all
+        return "cncore kernels: no dispatch (the build's -march)"
+    return (f"cncore kernels {cncore.kernel_isa()} (CPU runs {', '.join(cncore.runnable_isas())}), "
+            f"rest built for {_core.build_isa()}")
+
+
 def describe() -> str:
     """One line: CPU model, cores, last-level cache (and every cache level), memory, load
-    average (1/5/15 min)."""
+    average (1/5/15 min), and the instruction-set level of cncore's kernels (`kernels`)."""
     total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     levels = caches()
     return (f"{cpu_model()}, {cpu_count()} cores, LLC {llc_bytes() >> 20} MiB{f' ({levels})' if levels else ''}, "
             f"RAM {total / 2**30:.0f} GiB ({available_memory() / 2**30:.0f} GiB available), "
-            f"load average {load_average()}")
+            f"load average {load_average()}; {kernels()}")
 
 
 def openmp_wait() -> str:

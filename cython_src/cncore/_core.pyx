@@ -13,6 +13,8 @@ from cncore._ctable cimport *
 from cncore._grouped cimport LookupFeature, LookupTable, UpdateFeature
 cimport numpy as cnp
 
+import os
+
 import numpy as np
 
 cnp.import_array()
@@ -53,6 +55,54 @@ def max_threads():
 
 def has_threads():
     return bool(cn_has_threads())
+
+
+# The instruction-set level of the hot kernels (cn_isa.h), chosen once, here at import: the best
+# this CPU runs, or the one CNCORE_ISA names. A name this CPU or build cannot run is refused
+# (ImportError names the variable and what would run), never replaced by another level.
+ISA_LEVELS = ("base", "v3", "v4")
+ISA_VARIABLE = "CNCORE_ISA"
+
+
+def runnable_isas():
+    """The instruction-set levels of the kernels that this CPU and build can run, lowest first."""
+    return tuple(name for level, name in enumerate(ISA_LEVELS) if cn_isa_runnable(level))
+
+
+def kernel_isa():
+    """The instruction-set level the kernels run: "base", "v3" or "v4"."""
+    return cn_isa_active_name().decode()
+
+
+def build_isa():
+    """The level the rest of the core (find, insert, eviction) is compiled for: the build's -march."""
+    return cn_isa_build_name().decode()
+
+
+def isa_refusal(requested, runnable):
+    """Why CNCORE_ISA=`requested` cannot be used where the levels `runnable` run; None when it can
+    (None or "": the best level)."""
+    if requested is None or requested == "":
+        return None
+    if requested not in ISA_LEVELS:
+        return (f"{ISA_VARIABLE}={requested!r} is not a level of the kernels: use one of {', '.join(ISA_LEVELS)} "
+                f"(this CPU runs {', '.join(runnable)}), or unset it to choose the best")
+    if requested not in runnable:
+        return (f"{ISA_VARIABLE}={requested!r}: this CPU (or this build of cncore) cannot run the {requested} "
+                f"kernels; it runs {', '.join(runnable)}. Set {ISA_VARIABLE} to one of those, or unset it to "
+                f"choose the best")
+    return None
+
+
+def _choose_isa(requested):
+    refusal = isa_refusal(requested, runnable_isas())
+    if refusal is not None:
+        raise ImportError(refusal)
+    if cn_isa_use(cn_isa_best() if not requested else ISA_LEVELS.index(requested)) != 0:
+        raise ImportError(f"{ISA_VARIABLE}={requested!r}: the {requested} kernels cannot run here")
+
+
+_choose_isa(os.environ.get(ISA_VARIABLE))
 
 
 # SlotIndex calls over fewer keys than this keep the GIL: their C part takes microseconds, and a

@@ -19,8 +19,6 @@ cdef extern from "cn_init.h" nogil:
         uint64_t seed
         float p0, p1, p2, p3
     void cn_init_row(const cn_init *init, int64_t key, weight_t *row, int64_t dim)
-    void cn_init_rows_of(const cn_init *init, const int64_t *keys, int64_t n, weight_t *out, int64_t dim,
-                         int nthreads)
 
 cdef extern from "cn_optim.h" nogil:
     ctypedef struct cn_optim:
@@ -59,14 +57,6 @@ cdef extern from "cn_grad.h" nogil:
     void cn_groups_free(cn_groups *g)
     int cn_all_finite(const weight_t *g, int64_t rows, int64_t dim, int64_t ld)
     int64_t *cn_bag_of(const offset_t *offsets, int64_t n_bags, int nthreads)
-    void cn_grad_unique(const cn_groups *g, const int64_t *bag_of, const cn_arena *a, int64_t dim,
-                        const slot_t *slots, const offset_t *offsets, const weight_t *weights, int mode,
-                        const int64_t *argmax, const weight_t *grad, int64_t ld_grad, weight_t *grads_out,
-                        int touch_meta, uint32_t step, int nthreads)
-    int cn_grad_apply(const cn_arena *a, int64_t dim, int row_dtype, const slot_t *slots, const offset_t *offsets,
-                      int64_t n_bags, const weight_t *weights, int mode, const int64_t *argmax,
-                      const weight_t *grad, int64_t ld_grad, const cn_optim *opt, int touch_meta,
-                      uint32_t step, int nthreads)
 
 cdef extern from "cn_evict.h" nogil:
     int64_t cn_evict_sample_rows
@@ -134,9 +124,6 @@ cdef extern from "cn_table.h" nogil:
     int cn_table_take_found(const cn_table *t, const key_t *keys, const slot_t *found, int64_t n, slot_t *slots)
     int cn_table_resolve(cn_table *t, const key_t *keys, int64_t n, slot_t *slots, uint8_t *found, int insert,
                          int admit, int want_rows, cn_evicted *ev, int64_t *n_new)
-    void cn_table_pool(const cn_table *t, const key_t *keys, const offset_t *offsets, int64_t n_bags,
-                       const weight_t *weights, int mode, weight_t *out, int64_t ld_out, int64_t *argmax,
-                       const slot_t *slots)
     void cn_table_use_fallback(const cn_table *t, const key_t *keys, int64_t n, slot_t *slots)
     void cn_table_residual_slots(const cn_table *t, const key_t *keys, const slot_t *own, int64_t n, slot_t *out)
     void cn_table_decay_admission(cn_table *t)
@@ -155,6 +142,35 @@ cdef extern from "cn_table.h" nogil:
     int64_t cn_table_scan(const cn_table *t, int64_t cursor, int64_t max_n, key_t *keys, slot_t *slots,
                           int64_t *n_out)
     int64_t cn_check_offsets(const offset_t *offsets, int64_t n_bags, int64_t n_keys)
+
+# The hot kernels, through the instruction-set level chosen at import (cn_isa.h); same arguments
+# as cn_table_pool, cn_grad_apply, cn_grad_unique and cn_init_rows_of, which are not declared
+# here so that no call bypasses the choice.
+cdef extern from "cn_isa.h" nogil:
+    enum:
+        CN_ISA_BASE
+        CN_ISA_V3
+        CN_ISA_V4
+        CN_ISA_LEVELS
+    int cn_isa_cpu_has(int level)
+    int cn_isa_runnable(int level)
+    int cn_isa_best()
+    int cn_isa_use(int level)
+    const char *cn_isa_active_name()
+    const char *cn_isa_build_name()
+    void cn_kernel_table_pool(const cn_table *t, const key_t *keys, const offset_t *offsets, int64_t n_bags,
+                              const weight_t *weights, int mode, weight_t *out, int64_t ld_out, int64_t *argmax,
+                              const slot_t *slots)
+    int cn_kernel_grad_apply(const cn_arena *a, int64_t dim, int row_dtype, const slot_t *slots,
+                             const offset_t *offsets, int64_t n_bags, const weight_t *weights, int mode,
+                             const int64_t *argmax, const weight_t *grad, int64_t ld_grad, const cn_optim *opt,
+                             int touch_meta, uint32_t step, int nthreads)
+    void cn_kernel_grad_unique(const cn_groups *g, const int64_t *bag_of, const cn_arena *a, int64_t dim,
+                               const slot_t *slots, const offset_t *offsets, const weight_t *weights, int mode,
+                               const int64_t *argmax, const weight_t *grad, int64_t ld_grad, weight_t *grads_out,
+                               int touch_meta, uint32_t step, int nthreads)
+    void cn_kernel_init_rows_of(const cn_init *init, const int64_t *keys, int64_t n, weight_t *out, int64_t dim,
+                                int nthreads)
 
 cdef extern from "<pthread.h>" nogil:
     ctypedef struct pthread_mutex_t:

@@ -166,9 +166,9 @@ cdef void _update_units(void *ctx, int64_t begin, int64_t end) noexcept nogil:
         ft = &c.feats[f]
         ft.t.step += 1
         cn_optim_set_step(&ft.opt, ft.t.step)
-        ft.rc = cn_grad_apply(&ft.t.arena, ft.t.dim, ft.t.row_dtype, ft.slots, ft.offsets, ft.n_bags, ft.weights,
-                              ft.mode, ft.argmax, ft.grad, ft.ld_grad, &ft.opt, ft.touch, ft.step,
-                              c.inner_threads if c.inner_threads > 0 else cn_grad_threads(ft.n_keys))
+        ft.rc = cn_kernel_grad_apply(&ft.t.arena, ft.t.dim, ft.t.row_dtype, ft.slots, ft.offsets, ft.n_bags, ft.weights,
+                                     ft.mode, ft.argmax, ft.grad, ft.ld_grad, &ft.opt, ft.touch, ft.step,
+                                     c.inner_threads if c.inner_threads > 0 else cn_grad_threads(ft.n_keys))
         if ft.rc != 0:
             ft.t.step -= 1
 
@@ -224,8 +224,8 @@ def unique_gradients(Table table, slots, offsets, weights, int mode, argmax, gra
                 pthread_rwlock_rdlock(&table.t.lock)
             stale_rc = cn_table_check_slots(&table.t, erase_epoch, slots_p, n)
             if stale_rc == CN_OK and groups.n_unique:
-                cn_grad_unique(&groups, bag_of, &table.t.arena, dim, slots_p, &off[0], w, mode, am, g, ld,
-                               out_p, record_access, step32, cn_threads_for(groups.n_unique * 4))
+                cn_kernel_grad_unique(&groups, bag_of, &table.t.arena, dim, slots_p, &off[0], w, mode, am, g, ld,
+                                      out_p, record_access, step32, cn_threads_for(groups.n_unique * 4))
             pthread_rwlock_unlock(&table.t.lock)
         if stale_rc != CN_OK:
             raise RuntimeError(_stale_message(0, stale_rc))

@@ -255,8 +255,8 @@ cdef void _lookup_units(void *ctx, int64_t begin, int64_t end) noexcept nogil:
                     if ft.own != NULL:
                         cn_table_residual_slots(ut.t, ut.keys + (ft.own - ut.slots), ft.own,
                                                 ft.n_keys // 2, ft.slots)
-                    cn_table_pool(ut.t, ft.keys, ft.offsets, ft.n_bags, ft.weights, ft.mode, ft.out,
-                                  ft.ld_out, ft.argmax, ft.slots)
+                    cn_kernel_table_pool(ut.t, ft.keys, ft.offsets, ft.n_bags, ft.weights, ft.mode, ft.out,
+                                         ft.ld_out, ft.argmax, ft.slots)
         ut.epoch = ut.t.erase_epoch
         pthread_rwlock_unlock(&ut.t.lock)
         ut.rc = rc

@@ -21,7 +21,7 @@ def init_rows(int init_kind, uint64_t seed, float p0, float p1, float p2, float 
     if n == 0:
         return
     with nogil:
-        cn_init_rows_of(&init, &keys[0], n, &out[0, 0], dim, cn_threads_for(n * dim // 16))
+        cn_kernel_init_rows_of(&init, &keys[0], n, &out[0, 0], dim, cn_threads_for(n * dim // 16))
 
 
 cdef inline int _sink_want(Table t):

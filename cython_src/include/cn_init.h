@@ -15,6 +15,20 @@
 #include "cn_mix.h"
 #include "cn_parallel.h"
 
+/* Contraction
+ * -----------
+ * Everything below is compiled without floating-point contraction: GCC's default
+ * (-ffp-contract=fast) fuses `low + span * u` into one multiply-add wherever the target has FMA,
+ * which rounds once instead of twice, so a key's initial row would differ in the last bit
+ * between a build (or an instruction-set level, cn_isa.h) with FMA and one without. Without
+ * contraction the row is the same bits on every x86-64 level, in every build, and in NumPy's
+ * float32 re-derivation (tests/reference.py). The functions below still inline into one another
+ * (they share these options); their callers call cn_init_row, which is not inlined anyway. */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+#endif
+
 enum { CN_INIT_UNIFORM = 0, CN_INIT_NORMAL = 1, CN_INIT_TRUNCATED_NORMAL = 2, CN_INIT_CONSTANT = 3 };
 
 typedef struct {
@@ -194,5 +208,9 @@ static inline void cn_init_rows_of(const cn_init *init, const int64_t *keys, int
     cn_init_rows_of_job job = {init, keys, out, dim};
     cn_parallel_for(cn_init_rows_of_range, &job, n, nthreads);
 }
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC pop_options
+#endif
 
 #endif

@@ -1,0 +1,190 @@
+/* cn_isa.h: run-time choice of the instruction set the hot kernels run on.
+ *
+ * Kernels and levels
+ * ------------------
+ * The kernels whose speed depends on the instruction set (the pooled forward cn_table_pool, the
+ * fused backward + optimizer cn_grad_apply, the per-row gradients cn_grad_unique, the
+ * initialiser cn_init_rows_of) are compiled three times, each in a translation unit of its own
+ * under src/ that starts with `#pragma GCC target("arch=...")` and includes
+ * src/cn_isa_kernels.h, which wraps this header's inline code in suffixed entry points:
+ *   base  x86-64 (SSE2), what every x86-64 CPU runs              src/cn_isa_base.c
+ *   v3    x86-64-v3: AVX2, FMA, F16C, BMI2                       src/cn_isa_v3.c
+ *   v4    x86-64-v4: v3 + AVX-512 F/BW/CD/DQ/VL                  src/cn_isa_v4.c
+ * Each unit fills a table of function pointers (cn_kernels); the extension calls the kernels
+ * through cn_kernels_active (cn_kernel_* below), which module initialisation points at the best
+ * level this CPU supports (__builtin_cpu_supports, which also checks that the OS saves the
+ * AVX / AVX-512 registers), or at the level CNCORE_ISA names (base | v3 | v4; a value this CPU
+ * or this build cannot run is refused, never replaced). Until then it points at base, which
+ * every CPU runs. The level names are the psABI's microarchitecture levels, as GCC's -march
+ * and glibc's hwcaps spell them.
+ *
+ * The `arch=` pragma replaces the command line's ISA, down as well as up: the base unit of a
+ * -march=native build is x86-64 code, so CI's native build runs every level the CPU has. The
+ * rest of the extension (the find, inserts, eviction, the tier) is compiled once, with the
+ * build's flags: -march=native for a source build, x86-64 for a wheel (CNCORE_PORTABLE=1).
+ * Process-wide variables stay in src/cn_globals.c (cn_global.h), so every unit shares one
+ * thread pool, one allocation tracer and one stamp counter; no header defines a variable of
+ * its own (a `static` variable in a header would give each unit a copy).
+ *
+ * Other compilers and CPUs: the v3 and v4 units compile to nothing where the target is not
+ * x86-64 or the compiler is not GCC (clang spells the pragma differently); base is then the
+ * build's own flags and the only level.
+ *
+ * Numerics
+ * --------
+ * The levels differ in rounding where a multiply and an add contract into one fused
+ * multiply-add (v3 and v4 have FMA; GCC contracts by default): the pooled sums and the
+ * optimizer updates differ in the last bits between levels (tests/test_isa_dispatch.py states
+ * the bound), and are the same on every thread count within a level. The initialiser is
+ * compiled without contraction (cn_init.h), so a key's initial row is the same bits on every
+ * level, in every build, and in the insert path, which is not dispatched.
+ *
+ * Why (AMD EPYC Zen 4 guest, 2 cores; docs/benchmarks.md has the tables): a portable build
+ * without dispatch lost the register-held pooling of cn_pool.h (AVX-512 only), F16C and FMA,
+ * and its training step ran at 0.69-0.77x TBE where the native build ran at 0.83-0.89x (row-wise
+ * Adagrad, 8M rows, dims 64 and 16, pooling 20).
+ *
+ * Rejected:
+ *  - GCC's target_clones attribute on the entry points: it clones only the function it marks,
+ *    not the static inline kernels that function calls through cn_parallel_for's function
+ *    pointers (the range functions), which are where the time goes.
+ *  - An ifunc resolver per entry point: the same clones, plus a resolver per symbol, and no
+ *    place to refuse an override loudly; one table chosen once is simpler and costs one
+ *    indirect call per kernel call (a call moves thousands of rows).
+ *  - A level between base and v3 (x86-64-v2, SSE4.2/POPCNT): the kernels use none of what it
+ *    adds, and every x86-64 CPU without AVX2 still in service is a v2 CPU at most.
+ */
+#ifndef CN_ISA_H
+#define CN_ISA_H
+
+#include <stdint.h>
+#include "cn_global.h"
+#include "cn_table.h"
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define CN_ISA_X86 1 /* the v3 and v4 units are built */
+#else
+#define CN_ISA_X86 0
+#endif
+
+enum { CN_ISA_BASE = 0, CN_ISA_V3 = 1, CN_ISA_V4 = 2, CN_ISA_LEVELS = 3 };
+
+typedef struct {
+    const char *name; /* "base", "v3", "v4" */
+    void (*table_pool)(const cn_table *t, const int64_t *keys, const int64_t *offsets, int64_t n_bags,
+                       const float *weights, int mode, float *out, int64_t ld_out, int64_t *argmax,
+                       const int64_t *slots);
+    int (*grad_apply)(const cn_arena *a, int64_t dim, int row_dtype, const int64_t *slots, const int64_t *offsets,
+                      int64_t n_bags, const float *weights, int mode, const int64_t *argmax, const float *grad,
+                      int64_t ld_grad, const cn_optim *opt, int touch_meta, uint32_t step, int nthreads);
+    void (*grad_unique)(const cn_groups *g, const int64_t *bag_of, const cn_arena *a, int64_t dim,
+                        const int64_t *slots, const int64_t *offsets, const float *weights, int mode,
+                        const int64_t *argmax, const float *grad, int64_t ld_grad, float *grads_out, int touch_meta,
+                        uint32_t step, int nthreads);
+    void (*init_rows_of)(const cn_init *init, const int64_t *keys, int64_t n, float *out, int64_t dim,
+                         int nthreads);
+} cn_kernels;
+
+/* One table per compiled level (src/cn_isa_*.c), and the one in use (src/cn_globals.c). */
+CN_GLOBAL const cn_kernels cn_kernels_base;
+#if CN_ISA_X86
+CN_GLOBAL const cn_kernels cn_kernels_v3;
+CN_GLOBAL const cn_kernels cn_kernels_v4;
+#endif
+CN_GLOBAL const cn_kernels *cn_kernels_active;
+
+/* The kernels of `level`, or NULL when this build has none for it. */
+static inline const cn_kernels *cn_isa_kernels_of(int level) {
+    if (level == CN_ISA_BASE) return &cn_kernels_base;
+#if CN_ISA_X86
+    if (level == CN_ISA_V3) return &cn_kernels_v3;
+    if (level == CN_ISA_V4) return &cn_kernels_v4;
+#endif
+    return NULL;
+}
+
+/* Whether this CPU (and OS) runs the instructions of `level`. */
+static inline int cn_isa_cpu_has(int level) {
+    if (level == CN_ISA_BASE) return 1;
+#if CN_ISA_X86
+    __builtin_cpu_init();
+#if __GNUC__ >= 12
+    if (level == CN_ISA_V3) return __builtin_cpu_supports("x86-64-v3") != 0;
+    if (level == CN_ISA_V4) return __builtin_cpu_supports("x86-64-v4") != 0;
+#else /* GCC 11 knows the features, not the level names */
+    const int v3 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                   __builtin_cpu_supports("bmi2") && __builtin_cpu_supports("f16c") &&
+                   __builtin_cpu_supports("movbe") && __builtin_cpu_supports("bmi");
+    if (level == CN_ISA_V3) return v3;
+    if (level == CN_ISA_V4)
+        return v3 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512cd") && __builtin_cpu_supports("avx512dq") &&
+               __builtin_cpu_supports("avx512vl");
+#endif
+#endif
+    return 0;
+}
+
+/* Whether `level` can run here: built, and the CPU has it. */
+static inline int cn_isa_runnable(int level) {
+    return level >= 0 && level < CN_ISA_LEVELS && cn_isa_kernels_of(level) != NULL && cn_isa_cpu_has(level);
+}
+
+/* The highest runnable level. */
+static inline int cn_isa_best(void) {
+    int level = CN_ISA_LEVELS - 1;
+    while (level > CN_ISA_BASE && !cn_isa_runnable(level)) level--;
+    return level;
+}
+
+/* Run the kernels of `level` from now on: 0, or -1 (nothing changed) when it cannot run here.
+ * Called once, at module initialisation, before any kernel runs. */
+static inline int cn_isa_use(int level) {
+    if (!cn_isa_runnable(level)) return -1;
+    cn_kernels_active = cn_isa_kernels_of(level);
+    return 0;
+}
+
+static inline const char *cn_isa_active_name(void) { return cn_kernels_active->name; }
+
+/* The level the including translation unit itself is compiled for (its -march): for the
+ * extension's own unit, what the code outside the kernels above runs. */
+static inline const char *cn_isa_build_name(void) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__) && defined(__FMA__)
+    return "v4";
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    return "v3";
+#else
+    return "base";
+#endif
+}
+
+/* The kernels, through the active table (same arguments as the functions they are named after). */
+static inline void cn_kernel_table_pool(const cn_table *t, const int64_t *keys, const int64_t *offsets,
+                                        int64_t n_bags, const float *weights, int mode, float *out, int64_t ld_out,
+                                        int64_t *argmax, const int64_t *slots) {
+    cn_kernels_active->table_pool(t, keys, offsets, n_bags, weights, mode, out, ld_out, argmax, slots);
+}
+
+static inline int cn_kernel_grad_apply(const cn_arena *a, int64_t dim, int row_dtype, const int64_t *slots,
+                                       const int64_t *offsets, int64_t n_bags, const float *weights, int mode,
+                                       const int64_t *argmax, const float *grad, int64_t ld_grad,
+                                       const cn_optim *opt, int touch_meta, uint32_t step, int nthreads) {
+    return cn_kernels_active->grad_apply(a, dim, row_dtype, slots, offsets, n_bags, weights, mode, argmax, grad,
+                                         ld_grad, opt, touch_meta, step, nthreads);
+}
+
+static inline void cn_kernel_grad_unique(const cn_groups *g, const int64_t *bag_of, const cn_arena *a, int64_t dim,
+                                         const int64_t *slots, const int64_t *offsets, const float *weights,
+                                         int mode, const int64_t *argmax, const float *grad, int64_t ld_grad,
+                                         float *grads_out, int touch_meta, uint32_t step, int nthreads) {
+    cn_kernels_active->grad_unique(g, bag_of, a, dim, slots, offsets, weights, mode, argmax, grad, ld_grad,
+                                   grads_out, touch_meta, step, nthreads);
+}
+
+static inline void cn_kernel_init_rows_of(const cn_init *init, const int64_t *keys, int64_t n, float *out,
+                                          int64_t dim, int nthreads) {
+    cn_kernels_active->init_rows_of(init, keys, n, out, dim, nthreads);
+}
+
+#endif
