@@ -5,15 +5,14 @@ Optimisation is on (-O3); the core's parallel loops run on its own pthread pool
 meant for other machines).
 
 The hot kernels (pooled forward, fused backward + optimizer, initialiser) are compiled in every
-build three more times, for the x86-64 levels base (SSE2), v3 (AVX2, FMA, F16C) and v4 (AVX-512),
+build three times, for the x86-64 levels base (SSE2), v3 (AVX2, FMA, F16C) and v4 (AVX-512),
 in cython_src/src/cn_isa_{base,v3,v4}.c; at import the core runs the best level the CPU has, or the
 one CNCORE_ISA names (cython_src/include/cn_isa.h). Each level's target pragma replaces the build's
 -march, so "base" is baseline x86-64 code in a native build too (CI's native build runs every
-level its CPU has), and v4 is the same code as a portable wheel runs on an AVX-512 CPU. The rest
+level its CPU has), and v4 is the code a portable wheel runs on an AVX-512 CPU. The rest
 of the core (find, insert, eviction, the tier) is compiled once, with the build's flags.
--march=native stays the default for source builds: its find and insert use the CPU's whole ISA
-(docs/benchmarks.md, "Instruction-set dispatch", compares native, portable and portable with
-dispatch).
+-march=native stays the default for source builds; measured, a portable build with dispatch ran
+the training step as fast as a native one (docs/benchmarks.md, "Instruction-set dispatch").
 """
 import glob
 import os

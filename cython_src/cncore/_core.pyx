@@ -60,7 +60,7 @@ def has_threads():
 # The instruction-set level of the hot kernels (cn_isa.h), chosen once, here at import: the best
 # this CPU runs, or the one CNCORE_ISA names. A name this CPU or build cannot run is refused
 # (ImportError names the variable and what would run), never replaced by another level.
-ISA_LEVELS = ("base", "v3", "v4")
+ISA_LEVELS = tuple(cn_isa_level_name(level).decode() for level in range(CN_ISA_LEVELS))  # base, v3, v4
 ISA_VARIABLE = "CNCORE_ISA"
 
 

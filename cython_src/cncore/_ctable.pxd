@@ -147,12 +147,8 @@ cdef extern from "cn_table.h" nogil:
 # as cn_table_pool, cn_grad_apply, cn_grad_unique and cn_init_rows_of, which are not declared
 # here so that no call bypasses the choice.
 cdef extern from "cn_isa.h" nogil:
-    enum:
-        CN_ISA_BASE
-        CN_ISA_V3
-        CN_ISA_V4
-        CN_ISA_LEVELS
-    int cn_isa_cpu_has(int level)
+    enum: CN_ISA_LEVELS
+    const char *cn_isa_level_name(int level)
     int cn_isa_runnable(int level)
     int cn_isa_best()
     int cn_isa_use(int level)

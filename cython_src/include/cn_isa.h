@@ -39,20 +39,23 @@
  * compiled without contraction (cn_init.h), so a key's initial row is the same bits on every
  * level, in every build, and in the insert path, which is not dispatched.
  *
- * Why (AMD EPYC Zen 4 guest, 2 cores; docs/benchmarks.md has the tables): a portable build
- * without dispatch lost the register-held pooling of cn_pool.h (AVX-512 only), F16C and FMA,
- * and its training step ran at 0.69-0.77x TBE where the native build ran at 0.83-0.89x (row-wise
- * Adagrad, 8M rows, dims 64 and 16, pooling 20).
+ * Why: a portable build (x86-64) without these levels loses cn_pool.h's register-held bag sums
+ * (AVX-512 only), F16C's conversions and FMA, and its training step against FBGEMM's TBE fell
+ * from 0.83-0.89x to 0.69-0.77x (row-wise Adagrad, 8M rows, dims 64 and 16, pooling 20, AMD EPYC
+ * Zen 4 guest); with them it runs the native build's kernels (docs/benchmarks.md, "Instruction-set
+ * dispatch", has the tables for native, portable and portable with dispatch).
  *
- * Rejected:
+ * Rejected, for structural reasons (not measured):
  *  - GCC's target_clones attribute on the entry points: it clones only the function it marks,
- *    not the static inline kernels that function calls through cn_parallel_for's function
- *    pointers (the range functions), which are where the time goes.
- *  - An ifunc resolver per entry point: the same clones, plus a resolver per symbol, and no
- *    place to refuse an override loudly; one table chosen once is simpler and costs one
- *    indirect call per kernel call (a call moves thousands of rows).
- *  - A level between base and v3 (x86-64-v2, SSE4.2/POPCNT): the kernels use none of what it
- *    adds, and every x86-64 CPU without AVX2 still in service is a v2 CPU at most.
+ *    not the static inline kernels reached through cn_parallel_for's function pointers (the
+ *    range functions), which are where the time goes.
+ *  - An ifunc resolver per entry point: the same clones, a resolver per symbol, and no place to
+ *    refuse an override loudly; one table chosen once costs one indirect call per kernel call
+ *    (a call moves thousands of rows).
+ *  - A level between base and v3 (x86-64-v2: SSE4.2, POPCNT): the kernels use nothing it adds.
+ *  - Dispatching the find and the insert too (cn_index.h, cn_table_core.h): their loops are
+ *    hashing and dependent loads, and a portable build's find was not measurably slower (the
+ *    forward columns of the same tables).
  */
 #ifndef CN_ISA_H
 #define CN_ISA_H
@@ -68,6 +71,11 @@
 #endif
 
 enum { CN_ISA_BASE = 0, CN_ISA_V3 = 1, CN_ISA_V4 = 2, CN_ISA_LEVELS = 3 };
+
+/* The level's name, as CNCORE_ISA and cncore.kernel_isa() spell it (and its unit's suffix). */
+static inline const char *cn_isa_level_name(int level) {
+    return level == CN_ISA_V4 ? "v4" : level == CN_ISA_V3 ? "v3" : "base";
+}
 
 typedef struct {
     const char *name; /* "base", "v3", "v4" */

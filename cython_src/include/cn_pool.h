@@ -243,7 +243,8 @@ typedef struct {
     const int64_t *slots;
 } cn_pool_job;
 
-/* The register path is built for AVX-512 targets only (cn_v16x is one zmm register there; dim 128
+/* The register path is built for AVX-512 targets only: the v4 kernels of every build (cn_isa.h),
+ * and a -march=native build's own code on such a CPU (cn_v16x is one zmm register there; dim 128
  * takes 8 of the 32). Elsewhere GCC splits each 64-byte vector into 2 ymm or 4 xmm pieces and kept
  * the bag's sum on the stack, and the path was slower than the general one: 1M rows Zipf pooling
  * 20, one thread, dim 32: 3970 against 1810 us with AVX2 (x86-64-v3), 3600 against 2460 in the
