@@ -14,8 +14,8 @@
  * through cn_kernels_active (cn_kernel_* below), which module initialisation points at the best
  * level this CPU supports (__builtin_cpu_supports, which also checks that the OS saves the
  * AVX / AVX-512 registers), or at the level CNCORE_ISA names (base | v3 | v4; a value this CPU
- * or this build cannot run is refused, never replaced). Until then it points at base, which
- * every CPU runs. The level names are the psABI's microarchitecture levels, as GCC's -march
+ * or this build cannot run is refused, never replaced). Until then (NULL) the kernels are
+ * base's, which every CPU runs. The level names are the psABI's microarchitecture levels, as GCC's -march
  * and glibc's hwcaps spell them.
  *
  * The `arch=` pragma replaces the command line's ISA, down as well as up: the base unit of a
@@ -99,7 +99,7 @@ CN_GLOBAL const cn_kernels cn_kernels_base;
 CN_GLOBAL const cn_kernels cn_kernels_v3;
 CN_GLOBAL const cn_kernels cn_kernels_v4;
 #endif
-CN_GLOBAL const cn_kernels *cn_kernels_active;
+CN_GLOBAL const cn_kernels *cn_kernels_active; /* NULL: base (C drivers that link cn_globals.c alone) */
 
 /* The kernels of `level`, or NULL when this build has none for it. */
 static inline const cn_kernels *cn_isa_kernels_of(int level) {
@@ -153,7 +153,13 @@ static inline int cn_isa_use(int level) {
     return 0;
 }
 
-static inline const char *cn_isa_active_name(void) { return cn_kernels_active->name; }
+/* The kernels in use. */
+static inline const cn_kernels *cn_isa_active(void) {
+    const cn_kernels *k = cn_kernels_active;
+    return k ? k : &cn_kernels_base;
+}
+
+static inline const char *cn_isa_active_name(void) { return cn_isa_active()->name; }
 
 /* The level the including translation unit itself is compiled for (its -march): for the
  * extension's own unit, what the code outside the kernels above runs. */
@@ -171,14 +177,14 @@ static inline const char *cn_isa_build_name(void) {
 static inline void cn_kernel_table_pool(const cn_table *t, const int64_t *keys, const int64_t *offsets,
                                         int64_t n_bags, const float *weights, int mode, float *out, int64_t ld_out,
                                         int64_t *argmax, const int64_t *slots) {
-    cn_kernels_active->table_pool(t, keys, offsets, n_bags, weights, mode, out, ld_out, argmax, slots);
+    cn_isa_active()->table_pool(t, keys, offsets, n_bags, weights, mode, out, ld_out, argmax, slots);
 }
 
 static inline int cn_kernel_grad_apply(const cn_arena *a, int64_t dim, int row_dtype, const int64_t *slots,
                                        const int64_t *offsets, int64_t n_bags, const float *weights, int mode,
                                        const int64_t *argmax, const float *grad, int64_t ld_grad,
                                        const cn_optim *opt, int touch_meta, uint32_t step, int nthreads) {
-    return cn_kernels_active->grad_apply(a, dim, row_dtype, slots, offsets, n_bags, weights, mode, argmax, grad,
+    return cn_isa_active()->grad_apply(a, dim, row_dtype, slots, offsets, n_bags, weights, mode, argmax, grad,
                                          ld_grad, opt, touch_meta, step, nthreads);
 }
 
@@ -186,13 +192,13 @@ static inline void cn_kernel_grad_unique(const cn_groups *g, const int64_t *bag_
                                          const int64_t *slots, const int64_t *offsets, const float *weights,
                                          int mode, const int64_t *argmax, const float *grad, int64_t ld_grad,
                                          float *grads_out, int touch_meta, uint32_t step, int nthreads) {
-    cn_kernels_active->grad_unique(g, bag_of, a, dim, slots, offsets, weights, mode, argmax, grad, ld_grad,
+    cn_isa_active()->grad_unique(g, bag_of, a, dim, slots, offsets, weights, mode, argmax, grad, ld_grad,
                                    grads_out, touch_meta, step, nthreads);
 }
 
 static inline void cn_kernel_init_rows_of(const cn_init *init, const int64_t *keys, int64_t n, float *out,
                                           int64_t dim, int nthreads) {
-    cn_kernels_active->init_rows_of(init, keys, n, out, dim, nthreads);
+    cn_isa_active()->init_rows_of(init, keys, n, out, dim, nthreads);
 }
 
 #endif

@@ -9,6 +9,7 @@
 #define _GNU_SOURCE 1 /* as Python.h defines it for the extension's own translation unit */
 #endif
 #include <pthread.h>
+#include <stddef.h>
 #include <stdint.h>
 #include "cn_alloc.h"
 #include "cn_blockio.h"
@@ -26,8 +27,9 @@ const uint8_t cn_blockio_zeros[4096] = {0};
 /* cn_evict.h: rows sampled to guess a victim threshold (0: radix select only). */
 int64_t cn_evict_sample_rows = 4096;
 
-/* cn_isa.h: the kernels in use; module initialisation chooses the level (baseline x86-64 until then). */
-const cn_kernels *cn_kernels_active = &cn_kernels_base;
+/* cn_isa.h: the kernels in use; module initialisation chooses the level (NULL, baseline x86-64,
+ * until then: this file names no kernel, so a C driver can link it without them). */
+const cn_kernels *cn_kernels_active = NULL;
 
 /* cn_parallel.h: the thread setting (0: the default), how long an idle worker spins before
  * it sleeps (CNCORE_SPIN_US replaces it when the first worker starts), and the pool. */

@@ -107,6 +107,6 @@ def initial_rows(config: cncore.StoreConfig, keys: torch.Tensor) -> torch.Tensor
     unit = (bits >> 8).to(torch.float32) * (1.0 / 16777216.0)
     low = torch.tensor(init.low, dtype=torch.float32)
     span = torch.tensor(init.high, dtype=torch.float32) - low
-    # low + span * u rounded once, as the core's (possibly fused) multiply-add: in double the
-    # product of two 24-bit significands is exact.
-    return (low.double() + span.double() * unit.double()).to(torch.float32)
+    # low + span * u in float32, the product rounded and then the sum, as the core computes it
+    # (cn_init.h compiles the initialiser without fused multiply-adds).
+    return low.to(keys.device) + span.to(keys.device) * unit
