@@ -72,8 +72,8 @@ def _draw32(stream: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
 
 def initializes_on_device(initializer) -> bool:
     """Whether `initial_rows` computes this initialiser's rows with torch ops on the rows' device
-    (Uniform and Constant, bit for bit); the normal laws are drawn by the core on the host, whose
-    polynomials the compiler fuses in ways torch's kernels do not reproduce to the last bit."""
+    (Uniform and Constant, bit for bit); the normal laws are drawn by the core on the host (its
+    branch-free logf and cos polynomials, cn_init.h, are not written again here)."""
     return isinstance(initializer, (cncore.Uniform, cncore.Constant))
 
 
