@@ -1123,6 +1123,26 @@ def test_a_fault_in_makes_room_before_waiting_only_for_its_own_prefetch(tmp_path
     store.close()
 
 
+@pytest.mark.parametrize("value", [0.0, float(np.finfo(np.float32).max)])
+def test_found_slots_of_an_unbounded_table_are_checked_whatever_its_rows_hold(value):
+    """An unbounded table keeps no live bits: its live slots are those below the high-water mark
+    and off the free stack. Rows of zeros (no bit set) and of the largest float32 (nearly every
+    bit set) must not decide which slots are live."""
+    from cncore import _core
+    store = cncore.make_store(cncore.StoreConfig(dim=4))
+    slots = store.find_or_insert(np.arange(10))[0]
+    store.assign(np.arange(10), np.full((10, 4), value, np.float32))
+    keys, offsets = np.array([0, 1], np.int64), np.array([0, 1, 2], np.int64)
+    out = np.zeros((2, 4), np.float32)
+    _core.grouped_forward([store._table], [keys], [offsets], [None], [0], [out], False,
+                          [np.array(slots[[0, 1]], np.int64)])
+    np.testing.assert_array_equal(out, store.lookup(keys))
+    store.erase(np.array([3]))
+    with pytest.raises(ValueError, match=r"found_slots\[0\]: a slot that holds no row"):
+        _core.grouped_forward([store._table], [keys], [offsets], [None], [0], [out], False,
+                              [np.array([slots[0], slots[3]], np.int64)])
+
+
 def test_found_slots_must_be_live_slots_of_the_table():
     """_core.grouped_forward's found_slots: a slot out of range or not live, or a -1 key with no
     row, is refused with a ValueError naming it, and the table is unchanged; a -1 key with a row
