@@ -158,6 +158,8 @@ def test_overflow_rule_splits_what_auto_keeps_past_the_churn_and_main_puts_the_r
     script = load_script()
     rule = script.overflow_rule(store_split.auto_fallback_rows, 1.0, 0.5)
     assert [rule(10, 2.0, 9.0), rule(10, 0.5, 9.0), rule(10, 0.5, 1.0), rule(1, 2.0, 9.0)] == [5, 0, 9, 0]
+    at_least_3 = script.overflow_rule(store_split.auto_fallback_rows, 1.0, 0.5, min_rows=3)
+    assert [at_least_3(2, 2.0, 9.0), at_least_3(3, 2.0, 9.0)] == [0, 2]  # 3 rows: round(1.5) = 2 shared
     original = store_split.auto_fallback_rows
     with pytest.raises(SystemExit):  # refused after the knobs are set: they are put back all the same
         script.main(["--overflow-churn", "1", "--overflow-share", "1.5", "--auto-churn", "0.01"])

@@ -240,18 +240,21 @@ def ours(args, budgets: list[int], eviction, admission=None, initializer=None, f
     return Run("ours", model, [torch.optim.Adagrad(dense, lr=args.dense_lr), ebc.fused_optimizer], tables=ebc)
 
 
-def overflow_rule(auto_rule, churn_from: float, share: float):
+def overflow_rule(auto_rule, churn_from: float, share: float, min_rows: int = 2):
     """`--overflow-churn` / `--overflow-share` (benchmark-side, a candidate for auto's rule): `auto_rule`
     (``store_split.auto_fallback_rows``), and a table it keeps whose churn is >= `churn_from`
-    (1: its budget cannot hold one call's new keys) splits `share` of its max_rows, whatever its repeat.
+    (1: its budget cannot hold one call's new keys) splits `share` of its max_rows, whatever its repeat,
+    if it has `min_rows` rows or more.
 
     >>> rule = overflow_rule(lambda r, c, p: 0 if p > 3 else 9, 1.0, 0.5)
     >>> rule(10, 2.0, 9.0), rule(10, 0.5, 9.0), rule(10, 0.5, 1.0), rule(1, 2.0, 9.0)
     (5, 0, 9, 0)
+    >>> overflow_rule(lambda r, c, p: 0, 1.0, 0.5, min_rows=3)(2, 2.0, 9.0)
+    0
     """
     def rule(max_rows: int, churn: float, repeat: float) -> int:
         n = auto_rule(max_rows, churn, repeat)
-        if n == 0 and churn >= churn_from and max_rows >= 2:
+        if n == 0 and churn >= churn_from and max_rows >= max(2, min_rows):
             return min(max_rows - 1, max(1, round(max_rows * share)))
         return n
     return rule
@@ -718,6 +721,8 @@ def run_script(argv=None) -> int:
                          "splits --overflow-share of its rows whatever its repeat")
     ap.add_argument("--overflow-share", type=float, default=0.5,
                     help="--overflow-churn: the share of such a table's max_rows that become fallback rows")
+    ap.add_argument("--overflow-min-rows", type=int, default=2,
+                    help="--overflow-churn: only tables of this many max_rows or more split by it")
     ap.add_argument("--flip-tables", action="store_true",
                     help="instead of the AUC table: the first --methods method (an auto one) at --seeds seeds, "
                          "then each table's decision flipped alone; prints each table's paired gain of splitting")
@@ -746,7 +751,7 @@ def run_script(argv=None) -> int:
         if not 0 < args.overflow_share < 1:
             ap.error(f"--overflow-share must be in (0, 1), got {args.overflow_share}")
         store_split.auto_fallback_rows = overflow_rule(store_split.auto_fallback_rows, args.overflow_churn,
-                                                       args.overflow_share)
+                                                       args.overflow_share, args.overflow_min_rows)
     # what the job's Run/train read
     if args.batch_size is None:
         args.batch_size = 2048 if args.data == "synthetic" else 256
