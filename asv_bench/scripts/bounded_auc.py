@@ -51,6 +51,16 @@ rows, metadata, keys; fixed tables: rows x their row's bytes, dim + 1 floats wit
         --methods ours-lfu+auto hashed-same-memory --seeds 5 --hash-spread 0.95 0.975 1 1.025 1.05
     python asv_bench/scripts/bounded_auc.py --step-time --steps 100 --budgets 25 \
         --methods ours-lfu ours-lfu+fb90 ours-lfu+rfb90 ours-unbounded     # not under nice
+
+Choosing auto's split (docs/bounded-tables.md, "Which tables gain from a split"): each table's
+decision flipped alone, paired over seeds; the candidate measures at each table's fill; a
+candidate rule (auto, and a table of churn >= 1 and 3 rows or more splits half its rows):
+
+    python asv_bench/scripts/bounded_auc.py --data flights --budget-floor none --budgets 50 25 10 \
+        --methods ours-lfu+auto --flip-tables --seeds 5
+    python asv_bench/scripts/bounded_auc.py --data flights --budget-floor none --budgets 50 25 10 --measures
+    python asv_bench/scripts/bounded_auc.py --data flights --budget-floor none --budgets 50 25 10 \
+        --methods ours-lfu+auto --seeds 5 --overflow-churn 1 --overflow-share 0.5 --overflow-min-rows 3
 """
 from __future__ import annotations
 
