@@ -15,12 +15,19 @@ repeat is how many lookups each key had (the rows' access counts, as eviction re
 A table with churn >= `AUTO_CHURN` and repeat <= `AUTO_REPEAT` (new keys fill it fast, and
 each is looked up about once: a long tail) becomes ``R - N`` keyed rows plus
 ``N = round(AUTO_SHARE * R)`` fallback rows (at least one of each; a one-row budget stays as it
-is); any other keeps its R keyed rows. Both measures come from what the table holds (its rows,
-their counts, its step and eviction count), so a checkpoint of an undecided table carries them.
+is). A table that measures churn >= `OVERFLOW_CHURN` (one call's new keys alone overflow its
+budget) and has at least `OVERFLOW_MIN_ROWS` rows splits too, whatever its repeat, with
+``round(OVERFLOW_SHARE * R)`` fallback rows: a small table (a few values, looked up many times
+a call) whose budget cannot hold a call's values. Any other keeps its R keyed rows. Both
+measures come from what the table holds (its rows, their counts, its step and eviction count),
+so a checkpoint of an undecided table carries them.
 The constants were chosen on MovieLens-100K and checked on Instacart and the synthetic stream
 (docs/bounded-tables.md has every table's measures and the AUC): churn alone did not separate
 the tables that gain from shared rows (MovieLens' people at 0.60) from those that lose
-(Instacart's users at 0.53, each looked up 8 times a call).
+(Instacart's users at 0.53, each looked up 8 times a call). The overflow branch came from a
+third dataset (NYC flights) and was measured on all three, so none of them tests it
+independently: no fill-time measure put every table on the side where it gains (31 tables
+labelled by flipping each one's decision; docs/bounded-tables.md).
 
 The conversion
 --------------
@@ -64,7 +71,8 @@ from cncore.routing import mix64
 if TYPE_CHECKING:
     from cncore.rows import TableBatch
 
-__all__ = ["AUTO_CHURN", "AUTO_REPEAT", "AUTO_SHARE", "auto_fallback_rows", "split_churn", "split_repeat"]
+__all__ = ["AUTO_CHURN", "AUTO_REPEAT", "AUTO_SHARE", "OVERFLOW_CHURN", "OVERFLOW_MIN_ROWS", "OVERFLOW_SHARE",
+           "auto_fallback_rows", "split_churn", "split_repeat"]
 
 # Churn from which a table shares rows. On MovieLens-100K the tables of a long tail (people,
 # items: repeat 1.1-1.7) that gained from shared rows measured 0.40-1.99 (25% and 10% budgets),
@@ -78,6 +86,18 @@ AUTO_REPEAT = 3.0
 # The share of max_rows a churning table gives to fallback rows: the split that held the most
 # AUC on MovieLens at every budget (90% against 20/50/80/95%).
 AUTO_SHARE = 0.9
+# Churn from which a table splits whatever its repeat: its budget cannot hold one call's new
+# keys. Flights' carrier, destination and hour tables at a 25% budget (4-26 rows) carried the
+# whole gain of splitting there (0.602 -> 0.629 AUC, 5 seeds), which the repeat limit kept from
+# them (each value is looked up many times a call).
+OVERFLOW_CHURN = 1.0
+# The share of such a table's rows that become fallback rows: half, not AUTO_SHARE's 90%, which
+# leaves a 4-26-row table 1-3 keyed rows (Instacart's small tables at 10%: 0.6882 at 50%
+# shared, 0.6839 at 90%, against 0.6877 kept).
+OVERFLOW_SHARE = 0.5
+# The fewest rows a table needs to split by churn alone: flights' 2-row tables at 10% split
+# into 1 + 1 rows lost 0.009 AUC (10 seeds).
+OVERFLOW_MIN_ROWS = 3
 
 
 def auto_fallback_rows(max_rows: int, churn: float, repeat: float) -> int:
@@ -86,10 +106,14 @@ def auto_fallback_rows(max_rows: int, churn: float, repeat: float) -> int:
 
     >>> auto_fallback_rows(100, 0.6, 1.2), auto_fallback_rows(100, 0.1, 1.2), auto_fallback_rows(100, 0.6, 9.0)
     (90, 0, 0)
+    >>> auto_fallback_rows(10, 2.0, 9.0), auto_fallback_rows(2, 2.0, 9.0)   # overflowed by one call
+    (5, 0)
     """
-    if churn < AUTO_CHURN or repeat > AUTO_REPEAT or max_rows < 2:
-        return 0
-    return min(max_rows - 1, max(1, round(max_rows * AUTO_SHARE)))
+    if churn >= AUTO_CHURN and repeat <= AUTO_REPEAT and max_rows >= 2:
+        return min(max_rows - 1, max(1, round(max_rows * AUTO_SHARE)))
+    if churn >= OVERFLOW_CHURN and max_rows >= max(2, OVERFLOW_MIN_ROWS):
+        return min(max_rows - 1, max(1, round(max_rows * OVERFLOW_SHARE)))
+    return 0
 
 
 def split_churn(held: int, evicted: int, new: int, step: int, max_rows: int) -> float:

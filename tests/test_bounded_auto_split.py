@@ -41,6 +41,8 @@ class AutoSplitModel(FallbackModel):
         n = 0
         if churn >= store_split.AUTO_CHURN and repeat <= store_split.AUTO_REPEAT and self.max_rows >= 2:
             n = min(self.max_rows - 1, max(1, round(self.max_rows * store_split.AUTO_SHARE)))
+        elif churn >= store_split.OVERFLOW_CHURN and self.max_rows >= max(2, store_split.OVERFLOW_MIN_ROWS):
+            n = min(self.max_rows - 1, max(1, round(self.max_rows * store_split.OVERFLOW_SHARE)))
         self.pending, self.measures = False, (churn, repeat, n)
         keyed = self.max_rows - n
         self.max_rows, self.low_water = keyed, keyed - min(max(1, keyed // 32), keyed - 1)
@@ -181,6 +183,27 @@ def test_a_table_of_repeated_keys_or_slow_churn_keeps_its_keyed_rows():
     train(slow, [8])                                   # churn 9 / 9 / 8 = 0.125 < 0.25
     assert slow.split_measures == store_split.SplitMeasures(9 / 9 / 8, 9 / 9, 0)
     assert slow.config.max_rows == 8 and len(slow) == 8 - slow.config.headroom  # (a round of eviction)
+
+
+def test_a_small_table_one_call_overflows_shares_half_its_rows_whatever_its_repeat():
+    """churn >= OVERFLOW_CHURN (the call's new keys alone exceed the budget) splits
+    OVERFLOW_SHARE of the rows even where repeat > AUTO_REPEAT keeps a table; not under
+    OVERFLOW_MIN_ROWS rows, nor below that churn."""
+    call = [k for k in range(6) for _ in range(4)]     # 6 keys, 4 lookups each: repeat 24 / 6 = 4 > 3
+    small = sgd_auto(4)
+    sink = []
+    small.on_evict(sink.append)
+    train(small, call)                                 # churn 6 / 1 / 4 = 1.5 >= 1
+    assert small.split_measures == store_split.SplitMeasures(1.5, 4.0, 2)
+    assert small.config.max_rows == 2 and small.config.fallback_rows == 2 and small.fallback_rows == 2
+    assert len(small) <= 2 and sum(len(b.keys) for b in sink) == small.evicted_count
+    tiny = sgd_auto(2)
+    train(tiny, call)                                  # churn 3, but 2 rows < OVERFLOW_MIN_ROWS
+    assert tiny.split_measures == store_split.SplitMeasures(3.0, 4.0, 0) and tiny.fallback_rows == 0
+    slower = sgd_auto(8)
+    train(slower, [k for k in range(5) for _ in range(4)])
+    train(slower, [k for k in range(5, 9) for _ in range(4)])  # churn 9 / 2 / 8 = 0.56 < 1, repeat 36 / 9 = 4
+    assert slower.split_measures == store_split.SplitMeasures(9 / 2 / 8, 4.0, 0) and slower.fallback_rows == 0
 
 
 def test_a_split_only_comes_from_a_training_lookup():

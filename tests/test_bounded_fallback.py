@@ -108,8 +108,12 @@ class FallbackMachine(BoundedMachine):
         self.ref.insert(self.ref.overflow(self.ref.admit(keys)))
         lookup_step = self.store.step
         out, ctx = self.store.pooled_lookup(np.array(keys, dtype=np.int64), offsets, per_sample_weights=weights)
-        np.testing.assert_allclose(out, pooled_reference(self.ref.read(keys), offsets, "sum", weights),
-                                   rtol=1e-5, atol=1e-6)
+        # float32 sums of up to 30 trained rows against float64 ones: the error scales with the
+        # terms' magnitudes, not with the sum's (a bag of hot keys can cancel to near zero)
+        rows = self.ref.read(keys)
+        magnitude = pooled_reference(np.abs(rows), offsets, "sum", None if weights is None else np.abs(weights))
+        np.testing.assert_array_less(np.abs(out - pooled_reference(rows, offsets, "sum", weights)),
+                                     1e-5 * magnitude + 1e-6)
         grad = rng.standard_normal(out.shape).astype(np.float32)
         grads, occurrences = self.ref.backward(keys, offsets, grad, weights)
         self.store.apply_gradients(ctx, grad)
