@@ -69,12 +69,16 @@ def churn_of_run(run, batches) -> list[dict]:
     return out
 
 
+def _cell(x, spec: str) -> str:
+    """A table cell: `x` formatted by `spec`, or "-" where there is no value."""
+    return "-" if x is None else format(x, spec)
+
+
 def print_churn(percent: float, rows: list[dict]) -> None:
     def auto(m):
         return "-" if m is None else f"{m['churn']:.3f} / {m['repeat']:.2f} / {m['fallback_rows']:,}"
 
-    def f(x, spec):
-        return "-" if x is None else format(x, spec)
+    f = _cell
     for r in rows:
         print(f"| {percent:g}% | {r['table']} | {r['max_rows']:,} | {r['distinct_per_call']:.1f} | "
               f"{f(r['fill_calls'], 'd')} | {f(r['fill_churn'], '.3f')} | {f(r['fill_repeat'], '.2f')} | "
@@ -174,8 +178,7 @@ def measures_of_run(run, batches, after: int = 8) -> list[dict]:
 
 
 def print_measures(percent: float, rows: list[dict]) -> None:
-    def f(x, spec):
-        return "-" if x is None else format(x, spec)
+    f = _cell
     for r in rows:
         print(f"| {percent:g}% | {r['table']} | {r['max_rows']:,} | {f(r['fill_calls'], 'd')} | "
               f"{f(r['churn'], '.3f')} | {f(r['repeat'], '.2f')} | {f(r['head_all'], '.3f')} | "

