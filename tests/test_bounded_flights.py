@@ -14,6 +14,8 @@ import pytest
 
 pytest.importorskip("torchrec")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "asv_bench", "scripts"))
+from bench_scripts import load_bounded_auc
+
 import bounded_flights as fl
 from bounded_movielens import word_id
 
@@ -72,12 +74,7 @@ def test_flights_refuse_a_file_without_its_columns_and_find_the_sdist(tmp_path):
 
 
 def test_hash_spread_rows_and_summary_against_literal_numbers():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location(
-        "bounded_auc", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "asv_bench", "scripts",
-                                    "bounded_auc.py"))
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_bounded_auc()
     assert script.spread_rows([1000, 40, 1], 0.95) == [950, 38, 1]
     assert script.spread_rows([1000, 40, 1], 1.05) == [1050, 42, 1]
     aucs = {0.95: [0.60, 0.62, 0.64], 1.0: [0.70, 0.70, 0.70], 1.05: [0.66, 0.67, 0.68]}
@@ -93,13 +90,8 @@ def test_hash_spread_rows_and_summary_against_literal_numbers():
 
 def test_hash_spread_trains_hashing_at_each_row_count_and_every_seed(tmp_path, capsys):
     """A tiny synthetic run: hashed-same-memory at 0.5x and 1x ours' memory, 2 seeds each."""
-    import importlib.util
     import json
-    spec = importlib.util.spec_from_file_location(
-        "bounded_auc", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "asv_bench", "scripts",
-                                    "bounded_auc.py"))
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_bounded_auc()
     out = tmp_path / "spread.json"
     assert script.main(["--steps", "2", "--batch-size", "64", "--eval-batches", "1", "--budgets", "50",
                         "--methods", "ours-lfu", "hashed-same-memory", "--hash-spread", "0.5", "1",

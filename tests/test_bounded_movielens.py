@@ -12,6 +12,8 @@ import pytest
 
 pytest.importorskip("torchrec")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "asv_bench", "scripts"))
+from bench_scripts import load_bounded_auc
+
 import bounded_instacart as ic
 import bounded_movielens as ml
 
@@ -127,13 +129,8 @@ def test_instacart_refuses_a_file_without_its_columns_and_finds_the_wheel(tmp_pa
 def test_step_time_times_every_method_on_the_same_batches(tmp_path):
     """bounded_auc.py --step-time (synthetic stream, a smoke test): every method's steady-state
     step times and its paired ratios, the first method's ratio to itself 1 on every step."""
-    import importlib.util
     import json
-    spec = importlib.util.spec_from_file_location(
-        "bounded_auc", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "asv_bench", "scripts",
-                                    "bounded_auc.py"))
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_bounded_auc()
     out = tmp_path / "steps.json"
     methods = ["ours-lfu", "ours-lfu+fb90", "ours-unbounded"]
     assert script.main(["--step-time", "--steps", "4", "--batch-size", "64", "--budgets", "50", "--step-rounds", "2",

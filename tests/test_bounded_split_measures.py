@@ -16,17 +16,13 @@ import cncore
 torch = pytest.importorskip("torch")
 pytest.importorskip("torchrec")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "asv_bench", "scripts"))
+from bench_scripts import load_bounded_auc  # noqa: E402
+
 import bounded_churn  # noqa: E402
 
 
 def load_script():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location(
-        "bounded_auc", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "asv_bench", "scripts",
-                                    "bounded_auc.py"))
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
+    return load_bounded_auc()
 
 
 @pytest.mark.parametrize("seed", range(5))

@@ -282,11 +282,8 @@ def test_a_save_cut_off_between_tables_and_dense_is_refused(capsys, tmp_path):
 # --- the AUC study's script --------------------------------------------------------------------------------
 
 def test_bounded_auc_script_runs_every_method_at_the_same_budget(tmp_path, capsys):
-    import importlib.util
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location("bounded_auc", os.path.join(root, "asv_bench/scripts/bounded_auc.py"))
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    from bench_scripts import load_bounded_auc
+    script = load_bounded_auc()
     out = tmp_path / "auc.json"
     assert script.main(["--steps", "3", "--batch-size", "128", "--eval-batches", "1", "--budgets", "50",
                         "--json", str(out)]) == 0
