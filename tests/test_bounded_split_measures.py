@@ -147,16 +147,35 @@ def test_flip_tables_reports_each_tables_paired_gain_of_splitting(tmp_path, caps
     assert "| 5% | " in capsys.readouterr().out
 
 
-def test_overflow_rule_splits_what_auto_keeps_past_the_churn_and_main_puts_the_rule_back():
-    """--overflow-churn 1 --overflow-share 0.5: a 10-row table auto keeps (repeat 9) splits 5 at
-    churn 2, not at 0.5; auto's own split (9) stands; a 1-row table cannot split."""
+def test_overflow_knobs_set_autos_overflow_branch_and_main_puts_the_rule_back(monkeypatch):
+    """--overflow-churn 1 --overflow-share 0.5 --overflow-min-rows 3 are auto's own overflow branch
+    (cncore.store_split): a 10-row table auto's first branch keeps (repeat 9) splits 5 at churn 2,
+    not at 0.5; the first branch's split (9) stands; a 1- or 2-row table cannot split by it, a
+    3-row one splits round(1.5) = 2. The script sets the constants and puts them back."""
     from cncore import store_split
     script = load_script()
-    rule = script.overflow_rule(store_split.auto_fallback_rows, 1.0, 0.5)
-    assert [rule(10, 2.0, 9.0), rule(10, 0.5, 9.0), rule(10, 0.5, 1.0), rule(1, 2.0, 9.0)] == [5, 0, 9, 0]
-    at_least_3 = script.overflow_rule(store_split.auto_fallback_rows, 1.0, 0.5, min_rows=3)
-    assert [at_least_3(2, 2.0, 9.0), at_least_3(3, 2.0, 9.0)] == [0, 2]  # 3 rows: round(1.5) = 2 shared
-    original = store_split.auto_fallback_rows
+    seen = {}
+
+    def run_and_look(args, job):  # the knobs as the run sees them, before its data loads
+        seen.update(churn=store_split.OVERFLOW_CHURN, share=store_split.OVERFLOW_SHARE,
+                    min_rows=store_split.OVERFLOW_MIN_ROWS)
+        rule = store_split.auto_fallback_rows
+        seen["values"] = [rule(10, 2.0, 9.0), rule(10, 0.5, 9.0), rule(10, 0.5, 1.0), rule(1, 2.0, 9.0),
+                          rule(2, 2.0, 9.0), rule(3, 2.0, 9.0)]
+        raise SystemExit(0)
+    monkeypatch.setattr(script, "load_data", run_and_look)
+    original = (store_split.AUTO_CHURN, store_split.OVERFLOW_CHURN, store_split.OVERFLOW_SHARE,
+                store_split.OVERFLOW_MIN_ROWS)
+    with pytest.raises(SystemExit):
+        script.main(["--overflow-churn", "1", "--overflow-share", "0.5", "--overflow-min-rows", "3"])
+    assert seen == {"churn": 1.0, "share": 0.5, "min_rows": 3, "values": [5, 0, 9, 0, 0, 2]}
+    with pytest.raises(SystemExit):
+        script.main(["--overflow-churn", "7", "--overflow-share", "0.25", "--overflow-min-rows", "4"])
+    assert seen == {"churn": 7.0, "share": 0.25, "min_rows": 4, "values": [0, 0, 9, 0, 0, 0]}
     with pytest.raises(SystemExit):  # refused after the knobs are set: they are put back all the same
         script.main(["--overflow-churn", "1", "--overflow-share", "1.5", "--auto-churn", "0.01"])
-    assert store_split.auto_fallback_rows is original and store_split.AUTO_CHURN == 0.25
+    assert (store_split.AUTO_CHURN, store_split.OVERFLOW_CHURN, store_split.OVERFLOW_SHARE,
+            store_split.OVERFLOW_MIN_ROWS) == original == (0.25, 1.0, 0.5, 3)
+    rule = store_split.auto_fallback_rows
+    assert [rule(10, 2.0, 9.0), rule(10, 0.5, 9.0), rule(10, 0.5, 1.0), rule(1, 2.0, 9.0), rule(2, 2.0, 9.0),
+            rule(3, 2.0, 9.0)] == [5, 0, 9, 0, 0, 2]

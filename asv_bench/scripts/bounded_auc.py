@@ -53,14 +53,15 @@ rows, metadata, keys; fixed tables: rows x their row's bytes, dim + 1 floats wit
         --methods ours-lfu ours-lfu+fb90 ours-lfu+rfb90 ours-unbounded     # not under nice
 
 Choosing auto's split (docs/bounded-tables.md, "Which tables gain from a split"): each table's
-decision flipped alone, paired over seeds; the candidate measures at each table's fill; a
-candidate rule (auto, and a table of churn >= 1 and 3 rows or more splits half its rows):
+decision flipped alone, paired over seeds; the candidate measures at each table's fill; auto's
+rule with its overflow branch off (`--overflow-churn inf`: the rule before it), to pair against
+the default:
 
     python asv_bench/scripts/bounded_auc.py --data flights --budget-floor none --budgets 50 25 10 \
         --methods ours-lfu+auto --flip-tables --seeds 5
     python asv_bench/scripts/bounded_auc.py --data flights --budget-floor none --budgets 50 25 10 --measures
     python asv_bench/scripts/bounded_auc.py --data flights --budget-floor none --budgets 50 25 10 \
-        --methods ours-lfu+auto --seeds 5 --overflow-churn 1 --overflow-share 0.5 --overflow-min-rows 3
+        --methods ours-lfu+auto --seeds 5 --overflow-churn inf
 """
 from __future__ import annotations
 
@@ -248,26 +249,6 @@ def ours(args, budgets: list[int], eviction, admission=None, initializer=None, f
     model = args.task.dlrm(ebc, args.embedding_dim)
     dense = [p for n, p in model.named_parameters() if "_anchor" not in n]
     return Run("ours", model, [torch.optim.Adagrad(dense, lr=args.dense_lr), ebc.fused_optimizer], tables=ebc)
-
-
-def overflow_rule(auto_rule, churn_from: float, share: float, min_rows: int = 2):
-    """`--overflow-churn` / `--overflow-share` (benchmark-side, a candidate for auto's rule): `auto_rule`
-    (``store_split.auto_fallback_rows``), and a table it keeps whose churn is >= `churn_from`
-    (1: its budget cannot hold one call's new keys) splits `share` of its max_rows, whatever its repeat,
-    if it has `min_rows` rows or more.
-
-    >>> rule = overflow_rule(lambda r, c, p: 0 if p > 3 else 9, 1.0, 0.5)
-    >>> rule(10, 2.0, 9.0), rule(10, 0.5, 9.0), rule(10, 0.5, 1.0), rule(1, 2.0, 9.0)
-    (5, 0, 9, 0)
-    >>> overflow_rule(lambda r, c, p: 0, 1.0, 0.5, min_rows=3)(2, 2.0, 9.0)
-    0
-    """
-    def rule(max_rows: int, churn: float, repeat: float) -> int:
-        n = auto_rule(max_rows, churn, repeat)
-        if n == 0 and churn >= churn_from and max_rows >= max(2, min_rows):
-            return min(max_rows - 1, max(1, round(max_rows * share)))
-        return n
-    return rule
 
 
 def force_splits(ebc, decisions: dict[str, bool]) -> None:
@@ -647,12 +628,13 @@ def load_data(args, job) -> tuple[CachedData, bounded.StreamCounts]:
 
 def main(argv=None) -> int:
     """Run the script; the rule knobs (--auto-*, --overflow-*) it sets on cncore.store_split are put back after."""
-    saved = (store_split.AUTO_CHURN, store_split.AUTO_REPEAT, store_split.AUTO_SHARE, store_split.auto_fallback_rows)
+    knobs = ("AUTO_CHURN", "AUTO_REPEAT", "AUTO_SHARE", "OVERFLOW_CHURN", "OVERFLOW_SHARE", "OVERFLOW_MIN_ROWS")
+    saved = {name: getattr(store_split, name) for name in knobs}
     try:
         return run_script(argv)
     finally:
-        (store_split.AUTO_CHURN, store_split.AUTO_REPEAT, store_split.AUTO_SHARE,
-         store_split.auto_fallback_rows) = saved
+        for name, value in saved.items():
+            setattr(store_split, name, value)
 
 
 def run_script(argv=None) -> int:
@@ -727,12 +709,14 @@ def run_script(argv=None) -> int:
                     help="+auto methods: the share of a splitting table's max_rows that become fallback rows "
                          f"(default {store_split.AUTO_SHARE})")
     ap.add_argument("--overflow-churn", type=float, default=None,
-                    help="+auto methods (a candidate rule, benchmark-side): a table auto keeps whose churn is >= this "
-                         "splits --overflow-share of its rows whatever its repeat")
-    ap.add_argument("--overflow-share", type=float, default=0.5,
-                    help="--overflow-churn: the share of such a table's max_rows that become fallback rows")
-    ap.add_argument("--overflow-min-rows", type=int, default=2,
-                    help="--overflow-churn: only tables of this many max_rows or more split by it")
+                    help="+auto methods: the churn from which a table splits whatever its repeat (default "
+                         f"cncore.store_split.OVERFLOW_CHURN, {store_split.OVERFLOW_CHURN})")
+    ap.add_argument("--overflow-share", type=float, default=None,
+                    help="+auto methods: the share of such a table's max_rows that become fallback rows (default "
+                         f"{store_split.OVERFLOW_SHARE})")
+    ap.add_argument("--overflow-min-rows", type=int, default=None,
+                    help="+auto methods: the fewest max_rows such a table needs to split (default "
+                         f"{store_split.OVERFLOW_MIN_ROWS})")
     ap.add_argument("--flip-tables", action="store_true",
                     help="instead of the AUC table: the first --methods method (an auto one) at --seeds seeds, "
                          "then each table's decision flipped alone; prints each table's paired gain of splitting")
@@ -758,10 +742,13 @@ def run_script(argv=None) -> int:
     if args.auto_share is not None:
         store_split.AUTO_SHARE = args.auto_share
     if args.overflow_churn is not None:
+        store_split.OVERFLOW_CHURN = args.overflow_churn
+    if args.overflow_min_rows is not None:
+        store_split.OVERFLOW_MIN_ROWS = args.overflow_min_rows
+    if args.overflow_share is not None:
         if not 0 < args.overflow_share < 1:
             ap.error(f"--overflow-share must be in (0, 1), got {args.overflow_share}")
-        store_split.auto_fallback_rows = overflow_rule(store_split.auto_fallback_rows, args.overflow_churn,
-                                                       args.overflow_share, args.overflow_min_rows)
+        store_split.OVERFLOW_SHARE = args.overflow_share
     # what the job's Run/train read
     if args.batch_size is None:
         args.batch_size = 2048 if args.data == "synthetic" else 256
