@@ -110,10 +110,15 @@ def auto_fallback_rows(max_rows: int, churn: float, repeat: float) -> int:
     (5, 0)
     """
     if churn >= AUTO_CHURN and repeat <= AUTO_REPEAT and max_rows >= 2:
-        return min(max_rows - 1, max(1, round(max_rows * AUTO_SHARE)))
+        return _shared_rows(max_rows, AUTO_SHARE)
     if churn >= OVERFLOW_CHURN and max_rows >= max(2, OVERFLOW_MIN_ROWS):
-        return min(max_rows - 1, max(1, round(max_rows * OVERFLOW_SHARE)))
+        return _shared_rows(max_rows, OVERFLOW_SHARE)
     return 0
+
+
+def _shared_rows(max_rows: int, share: float) -> int:
+    """`share` of max_rows as fallback rows, leaving at least one of each kind (max_rows >= 2)."""
+    return min(max_rows - 1, max(1, round(max_rows * share)))
 
 
 def split_churn(held: int, evicted: int, new: int, step: int, max_rows: int) -> float:
