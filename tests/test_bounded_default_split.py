@@ -1,8 +1,8 @@
 """``fallback_rows``' default (None): ``"auto"`` where a table can take it (max_rows, rows in the
-core's memory, miss mode, no admission, unsharded) and 0 (a row per key) elsewhere. A default
+core's memory, miss mode, no admission; sharded or not) and 0 (a row per key) elsewhere. A default
 table is an explicit ``fallback_rows="auto"`` one bit for bit, an explicit 0 the row-per-key
-table; the placements that keep no fallback rows (accelerator rows, the device index, the
-sharder) resolve the default to 0 instead of refusing it."""
+table; the placements that keep no fallback rows (accelerator rows, the device index) resolve the
+default to 0 instead of refusing it; the sharder gives each shard "auto"."""
 import numpy as np
 import pytest
 from test_bounded_auto_split import same_store, sgd_auto, train
@@ -118,10 +118,13 @@ def test_a_default_module_loads_a_split_checkpoint_as_the_split():
     same_store(fresh.store, split.store)
 
 
-def test_the_sharder_resolves_the_default_to_0_and_refuses_an_explicit_auto():
+def test_the_sharder_gives_each_shard_the_default_auto_and_its_share_of_fixed_fallback_rows():
     pytest.importorskip("torchrec")
     from cncore_torch.distributed.embedding_sharding import shard_store_configs
     configs = shard_store_configs({"t": cncore.StoreConfig(dim=2, max_rows=8)}, world_size=2, rank=1)
-    assert (configs["t"].fallback_rows, configs["t"].max_rows) == (0, 4)
-    with pytest.raises(ValueError, match="table 't': fallback_rows=auto: the sharded collections keep no"):
-        shard_store_configs({"t": cncore.StoreConfig(dim=2, max_rows=8, fallback_rows="auto")}, world_size=2)
+    assert (configs["t"].fallback_rows, configs["t"].max_rows) == ("auto", 4)
+    fixed = shard_store_configs({"t": cncore.StoreConfig(dim=2, max_rows=8, fallback_rows=5)}, world_size=2)
+    assert (fixed["t"].fallback_rows, fixed["t"].max_rows) == (3, 4)  # ceil(5 / 2) each
+    tiered = shard_store_configs({"t": cncore.StoreConfig(dim=2, max_rows=8, storage=cncore.Tiered(
+        "/nonexistent-cn", cache_bytes=1 << 12))}, world_size=1)  # where auto cannot run: a row per key
+    assert tiered["t"].fallback_rows == 0

@@ -90,35 +90,36 @@ def test_a_module_takes_fallback_rows_and_its_state_dict_carries_them():
     assert not other.store.config.fallback_copy and len(other.store) == 1
 
 
-def test_a_sharded_tables_state_dict_refuses_fallback_rows_by_name():
+def test_a_shards_state_dict_carries_its_fallback_rows_as_its_part_of_every_ranks():
+    """A shard's fallback rows are entries in their own place (its rank's part of one tensor of
+    every rank's rows) beside its count of them, which a DCP load cuts the rows back by."""
+    from cncore_torch.dcp import TableEntry
     from cncore_torch.state import save_store
+    store = cncore.EmbeddingStore(dim=2, fallback_rows=2)
     destination = {}
-    with pytest.raises(ValueError, match=r"fallback_rows=2: a sharded table's state_dict does not carry fallback "
-                                         r"rows; build the sharded module's tables without fallback_rows"):
-        save_store(cncore.EmbeddingStore(dim=2, fallback_rows=2), destination, "t.", shard=(0, 2, 7))
-    assert destination == {}
+    save_store(store, destination, "t.", shard=(1, 2, 7), fallback_entries=True)
+    rows = destination["t.fallback_rows"]
+    assert isinstance(rows, TableEntry) and not rows.cn_per_rank and rows.cn_layout.rank == 1
+    np.testing.assert_array_equal(rows.numpy(), store.export_fallback()[0])
+    assert destination["t.fallback_count"].cn_per_rank and int(destination["t.fallback_count"]) == 2
+    undecided = {}  # an "auto" shard that has not split: 0 rows, so that every rank writes the entries
+    save_store(cncore.EmbeddingStore(dim=2, max_rows=4), undecided, "t.", shard=(0, 2, 7), fallback_entries=True)
+    assert tuple(undecided["t.fallback_rows"].shape) == (0, 2) and int(undecided["t.fallback_count"]) == 0
 
 
-@pytest.mark.parametrize("unpooled", [False, True])
-def test_sharding_a_collection_with_fallback_rows_is_refused_before_anything_trains(unpooled):
-    """The sharded collections' checkpoints hold no fallback rows: sharding a table that has them
-    is refused at construction (as DMP's sharder builds it), naming the table and what works,
-    not at the first save after training (one rank, no process group needed)."""
+def test_sharding_a_collection_with_fallback_rows_keeps_them():
+    """The sharded collections keep fallback rows (the unpooled one on one rank, no process
+    group needed; both on 2 ranks in test_distributed_fallback.py): at world size 1 the shard is
+    the table, with the fallback rows it was built with."""
     from torchrec import EmbeddingConfig
     from torchrec.distributed.types import ShardingEnv
 
     from cncore_torch.collection import CNEmbeddingCollection
-    from cncore_torch.distributed import ShardedCNEmbeddingBagCollection, ShardedCNEmbeddingCollection, plan_for
-    if unpooled:
-        model = CNEmbeddingCollection(tables=[EmbeddingConfig(name="t_a", embedding_dim=4, num_embeddings=10,
-                                                              feature_names=["a"])],
-                                      optimizer=cncore.Adagrad(lr=0.1), fallback_rows=3, device="meta")
-        sharded = ShardedCNEmbeddingCollection
-    else:
-        model = CNEmbeddingBagCollection(tables=TABLES, optimizer=cncore.Adagrad(lr=0.1),
-                                         fallback_rows={"t_b": 3}, device="meta")
-        sharded = ShardedCNEmbeddingBagCollection
-    with pytest.raises(ValueError, match=rf"table '{'t_a' if unpooled else 't_b'}': fallback_rows=3: the sharded "
-                                         r"collections keep no fallback rows .*build the tables to shard with "
-                                         r"fallback_rows=0, or train this table in an unsharded collection"):
-        sharded(model, plan_for(model, 1).plan[""], ShardingEnv(world_size=1, rank=0, pg=None), None)
+    from cncore_torch.distributed import ShardedCNEmbeddingCollection, plan_for
+    model = CNEmbeddingCollection(tables=[EmbeddingConfig(name="t_a", embedding_dim=4, num_embeddings=10,
+                                                          feature_names=["a"])],
+                                  optimizer=cncore.Adagrad(lr=0.1), fallback_rows=3, device="meta")
+    module = ShardedCNEmbeddingCollection(model, plan_for(model, 1).plan[""],
+                                          ShardingEnv(world_size=1, rank=0, pg=None), None)
+    assert module.stores["t_a"].fallback_rows == 3
+    assert module.state_dict()["tables.t_a.fallback_rows"].shape == (3, 4)

@@ -379,6 +379,12 @@ def reshard(paths: list[str], tables: list[TableFile], out: str, world_size: int
     if single:
         world_size = 1
     found = check_shards(paths, tables, progress)
+    held = sum(len(t.fallback[0]) for t in tables if t.fallback is not None)
+    if held:  # a key reads the fallback row of the shard that owns it: no split of them is exact
+        raise ValueError(f"the shard tables hold {held} trained fallback rows (StoreConfig.fallback_rows), which "
+                         f"belong to their shards: re-split or merged, a key's fallback row would not be the one it "
+                         f"trained; load the shards on {found['world_size']} ranks (the world size they were saved "
+                         f"at); nothing was written")
     order = sorted(range(len(paths)), key=lambda i: parse_shard_name(os.path.basename(os.path.normpath(paths[i])))[0])
     tables = [tables[i] for i in order]
     per_shard = np.zeros(world_size, np.int64)

@@ -90,7 +90,7 @@ from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
 __all__ = ["CNLoadPlanner", "CNStager", "EntryPaths", "TableEntry", "ShardLayout", "ungather"]
 
 # The entries of a table that hold one value per rank (stacked in a DCP checkpoint).
-PER_RANK = ("step", "evicted_count", "shard")
+PER_RANK = ("step", "evicted_count", "shard", "fallback_count")
 FALLBACK_ENTRIES = ("fallback_rows", "fallback_optimizer_state")
 
 
@@ -404,8 +404,18 @@ class CNLoadPlanner(DefaultLoadPlanner):
             return
         for fqn, value in list(self.state_dict.items()):
             md = metadata.state_dict_metadata.get(fqn)
+            if md is None and isinstance(value, TableEntry) and fqn.rsplit(".", 1)[-1] in FALLBACK_ENTRIES:
+                self._drop(fqn)  # a shard's fallback rows the checkpoint lacks (it was saved without them)
+                continue
             if md is None:
                 continue  # an entry the checkpoint lacks: DCP's own check names it
+            if fqn.rsplit(".", 1)[-1] in FALLBACK_ENTRIES and isinstance(md, TensorStorageMetadata) \
+                    and not isinstance(value, TableEntry):
+                # a whole table's fallback rows: loaded whole, whatever this table holds (a shard's
+                # are every rank's, cut by ungather; a count that differs is refused by name
+                # when the table loads, not read in part)
+                self._replace(fqn, torch.empty(md.size, dtype=md.properties.dtype))
+                continue
             if isinstance(value, torch.Tensor) and isinstance(md, TensorStorageMetadata) and not value.numel() \
                     and not all(md.size) and value.shape != md.size:
                 # An empty tensor of another shape (a collection's (0, 1) anchor, a sharded one's
@@ -482,6 +492,33 @@ class CNStager(DefaultStager):
         super().__init__(config if config is not None else StagingOptions(False, False, False, False))
 
 
+def fallback_in_place(saved: tuple[int, ...] | None, place: tuple[int, int]) -> bool:
+    """Whether fallback rows saved at `saved` ((rank, world size, run id) of a shard; None: a
+    whole table) are this table's at `place` (rank, world size): a key reads fallback row
+    ``mix64(key) % N`` of the shard that owns it, so a shard's fallback rows are its own only
+    on the same rank of the same world size, and a whole table's only for a whole table."""
+    return (saved[0], saved[1]) == place if saved is not None else place[1] == 1
+
+
+def fallback_moved_error(prefix: str, rows: int, saved: tuple[int | None, int] | tuple[int, ...] | None,
+                         place: tuple[int, int]) -> str:
+    """The refusal of fallback rows saved at `saved` ((rank, world size, ...) of a shard, rank
+    None for every rank's; None: a whole table) that cannot be placed at `place`."""
+    if saved is None or saved[1] == 1:
+        what = "a whole table"
+    elif saved[0] is None:
+        what = f"the shards of a table split over {saved[1]} ranks"
+    else:
+        what = f"rank {saved[0]}'s shard of {saved[1]} ranks"
+    here = "a whole table" if place[1] == 1 else f"rank {place[0]}'s shard of {place[1]} ranks"
+    fix = (f"load the checkpoint on {saved[1]} ranks (the world size it was saved at), each rank its own shard"
+           if saved is not None and saved[1] > 1 else "load it into an unsharded table (or one rank)")
+    return (f"{prefix}fallback_rows: the checkpoint holds {rows} trained fallback rows of {what}, and this table is "
+            f"{here}; a key reads the fallback row of the shard that owns it, so they cannot be placed exactly "
+            f"here. {fix[0].upper() + fix[1:]}, or remove them with cncore_torch.state.drop_fallback_rows("
+            f"state_dict) to load the keyed rows alone (the fallback rows then start afresh); nothing was loaded")
+
+
 def ungather(state_dict, prefix: str, place: tuple[int, int]) -> tuple[dict, list[str]]:
     """The entries of the table under `prefix` as one rank's load reads them, from a DCP load's
     whole table (`CNLoadPlanner`: the ``shard`` entry holds one (rank, world size, run id) row
@@ -513,4 +550,36 @@ def ungather(state_dict, prefix: str, place: tuple[int, int]) -> tuple[dict, lis
         else:
             out[prefix + "evicted_count"] = evicted.sum() if rank == 0 else torch.zeros((), dtype=evicted.dtype)
     out[prefix + "shard"] = torch.tensor([rank, world_size, rows[0][2]], dtype=torch.int64)
+    fallback, problems = _ungather_fallback(state_dict, prefix, place, saved)
+    if problems:
+        return {}, problems
+    out.update(fallback)
+    return out, []
+
+
+def _ungather_fallback(state_dict, prefix: str, place: tuple[int, int], saved: int) -> tuple[dict, list[str]]:
+    """A DCP load's fallback rows of a table saved by `saved` ranks (the ranks' rows one after
+    another, ``fallback_count`` their number per rank) as rank `place[0]` of `place[1]` reads
+    them: its own rows at the saved world size; at another, none when the ranks held none, and
+    refused when they held some (a key's fallback row is its shard's: `fallback_in_place`)."""
+    counts = state_dict.get(prefix + "fallback_count")
+    if not isinstance(counts, torch.Tensor) or counts.dim() != 1:
+        return {}, []
+    rank, world_size = place
+    per_rank = [int(c) for c in counts]
+    entries = {name: state_dict.get(prefix + name) for name in FALLBACK_ENTRIES}
+    for name, value in entries.items():
+        if not isinstance(value, torch.Tensor) or value.dim() != 2 or value.shape[0] != sum(per_rank):
+            held = tuple(value.shape) if isinstance(value, torch.Tensor) else "nothing"
+            return {}, [f"{prefix}{name}: the saved ranks' fallback_count {per_rank} add up to {sum(per_rank)} "
+                        f"rows, the checkpoint holds {held}: not one save's fallback rows; nothing was loaded"]
+    if saved == world_size:
+        start = sum(per_rank[:rank])
+        out = {prefix + name: value[start:start + per_rank[rank]].clone() for name, value in entries.items()}
+        out[prefix + "fallback_count"] = counts[rank].clone()
+        return out, []
+    if sum(per_rank):
+        return {}, [fallback_moved_error(prefix, sum(per_rank), (None, saved), place)]
+    out = {prefix + name: value[:0].clone() for name, value in entries.items()}  # (none: 0 rows)
+    out[prefix + "fallback_count"] = torch.zeros((), dtype=counts.dtype)
     return out, []

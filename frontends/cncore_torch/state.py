@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 import cncore
-from cncore_torch.dcp import ShardLayout, TableEntry, ungather
+from cncore_torch.dcp import ShardLayout, TableEntry, fallback_in_place, fallback_moved_error, ungather
 
 FIELDS = ("keys", "rows", "optimizer_state", "counts", "last_steps")
 ENTRIES = FIELDS + ("step",)
@@ -55,17 +55,22 @@ def export_tensors(store) -> dict:
 
 
 def save_store(store: cncore.EmbeddingStore, destination: dict, prefix: str,
-               shard: tuple[int, int, int] | None = None, group=None) -> None:
+               shard: tuple[int, int, int] | None = None, group=None, fallback_entries: bool = False) -> None:
     """The store's entries under `prefix`; `shard` (rank, world size, run id): the place of a
     sharded table's shard, written as the entry `shard` (see `read_table`), among the ranks of
     process group `group`. The entries are `cncore_torch.dcp.TableEntry` tensors, which DCP
-    writes as this rank's part of each table rather than as replicas."""
-    n_fallback = getattr(store, "fallback_rows", 0) or store.config.fallback_rows  # (an undecided "auto": 0 rows)
-    if shard is not None and n_fallback:  # refused before any entry is written
-        raise ValueError(f"fallback_rows={n_fallback}: a sharded table's state_dict does not carry fallback rows; "
-                         "build the sharded module's tables without fallback_rows (or save the unsharded module)")
+    writes as this rank's part of each table rather than as replicas.
+
+    `fallback_entries` (a shard of a table whose shards may hold fallback rows: a fixed count
+    or ``"auto"``): every rank writes fallback_rows and fallback_optimizer_state (0 rows where
+    it holds none: an undecided or unsplit ``"auto"`` shard) as its part of one tensor of every
+    rank's fallback rows, and fallback_count, its number of them, so that the ranks' entries
+    match (DCP gathers each entry's row counts from every rank) and a load cuts the rows back
+    per rank (`cncore_torch.dcp.ungather`)."""
     tensors = export_tensors(store)
     rank, world_size = (shard[0], shard[1]) if shard is not None else (0, 1)
+    n_fallback = getattr(store, "fallback_rows", 0)  # (an undecided "auto" table: 0)
+    shard_fallback = shard is not None and (fallback_entries or n_fallback > 0)
     layout = ShardLayout(len(tensors["keys"]), rank, world_size, group)
     for name, value in tensors.items():
         destination[prefix + name] = TableEntry(value, layout)
@@ -73,9 +78,14 @@ def save_store(store: cncore.EmbeddingStore, destination: dict, prefix: str,
     save_evicted_count(store, per_rank, "")
     if shard is not None:
         per_rank["shard"] = torch.tensor(list(shard), dtype=torch.int64)
+    if shard_fallback:
+        per_rank["fallback_count"] = torch.tensor(n_fallback, dtype=torch.int64)
     for name, value in per_rank.items():  # one value a rank: stacked by DCP when sharded
         destination[prefix + name] = value if shard is None else TableEntry(value, layout, per_rank=True)
-    save_fallback(store, destination, prefix)
+    if shard_fallback:
+        save_shard_fallback(store, destination, prefix, ShardLayout(n_fallback, rank, world_size, group))
+    else:
+        save_fallback(store, destination, prefix)
 
 
 def save_fallback(store, destination: dict, prefix: str) -> None:
@@ -88,12 +98,26 @@ def save_fallback(store, destination: dict, prefix: str) -> None:
     destination[prefix + "fallback_optimizer_state"] = torch.from_numpy(state)
 
 
+def save_shard_fallback(store, destination: dict, prefix: str, layout: ShardLayout) -> None:
+    """A shard's fallback rows and their optimizer state as `TableEntry` tensors at `layout`
+    (this rank's part of every rank's fallback rows; (0, width) without them)."""
+    if getattr(store, "fallback_rows", 0):
+        rows, state = store.export_fallback()
+    else:
+        rows = np.zeros((0, store.config.dim), np.float32)
+        state = np.zeros((0, store.config.state_floats), np.float32)
+    destination[prefix + "fallback_rows"] = TableEntry(torch.from_numpy(rows), layout)
+    destination[prefix + "fallback_optimizer_state"] = TableEntry(torch.from_numpy(state), layout)
+
+
 # evicted_count: written for tables that evicted rows or have an eviction policy. shard: written
 # by sharded modules, (rank, world size, run id) of the shard the entries hold: rank R of W holds
 # only the keys R owns, and the run id (agreed by the ranks when the module is built) tells the
 # ranks of one run from another's; with the step, it identifies a save. Both read when present.
-# fallback_rows, fallback_optimizer_state: written for tables with fallback rows, required by them.
-OPTIONAL_ENTRIES = ("evicted_count", "shard", "fallback_rows", "fallback_optimizer_state")
+# fallback_rows, fallback_optimizer_state: written for tables with fallback rows, required by them
+# (a shard's may hold 0 rows: none). fallback_count: written by the shards of a table that may
+# hold fallback rows, each rank's count (what a DCP load cuts the gathered rows by).
+OPTIONAL_ENTRIES = ("evicted_count", "shard", "fallback_rows", "fallback_optimizer_state", "fallback_count")
 
 
 def save_evicted_count(store: cncore.EmbeddingStore, destination: dict, prefix: str) -> None:
@@ -156,8 +180,7 @@ def read_table(state_dict, prefix: str, dim: int, state_floats: int, missing_key
     (unique keys, the optimizer), so that loading a TableState cannot fail half way."""
     fallback_entries = ("fallback_rows", "fallback_optimizer_state")
     if fallback_rows == "auto":  # a table choosing its split: a checkpoint of one that chose fallback rows has them
-        held = state_dict.get(prefix + "fallback_rows")
-        fallback_rows = len(held) if isinstance(held, torch.Tensor) and held.dim() == 2 else 0
+        fallback_rows = _held_rows(state_dict.get(prefix + "fallback_rows"))
     missing = [prefix + name for name in ENTRIES + (fallback_entries if fallback_rows else ())
                if prefix + name not in state_dict]
     if missing:
@@ -229,7 +252,7 @@ def read_table(state_dict, prefix: str, dim: int, state_floats: int, missing_key
         fb_state = tensor("fallback_optimizer_state", (torch.float32,), (fallback_rows, state_floats))
         if fb_rows is not None and fb_state is not None:
             fallback = (fb_rows.numpy(), fb_state.numpy())
-    elif prefix + "fallback_rows" in state_dict:
+    elif _held_rows(state_dict.get(prefix + "fallback_rows")):  # (a shard's 0-row entry: it holds none)
         errors.append(f"{prefix}fallback_rows: the checkpoint holds fallback rows and this table has none; build it "
                       f"with fallback_rows={len(state_dict[prefix + 'fallback_rows'])} to load them")
     if (errors or keys is None or rows is None or state is None or counts is None or last_steps is None
@@ -239,6 +262,11 @@ def read_table(state_dict, prefix: str, dim: int, state_floats: int, missing_key
     return TableState(keys.numpy(), rows.numpy(), state.numpy(),
                       counts.to(torch.int64).numpy(), last_steps.to(torch.int64).numpy(), int(step), evicted, shard,
                       fallback)
+
+
+def _held_rows(entry) -> int:
+    """The rows a fallback_rows entry holds (0 for anything but a 2-D tensor)."""
+    return int(entry.shape[0]) if isinstance(entry, torch.Tensor) and entry.dim() == 2 else 0
 
 
 def _shape(shape) -> str:
@@ -286,6 +314,10 @@ def load_tables(tables: dict[str, TableSpec], load_rest: Callable, state_dict, m
                           f"cncore_torch.distributed.merge_shards first (or load each rank its own state_dict on "
                           f"{w} ranks)")
             states[prefix] = state = None
+        if state is not None and state.fallback is not None and len(state.fallback[0]) \
+                and not fallback_in_place(state.shard, place):
+            errors.append(fallback_moved_error(prefix, len(state.fallback[0]), state.shard, place))
+            states[prefix] = state = None
         # A writer may keep only some of the rows (a shard keeps the keys its rank owns).
         kept = getattr(write, "rows_kept", len)(state.keys) if state is not None else 0
         max_rows = config.max_rows
@@ -308,6 +340,28 @@ def load_tables(tables: dict[str, TableSpec], load_rest: Callable, state_dict, m
     for prefix, state in states.items():
         if state is not None:
             tables[prefix][1](state)
+
+
+def drop_fallback_rows(state_dict) -> dict:
+    """A copy of `state_dict` without fallback rows: every table's fallback_rows,
+    fallback_optimizer_state and fallback_count entries left out. What loads a checkpoint of
+    tables with fallback rows at another world size, or merges its shards (`merge_shards`),
+    where the trained fallback rows cannot be placed exactly: the keyed rows load as they were;
+    a ``fallback_rows="auto"`` table (the default) chooses its split again when it fills. A
+    table built with a fixed ``fallback_rows=N`` needs the entries: it reports them missing
+    and is left as it is.
+
+    >>> import torch, cncore
+    >>> from cncore_torch import CNEmbeddingBag
+    >>> bag = CNEmbeddingBag(10, 2, optimizer=cncore.SGD(lr=0.1), max_rows=4, fallback_rows=2)
+    >>> [k for k in bag.state_dict() if k.startswith("fallback")], [k for k in drop_fallback_rows(bag.state_dict())
+    ...                                                               if k.startswith("fallback")]
+    (['fallback_rows', 'fallback_optimizer_state'], [])
+    """
+    drop = ("fallback_rows", "fallback_optimizer_state", "fallback_count")
+    tables = {k[:-len("keys")] for k in state_dict if k.endswith("keys")}
+    return {k: v for k, v in state_dict.items()
+            if not any(k.startswith(p) and k[len(p):] in drop for p in tables)}
 
 
 def _strict_load() -> bool:

@@ -169,10 +169,19 @@ def load_shard_tables(module: nn.Module, directory: str, verify: bool = True) ->
                     raise ValueError(f"{shards[r]}: holds {len(head)} rows, more than table {name!r}'s max_rows per "
                                      f"rank ({budget}) here; build the module with a larger max_rows; nothing was "
                                      f"loaded")
+        if n != world_size:
+            held = {r: len(head.fallback[0]) for r, head in heads.items() if head.fallback is not None}
+            if sum(held.values()):
+                raise ValueError(f"{os.path.join(directory, name)}: the {n} shard files hold {sum(held.values())} "
+                                 f"trained fallback rows, and this table is split over {world_size} rank"
+                                 f"{'s' * (world_size > 1)}; a key reads the fallback row of the shard that owns "
+                                 f"it, so they cannot be placed exactly. Load them on {n} ranks (the world size "
+                                 f"they were saved at), or train the table with fallback_rows=0 to reshard it; "
+                                 f"nothing was loaded")
         parts, steps, evicted[name] = [], {}, 0
         shares = np.zeros(world_size, np.int64)  # rows each rank keeps (files re-split on load)
         for r in ([rank] if n == world_size else range(n)):
-            arrays, step, count, config = _read_shard(shards[r], verify)
+            arrays, step, count, config, fallback = _read_shard(shards[r], verify)
             check_shard(heads[r], shards[r], r, n, keys_of=[arrays["keys"]])
             if config.dim != store.config.dim or config.state_floats != store.config.state_floats:
                 raise ValueError(f"{shards[r]}: dim {config.dim} with {config.state_floats} optimizer state floats; "
@@ -185,6 +194,11 @@ def load_shard_tables(module: nn.Module, directory: str, verify: bool = True) ->
                 shares += np.bincount(owners, minlength=world_size)
                 arrays = {f: a[owners == rank] for f, a in arrays.items()}
             parts.append(arrays)
+            if fallback is not None and n == world_size:  # this rank's own shard: its fallback rows are its own
+                entries[f"tables.{name}.fallback_rows"] = torch.from_numpy(fallback[0])
+                entries[f"tables.{name}.fallback_optimizer_state"] = torch.from_numpy(fallback[1])
+                entries[f"tables.{name}.shard"] = torch.tensor([rank, world_size, getattr(module, "_run_id", 0)],
+                                                               dtype=torch.int64)
         if n != world_size and budget is not None and shares.max() > budget:
             # every rank reads every file, so every rank sees every rank's share and refuses alike
             j = int(shares.argmax())
@@ -241,13 +255,16 @@ def _check_shard_set(folder: str, n: int, shards: dict[int, str]) -> dict[int, T
 
 
 def _read_shard(path: str, verify: bool):
-    """(arrays by field, step, evicted count, config) of one shard table (a chain: read whole)."""
+    """(arrays by field, step, evicted count, config, fallback rows and their state or None) of
+    one shard table (a chain: read whole)."""
     if chain_length(path):
         store = load_store(path, verify)
         e = store.export()
-        return {f: np.asarray(getattr(e, f)) for f in FIELDS}, store.step, int(store.evicted_count), store.config
+        fallback = store.export_fallback() if getattr(store, "fallback_rows", 0) else None
+        return ({f: np.asarray(getattr(e, f)) for f in FIELDS}, store.step, int(store.evicted_count), store.config,
+                fallback)
     t = open_table(path, verify)
-    return {f: t.read(f, 0, len(t)) for f in FIELDS}, t.step, t.evicted_count, t.config
+    return {f: t.read(f, 0, len(t)) for f in FIELDS}, t.step, t.evicted_count, t.config, t.fallback
 
 
 def merge_shards(state_dicts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -273,13 +290,26 @@ def merge_shards(state_dicts: list[dict[str, torch.Tensor]]) -> dict[str, torch.
     first = state_dicts[0]
     prefixes = sorted(k[:-len("keys")] for k in first if k.endswith(".keys")
                       and all(k[:-len("keys")] + e in first for e in ENTRIES))
-    merged = {k: v for k, v in first.items() if not any(k.startswith(p) and k[len(p):] in ENTRIES for p in prefixes)}
+    table_entries = ENTRIES + FALLBACK
+    merged = {k: v for k, v in first.items()
+              if not any(k.startswith(p) and k[len(p):] in table_entries for p in prefixes)}
     for prefix in prefixes:
         for i, sd in enumerate(state_dicts):
             missing = [prefix + e for e in ENTRIES if prefix + e not in sd]
             if missing:
                 raise ValueError(f"state_dicts[{i}]: has no {missing[0]} (not a shard of the same model)")
         run = _check_shard_entries(prefix, state_dicts)
+        held = [_fallback_held(sd, prefix) for sd in state_dicts]
+        whole = len(state_dicts) == 1 and (prefix + "shard" not in first or int(first[prefix + "shard"][1]) == 1)
+        if whole:  # one whole table: its fallback rows are the merged table's
+            merged.update({prefix + e: first[prefix + e] for e in FALLBACK[:2] if prefix + e in first})
+        elif sum(held):
+            raise ValueError(f"{prefix}fallback_rows: the shards hold {sum(held)} trained fallback rows "
+                             f"({', '.join(map(str, held))} per state_dict); a key reads the fallback row of the "
+                             f"shard that owns it, so a whole table cannot hold them exactly. Load each rank's "
+                             f"state_dict on {len(state_dicts)} ranks (the world size they were saved at), or merge "
+                             f"[cncore_torch.state.drop_fallback_rows(sd) for sd in state_dicts] (the keyed rows "
+                             f"merge, the fallback rows start afresh); nothing was merged")
         steps = {int(sd[prefix + "step"]) for sd in state_dicts}
         if len(steps) > 1:
             raise ValueError(f"{prefix}step: the shards disagree ({sorted(steps)}); were they saved at one step?")
@@ -296,6 +326,17 @@ def merge_shards(state_dicts: list[dict[str, torch.Tensor]]) -> dict[str, torch.
         if torch.unique(keys).numel() != keys.numel():
             raise ValueError(f"{prefix}keys: a key appears in two shards; pass the shards of one checkpoint, each once")
     return merged
+
+
+# A table's fallback entries (cncore_torch.state.save_store): the rows, their optimizer state,
+# and a shard's count of them.
+FALLBACK = ("fallback_rows", "fallback_optimizer_state", "fallback_count")
+
+
+def _fallback_held(state_dict, prefix: str) -> int:
+    """The fallback rows a state_dict holds of table `prefix` (0 for a shard's empty entry)."""
+    rows = state_dict.get(prefix + "fallback_rows")
+    return int(rows.shape[0]) if isinstance(rows, torch.Tensor) and rows.dim() == 2 else 0
 
 
 def _check_shard_entries(prefix: str, state_dicts) -> int | None:

@@ -38,9 +38,11 @@ from cncore_torch.distributed.embedding_sharding import (
     ShardStore,
     anchor_as_here,
     check_features,
+    fallback_tables,
     fused_anchor,
     keep_owned_rows,
     owned_writer,
+    save_shards,
     shard_store_configs,
     sharded_optimizer,
 )
@@ -56,7 +58,7 @@ from cncore_torch.distributed.rw_sharding import SplitAllToAll
 from cncore_torch.distributed.vbe import expand_variable_batch
 from cncore_torch.functional import unpooled_lookup
 from cncore_torch.optim import keyed_fused_optimizer
-from cncore_torch.state import load_tables, save_store
+from cncore_torch.state import load_tables
 
 __all__ = ["CNEmbeddingCollectionSharder", "ShardedCNEmbeddingCollection"]
 
@@ -103,9 +105,9 @@ class ShardedCNEmbeddingCollection(EntryPaths, OutsideGraphUnderCompile, Sharded
         self.module_sharding_plan = {c.name: table_name_to_parameter_sharding[c.name] for c in self._configs}
         self._anchor = fused_anchor()
         optimizer, configs_with_optimizer = sharded_optimizer(module, "ShardedCNEmbeddingCollection", fused_params)
-        self._stores = {name: cncore.make_store(config)
-                        for name, config in shard_store_configs(configs_with_optimizer, self._world_size,
-                                                                            self._rank).items()}
+        store_configs = shard_store_configs(configs_with_optimizer, self._world_size, self._rank)
+        self._stores = {name: cncore.make_store(config) for name, config in store_configs.items()}
+        self._fallback_tables = fallback_tables(store_configs)  # every rank alike (see save_shards)
         keep_owned_rows(self._stores, module.stores, self._world_size, self._rank)
         self._table_stores = [self._stores[c.name] for c in self._configs]  # what the lookup reads
         self._optim = keyed_fused_optimizer(self._anchor, optimizer, list(self._stores.values()),
@@ -244,9 +246,8 @@ class ShardedCNEmbeddingCollection(EntryPaths, OutsideGraphUnderCompile, Sharded
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         nn.Module._save_to_state_dict(self, destination, prefix, keep_vars)
-        for name, store in self._stores.items():
-            save_store(store, destination, f"{prefix}tables.{name}.", (self._rank, self._world_size, self._run_id),
-                       self._pg)
+        save_shards(self._stores, destination, prefix, (self._rank, self._world_size, self._run_id), self._pg,
+                    self._fallback_tables)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):

@@ -3,8 +3,9 @@
 - `check_features`: a rank's KJT, checked before any collective;
 - `sharded_optimizer`, `fused_anchor`: the optimizer a sharded table trains with, and the
   zero-size parameter that carries it past TorchRec's dense-optimizer filter;
-- `shard_store_configs`: each rank's store configuration (its share of the row budget, its own
-  directory for a tiered table);
+- `shard_store_configs`: each rank's store configuration (its share of the row budget and of
+  the fallback rows, its own directory for a tiered table); `fallback_tables`, `save_shards`:
+  the tables whose shards write fallback entries, and every shard's entries;
 - `owned_writer`, `keep_owned_rows`: what loads a table's rows into a rank's store, keeping the
   keys that rank owns;
 - `ShardStore`: the store a rank holds for a table (in memory, or on the SSD tier);
@@ -25,11 +26,13 @@ import cncore
 from cncore.config import with_default_split
 from cncore.routing import shard_name
 from cncore.tier import TieredStore
+from cncore_torch.dcp import fallback_in_place, fallback_moved_error
 from cncore_torch.distributed.routing import owner_of
 from cncore_torch.optim import no_optimizer_error, resolve_optimizer
-from cncore_torch.state import TableState, export_tensors
+from cncore_torch.state import TableState, export_tensors, save_store
 
-__all__ = ["check_features", "sharded_optimizer", "fused_anchor", "shard_store_configs", "owned_writer",
+__all__ = ["check_features", "sharded_optimizer", "fused_anchor", "shard_store_configs", "fallback_tables",
+           "save_shards", "owned_writer",
            "keep_owned_rows", "anchor_as_here", "ShardStore", "OwnedWriter", "forward_outside_graph",
            "OutsideGraphUnderCompile"]
 
@@ -102,25 +105,34 @@ def shard_store_configs(configs: dict[str, cncore.StoreConfig], world_size: int,
     """Each rank's config of every table: a table's row budget (max_rows, and headroom) is split
     between the ranks, ceil(max_rows / world_size) each, as row-wise sharding splits
     num_embeddings; keys spread evenly by the owner hash, so the ranks together hold about the
-    budget, and each shard evicts by its own policy when its share is full. A tiered table
-    (storage=) gets a directory per rank, `<its path>/shard-<rank>-of-<world size>` (two ranks
-    in one directory would overwrite each other's records), with the same cache budget (each
-    process holds its own cache)."""
+    budget, and each shard evicts by its own policy when its share is full. Fallback rows are
+    split the same way: ``fallback_rows=N``, ceil(N / world_size) each; ``"auto"`` (and the
+    default where it can run, as for an unsharded table) lets each shard choose its split when
+    it fills, from what that shard measured (ranks may choose different counts). A key reads
+    the fallback rows of the rank that owns it. A tiered table (storage=) gets a directory per
+    rank, `<its path>/shard-<rank>-of-<world size>` (two ranks in one directory would
+    overwrite each other's records), with the same cache budget (each process holds its own
+    cache).
+
+    >>> import cncore
+    >>> fixed = shard_store_configs({"t": cncore.StoreConfig(dim=2, max_rows=9, fallback_rows=3)}, 2)["t"]
+    >>> default = shard_store_configs({"t": cncore.StoreConfig(dim=2, max_rows=9)}, 2)["t"]
+    >>> fixed.max_rows, fixed.fallback_rows, default.fallback_rows
+    (5, 2, 'auto')
+    """
     out = {}
-    # fallback_rows' default (None) is one row per key here: "auto" is not sharded (a sharded
-    # table's state_dict carries no fallback rows)
-    configs = {name: with_default_split(config, can_split=False) for name, config in configs.items()}
     for name, config in configs.items():
-        if config.fallback_rows:  # refused when sharding, before a step trains what a checkpoint would lose
-            raise ValueError(f"table {name!r}: fallback_rows={config.fallback_rows}: the sharded collections keep no "
-                             f"fallback rows (their checkpoints would not hold them); build the tables to shard "
-                             f"with fallback_rows=0, or train this table in an unsharded collection")
-    for name, config in configs.items():
+        config = with_default_split(config)
         if config.storage is not None and world_size > 1:
             os.makedirs(config.storage.path, exist_ok=True)
             config = dataclasses.replace(config, storage=dataclasses.replace(
                 config.storage, path=os.path.join(config.storage.path, shard_name(rank, world_size))))
-        if config.max_rows is None or world_size == 1:
+        if world_size == 1:
+            out[name] = config
+            continue
+        if isinstance(config.fallback_rows, int) and config.fallback_rows:
+            config = dataclasses.replace(config, fallback_rows=-(-config.fallback_rows // world_size))
+        if config.max_rows is None:
             out[name] = config
             continue
         share = -(-config.max_rows // world_size)
@@ -128,6 +140,21 @@ def shard_store_configs(configs: dict[str, cncore.StoreConfig], world_size: int,
         out[name] = dataclasses.replace(config, max_rows=share, headroom=headroom,
                                         capacity=min(config.capacity, share))
     return out
+
+
+def fallback_tables(configs: dict[str, cncore.StoreConfig]) -> frozenset[str]:
+    """The tables whose shards may hold fallback rows (a fixed count, or ``"auto"``), from the
+    configs `shard_store_configs` gave every rank alike: each rank writes their fallback entries
+    (`cncore_torch.state.save_store`'s `fallback_entries`), whatever its own shard chose."""
+    return frozenset(name for name, config in configs.items() if config.fallback_rows)
+
+
+def save_shards(stores: dict[str, ShardStore], destination: dict, prefix: str, shard: tuple[int, int, int], group,
+                fallback: frozenset[str]) -> None:
+    """Every table's shard under ``<prefix>tables.<name>.`` (`cncore_torch.state.save_store`),
+    `fallback` the tables whose shards write fallback entries (`fallback_tables`)."""
+    for name, store in stores.items():
+        save_store(store, destination, f"{prefix}tables.{name}.", shard, group, fallback_entries=name in fallback)
 
 
 class OwnedWriter:
@@ -151,9 +178,12 @@ class OwnedWriter:
     def __call__(self, state: TableState) -> None:
         mine = self._owned(state.keys)
         own_shard = state.shard is not None and state.shard[:2] == self.place
+        if state.fallback is not None and len(state.fallback[0]) \
+                and not fallback_in_place(state.shard, self.place):  # (load_tables refuses them first)
+            raise ValueError(fallback_moved_error("", len(state.fallback[0]), state.shard, self.place))
         TableState(state.keys[mine], state.rows[mine], state.optimizer_state[mine], state.counts[mine],
-                   state.last_steps[mine], state.step,
-                   state.evicted_count if own_shard else None).load_into(self._store)
+                   state.last_steps[mine], state.step, state.evicted_count if own_shard else None,
+                   fallback=state.fallback).load_into(self._store)
 
 
 def owned_writer(store: ShardStore, world_size: int, rank: int) -> OwnedWriter:
@@ -172,7 +202,15 @@ def anchor_as_here(state_dict, prefix: str, anchor: nn.Parameter):
 
 
 def keep_owned_rows(stores, source_stores, world_size: int, rank: int) -> None:
-    """Rows of a materialised unsharded module: each rank keeps the ones it owns."""
+    """Rows of a materialised unsharded module: each rank keeps the ones it owns. A used table
+    with fallback rows is refused over several ranks (its shared rows are no shard's)."""
+    for name, store in source_stores.items():
+        if world_size > 1 and getattr(store, "fallback_rows", 0) and (len(store) or getattr(store, "step", 0)):
+            raise ValueError(f"table {name!r}: holds {store.fallback_rows} trained fallback rows of a whole table, "
+                             f"which no shard of {world_size} ranks can take exactly (a key reads the fallback row "
+                             f"of the rank that owns it); shard the module before it trains (DMP on a meta or "
+                             f"fresh module), or load its state_dict after drop_fallback_rows "
+                             f"(cncore_torch.state)")
     for name, store in source_stores.items():
         if len(store):
             owned_writer(stores[name], world_size, rank)(TableState.from_export(export_tensors(store), store.step))

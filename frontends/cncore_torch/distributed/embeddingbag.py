@@ -43,9 +43,11 @@ from cncore_torch.distributed.embedding_sharding import (
     ShardStore,
     anchor_as_here,
     check_features,
+    fallback_tables,
     fused_anchor,
     keep_owned_rows,
     owned_writer,
+    save_shards,
     shard_store_configs,
     sharded_optimizer,
 )
@@ -69,7 +71,7 @@ from cncore_torch.distributed.weights_dist import (
     weights_route,
 )
 from cncore_torch.optim import keyed_fused_optimizer
-from cncore_torch.state import load_tables, save_store
+from cncore_torch.state import load_tables
 
 __all__ = ["CNEmbeddingBagCollectionSharder", "ShardedCNEmbeddingBagCollection"]
 
@@ -138,6 +140,7 @@ class ShardedCNEmbeddingBagCollection(EntryPaths, OutsideGraphUnderCompile, Shar
         self.module_sharding_plan = {c.name: table_name_to_parameter_sharding[c.name] for c in configs}
         optimizer, configs_with_optimizer = sharded_optimizer(module, "ShardedCNEmbeddingBagCollection", fused_params)
         self._store_configs = shard_store_configs(configs_with_optimizer, self._world_size, self._rank)
+        self._fallback_tables = fallback_tables(self._store_configs)  # every rank alike (see save_shards)
         self._anchor = fused_anchor()
         self._stores = {name: cncore.make_store(config) for name, config in self._store_configs.items()}
         keep_owned_rows(self._stores, module.stores, self._world_size, self._rank)
@@ -306,9 +309,8 @@ class ShardedCNEmbeddingBagCollection(EntryPaths, OutsideGraphUnderCompile, Shar
         """This rank's shard of every table under `tables.<name>.` (keys it owns, rows, optimizer
         state, counts, last steps, step), as the collection saves a whole table."""
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        for name, store in self._stores.items():
-            save_store(store, destination, f"{prefix}tables.{name}.", (self._rank, self._world_size, self._run_id),
-                       self._pg)
+        save_shards(self._stores, destination, prefix, (self._rank, self._world_size, self._run_id), self._pg,
+                    self._fallback_tables)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
