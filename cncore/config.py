@@ -460,7 +460,7 @@ class StoreConfig:
             training lookup that finds it full, splits max_rows into keyed and fallback rows by
             the churn it measured while filling (`cncore.store_split`); its config then holds
             the split. None (the default): ``"auto"`` where it can run (max_rows, rows in memory,
-            fallback_mode="miss", no admission; a store in the core, unsharded), else 0. The
+            fallback_mode="miss", no admission; a store in the core, sharded or not), else 0. The
             config keeps None only where the placement decides; ``store.config`` holds what was
             resolved (`with_default_split`).
         fallback_copy (bool): a key's new row starts as a copy of its fallback row (True) or
@@ -633,7 +633,7 @@ def store_config_of(config: StoreConfig | None, config_fields: dict) -> StoreCon
 
 def with_default_split(config: StoreConfig, can_split: bool = True) -> StoreConfig:
     """`config` with its default ``fallback_rows=None`` resolved: ``"auto"`` where the table can
-    take it (`can_split`: its rows in the core's memory, unsharded) and 0 otherwise; a config
+    take it (`can_split`: its rows in the core's memory; a DMP shard too) and 0 otherwise; a config
     that names its fallback_rows is returned as it is.
 
     >>> cfg = StoreConfig(dim=4, max_rows=100)

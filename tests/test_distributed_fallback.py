@@ -135,7 +135,7 @@ def _ranks(rank, world_size, directory):
         want = _train_references(references, step)[rank * BATCH:(rank + 1) * BATCH]
         torch.testing.assert_close(out.detach(), torch.from_numpy(want), rtol=0, atol=0)
     saved = {name: _state(store) for name, store in stores.items()}
-    for name, store in stores.items():
+    for name in stores:
         _assert_same(saved[name], _state(references[rank][name]), f"rank {rank} {name} against its reference")
     # the ranks chose differently: rank 0's auto shard split, rank 1's never filled
     assert (stores["auto"].fallback_rows > 0) == (rank == 0) and stores["fixed"].fallback_rows == 3
@@ -253,3 +253,50 @@ def test_a_shard_of_one_rank_loads_elsewhere_only_as_its_own_shard():
     assert fallback_in_place((1, 2, 7), (1, 2)) and not fallback_in_place((1, 2, 7), (0, 2))
     assert not fallback_in_place((0, 2, 7), (0, 1)) and not fallback_in_place((0, 1, 7), (0, 2))
     assert fallback_in_place(None, (0, 1)) and not fallback_in_place(None, (0, 2))
+
+
+def _unpooled_dmp():
+    from torchrec import EmbeddingConfig
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+
+    import cncore
+    from cncore_torch import CNEmbeddingCollection
+    from cncore_torch.distributed import CNEmbeddingCollectionSharder
+    model = CNEmbeddingCollection([EmbeddingConfig(name="u", embedding_dim=2, num_embeddings=6, feature_names=["fu"])],
+                                  device="meta", optimizer=cncore.SGD(lr=0.5), max_rows="num_embeddings",
+                                  fallback_rows=3, seed=9)
+    return DistributedModelParallel(model, device=torch.device("cpu"), sharders=[CNEmbeddingCollectionSharder()])
+
+
+def _unpooled_kjt(step, rank):
+    from torchrec import KeyedJaggedTensor
+    ids = np.random.default_rng(10 * step + rank).integers(0, 40, 6)
+    return KeyedJaggedTensor.from_lengths_sync(["fu"], torch.from_numpy(ids), torch.full((3,), 2, dtype=torch.int64))
+
+
+def _unpooled_ranks(rank, world_size, directory):
+    import torch.distributed.checkpoint as dcp
+
+    from cncore_torch.dcp import CNLoadPlanner
+    dmp = _unpooled_dmp()
+    store = dmp.module.stores["u"]
+    initial = store.export_fallback()[0].copy()
+    for step in range(4):
+        dmp(_unpooled_kjt(step, rank)).wait()["fu"].values().sum().backward()
+    assert store.fallback_rows == 2 and not np.array_equal(store.export_fallback()[0], initial)  # trained
+    saved = _state(store)
+    dcp.save({"model": dmp.state_dict()}, checkpoint_id=directory)
+    fresh = _unpooled_dmp()
+    state = {"model": fresh.state_dict()}
+    dcp.load(state, checkpoint_id=directory, planner=CNLoadPlanner())
+    fresh.load_state_dict(state["model"])
+    _assert_same(_state(fresh.module.stores["u"]), saved, f"rank {rank}: the unpooled table after a DCP load")
+    dmp.eval(), fresh.eval()
+    torch.testing.assert_close(fresh(_unpooled_kjt(9, rank)).wait()["fu"].values(),
+                               dmp(_unpooled_kjt(9, rank)).wait()["fu"].values(), rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_an_unpooled_sharded_table_trains_its_fallback_rows_and_a_dcp_load_gives_them_back(tmp_path):
+    from cncore_torch.distributed.launch import spawn
+    spawn(_unpooled_ranks, 2, str(tmp_path / "ckpt"), timeout=TIMEOUT)

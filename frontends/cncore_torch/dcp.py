@@ -12,8 +12,12 @@ DTensor implements too):
 
 - the row fields (keys, rows, optimizer_state, counts, last_steps) are rank r's rows of one
   global tensor of every rank's rows, at row offset ``sum of the row counts of ranks < r``;
-- the per-rank fields of a sharded table (step, evicted_count, shard) are row r of a global
-  tensor of one row per rank.
+- the per-rank fields of a sharded table (step, evicted_count, shard, fallback_count) are row r
+  of a global tensor of one row per rank;
+- a shard's fallback rows and their optimizer state (fallback_rows, fallback_optimizer_state) are
+  rank r's rows of one global tensor of every rank's fallback rows, as the row fields are (every
+  rank of a table that may hold them writes them, 0 rows where it holds none, so that each rank
+  gathers the same counts); fallback_count says how many are rank r's.
 
 The row counts come from one all-gather per table while DCP plans the save (`dcp.save` is a
 collective; `state_dict()` itself stays local), or, under `dcp.async_save`, while its stager
@@ -33,7 +37,10 @@ it, before anything is read) reads the sizes from the checkpoint's metadata, ref
 checkpoint whose chunks leave rows out, and loads each table whole (every saved rank's rows,
 and the per-rank fields stacked). `load_state_dict` then keeps the rows each
 rank owns at its world size (`ungather`), as it does for `merge_shards`' whole tables, so a
-checkpoint written by N ranks loads into M.
+checkpoint written by N ranks loads into M. Shards' fallback rows are the exception: a key reads
+the fallback row of the shard that owns it, so at the saved world size each rank takes its own
+back (cut by fallback_count), and at another a checkpoint whose shards hold some is refused by
+name before anything changes (`fallback_in_place`).
 
 torch's state_dict helpers work as with any module: `get_state_dict` / `get_model_state_dict`
 return the model's state_dict (they walk every key as module attributes; a table's entries are

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 import cncore
+from cncore.tier import TieredStore
 from cncore_torch.dcp import ShardLayout, TableEntry, fallback_in_place, fallback_moved_error, ungather
 
 FIELDS = ("keys", "rows", "optimizer_state", "counts", "last_steps")
@@ -54,7 +55,7 @@ def export_tensors(store) -> dict:
             for name in FIELDS}
 
 
-def save_store(store: cncore.EmbeddingStore, destination: dict, prefix: str,
+def save_store(store: cncore.EmbeddingStore | TieredStore, destination: dict, prefix: str,
                shard: tuple[int, int, int] | None = None, group=None, fallback_entries: bool = False) -> None:
     """The store's entries under `prefix`; `shard` (rank, world size, run id): the place of a
     sharded table's shard, written as the entry `shard` (see `read_table`), among the ranks of
@@ -120,7 +121,7 @@ def save_shard_fallback(store, destination: dict, prefix: str, layout: ShardLayo
 OPTIONAL_ENTRIES = ("evicted_count", "shard", "fallback_rows", "fallback_optimizer_state", "fallback_count")
 
 
-def save_evicted_count(store: cncore.EmbeddingStore, destination: dict, prefix: str) -> None:
+def save_evicted_count(store: cncore.EmbeddingStore | TieredStore, destination: dict, prefix: str) -> None:
     if store.config.eviction is not None or store.evicted_count:
         destination[prefix + "evicted_count"] = torch.tensor(store.evicted_count, dtype=torch.int64)
 

@@ -10,6 +10,11 @@ the ones this rank owns (`owner_of(key, world_size) == rank`), so:
 - one process -> M ranks: every rank loads the single-process state_dict as it is.
 
 Rows, optimizer state, counts, last steps and the step carry over exactly (no arithmetic).
+Shards' trained fallback rows do not: a key reads the fallback row of the shard that owns it, so
+they load back at the saved world size only (each rank its own state_dict, or its own shard
+file), and `merge_shards`, `load_shard_tables` at another world size and `cn-table reshard`
+refuse them by name before anything changes (`cncore_torch.state.drop_fallback_rows` leaves
+them out of a state_dict, to move the keyed rows alone).
 
 Through table files (`cncore.tablefile`), one per rank and table, so that no process ever holds
 another rank's rows: `save_shard_tables(module, DIR)` writes this rank's shard of every table to

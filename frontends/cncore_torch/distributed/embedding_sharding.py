@@ -205,7 +205,8 @@ def keep_owned_rows(stores, source_stores, world_size: int, rank: int) -> None:
     """Rows of a materialised unsharded module: each rank keeps the ones it owns. A used table
     with fallback rows is refused over several ranks (its shared rows are no shard's)."""
     for name, store in source_stores.items():
-        if world_size > 1 and getattr(store, "fallback_rows", 0) and (len(store) or getattr(store, "step", 0)):
+        used = len(store) > 0 or getattr(store, "step", 0) > 0
+        if world_size > 1 and getattr(store, "fallback_rows", 0) > 0 and used:
             raise ValueError(f"table {name!r}: holds {store.fallback_rows} trained fallback rows of a whole table, "
                              f"which no shard of {world_size} ranks can take exactly (a key reads the fallback row "
                              f"of the rank that owns it); shard the module before it trains (DMP on a meta or "
