@@ -41,8 +41,11 @@ class Net(torch.nn.Module):
         from cncore_torch import CNEmbeddingBagCollection, CNEmbeddingCollection
         self.plain = CNEmbeddingBagCollection(_bag_configs("p"), device=device, optimizer=cncore.Adam(lr=0.05),
                                               seed=5)
+        # a row per key (fallback_rows=0): this checkpoint loads at other world sizes, where a
+        # shard's trained fallback rows are refused (test_distributed_fallback.py)
         self.bounded = CNEmbeddingBagCollection(_bag_configs("b"), device=device, optimizer=cncore.Adagrad(lr=0.1),
-                                                max_rows=BUDGET, eviction=cncore.LRU(), headroom=2, seed=6)
+                                                max_rows=BUDGET, eviction=cncore.LRU(), headroom=2, seed=6,
+                                                fallback_rows=0)
         self.tiered = CNEmbeddingBagCollection(_bag_configs("t"), device=device,
                                                optimizer=cncore.RowWiseAdagrad(lr=0.1), seed=7,
                                                storage=cncore.Tiered(tier, cache_bytes=1 << 12))

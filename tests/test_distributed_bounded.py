@@ -21,8 +21,11 @@ def _configs():
 def _model(device):
     import cncore
     from cncore_torch import CNEmbeddingBagCollection
+    # a row per key (fallback_rows=0): the merge below joins keyed rows, and a shard's trained
+    # fallback rows do not merge (test_distributed_fallback.py)
     return CNEmbeddingBagCollection(_configs(), device=device, optimizer=cncore.Adagrad(lr=0.1),
-                                    max_rows="num_embeddings", eviction=cncore.LRU(), headroom=2, seed=3)
+                                    max_rows="num_embeddings", eviction=cncore.LRU(), headroom=2, seed=3,
+                                    fallback_rows=0)
 
 
 def _ranks(rank, world_size, out_path):

@@ -64,7 +64,8 @@ def distinct_ids(steps, batch_size=256):
     (["--row-dtype", "float64"], "argument --row-dtype: invalid choice: 'float64'"),
     (["--auto-split"], "--auto-split splits a row budget: set --max-rows too"),
     (["--auto-split", "--max-rows", "4096", "--admit-min-count", "2"], "--auto-split chooses from every ID's arrival"),
-    (["--auto-split", "--max-rows", "8192", "--nproc", "2"], "--auto-split: a sharded table keeps no fallback rows"),
+    (["--auto-split", "--max-rows", "8192", "--nproc", "2"],
+     "--auto-split: this job's checkpoints of several processes merge"),
     (["--nproc", "2", "--max-rows", "4096", "--batch-size", "4096"],
      "--max-rows 4096 is below 2 x --batch-size 8192: one batch can bring 4096 distinct IDs to each of the 2 "
      "shards of a table"),

@@ -221,8 +221,10 @@ def _configs(budget):
 
 def _model(device, budget=BUDGET):
     from cncore_torch import CNEmbeddingBagCollection
+    # a row per key (fallback_rows=0): a shard's trained fallback rows do not re-split
+    # (test_distributed_fallback.py), and this test re-splits the keyed rows
     return CNEmbeddingBagCollection(_configs(budget), device=device, optimizer=cncore.Adagrad(lr=0.1),
-                                    max_rows="num_embeddings", eviction=cncore.LRU(), seed=3)
+                                    max_rows="num_embeddings", eviction=cncore.LRU(), seed=3, fallback_rows=0)
 
 
 def _dmp(budget=BUDGET):

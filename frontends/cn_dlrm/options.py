@@ -348,7 +348,8 @@ def _check_bounded(ap: argparse.ArgumentParser, args: argparse.Namespace, world:
         ap.error("--auto-split chooses from every ID's arrival, which admission hides: leave out --admit-min-count / "
                  "--admit-probability")
     if args.auto_split and world > 1:
-        ap.error(f"--auto-split: a sharded table keeps no fallback rows; run on one process (this run has {world})")
+        ap.error(f"--auto-split: this job's checkpoints of several processes merge the ranks' tables (merge_shards), "
+                 f"which refuses a shard's fallback rows; run on one process (this run has {world})")
     if args.ttl_steps is not None and args.evict != "ttl":
         ap.error(f"--ttl-steps applies to --evict ttl, not {'no --evict' if args.evict is None else args.evict}")
     if args.lfu_halve_every is not None:
