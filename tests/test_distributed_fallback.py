@@ -197,6 +197,7 @@ def test_a_dcp_load_at_world_size_1_is_refused_by_name_and_the_table_is_unchange
     import torch.distributed.checkpoint as dcp
 
     from cncore_torch.dcp import CNLoadPlanner
+    from cncore_torch.state import drop_fallback_rows
     ebc, before = _loaded_plain()
     state = {"model": ebc.state_dict()}
     dcp.load(state, checkpoint_id=os.path.join(saved, "ckpt"), planner=CNLoadPlanner(), no_dist=True)
@@ -206,6 +207,14 @@ def test_a_dcp_load_at_world_size_1_is_refused_by_name_and_the_table_is_unchange
         ebc.load_state_dict(state["model"])
     for name, store in ebc.stores.items():
         _assert_same(_state(store), before[name], f"{name} after the refused load")
+    # without the fallback rows, the keyed rows of the "auto" table load (the fixed one needs them)
+    result = ebc.load_state_dict(drop_fallback_rows(state["model"]), strict=False)
+    assert sorted(result.missing_keys) == ["tables.fixed.fallback_optimizer_state", "tables.fixed.fallback_rows"]
+    shards = [torch.load(os.path.join(saved, f"saved{r}.pt"), weights_only=False) for r in range(2)]
+    np.testing.assert_array_equal(_state(ebc.stores["auto"])["keys"],
+                                  np.sort(np.concatenate([s["auto"]["keys"] for s in shards])))
+    assert ebc.stores["auto"].fallback_rows == 0 and ebc.stores["auto"].config.fallback_rows == "auto"
+    _assert_same(_state(ebc.stores["fixed"]), before["fixed"], "fixed after the load without its fallback rows")
 
 
 @pytest.mark.slow
