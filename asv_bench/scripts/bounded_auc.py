@@ -105,7 +105,7 @@ OPTIONS = ["ours-unbounded", "ours-lfu+mincount2", "ours-lfu-aging", "ours-lru+h
            "ours-lfu+fb20", "ours-lfu+fb50", "ours-lfu+fb80", "ours-lfu+fb90", "ours-lfu+fb95", "ours-lfu+fb50+fbinit",
            "ours-lru+fb50", "ours-lru+fb80", "ours-lfu+mincount2+fb50", "ours-lfu+mincount2+fb80",
            "ours-lfu+rfb50", "ours-lfu+rfb80", "ours-lfu+rfb90", "ours-lfu+rfb95", "ours-lfu+auto",
-           "ours-lfu+auto+autoinit"]
+           "ours-lfu+auto+autoinit", "ours-lru+auto", "ours-lfu-aging+auto"]
 LABELS = {"ours-unbounded": "ours, no budget",
           "ours-lru": "ours LRU", "ours-lfu": "ours LFU", "ours-lru+mincount2": "ours LRU + MinCount(2)",
           "hashed": "TorchRec EBC, IDs modulo rows", "hashed-same-memory": "TorchRec EBC, modulo, ours' MiB",
@@ -437,7 +437,8 @@ def ours_and_hashed(args, budgets: list[int], eviction, admission=None) -> Run:
 
 
 POLICIES: dict[str, Callable[[], cncore.LRU | cncore.LFU]] = {
-    "lru": cncore.LRU, "lfu": cncore.LFU, "lfu-aging": lambda: cncore.LFU(halve_every=32)}
+    "lru": cncore.LRU, "lfu": cncore.LFU, "lfu-aging": lambda: cncore.LFU(halve_every=LFU_HALVE_EVERY)}
+LFU_HALVE_EVERY = 32  # lfu-aging's halve_every; --lfu-halve-every sets it
 
 
 def build(method: str, args, budgets: list[int]) -> Run:
@@ -685,6 +686,8 @@ def run_script(argv=None) -> int:
                          "fallback rows (fallback_rows=), the rest keyed rows (max_rows=); +fbinit: a new "
                          "row starts from the initializer, not its fallback row; +rfbPCT: as +fbPCT with "
                          "fallback_mode='residual', every ID reading its own row plus its fallback row)")
+    ap.add_argument("--lfu-halve-every", type=int, default=32, metavar="N",
+                    help="ours-lfu-aging methods: cncore.LFU(halve_every=N)")
     ap.add_argument("--exact-share", type=float, default=0.5,
                     help="ours+hashed methods: the share of each table's rows that ours holds (the rest hashed)")
     ap.add_argument("--mch-interval", type=int, default=1, help="MCH's eviction_interval (steps)")
@@ -749,6 +752,10 @@ def run_script(argv=None) -> int:
         ap.error(f"--flip-tables needs an auto method first in --methods (e.g. ours-lfu+auto), got {args.methods[0]}")
     if args.hash_spread is not None and any(f <= 0 for f in args.hash_spread):
         ap.error(f"--hash-spread: factors must be > 0, got {args.hash_spread}")
+    if args.lfu_halve_every < 1:
+        ap.error(f"--lfu-halve-every must be >= 1, got {args.lfu_halve_every}")
+    global LFU_HALVE_EVERY
+    LFU_HALVE_EVERY = args.lfu_halve_every
     if args.auto_churn is not None:
         store_split.AUTO_CHURN = args.auto_churn
     if args.auto_repeat is not None:
