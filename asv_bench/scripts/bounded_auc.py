@@ -687,7 +687,7 @@ def run_script(argv=None) -> int:
                          "row starts from the initializer, not its fallback row; +rfbPCT: as +fbPCT with "
                          "fallback_mode='residual', every ID reading its own row plus its fallback row)")
     ap.add_argument("--lfu-halve-every", type=int, default=32, metavar="N",
-                    help="ours-lfu-aging methods: cncore.LFU(halve_every=N)")
+                    help="ours-lfu-aging methods: cncore.LFU(halve_every=N), N a power of two")
     ap.add_argument("--exact-share", type=float, default=0.5,
                     help="ours+hashed methods: the share of each table's rows that ours holds (the rest hashed)")
     ap.add_argument("--mch-interval", type=int, default=1, help="MCH's eviction_interval (steps)")
@@ -752,8 +752,10 @@ def run_script(argv=None) -> int:
         ap.error(f"--flip-tables needs an auto method first in --methods (e.g. ours-lfu+auto), got {args.methods[0]}")
     if args.hash_spread is not None and any(f <= 0 for f in args.hash_spread):
         ap.error(f"--hash-spread: factors must be > 0, got {args.hash_spread}")
-    if args.lfu_halve_every < 1:
-        ap.error(f"--lfu-halve-every must be >= 1, got {args.lfu_halve_every}")
+    try:
+        cncore.LFU(halve_every=args.lfu_halve_every)
+    except ValueError as e:
+        ap.error(f"--lfu-halve-every: {e}")
     global LFU_HALVE_EVERY
     LFU_HALVE_EVERY = args.lfu_halve_every
     if args.auto_churn is not None:
