@@ -305,7 +305,56 @@ def _unpooled_ranks(rank, world_size, directory):
                                dmp(_unpooled_kjt(9, rank)).wait()["fu"].values(), rtol=0, atol=0)
 
 
+def _roomy_model(device):
+    """An "auto" table whose shards never fill (so none splits)."""
+    from torchrec import EmbeddingBagConfig
+
+    import cncore
+    from cncore_torch import CNEmbeddingBagCollection
+    return CNEmbeddingBagCollection([EmbeddingBagConfig(name="roomy", embedding_dim=2, num_embeddings=1000,
+                                                        feature_names=["fu"])],
+                                    device=device, optimizer=cncore.SGD(lr=0.5), max_rows="num_embeddings", seed=2)
+
+
+def _roomy_ranks(rank, world_size, directory):
+    import torch.distributed.checkpoint as dcp
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+
+    from cncore_torch.distributed import CNEmbeddingBagCollectionSharder
+    dmp = DistributedModelParallel(_roomy_model("meta"), device=torch.device("cpu"),
+                                   sharders=[CNEmbeddingBagCollectionSharder()])
+    for step in range(2):
+        dmp(_unpooled_kjt(step, rank)).wait().values().sum().backward()
+    store = dmp.module.stores["roomy"]
+    assert store.config.fallback_rows == "auto" and store.fallback_rows == 0 and len(store) > 0
+    dcp.save({"model": dmp.state_dict()}, checkpoint_id=directory)
+    torch.save(_state(store), directory + f"_rank{rank}.pt")
+
+
 @pytest.mark.slow
 def test_an_unpooled_sharded_table_trains_its_fallback_rows_and_a_dcp_load_gives_them_back(tmp_path):
     from cncore_torch.distributed.launch import spawn
     spawn(_unpooled_ranks, 2, str(tmp_path / "ckpt"), timeout=TIMEOUT)
+
+
+@pytest.mark.slow
+def test_undecided_auto_shards_hold_no_fallback_rows_and_load_at_another_world_size(tmp_path):
+    """Every rank writes its (empty) fallback entries, and with none held the checkpoint loads
+    into one process as any checkpoint of keyed rows does."""
+    import torch.distributed.checkpoint as dcp
+
+    from cncore_torch.dcp import CNLoadPlanner
+    from cncore_torch.distributed.launch import spawn
+    path = str(tmp_path / "ckpt")
+    spawn(_roomy_ranks, 2, path, timeout=TIMEOUT)
+    one = _roomy_model("cpu")
+    state = {"model": one.state_dict()}
+    dcp.load(state, checkpoint_id=path, planner=CNLoadPlanner(), no_dist=True)
+    assert state["model"]["tables.roomy.fallback_count"].tolist() == [0, 0]
+    one.load_state_dict(state["model"])
+    shards = [torch.load(path + f"_rank{r}.pt", weights_only=False) for r in range(2)]
+    got = _state(one.stores["roomy"])
+    order = np.argsort(np.concatenate([s["keys"] for s in shards]))
+    for f in FIELDS:
+        np.testing.assert_array_equal(got[f], np.concatenate([s[f] for s in shards])[order], err_msg=f)
+    assert one.stores["roomy"].fallback_rows == 0 and one.stores["roomy"].config.fallback_rows == "auto"
