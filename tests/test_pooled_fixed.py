@@ -34,7 +34,7 @@ def ordered_sum(rows, offsets):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("dim", [16, 48, 64, 128, 8, 144])  # 8 and 144: the general path in both
+@pytest.mark.parametrize("dim", [16, 32, 48, 64, 80, 96, 112, 128, 8, 144])  # 8, 144: general path in both
 @pytest.mark.parametrize("mode", ["sum", "mean"])
 @pytest.mark.parametrize("weighted", [False, True])
 def test_register_path_gives_the_general_paths_bits(dtype, dim, mode, weighted):
