@@ -4,7 +4,8 @@
  * ------------------
  * The kernels whose speed depends on the instruction set (the pooled forward cn_table_pool, the
  * fused backward + optimizer cn_grad_apply, the per-row gradients cn_grad_unique, the
- * initialiser cn_init_rows_of) are compiled three times, each in a translation unit of its own
+ * initialiser cn_init_rows_of, and cn_init_row, which the insert path calls through
+ * cn_init_row_active, cn_init.h) are compiled three times, each in a translation unit of its own
  * under src/ that starts with `#pragma GCC target("arch=...")` and includes
  * src/cn_isa_kernels.h, which wraps this header's inline code in suffixed entry points:
  *   base  x86-64 (SSE2), what every x86-64 CPU runs              src/cn_isa_base.c
@@ -20,8 +21,8 @@
  *
  * The `arch=` pragma replaces the command line's ISA, down as well as up: the base unit of a
  * -march=native build is x86-64 code, so CI's native build runs every level the CPU has. The
- * rest of the extension (the find, inserts, eviction, the tier) is compiled once, with the
- * build's flags: -march=native for a source build, x86-64 for a wheel (CNCORE_PORTABLE=1).
+ * rest of the extension (the find, inserts but their rows' initialiser, eviction, the tier) is
+ * compiled once, with the build's flags: -march=native for a source build, x86-64 for a wheel (CNCORE_PORTABLE=1).
  * Process-wide variables stay in src/cn_globals.c (cn_global.h), so every unit shares one
  * thread pool, one allocation tracer and one stamp counter; no header defines a variable of
  * its own (a `static` variable in a header would give each unit a copy).
@@ -37,13 +38,24 @@
  * optimizer updates differ in the last bits between levels (tests/test_isa_dispatch.py states
  * the bound), and are the same on every thread count within a level. The initialiser is
  * compiled without contraction (cn_init.h), so a key's initial row is the same bits on every
- * level, in every build, and in the insert path, which is not dispatched.
+ * level, in every build, and in the insert path.
  *
  * Why: a portable build (x86-64) without these levels loses cn_pool.h's register-held bag sums
  * (AVX-512 only), F16C's conversions and FMA, and its training step against FBGEMM's TBE fell
  * from 0.83-0.89x to 0.69-0.77x (row-wise Adagrad, 8M rows, dims 64 and 16, pooling 20, AMD EPYC
  * Zen 4 guest); with them it runs the native build's kernels (docs/benchmarks.md, "Instruction-set
  * dispatch", has the tables for native, portable and portable with dispatch).
+ *
+ * Tuning: the `arch=` pragma sets the instructions, not the tuning, so a portable build's kernels
+ * are tuned generic and a native build's for its CPU (GCC 12 on the AMD EPYC machine: znver3).
+ * The one difference that was measured: generic tuning compiles a memset of a few hundred bytes
+ * to `rep stosq`, a microcoded loop, which the pooled forward's register path did once per bag
+ * (cn_pool.h zeroes its sums as vector values instead). Before that change, 8M x 64 rows, pooling 1,
+ * Zipf 1.05, find + pool with the two builds loaded in one process, calls alternated: portable
+ * 1.02-1.04x native's time, and a portable build compiled with -mtune=znver3 1.00x (0.994-0.996);
+ * after it, portable 0.98-1.00x native's. Rejected: naming a tuning in the pragmas (tune=znver3
+ * in a wheel would tune an Intel CPU's kernels for AMD's; generic is level once no kernel relies
+ * on a memset's expansion).
  *
  * Rejected, for structural reasons (not measured):
  *  - GCC's target_clones attribute on the entry points: it clones only the function it marks,
@@ -92,6 +104,7 @@ typedef struct {
                         uint32_t step, int nthreads);
     void (*init_rows_of)(const cn_init *init, const int64_t *keys, int64_t n, float *out, int64_t dim,
                          int nthreads);
+    cn_init_row_fn init_row; /* one row: the insert path's, through cn_init_row_active (cn_init.h) */
 } cn_kernels;
 
 /* One table per compiled level (src/cn_isa_*.c), and the one in use (src/cn_globals.c). */
@@ -151,6 +164,7 @@ static inline int cn_isa_best(void) {
 static inline int cn_isa_use(int level) {
     if (!cn_isa_runnable(level)) return -1;
     cn_kernels_active = cn_isa_kernels_of(level);
+    cn_init_row_active = cn_kernels_active->init_row;
     return 0;
 }
 

@@ -197,14 +197,14 @@ static inline float *cn_table_state(const cn_table *t, int64_t slot) {
 static inline void cn_table_draw_row(const cn_table *t, int64_t slot, int64_t key) {
     float *row = cn_arena_row(&t->arena, slot);
     if (t->row_dtype == CN_ROW_F32) {
-        cn_init_row(&t->init, key, row, t->dim);
+        cn_init_row_of_level(&t->init, key, row, t->dim);
     } else { /* drawn in float32, then rounded: a key's initial row is still a function of (seed, key) */
         float buf[256];
         float *tmp = t->dim <= 256 ? buf : (float *)malloc((size_t)t->dim * sizeof(float));
         if (tmp == NULL) { /* (dim > 256 and out of memory: zeros rather than garbage) */
             memset(row, 0, (size_t)t->emb_floats * sizeof(float));
         } else {
-            cn_init_row(&t->init, key, tmp, t->dim);
+            cn_init_row_of_level(&t->init, key, tmp, t->dim);
             cn_row_store(t->row_dtype, tmp, row, t->dim);
             if (tmp != buf) free(tmp);
         }

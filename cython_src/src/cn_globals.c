@@ -31,6 +31,9 @@ int64_t cn_evict_sample_rows = 4096;
  * until then: this file names no kernel, so a C driver can link it without them). */
 const cn_kernels *cn_kernels_active = NULL;
 
+/* cn_init.h: the insert path's initialiser (NULL: the including unit's own; cn_isa_use sets it). */
+cn_init_row_fn cn_init_row_active = NULL;
+
 /* cn_parallel.h: the thread setting (0: the default), how long an idle worker spins before
  * it sleeps (CNCORE_SPIN_US replaces it when the first worker starts), and the pool. */
 int cn_thread_setting = 0;

@@ -47,10 +47,15 @@ static void CN_ISA_FN(cn_init_rows_of)(const cn_init *init, const int64_t *keys,
     cn_init_rows_of(init, keys, n, out, dim, nthreads);
 }
 
+static void CN_ISA_FN(cn_init_row)(const cn_init *init, int64_t key, float *restrict row, int64_t dim) {
+    cn_init_row(init, key, row, dim);
+}
+
 const cn_kernels CN_ISA_CAT(cn_kernels, CN_ISA_LEVEL) = {
     CN_ISA_STR(CN_ISA_LEVEL),
     CN_ISA_FN(cn_table_pool),
     CN_ISA_FN(cn_grad_apply),
     CN_ISA_FN(cn_grad_unique),
     CN_ISA_FN(cn_init_rows_of),
+    CN_ISA_FN(cn_init_row),
 };
