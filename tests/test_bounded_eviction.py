@@ -441,8 +441,10 @@ def test_no_callback_drops_but_counts_and_erase_is_not_an_eviction():
 
 def test_config_is_validated_and_saved_with_the_table(tmp_path):
     from cncore.tablefile import load_store, save_table
-    assert cncore.StoreConfig(dim=2, max_rows=10).eviction == cncore.LFU()  # the default policy
-    assert cncore.EmbeddingStore(dim=2, max_rows=10).config.eviction == cncore.LFU()
+    default = cncore.LFU(halve_every=128)  # the default policy (docs/bounded-tables.md, "Which eviction policy")
+    assert cncore.StoreConfig(dim=2, max_rows=10).eviction == default
+    assert cncore.EmbeddingStore(dim=2, max_rows=10).config.eviction == default
+    assert cncore.StoreConfig(dim=2, max_rows=10, eviction=cncore.LFU()).eviction == cncore.LFU()  # asked for: kept
     assert cncore.StoreConfig(dim=2).eviction is None  # no budget, no policy
     with pytest.raises(ValueError, match=r"headroom must be an int in \[0, max_rows\)"):
         cncore.StoreConfig(dim=2, max_rows=10, eviction=cncore.LRU(), headroom=10)
