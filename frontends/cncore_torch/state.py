@@ -40,10 +40,19 @@ import torch
 
 import cncore
 from cncore.tier import TieredStore
-from cncore_torch.dcp import ShardLayout, TableEntry, fallback_in_place, fallback_moved_error, ungather
+from cncore_torch.dcp import (
+    FALLBACK_ENTRIES,
+    ShardLayout,
+    TableEntry,
+    fallback_in_place,
+    fallback_moved_error,
+    ungather,
+)
 
 FIELDS = ("keys", "rows", "optimizer_state", "counts", "last_steps")
 ENTRIES = FIELDS + ("step",)
+# A table's fallback entries: the rows and their optimizer state, and a shard's count of them.
+FALLBACK_WITH_COUNT = FALLBACK_ENTRIES + ("fallback_count",)
 
 
 def export_tensors(store) -> dict:
@@ -179,10 +188,9 @@ def read_table(state_dict, prefix: str, dim: int, state_floats: int, missing_key
     """The checked entries of the table under `prefix`, or None with the reasons appended to
     `missing_keys` / `error_msgs`. Checks everything the store's `load` would, and more
     (unique keys, the optimizer), so that loading a TableState cannot fail half way."""
-    fallback_entries = ("fallback_rows", "fallback_optimizer_state")
     if fallback_rows == "auto":  # a table choosing its split: a checkpoint of one that chose fallback rows has them
-        fallback_rows = _held_rows(state_dict.get(prefix + "fallback_rows"))
-    missing = [prefix + name for name in ENTRIES + (fallback_entries if fallback_rows else ())
+        fallback_rows = held_fallback_rows(state_dict, prefix)
+    missing = [prefix + name for name in ENTRIES + (FALLBACK_ENTRIES if fallback_rows else ())
                if prefix + name not in state_dict]
     if missing:
         missing_keys.extend(missing)
@@ -253,7 +261,7 @@ def read_table(state_dict, prefix: str, dim: int, state_floats: int, missing_key
         fb_state = tensor("fallback_optimizer_state", (torch.float32,), (fallback_rows, state_floats))
         if fb_rows is not None and fb_state is not None:
             fallback = (fb_rows.numpy(), fb_state.numpy())
-    elif _held_rows(state_dict.get(prefix + "fallback_rows")):  # (a shard's 0-row entry: it holds none)
+    elif held_fallback_rows(state_dict, prefix):  # (a shard's 0-row entry: it holds none)
         errors.append(f"{prefix}fallback_rows: the checkpoint holds fallback rows and this table has none; build it "
                       f"with fallback_rows={len(state_dict[prefix + 'fallback_rows'])} to load them")
     if (errors or keys is None or rows is None or state is None or counts is None or last_steps is None
@@ -265,8 +273,10 @@ def read_table(state_dict, prefix: str, dim: int, state_floats: int, missing_key
                       fallback)
 
 
-def _held_rows(entry) -> int:
-    """The rows a fallback_rows entry holds (0 for anything but a 2-D tensor)."""
+def held_fallback_rows(state_dict, prefix: str) -> int:
+    """The fallback rows the state_dict holds of the table under `prefix` (0 without a 2-D
+    fallback_rows entry: none, or a shard's empty one)."""
+    entry = state_dict.get(prefix + "fallback_rows")
     return int(entry.shape[0]) if isinstance(entry, torch.Tensor) and entry.dim() == 2 else 0
 
 
@@ -359,10 +369,9 @@ def drop_fallback_rows(state_dict) -> dict:
     ...                                                               if k.startswith("fallback")]
     (['fallback_rows', 'fallback_optimizer_state'], [])
     """
-    drop = ("fallback_rows", "fallback_optimizer_state", "fallback_count")
     tables = {k[:-len("keys")] for k in state_dict if k.endswith("keys")}
     return {k: v for k, v in state_dict.items()
-            if not any(k.startswith(p) and k[len(p):] in drop for p in tables)}
+            if not any(k.startswith(p) and k[len(p):] in FALLBACK_WITH_COUNT for p in tables)}
 
 
 def _strict_load() -> bool:

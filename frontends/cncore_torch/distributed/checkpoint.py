@@ -52,7 +52,8 @@ from cncore.tablefile import (
     open_table,
     save_table,
 )
-from cncore_torch.state import ENTRIES, FIELDS
+from cncore_torch.dcp import FALLBACK_ENTRIES
+from cncore_torch.state import ENTRIES, FALLBACK_WITH_COUNT, FIELDS, held_fallback_rows
 
 __all__ = ["merge_shards", "save_shard_tables", "load_shard_tables", "agree_run_id"]
 
@@ -295,7 +296,7 @@ def merge_shards(state_dicts: list[dict[str, torch.Tensor]]) -> dict[str, torch.
     first = state_dicts[0]
     prefixes = sorted(k[:-len("keys")] for k in first if k.endswith(".keys")
                       and all(k[:-len("keys")] + e in first for e in ENTRIES))
-    table_entries = ENTRIES + FALLBACK
+    table_entries = ENTRIES + FALLBACK_WITH_COUNT
     merged = {k: v for k, v in first.items()
               if not any(k.startswith(p) and k[len(p):] in table_entries for p in prefixes)}
     for prefix in prefixes:
@@ -304,10 +305,10 @@ def merge_shards(state_dicts: list[dict[str, torch.Tensor]]) -> dict[str, torch.
             if missing:
                 raise ValueError(f"state_dicts[{i}]: has no {missing[0]} (not a shard of the same model)")
         run = _check_shard_entries(prefix, state_dicts)
-        held = [_fallback_held(sd, prefix) for sd in state_dicts]
+        held = [held_fallback_rows(sd, prefix) for sd in state_dicts]
         whole = len(state_dicts) == 1 and (prefix + "shard" not in first or int(first[prefix + "shard"][1]) == 1)
         if whole:  # one whole table: its fallback rows are the merged table's
-            merged.update({prefix + e: first[prefix + e] for e in FALLBACK[:2] if prefix + e in first})
+            merged.update({prefix + e: first[prefix + e] for e in FALLBACK_ENTRIES if prefix + e in first})
         elif sum(held):
             raise ValueError(f"{prefix}fallback_rows: the shards hold {sum(held)} trained fallback rows "
                              f"({', '.join(map(str, held))} per state_dict); a key reads the fallback row of the "
@@ -331,17 +332,6 @@ def merge_shards(state_dicts: list[dict[str, torch.Tensor]]) -> dict[str, torch.
         if torch.unique(keys).numel() != keys.numel():
             raise ValueError(f"{prefix}keys: a key appears in two shards; pass the shards of one checkpoint, each once")
     return merged
-
-
-# A table's fallback entries (cncore_torch.state.save_store): the rows, their optimizer state,
-# and a shard's count of them.
-FALLBACK = ("fallback_rows", "fallback_optimizer_state", "fallback_count")
-
-
-def _fallback_held(state_dict, prefix: str) -> int:
-    """The fallback rows a state_dict holds of table `prefix` (0 for a shard's empty entry)."""
-    rows = state_dict.get(prefix + "fallback_rows")
-    return int(rows.shape[0]) if isinstance(rows, torch.Tensor) and rows.dim() == 2 else 0
 
 
 def _check_shard_entries(prefix: str, state_dicts) -> int | None:
