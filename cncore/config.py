@@ -27,8 +27,10 @@ __all__ = [
 # default"): plain LFU lost to hashing by 0.02-0.05 AUC where IDs retire (baseball, tested on
 # later seasons), this one leads there by 0.045-0.058 and is level with plain LFU elsewhere
 # (Instacart 50%: -0.0015). LRU lost 0.014-0.044 on three of the five; aging every 8 or 32
-# steps cost Instacart up to 0.024. The halving counts steps, not the table's own time: on a
-# stream of far more steps than these (313-1,027), it ranks more like LRU (not measured).
+# steps cost Instacart up to 0.024. The halving acts on a row's idle steps, not the stream's
+# length: IDs seen at least every 128 steps keep plain LFU's order on any stream, and a count C
+# gives way after about 128 x log2(C) idle steps (streams longer than these 313-1,027 steps:
+# not measured).
 DEFAULT_EVICTION = LFU(halve_every=128)
 
 # Rows a store may be asked to hold up front (the core's index bound, cn_index.h); what the

@@ -641,14 +641,18 @@ def load_data(args, job) -> tuple[CachedData, bounded.StreamCounts]:
 
 
 def main(argv=None) -> int:
-    """Run the script; the rule knobs (--auto-*, --overflow-*) it sets on cncore.store_split are put back after."""
+    """Run the script; the rule knobs (--auto-*, --overflow-*) it sets on cncore.store_split, and
+    --lfu-halve-every's LFU_HALVE_EVERY, are put back after."""
+    global LFU_HALVE_EVERY
     knobs = ("AUTO_CHURN", "AUTO_REPEAT", "AUTO_SHARE", "OVERFLOW_CHURN", "OVERFLOW_SHARE", "OVERFLOW_MIN_ROWS")
     saved = {name: getattr(store_split, name) for name in knobs}
+    halve_every = LFU_HALVE_EVERY
     try:
         return run_script(argv)
     finally:
         for name, value in saved.items():
             setattr(store_split, name, value)
+        LFU_HALVE_EVERY = halve_every
 
 
 def run_script(argv=None) -> int:
