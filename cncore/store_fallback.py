@@ -10,6 +10,32 @@ from cncore import _core
 from cncore._interchange import as_floats
 from cncore.config import StoreConfig
 
+OWNER_RULE = "a key reads the fallback row of the shard that owns it"
+"""Why trained fallback rows belong to their shard: the reason every refusal to move them gives."""
+
+
+def unplaceable_fallback_error(where: str, held: str, target: str, remedies: list[str], nothing: str) -> str:
+    """The one wording of every refusal to move trained fallback rows where they cannot be placed
+    exactly (another world size, a merge, a re-split): what holds them, where they were to go,
+    why not (`OWNER_RULE`), what works instead, and that nothing changed.
+
+    Args:
+        where: what the refusal is about (a state_dict prefix, a path, a table name).
+        held: who holds how many, e.g. ``"the shards hold 6 trained fallback rows"``.
+        target: where they were to go, e.g. ``"this table is a whole table"``.
+        remedies: what works instead, each a clause; joined with ", or ".
+        nothing: what was left undone (``"loaded"``, ``"merged"``, ``"written"``).
+
+    >>> unplaceable_fallback_error("t", "the shards hold 6 trained fallback rows", "this table is whole",
+    ...                            ["load them on 2 ranks"], "loaded")  # doctest: +NORMALIZE_WHITESPACE
+    't: the shards hold 6 trained fallback rows, and this table is whole; a key reads the fallback row
+    of the shard that owns it, so they cannot be placed exactly there. Load them on 2 ranks; nothing
+    was loaded'
+    """
+    fix = ", or ".join(remedies)
+    return (f"{where}: {held}, and {target}; {OWNER_RULE}, so they cannot be placed exactly there. "
+            f"{fix[:1].upper()}{fix[1:]}; nothing was {nothing}")
+
 
 class FallbackVerbs:
     """`EmbeddingStore`'s verbs over its fallback rows; they act on the store's core table."""

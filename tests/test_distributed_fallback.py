@@ -249,8 +249,9 @@ def test_shard_files_at_another_world_size_are_refused_by_name(saved):
         _assert_same(_state(store), before[name], f"{name} after the refused load")
     paths = [os.path.join(saved, "files", "fixed", f"shard-{r}-of-2") for r in range(2)]
     out = os.path.join(saved, "resharded")
-    with pytest.raises(ValueError, match=r"the shard tables hold 6 trained fallback rows .* load the shards on 2 "
-                                         r"ranks"):
+    with pytest.raises(ValueError, match=r"fallback_rows: the shard tables hold 6 trained fallback rows .*, and they "
+                                         r"are to be split over 3 shards; a key reads the fallback row of the shard "
+                                         r"that owns it, .*Load the shards on 2 ranks .*; nothing was written"):
         reshard(paths, [open_table(p) for p in paths], out, 3)
     assert not os.path.exists(out)
 
@@ -262,6 +263,26 @@ def test_a_shard_of_one_rank_loads_elsewhere_only_as_its_own_shard():
     assert fallback_in_place((1, 2, 7), (1, 2)) and not fallback_in_place((1, 2, 7), (0, 2))
     assert not fallback_in_place((0, 2, 7), (0, 1)) and not fallback_in_place((0, 1, 7), (0, 2))
     assert fallback_in_place(None, (0, 1)) and not fallback_in_place(None, (0, 2))
+
+
+def test_sharding_a_trained_whole_table_with_fallback_rows_is_refused_and_leaves_both_as_they_were():
+    """keep_owned_rows (what DMP runs on an already-trained unsharded module): a whole table's
+    trained fallback rows are no shard's, so it refuses before any rank's store is written."""
+    import cncore
+    from cncore_torch.distributed.embedding_sharding import keep_owned_rows
+    trained = cncore.EmbeddingStore(dim=2, optimizer=cncore.SGD(lr=0.5), max_rows=4, fallback_rows=2, seed=3)
+    keys = np.arange(9, dtype=np.int64)
+    trained.pooled_lookup(keys[:4], np.arange(5, dtype=np.int64))  # keys 0-3 get rows: the table is used
+    before = (trained.export().keys.copy(), trained.export_fallback()[0].copy())
+    target = cncore.EmbeddingStore(dim=2, optimizer=cncore.SGD(lr=0.5), max_rows=2, fallback_rows=1, seed=3)
+    with pytest.raises(ValueError, match=r"table 't': it holds 2 trained fallback rows of a whole table, and it is "
+                                         r"to be split over 2 ranks; a key reads the fallback row of the shard that "
+                                         r"owns it, .*Shard the module before it trains .*drop_fallback_rows; "
+                                         r"nothing was sharded"):
+        keep_owned_rows({"t": target}, {"t": trained}, world_size=2, rank=0)
+    assert len(target) == 0
+    np.testing.assert_array_equal(trained.export().keys, before[0])
+    np.testing.assert_array_equal(trained.export_fallback()[0], before[1])
 
 
 def _unpooled_dmp():

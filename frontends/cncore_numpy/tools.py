@@ -30,6 +30,7 @@ from collections.abc import Callable
 import numpy as np
 
 from cncore.routing import owner_of, parse_shard_name, shard_name
+from cncore.store_fallback import unplaceable_fallback_error
 from cncore.tablefile import TableFile, TableWriter, check_shard, config_to_dict
 from cncore.tablefile_lookup import find_rows, key_index
 from cncore_numpy.exchange import BATCH, NpzStreamWriter
@@ -381,10 +382,11 @@ def reshard(paths: list[str], tables: list[TableFile], out: str, world_size: int
     found = check_shards(paths, tables, progress)
     held = sum(len(t.fallback[0]) for t in tables if t.fallback is not None)
     if held:  # a key reads the fallback row of the shard that owns it: no split of them is exact
-        raise ValueError(f"the shard tables hold {held} trained fallback rows (StoreConfig.fallback_rows), which "
-                         f"belong to their shards: re-split or merged, a key's fallback row would not be the one it "
-                         f"trained; load the shards on {found['world_size']} ranks (the world size they were saved "
-                         f"at); nothing was written")
+        raise ValueError(unplaceable_fallback_error(
+            "fallback_rows", f"the shard tables hold {held} trained fallback rows (StoreConfig.fallback_rows)",
+            f"they are to be {'merged' if world_size == 1 else f'split over {world_size} shards'}",
+            [f"load the shards on {found['world_size']} ranks (the world size they were saved at)",
+             "train the tables with fallback_rows=0 to reshard them"], "written"))
     order = sorted(range(len(paths)), key=lambda i: parse_shard_name(os.path.basename(os.path.normpath(paths[i])))[0])
     tables = [tables[i] for i in order]
     per_shard = np.zeros(world_size, np.int64)

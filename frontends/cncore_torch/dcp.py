@@ -94,6 +94,8 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import _get_model_state_dict
 from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
 
+from cncore.store_fallback import unplaceable_fallback_error
+
 __all__ = ["CNLoadPlanner", "CNStager", "EntryPaths", "TableEntry", "ShardLayout", "ungather"]
 
 # The entries of a table that hold one value per rank (stacked in a DCP checkpoint).
@@ -520,10 +522,11 @@ def fallback_moved_error(prefix: str, rows: int, saved: tuple[int | None, int] |
     here = "a whole table" if place[1] == 1 else f"rank {place[0]}'s shard of {place[1]} ranks"
     fix = (f"load the checkpoint on {saved[1]} ranks (the world size it was saved at), each rank its own shard"
            if saved is not None and saved[1] > 1 else "load it into an unsharded table (or one rank)")
-    return (f"{prefix}fallback_rows: the checkpoint holds {rows} trained fallback rows of {what}, and this table is "
-            f"{here}; a key reads the fallback row of the shard that owns it, so they cannot be placed exactly "
-            f"here. {fix[0].upper() + fix[1:]}, or remove them with cncore_torch.state.drop_fallback_rows("
-            f"state_dict) to load the keyed rows alone (the fallback rows then start afresh); nothing was loaded")
+    return unplaceable_fallback_error(
+        f"{prefix}fallback_rows", f"the checkpoint holds {rows} trained fallback rows of {what}",
+        f"this table is {here}",
+        [fix, "remove them with cncore_torch.state.drop_fallback_rows(state_dict) to load the keyed rows alone (the "
+              "fallback rows then start afresh)"], "loaded")
 
 
 def ungather(state_dict, prefix: str, place: tuple[int, int]) -> tuple[dict, list[str]]:

@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from cncore.routing import owner_of, parse_shard_name, shard_name
+from cncore.store_fallback import unplaceable_fallback_error
 from cncore.tablefile import (
     TableFile,
     chain_head,
@@ -178,12 +179,12 @@ def load_shard_tables(module: nn.Module, directory: str, verify: bool = True) ->
         if n != world_size:
             held = {r: len(head.fallback[0]) for r, head in heads.items() if head.fallback is not None}
             if sum(held.values()):
-                raise ValueError(f"{os.path.join(directory, name)}: the {n} shard files hold {sum(held.values())} "
-                                 f"trained fallback rows, and this table is split over {world_size} rank"
-                                 f"{'s' * (world_size > 1)}; a key reads the fallback row of the shard that owns "
-                                 f"it, so they cannot be placed exactly. Load them on {n} ranks (the world size "
-                                 f"they were saved at), or train the table with fallback_rows=0 to reshard it; "
-                                 f"nothing was loaded")
+                raise ValueError(unplaceable_fallback_error(
+                    os.path.join(directory, name),
+                    f"the {n} shard files hold {sum(held.values())} trained fallback rows",
+                    f"this table is split over {world_size} rank{'s' * (world_size > 1)}",
+                    [f"load them on {n} ranks (the world size they were saved at)",
+                     "train the table with fallback_rows=0 to reshard it"], "loaded"))
         parts, steps, evicted[name] = [], {}, 0
         shares = np.zeros(world_size, np.int64)  # rows each rank keeps (files re-split on load)
         for r in ([rank] if n == world_size else range(n)):
@@ -310,12 +311,13 @@ def merge_shards(state_dicts: list[dict[str, torch.Tensor]]) -> dict[str, torch.
         if whole:  # one whole table: its fallback rows are the merged table's
             merged.update({prefix + e: first[prefix + e] for e in FALLBACK_ENTRIES if prefix + e in first})
         elif sum(held):
-            raise ValueError(f"{prefix}fallback_rows: the shards hold {sum(held)} trained fallback rows "
-                             f"({', '.join(map(str, held))} per state_dict); a key reads the fallback row of the "
-                             f"shard that owns it, so a whole table cannot hold them exactly. Load each rank's "
-                             f"state_dict on {len(state_dicts)} ranks (the world size they were saved at), or merge "
-                             f"[cncore_torch.state.drop_fallback_rows(sd) for sd in state_dicts] (the keyed rows "
-                             f"merge, the fallback rows start afresh); nothing was merged")
+            raise ValueError(unplaceable_fallback_error(
+                f"{prefix}fallback_rows",
+                f"the shards hold {sum(held)} trained fallback rows ({', '.join(map(str, held))} per state_dict)",
+                "merged they would be a whole table's",
+                [f"load each rank's state_dict on {len(state_dicts)} ranks (the world size they were saved at)",
+                 "merge [cncore_torch.state.drop_fallback_rows(sd) for sd in state_dicts] (the keyed rows merge, the "
+                 "fallback rows start afresh)"], "merged"))
         steps = {int(sd[prefix + "step"]) for sd in state_dicts}
         if len(steps) > 1:
             raise ValueError(f"{prefix}step: the shards disagree ({sorted(steps)}); were they saved at one step?")

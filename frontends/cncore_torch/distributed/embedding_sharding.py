@@ -25,6 +25,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 import cncore
 from cncore.config import with_default_split
 from cncore.routing import shard_name
+from cncore.store_fallback import unplaceable_fallback_error
 from cncore.tier import TieredStore
 from cncore_torch.dcp import fallback_in_place, fallback_moved_error
 from cncore_torch.distributed.routing import owner_of
@@ -207,11 +208,11 @@ def keep_owned_rows(stores, source_stores, world_size: int, rank: int) -> None:
     for name, store in source_stores.items():
         used = len(store) > 0 or getattr(store, "step", 0) > 0
         if world_size > 1 and getattr(store, "fallback_rows", 0) > 0 and used:
-            raise ValueError(f"table {name!r}: holds {store.fallback_rows} trained fallback rows of a whole table, "
-                             f"which no shard of {world_size} ranks can take exactly (a key reads the fallback row "
-                             f"of the rank that owns it); shard the module before it trains (DMP on a meta or "
-                             f"fresh module), or load its state_dict after drop_fallback_rows "
-                             f"(cncore_torch.state)")
+            raise ValueError(unplaceable_fallback_error(
+                f"table {name!r}", f"it holds {store.fallback_rows} trained fallback rows of a whole table",
+                f"it is to be split over {world_size} ranks",
+                ["shard the module before it trains (DMP on a meta or fresh module)",
+                 "load its state_dict after cncore_torch.state.drop_fallback_rows"], "sharded"))
     for name, store in source_stores.items():
         if len(store):
             owned_writer(stores[name], world_size, rank)(TableState.from_export(export_tensors(store), store.step))
