@@ -4,6 +4,11 @@
 after `torch.distributed.init_process_group("gloo")` on 127.0.0.1 and a free port; a process
 that raises fails the whole run (its traceback in the error), and the run is killed past
 `timeout` seconds. Nothing listens beyond localhost.
+
+The port is free when chosen, not when rank 0 binds it a few seconds later (spawned processes
+import torch first): another process on the machine (a parallel test worker, its gloo pairs)
+may take it in between. Rank 0 then fails with EADDRINUSE before `fn` runs, so `spawn` tries
+again on a new port (up to PORT_TRIES times); any other failure is raised as it is.
 """
 from __future__ import annotations
 
@@ -35,12 +40,25 @@ def _run(rank: int, world_size: int, port: int, timeout: float | None, fn, args)
         dist.destroy_process_group()
 
 
+PORT_TRIES = 3
+"""How many ports `spawn` tries when the one it chose was taken before rank 0 could bind it."""
+
+
 def spawn(fn, nprocs: int, *args, timeout: float | None = 120.0) -> None:
     """fn(rank, nprocs, *args) in `nprocs` processes; raises if one fails or time runs out
     (timeout=None: no deadline for the run; a collective still gives up after 30 minutes)."""
     if not isinstance(nprocs, int) or isinstance(nprocs, bool) or nprocs < 1:
         raise ValueError(f"nprocs must be an int >= 1, got {nprocs!r}")
-    context = mp.start_processes(_run, args=(nprocs, free_port(), timeout, fn, args), nprocs=nprocs,
+    for attempt in range(PORT_TRIES):
+        try:
+            return _spawn_on(free_port(), fn, nprocs, args, timeout)
+        except mp.ProcessRaisedException as e:  # the port was taken between free_port() and the bind
+            if "EADDRINUSE" not in str(e) or attempt == PORT_TRIES - 1:
+                raise
+
+
+def _spawn_on(port: int, fn, nprocs: int, args: tuple, timeout: float | None) -> None:
+    context = mp.start_processes(_run, args=(nprocs, port, timeout, fn, args), nprocs=nprocs,
                                  join=False, start_method="spawn")
     deadline = time.monotonic() + (timeout if timeout else float("inf"))
     while not context.join(timeout=1.0):
