@@ -85,3 +85,32 @@ def test_baseball_refuses_a_file_without_its_columns_and_finds_the_wheel(tmp_pat
     no_hand = wheel_with(other, BATTING + "".join(LINES), PEOPLE.replace(",throws", ",hand"))
     with pytest.raises(ValueError, match=r"People.csv in .* lacks the columns \['throws'\]"):
         bb.Baseball(no_hand)
+
+
+def test_bounded_auc_passes_baseball_train_fraction_to_the_task_and_refuses_one_outside_0_1(tmp_path, capsys):
+    """--baseball-train-fraction F (the docs' later window: 0.94) is the task's train_fraction:
+    with 0.5 the tiny wheel's test starts at 2000, as Baseball(train_fraction=0.5) does; a value
+    outside (0, 1) is refused by name before any data is read."""
+    from bench_scripts import load_bounded_auc
+    script = load_bounded_auc()
+    wheel_with(tmp_path, BATTING + "".join(LINES), PEOPLE)  # in --cache: found, nothing downloaded
+    seen = {}
+
+    def look(real_init):
+        def init(self, path, batch_size=256, train_fraction=0.8):
+            seen["fraction"] = train_fraction
+            real_init(self, path, batch_size, train_fraction)
+            seen["test_from"] = self.test_from
+            raise SystemExit(0)
+        return init
+    original = bb.Baseball.__init__
+    bb.Baseball.__init__ = look(original)
+    try:
+        with pytest.raises(SystemExit):
+            script.main(["--data", "baseball", "--cache", str(tmp_path), "--baseball-train-fraction", "0.5"])
+    finally:
+        bb.Baseball.__init__ = original
+    assert seen == {"fraction": 0.5, "test_from": 2000}
+    with pytest.raises(SystemExit) as refused:
+        script.main(["--data", "baseball", "--cache", str(tmp_path), "--baseball-train-fraction", "1.0"])
+    assert refused.value.code == 2 and "--baseball-train-fraction must be in (0, 1), got 1.0" in capsys.readouterr().err

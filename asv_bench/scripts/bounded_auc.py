@@ -105,7 +105,9 @@ OPTIONS = ["ours-unbounded", "ours-lfu+mincount2", "ours-lfu-aging", "ours-lru+h
            "ours-lfu+fb20", "ours-lfu+fb50", "ours-lfu+fb80", "ours-lfu+fb90", "ours-lfu+fb95", "ours-lfu+fb50+fbinit",
            "ours-lru+fb50", "ours-lru+fb80", "ours-lfu+mincount2+fb50", "ours-lfu+mincount2+fb80",
            "ours-lfu+rfb50", "ours-lfu+rfb80", "ours-lfu+rfb90", "ours-lfu+rfb95", "ours-lfu+auto",
-           "ours-lfu+auto+autoinit", "ours-lru+auto", "ours-lfu-aging+auto"]
+           "ours-lfu+auto+autoinit", "ours-lru+auto", "ours-lfu-aging+auto",
+           "ours-lfu-aging+mincount2", "ours-lfu-aging+fb90", "ours-lfu-aging+rfb90", "ours-lru+fb90",
+           "ours-lfu-aging+mincount2+fb90"]
 LABELS = {"ours-unbounded": "ours, no budget",
           "ours-lru": "ours LRU", "ours-lfu": "ours LFU", "ours-lru+mincount2": "ours LRU + MinCount(2)",
           "hashed": "TorchRec EBC, IDs modulo rows", "hashed-same-memory": "TorchRec EBC, modulo, ours' MiB",
@@ -616,7 +618,8 @@ def load_data(args, job) -> tuple[CachedData, bounded.StreamCounts]:
             what = "NYC flights 2013 (label: departure >= 15 min late)"
         elif args.data == "baseball":
             real = bounded_baseball.Baseball(
-                bounded_baseball.find_wheel(args.cache or bounded_baseball.DEFAULT_CACHE), args.batch_size)
+                bounded_baseball.find_wheel(args.cache or bounded_baseball.DEFAULT_CACHE), args.batch_size,
+                args.baseball_train_fraction)
             what = "Baseball Databank batting lines (label: a home run)"
         data = CachedData(job, real.batches, real.eval_set)
         job.task, job.steps = TASKS[args.data], len(data.batches)
@@ -690,6 +693,9 @@ def run_script(argv=None) -> int:
                          "fallback rows (fallback_rows=), the rest keyed rows (max_rows=); +fbinit: a new "
                          "row starts from the initializer, not its fallback row; +rfbPCT: as +fbPCT with "
                          "fallback_mode='residual', every ID reading its own row plus its fallback row)")
+    ap.add_argument("--baseball-train-fraction", type=float, default=0.8, metavar="F",
+                    help="--data baseball: the share of the batting lines (by season) trained on; the seasons "
+                         "from there on are tested (0.8: 2005-2020; 0.94: 2016-2020)")
     ap.add_argument("--lfu-halve-every", type=int, default=32, metavar="N",
                     help="ours-lfu-aging methods: cncore.LFU(halve_every=N), N a power of two")
     ap.add_argument("--exact-share", type=float, default=0.5,
@@ -756,6 +762,8 @@ def run_script(argv=None) -> int:
         ap.error(f"--flip-tables needs an auto method first in --methods (e.g. ours-lfu+auto), got {args.methods[0]}")
     if args.hash_spread is not None and any(f <= 0 for f in args.hash_spread):
         ap.error(f"--hash-spread: factors must be > 0, got {args.hash_spread}")
+    if not 0 < args.baseball_train_fraction < 1:
+        ap.error(f"--baseball-train-fraction must be in (0, 1), got {args.baseball_train_fraction}")
     try:
         cncore.LFU(halve_every=args.lfu_halve_every)
     except ValueError as e:
