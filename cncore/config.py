@@ -468,7 +468,9 @@ class StoreConfig:
             on disk under a bounded memory cache; `cncore.make_store(config)` then builds a
             `cncore.tier.TieredStore`.
         fallback_rows (int | str | None): shared rows for keys without a row of their own (0:
-            none, one row per key: they read as zeros); in [0, 2**56]. Not with ``storage=``.
+            none, one row per key: they read as zeros; at small budgets a long-tail table
+            loses to hashing that way, MovieLens-100K at 25%: -0.021 AUC, docs/bounded-tables.md
+            "Every policy against hashing"); in [0, 2**56]. Not with ``storage=``.
             ``"auto"`` (with max_rows): the table starts as max_rows keyed rows and, at the first
             training lookup that finds it full, splits max_rows into keyed and fallback rows by
             the churn it measured while filling (`cncore.store_split`); its config then holds
