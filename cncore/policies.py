@@ -135,9 +135,10 @@ class MinCount:
     ``admission=`` alone gives a row per key and no shared rows: at small budgets on a
     long-tail table that loses to hashing into the same memory (``MinCount(2)``, MovieLens-100K
     at 25% / 10% of the IDs: -0.022 / -0.018 AUC; flights at 25%: -0.009). Give such a table
-    its split (``fallback_rows=N``) table by table: the same 90% split on every table is level
-    with hashing on MovieLens but loses on the Baseball Databank, where a cross of player and
-    team does better keyed (docs/bounded-tables.md, "Every policy against hashing (2026-12-08)").
+    its split (``fallback_rows=N``), table by table where you can: the same 90% split on every
+    table is level with hashing of its memory (MovieLens, baseball) but trails the default
+    without admission by 0.015-0.067 on Instacart, flights and baseball, where some tables do
+    better keyed (docs/bounded-tables.md, "Every policy against hashing (2026-12-08)").
 
     Args:
         count (int): sightings in [1, 2**32) a key needs before it gets a row.
