@@ -57,6 +57,15 @@ WORKER = textwrap.dedent(r"""
         rows = rng.standard_normal((spec["n_rows"], dim)).astype(np.float32)
         grad = rng.standard_normal((spec["n_bags"], dim)).astype(np.float32)
         out[f"grad_{dim}"] = grad
+        out[f"rows_{dim}"] = rows
+        # finite values at the edges of the 16-bit dtypes: ties, subnormals, saturation
+        edges = np.array([1 + 2**-11, 1 + 3 * 2**-11, 1 + 2**-8, 1 + 3 * 2**-9, 6e-8, -3e-8, 1e-40, 65504, 65519,
+                          70000, -1e6, 3.3e38, -0.0, 2**-24, 0.1, -7.7], np.float32)
+        out[f"edges_{dim}"] = edges_rows = np.resize(edges, (len(keys_all), dim))
+        for dtype in spec["dtypes"]:
+            store = cncore.EmbeddingStore(cncore.StoreConfig(dim=dim, dtype=dtype))
+            store.insert_or_assign(keys_all, edges_rows)
+            out[f"edges_{dim}_{dtype}"] = store.lookup(keys_all)
         for dtype in spec["dtypes"]:
             store = cncore.EmbeddingStore(cncore.StoreConfig(dim=dim, dtype=dtype))
             store.insert_or_assign(keys_all, rows)
@@ -220,6 +229,30 @@ def assert_within_bfloat16_units(got, want, what):
     ulp = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(want.astype(np.float64)), 1e-30))) - 7)
     err = np.abs(got.astype(np.float64) - want)
     assert (err <= 2 * ulp + 1e-7).all(), f"{what}: worst error/ulp {(err / ulp).max():.3g}"
+
+
+def rounded_as_stored(x, dtype):
+    """float32 values as a table of `dtype` holds them, widened back: nearest, ties to even; past
+    float16's largest finite value, saturated to it (torch's casts, which are IEEE's)."""
+    if dtype == "float16":
+        return np.clip(x, -65504, 65504).astype(np.float16).astype(np.float32)
+    if dtype == "bfloat16":
+        return torch.from_numpy(x).to(torch.bfloat16).to(torch.float32).numpy()
+    return x
+
+
+@pytest.mark.parametrize("dim", DIMS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_written_and_read_are_rounded_alike_on_every_level(results, dim, dtype):
+    """insert_or_assign rounds float32 rows to the table's dtype and lookup widens them back in
+    the code outside the kernels, which calls the active level's conversions (cn_dtype.h): every
+    level gives the same bits, those of torch's casts, for normal values and at the edges."""
+    for name in ("rows", "edges"):
+        for level, r in results.items():
+            want = rounded_as_stored(r[f"{name}_{dim}"], dtype)
+            got = r[f"table_{dim}_{dtype}" if name == "rows" else f"edges_{dim}_{dtype}"]
+            np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32),
+                                          err_msg=f"{level} {name} {dtype} dim {dim}")
 
 
 @pytest.mark.parametrize("dim", DIMS)

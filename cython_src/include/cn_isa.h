@@ -4,8 +4,10 @@
  * ------------------
  * The kernels whose speed depends on the instruction set (the pooled forward cn_table_pool, the
  * fused backward + optimizer cn_grad_apply, the per-row gradients cn_grad_unique, the
- * initialiser cn_init_rows_of, and cn_init_row, which the insert path calls through
- * cn_init_row_active, cn_init.h) are compiled three times, each in a translation unit of its own
+ * initialiser cn_init_rows_of, cn_init_row, which the insert path calls through
+ * cn_init_row_active, cn_init.h, and the 16-bit row conversions cn_row_load / cn_row_store, which
+ * the code outside the kernels calls through cn_row_load_active / cn_row_store_active, cn_dtype.h)
+ * are compiled three times, each in a translation unit of its own
  * under src/ that starts with `#pragma GCC target("arch=...")` and includes
  * src/cn_isa_kernels.h, which wraps this header's inline code in suffixed entry points:
  *   base  x86-64 (SSE2), what every x86-64 CPU runs              src/cn_isa_base.c
@@ -105,6 +107,8 @@ typedef struct {
     void (*init_rows_of)(const cn_init *init, const int64_t *keys, int64_t n, float *out, int64_t dim,
                          int nthreads);
     cn_init_row_fn init_row; /* one row: the insert path's, through cn_init_row_active (cn_init.h) */
+    cn_row_load_fn row_load;   /* one 16-bit row widened, outside the kernels (cn_row_load_active, cn_dtype.h) */
+    cn_row_store_fn row_store; /* one row rounded to 16 bits, outside the kernels (cn_row_store_active) */
 } cn_kernels;
 
 /* One table per compiled level (src/cn_isa_*.c), and the one in use (src/cn_globals.c). */
@@ -165,6 +169,8 @@ static inline int cn_isa_use(int level) {
     if (!cn_isa_runnable(level)) return -1;
     cn_kernels_active = cn_isa_kernels_of(level);
     cn_init_row_active = cn_kernels_active->init_row;
+    cn_row_load_active = cn_kernels_active->row_load;
+    cn_row_store_active = cn_kernels_active->row_store;
     return 0;
 }
 

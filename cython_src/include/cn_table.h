@@ -215,7 +215,7 @@ static inline void cn_table_write_rows(cn_table *t, const int64_t *slots, int64_
                                        int64_t ld_rows, const float *state, int64_t ld_state) {
     for (int64_t i = 0; i < n; i++) {
         if (slots[i] < 0) continue;
-        cn_row_store(t->row_dtype, rows + i * ld_rows, cn_arena_row(&t->arena, slots[i]), t->dim);
+        cn_row_store_of_level(t->row_dtype, rows + i * ld_rows, cn_arena_row(&t->arena, slots[i]), t->dim);
         if (state && t->state_floats)
             memcpy(cn_table_state(t, slots[i]), state + i * ld_state, (size_t)t->state_floats * sizeof(float));
     }
@@ -254,7 +254,7 @@ static void cn_table_gather_range(void *ctx, int64_t begin, int64_t end) {
             if (last_steps) last_steps[i] = 0;
             continue;
         }
-        if (rows) cn_row_load(t->row_dtype, cn_arena_row(&t->arena, s), rows + i * dim, dim);
+        if (rows) cn_row_load_of_level(t->row_dtype, cn_arena_row(&t->arena, s), rows + i * dim, dim);
         if (state && sf) memcpy(state + i * sf, cn_table_state(t, s), (size_t)sf * sizeof(float));
         const cn_meta *m = cn_arena_meta(&t->arena, s);
         if (counts) counts[i] = m->count;

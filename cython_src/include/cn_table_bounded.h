@@ -49,7 +49,7 @@ static inline int cn_table_take_victims(cn_table *t, const cn_victim *victims, i
         ev->counts[j] = m->count;
         ev->last_steps[j] = m->last_step;
         if (want_rows) {
-            cn_row_load(t->row_dtype, cn_arena_row(&t->arena, s), ev->rows + j * t->dim, t->dim);
+            cn_row_load_of_level(t->row_dtype, cn_arena_row(&t->arena, s), ev->rows + j * t->dim, t->dim);
             if (t->state_floats)
                 memcpy(ev->state + j * t->state_floats, cn_table_state(t, s), (size_t)t->state_floats * sizeof(float));
         }

@@ -205,7 +205,7 @@ static inline void cn_table_draw_row(const cn_table *t, int64_t slot, int64_t ke
             memset(row, 0, (size_t)t->emb_floats * sizeof(float));
         } else {
             cn_init_row_of_level(&t->init, key, tmp, t->dim);
-            cn_row_store(t->row_dtype, tmp, row, t->dim);
+            cn_row_store_of_level(t->row_dtype, tmp, row, t->dim);
             if (tmp != buf) free(tmp);
         }
     }

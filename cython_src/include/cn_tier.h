@@ -123,7 +123,7 @@ static inline void cn_tier_pack(const cn_tier_layout *L, int64_t n, const int64_
         memcpy(p, &keys[i], 8);
         memcpy(p + L->off_count, &counts[i], 4);
         memcpy(p + L->off_step, &steps[i], 4);
-        cn_row_store(L->row_dtype, rows + i * ld_rows, p + L->off_row, L->dim);
+        cn_row_store_of_level(L->row_dtype, rows + i * ld_rows, p + L->off_row, L->dim);
         if (state && L->state_floats)
             memcpy(p + L->off_state, state + i * ld_state, (size_t)L->state_floats * sizeof(float));
         if (L->off_check > 0) {
@@ -230,8 +230,8 @@ static inline int cn_tier_load(cn_table *t, const cn_tier_layout *L, const uint8
         if (L->row_dtype == t->row_dtype) {
             memcpy(row, p + L->off_row, (size_t)row_bytes);
         } else {
-            cn_row_load(L->row_dtype, p + L->off_row, wide, L->dim);
-            cn_row_store(t->row_dtype, wide, row, L->dim);
+            cn_row_load_of_level(L->row_dtype, p + L->off_row, wide, L->dim);
+            cn_row_store_of_level(t->row_dtype, wide, row, L->dim);
         }
         if (t->state_floats)
             memcpy(cn_table_state(t, s), p + L->off_state, (size_t)t->state_floats * sizeof(float));

@@ -34,6 +34,10 @@ const cn_kernels *cn_kernels_active = NULL;
 /* cn_init.h: the insert path's initialiser (NULL: the including unit's own; cn_isa_use sets it). */
 cn_init_row_fn cn_init_row_active = NULL;
 
+/* cn_dtype.h: the 16-bit row conversions outside the kernels (NULL: the including unit's own). */
+cn_row_load_fn cn_row_load_active = NULL;
+cn_row_store_fn cn_row_store_active = NULL;
+
 /* cn_parallel.h: the thread setting (0: the default), how long an idle worker spins before
  * it sleeps (CNCORE_SPIN_US replaces it when the first worker starts), and the pool. */
 int cn_thread_setting = 0;

@@ -51,6 +51,14 @@ static void CN_ISA_FN(cn_init_row)(const cn_init *init, int64_t key, float *rest
     cn_init_row(init, key, row, dim);
 }
 
+static void CN_ISA_FN(cn_row_load)(int dtype, const void *src, float *restrict dst, int64_t dim) {
+    cn_row_load(dtype, src, dst, dim);
+}
+
+static void CN_ISA_FN(cn_row_store)(int dtype, const float *restrict src, void *dst, int64_t dim) {
+    cn_row_store(dtype, src, dst, dim);
+}
+
 const cn_kernels CN_ISA_CAT(cn_kernels, CN_ISA_LEVEL) = {
     CN_ISA_STR(CN_ISA_LEVEL),
     CN_ISA_FN(cn_table_pool),
@@ -58,4 +66,6 @@ const cn_kernels CN_ISA_CAT(cn_kernels, CN_ISA_LEVEL) = {
     CN_ISA_FN(cn_grad_unique),
     CN_ISA_FN(cn_init_rows_of),
     CN_ISA_FN(cn_init_row),
+    CN_ISA_FN(cn_row_load),
+    CN_ISA_FN(cn_row_store),
 };
