@@ -323,3 +323,14 @@ def test_the_levels_run_code_of_their_own(results):
         pytest.skip("this CPU runs the base level only: nothing to tell apart")
     name = "fwd_64_float32_sum_1"
     assert (results["base"][name] != results["v3"][name]).any()
+
+
+def test_setup_refuses_native_and_portable_together_naming_both():
+    """The build is portable unless CNCORE_NATIVE=1 (setup.py); asking for both is an error
+    before anything is compiled."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "CNCORE_NATIVE": "1", "CNCORE_PORTABLE": "1"}
+    proc = subprocess.run([sys.executable, os.path.join(root, "setup.py"), "--version"], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "CNCORE_NATIVE=1 and CNCORE_PORTABLE=1 ask for different builds" in proc.stderr

@@ -128,10 +128,11 @@ static inline void cn_row_store(int dtype, const float *restrict src, void *dst,
  * has them. NULL (a C driver that links cn_globals.c alone, or before module initialisation):
  * the including unit's own. float32 rows stay a memcpy here (no call through a pointer). The
  * same bits either way: every level rounds to nearest even and saturates alike.
- * Measured (AMD EPYC Zen 4, both builds in one process, 4M x 64 rows, 16,384 keys a call):
- * before, a portable build's float16 lookup took 3.4x a native build's time and its
- * insert_or_assign 9.1x (baseline x86-64 has no half-precision instructions: each value went
- * through libgcc's soft-float conversion), bfloat16's 1.5x and 5.0x (scalar rounding). */
+ * Measured (AMD EPYC Zen 4, both builds in one process, 2M x 64 rows, 16,384 keys a call, CPU
+ * time of one thread): before, a portable build's float16 lookup took 5.2x a native build's
+ * time and its insert_or_assign 9.3x (baseline x86-64 has no half-precision instructions: each
+ * value went through libgcc's soft-float conversion), bfloat16's 1.1x and 1.6x (scalar
+ * rounding); through these pointers 1.01-1.07x, the noise of those runs. */
 typedef void (*cn_row_load_fn)(int dtype, const void *src, float *restrict dst, int64_t dim);
 typedef void (*cn_row_store_fn)(int dtype, const float *restrict src, void *dst, int64_t dim);
 CN_GLOBAL cn_row_load_fn cn_row_load_active;

@@ -22,9 +22,11 @@
  * and glibc's hwcaps spell them.
  *
  * The `arch=` pragma replaces the command line's ISA, down as well as up: the base unit of a
- * -march=native build is x86-64 code, so CI's native build runs every level the CPU has. The
+ * -march=native build is x86-64 code, so a native build runs every level the CPU has too. The
  * rest of the extension (the find, inserts but their rows' initialiser, eviction, the tier) is
- * compiled once, with the build's flags: -march=native for a source build, x86-64 for a wheel (CNCORE_PORTABLE=1).
+ * compiled once, with the build's flags: x86-64 by default (a source build, CI and a wheel alike),
+ * -march=native where CNCORE_NATIVE=1 asks for it (setup.py). Its 16-bit row conversions go
+ * through the active level too (cn_row_load_active / cn_row_store_active, cn_dtype.h).
  * Process-wide variables stay in src/cn_globals.c (cn_global.h), so every unit shares one
  * thread pool, one allocation tracer and one stamp counter; no header defines a variable of
  * its own (a `static` variable in a header would give each unit a copy).
