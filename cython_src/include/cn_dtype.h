@@ -110,7 +110,9 @@ static inline void cn_row_store(int dtype, const float *restrict src, void *dst,
 #ifdef CN_F16_VECTOR
         const __m256 hi = _mm256_set1_ps(CN_F16_MAX), lo = _mm256_set1_ps(-CN_F16_MAX);
         for (; d + 8 <= dim; d += 8) {
-            const __m256 x = _mm256_max_ps(_mm256_min_ps(_mm256_loadu_ps(src + d), hi), lo);
+            /* min/max return their second operand when either is NaN: the value goes second, so
+             * a NaN stays NaN as in cn_f16_round (clamped first, it became 65504) */
+            const __m256 x = _mm256_max_ps(lo, _mm256_min_ps(hi, _mm256_loadu_ps(src + d)));
             _mm_storeu_si128((__m128i *)(h + d), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
         }
 #endif
