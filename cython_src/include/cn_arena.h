@@ -5,10 +5,19 @@
  * is a stable address: growth only appends pages (the page table itself may be reallocated,
  * the pages never are). A slot maps to (page = slot >> shift, row = slot & mask).
  *
- * Each page holds its rows first, then one cn_meta per row (access count, last step, and for
- * optimizers with one state value per row, that value). Metadata apart from the rows keeps a
- * row of dim 64 exactly four cache lines; the backward touches the metadata line anyway
- * (access counts), so a per-row scalar state costs no extra line there.
+ * Each row has one cn_meta (access count, last step, and for optimizers with one state value per
+ * row, that value), kept apart from the rows, so that a row of dim 64 is exactly four cache lines;
+ * the backward touches the metadata line anyway (access counts), so a per-row scalar state costs
+ * no extra line there. The metadata lies in chunks of its own (meta_chunks, slot >> meta_shift),
+ * each covering one or more whole pages: for a table on huge pages a chunk is 2 MiB, so that it
+ * sits on a huge page too. Kept at the end of each page (as it was), a page's metadata was the
+ * 2.5 MiB mapping's last 512 KiB (dim 16, row-wise Adagrad), which cn_alloc's madvise cannot
+ * cover (a huge page needs an aligned 2 MiB): /proc/self/smaps of an 8M x 16 table showed 245
+ * such blocks, 122 MiB, none on huge pages, so the backward's metadata access per distinct row
+ * was a TLB miss and a page walk beside the row's own miss. The chunks are sized from the
+ * capacity hint (at least a page's rows, at most 2 MiB of metadata), so a small table does not
+ * hold a 2 MiB chunk for a few pages' metadata; a table that grows far past its hint keeps its
+ * hint's chunk size.
  *
  * Erased slots go on a free stack of their own (8 bytes per free slot), not on a list threaded
  * through the dead rows' metadata. A threaded list costs no memory, but then a dead row's bytes
@@ -57,7 +66,11 @@ typedef struct {
     int64_t page_mask;
     int64_t row_floats; /* dim + the optimizer-state floats kept in the row */
     int64_t row_bytes;
-    int64_t meta_offset; /* byte offset of the cn_meta block inside a page */
+    char **meta_chunks;  /* [n_meta_chunks] the cn_meta of 1 << meta_shift slots each */
+    int64_t n_meta_chunks;
+    int64_t meta_table_cap;
+    int64_t meta_shift; /* >= page_shift: a chunk covers whole pages */
+    int64_t meta_mask;
     int64_t meta_bytes;  /* 8 (count, last step) or 16 (plus a scalar optimizer state) */
     int64_t key_offset;  /* bounded tables: byte offset of the page's int64 keys, else 0 */
     int64_t live_offset; /* bounded tables: byte offset of the page's live bits (uint64 words) */
@@ -81,9 +94,15 @@ static inline void cn_arena_init(cn_arena *a, int64_t row_floats, int with_scala
     while (((int64_t)1 << shift) * a->row_bytes < target) shift++;
     a->page_shift = shift;
     a->page_mask = ((int64_t)1 << shift) - 1;
-    int64_t rows_part = (((int64_t)1 << shift) * a->row_bytes + 63) & ~(int64_t)63;
-    a->meta_offset = rows_part;
-    a->page_bytes = rows_part + ((int64_t)1 << shift) * a->meta_bytes;
+    a->page_bytes = (((int64_t)1 << shift) * a->row_bytes + 63) & ~(int64_t)63;
+    /* Metadata chunks: a page's worth, or for a table on huge pages up to 2 MiB (see the top). */
+    int64_t mshift = shift;
+    if (target == CN_PAGE_MAX_BYTES)
+        while (((int64_t)1 << (mshift + 1)) * a->meta_bytes <= CN_PAGE_MAX_BYTES &&
+               ((int64_t)1 << mshift) < capacity_hint)
+            mshift++;
+    a->meta_shift = mshift;
+    a->meta_mask = ((int64_t)1 << mshift) - 1;
     if (track_keys) {
         a->page_bytes = (a->page_bytes + 7) & ~(int64_t)7;
         a->key_offset = a->page_bytes;
@@ -101,7 +120,16 @@ static inline float *cn_arena_row(const cn_arena *a, int64_t slot) {
 }
 
 static inline cn_meta *cn_arena_meta(const cn_arena *a, int64_t slot) {
-    return (cn_meta *)(a->pages[slot >> a->page_shift] + a->meta_offset + (slot & a->page_mask) * a->meta_bytes);
+    return (cn_meta *)(a->meta_chunks[slot >> a->meta_shift] + (slot & a->meta_mask) * a->meta_bytes);
+}
+
+static inline int64_t cn_arena_meta_chunk_bytes(const cn_arena *a) {
+    return ((int64_t)1 << a->meta_shift) * a->meta_bytes;
+}
+
+/* Whether page p starts a metadata chunk (its first slot is a chunk's first). */
+static inline int cn_arena_page_starts_chunk(const cn_arena *a, int64_t p) {
+    return ((p << a->page_shift) & a->meta_mask) == 0;
 }
 
 /* Bounded tables: the key of a slot, and the word holding its live bit. */
@@ -132,10 +160,27 @@ static inline int cn_arena_slot_ok(const cn_arena *a, int64_t slot) {
     return slot >= 0 && slot < a->high_water;
 }
 
-/* Give back the pages beyond the first n_pages (undoing a reserve that failed later on). */
+/* Give back the pages beyond the first n_pages (undoing a reserve that failed later on), and
+ * the metadata chunks that no page is left in. */
 static inline void cn_arena_trim(cn_arena *a, int64_t n_pages, int64_t *nbytes) {
-    while (a->n_pages > n_pages && ((a->n_pages - 1) << a->page_shift) >= a->high_water)
+    while (a->n_pages > n_pages && ((a->n_pages - 1) << a->page_shift) >= a->high_water) {
         cn_free(a->pages[--a->n_pages], (size_t)a->page_bytes, nbytes);
+        if (cn_arena_page_starts_chunk(a, a->n_pages) && a->n_meta_chunks > 0)
+            cn_free(a->meta_chunks[--a->n_meta_chunks], (size_t)cn_arena_meta_chunk_bytes(a), nbytes);
+    }
+}
+
+/* Grow a table of block pointers (pages or metadata chunks) to hold one more. */
+static inline int cn_arena_grow_table(char ***table, int64_t n, int64_t *cap, int64_t *nbytes) {
+    if (n < *cap) return 0;
+    const int64_t new_cap = *cap ? *cap * 2 : 16;
+    char **grown = (char **)cn_alloc((size_t)new_cap * sizeof(char *), nbytes);
+    if (grown == NULL) return -1;
+    if (n) memcpy(grown, *table, (size_t)n * sizeof(char *));
+    cn_free(*table, (size_t)*cap * sizeof(char *), nbytes);
+    *table = grown;
+    *cap = new_cap;
+    return 0;
 }
 
 /* Make room for n_more new rows. Returns -1 on allocation failure, with the pages this call
@@ -143,24 +188,21 @@ static inline void cn_arena_trim(cn_arena *a, int64_t n_pages, int64_t *nbytes) 
 static inline int cn_arena_reserve(cn_arena *a, int64_t n_more, int64_t *nbytes) {
     const int64_t n_pages_before = a->n_pages;
     while (cn_arena_available(a) < n_more) {
-        if (a->n_pages == a->page_table_cap) {
-            int64_t cap = a->page_table_cap ? a->page_table_cap * 2 : 16;
-            char **table = (char **)cn_alloc((size_t)cap * sizeof(char *), nbytes);
-            if (table == NULL) {
-                cn_arena_trim(a, n_pages_before, nbytes);
-                return -1;
-            }
-            if (a->n_pages) memcpy(table, a->pages, (size_t)a->n_pages * sizeof(char *));
-            cn_free(a->pages, (size_t)a->page_table_cap * sizeof(char *), nbytes);
-            a->pages = table;
-            a->page_table_cap = cap;
+        const int new_chunk = cn_arena_page_starts_chunk(a, a->n_pages);
+        if (cn_arena_grow_table(&a->pages, a->n_pages, &a->page_table_cap, nbytes) != 0 ||
+            (new_chunk && cn_arena_grow_table(&a->meta_chunks, a->n_meta_chunks, &a->meta_table_cap, nbytes) != 0)) {
+            cn_arena_trim(a, n_pages_before, nbytes);
+            return -1;
         }
-        char *page = (char *)cn_alloc((size_t)a->page_bytes, nbytes);
+        char *chunk = new_chunk ? (char *)cn_alloc((size_t)cn_arena_meta_chunk_bytes(a), nbytes) : NULL;
+        char *page = new_chunk && chunk == NULL ? NULL : (char *)cn_alloc((size_t)a->page_bytes, nbytes);
         if (page == NULL) {
+            if (chunk != NULL) cn_free(chunk, (size_t)cn_arena_meta_chunk_bytes(a), nbytes);
             cn_arena_trim(a, n_pages_before, nbytes);
             return -1;
         }
         if (a->key_offset) memset(page + a->live_offset, 0, (size_t)(a->page_bytes - a->live_offset));
+        if (new_chunk) a->meta_chunks[a->n_meta_chunks++] = chunk;
         a->pages[a->n_pages++] = page;
     }
     return 0;
@@ -201,6 +243,12 @@ static inline void cn_arena_reset(cn_arena *a) {
 static inline void cn_arena_free(cn_arena *a, int64_t *nbytes) {
     for (int64_t p = 0; p < a->n_pages; p++) cn_free(a->pages[p], (size_t)a->page_bytes, nbytes);
     cn_free(a->pages, (size_t)a->page_table_cap * sizeof(char *), nbytes);
+    for (int64_t c = 0; c < a->n_meta_chunks; c++)
+        cn_free(a->meta_chunks[c], (size_t)cn_arena_meta_chunk_bytes(a), nbytes);
+    cn_free(a->meta_chunks, (size_t)a->meta_table_cap * sizeof(char *), nbytes);
+    a->meta_chunks = NULL;
+    a->n_meta_chunks = 0;
+    a->meta_table_cap = 0;
     cn_free(a->free_slots, (size_t)a->free_cap * sizeof(int64_t), nbytes);
     a->free_slots = NULL;
     a->free_cap = 0;
