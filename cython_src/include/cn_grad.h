@@ -44,7 +44,38 @@
  * 35.5 -> 34.0 Zipf, 55.0 -> 50.7 at 8M x 64 Zipf (one thread, CPU time, three alternated
  * runs each).
  * Not tried: a map of 8-byte entries sized to the L2 (at two threads a share's 40,960 keys
- * need 512 KiB at load 0.6, half the L2), which keeps the counting sort's random scatter.
+ * need 512 KiB at load 0.6, half the L2), which keeps the counting sort's random scatter. Still
+ * not tried after the changes below: perf puts the grouping (cn_grad_build_range) at 5-10 % of
+ * the whole dim-16 step's samples, the same share of the forward's before and after them; the
+ * row updates were the cost.
+ *
+ * The dim-16 step against FBGEMM's TBE (AMD EPYC Zen 4 guest, 2 cores, 1 MiB L2 a core, 32 MiB
+ * L3; 8M x 16 float32, row-wise Adagrad, 81,920 IDs in bags of 20, THP on). TBE's CPU backward
+ * (fbgemm_gpu 1.8, embedding_backward_split_cpu_template.cpp) sorts (row, bag) int32 pairs once
+ * (fbgemm::radix_sort_parallel, 8-bit digits) into a CSC of bags per row, then per block of 64
+ * distinct rows sums their gradient rows with an asmjit SpMDM kernel (prefetch 16) and applies
+ * an asmjit row-wise Adagrad kernel whose momentum is a flat float array (4 bytes a row). So it
+ * too touches a row line and a state line per distinct row; two things it had that we did not:
+ *  - its state array is on huge pages: ours (cn_arena.h) sat in the 512 KiB tail of each 2.5 MiB
+ *    page mapping, which madvise cannot put on a huge page (smaps: 122 MiB of metadata, none on
+ *    huge pages), so each distinct row's metadata was a TLB miss beside its row miss. Metadata
+ *    now lies in 2 MiB chunks of its own (cn_arena.h).
+ *  - its sorted values are bags: ours were key positions, and the update loop read bag_of[pos]
+ *    before the gradient row, a random read into a 640 KiB array (perf: 25 % of the update
+ *    loop's samples on that load). The groups now hold bags (cn_grad_by_bag).
+ * perf of the whole step (forward + backward, two threads, the flush excluded): the update loop
+ * was 64 % of the core's samples at uniform IDs (find 16 %, pool 9 %, grouping 7 %) and 52 % at
+ * Zipf; after both changes 46 % and 31 %, the find and pool unchanged in time, so the update
+ * loop takes about 0.45x its time before. Each change timed with the builds in one process
+ * (the same rows, steps interleaved, each call after a flush; medians of 30 steps; both build
+ * orders, since the store built second ran its backward up to 1.8x faster on this machine at
+ * load 18-20; backward time new/old, results bit for bit the same):
+ *  - metadata chunks: uniform 0.74 / 0.55, Zipf 1.05 0.71 / 0.70.
+ *  - bags in the groups: uniform 0.73 / 0.85, Zipf 1.14 / 0.79.
+ * Rejected, measured the same way: prefetching the gradient rows of the grouped keys 16 keys
+ * ahead of the update (with bags the address is known a row early): uniform 1.03 / 1.18, Zipf
+ * 1.58 / 1.03 (slower; the 256 KiB gradient mostly sits in L2 already, and a hot row's
+ * thousands of keys prefetch past the L1).
  *
  * The access metadata of a training lookup is recorded here too: count += occurrences,
  * last_step = the step of the lookup. Done per distinct row by its owning thread, it is exact
@@ -182,12 +213,15 @@ static inline size_t cn_groups_sort_scratch_bytes(int64_t m) {
            (size_t)CN_RADIX_MAX_PASSES * ((size_t)1 << CN_RADIX_BITS) * sizeof(uint32_t);
 }
 
-/* Group positions[0..m) (increasing, each < 2^pos_bits) by slot, the slots < 2^slot_bits,
- * slot_bits + pos_bits <= 64 and m < 2^32, in `scratch` (cn_groups_sort_scratch_bytes(m)).
- * Unique rows come in slot order; each row's positions in key order. Keys with slot < 0 take
- * no gradient. */
+/* Group positions[0..m) (increasing) by slot, the slots < 2^slot_bits, slot_bits + pos_bits
+ * <= 64 and m < 2^32, in `scratch` (cn_groups_sort_scratch_bytes(m)). Unique rows come in slot
+ * order; each row's positions in key order. With `labels` (non-decreasing in the position,
+ * each < 2^pos_bits), the groups hold labels[position] instead of the position (the fused
+ * backward's bags, see cn_grad_by_bag); else each position < 2^pos_bits. Keys with slot < 0
+ * take no gradient. */
 static inline void cn_groups_sort_in(const int64_t *restrict slots, const int64_t *restrict positions, int64_t m,
-                                     int slot_bits, int pos_bits, cn_groups *g, void *scratch) {
+                                     const int64_t *restrict labels, int slot_bits, int pos_bits, cn_groups *g,
+                                     void *scratch) {
     memset(g, 0, sizeof(*g));
     const size_t mm = (size_t)(m ? m : 1);
     uint64_t *keys = (uint64_t *)scratch, *other = keys + mm;
@@ -204,7 +238,7 @@ static inline void cn_groups_sort_in(const int64_t *restrict slots, const int64_
     for (int64_t j = 0; j < m; j++) {
         const int64_t i = positions[j], s = slots[i];
         if (s < 0) continue;
-        keys[k++] = ((uint64_t)s << pos_bits) | (uint64_t)i;
+        keys[k++] = ((uint64_t)s << pos_bits) | (uint64_t)(labels ? labels[i] : i);
         for (int p = 0; p < passes; p++) hist[(uint64_t)p * radix + (((uint64_t)s >> (p * width)) & digit_mask)]++;
     }
     for (int p = 0; p < passes && k > 0; p++) {
@@ -292,15 +326,16 @@ static inline int64_t *cn_bag_of(const int64_t *offsets, int64_t n_bags, int nth
     return bag_of;
 }
 
-/* Sum the gradient contributions of unique row u into acc[0:dim]. */
-static inline void cn_grad_accumulate(const cn_groups *g, int64_t u, const int64_t *restrict bag_of, int64_t dim,
-                                      const int64_t *restrict offsets, const float *restrict weights,
+/* Sum the gradient contributions of unique row u into acc[0:dim]. With by_bag the groups hold
+ * each key's bag, not its position (cn_grad_by_bag: sum or mean pooling, no per-sample weights). */
+static inline void cn_grad_accumulate(const cn_groups *g, int64_t u, const int64_t *restrict bag_of, int by_bag,
+                                      int64_t dim, const int64_t *restrict offsets, const float *restrict weights,
                                       int mode, const int64_t *restrict argmax,
                                       const float *restrict grad, int64_t ld_grad, float *restrict acc) {
     for (int64_t d = 0; d < dim; d++) acc[d] = 0.0f;
     for (int64_t j = g->group_start[u]; j < g->group_start[u + 1]; j++) {
         const int64_t i = g->group_pos[j];
-        const int64_t b = bag_of[i];
+        const int64_t b = by_bag ? i : bag_of[i];
         const float *restrict gb = grad + b * ld_grad;
         if (mode == CN_POOL_MAX) {
             const int64_t *restrict am = argmax + b * dim;
@@ -342,7 +377,7 @@ static void cn_grad_unique_range(void *ctx, int64_t begin, int64_t end) {
     const cn_grad_unique_job *j = (const cn_grad_unique_job *)ctx;
     const cn_groups *g = j->g;
     for (int64_t u = begin; u < end; u++) {
-        cn_grad_accumulate(g, u, j->bag_of, j->dim, j->offsets, j->weights, j->mode, j->argmax, j->grad, j->ld_grad,
+        cn_grad_accumulate(g, u, j->bag_of, 0, j->dim, j->offsets, j->weights, j->mode, j->argmax, j->grad, j->ld_grad,
                            j->grads_out + u * j->dim);
         if (j->touch_meta)
             cn_meta_record(j->a, g->unique_slot[u], g->group_start[u + 1] - g->group_start[u], j->step);
@@ -357,6 +392,15 @@ static inline void cn_grad_unique(const cn_groups *g, const int64_t *bag_of, con
                               touch_meta, step};
     cn_parallel_for(cn_grad_unique_range, &job, g->n_unique, nthreads);
 }
+
+/* Whether the fused backward's groups hold each key's bag instead of its position: for sum and
+ * mean pooling without per-sample weights a key's contribution depends on its bag alone, and
+ * a row's keys in key order have non-decreasing bags, so the sums are the same bits; the
+ * update loop then reads the gradient row at once instead of bag_of[position] first, a
+ * random read into an 8-byte-a-key array (at 81,920 keys, 640 KiB) that perf put 25 % of the
+ * update loop's samples on (8M x 16, row-wise Adagrad, uniform IDs). Max pooling compares the
+ * position with the argmax, and weights are per position: those keep positions. */
+static inline int cn_grad_by_bag(int mode, const float *weights) { return mode != CN_POOL_MAX && weights == NULL; }
 
 /* The thread (of nt) that owns a row in the fused backward: a multiplicative hash of the
  * slot scaled to [0, nt), so no division. */
@@ -426,6 +470,8 @@ typedef struct {
     const int64_t *slots, *offsets, *bag_of, *argmax;
     const float *weights, *grad;
     int mode, touch_meta, direct, n_shares;
+    int by_bag; /* the groups hold bags (cn_grad_by_bag) */
+    int64_t n_bags;
     int64_t ld_grad;
     const cn_optim *opt;
     uint32_t step;
@@ -453,6 +499,11 @@ static void cn_grad_count_range(void *ctx, int64_t begin, int64_t end) {
     }
 }
 
+/* Bits of the labels the sorted groups hold: bags or key positions. */
+static inline int cn_grad_label_bits(const cn_grad_apply_job *j) {
+    return cn_bits_for((uint64_t)((j->by_bag ? j->n_bags : j->n) - 1));
+}
+
 static void cn_grad_build_range(void *ctx, int64_t begin, int64_t end) {
     const cn_grad_apply_job *j = (const cn_grad_apply_job *)ctx;
     for (int64_t sh = begin; sh < end; sh++) {
@@ -464,8 +515,8 @@ static void cn_grad_build_range(void *ctx, int64_t begin, int64_t end) {
         }
         if (j->direct) continue;
         if (share->sorted)
-            cn_groups_sort_in(j->slots, share->mine, m, share->slot_bits, cn_bits_for((uint64_t)(j->n - 1)),
-                              &share->g, share->scratch);
+            cn_groups_sort_in(j->slots, share->mine, m, j->by_bag ? j->bag_of : NULL, share->slot_bits,
+                              cn_grad_label_bits(j), &share->g, share->scratch);
         else
             cn_groups_build_in(j->slots, share->mine, m, &share->g, share->scratch);
     }
@@ -477,7 +528,7 @@ static inline size_t cn_round16(size_t bytes) { return (bytes + 15) & ~(size_t)1
 /* The shares' arrays (their counts m set) laid out one after another from `block`, each 16-byte
  * aligned: the positions, and unless direct the grouping's scratch and the gradient with a
  * widened row. Returns the bytes they take; with block NULL it only counts them. */
-static inline size_t cn_grad_layout(cn_grad_share *shares, int n_shares, int64_t dim, int64_t n, int direct,
+static inline size_t cn_grad_layout(cn_grad_share *shares, int n_shares, int64_t dim, int label_bits, int direct,
                                     char *block) {
     size_t at = 0;
     for (int sh = 0; sh < n_shares; sh++) {
@@ -485,7 +536,7 @@ static inline size_t cn_grad_layout(cn_grad_share *shares, int n_shares, int64_t
         if (block) share->mine = (int64_t *)(block + at);
         at += cn_round16((size_t)(share->m + 1) * sizeof(int64_t)); /* + 1: filled branch-free */
         if (direct) continue;
-        share->sorted = share->slot_bits + cn_bits_for((uint64_t)(n - 1)) <= 64 && share->m < ((int64_t)1 << 32);
+        share->sorted = share->slot_bits + label_bits <= 64 && share->m < ((int64_t)1 << 32);
         if (block) share->scratch = block + at;
         at += cn_round16(share->sorted ? cn_groups_sort_scratch_bytes(share->m) : cn_groups_scratch_bytes(share->m));
         if (block) share->acc = (float *)(block + at);
@@ -512,6 +563,7 @@ static void cn_grad_update_range(void *ctx, int64_t begin, int64_t end) {
         float *acc = share->acc;
         const cn_groups *g = &share->g;
         const int64_t n_unique = g->n_unique;
+        const int by_bag = j->by_bag && share->sorted;
         for (int64_t u = 0; u < n_unique; u++) {
             if (u + CN_PREFETCH_DISTANCE < n_unique) {
                 const int64_t ahead = g->unique_slot[u + CN_PREFETCH_DISTANCE];
@@ -521,8 +573,8 @@ static void cn_grad_update_range(void *ctx, int64_t begin, int64_t end) {
             const int64_t s = g->unique_slot[u];
             float *row = cn_arena_row(a, s);
             float *state = state_in_meta ? &cn_arena_meta(a, s)->scalar_state : row + emb_floats;
-            cn_grad_accumulate(g, u, j->bag_of, dim, j->offsets, j->weights, j->mode, j->argmax, j->grad, j->ld_grad,
-                               acc);
+            cn_grad_accumulate(g, u, j->bag_of, by_bag, dim, j->offsets, j->weights, j->mode, j->argmax, j->grad,
+                               j->ld_grad, acc);
             if (dtype == CN_ROW_F32) {
                 cn_optim_apply(j->opt, row, state, acc, dim);
             } else { /* widen, update in float32, round once (cn_dtype.h) */
@@ -560,11 +612,12 @@ static inline int cn_grad_apply(const cn_arena *a, int64_t dim, int row_dtype, c
      * once per key, so they take the grouped path (one update with the summed gradient). */
     const int direct = opt->kind == CN_OPT_SGD && mode != CN_POOL_MAX && row_dtype == CN_ROW_F32;
     cn_grad_apply_job job = {a, dim, n, row_dtype, slots, offsets, bag_of, argmax, weights, grad, mode, touch_meta,
-                             direct, nthreads, ld_grad, opt, step, shares};
+                             direct, nthreads, cn_grad_by_bag(mode, weights), n_bags, ld_grad, opt, step, shares};
     cn_parallel_for(cn_grad_count_range, &job, nthreads, nthreads);
-    char *block = (char *)malloc(cn_grad_layout(shares, nthreads, dim, n, direct, NULL));
+    const int label_bits = cn_grad_label_bits(&job);
+    char *block = (char *)malloc(cn_grad_layout(shares, nthreads, dim, label_bits, direct, NULL));
     if (block != NULL) {
-        cn_grad_layout(shares, nthreads, dim, n, direct, block);
+        cn_grad_layout(shares, nthreads, dim, label_bits, direct, block);
         cn_parallel_for(cn_grad_build_range, &job, nthreads, nthreads);
         cn_parallel_for(cn_grad_update_range, &job, nthreads, nthreads);
     }
