@@ -45,9 +45,9 @@
  * runs each).
  * Not tried: a map of 8-byte entries sized to the L2 (at two threads a share's 40,960 keys
  * need 512 KiB at load 0.6, half the L2), which keeps the counting sort's random scatter. Still
- * not tried after the changes below: perf puts the grouping (cn_grad_build_range) at 5-10 % of
- * the whole dim-16 step's samples, the same share of the forward's before and after them; the
- * row updates were the cost.
+ * not tried after the changes below: perf puts the grouping (cn_grad_build_range) at 7-17 % of
+ * the core's samples in a dim-16 step, and its time relative to the forward's (0.26 uniform,
+ * 0.33 Zipf) did not change with them; the row updates were the cost.
  *
  * The dim-16 step against FBGEMM's TBE (AMD EPYC Zen 4 guest, 2 cores, 1 MiB L2 a core, 32 MiB
  * L3; 8M x 16 float32, row-wise Adagrad, 81,920 IDs in bags of 20, THP on). TBE's CPU backward
@@ -64,14 +64,18 @@
  *    before the gradient row, a random read into a 640 KiB array (perf: 25 % of the update
  *    loop's samples on that load). The groups now hold bags (cn_grad_by_bag).
  * perf of the whole step (forward + backward, two threads, the flush excluded): the update loop
- * was 64 % of the core's samples at uniform IDs (find 16 %, pool 9 %, grouping 7 %) and 52 % at
- * Zipf; after both changes 46 % and 31 %, the find and pool unchanged in time, so the update
- * loop takes about 0.45x its time before. Each change timed with the builds in one process
- * (the same rows, steps interleaved, each call after a flush; medians of 30 steps; both build
- * orders, since the store built second ran its backward up to 1.8x faster on this machine at
- * load 18-20; backward time new/old, results bit for bit the same):
+ * was 67 % of the core's samples at uniform IDs (find 17 %, pool 9 %, grouping 7 %) and 54 % at
+ * Zipf; after both changes 49 % and 31 %; against the forward (find + pool, unchanged code) the
+ * update loop takes 0.47x (uniform) and 0.40x (Zipf) its time before. Each change timed with
+ * the builds in one process (asv_bench/scripts/step_two_builds.py's method: the same rows,
+ * steps interleaved, each call after a flush; medians of 30 steps; run in both build orders,
+ * since with one build loaded twice the backward ratio came out 0.73-1.14 at load 10;
+ * backward time new/old, old store made first / new first, load 18-20, bits the same):
  *  - metadata chunks: uniform 0.74 / 0.55, Zipf 1.05 0.71 / 0.70.
  *  - bags in the groups: uniform 0.73 / 0.85, Zipf 1.14 / 0.79.
+ * Both against the old core, TBE in the same rounds (load 5-10): 0.34 / 0.46 uniform, 0.35 /
+ * 0.26 Zipf; the step 0.92x / 0.79x TBE's uniform (old core 0.48x / 0.52x), 1.32x / 1.45x Zipf
+ * (old 0.93x / 0.82x). docs/benchmarks.md has the tables.
  * Rejected, measured the same way: prefetching the gradient rows of the grouped keys 16 keys
  * ahead of the update (with bags the address is known a row early): uniform 1.03 / 1.18, Zipf
  * 1.58 / 1.03 (slower; the 256 KiB gradient mostly sits in L2 already, and a hot row's
