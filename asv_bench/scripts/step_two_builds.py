@@ -41,6 +41,8 @@ def load_build(path: str):
     so = glob.glob(os.path.join(path, "cncore", "_core*.so"))[0]
     loader = importlib.machinery.ExtensionFileLoader("cncore._core", so)
     spec = importlib.util.spec_from_file_location("cncore._core", so, loader=loader)
+    if spec is None:
+        raise SystemExit(f"cannot load {so}")
     module = importlib.util.module_from_spec(spec)
     loader.exec_module(module)
     return module
