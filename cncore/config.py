@@ -546,6 +546,9 @@ class StoreConfig:
                 object.__setattr__(self, "eviction", DEFAULT_EVICTION)
             if self.headroom is None:
                 object.__setattr__(self, "headroom", min(max(1, self.max_rows // 32), self.max_rows - 1))
+        if isinstance(self.eviction, LFU) and self.eviction.halve_every == "auto" and self.max_rows is None:
+            raise ValueError("eviction=LFU(halve_every='auto') ages by the table's turnover of its max_rows: "
+                             "set max_rows too")
         if self.storage is not None and not isinstance(self.storage, Tiered):
             raise TypeError(f"storage must be None or cncore.Tiered(path, cache_bytes), got "
                             f"{type(self.storage).__name__}")

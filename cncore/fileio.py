@@ -119,6 +119,8 @@ def _from_whitelist(d, classes: dict, what: str, where: str):
     for k, v in values.items():  # numbers (betas: a list of them); the constructor checks ranges
         if k == "unadmitted" and isinstance(v, str):  # MinCount's one word; its constructor checks it
             continue
+        if k == "halve_every" and v == "auto":  # LFU's aging in the table's own time
+            continue
         if not all(isinstance(x, (int, float)) and not isinstance(x, bool)
                    for x in (v if k == "betas" and isinstance(v, (list, tuple)) else [v])):
             raise _error(where, f"{what}.{k} must be {'a list of numbers' if k == 'betas' else 'a number'}, "

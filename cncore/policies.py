@@ -14,7 +14,8 @@ import math
 import numbers
 from dataclasses import dataclass
 
-__all__ = ["LRU", "LFU", "TTL", "Eviction", "MinCount", "Probability", "Admission"]
+__all__ = ["LRU", "LFU", "TTL", "Eviction", "MinCount", "Probability", "Admission", "AUTO_HALVE_TURNOVERS",
+           "auto_halve_shift"]
 
 
 @dataclass(frozen=True)
@@ -60,36 +61,79 @@ class LFU:
     on a tier's disk ages too.
 
     Args:
-        halve_every (int | None): aging, a power of two in [1, 2**31], or None (no aging). A
-            row's count then counts half for every `halve_every` steps since its last use:
-            score = (count >> ((step - last_step) // halve_every), last_step) at the
-            eviction's step (no more than 32 halvings).
+        halve_every (int | str | None): aging, a power of two in [1, 2**31], ``"auto"``, or None
+            (no aging). A row's count then counts half for every `halve_every` steps since its
+            last use: score = (count >> ((step - last_step) // halve_every), last_step) at the
+            eviction's step (no more than 32 halvings). ``"auto"`` (needs ``max_rows``) counts
+            in the table's own time: at each eviction, halve_every is
+            ``AUTO_HALVE_TURNOVERS`` turnovers, a turnover being the steps the table takes to
+            take in its budget's worth of rows at its rate so far, rounded down to a power of
+            two (`auto_halve_shift` states it exactly).
 
     Example::
 
         >>> from cncore import LFU
-        >>> LFU(halve_every=1024).halve_every
-        1024
+        >>> LFU(halve_every=1024).halve_every, LFU(halve_every="auto")
+        (1024, LFU(halve_every='auto'))
     """
-    halve_every: int | None = None
+    halve_every: int | str | None = None
     kind = 2
 
     def __post_init__(self):
         h = self.halve_every
-        if h is None:
+        if h is None or h == "auto":
             return
         if isinstance(h, bool) or not isinstance(h, numbers.Integral) or not 1 <= h <= 2**31 or h & (h - 1):
-            raise ValueError(f"LFU.halve_every must be None or a power of two in [1, 2**31] (the decay is a shift "
-                             f"in the eviction's scan), got {h!r}")
+            raise ValueError(f"LFU.halve_every must be None or a power of two in [1, 2**31] (the decay is "
+                             f"a shift in the eviction's scan), or 'auto', got {h!r}")
         object.__setattr__(self, "halve_every", int(h))
 
     def __repr__(self) -> str:  # LFU() as before aging existed (reports, cn-table inspect)
-        return "LFU()" if self.halve_every is None else f"LFU(halve_every={self.halve_every})"
+        return "LFU()" if self.halve_every is None else f"LFU(halve_every={self.halve_every!r})"
 
     @property
     def halve_shift(self) -> int:
-        """log2(halve_every), or -1 without aging (the core's form)."""
-        return -1 if self.halve_every is None else self.halve_every.bit_length() - 1
+        """log2(halve_every), -1 without aging, or ``-2 - log2(AUTO_HALVE_TURNOVERS)`` for
+        ``"auto"`` (the core's form, cn_evict.h's CN_LFU_AUTO)."""
+        if self.halve_every is None:
+            return -1
+        if self.halve_every == "auto":
+            return -2 - (AUTO_HALVE_TURNOVERS.bit_length() - 1)
+        return int(self.halve_every).bit_length() - 1
+
+
+# LFU(halve_every="auto"): the turnovers per halving (a power of two; see docs/bounded-tables.md,
+# "Aging in the table's own time", for the measurements that chose it).
+AUTO_HALVE_TURNOVERS = 16
+
+
+def auto_halve_shift(step: int, max_rows: int, held: int, evicted: int, turnovers: int | None = None) -> int:
+    """log2 of the halving period an ``LFU(halve_every="auto")`` table uses at an eviction:
+    ``min(31, log2(turnovers) + h)``, h the largest integer in [0, 31] with
+    ``(held + evicted) * 2**h <= (step + 1) * max_rows`` (0 if none): the steps a turnover
+    takes, ``(step + 1) * max_rows / (held + evicted)``, rounded down to a power of two. 31
+    when the table has taken no rows.
+
+    Args:
+        step (int): the table's step at the eviction.
+        max_rows (int): its budget of keyed rows.
+        held (int): the rows it holds before the eviction.
+        evicted (int): the rows it has evicted so far (``evicted_count``).
+        turnovers (int | None): the turnovers per halving (None: `AUTO_HALVE_TURNOVERS`).
+
+    >>> auto_halve_shift(99, 1000, 1000, 4000, turnovers=1)   # 100 steps took 5 budgets: 20 steps each
+    4
+    >>> auto_halve_shift(99, 1000, 1000, 4000, turnovers=16)
+    8
+    """
+    scale = (AUTO_HALVE_TURNOVERS if turnovers is None else turnovers).bit_length() - 1
+    taken = held + evicted
+    if taken <= 0 or max_rows <= 0:
+        return 31
+    h = 0
+    while h < 31 and taken << (h + 1) <= (step + 1) * max_rows:
+        h += 1
+    return min(31, h + scale)
 
 
 @dataclass(frozen=True)

@@ -88,7 +88,7 @@ from cn_dlrm import bounded
 from cn_dlrm.compare import hashed_run
 from cn_dlrm.data import SPARSE_KEYS, Batch, SyntheticCriteo
 from cn_dlrm.train import Data, Run, _mute_is_fx_tracing_notice, build_dlrm, table_configs, train, used_bytes
-from cncore import store_split
+from cncore import policies, store_split
 from cncore_torch.collection import CNEmbeddingBagCollection
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its sibling, however it is loaded
@@ -107,7 +107,7 @@ OPTIONS = ["ours-unbounded", "ours-lfu+mincount2", "ours-lfu-aging", "ours-lru+h
            "ours-lfu+rfb50", "ours-lfu+rfb80", "ours-lfu+rfb90", "ours-lfu+rfb95", "ours-lfu+auto",
            "ours-lfu+auto+autoinit", "ours-lru+auto", "ours-lfu-aging+auto",
            "ours-lfu-aging+mincount2", "ours-lfu-aging+fb90", "ours-lfu-aging+rfb90", "ours-lru+fb90",
-           "ours-lfu-aging+mincount2+fb90"]
+           "ours-lfu-aging+mincount2+fb90", "ours-lfu-auto", "ours-lfu-auto+auto"]
 LABELS = {"ours-unbounded": "ours, no budget",
           "ours-lru": "ours LRU", "ours-lfu": "ours LFU", "ours-lru+mincount2": "ours LRU + MinCount(2)",
           "hashed": "TorchRec EBC, IDs modulo rows", "hashed-same-memory": "TorchRec EBC, modulo, ours' MiB",
@@ -439,7 +439,8 @@ def ours_and_hashed(args, budgets: list[int], eviction, admission=None) -> Run:
 
 
 POLICIES: dict[str, Callable[[], cncore.LRU | cncore.LFU]] = {
-    "lru": cncore.LRU, "lfu": cncore.LFU, "lfu-aging": lambda: cncore.LFU(halve_every=LFU_HALVE_EVERY)}
+    "lru": cncore.LRU, "lfu": cncore.LFU, "lfu-aging": lambda: cncore.LFU(halve_every=LFU_HALVE_EVERY),
+    "lfu-auto": lambda: cncore.LFU(halve_every="auto")}  # its turnovers: --lfu-auto-turnovers
 LFU_HALVE_EVERY = 32  # lfu-aging's halve_every; --lfu-halve-every sets it
 
 
@@ -632,7 +633,8 @@ def load_data(args, job) -> tuple[CachedData, bounded.StreamCounts]:
               f"{args.mch_interval}; budget floor {args.budget_floor}", flush=True)
     else:
         job.task = SyntheticTask
-        gen = SyntheticCriteo(seed=job.seed, batch_size=job.batch_size)
+        gen = SyntheticCriteo(seed=job.seed, batch_size=job.batch_size,
+                              **({} if args.drift_per_batch is None else {"drift_per_batch": args.drift_per_batch}))
         data = CachedData(job, [gen.batch(i) for i in range(args.steps)],
                           [gen.batch(args.steps + k) for k in range(args.eval_batches)], gen)
         counts = bounded.stream_counts(gen, args.steps)
@@ -647,6 +649,7 @@ def main(argv=None) -> int:
     """Run the script; the rule knobs (--auto-*, --overflow-*) it sets on cncore.store_split, and
     --lfu-halve-every's LFU_HALVE_EVERY, are put back after."""
     global LFU_HALVE_EVERY
+    turnovers = policies.AUTO_HALVE_TURNOVERS
     knobs = ("AUTO_CHURN", "AUTO_REPEAT", "AUTO_SHARE", "OVERFLOW_CHURN", "OVERFLOW_SHARE", "OVERFLOW_MIN_ROWS")
     saved = {name: getattr(store_split, name) for name in knobs}
     halve_every = LFU_HALVE_EVERY
@@ -656,6 +659,7 @@ def main(argv=None) -> int:
         for name, value in saved.items():
             setattr(store_split, name, value)
         LFU_HALVE_EVERY = halve_every
+        policies.AUTO_HALVE_TURNOVERS = turnovers
 
 
 def run_script(argv=None) -> int:
@@ -698,6 +702,12 @@ def run_script(argv=None) -> int:
                          "from there on are tested (0.8: 2005-2020; 0.94: 2016-2020)")
     ap.add_argument("--lfu-halve-every", type=int, default=32, metavar="N",
                     help="ours-lfu-aging methods: cncore.LFU(halve_every=N), N a power of two")
+    ap.add_argument("--lfu-auto-turnovers", type=int, default=None, metavar="K",
+                    help="ours-lfu-auto methods: LFU(halve_every='auto') halving every K turnovers (a power of "
+                         "two; default cncore.policies.AUTO_HALVE_TURNOVERS)")
+    ap.add_argument("--drift-per-batch", type=float, default=None, metavar="D",
+                    help="synthetic: SyntheticCriteo's drift_per_batch (default its own, 2.0 per batch; keep "
+                         "D * batch size for the same drift per sample)")
     ap.add_argument("--exact-share", type=float, default=0.5,
                     help="ours+hashed methods: the share of each table's rows that ours holds (the rest hashed)")
     ap.add_argument("--mch-interval", type=int, default=1, help="MCH's eviction_interval (steps)")
@@ -770,6 +780,11 @@ def run_script(argv=None) -> int:
         ap.error(f"--lfu-halve-every: {e}")
     global LFU_HALVE_EVERY
     LFU_HALVE_EVERY = args.lfu_halve_every
+    if args.lfu_auto_turnovers is not None:
+        k = args.lfu_auto_turnovers
+        if k < 1 or k > 2**31 or k & (k - 1):
+            ap.error(f"--lfu-auto-turnovers must be a power of two in [1, 2**31], got {k}")
+        policies.AUTO_HALVE_TURNOVERS = k
     if args.auto_churn is not None:
         store_split.AUTO_CHURN = args.auto_churn
     if args.auto_repeat is not None:

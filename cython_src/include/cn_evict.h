@@ -81,6 +81,26 @@ typedef struct {
     int64_t step;
 } cn_evict_rule;
 
+/* LFU's aging in the table's own time (LFU(halve_every="auto"), encoded as halve_shift
+ * CN_LFU_AUTO(s)): the period is 2^s turnovers, a turnover being the steps the table takes to
+ * bring in its budget's worth of rows at its rate so far,
+ *     T = (step + 1) * max_rows / (held + evicted),
+ * and the shift at an eviction is min(31, s + floor(log2 T)) (0 where T < 2). Integers only, so a
+ * Python model replays it exactly: h is the largest in [0, 31] with taken * 2^h <= (step + 1) *
+ * max_rows (taken = held + evicted; 31 when nothing was taken). A
+ * fixed step count is fitted to a stream's length and batch size; a table that turns over
+ * every 3 calls and one that turns over every 3,000 then age alike per turnover. */
+#define CN_LFU_AUTO(s) (-2 - (s))
+
+static inline int cn_evict_auto_shift(int64_t step, int64_t max_rows, int64_t held, int64_t evicted, int scale) {
+    if (held < 0 || evicted < 0 || (held == 0 && evicted == 0) || max_rows <= 0 || step < 0) return 31;
+    const cn_u128 taken = (cn_u128)(uint64_t)held + (uint64_t)evicted;
+    const cn_u128 room = ((cn_u128)(uint64_t)step + 1) * (uint64_t)max_rows;
+    int h = 0;
+    while (h < 31 && (taken << (h + 1)) <= room) h++;
+    return h + scale < 31 ? h + scale : 31;
+}
+
 static inline uint64_t cn_evict_score(cn_evict_rule r, const cn_meta *m) {
     if (r.policy != CN_EVICT_LFU) return m->last_step;
     uint64_t count = m->count;

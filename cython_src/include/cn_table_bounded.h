@@ -77,7 +77,10 @@ static inline int cn_table_evict_lowest(cn_table *t, int64_t k, int64_t n_live, 
     memset(ev, 0, sizeof(*ev));
     cn_victim *victims = (cn_victim *)malloc((size_t)(k > 0 ? k : 1) * sizeof(cn_victim));
     /* want_rows 2: the rows in any order (a tier's writer), so the victims are not sorted. */
-    const cn_evict_rule rule = {t->bound.policy, t->bound.lfu_halve_shift, t->step};
+    int shift = t->bound.lfu_halve_shift;
+    if (shift <= CN_LFU_AUTO(0))
+        shift = cn_evict_auto_shift(t->step, t->bound.max_rows, t->index.size, t->n_evicted, CN_LFU_AUTO(0) - shift);
+    const cn_evict_rule rule = {t->bound.policy, shift, t->step};
     if (victims == NULL || cn_evict_select(&t->arena, rule, k, n_live, victims, want_rows == 1) != 0) {
         free(victims);
         return CN_ENOMEM;

@@ -43,7 +43,8 @@ typedef struct {
     int64_t max_rows;
     int64_t low_water;
     int64_t ttl;
-    int lfu_halve_shift; /* LFU's aging: counts halve every 2^shift steps unused (cn_evict.h); -1: never */
+    int lfu_halve_shift; /* LFU's aging: counts halve every 2^shift steps unused (cn_evict.h); -1: never;
+                          * CN_LFU_AUTO(s) <= -2: every 2^s turnovers (cn_evict_auto_shift) */
     uint32_t min_count;
     int64_t sketch_width;
     int64_t sketch_depth;
