@@ -80,7 +80,9 @@ class LiteralIndex:
         if isinstance(ev, cncore.LFU):
             if ev.halve_every is not None:
                 idle = self.step - last
-                halvings = idle // ev.halve_every if idle > 0 else 0
+                period = ev.halve_every if ev.halve_every != "auto" else 2 ** cncore.policies.auto_halve_shift(
+                    self.step, self.max_rows, len(self.slot), len(self.evicted))  # at the eviction, as cn_evict.h
+                halvings = idle // period if idle > 0 else 0
                 count = 0 if halvings >= 32 else count >> halvings
             return (count, last, key)
         return (last, key)
@@ -142,6 +144,7 @@ CONFIGS = {
     "lru": {"max_rows": 12, "eviction": cncore.LRU(), "headroom": 3},
     "lfu": {"max_rows": 12, "eviction": cncore.LFU()},
     "lfu-aging": {"max_rows": 10, "eviction": cncore.LFU(halve_every=2), "headroom": 2},
+    "lfu-auto": {"max_rows": 6, "eviction": cncore.LFU(halve_every="auto"), "headroom": 1},
     "ttl": {"max_rows": 14, "eviction": cncore.TTL(3), "headroom": 1},
     "mincount": {"max_rows": 12, "eviction": cncore.LRU(), "admission": cncore.MinCount(2, width=16, depth=2)},
     "probability": {"admission": cncore.Probability(0.5)},

@@ -448,7 +448,9 @@ class DeviceKeyIndex:
             count = self.counts[:cap]
             if ev.halve_every is not None:
                 idle = self._step - last
-                halvings = torch.where(idle > 0, idle >> ev.halve_shift, 0)
+                shift = ev.halve_shift if ev.halve_every != "auto" else cncore.policies.auto_halve_shift(
+                    self._step, self.max_rows, self._size, self.evicted_count)  # cn_evict_auto_shift
+                halvings = torch.where(idle > 0, idle >> shift, 0)
                 count = torch.where(halvings >= 32, 0, count >> halvings.clamp(max=32))
             order = order[torch.sort(count[order], stable=True).indices]
         order = order[torch.sort((~candidate[order]).to(torch.uint8), stable=True).indices]
