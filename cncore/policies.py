@@ -102,9 +102,11 @@ class LFU:
         return int(self.halve_every).bit_length() - 1
 
 
-# LFU(halve_every="auto"): the turnovers per halving (a power of two; see docs/bounded-tables.md,
-# "Aging in the table's own time", for the measurements that chose it).
-AUTO_HALVE_TURNOVERS = 16
+# LFU(halve_every="auto"): the turnovers per halving (a power of two). 1, the one measured on all
+# five streams (docs/bounded-tables.md, "Aging in the table's own time, and on a long stream"):
+# against LFU(halve_every=128), +0.016 / +0.044 on baseball at 25 / 10%, -0.005..-0.021 on
+# Instacart; 16 lost baseball by 0.002-0.031 (its period outlasts a 336-step stream at 50%).
+AUTO_HALVE_TURNOVERS = 1
 
 
 def auto_halve_shift(step: int, max_rows: int, held: int, evicted: int, turnovers: int | None = None) -> int:
