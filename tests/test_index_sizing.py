@@ -14,8 +14,9 @@ GROWTH = 1.25  # CN_INDEX_GROWTH
 
 
 def budget_buckets(max_rows: int, max_load: float) -> int:
-    """The fewest buckets (>= 16) holding max_rows keys at max_load (cn_index_buckets_for)."""
-    n = max(16, math.ceil(max_rows / max_load))
+    """The fewest buckets (>= 4, CN_INDEX_MIN_BUCKETS) holding max_rows keys at max_load
+    (cn_index_buckets_for)."""
+    n = max(4, math.ceil(max_rows / max_load))
     while int(max_load * n) < max_rows:
         n += 1
     return n

@@ -46,6 +46,10 @@ cdef extern from "cn_slotindex.h" nogil:
 cdef extern from "cn_arena.h" nogil:
     ctypedef struct cn_arena:
         int64_t n_pages
+        int64_t page_shift
+        int64_t row_bytes
+        int64_t meta_bytes
+        int64_t key_offset
         int64_t page_bytes
         int64_t high_water
 

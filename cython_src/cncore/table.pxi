@@ -166,6 +166,17 @@ cdef class Table:
         return self.t.nbytes
 
     @property
+    def arena_slots(self):
+        """Row slots the arena's pages hold (handed out or not): pages x rows a page."""
+        return self.t.arena.n_pages << self.t.arena.page_shift
+
+    @property
+    def slot_bytes(self):
+        """Bytes one slot takes in a page: its row, its metadata and, in a bounded table, its key
+        (the live bit and the alignment between a page's parts are left out)."""
+        return self.t.arena.row_bytes + self.t.arena.meta_bytes + (8 if self.t.arena.key_offset else 0)
+
+    @property
     def evicted_count(self):
         return self.t.n_evicted
 

@@ -54,7 +54,15 @@ typedef struct {
 
 /* A page's rows fill one 2 MiB huge page (cn_alloc.h), unless the table's capacity hint fits in
  * 64 KiB: then its pages are 64 KiB, so that the many tiny tables of a DLRM do not hold 2 MiB
- * each. */
+ * each. A bounded table whose whole budget (max_rows + fallback rows) fits in 64 KiB goes
+ * further: one page of the fewest rows, a power of two, that hold the budget (slots map to pages
+ * by shift and mask, so a power of two; under 2x its budget, never 64 KiB for 2 rows). Measured
+ * (dim 16, row-wise Adagrad, docs/bounded-tables.md, 2026-12-08): a 1-row table allocated
+ * 91,136 bytes, 90,240 of them a 1,024-row page, 128 a 16-entry page table and 512 a 64-entry
+ * free stack; with the budget page and the small starts below, 320 (64 index, 128 page, 64
+ * page table, 64 free stack). Rejected: a page of exactly the budget's rows (no power-of-two
+ * slack), which needs a second capacity rule for a one-page arena and a refusal should anything
+ * reserve past the budget (Table.reserve can); the slack is at most the budget's own rows. */
 #define CN_PAGE_MAX_BYTES ((int64_t)2 << 20)
 #define CN_PAGE_MIN_BYTES ((int64_t)64 << 10)
 
@@ -66,8 +74,10 @@ typedef struct {
     int64_t page_mask;
     int64_t row_floats; /* dim + the optimizer-state floats kept in the row */
     int64_t row_bytes;
-    char **meta_chunks;  /* [n_meta_chunks] the cn_meta of 1 << meta_shift slots each */
+    char **meta_chunks;  /* [n_meta_chunks] the cn_meta of 1 << meta_shift slots each, at meta_offset */
     int64_t n_meta_chunks;
+    int64_t meta_offset; /* meta_in_page: the metadata's byte offset in a page, else 0 */
+    int meta_in_page;    /* 1: a page holds its rows' metadata, and meta_chunks aliases pages */
     int64_t meta_table_cap;
     int64_t meta_shift; /* >= page_shift: a chunk covers whole pages */
     int64_t meta_mask;
@@ -81,21 +91,33 @@ typedef struct {
     int64_t free_cap;
 } cn_arena;
 
+/* budget_rows: a bounded table's max_rows + fallback rows (the most slots it hands out), or 0. */
 static inline void cn_arena_init(cn_arena *a, int64_t row_floats, int with_scalar_state, int64_t capacity_hint,
-                                 int track_keys) {
+                                 int track_keys, int64_t budget_rows) {
     memset(a, 0, sizeof(*a));
     a->meta_bytes = with_scalar_state ? 16 : 8;
     a->row_floats = row_floats;
     a->row_bytes = row_floats * (int64_t)sizeof(float);
-    /* Either a small page, for a table whose hint fits in one, or a huge page: a table that
-     * starts mid-sized may grow large, and then its rows want huge pages (fewer TLB misses). */
-    const int64_t target = capacity_hint * a->row_bytes < CN_PAGE_MIN_BYTES ? CN_PAGE_MIN_BYTES : CN_PAGE_MAX_BYTES;
     int64_t shift = 0;
-    while (((int64_t)1 << shift) * a->row_bytes < target) shift++;
+    /* Cache-line aligned metadata for the usual pages; 16 bytes (a cn_meta never straddles a
+     * line) for a budget page, whose few rows live in one or two lines anyway. */
+    int64_t meta_align = 64;
+    int64_t target = 0; /* the page size aimed at; 0: a budget page */
+    if (budget_rows > 0 && budget_rows * a->row_bytes < CN_PAGE_MIN_BYTES) {
+        while (((int64_t)1 << shift) < budget_rows) shift++;
+        meta_align = 16;
+    } else {
+        /* Either a small page, for a table whose hint fits in one, or a huge page: a table that
+         * starts mid-sized may grow large, and then its rows want huge pages (fewer TLB misses). */
+        target = capacity_hint * a->row_bytes < CN_PAGE_MIN_BYTES ? CN_PAGE_MIN_BYTES : CN_PAGE_MAX_BYTES;
+        while (((int64_t)1 << shift) * a->row_bytes < target) shift++;
+    }
     a->page_shift = shift;
     a->page_mask = ((int64_t)1 << shift) - 1;
-    a->page_bytes = (((int64_t)1 << shift) * a->row_bytes + 63) & ~(int64_t)63;
-    /* Metadata chunks: a page's worth, or for a table on huge pages up to 2 MiB (see the top). */
+    /* Metadata chunks: for a table on huge pages up to 2 MiB (see the top). Where a chunk would
+     * be one page's worth (small and budget pages), the metadata stays in the page, after its
+     * rows, and meta_chunks is the page table itself: no block of its own, no table of its own
+     * (a 1-row table would pay 128 bytes more for them, 40 % of its 320). */
     int64_t mshift = shift;
     if (target == CN_PAGE_MAX_BYTES)
         while (((int64_t)1 << (mshift + 1)) * a->meta_bytes <= CN_PAGE_MAX_BYTES &&
@@ -103,6 +125,14 @@ static inline void cn_arena_init(cn_arena *a, int64_t row_floats, int with_scala
             mshift++;
     a->meta_shift = mshift;
     a->meta_mask = ((int64_t)1 << mshift) - 1;
+    a->meta_in_page = mshift == shift;
+    if (a->meta_in_page) {
+        const int64_t rows_part = (((int64_t)1 << shift) * a->row_bytes + meta_align - 1) & ~(meta_align - 1);
+        a->meta_offset = rows_part;
+        a->page_bytes = rows_part + ((int64_t)1 << shift) * a->meta_bytes;
+    } else {
+        a->page_bytes = (((int64_t)1 << shift) * a->row_bytes + 63) & ~(int64_t)63;
+    }
     if (track_keys) {
         a->page_bytes = (a->page_bytes + 7) & ~(int64_t)7;
         a->key_offset = a->page_bytes;
@@ -120,7 +150,7 @@ static inline float *cn_arena_row(const cn_arena *a, int64_t slot) {
 }
 
 static inline cn_meta *cn_arena_meta(const cn_arena *a, int64_t slot) {
-    return (cn_meta *)(a->meta_chunks[slot >> a->meta_shift] + (slot & a->meta_mask) * a->meta_bytes);
+    return (cn_meta *)(a->meta_chunks[slot >> a->meta_shift] + a->meta_offset + (slot & a->meta_mask) * a->meta_bytes);
 }
 
 static inline int64_t cn_arena_meta_chunk_bytes(const cn_arena *a) {
@@ -165,7 +195,9 @@ static inline int cn_arena_slot_ok(const cn_arena *a, int64_t slot) {
 static inline void cn_arena_trim(cn_arena *a, int64_t n_pages, int64_t *nbytes) {
     while (a->n_pages > n_pages && ((a->n_pages - 1) << a->page_shift) >= a->high_water) {
         cn_free(a->pages[--a->n_pages], (size_t)a->page_bytes, nbytes);
-        if (cn_arena_page_starts_chunk(a, a->n_pages) && a->n_meta_chunks > 0)
+        if (a->meta_in_page)
+            a->n_meta_chunks = a->n_pages;
+        else if (cn_arena_page_starts_chunk(a, a->n_pages) && a->n_meta_chunks > 0)
             cn_free(a->meta_chunks[--a->n_meta_chunks], (size_t)cn_arena_meta_chunk_bytes(a), nbytes);
     }
 }
@@ -173,7 +205,7 @@ static inline void cn_arena_trim(cn_arena *a, int64_t n_pages, int64_t *nbytes) 
 /* Grow a table of block pointers (pages or metadata chunks) to hold one more. */
 static inline int cn_arena_grow_table(char ***table, int64_t n, int64_t *cap, int64_t *nbytes) {
     if (n < *cap) return 0;
-    const int64_t new_cap = *cap ? *cap * 2 : 16;
+    const int64_t new_cap = *cap ? *cap * 2 : 8; /* one 64-byte block, cn_alloc's unit */
     char **grown = (char **)cn_alloc((size_t)new_cap * sizeof(char *), nbytes);
     if (grown == NULL) return -1;
     if (n) memcpy(grown, *table, (size_t)n * sizeof(char *));
@@ -188,12 +220,13 @@ static inline int cn_arena_grow_table(char ***table, int64_t n, int64_t *cap, in
 static inline int cn_arena_reserve(cn_arena *a, int64_t n_more, int64_t *nbytes) {
     const int64_t n_pages_before = a->n_pages;
     while (cn_arena_available(a) < n_more) {
-        const int new_chunk = cn_arena_page_starts_chunk(a, a->n_pages);
+        const int new_chunk = !a->meta_in_page && cn_arena_page_starts_chunk(a, a->n_pages);
         if (cn_arena_grow_table(&a->pages, a->n_pages, &a->page_table_cap, nbytes) != 0 ||
             (new_chunk && cn_arena_grow_table(&a->meta_chunks, a->n_meta_chunks, &a->meta_table_cap, nbytes) != 0)) {
             cn_arena_trim(a, n_pages_before, nbytes);
             return -1;
         }
+        if (a->meta_in_page) a->meta_chunks = a->pages; /* the page table may have moved */
         char *chunk = new_chunk ? (char *)cn_alloc((size_t)cn_arena_meta_chunk_bytes(a), nbytes) : NULL;
         char *page = new_chunk && chunk == NULL ? NULL : (char *)cn_alloc((size_t)a->page_bytes, nbytes);
         if (page == NULL) {
@@ -204,6 +237,7 @@ static inline int cn_arena_reserve(cn_arena *a, int64_t n_more, int64_t *nbytes)
         if (a->key_offset) memset(page + a->live_offset, 0, (size_t)(a->page_bytes - a->live_offset));
         if (new_chunk) a->meta_chunks[a->n_meta_chunks++] = chunk;
         a->pages[a->n_pages++] = page;
+        if (a->meta_in_page) a->n_meta_chunks = a->n_pages;
     }
     return 0;
 }
@@ -217,7 +251,7 @@ static inline int64_t cn_arena_take_slot(cn_arena *a) {
 /* Room on the free stack for n_more releases. Returns -1 (stack unchanged) when out of memory. */
 static inline int cn_arena_reserve_free(cn_arena *a, int64_t n_more, int64_t *nbytes) {
     if (a->n_free + n_more <= a->free_cap) return 0;
-    int64_t cap = a->free_cap ? a->free_cap : 64;
+    int64_t cap = a->free_cap ? a->free_cap : 8; /* one 64-byte block: a tiny table's evictions free a slot or two */
     while (cap < a->n_free + n_more) cap *= 2;
     int64_t *stack = (int64_t *)cn_alloc((size_t)cap * sizeof(int64_t), nbytes);
     if (stack == NULL) return -1;
@@ -243,9 +277,11 @@ static inline void cn_arena_reset(cn_arena *a) {
 static inline void cn_arena_free(cn_arena *a, int64_t *nbytes) {
     for (int64_t p = 0; p < a->n_pages; p++) cn_free(a->pages[p], (size_t)a->page_bytes, nbytes);
     cn_free(a->pages, (size_t)a->page_table_cap * sizeof(char *), nbytes);
-    for (int64_t c = 0; c < a->n_meta_chunks; c++)
-        cn_free(a->meta_chunks[c], (size_t)cn_arena_meta_chunk_bytes(a), nbytes);
-    cn_free(a->meta_chunks, (size_t)a->meta_table_cap * sizeof(char *), nbytes);
+    if (!a->meta_in_page) {
+        for (int64_t c = 0; c < a->n_meta_chunks; c++)
+            cn_free(a->meta_chunks[c], (size_t)cn_arena_meta_chunk_bytes(a), nbytes);
+        cn_free(a->meta_chunks, (size_t)a->meta_table_cap * sizeof(char *), nbytes);
+    }
     a->meta_chunks = NULL;
     a->n_meta_chunks = 0;
     a->meta_table_cap = 0;

@@ -3,7 +3,7 @@
  * Design
  * ------
  * Open addressing with linear probing over an array of 16-byte buckets {key, slot} of any
- * length n >= 16. Occupancy lives in the slot field (slot < 0 means empty), never in the key, so
+ * length n >= CN_INDEX_MIN_BUCKETS (4: one cache line; see "Why a minimum of 4" below). Occupancy lives in the slot field (slot < 0 means empty), never in the key, so
  * every int64 value, 0, -1, INT64_MIN and INT64_MAX included, is a valid key: no key is reserved.
  *
  * A key's home bucket is (h * n) >> 64 on the 128-bit product ("fastrange"), h = mix64(key ^
@@ -32,6 +32,19 @@
  *    call, in C: about 300 ns a key against 100-130 with doubling; growth 1.5 (bytes a key
  *    23-34) took 120-250. A bounded table stops growing at its budget; `capacity` or
  *    `reserve` sizes any table once.
+ *
+ * Why a minimum of 4 buckets (one 64-byte line, cn_alloc's unit) and not 16 as until now: a
+ * bounded table's index is what a row costs beyond its values, and a DLRM has tiny tables. On
+ * the synthetic stream at the 25 % budget with --budget-floor none, 11 tables got budgets of 1-2
+ * rows; each held a 16-bucket index (256 B) for 1-2 keys, and a 1-row table was charged 344 B
+ * (a fixed row of hashing: 68 B), so hashing "of the same memory" had 5-6 rows there
+ * (docs/bounded-tables.md, 2026-12-08). 4 buckets hold 2 keys at the default max_load 0.7; fewer
+ * would save nothing (cn_alloc rounds every block up to 64 bytes). Every loop here needs only
+ * one empty bucket to stop, which max_load < 1 guarantees at any n >= 2 (capacity is
+ * floor(max_load * n) < n); growth by 1.25 from 4 gives 5, 6, 7, 8, ... (each step adds at
+ * least one bucket: cn_index_growth_buckets also takes at least n + 1). Table files store keys,
+ * not buckets, so a table saved with a 16-bucket index loads into whatever size its rows need.
+ * Big tables are unaffected: the minimum only acts below 12 keys at load 0.7.
  *
  * Why the salt, a function of n: with fastrange a bucket's position is monotone in h, so walking
  * the buckets in order (export, table files, cn_table_scan) yields keys sorted by h. Inserting
@@ -67,13 +80,16 @@ typedef struct {
 
 typedef struct {
     cn_bucket *buckets;
-    int64_t n_buckets; /* any count >= 16 */
+    int64_t n_buckets; /* any count >= CN_INDEX_MIN_BUCKETS */
     uint64_t salt;     /* mix64(n_buckets): see the design note */
     int64_t size;
 } cn_index;
 
 /* The unsalted key hash; the index's own is cn_index_hash. */
 static inline uint64_t cn_hash_key(int64_t key) { return cn_mix64((uint64_t)key); }
+
+/* The fewest buckets an index has: one cache line (design note). */
+#define CN_INDEX_MIN_BUCKETS ((int64_t)4)
 
 static inline int64_t cn_pow2_at_least(int64_t n) {
     int64_t p = 16;
@@ -105,7 +121,7 @@ static inline uint64_t cn_index_next(uint64_t i, uint64_t n) {
 #define CN_INDEX_GROWTH 1.25
 #endif
 
-/* The fewest buckets (>= 16) that hold n_keys keys at or under max_load, or -1 when that is more
+/* The fewest buckets (>= CN_INDEX_MIN_BUCKETS) that hold n_keys keys at or under max_load, or -1 when that is more
  * than CN_INDEX_MAX_BUCKETS (a request no machine can hold: the caller refuses it). Without the
  * bound, n_keys near 2^59 wrapped n_buckets * 16 to 0 bytes. The capacity test is the one
  * cn_table_capacity makes, so the count returned always passes it despite rounding. */
@@ -114,7 +130,7 @@ static inline int64_t cn_index_buckets_for(int64_t n_keys, double max_load) {
     if (!(need <= (double)CN_INDEX_MAX_BUCKETS)) return -1;
     int64_t n = (int64_t)need;
     if ((double)n < need) n++; /* ceil: 700 keys at 0.7 take 1001 buckets, as 700 / 0.7 rounds up */
-    if (n < 16) n = 16;
+    if (n < CN_INDEX_MIN_BUCKETS) n = CN_INDEX_MIN_BUCKETS;
     while ((int64_t)(max_load * (double)n) < n_keys) n++;
     return n <= CN_INDEX_MAX_BUCKETS ? n : -1;
 }
@@ -129,6 +145,7 @@ static inline int64_t cn_index_growth_buckets(const cn_index *ix, int64_t n_keys
     if (need < 0) return -1;
     double grown = (double)ix->n_buckets * CN_INDEX_GROWTH;
     int64_t n = grown < (double)CN_INDEX_MAX_BUCKETS ? (int64_t)grown : CN_INDEX_MAX_BUCKETS;
+    if (n <= ix->n_buckets && ix->n_buckets < CN_INDEX_MAX_BUCKETS) n = ix->n_buckets + 1; /* a small n: 1.25 x 3 is 3 */
     if (limit_keys > 0) {
         const int64_t cap = cn_index_buckets_for(limit_keys, max_load);
         if (cap > 0 && n > cap) n = cap;
@@ -137,7 +154,7 @@ static inline int64_t cn_index_growth_buckets(const cn_index *ix, int64_t n_keys
 }
 
 static inline int cn_index_init(cn_index *ix, int64_t n_buckets, int64_t *nbytes) {
-    if (n_buckets < 16 || n_buckets > CN_INDEX_MAX_BUCKETS) return -1;
+    if (n_buckets < CN_INDEX_MIN_BUCKETS || n_buckets > CN_INDEX_MAX_BUCKETS) return -1;
     ix->buckets = (cn_bucket *)cn_alloc((size_t)n_buckets * sizeof(cn_bucket), nbytes);
     if (ix->buckets == NULL) return -1;
     memset(ix->buckets, 0xff, (size_t)n_buckets * sizeof(cn_bucket)); /* slot = -1 everywhere */

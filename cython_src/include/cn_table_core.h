@@ -129,7 +129,8 @@ static inline int cn_table_create(cn_table *t, int64_t dim, int optimizer_kind, 
             cn_machine_bytes())
         return CN_ENOMEM;
     cn_arena_init(&t->arena, t->emb_floats + (t->state_in_meta ? 0 : t->state_floats), t->state_in_meta, capacity_hint,
-                  bound.policy != CN_EVICT_NONE);
+                  bound.policy != CN_EVICT_NONE,
+                  bound.policy != CN_EVICT_NONE && bound.max_rows > 0 ? bound.max_rows + bound.fallback_rows : 0);
     if (cn_index_init(&t->index, cn_index_buckets_for(capacity_hint, max_load), &t->nbytes) != 0) return CN_ENOMEM;
     if (cn_arena_reserve(&t->arena, capacity_hint + bound.fallback_rows, &t->nbytes) != 0 ||
         cn_admit_init(&t->admit, bound.min_count, bound.sketch_width, bound.sketch_depth, &t->nbytes) != 0) {

@@ -238,15 +238,26 @@ def dynamic_run(args, data: Data) -> Run:
 
 
 def used_bytes(store: cncore.EmbeddingStore) -> int:
-    """Bytes a store of this job uses: its index buckets (16 B: key, slot) and its rows (4 B a
-    float, 2 B with 16-bit rows) with their metadata (16 B with row-wise Adagrad: count, last
-    step, the state; a table with an eviction policy also keeps each row's key, 8 B) and its
-    fallback rows (values and metadata, no key or bucket); capacity allocated ahead of need is
-    not counted (that is `store.nbytes - used_bytes(store)`)."""
-    value_bytes = 4 if store.config.dtype == "float32" else 2
-    meta_bytes = 16 + (8 if store.config.eviction is not None else 0)
-    return (16 * store._table.n_buckets + len(store) * (store.dim * value_bytes + meta_bytes)
-            + store.config.fixed_fallback_rows * (store.dim * value_bytes + 16))
+    """Bytes a store of this job uses.
+
+    A table with a row budget (`max_rows`): everything its core allocated (`store.nbytes`: the
+    index as allocated, the row pages with each row's values, optimizer state, metadata, key
+    and live bit, the page table, the free stack, an admission sketch) less the page slots past
+    its budget (max_rows + fallback rows), which it never hands out: the power-of-two tail of a
+    small table's one page (under its budget's rows), the tail of a large table's last 2 MiB
+    page. An unbounded table: its index and the rows it holds (capacity allocated ahead of need
+    is not counted; that is `store.nbytes - used_bytes(store)`).
+
+    >>> import cncore
+    >>> s = cncore.EmbeddingStore(dim=16, max_rows=1, optimizer=cncore.RowWiseAdagrad(lr=0.1))
+    >>> used_bytes(s) == s.nbytes - (s._table.arena_slots - 1) * s._table.slot_bytes
+    True
+    """
+    table = store._table
+    if store.config.max_rows:
+        budget = store.config.max_rows + store.config.fixed_fallback_rows
+        return table.nbytes - max(0, table.arena_slots - budget) * table.slot_bytes
+    return 16 * table.n_buckets + (len(store) + store.config.fixed_fallback_rows) * table.slot_bytes
 
 
 # --- training ------------------------------------------------------------------------------------
