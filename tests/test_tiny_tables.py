@@ -210,8 +210,8 @@ def test_a_tiny_table_saves_and_loads_as_it_was(tmp_path):
     from reference import assert_same_table
 
     for max_rows, fallback in ((1, 0), (2, 1), (3, 0)):
-        s = cncore.EmbeddingStore(dim=4, max_rows=max_rows, eviction=cncore.LFU(halve_every=128), fallback_rows=fallback,
-                                  optimizer=cncore.RowWiseAdagrad(lr=0.1), seed=11)
+        s = cncore.EmbeddingStore(dim=4, max_rows=max_rows, eviction=cncore.LFU(halve_every=128),
+                                  fallback_rows=fallback, optimizer=cncore.RowWiseAdagrad(lr=0.1), seed=11)
         for k in (4, -9, 2**63 - 1, 4, 17):
             s.find_or_insert(np.array([k], dtype=np.int64))
         path = str(tmp_path / f"t{max_rows}_{fallback}")
