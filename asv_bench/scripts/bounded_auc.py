@@ -23,8 +23,9 @@ counts around ours' memory (which raw IDs collide moves its AUC: its noise floor
   `admission=MinCount(2)` (an ID gets a row at its second sighting);
 - TorchRec hashed: its `EmbeddingBagCollection` with IDs taken modulo the budget, and modulo
   as many rows as fit in the memory the first of ours' methods in --methods used at that
-  budget (index, rows, metadata, keys, fallback rows; a fixed row's bytes as the table MiB
-  column below counts them);
+  budget (`cn_dlrm.train.used_bytes`: what the core allocated for the table, index, row pages,
+  page table, free stack, less the page slots past its budget; a fixed row's bytes as the table
+  MiB column below counts them);
 - TorchRec MCH: `ManagedCollisionEmbeddingBagCollection` over its `EmbeddingBagCollection`,
   a `MCHManagedCollisionModule` per table (zch_size = the budget; its last slot takes the IDs
   it has no slot for) with `LRU_EvictionPolicy`, `LFU_EvictionPolicy` or
@@ -38,10 +39,10 @@ Every run trains on the same cached batches and is evaluated on the --eval-batch
 follow the training range (drifted, unseen IDs included). Printed: budget, method, AUC, log
 loss (with --seeds K: means over K model seeds, AUC +- its standard deviation), rows used (ours:
 rows held; hashed: rows any training ID reached; MCH: slots holding an ID), evictions (ours:
-`evicted_count`; MCH: IDs that lost their slot), both of the first seed, table MiB (ours: index,
-rows, metadata, keys; fixed tables: rows x their row's bytes, dim + 1 floats with row-wise Adagrad
-(synthetic), 2 x dim with torch.optim.Adagrad's sum (movielens)) and training samples/s
-(the step alone, data excluded).
+`evicted_count`; MCH: IDs that lost their slot), both of the first seed, table MiB (ours:
+`used_bytes`, allocated less page slots past the budget; fixed tables: rows x their row's
+bytes, dim + 1 floats with row-wise Adagrad (synthetic), 2 x dim with torch.optim.Adagrad's
+sum (movielens)) and training samples/s (the step alone, data excluded).
 
     python asv_bench/scripts/bounded_auc.py                        # 200 steps: about 6 minutes on 2 cores
     python asv_bench/scripts/bounded_auc.py --steps 40 --budgets 50 --methods ours-lru hashed mch-lru
