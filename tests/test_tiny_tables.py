@@ -277,3 +277,16 @@ def test_tables_saved_with_the_16_bucket_minimum_still_load(tmp_path):
     # and they keep working: more keys into the 16-bucket-era table grow its index as any other
     unbounded.find_or_insert(np.arange(100, 140, dtype=np.int64))
     assert len(unbounded) == 51 and unbounded.contains(keys).all()
+
+
+def test_a_huge_budget_keeps_the_usual_pages():
+    """The budget-page test must not overflow: max_rows 2**56 x a 8 KiB row is past int64."""
+    out = run_isolated("""
+        import json, numpy as np, cncore
+        s = cncore.EmbeddingStore(dim=1024, optimizer=cncore.Adagrad(lr=0.1), max_rows=2**56, eviction=cncore.LFU(),
+                                  fallback_rows=0)
+        s.find_or_insert(np.array([1, 2, 3], dtype=np.int64))
+        print(json.dumps({"n": len(s), "nbytes": s.nbytes, "slots": s._table.arena_slots}))
+    """)
+    assert out["n"] == 3 and out["slots"] == 1024  # the capacity hint's rows: 4 pages of 256 8-KiB rows (2 MiB)
+    assert out["nbytes"] < 9 << 20

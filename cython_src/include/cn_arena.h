@@ -103,7 +103,8 @@ static inline void cn_arena_init(cn_arena *a, int64_t row_floats, int with_scala
      * line) for a budget page, whose few rows live in one or two lines anyway. */
     int64_t meta_align = 64;
     int64_t target = 0; /* the page size aimed at; 0: a budget page */
-    if (budget_rows > 0 && budget_rows * a->row_bytes < CN_PAGE_MIN_BYTES) {
+    /* budget_rows * row_bytes < CN_PAGE_MIN_BYTES, without the product (max_rows may be 2^56). */
+    if (budget_rows > 0 && budget_rows < (CN_PAGE_MIN_BYTES + a->row_bytes - 1) / a->row_bytes) {
         while (((int64_t)1 << shift) < budget_rows) shift++;
         meta_align = 16;
     } else {
