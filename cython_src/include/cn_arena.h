@@ -17,7 +17,9 @@
  * was a TLB miss and a page walk beside the row's own miss. The chunks are sized from the
  * capacity hint (at least a page's rows, at most 2 MiB of metadata), so a small table does not
  * hold a 2 MiB chunk for a few pages' metadata; a table that grows far past its hint keeps its
- * hint's chunk size.
+ * hint's chunk size. Where a chunk would be one page's worth (small pages, and a bounded table's
+ * budget page), the metadata stays in the page after its rows and meta_chunks aliases the page
+ * table (meta_in_page): a separate block and table would add 128 bytes to a 1-row table's 320.
  *
  * Erased slots go on a free stack of their own (8 bytes per free slot), not on a list threaded
  * through the dead rows' metadata. A threaded list costs no memory, but then a dead row's bytes
