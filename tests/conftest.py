@@ -22,6 +22,15 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
+def restore_threads():
+    """The core's thread count as it was before the test (a test that sets it uses this)."""
+    import cncore
+    before = cncore.get_num_threads()
+    yield
+    cncore.set_num_threads(before)
+
+
+@pytest.fixture
 def rng():
     return np.random.default_rng(12345)
 

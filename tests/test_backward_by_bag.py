@@ -14,13 +14,6 @@ OPTIMIZERS = {"rowwise-adagrad": lambda: cncore.RowWiseAdagrad(lr=0.05, eps=1e-8
               "adam": lambda: cncore.Adam(lr=0.05, betas=(0.8, 0.95), eps=1e-8)}
 
 
-@pytest.fixture
-def restore_threads():
-    before = cncore.get_num_threads()
-    yield
-    cncore.set_num_threads(before)
-
-
 def batches(n_steps, vocab, n_keys, n_bags):
     """Seeded batches with heavy repeats (Zipf 1.2 over `vocab` keys), bags of random lengths
     (some empty, some holding one key twice), and their gradients."""

@@ -11,13 +11,6 @@ DIM = 16
 LR = 0.05
 
 
-@pytest.fixture
-def restore_threads():
-    before = cncore.get_num_threads()
-    yield
-    cncore.set_num_threads(before)
-
-
 def zipf_batch(rng, vocab, n_keys, n_bags):
     """Keys with heavy repeats (Zipf 1.2 over `vocab` keys, scattered over int64) in bags of
     random lengths, some empty."""

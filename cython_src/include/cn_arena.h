@@ -77,7 +77,7 @@ typedef struct {
     int64_t row_floats; /* dim + the optimizer-state floats kept in the row */
     int64_t row_bytes;
     char **meta_chunks;  /* [n_meta_chunks] the cn_meta of 1 << meta_shift slots each, at meta_offset */
-    int64_t n_meta_chunks;
+    int64_t n_meta_chunks; /* chunks of their own; 0 with meta_in_page (the pages hold them) */
     int64_t meta_offset; /* meta_in_page: the metadata's byte offset in a page, else 0 */
     int meta_in_page;    /* 1: a page holds its rows' metadata, and meta_chunks aliases pages */
     int64_t meta_table_cap;
@@ -198,9 +198,7 @@ static inline int cn_arena_slot_ok(const cn_arena *a, int64_t slot) {
 static inline void cn_arena_trim(cn_arena *a, int64_t n_pages, int64_t *nbytes) {
     while (a->n_pages > n_pages && ((a->n_pages - 1) << a->page_shift) >= a->high_water) {
         cn_free(a->pages[--a->n_pages], (size_t)a->page_bytes, nbytes);
-        if (a->meta_in_page)
-            a->n_meta_chunks = a->n_pages;
-        else if (cn_arena_page_starts_chunk(a, a->n_pages) && a->n_meta_chunks > 0)
+        if (!a->meta_in_page && cn_arena_page_starts_chunk(a, a->n_pages) && a->n_meta_chunks > 0)
             cn_free(a->meta_chunks[--a->n_meta_chunks], (size_t)cn_arena_meta_chunk_bytes(a), nbytes);
     }
 }
@@ -240,7 +238,6 @@ static inline int cn_arena_reserve(cn_arena *a, int64_t n_more, int64_t *nbytes)
         if (a->key_offset) memset(page + a->live_offset, 0, (size_t)(a->page_bytes - a->live_offset));
         if (new_chunk) a->meta_chunks[a->n_meta_chunks++] = chunk;
         a->pages[a->n_pages++] = page;
-        if (a->meta_in_page) a->n_meta_chunks = a->n_pages;
     }
     return 0;
 }

@@ -3,8 +3,9 @@
  * Design
  * ------
  * Open addressing with linear probing over an array of 16-byte buckets {key, slot} of any
- * length n >= CN_INDEX_MIN_BUCKETS (4: one cache line; see "Why a minimum of 4" below). Occupancy lives in the slot field (slot < 0 means empty), never in the key, so
- * every int64 value, 0, -1, INT64_MIN and INT64_MAX included, is a valid key: no key is reserved.
+ * length n >= CN_INDEX_MIN_BUCKETS (4: one cache line; see "Why a minimum of 4" below).
+ * Occupancy lives in the slot field (slot < 0 means empty), never in the key, so every int64
+ * value, 0, -1, INT64_MIN and INT64_MAX included, is a valid key: no key is reserved.
  *
  * A key's home bucket is (h * n) >> 64 on the 128-bit product ("fastrange"), h = mix64(key ^
  * salt) (cn_mix.h), whose avalanche makes linear probing behave well even on sequential or strided
@@ -121,10 +122,10 @@ static inline uint64_t cn_index_next(uint64_t i, uint64_t n) {
 #define CN_INDEX_GROWTH 1.25
 #endif
 
-/* The fewest buckets (>= CN_INDEX_MIN_BUCKETS) that hold n_keys keys at or under max_load, or -1 when that is more
- * than CN_INDEX_MAX_BUCKETS (a request no machine can hold: the caller refuses it). Without the
- * bound, n_keys near 2^59 wrapped n_buckets * 16 to 0 bytes. The capacity test is the one
- * cn_table_capacity makes, so the count returned always passes it despite rounding. */
+/* The fewest buckets (>= CN_INDEX_MIN_BUCKETS) that hold n_keys keys at or under max_load, or -1
+ * when that is more than CN_INDEX_MAX_BUCKETS (a request no machine can hold: the caller refuses
+ * it). Without the bound, n_keys near 2^59 wrapped n_buckets * 16 to 0 bytes. The capacity test is
+ * the one cn_table_capacity makes, so the count returned always passes it despite rounding. */
 static inline int64_t cn_index_buckets_for(int64_t n_keys, double max_load) {
     double need = (double)n_keys / max_load;
     if (!(need <= (double)CN_INDEX_MAX_BUCKETS)) return -1;
